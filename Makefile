@@ -1,0 +1,34 @@
+# The README's two commands: `make demo` (the main job) and `make test`.
+# Each sets up .venv on a fresh machine (pinned by constraints.txt; torch is the
+# local CPU wheel 2.13.0) and reuses it afterwards.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m benchmarks.planning
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m benchmarks.planning --full
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m mypy scheduler_service trainer_client proto/skrull_proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis

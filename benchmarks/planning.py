@@ -1,0 +1,163 @@
+"""Planning benchmark: simulated iteration time of every scheduler on the paper's Figure 3 settings,
+the gap to CP-SAT on small batches, and planning latency.
+
+Run ``python -m benchmarks.planning`` (``--full`` for more batches). Lengths come from the Table-1-shaped
+samplers (an approximation of the real data sets) and are capped at ``bucket_size × cp_size``, as a
+trainer truncates what cannot fit. Times are the performance model's estimates under the shipped
+``h100-paper`` profile, not measurements; speedups are ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from scheduler_service.core import gds
+from scheduler_service.core.plan import Plan, PlanningProblem, make_problem
+from scheduler_service.core.planner import HEURISTIC_SCHEDULERS
+from scheduler_service.core.samplers import sample_lengths
+from scheduler_service.core.simulate import simulate
+
+PAPER_SPEEDUP = {"qwen2.5-0.5b": 5.50, "qwen2.5-7b": 2.03}  # Skrull paper, section 5.2: mean over DeepSpeed
+
+
+@dataclass(frozen=True)
+class Case:
+    dataset: str
+    model: str
+    bucket_size: int
+    dp_size: int
+    cp_size: int
+    batch_size: int  # per DP rank, as in the paper's <DP, CP, BatchSize>
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.dataset} <DP={self.dp_size},CP={self.cp_size},BS={self.batch_size}>"
+
+
+FIGURE_3 = [
+    Case(dataset, "qwen2.5-0.5b", 26_000, 4, 8, 64) for dataset in ("wikipedia", "lmsys", "chatqa2")
+] + [
+    Case("wikipedia", "qwen2.5-7b", 13_000, 4, 8, 64),
+    Case("lmsys", "qwen2.5-7b", 13_000, 4, 8, 64),
+    Case("chatqa2", "qwen2.5-7b", 13_000, 2, 16, 40),
+]
+
+VARIANTS: dict[str, Callable[[PlanningProblem], Plan]] = {
+    **{name.value: scheduler for name, scheduler in HEURISTIC_SCHEDULERS.items()},
+    "dacp_only": gds.dacp_only,
+    "gds_only": gds.gds_only,
+}
+
+
+def sample_problem(case: Case, rng: np.random.Generator, num_sequences: int | None = None) -> PlanningProblem:
+    count = num_sequences or case.dp_size * case.batch_size
+    lengths = sample_lengths(case.dataset, count, rng, max_length=case.bucket_size * case.cp_size)
+    return make_problem(sequence_lengths=lengths.tolist(), dp_size=case.dp_size, cp_size=case.cp_size,
+                        model=case.model, bucket_size=case.bucket_size)
+
+
+def cp_imbalance(problem: PlanningProblem, plan: Plan) -> tuple[float, float]:
+    """Mean over micro-batches of (slowest CP rank / mean CP rank) in time and in tokens."""
+    time_ratios, token_ratios = [], []
+    for dp_rank in simulate(problem, plan).dp_ranks:
+        for mb in dp_rank.micro_batches:
+            times = [rank.time_s for rank in mb.cp_ranks]
+            tokens = [rank.tokens for rank in mb.cp_ranks]
+            time_ratios.append(max(times) / statistics.fmean(times))
+            token_ratios.append(max(tokens) / statistics.fmean(tokens))
+    return statistics.fmean(time_ratios), statistics.fmean(token_ratios)
+
+
+def speedup_table(num_batches: int, seed: int) -> None:
+    names = ["skrull", "skrull_paper", "round_robin", "balanced", "sorted", "dacp_only", "gds_only"]
+    print(f"\n## Simulated speedup over deepspeed (mean over {num_batches} sampled global batches)\n")
+    print(f"| case | {' | '.join(names)} | paper (Skrull) | skrull / skrull_paper |")
+    print(f"|---|{'---|' * len(names)}---|---|")
+    overall: dict[str, list[float]] = {name: [] for name in names}
+    imbalance: dict[str, list[tuple[float, float]]] = {"skrull": [], "skrull_paper": []}
+    for case in FIGURE_3:
+        rng = np.random.default_rng(seed)
+        speedups: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(num_batches):
+            problem = sample_problem(case, rng)
+            baseline_s = simulate(problem, VARIANTS["deepspeed"](problem)).iteration_time_s
+            for name in names:
+                plan = VARIANTS[name](problem)
+                speedups[name].append(baseline_s / simulate(problem, plan).iteration_time_s)
+                if name in imbalance:
+                    imbalance[name].append(cp_imbalance(problem, plan))
+        means = {name: statistics.fmean(values) for name, values in speedups.items()}
+        for name in names:
+            overall[name].extend(speedups[name])
+        ratio = statistics.fmean(a / b for a, b in zip(speedups["skrull"], speedups["skrull_paper"], strict=True))
+        cells = " | ".join(f"{means[name]:.2f}x" for name in names)
+        print(f"| {case.label} | {cells} | {PAPER_SPEEDUP[case.model]:.2f}x (model mean) | {ratio:.2f}x |")
+    cells = " | ".join(f"{statistics.fmean(overall[name]):.2f}x" for name in names)
+    print(f"| **mean of all cases** | {cells} | 3.76x | |")
+    print("\nCP balance inside micro-batches (mean of slowest/mean CP rank; 1.00 is perfect):")
+    for name, values in imbalance.items():
+        print(f"  {name:<13} time {statistics.fmean(v[0] for v in values):.3f}   "
+              f"tokens {statistics.fmean(v[1] for v in values):.3f}")
+
+
+def cpsat_gap(num_batches: int, seed: int, time_limit_s: float) -> None:
+    try:
+        from scheduler_service.core import cpsat
+    except ImportError as error:  # ortools missing: the service extra is not installed
+        print(f"\n(CP-SAT comparison skipped: {error})")
+        return
+    print(f"\n## skrull vs CP-SAT on small batches (12 sequences, time limit {time_limit_s:.0f} s)\n")
+    print("| case | skrull ms | cpsat best ms | bound ms | status | skrull gap to best | gap to bound |")
+    print("|---|---|---|---|---|---|---|")
+    for case in (Case("lmsys", "qwen2.5-0.5b", 26_000, 2, 4, 6), Case("chatqa2", "qwen2.5-0.5b", 26_000, 2, 4, 6)):
+        rng = np.random.default_rng(seed)
+        for batch in range(num_batches):
+            problem = sample_problem(case, rng, num_sequences=12)
+            skrull_plan = gds.skrull(problem)
+            skrull_s = simulate(problem, skrull_plan).iteration_time_s
+            solution = cpsat.solve(problem, time_limit_s=time_limit_s, hint=skrull_plan)
+            best_s = simulate(problem, solution.plan).iteration_time_s
+            bound_s = solution.report.bound_s or 0.0
+            print(f"| {case.dataset} #{batch} DP=2 CP=4 | {skrull_s * 1e3:.1f} | {best_s * 1e3:.1f} | "
+                  f"{bound_s * 1e3:.1f} | {solution.report.status} | {skrull_s / best_s - 1:+.1%} | "
+                  f"{skrull_s / bound_s - 1 if bound_s else float('nan'):+.1%} |")
+
+
+def latency_table(seed: int, repeats: int) -> None:
+    print(f"\n## Planning latency of skrull (DP=4, CP=8, qwen2.5-0.5b, bucket 26K; {repeats} calls each)\n")
+    print("| sequences | dataset | p50 ms | p99 ms |")
+    print("|---|---|---|---|")
+    for num_sequences in (64, 256, 1024, 4096):
+        for dataset in ("lmsys", "chatqa2"):
+            case = Case(dataset, "qwen2.5-0.5b", 26_000, 4, 8, num_sequences // 4)
+            rng = np.random.default_rng(seed)
+            problems = [sample_problem(case, rng) for _ in range(8)]
+            calls = repeats if num_sequences <= 256 else max(repeats // 20, 5)
+            timings = []
+            for call in range(calls):
+                started = time.perf_counter()
+                gds.skrull(problems[call % len(problems)])
+                timings.append(time.perf_counter() - started)
+            p50, p99 = np.percentile(timings, [50, 99]) * 1e3
+            print(f"| {num_sequences} | {dataset} | {p50:.2f} | {p99:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="more batches and calls (slower)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    num_batches = 20 if args.full else 5
+    speedup_table(num_batches, args.seed)
+    cpsat_gap(3 if args.full else 2, args.seed, time_limit_s=20.0 if args.full else 5.0)
+    latency_table(args.seed, repeats=400 if args.full else 100)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Command line: ``python -m scheduler_service plan`` is the twin of POST /plan.
+
+``plan`` reads a request (the wire contract) from a file or stdin and prints
+the response JSON, a readable table (``--table``) and/or draws a Gantt chart
+beside the deepspeed baseline (``--plot``). Bad input goes to stderr with exit
+code 2; the same request gives the same plan as the service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+from skrull_proto import PlanRequest, PlanResponse
+
+from scheduler_service.core.errors import PlanningError
+from scheduler_service.core.planner import PlanResult, make_plan
+from scheduler_service.core.profile import load_profile
+from scheduler_service.core.simulate import PlanEstimate
+from scheduler_service.wire import request_to_problem, result_to_response
+
+__all__ = ["build_parser", "main"]
+
+EXIT_BAD_INPUT = 2
+
+
+def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("plan", help="plan one global batch (the CLI twin of POST /plan)")
+    parser.add_argument("request", nargs="?", default="-", help="request JSON file; '-' or absent reads stdin")
+    parser.add_argument("--table", action="store_true", help="print a per-rank summary instead of JSON")
+    parser.add_argument("--plot", metavar="FILE.png", type=Path, help="draw per-rank micro-batch times vs deepspeed")
+    parser.add_argument("--profile-file", type=Path, help="a profile JSON file to plan with (overrides 'profile')")
+    parser.add_argument("--time-limit", type=float, default=10.0, help="cpsat time limit in seconds (default 10)")
+    parser.set_defaults(handler=_run_plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m scheduler_service", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_plan_parser(subparsers)
+    return parser
+
+
+def _read_request(source: str) -> PlanRequest:
+    text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    return PlanRequest.model_validate_json(text)
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        location = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in item["loc"]).lstrip(".")
+        lines.append(f"{location or 'request'}: {item['msg']}")
+    return "invalid request: " + "; ".join(lines)
+
+
+def format_table(result: PlanResult) -> str:
+    """A readable per-DP-rank, per-micro-batch summary of a plan and its estimate."""
+    problem = result.problem
+    lengths = problem.sequence_lengths
+    lines = [
+        f"scheduler {result.scheduler.value}  model {problem.perf.model.name}  profile {problem.perf.profile.name}  "
+        f"dp {problem.dp_size}  cp {problem.cp_size}  bucket_size {problem.bucket_size}  "
+        f"sequences {problem.num_sequences}",
+        f"{'dp':>3} {'mb':>3} {'#local':>6} {'#dist':>5} {'dist tok':>9} {'tokens per CP rank (local + dist/N)':<44}"
+        f" {'time ms':>9}",
+    ]
+    for dp_rank, (dp_plan, dp_estimate) in enumerate(zip(result.plan.dp_ranks, result.estimate.dp_ranks,
+                                                         strict=True)):
+        for mb_index, (mb, mb_estimate) in enumerate(zip(dp_plan.micro_batches, dp_estimate.micro_batches,
+                                                         strict=True)):
+            per_rank = " ".join(f"{rank.tokens:.0f}" for rank in mb_estimate.cp_ranks)
+            num_local = sum(len(rank_local) for rank_local in mb.local)
+            distributed_tokens = sum(lengths[i] for i in mb.distributed)
+            lines.append(f"{dp_rank:>3} {mb_index:>3} {num_local:>6} {len(mb.distributed):>5} "
+                         f"{distributed_tokens:>9} {per_rank:<44} {mb_estimate.time_s * 1e3:>9.2f}")
+        lines.append(f"{dp_rank:>3} {'sum':>3} {'':>6} {'':>5} {'':>9} {'':<44} {dp_estimate.time_s * 1e3:>9.2f}")
+    lines.append(
+        f"estimated iteration {result.estimate.iteration_time_s * 1e3:.2f} ms; deepspeed "
+        f"{result.baseline_estimate.iteration_time_s * 1e3:.2f} ms; speedup {result.speedup_vs_deepspeed:.2f}x; "
+        f"solved in {result.solve_time_s * 1e3:.2f} ms"
+    )
+    if result.solver is not None:
+        bound = "none" if result.solver.bound_s is None else f"{result.solver.bound_s * 1e3:.2f} ms"
+        lines.append(f"solver status {result.solver.status}; lower bound {bound}")
+    return "\n".join(lines)
+
+
+def plot_gantt(result: PlanResult, path: Path) -> None:
+    """Per-DP-rank bars of consecutive micro-batch times, the chosen scheduler beside deepspeed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: list[tuple[str, PlanEstimate]] = [
+        (result.scheduler.value, result.estimate),
+        ("deepspeed", result.baseline_estimate),
+    ]
+    figure, axes = plt.subplots(len(panels), 1, figsize=(11, 1.2 + 0.6 * result.problem.dp_size * len(panels)),
+                                sharex=True, squeeze=False)
+    for axis, (title, estimate) in zip(axes[:, 0], panels, strict=True):
+        for dp_rank, dp_estimate in enumerate(estimate.dp_ranks):
+            start_ms = 0.0
+            for mb_index, mb_estimate in enumerate(dp_estimate.micro_batches):
+                width_ms = mb_estimate.time_s * 1e3
+                axis.barh(dp_rank, width_ms, left=start_ms, color=f"C{mb_index % 10}", edgecolor="black",
+                          linewidth=0.3)
+                start_ms += width_ms
+        axis.set_yticks(range(len(estimate.dp_ranks)), [f"DP {i}" for i in range(len(estimate.dp_ranks))])
+        axis.invert_yaxis()
+        axis.set_title(f"{title}: {estimate.iteration_time_s * 1e3:.1f} ms per iteration (estimated)")
+    axes[-1, 0].set_xlabel("time (ms); each colour block is one micro-batch")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    request = _read_request(args.request)
+    extra_profiles = None
+    if args.profile_file is not None:
+        profile = load_profile(args.profile_file)
+        extra_profiles = {profile.name: profile}
+        request = request.model_copy(update={"profile": profile.name})
+    problem = request_to_problem(request, extra_profiles=extra_profiles)
+    time_limit_s = request.time_limit_s if request.time_limit_s is not None else args.time_limit
+    result = make_plan(problem, request.scheduler, time_limit_s=float(time_limit_s))
+    if args.plot is not None:
+        plot_gantt(result, args.plot)
+    if args.table:
+        print(format_table(result))
+    else:
+        response: PlanResponse = result_to_response(result)
+        print(response.model_dump_json(indent=2))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except ValidationError as error:
+        print(_format_validation_error(error), file=sys.stderr)
+    except PlanningError as error:
+        where = f" ({error.field})" if error.field else ""
+        print(f"error{where}: {error.message}", file=sys.stderr)
+    except (OSError, UnicodeDecodeError) as error:
+        print(f"error: cannot read request: {error}", file=sys.stderr)
+    return EXIT_BAD_INPUT

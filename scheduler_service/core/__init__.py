@@ -1,0 +1,70 @@
+"""The pure planning core: performance model, schedulers, simulator, plan checker.
+
+Plain Python with dataclasses and numpy (``ortools`` only inside ``cpsat``);
+no FastAPI, pydantic or torch, so the service, the CLI and the trainer's
+embedded fallback share it.
+"""
+
+from scheduler_service.core.check import check_plan, find_violations
+from scheduler_service.core.errors import (
+    InfeasiblePlanError,
+    InvalidRequestError,
+    PlanCheckError,
+    PlanningError,
+    SequenceTooLongError,
+    UnknownModelError,
+    UnknownProfileError,
+    UnknownSchedulerError,
+)
+from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape, resolve_model
+from scheduler_service.core.perf_model import PerformanceModel
+from scheduler_service.core.plan import (
+    DPRankPlan,
+    MicroBatch,
+    Plan,
+    PlanLimits,
+    PlanningProblem,
+    SchedulerName,
+    SolverReport,
+    make_problem,
+)
+from scheduler_service.core.planner import PlanResult, make_plan, schedule
+from scheduler_service.core.profile import Profile, builtin_profiles, load_profile, resolve_profile
+from scheduler_service.core.samplers import DATASETS, sample_lengths
+from scheduler_service.core.simulate import PlanEstimate, simulate
+
+__all__ = [
+    "DATASETS",
+    "MODEL_CATALOGUE",
+    "DPRankPlan",
+    "InfeasiblePlanError",
+    "InvalidRequestError",
+    "MicroBatch",
+    "ModelShape",
+    "PerformanceModel",
+    "Plan",
+    "PlanCheckError",
+    "PlanEstimate",
+    "PlanLimits",
+    "PlanResult",
+    "PlanningError",
+    "PlanningProblem",
+    "Profile",
+    "SchedulerName",
+    "SequenceTooLongError",
+    "SolverReport",
+    "UnknownModelError",
+    "UnknownProfileError",
+    "UnknownSchedulerError",
+    "builtin_profiles",
+    "check_plan",
+    "find_violations",
+    "load_profile",
+    "make_plan",
+    "make_problem",
+    "resolve_model",
+    "resolve_profile",
+    "sample_lengths",
+    "schedule",
+    "simulate",
+]

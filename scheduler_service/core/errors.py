@@ -1,0 +1,86 @@
+"""Domain errors of the planning core.
+
+Every error a caller can fix names the offending request field (a JSON-pointer
+style path such as ``sequence_lengths[17]``) and carries the numbers involved,
+so the web layer and the CLI can report it verbatim. The edges map these to
+HTTP problem+json or to a non-zero exit; the core never knows about either.
+
+    PlanningError (ValueError)
+    ├── InvalidRequestError        a field is malformed or out of range
+    │   ├── SequenceTooLongError   a sequence exceeds bucket_size × cp_size
+    │   ├── UnknownModelError
+    │   ├── UnknownSchedulerError
+    │   └── UnknownProfileError
+    ├── InfeasiblePlanError        a scheduler could not honour the memory bound
+    └── PlanCheckError             a plan violates the contract (internal bug or bad plan)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "InfeasiblePlanError",
+    "InvalidRequestError",
+    "PlanCheckError",
+    "PlanningError",
+    "SequenceTooLongError",
+    "UnknownModelError",
+    "UnknownProfileError",
+    "UnknownSchedulerError",
+]
+
+
+class PlanningError(ValueError):
+    """Base class: the request cannot be planned as given."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class InvalidRequestError(PlanningError):
+    """A request field is malformed or outside its allowed range."""
+
+
+class SequenceTooLongError(InvalidRequestError):
+    """A sequence does not fit even when sharded over the whole CP group."""
+
+    def __init__(self, *, index: int, num_tokens: int, bucket_size: int, cp_size: int) -> None:
+        limit = bucket_size * cp_size
+        super().__init__(
+            f"sequence {index} has {num_tokens} tokens; at most bucket_size {bucket_size} "
+            f"× cp_size {cp_size} = {limit} fit",
+            field=f"sequence_lengths[{index}]",
+        )
+        self.index = index
+        self.num_tokens = num_tokens
+        self.limit = limit
+
+
+class UnknownModelError(InvalidRequestError):
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(f"unknown model {name!r}; known models: {', '.join(sorted(known))}", field="model")
+
+
+class UnknownSchedulerError(InvalidRequestError):
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(f"unknown scheduler {name!r}; known schedulers: {', '.join(known)}", field="scheduler")
+
+
+class UnknownProfileError(InvalidRequestError):
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(f"unknown profile {name!r}; known profiles: {', '.join(sorted(known))}", field="profile")
+
+
+class InfeasiblePlanError(PlanningError):
+    """A scheduler found no plan that honours the per-rank memory bound."""
+
+
+class PlanCheckError(PlanningError):
+    """A plan violates the wire contract; ``violations`` lists every problem found."""
+
+    def __init__(self, violations: list[str]) -> None:
+        shown = "; ".join(violations[:5])
+        more = f" (and {len(violations) - 5} more)" if len(violations) > 5 else ""
+        super().__init__(f"invalid plan: {shown}{more}", field="plan")
+        self.violations = violations

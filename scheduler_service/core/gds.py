@@ -1,0 +1,217 @@
+"""GDS: split a global batch over DP ranks and into memory-bounded micro-batches.
+
+* ``skrull_paper`` — Algorithm 2 as published: bin-pack FLOPs over DP ranks
+  (greedy, in batch order, onto the least-loaded rank: the paper leaves
+  ``Binpack`` unspecified), sort each share ascending, cut it into ``m``
+  strided micro-batches ``Subset[j::m]`` starting from
+  ``m = ⌈tokens / (C·N)⌉`` and growing ``m`` until every micro-batch fits and
+  Algorithm 1 (``dacp_paper``) succeeds on each.
+* ``round_robin`` — the same GDS with the RR DACP of appendix B.2.
+* ``skrull`` — the default. DP balancing by LPT on FLOPs (largest first onto
+  the least-loaded rank). For each DP share it tries a few micro-batch counts
+  from the memory minimum up, and for each both the strided cut and a
+  token-spreading cut (longest first onto the micro-batch with the fewest
+  tokens, which pairs long with short and keeps each under C·N); every cut
+  is scheduled with ``dacp_balanced`` and the cheapest under the cost model
+  wins. Measured cost: see the README's planning-latency table.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+
+from scheduler_service.core.baselines import contiguous_slices, pack_in_order
+from scheduler_service.core.dacp import dacp_balanced, dacp_paper, dacp_round_robin
+from scheduler_service.core.errors import InfeasiblePlanError
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
+from scheduler_service.core.simulate import micro_batch_time_s
+
+__all__ = ["dacp_only", "gds_only", "gds_paper", "lpt_partition", "round_robin", "skrull", "skrull_paper"]
+
+Dacp = Callable[[PlanningProblem, Sequence[int]], MicroBatch | None]
+EXTRA_MICRO_BATCH_COUNTS = 1  # counts tried beyond the first feasible one
+GOOD_ENOUGH = 1.01  # stop searching within 1% of the share's lower bound
+
+
+def lpt_partition(indices: Sequence[int], weights: Sequence[float], num_parts: int) -> list[list[int]]:
+    """Longest-processing-time-first: heaviest item onto the lightest part (ties by part index)."""
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    heap = [(0.0, part) for part in range(num_parts)]
+    for index in sorted(indices, key=lambda k: (-weights[k], k)):
+        load, part = heapq.heappop(heap)
+        parts[part].append(index)
+        heapq.heappush(heap, (load + weights[index], part))
+    return parts
+
+
+def _greedy_in_order(indices: Sequence[int], weights: Sequence[float], num_parts: int) -> list[list[int]]:
+    """Each item, in batch order, onto the least-loaded part: our reading of the paper's ``Binpack``."""
+    parts: list[list[int]] = [[] for _ in range(num_parts)]
+    loads = [0.0] * num_parts
+    for index in indices:
+        part = min(range(num_parts), key=loads.__getitem__)
+        parts[part].append(index)
+        loads[part] += weights[index]
+    return parts
+
+
+def _min_micro_batches(problem: PlanningProblem, subset: Sequence[int]) -> int:
+    return max(1, math.ceil(int(sum(problem.lengths[k] for k in subset)) / problem.micro_batch_capacity))
+
+
+def _strided(problem: PlanningProblem, subset: Sequence[int], count: int) -> list[list[int]]:
+    """Alg. 2 line 7: sort ascending, take every ``count``-th sequence."""
+    ascending = sorted(subset, key=lambda k: (problem.lengths[k], k))
+    return [ascending[j::count] for j in range(count)]
+
+
+def _spread_by_tokens(problem: PlanningProblem, subset: Sequence[int], count: int) -> list[list[int]] | None:
+    """Longest first onto the micro-batch with the fewest tokens; ``None`` if one would exceed C·N."""
+    capacity = problem.micro_batch_capacity
+    groups: list[list[int]] = [[] for _ in range(count)]
+    heap = [(0, j) for j in range(count)]
+    for index in sorted(subset, key=lambda k: (-problem.lengths[k], k)):
+        tokens, j = heapq.heappop(heap)
+        tokens += int(problem.lengths[index])
+        if tokens > capacity:
+            return None
+        groups[j].append(index)
+        heapq.heappush(heap, (tokens, j))
+    return groups
+
+
+def _schedule_groups(problem: PlanningProblem, groups: list[list[int]], dacp: Dacp) -> list[MicroBatch] | None:
+    micro_batches = []
+    for group in groups:
+        if not group:
+            continue
+        if sum(int(problem.lengths[k]) for k in group) > problem.micro_batch_capacity:
+            return None  # Alg. 2 line 8: overloaded
+        micro_batch = dacp(problem, group)
+        if micro_batch is None:
+            return None  # Alg. 2 line 8: DACP failed
+        micro_batches.append(micro_batch)
+    return micro_batches
+
+
+def _no_plan(problem: PlanningProblem, subset: Sequence[int]) -> InfeasiblePlanError:
+    return InfeasiblePlanError(
+        f"no micro-batching of {len(subset)} sequences fits bucket_size {problem.bucket_size} × cp_size "
+        f"{problem.cp_size}", field="bucket_size")
+
+
+def gds_paper(problem: PlanningProblem, subset: Sequence[int], dacp: Dacp) -> list[MicroBatch]:
+    """Alg. 2 lines 2–12 for one DP rank's share."""
+    for count in range(_min_micro_batches(problem, subset), len(subset) + 1):
+        micro_batches = _schedule_groups(problem, _strided(problem, subset, count), dacp)
+        if micro_batches is not None:
+            return micro_batches
+    raise _no_plan(problem, subset)
+
+
+def _paper_style(problem: PlanningProblem, dacp: Dacp) -> Plan:
+    indices = range(problem.num_sequences)
+    shares = _greedy_in_order(indices, problem.flops, problem.dp_size)  # Alg. 2 line 1
+    return Plan(dp_ranks=tuple(
+        DPRankPlan(micro_batches=tuple(gds_paper(problem, share, dacp)) if share else ()) for share in shares
+    ))
+
+
+def skrull_paper(problem: PlanningProblem) -> Plan:
+    """Algorithms 1–3 as published (roll-back fixed)."""
+    return _paper_style(problem, dacp_paper)
+
+
+def round_robin(problem: PlanningProblem) -> Plan:
+    """The RR case-study scheduler of appendix B.2 under the paper's GDS."""
+    return _paper_style(problem, dacp_round_robin)
+
+
+def _cost_s(problem: PlanningProblem, micro_batches: list[MicroBatch]) -> float:
+    """Estimated time of one DP rank's micro-batches (eqs. 1–5, summed)."""
+    lengths, flops = problem.sequence_lengths, problem.flops_list
+    total = 0.0
+    for mb in micro_batches:
+        local_flops = [sum(flops[i] for i in rank_local) for rank_local in mb.local]
+        total += micro_batch_time_s(problem.perf, problem.cp_size, local_flops,
+                                    sum(lengths[i] for i in mb.distributed), sum(flops[i] for i in mb.distributed))
+    return total
+
+
+def _dacp_unrefined(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch | None:
+    return dacp_balanced(problem, indices, refine=False)
+
+
+def _shard_all(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch:
+    """Static context parallelism: every sequence of the micro-batch sharded over the CP group."""
+    return MicroBatch(local=((),) * problem.cp_size, distributed=tuple(sorted(indices)))
+
+
+def _share_lower_bound_s(problem: PlanningProblem, subset: Sequence[int], num_micro_batches: int) -> float:
+    """No plan of ``subset`` beats its FLOPs spread evenly over the CP group, one fixed cost per micro-batch."""
+    total_flops = sum(problem.flops_list[k] for k in subset)
+    return problem.perf.profile.compute.alpha_s_per_flop * total_flops / problem.cp_size \
+        + num_micro_batches * problem.perf.compute_beta_s
+
+
+def _skrull_share(
+    problem: PlanningProblem, subset: Sequence[int], search_dacp: Dacp = _dacp_unrefined,
+    final_dacp: Dacp = dacp_balanced,
+) -> list[MicroBatch]:
+    best: tuple[float, list[list[int]]] | None = None
+    first_feasible: int | None = None
+    min_count = _min_micro_batches(problem, subset)
+    lower_bound_s = _share_lower_bound_s(problem, subset, min_count)
+    for count in range(min_count, len(subset) + 1):
+        if first_feasible is not None and count > first_feasible + EXTRA_MICRO_BATCH_COUNTS:
+            break
+        if best is not None and best[0] <= lower_bound_s * GOOD_ENOUGH:
+            break
+        strided = _strided(problem, subset, count)
+        spread = _spread_by_tokens(problem, subset, count) if count > 1 else None  # one group: same cut
+        for groups in (strided, spread):
+            if groups is None:
+                continue
+            micro_batches = _schedule_groups(problem, groups, search_dacp)
+            if micro_batches is None:
+                continue
+            first_feasible = count if first_feasible is None else first_feasible
+            cost = _cost_s(problem, micro_batches)
+            if best is None or cost < best[0]:
+                best = (cost, groups)
+    if best is None:
+        raise _no_plan(problem, subset)
+    # Refinement only moves sequences within a micro-batch, so it runs once, on the winning cut.
+    refined = _schedule_groups(problem, best[1], final_dacp)
+    assert refined is not None, "refinement keeps a feasible DACP decision feasible"
+    return refined
+
+
+def skrull(problem: PlanningProblem) -> Plan:
+    """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, balanced DACP."""
+    shares = lpt_partition(range(problem.num_sequences), problem.flops, problem.dp_size)
+    return Plan(dp_ranks=tuple(
+        DPRankPlan(micro_batches=tuple(_skrull_share(problem, share)) if share else ()) for share in shares
+    ))
+
+
+def dacp_only(problem: PlanningProblem) -> Plan:
+    """Ablation (paper Fig. 3, step by step): the baseline's data order and DP slices, packed into
+    micro-batches in order, with DACP inside each."""
+    dp_ranks = []
+    for share in contiguous_slices(range(problem.num_sequences), problem.dp_size):
+        micro_batches = _schedule_groups(problem, pack_in_order(problem, share), dacp_balanced)
+        assert micro_batches is not None, "balanced DACP succeeds whenever a micro-batch's tokens fit"
+        dp_ranks.append(DPRankPlan(micro_batches=tuple(micro_batches)))
+    return Plan(dp_ranks=tuple(dp_ranks))
+
+
+def gds_only(problem: PlanningProblem) -> Plan:
+    """Ablation: Skrull's GDS with static context parallelism (every sequence sharded)."""
+    shares = lpt_partition(range(problem.num_sequences), problem.flops, problem.dp_size)
+    return Plan(dp_ranks=tuple(
+        DPRankPlan(micro_batches=tuple(_skrull_share(problem, share, _shard_all, _shard_all)) if share else ())
+        for share in shares
+    ))

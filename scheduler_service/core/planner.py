@@ -1,0 +1,83 @@
+"""The planner: one entry point from a validated problem to a checked, simulated plan.
+
+The service, the CLI and the trainer's embedded fallback all call ``make_plan``,
+so one request gets one answer wherever it is planned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler_service.core import baselines, gds
+from scheduler_service.core.check import check_plan
+from scheduler_service.core.errors import UnknownSchedulerError
+from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport
+from scheduler_service.core.simulate import PlanEstimate, simulate
+
+__all__ = ["HEURISTIC_SCHEDULERS", "PlanResult", "make_plan", "parse_scheduler", "schedule"]
+
+DEFAULT_CPSAT_TIME_LIMIT_S = 10.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanResult:
+    scheduler: SchedulerName
+    problem: PlanningProblem
+    plan: Plan
+    estimate: PlanEstimate
+    baseline_estimate: PlanEstimate  # the deepspeed plan of the same batch
+    solve_time_s: float
+    solver: SolverReport | None = None
+
+    @property
+    def speedup_vs_deepspeed(self) -> float:
+        return self.baseline_estimate.iteration_time_s / self.estimate.iteration_time_s
+
+
+HEURISTIC_SCHEDULERS: dict[SchedulerName, Callable[[PlanningProblem], Plan]] = {
+    SchedulerName.SKRULL: gds.skrull,
+    SchedulerName.SKRULL_PAPER: gds.skrull_paper,
+    SchedulerName.DEEPSPEED: baselines.deepspeed,
+    SchedulerName.SORTED: baselines.sorted_batching,
+    SchedulerName.ROUND_ROBIN: gds.round_robin,
+    SchedulerName.BALANCED: baselines.balanced,
+}
+
+
+def parse_scheduler(name: str | SchedulerName) -> SchedulerName:
+    try:
+        return SchedulerName(name)
+    except ValueError:
+        raise UnknownSchedulerError(str(name), [s.value for s in SchedulerName]) from None
+
+
+def schedule(
+    problem: PlanningProblem, scheduler: str | SchedulerName, *, time_limit_s: float = DEFAULT_CPSAT_TIME_LIMIT_S
+) -> tuple[Plan, SolverReport | None]:
+    """The raw plan of one scheduler (unchecked), with the solver's report for cpsat."""
+    name = parse_scheduler(scheduler)
+    if name is SchedulerName.CPSAT:
+        from scheduler_service.core import cpsat  # ortools is only needed for offline comparison
+
+        solution = cpsat.solve(problem, time_limit_s=time_limit_s, hint=gds.skrull(problem))
+        return solution.plan, solution.report
+    return HEURISTIC_SCHEDULERS[name](problem), None
+
+
+def make_plan(
+    problem: PlanningProblem, scheduler: str | SchedulerName = SchedulerName.SKRULL, *,
+    time_limit_s: float = DEFAULT_CPSAT_TIME_LIMIT_S,
+) -> PlanResult:
+    """Schedule, check (every plan, every scheduler) and simulate one global batch."""
+    name = parse_scheduler(scheduler)
+    started = time.perf_counter()
+    plan, report = schedule(problem, name, time_limit_s=time_limit_s)
+    solve_time_s = time.perf_counter() - started
+    check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
+               bucket_size=problem.bucket_size)
+    estimate = simulate(problem, plan)
+    baseline = estimate if name is SchedulerName.DEEPSPEED else simulate(problem, baselines.deepspeed(problem))
+    return PlanResult(scheduler=name, problem=problem, plan=plan, estimate=estimate, baseline_estimate=baseline,
+                      solve_time_s=solve_time_s, solver=report)

@@ -1,0 +1,102 @@
+"""Conversion between the wire contract (``skrull_proto``) and the planning core.
+
+The one place where pydantic models meet core dataclasses; importable without
+FastAPI, so the CLI and the trainer use it too.
+"""
+
+from __future__ import annotations
+
+from skrull_proto import (
+    DPRankPlanModel,
+    MicroBatchModel,
+    ModelSpec,
+    PlanRequest,
+    PlanResponse,
+    SolverReport,
+)
+
+from scheduler_service.core.models import ModelShape
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanLimits, PlanningProblem, make_problem
+from scheduler_service.core.planner import PlanResult
+from scheduler_service.core.profile import Profile
+
+__all__ = ["request_to_problem", "response_to_plan", "result_to_response"]
+
+
+def _model_shape(model: str | ModelSpec) -> str | ModelShape:
+    return model if isinstance(model, str) else ModelShape(**model.model_dump())
+
+
+def request_to_problem(
+    request: PlanRequest, *, limits: PlanLimits = PlanLimits(), extra_profiles: dict[str, Profile] | None = None
+) -> PlanningProblem:
+    """Validate a request's values with the core (which names the offending field)."""
+    return make_problem(
+        sequence_lengths=request.sequence_lengths,
+        dp_size=request.dp_size,
+        cp_size=request.cp_size,
+        model=_model_shape(request.model),
+        bucket_size=request.bucket_size,
+        profile=request.profile,
+        limits=limits,
+        extra_profiles=extra_profiles,
+    )
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 6)
+
+
+def result_to_response(result: PlanResult) -> PlanResponse:
+    problem, estimate = result.problem, result.estimate
+    dp_ranks = [
+        DPRankPlanModel(
+            micro_batches=[
+                MicroBatchModel(
+                    local=[list(rank_local) for rank_local in micro_batch.local],
+                    distributed=list(micro_batch.distributed),
+                    estimated_time_ms=_ms(mb_estimate.time_s),
+                )
+                for micro_batch, mb_estimate in zip(dp_plan.micro_batches, dp_estimate.micro_batches, strict=True)
+            ],
+            estimated_time_ms=_ms(dp_estimate.time_s),
+        )
+        for dp_plan, dp_estimate in zip(result.plan.dp_ranks, estimate.dp_ranks, strict=True)
+    ]
+    solver = None
+    if result.solver is not None:
+        report = result.solver
+        solver = SolverReport(
+            status=report.status,  # type: ignore[arg-type]
+            objective_ms=None if report.objective_s is None else _ms(report.objective_s),
+            bound_ms=None if report.bound_s is None else _ms(report.bound_s),
+            wall_time_ms=_ms(report.wall_time_s),
+        )
+    return PlanResponse(
+        scheduler=result.scheduler.value,  # type: ignore[arg-type]
+        model=problem.perf.model.name,
+        profile=problem.perf.profile.name,
+        bucket_size=problem.bucket_size,
+        dp_ranks=dp_ranks,
+        estimated_iteration_time_ms=_ms(estimate.iteration_time_s),
+        solve_time_ms=_ms(result.solve_time_s),
+        deepspeed_estimated_iteration_time_ms=_ms(result.baseline_estimate.iteration_time_s),
+        speedup_vs_deepspeed=round(result.speedup_vs_deepspeed, 6),
+        solver=solver,
+    )
+
+
+def response_to_plan(response: PlanResponse) -> Plan:
+    """The core plan a response describes (check it with ``check_plan`` before use)."""
+    return Plan(
+        dp_ranks=tuple(
+            DPRankPlan(
+                micro_batches=tuple(
+                    MicroBatch(local=tuple(tuple(rank_local) for rank_local in mb.local),
+                               distributed=tuple(mb.distributed))
+                    for mb in dp_rank.micro_batches
+                )
+            )
+            for dp_rank in response.dp_ranks
+        )
+    )
