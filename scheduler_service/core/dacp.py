@@ -32,6 +32,7 @@ DISTRIBUTED = -1
 EXTRA_DISTRIBUTION_CANDIDATES = 2  # k values tried beyond the sequences too heavy to place locally
 GOOD_ENOUGH = 1.005  # stop searching within 0.5% of the perfectly balanced lower bound
 MAX_REFINEMENT_STEPS = 64
+MIN_REFINEMENT_GAIN = 1e-3  # a move must cut the busiest rank's load by at least 0.1%
 
 
 def _micro_batch(placement: dict[int, int], cp_size: int) -> MicroBatch:
@@ -218,7 +219,7 @@ def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
                         gain = min(delta, gap - delta)
                         if gain > best_gain:
                             best_gain, best_move = gain, (a, b, other)
-        if best_move is None:
+        if best_move is None or best_gain < loads[busiest] * MIN_REFINEMENT_GAIN:
             return
         a, b, other = best_move
         candidate.place(a, other, lengths[a] * cp_size, flops[a])

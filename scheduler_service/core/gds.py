@@ -32,7 +32,7 @@ __all__ = ["dacp_only", "gds_only", "gds_paper", "lpt_partition", "round_robin",
 
 Dacp = Callable[[PlanningProblem, Sequence[int]], MicroBatch | None]
 EXTRA_MICRO_BATCH_COUNTS = 1  # counts tried beyond the first feasible one
-GOOD_ENOUGH = 1.01  # stop searching within 1% of the share's lower bound
+GOOD_ENOUGH = 1.05  # stop searching within 5% of the share's lower bound
 
 
 def lpt_partition(indices: Sequence[int], weights: Sequence[float], num_parts: int) -> list[list[int]]:
@@ -169,18 +169,14 @@ def _skrull_share(
             break
         if best is not None and best[0] <= lower_bound_s * GOOD_ENOUGH:
             break
-        strided = _strided(problem, subset, count)
-        spread = _spread_by_tokens(problem, subset, count) if count > 1 else None  # one group: same cut
-        for groups in (strided, spread):
-            if groups is None:
-                continue
+        groups = _spread_by_tokens(problem, subset, count)
+        if groups is not None:
             micro_batches = _schedule_groups(problem, groups, search_dacp)
-            if micro_batches is None:
-                continue
-            first_feasible = count if first_feasible is None else first_feasible
-            cost = _cost_s(problem, micro_batches)
-            if best is None or cost < best[0]:
-                best = (cost, groups)
+            if micro_batches is not None:
+                first_feasible = count if first_feasible is None else first_feasible
+                cost = _cost_s(problem, micro_batches)
+                if best is None or cost < best[0]:
+                    best = (cost, groups)
     if best is None:
         raise _no_plan(problem, subset)
     # Refinement only moves sequences within a micro-batch, so it runs once, on the winning cut.
