@@ -16,7 +16,15 @@ from skrull_proto import (
 )
 
 from scheduler_service.core.models import ModelShape
-from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanLimits, PlanningProblem, make_problem
+from scheduler_service.core.plan import (
+    DEFAULT_LIMITS,
+    DPRankPlan,
+    MicroBatch,
+    Plan,
+    PlanLimits,
+    PlanningProblem,
+    make_problem,
+)
 from scheduler_service.core.planner import PlanResult
 from scheduler_service.core.profile import Profile
 
@@ -28,7 +36,7 @@ def _model_shape(model: str | ModelSpec) -> str | ModelShape:
 
 
 def request_to_problem(
-    request: PlanRequest, *, limits: PlanLimits = PlanLimits(), extra_profiles: dict[str, Profile] | None = None
+    request: PlanRequest, *, limits: PlanLimits = DEFAULT_LIMITS, extra_profiles: dict[str, Profile] | None = None
 ) -> PlanningProblem:
     """Validate a request's values with the core (which names the offending field)."""
     return make_problem(
@@ -67,13 +75,13 @@ def result_to_response(result: PlanResult) -> PlanResponse:
     if result.solver is not None:
         report = result.solver
         solver = SolverReport(
-            status=report.status,  # type: ignore[arg-type]
+            status=report.status,
             objective_ms=None if report.objective_s is None else _ms(report.objective_s),
             bound_ms=None if report.bound_s is None else _ms(report.bound_s),
             wall_time_ms=_ms(report.wall_time_s),
         )
     return PlanResponse(
-        scheduler=result.scheduler.value,  # type: ignore[arg-type]
+        scheduler=result.scheduler.value,
         model=problem.perf.model.name,
         profile=problem.perf.profile.name,
         bucket_size=problem.bucket_size,

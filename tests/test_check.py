@@ -41,7 +41,9 @@ def test_rejects_a_rank_over_the_memory_bound() -> None:
     # rank 0: 300 + 400 local = 700 > 500; rank 1 holds 100 + 200/2 distributed = 200 fine
     plan = one_rank(MicroBatch(local=((2, 3), (0,)), distributed=(1,)))
     found = violations(plan)
-    assert found == ["dp_ranks[0].micro_batches[0] CP rank 0 holds 700 local + 200/2 distributed tokens > bucket_size 500"]
+    assert found == [
+        "dp_ranks[0].micro_batches[0] CP rank 0 holds 700 local + 200/2 distributed tokens > bucket_size 500"
+    ]
 
 
 def test_memory_bound_is_exact_for_fractional_shards() -> None:

@@ -49,7 +49,7 @@ def test_rejects_non_positive_sizes(field: str, bad: int) -> None:
 
 
 def test_rejects_unknown_model_and_scheduler_and_profile() -> None:
-    with pytest.raises(UnknownModelError, match="qwen2.5-0.5b"):
+    with pytest.raises(UnknownModelError, match=r"qwen2\.5-0\.5b"):
         problem(model="gpt-17")
     with pytest.raises(UnknownProfileError):
         problem(profile="tpu-v9")

@@ -199,7 +199,8 @@ def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
         for index, rank in candidate.placement.items():
             if rank != DISTRIBUTED:
                 members[rank].append(index)
-        best_gain, best_move = 0.0, None
+        best_gain = 0.0
+        best_move: tuple[int, int | None, int] | None = None
         for other in range(cp_size):
             if other == busiest:
                 continue

@@ -113,7 +113,7 @@ def gds_paper(problem: PlanningProblem, subset: Sequence[int], dacp: Dacp) -> li
 
 def _paper_style(problem: PlanningProblem, dacp: Dacp) -> Plan:
     indices = range(problem.num_sequences)
-    shares = _greedy_in_order(indices, problem.flops, problem.dp_size)  # Alg. 2 line 1
+    shares = _greedy_in_order(indices, problem.flops_list, problem.dp_size)  # Alg. 2 line 1
     return Plan(dp_ranks=tuple(
         DPRankPlan(micro_batches=tuple(gds_paper(problem, share, dacp)) if share else ()) for share in shares
     ))
@@ -187,7 +187,7 @@ def _skrull_share(
 
 def skrull(problem: PlanningProblem) -> Plan:
     """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, balanced DACP."""
-    shares = lpt_partition(range(problem.num_sequences), problem.flops, problem.dp_size)
+    shares = lpt_partition(range(problem.num_sequences), problem.flops_list, problem.dp_size)
     return Plan(dp_ranks=tuple(
         DPRankPlan(micro_batches=tuple(_skrull_share(problem, share)) if share else ()) for share in shares
     ))
@@ -206,7 +206,7 @@ def dacp_only(problem: PlanningProblem) -> Plan:
 
 def gds_only(problem: PlanningProblem) -> Plan:
     """Ablation: Skrull's GDS with static context parallelism (every sequence sharded)."""
-    shares = lpt_partition(range(problem.num_sequences), problem.flops, problem.dp_size)
+    shares = lpt_partition(range(problem.num_sequences), problem.flops_list, problem.dp_size)
     return Plan(dp_ranks=tuple(
         DPRankPlan(micro_batches=tuple(_skrull_share(problem, share, _shard_all, _shard_all)) if share else ())
         for share in shares

@@ -21,6 +21,7 @@ from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import Profile, resolve_profile
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "DPRankPlan",
     "MicroBatch",
     "Plan",
@@ -50,6 +51,9 @@ class PlanLimits:
     max_sequence_length: int = 1 << 24
     max_dp_size: int = 4096
     max_cp_size: int = 1024
+
+
+DEFAULT_LIMITS = PlanLimits()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,7 +158,7 @@ def make_problem(
     model: str | ModelShape,
     bucket_size: int | None = None,
     profile: str | Profile | None = None,
-    limits: PlanLimits = PlanLimits(),
+    limits: PlanLimits = DEFAULT_LIMITS,
     extra_profiles: dict[str, Profile] | None = None,
 ) -> PlanningProblem:
     """Validate a request and derive what it leaves out (BucketSize from the profile)."""

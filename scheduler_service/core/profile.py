@@ -160,7 +160,8 @@ def load_profile(path: str | Path) -> Profile:
 def builtin_profiles() -> dict[str, Profile]:
     """The profiles shipped with the package, by name."""
     folder = resources.files("scheduler_service.core") / "profiles"
-    loaded = (parse_profile(json.loads(entry.read_text())) for entry in folder.iterdir() if entry.name.endswith(".json"))
+    files = (entry for entry in folder.iterdir() if entry.name.endswith(".json"))
+    loaded = (parse_profile(json.loads(entry.read_text())) for entry in files)
     return {profile.name: profile for profile in loaded}
 
 
