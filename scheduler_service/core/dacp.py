@@ -222,14 +222,14 @@ def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
                             best_gain, best_move = gain, (a, b, other)
         if best_move is None or best_gain < loads[busiest] * MIN_REFINEMENT_GAIN:
             return
-        a, b, other = best_move
-        candidate.place(a, other, lengths[a] * cp_size, flops[a])
-        candidate.remaining[busiest] += lengths[a] * cp_size
-        candidate.loads[busiest] -= flops[a]
-        if b is not None:
-            candidate.place(b, busiest, lengths[b] * cp_size, flops[b])
-            candidate.remaining[other] += lengths[b] * cp_size
-            candidate.loads[other] -= flops[b]
+        moved, swapped, other = best_move
+        candidate.place(moved, other, lengths[moved] * cp_size, flops[moved])
+        candidate.remaining[busiest] += lengths[moved] * cp_size
+        candidate.loads[busiest] -= flops[moved]
+        if swapped is not None:
+            candidate.place(swapped, busiest, lengths[swapped] * cp_size, flops[swapped])
+            candidate.remaining[other] += lengths[swapped] * cp_size
+            candidate.loads[other] -= flops[swapped]
 
 
 def dacp_balanced(problem: PlanningProblem, indices: Sequence[int], *, refine: bool = True) -> MicroBatch | None:
