@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench load serve schema lint clean
 
 install: $(STAMP)
 
@@ -18,17 +18,28 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: install
+	$(PY) -m trainer_client.demo
 	$(PY) -m benchmarks.planning
 
 test: install
 	$(PY) -m pytest -q
 
 bench: install
-	$(PY) -m benchmarks.planning --full
+	$(PY) -m benchmarks.planning
+
+load: install
+	$(PY) -m benchmarks.load
+
+serve: install
+	$(PY) -m scheduler_service serve --host 127.0.0.1 --port 8000
+
+schema: install
+	$(PY) -m scheduler_service.export_schema
 
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy scheduler_service trainer_client proto/skrull_proto
+	$(PY) -m scheduler_service.export_schema --check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis

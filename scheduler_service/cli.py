@@ -1,4 +1,4 @@
-"""Command line: ``python -m scheduler_service plan`` is the twin of POST /plan.
+"""Command line: ``python -m scheduler_service plan`` is the twin of POST /plan; ``serve`` runs the service.
 
 ``plan`` reads a request (the wire contract) from a file or stdin and prints
 the response JSON, a readable table (``--table``) and/or draws a Gantt chart
@@ -9,7 +9,6 @@ code 2; the same request gives the same plan as the service.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,10 +16,11 @@ from pathlib import Path
 from pydantic import ValidationError
 from skrull_proto import PlanRequest, PlanResponse
 
+from scheduler_service.core.baselines import deepspeed
 from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.planner import PlanResult, make_plan
 from scheduler_service.core.profile import load_profile
-from scheduler_service.core.simulate import PlanEstimate
+from scheduler_service.core.simulate import PlanEstimate, simulate
 from scheduler_service.wire import request_to_problem, result_to_response
 
 __all__ = ["build_parser", "main"]
@@ -28,7 +28,7 @@ __all__ = ["build_parser", "main"]
 EXIT_BAD_INPUT = 2
 
 
-def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("plan", help="plan one global batch (the CLI twin of POST /plan)")
     parser.add_argument("request", nargs="?", default="-", help="request JSON file; '-' or absent reads stdin")
     parser.add_argument("--table", action="store_true", help="print a per-rank summary instead of JSON")
@@ -38,10 +38,54 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser.set_defaults(handler=_run_plan)
 
 
+# serve flag → Settings field; every flag defaults to None so SKRULL_* variables apply unless a flag is given.
+_SERVE_FLAGS: dict[str, tuple[type, str]] = {
+    "host": (str, "interface to bind (SKRULL_HOST, default 127.0.0.1)"),
+    "port": (int, "TCP port (SKRULL_PORT, default 8000)"),
+    "workers": (int, "uvicorn worker processes (SKRULL_WORKERS, default 1)"),
+    "log_level": (str, "debug | info | warning | error (SKRULL_LOG_LEVEL)"),
+    "max_body_bytes": (int, "largest request body, else 413 (SKRULL_MAX_BODY_BYTES)"),
+    "max_sequences": (int, "most sequences per batch (SKRULL_MAX_SEQUENCES)"),
+    "max_sequence_length": (int, "most tokens per sequence (SKRULL_MAX_SEQUENCE_LENGTH)"),
+    "max_dp_size": (int, "largest dp_size (SKRULL_MAX_DP_SIZE)"),
+    "max_cp_size": (int, "largest cp_size (SKRULL_MAX_CP_SIZE)"),
+    "cpsat_workers": (int, "CP-SAT solver processes (SKRULL_CPSAT_WORKERS)"),
+    "cpsat_queue": (int, "cpsat requests that may wait for a busy pool, else 429 (SKRULL_CPSAT_QUEUE)"),
+    "cpsat_max_time_limit_s": (float, "cap on a request's time_limit_s (SKRULL_CPSAT_MAX_TIME_LIMIT_S)"),
+}
+
+
+def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="run the planning service (FastAPI under uvicorn)",
+        description="Run the planning service. Every flag overrides its SKRULL_* environment variable.",
+    )
+    for name, (kind, help_text) in _SERVE_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
+    parser.add_argument("--no-access-log", dest="access_log", action="store_const", const=False, default=None,
+                        help="no JSON line per request (SKRULL_ACCESS_LOG=false)")
+    parser.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError as SettingsError
+
+    from scheduler_service.server import apply_overrides, serve  # uvicorn is only needed to serve
+
+    try:
+        settings = apply_overrides({name: getattr(args, name) for name in [*_SERVE_FLAGS, "access_log"]})
+    except SettingsError as error:
+        print(_format_validation_error(error).replace("invalid request", "invalid setting"), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    serve(settings)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m scheduler_service", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(subparsers)
+    _add_serve_parser(subparsers)
     return parser
 
 
@@ -81,7 +125,7 @@ def format_table(result: PlanResult) -> str:
         lines.append(f"{dp_rank:>3} {'sum':>3} {'':>6} {'':>5} {'':>9} {'':<44} {dp_estimate.time_s * 1e3:>9.2f}")
     lines.append(
         f"estimated iteration {result.estimate.iteration_time_s * 1e3:.2f} ms; deepspeed "
-        f"{result.baseline_estimate.iteration_time_s * 1e3:.2f} ms; speedup {result.speedup_vs_deepspeed:.2f}x; "
+        f"{result.baseline_time_s * 1e3:.2f} ms; speedup {result.speedup_vs_deepspeed:.2f}x; "
         f"solved in {result.solve_time_s * 1e3:.2f} ms"
     )
     if result.solver is not None:
@@ -99,7 +143,7 @@ def plot_gantt(result: PlanResult, path: Path) -> None:
 
     panels: list[tuple[str, PlanEstimate]] = [
         (result.scheduler.value, result.estimate),
-        ("deepspeed", result.baseline_estimate),
+        ("deepspeed", simulate(result.problem, deepspeed(result.problem))),
     ]
     figure, axes = plt.subplots(len(panels), 1, figsize=(11, 1.2 + 0.6 * result.problem.dp_size * len(panels)),
                                 sharex=True, squeeze=False)

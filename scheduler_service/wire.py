@@ -88,7 +88,7 @@ def result_to_response(result: PlanResult) -> PlanResponse:
         dp_ranks=dp_ranks,
         estimated_iteration_time_ms=_ms(estimate.iteration_time_s),
         solve_time_ms=_ms(result.solve_time_s),
-        deepspeed_estimated_iteration_time_ms=_ms(result.baseline_estimate.iteration_time_s),
+        deepspeed_estimated_iteration_time_ms=_ms(result.baseline_time_s),
         speedup_vs_deepspeed=round(result.speedup_vs_deepspeed, 6),
         solver=solver,
     )

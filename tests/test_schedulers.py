@@ -157,5 +157,6 @@ def test_make_plan_reports_speedup_against_deepspeed(problem_of: ProblemFactory)
     problem = problem_of([300] * 30 + [12000], dp_size=2, cp_size=4)
     result = make_plan(problem, "skrull")
     assert result.speedup_vs_deepspeed == pytest.approx(
-        result.baseline_estimate.iteration_time_s / result.estimate.iteration_time_s)
+        result.baseline_time_s / result.estimate.iteration_time_s)
+    assert result.baseline_time_s == pytest.approx(simulate(problem, baselines.deepspeed(problem)).iteration_time_s)
     assert result.speedup_vs_deepspeed > 1.0  # many short sequences: DACP keeps them local, GDS packs them

@@ -1,0 +1,70 @@
+"""Skrull's training client: torchrun DP × CP training with DACP attention and plans from the scheduler.
+
+Modules, one concept each: ``zigzag`` (which tokens a CP rank owns), ``data``
+(global batches), ``packing`` (a CP rank's row of a micro-batch), ``attention``
+(DACP attention), ``model`` (transformers model + attention registration),
+``plan_client`` (service client, embedded fallback), ``distributed`` (mesh,
+gloo launcher), ``trainer`` (the loop), ``train`` (the torchrun entrypoint),
+``demo`` (the end-to-end job).
+
+Public names resolve lazily, so ``import trainer_client`` does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "AttentionBackend",
+    "DacpMetadata",
+    "GlobalBatch",
+    "PackedMicroBatch",
+    "PlanClient",
+    "PlanClientError",
+    "PlanDecision",
+    "PlanRejected",
+    "PlanSource",
+    "PlanTimeout",
+    "PlanUnavailable",
+    "Sample",
+    "TrainConfig",
+    "Trainer",
+    "build_model",
+    "dacp_attn_varlen_func",
+    "pack_micro_batch",
+    "padded_length",
+    "register_dacp_attention",
+    "varlen_causal_attn_func",
+    "zigzag_positions",
+]
+
+_MODULE_OF = {
+    "AttentionBackend": "attention",
+    "dacp_attn_varlen_func": "attention",
+    "varlen_causal_attn_func": "attention",
+    "DacpMetadata": "packing",
+    "PackedMicroBatch": "packing",
+    "pack_micro_batch": "packing",
+    "GlobalBatch": "data",
+    "Sample": "data",
+    "PlanClient": "plan_client",
+    "PlanClientError": "plan_client",
+    "PlanDecision": "plan_client",
+    "PlanRejected": "plan_client",
+    "PlanSource": "plan_client",
+    "PlanTimeout": "plan_client",
+    "PlanUnavailable": "plan_client",
+    "TrainConfig": "trainer",
+    "Trainer": "trainer",
+    "build_model": "model",
+    "register_dacp_attention": "model",
+    "padded_length": "zigzag",
+    "zigzag_positions": "zigzag",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'trainer_client' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"trainer_client.{_MODULE_OF[name]}"), name)

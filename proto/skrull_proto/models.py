@@ -14,7 +14,7 @@ service's OpenAPI document are exported beside this module
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -35,7 +35,7 @@ __all__ = [
     "SolverReport",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 SequenceIndex = Annotated[StrictInt, Field(ge=0)]

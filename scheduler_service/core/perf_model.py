@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +37,7 @@ class LinearFit:
         return self.slope * x + self.intercept
 
 
+@cache  # profiles are parsed once but performance models are built per request
 def fit_line(points: tuple[tuple[float, float], ...]) -> LinearFit:
     """Least-squares line through (x, y) points; both coefficients clamped at 0 (latencies never fall with size)."""
     xs = np.array([x for x, _ in points], dtype=np.float64)

@@ -14,7 +14,7 @@ from scheduler_service.core import baselines, gds
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import UnknownSchedulerError
 from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport
-from scheduler_service.core.simulate import PlanEstimate, simulate
+from scheduler_service.core.simulate import PlanEstimate, iteration_time_s, simulate
 
 __all__ = ["HEURISTIC_SCHEDULERS", "PlanResult", "make_plan", "parse_scheduler", "schedule"]
 
@@ -27,13 +27,13 @@ class PlanResult:
     problem: PlanningProblem
     plan: Plan
     estimate: PlanEstimate
-    baseline_estimate: PlanEstimate  # the deepspeed plan of the same batch
+    baseline_time_s: float  # the deepspeed plan of the same batch
     solve_time_s: float
     solver: SolverReport | None = None
 
     @property
     def speedup_vs_deepspeed(self) -> float:
-        return self.baseline_estimate.iteration_time_s / self.estimate.iteration_time_s
+        return self.baseline_time_s / self.estimate.iteration_time_s
 
 
 HEURISTIC_SCHEDULERS: dict[SchedulerName, Callable[[PlanningProblem], Plan]] = {
@@ -78,6 +78,7 @@ def make_plan(
     check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
                bucket_size=problem.bucket_size)
     estimate = simulate(problem, plan)
-    baseline = estimate if name is SchedulerName.DEEPSPEED else simulate(problem, baselines.deepspeed(problem))
-    return PlanResult(scheduler=name, problem=problem, plan=plan, estimate=estimate, baseline_estimate=baseline,
+    baseline_time_s = (estimate.iteration_time_s if name is SchedulerName.DEEPSPEED
+                       else iteration_time_s(problem, baselines.deepspeed(problem)))
+    return PlanResult(scheduler=name, problem=problem, plan=plan, estimate=estimate, baseline_time_s=baseline_time_s,
                       solve_time_s=solve_time_s, solver=report)

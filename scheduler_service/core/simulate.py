@@ -19,6 +19,7 @@ __all__ = [
     "DPRankEstimate",
     "MicroBatchEstimate",
     "PlanEstimate",
+    "iteration_time_s",
     "micro_batch_time_s",
     "simulate",
 ]
@@ -68,14 +69,14 @@ def micro_batch_time_s(
 
 def _estimate_micro_batch(problem: PlanningProblem, micro_batch: MicroBatch) -> MicroBatchEstimate:
     perf, cp_size = problem.perf, problem.cp_size
-    lengths, flops = problem.lengths, problem.flops
-    distributed_tokens = int(sum(lengths[i] for i in micro_batch.distributed))
+    lengths, flops = problem.sequence_lengths, problem.flops_list
+    distributed_tokens = sum(lengths[i] for i in micro_batch.distributed)
     comm_s = perf.comm_time_s(distributed_tokens)
-    distributed_s = perf.compute_time_s(float(sum(flops[i] for i in micro_batch.distributed)) / cp_size)
+    distributed_s = perf.compute_time_s(sum(flops[i] for i in micro_batch.distributed) / cp_size)
     cp_ranks = []
     for rank_local in micro_batch.local:
-        local_tokens = int(sum(lengths[i] for i in rank_local))
-        local_s = perf.compute_time_s(float(sum(flops[i] for i in rank_local)))
+        local_tokens = sum(lengths[i] for i in rank_local)
+        local_s = perf.compute_time_s(sum(flops[i] for i in rank_local))
         cp_ranks.append(
             CPRankEstimate(
                 local_tokens=local_tokens,
@@ -92,6 +93,21 @@ def _estimate_micro_batch(problem: PlanningProblem, micro_batch: MicroBatch) -> 
         comm_s=comm_s,
         overlap_s=min(comm_s, critical.local_compute_s),
         cp_ranks=tuple(cp_ranks),
+    )
+
+
+def iteration_time_s(problem: PlanningProblem, plan: Plan) -> float:
+    """``simulate(...).iteration_time_s`` without the breakdown: the cheap path for baselines and searches."""
+    lengths, flops = problem.sequence_lengths, problem.flops_list
+    return max(
+        sum(
+            micro_batch_time_s(
+                problem.perf, problem.cp_size, [sum(flops[i] for i in rank_local) for rank_local in mb.local],
+                sum(lengths[i] for i in mb.distributed), sum(flops[i] for i in mb.distributed),
+            )
+            for mb in dp_plan.micro_batches
+        )
+        for dp_plan in plan.dp_ranks
     )
 
 

@@ -1,0 +1,102 @@
+"""Prometheus metrics of the scheduling service.
+
+Each app owns a ``CollectorRegistry`` (tests build many apps in one process).
+With several uvicorn workers set ``PROMETHEUS_MULTIPROC_DIR`` (an empty,
+writable folder) so ``/metrics`` aggregates every worker's samples; without it
+each worker reports only its own.
+
+    skrull_http_requests_total{method,route,status}           every request
+    skrull_http_request_duration_seconds{method,route}        its latency
+    skrull_plan_requests_total{scheduler,status}              POST /plan by scheduler and HTTP status
+    skrull_plan_request_duration_seconds{scheduler,status}    its latency, end to end
+    skrull_plan_solve_seconds{scheduler}                      the scheduler's own solve time
+    skrull_plan_speedup_vs_deepspeed{scheduler}               estimated speedup of each plan
+    skrull_sequences_planned_total{scheduler}                 sequences in successful plans
+    skrull_cpsat_in_flight                                    cpsat requests solving or waiting
+    skrull_cpsat_rejected_total                               cpsat requests answered 429
+    skrull_cpsat_status_total{status}                         CP-SAT result status
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import multiprocess as prometheus_multiprocess
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServiceMetrics"]
+
+# Latencies of a sidecar that answers in about a millisecond, up to multi-second CP-SAT solves.
+# The *_created series double the exposition for no use on a dashboard.
+disable_created_metrics()
+
+_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_SPEEDUP_BUCKETS = (0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter(
+            "skrull_http_requests", "HTTP requests by route and status.", ["method", "route", "status"], registry=r
+        )
+        self.http_duration = Histogram(
+            "skrull_http_request_duration_seconds", "HTTP request latency.", ["method", "route"],
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.plan_requests = Counter(
+            "skrull_plan_requests", "POST /plan requests by scheduler and HTTP status.", ["scheduler", "status"],
+            registry=r,
+        )
+        self.plan_duration = Histogram(
+            "skrull_plan_request_duration_seconds", "POST /plan latency, end to end in the app.",
+            ["scheduler", "status"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.solve_time = Histogram(
+            "skrull_plan_solve_seconds", "Scheduler solve time per plan.", ["scheduler"],
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.speedup = Histogram(
+            "skrull_plan_speedup_vs_deepspeed", "Estimated speedup of each plan over the deepspeed baseline.",
+            ["scheduler"], buckets=_SPEEDUP_BUCKETS, registry=r,
+        )
+        self.sequences_planned = Counter(
+            "skrull_sequences_planned", "Sequences in successfully planned batches.", ["scheduler"], registry=r
+        )
+        self.cpsat_in_flight = Gauge(
+            "skrull_cpsat_in_flight", "cpsat requests solving or waiting for the pool.", registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.cpsat_rejected = Counter(
+            "skrull_cpsat_rejected", "cpsat requests answered 429 because the pool was full.", registry=r
+        )
+        self.cpsat_status = Counter("skrull_cpsat_status", "CP-SAT result status.", ["status"], registry=r)
+
+    def observe_request(
+        self, *, method: str, route: str, status: int, duration_s: float, scheduler: str | None
+    ) -> None:
+        status_label = str(status)
+        self.http_requests.labels(method, route, status_label).inc()
+        self.http_duration.labels(method, route).observe(duration_s)
+        if scheduler is not None:
+            self.plan_requests.labels(scheduler, status_label).inc()
+            self.plan_duration.labels(scheduler, status_label).observe(duration_s)
+
+    def observe_plan(
+        self, *, scheduler: str, solve_time_s: float, speedup: float, num_sequences: int, solver_status: str | None
+    ) -> None:
+        self.solve_time.labels(scheduler).observe(solve_time_s)
+        self.speedup.labels(scheduler).observe(speedup)
+        self.sequences_planned.labels(scheduler).inc(num_sequences)
+        if solver_status is not None:
+            self.cpsat_status.labels(solver_status).inc()
+
+    def exposition(self) -> bytes:
+        """The text exposition format; aggregated over workers in multiprocess mode."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            prometheus_multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)

@@ -1,0 +1,272 @@
+"""Where plans are made: inline, in a thread, or in the CP-SAT process pool.
+
+* Heuristic schedulers (everything but ``cpsat``) take about a millisecond for
+  a few hundred sequences, so they run inline on the event loop: a thread hop
+  costs more than it saves under the GIL and worsens tail latency. Batches
+  above ``inline_max_sequences`` go to a worker thread so one huge batch does
+  not stall every other request (and ``/healthz``) behind it.
+* ``cpsat`` runs in a bounded ``ProcessPoolExecutor`` (spawned, niced worker
+  processes) with the request's time limit capped by the settings. At most
+  ``cpsat_workers + cpsat_queue`` cpsat requests are admitted; the next gets
+  ``ServiceBusyError`` (429) with the seconds until the soonest solve ends.
+  Heuristic requests never wait for CP-SAT: they do not share the pool, and
+  the solver processes run at a lower CPU priority.
+
+The request is validated by the core in this process first, so bad input is
+answered at once and never costs a solver slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import multiprocessing
+import os
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+import anyio.to_thread
+from skrull_proto import PlanRequest, PlanResponse, SchedulerName
+
+from scheduler_service.core.errors import (
+    InfeasiblePlanError,
+    InvalidRequestError,
+    PlanCheckError,
+    PlanningError,
+)
+from scheduler_service.core.plan import PlanLimits
+from scheduler_service.core.planner import make_plan
+from scheduler_service.metrics import ServiceMetrics
+from scheduler_service.problems import ServiceBusyError, ServiceUnavailableError
+from scheduler_service.settings import Settings
+from scheduler_service.wire import request_to_problem, result_to_response
+
+__all__ = ["PlannedBatch", "PlanningService", "plan_request"]
+
+logger = logging.getLogger("scheduler_service.planning")
+
+# A small mixed batch that touches every heuristic code path (local, distributed, roll-back).
+_WARMUP_LENGTHS = [128, 512, 2048, 8192, 30000, 300, 1000, 4000, 96, 16000, 700, 64] * 4
+_WARMUP_BUCKET_SIZE = 16384
+# Solver processes yield the CPU to the event loop's heuristic planning.
+_CPSAT_NICE = 10
+# Extra wall time allowed beyond a solve's time limit (spawn, model building, presolve) before giving up.
+_CPSAT_GRACE_S = 30.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannedBatch:
+    response: PlanResponse
+    body: bytes  # the response's JSON, serialized where it was planned
+
+
+def plan_request(request: PlanRequest, limits: PlanLimits, time_limit_s: float | None = None) -> PlannedBatch:
+    """Validate, plan, check and simulate one request (any scheduler), synchronously."""
+    problem = request_to_problem(request, limits=limits)
+    if time_limit_s is None:
+        result = make_plan(problem, request.scheduler)
+    else:
+        result = make_plan(problem, request.scheduler, time_limit_s=time_limit_s)
+    response = result_to_response(result)
+    return PlannedBatch(response=response, body=response.model_dump_json().encode())
+
+
+# ---- the CP-SAT worker process side ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _WorkerOutcome:
+    """What a solver process sends back; errors travel as data (core errors do not all pickle)."""
+
+    body: bytes | None = None
+    error_kind: str | None = None
+    message: str = ""
+    field: str | None = None
+    violations: tuple[str, ...] = ()
+
+
+def _init_worker() -> None:
+    os.nice(_CPSAT_NICE)
+
+
+def _solve_in_worker(request_json: bytes, limits: PlanLimits, time_limit_s: float) -> _WorkerOutcome:
+    request = PlanRequest.model_validate_json(request_json)
+    try:
+        batch = plan_request(request, limits, time_limit_s)
+    except PlanCheckError as error:
+        return _WorkerOutcome(error_kind="check", message=error.message, violations=tuple(error.violations))
+    except InfeasiblePlanError as error:
+        return _WorkerOutcome(error_kind="infeasible", message=error.message, field=error.field)
+    except PlanningError as error:
+        return _WorkerOutcome(error_kind="invalid", message=error.message, field=error.field)
+    return _WorkerOutcome(body=batch.body)
+
+
+def _warm_worker() -> str:
+    """Import CP-SAT and solve a tiny batch, so the first real request pays no start-up."""
+    request = PlanRequest(sequence_lengths=[4000, 3000, 2000, 1000, 500, 200], dp_size=2, cp_size=2,
+                          bucket_size=4096, scheduler=SchedulerName.CPSAT)
+    batch = plan_request(request, PlanLimits(), time_limit_s=0.5)
+    assert batch.response.solver is not None
+    return batch.response.solver.status
+
+
+def _raise_worker_error(outcome: _WorkerOutcome) -> None:
+    if outcome.error_kind == "check":
+        raise PlanCheckError(list(outcome.violations))
+    if outcome.error_kind == "infeasible":
+        raise InfeasiblePlanError(outcome.message, field=outcome.field)
+    raise InvalidRequestError(outcome.message, field=outcome.field)
+
+
+# ---- the service side ----------------------------------------------------------------------------------------
+
+class PlanningService:
+    """Owns the CP-SAT pool and the readiness state; one per app."""
+
+    def __init__(self, settings: Settings, metrics: ServiceMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.limits = settings.plan_limits
+        self.ready = False
+        self.cpsat_state = "not started"
+        self._pool: ProcessPoolExecutor | None = None
+        self._cpsat_deadlines: dict[int, float] = {}  # admitted cpsat request -> when its solve should end
+        self._next_ticket = 0
+
+    @property
+    def cpsat_in_flight(self) -> int:
+        """cpsat requests admitted and not yet solved (solving or waiting for a worker)."""
+        return len(self._cpsat_deadlines)
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        """Warm the planner (the first plan pays imports and caches), then report ready."""
+        self._pool = self._new_pool()
+        if self.settings.cpsat_warmup:
+            self.cpsat_state = "warming"
+            self._pool.submit(_warm_worker).add_done_callback(self._on_cpsat_warm)
+        else:
+            self.cpsat_state = "cold"
+        if self.settings.warmup:
+            started = time.perf_counter()
+            for scheduler in SchedulerName:
+                if scheduler is not SchedulerName.CPSAT:
+                    plan_request(PlanRequest(sequence_lengths=_WARMUP_LENGTHS, dp_size=2, cp_size=2,
+                                             bucket_size=_WARMUP_BUCKET_SIZE, scheduler=scheduler), PlanLimits())
+            logger.info("planner warmed up", extra={"warmup_ms": round((time.perf_counter() - started) * 1e3, 1)})
+        self.ready = True
+
+    def close(self) -> None:
+        self.ready = False
+        if self._pool is not None:
+            # Queued solves are dropped; running ones end by their own time limit (at most
+            # cpsat_max_time_limit_s), and waiting for them lets the processes exit cleanly.
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        # spawn, not fork: the server process has threads (event loop, anyio workers) that fork would copy mid-state.
+        return ProcessPoolExecutor(max_workers=self.settings.cpsat_workers,
+                                   mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
+
+    def _on_cpsat_warm(self, future: Future[str]) -> None:
+        if future.cancelled():
+            self.cpsat_state = "cancelled"
+        elif (error := future.exception()) is not None:
+            self.cpsat_state = f"failed: {type(error).__name__}: {error}"
+            logger.error("cpsat warm-up failed", extra={"error": repr(error)})
+        else:
+            self.cpsat_state = "ready"
+
+    # -- planning
+
+    async def plan(self, request: PlanRequest) -> PlannedBatch:
+        if not self.ready:
+            raise ServiceUnavailableError("the planner is still warming up")
+        if request.scheduler is SchedulerName.CPSAT:
+            batch = await self._plan_cpsat(request)
+        elif len(request.sequence_lengths) <= self.settings.inline_max_sequences:
+            batch = plan_request(request, self.limits)
+        else:
+            batch = await anyio.to_thread.run_sync(plan_request, request, self.limits)
+        response = batch.response
+        self.metrics.observe_plan(
+            scheduler=response.scheduler.value, solve_time_s=response.solve_time_ms / 1e3,
+            speedup=response.speedup_vs_deepspeed, num_sequences=len(request.sequence_lengths),
+            solver_status=response.solver.status if response.solver else None,
+        )
+        return batch
+
+    async def _plan_cpsat(self, request: PlanRequest) -> PlannedBatch:
+        settings = self.settings
+        # Validate here first: bad input is answered at once and never takes a solver slot.
+        request_to_problem(request, limits=self.limits)
+        if len(request.sequence_lengths) > settings.cpsat_max_sequences:
+            raise InvalidRequestError(
+                f"cpsat plans at most {settings.cpsat_max_sequences} sequences per request, got "
+                f"{len(request.sequence_lengths)}; use a heuristic scheduler for larger batches",
+                field="sequence_lengths",
+            )
+        requested_s = request.time_limit_s or settings.cpsat_default_time_limit_s
+        time_limit_s = min(float(requested_s), settings.cpsat_max_time_limit_s)
+        now = time.monotonic()
+        if self.cpsat_in_flight >= settings.cpsat_capacity:
+            self.metrics.cpsat_rejected.inc()
+            soonest_s = min(self._cpsat_deadlines.values()) - now
+            raise ServiceBusyError(
+                f"the cpsat pool is full ({settings.cpsat_workers} solving + {settings.cpsat_queue} waiting); "
+                f"retry later or use a heuristic scheduler",
+                retry_after_s=max(1, math.ceil(soonest_s)), limit=settings.cpsat_capacity,
+            )
+        pool = self._pool
+        if pool is None:
+            raise ServiceUnavailableError("the cpsat pool is not running")
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        # A waiting request's solve ends one time limit after the running ones; the estimate only feeds Retry-After.
+        queued_behind = max(0, len(self._cpsat_deadlines) - settings.cpsat_workers + 1)
+        self._cpsat_deadlines[ticket] = now + time_limit_s * (1 + queued_behind)
+        self.metrics.cpsat_in_flight.inc()
+        try:
+            future = pool.submit(_solve_in_worker, request.model_dump_json().encode(), self.limits, time_limit_s)
+        except (BrokenProcessPool, RuntimeError) as error:
+            self._release(ticket)
+            self._replace_broken_pool(pool)
+            raise ServiceUnavailableError(f"the cpsat pool is unavailable ({error}); retry") from error
+        # The slot is held until the solve really ends, even if this request gives up waiting for it. The
+        # callback runs on the pool's manager thread; the bookkeeping stays on the event loop.
+        loop = asyncio.get_running_loop()
+
+        def release_on_loop(_: Future[_WorkerOutcome]) -> None:
+            # A closed loop means the app is gone, and its bookkeeping with it.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._release, ticket)
+
+        future.add_done_callback(release_on_loop)
+        try:
+            outcome = await asyncio.wait_for(asyncio.wrap_future(future),
+                                             timeout=time_limit_s * (1 + queued_behind) + _CPSAT_GRACE_S)
+        except BrokenProcessPool as error:
+            self._replace_broken_pool(pool)
+            raise ServiceUnavailableError("a cpsat worker process died; retry") from error
+        except TimeoutError as error:
+            raise ServiceUnavailableError(f"cpsat did not finish within {time_limit_s:g} s plus grace") from error
+        if outcome.body is None:
+            _raise_worker_error(outcome)
+        assert outcome.body is not None
+        return PlannedBatch(response=PlanResponse.model_validate_json(outcome.body), body=outcome.body)
+
+    def _release(self, ticket: int) -> None:
+        if self._cpsat_deadlines.pop(ticket, None) is not None:
+            self.metrics.cpsat_in_flight.dec()
+
+    def _replace_broken_pool(self, broken: ProcessPoolExecutor) -> None:
+        if self._pool is broken:
+            broken.shutdown(wait=False, cancel_futures=True)
+            self._pool = self._new_pool()
+            logger.error("cpsat pool broke; started a new one")

@@ -1,0 +1,290 @@
+"""Errors → HTTP: the one module that maps failures to RFC 9457 problem+json.
+
+    400 malformed-json          the body is not JSON (or is empty)
+    413 body-too-large          the body exceeds ``max_body_bytes`` (BodySizeLimitMiddleware)
+    415 unsupported-media-type  a Content-Type other than JSON
+    422 invalid-request         wrong types, missing or extra fields, out-of-range values
+                                (pydantic), RequestLimitError (a configured limit), and the
+                                core's InvalidRequestError family (Unknown{Model,Scheduler,Profile}Error)
+    422 sequence-too-long       SequenceTooLongError: longer than bucket_size × cp_size
+    422 infeasible-plan         InfeasiblePlanError: no plan honours the memory bound
+    429 busy                    ServiceBusyError: the cpsat pool and its queue are full (Retry-After)
+    503 unavailable             ServiceUnavailableError: not ready, or the cpsat pool broke
+    500 plan-check-failed       PlanCheckError: a scheduler produced an invalid plan (a bug, never bad input)
+    500 internal-error          anything else (a bug); logged with its traceback (RequestContextMiddleware)
+    4xx from Starlette          404, 405: the same body shape, type about:blank
+
+Every body names the offending ``field`` (a path such as ``sequence_lengths[17]``)
+and the ``limit`` where one applies, and carries the request id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from skrull_proto import FieldError, Problem
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from scheduler_service.core.errors import (
+    InfeasiblePlanError,
+    InvalidRequestError,
+    PlanCheckError,
+    PlanningError,
+    SequenceTooLongError,
+)
+from scheduler_service.logging_setup import current_request_id
+
+__all__ = [
+    "PROBLEM_MEDIA_TYPE",
+    "PROBLEM_RESPONSES",
+    "RequestLimitError",
+    "ServiceBusyError",
+    "ServiceUnavailableError",
+    "UnsupportedMediaTypeError",
+    "install_problem_handlers",
+    "internal_error_response",
+    "problem_response",
+    "validation_field_path",
+]
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+_TYPE_PREFIX = "urn:skrull:problem:"
+
+logger = logging.getLogger("scheduler_service.problems")
+
+
+class RequestLimitError(InvalidRequestError):
+    """A request exceeds a limit the service configures (the core's own limits say so in their message)."""
+
+    def __init__(self, message: str, *, field: str, limit: int | float) -> None:
+        super().__init__(message, field=field)
+        self.limit = limit
+
+
+class UnsupportedMediaTypeError(Exception):
+    def __init__(self, content_type: str) -> None:
+        super().__init__(f"Content-Type {content_type!r} is not JSON; send application/json")
+        self.message = str(self)
+
+
+class ServiceBusyError(Exception):
+    """Admission control refused the request; the client should retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, *, retry_after_s: int, limit: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.limit = limit
+
+
+class ServiceUnavailableError(Exception):
+    """The service cannot answer now (not ready, or a worker pool broke)."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+def _problem_schema(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+    }
+
+
+# OpenAPI ``responses`` for the routes; the Problem schema itself is added by app.custom_openapi.
+PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _problem_schema("Malformed JSON."),
+    413: _problem_schema("Request body larger than the configured limit."),
+    415: _problem_schema("The body is not sent as application/json."),
+    422: _problem_schema("Invalid request: the body names the field (or index) and the limit."),
+    429: _problem_schema("The cpsat pool is full; retry after the Retry-After header's seconds."),
+    500: _problem_schema("Internal error (a bug; never caused by bad input)."),
+    503: _problem_schema("Not ready yet, or the cpsat pool is unavailable."),
+}
+
+
+def problem_response(
+    status: int,
+    detail: str,
+    *,
+    problem_type: str | None = None,
+    title: str | None = None,
+    field: str | None = None,
+    limit: int | float | None = None,
+    errors: Sequence[FieldError] = (),
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    problem = Problem(
+        type=_TYPE_PREFIX + problem_type if problem_type else "about:blank",
+        title=title or HTTPStatus(status).phrase,
+        status=status,
+        detail=detail,
+        field=field,
+        limit=limit,
+        errors=list(errors),
+        request_id=current_request_id(),
+    )
+    body = problem.model_dump_json(exclude_none=True).encode()
+    return Response(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=dict(headers or {}))
+
+
+# pydantic puts union members' tags (``str``, ``ModelSpec``, ``constrained-float``) into error locations;
+# they are not request fields. Field names are snake_case, so anything else is a tag.
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def validation_field_path(location: Iterable[int | str]) -> str:
+    """``("body", "sequence_lengths", 3)`` → ``sequence_lengths[3]``; the whole body is ``body``."""
+    parts = list(location)
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    path = ""
+    for part in parts:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _FIELD_NAME.fullmatch(part) and part not in _UNION_TAGS:
+            path += f".{part}" if path else part
+    return path or "body"
+
+
+def _limit_from_context(context: Mapping[str, Any] | None) -> int | float | None:
+    for key in ("ge", "gt", "le", "lt", "min_length", "max_length"):
+        value = (context or {}).get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return value
+    return None
+
+
+_MAX_ERRORS_EXAMINED = 256
+_MAX_ERRORS_LISTED = 50
+
+
+async def _on_validation_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, RequestValidationError)
+    details = error.errors()
+    for item in details:
+        if item.get("type") == "json_invalid":
+            reason = (item.get("ctx") or {}).get("error", item.get("msg", "JSON decode error"))
+            return problem_response(400, f"request body is not valid JSON: {reason}",
+                                    problem_type="malformed-json", title="Malformed JSON", field="body")
+    field_errors: list[FieldError] = []
+    # A batch of bad lengths yields one error per item; the first few hundred say all there is to say.
+    for item in details[:_MAX_ERRORS_EXAMINED]:
+        message = str(item.get("msg", "invalid"))
+        if item.get("type") in ("model_attributes_type", "dict_type", "model_type") and tuple(item["loc"]) == ("body",):
+            message = "the request body must be a JSON object sent as Content-Type: application/json"
+        elif item.get("type") == "missing" and tuple(item["loc"]) == ("body",):
+            message = "the request body is empty; send a JSON object as Content-Type: application/json"
+        field_errors.append(FieldError(field=validation_field_path(item.get("loc", ())), message=message))
+    # One error per field is enough to act on; keep the first of each, in order. An error on a field whose
+    # members also failed is a union's other branch (``model`` is a name *or* a ModelSpec): the deeper one
+    # says what to fix.
+    unique: dict[str, FieldError] = {}
+    for field_error in field_errors:
+        unique.setdefault(field_error.field, field_error)
+    parents = {parent for field in unique for parent in _parents(field)}
+    shown = [field_error for field, field_error in unique.items() if field not in parents]
+    num_more = len(details) - len(details[:_MAX_ERRORS_EXAMINED]) + len(shown) - min(len(shown), 5)
+    detail = "; ".join(f"{e.field}: {e.message}" for e in shown[:5])
+    if num_more:
+        detail += f" (and {num_more} more)"
+    return problem_response(422, detail, problem_type="invalid-request", title="Invalid request",
+                            field=shown[0].field if shown else "body",
+                            limit=_limit_from_context(_first_context(details, shown)),
+                            errors=shown[:_MAX_ERRORS_LISTED])
+
+
+def _parents(path: str) -> list[str]:
+    """``model.hidden_size`` → ``[model]``; ``a.b[3]`` → ``[a.b, a]``."""
+    parents = []
+    while (cut := max(path.rfind("."), path.rfind("["))) > 0:
+        path = path[:cut]
+        parents.append(path)
+    return parents
+
+
+def _first_context(details: Sequence[Mapping[str, Any]], shown: Sequence[FieldError]) -> Mapping[str, Any] | None:
+    """The pydantic context (which holds the bound) of the error reported first."""
+    for item in details:
+        if shown and validation_field_path(item.get("loc", ())) == shown[0].field:
+            context: Mapping[str, Any] | None = item.get("ctx")
+            return context
+    return None
+
+
+async def _on_planning_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, PlanningError)
+    field_errors = [FieldError(field=error.field, message=error.message)] if error.field else []
+    if isinstance(error, PlanCheckError):
+        # Every scheduler's plan is checked before it leaves the core; a failure is our bug, not the client's.
+        logger.error("plan check failed", extra={"violations": error.violations[:20]})
+        return problem_response(500, error.message, problem_type="plan-check-failed", title="Plan check failed")
+    if isinstance(error, InfeasiblePlanError):
+        return problem_response(422, error.message, problem_type="infeasible-plan", title="Infeasible plan",
+                                field=error.field, errors=field_errors)
+    limit = error.limit if isinstance(error, SequenceTooLongError | RequestLimitError) else None
+    problem_type = "sequence-too-long" if isinstance(error, SequenceTooLongError) else "invalid-request"
+    assert isinstance(error, InvalidRequestError), f"unmapped planning error {type(error).__name__}"
+    return problem_response(422, error.message, problem_type=problem_type, title="Invalid request",
+                            field=error.field, limit=limit, errors=field_errors)
+
+
+async def _on_unsupported_media_type(request: Request, error: Exception) -> Response:
+    assert isinstance(error, UnsupportedMediaTypeError)
+    return problem_response(415, error.message, problem_type="unsupported-media-type", field="body")
+
+
+async def _on_busy(request: Request, error: Exception) -> Response:
+    assert isinstance(error, ServiceBusyError)
+    return problem_response(429, error.message, problem_type="busy", limit=error.limit,
+                            headers={"Retry-After": str(error.retry_after_s)})
+
+
+async def _on_unavailable(request: Request, error: Exception) -> Response:
+    assert isinstance(error, ServiceUnavailableError)
+    return problem_response(503, error.message, problem_type="unavailable",
+                            headers={"Retry-After": str(error.retry_after_s)})
+
+
+async def _on_http_exception(request: Request, error: Exception) -> Response:
+    assert isinstance(error, StarletteHTTPException)
+    detail = error.detail if isinstance(error.detail, str) else json.dumps(error.detail)
+    if error.status_code == 404:
+        detail = f"no route {request.url.path}; see /openapi.json"
+    headers = dict(error.headers or {})
+    if error.status_code == 405:
+        headers.setdefault("Allow", ", ".join(_allowed_methods(request)))
+    return problem_response(error.status_code, detail, headers=headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    route = request.scope.get("route")
+    methods = getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
+def internal_error_response() -> Response:
+    """The 500 the request middleware sends for an unhandled exception (already logged there)."""
+    return problem_response(500, "internal error; the service log has the traceback under this request id",
+                            problem_type="internal-error")
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(PlanningError, _on_planning_error)
+    app.add_exception_handler(UnsupportedMediaTypeError, _on_unsupported_media_type)
+    app.add_exception_handler(ServiceBusyError, _on_busy)
+    app.add_exception_handler(ServiceUnavailableError, _on_unavailable)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)

@@ -1,0 +1,146 @@
+"""DACP attention equals unsharded causal attention, forward and backward (float64, gloo, cp ∈ {1, 2, 4})."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from scheduler_service.core.plan import MicroBatch
+from trainer_client.attention import AttentionBackend, KVAllGather, dacp_attn_varlen_func, varlen_causal_attn_func
+from trainer_client.data import Sample
+from trainer_client.distributed import spawn_gloo
+from trainer_client.packing import pack_micro_batch
+from trainer_client.zigzag import zigzag_positions
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
+LENGTHS = (5, 17, 64, 33, 1, 100, 2, 9)
+
+
+def _micro_batches(cp_size: int) -> dict[str, MicroBatch]:
+    def spread(indices: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        local: list[list[int]] = [[] for _ in range(cp_size)]
+        for slot, index in enumerate(indices):
+            local[slot % cp_size].append(index)
+        return tuple(tuple(rank_local) for rank_local in local)
+
+    return {
+        "local_only": MicroBatch(local=spread(tuple(range(len(LENGTHS)))), distributed=()),
+        "distributed_only": MicroBatch(local=spread(()), distributed=tuple(range(len(LENGTHS)))),
+        "mixed": MicroBatch(local=spread((0, 1, 4, 6, 7)), distributed=(2, 3, 5)),
+        "one_rank_idle_locally": MicroBatch(local=((0, 1, 4), *[()] * (cp_size - 1)), distributed=(5,)),
+    }
+
+
+def _reference_attention(q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGD: torch.Tensor) -> torch.Tensor:
+    """Textbook causal softmax attention of one sequence, GQA by repeating K/V heads."""
+    groups = q_THD.shape[1] // k_TGD.shape[1]
+    k_THD, v_THD = k_TGD.repeat_interleave(groups, dim=1), v_TGD.repeat_interleave(groups, dim=1)
+    scores_HTT = torch.einsum("thd,shd->hts", q_THD, k_THD) / math.sqrt(q_THD.shape[-1])
+    causal_TT = torch.ones(q_THD.shape[0], q_THD.shape[0], dtype=torch.bool).tril()
+    weights_HTT = scores_HTT.masked_fill(~causal_TT, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hts,shd->thd", weights_HTT, v_THD)
+
+
+def _sequence_tensors(seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    tensors = []
+    for length in LENGTHS:
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+        tensors.append({"q": randn(length, NUM_HEADS, HEAD_DIM), "k": randn(length, NUM_KV_HEADS, HEAD_DIM),
+                        "v": randn(length, NUM_KV_HEADS, HEAD_DIM), "grad_out": randn(length, NUM_HEADS, HEAD_DIM)})
+    return tensors
+
+
+def _reference(tensors: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    results = []
+    for seq in tensors:
+        q, k, v = (seq[name].clone().requires_grad_() for name in "qkv")
+        out = _reference_attention(q, k, v)
+        (out * seq["grad_out"]).sum().backward()
+        results.append({"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad})
+    return results
+
+
+def _rows(micro_batch: MicroBatch, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
+    """(sequence index, global position) of each packed row, straight from the zigzag rule."""
+    rows = [(index, position) for index in micro_batch.local[cp_rank] for position in range(LENGTHS[index])]
+    for index in micro_batch.distributed:
+        rows += [(index, int(p)) for p in zigzag_positions(LENGTHS[index], cp_size=cp_size, cp_rank=cp_rank)]
+    return rows
+
+
+def _take(rows: list[tuple[int, int]], key: str, source: list[dict[str, torch.Tensor]],
+          shape: tuple[int, ...]) -> torch.Tensor:
+    """The packed rows of one tensor; padding rows get an arbitrary value (they must influence nothing)."""
+    if not rows:
+        return torch.zeros(0, *shape, dtype=torch.float64)
+    return torch.stack([source[i][key][p] if p < LENGTHS[i] else torch.full(shape, 7.0, dtype=torch.float64)
+                        for i, p in rows])
+
+
+def _check_rank(cp_size: int, cp_rank: int, group: dist.ProcessGroup | None) -> None:
+    tensors = _sequence_tensors()
+    expected = _reference(tensors)
+    samples = [Sample(input_ids=torch.zeros(n, dtype=torch.int64).numpy(),
+                      labels=torch.zeros(n, dtype=torch.int64).numpy()) for n in LENGTHS]
+    for name, micro_batch in _micro_batches(cp_size).items():
+        packed = pack_micro_batch(samples, micro_batch, cp_size=cp_size, cp_rank=cp_rank, cp_group=group)
+        rows = _rows(micro_batch, cp_size, cp_rank)
+        real = torch.tensor([position < LENGTHS[index] for index, position in rows], dtype=torch.bool)
+
+        q_THD = _take(rows, "q", tensors, (NUM_HEADS, HEAD_DIM)).requires_grad_()
+        k_TGD = _take(rows, "k", tensors, (NUM_KV_HEADS, HEAD_DIM)).requires_grad_()
+        v_TGD = _take(rows, "v", tensors, (NUM_KV_HEADS, HEAD_DIM)).requires_grad_()
+        grad_out_THD = _take(rows, "grad_out", tensors, (NUM_HEADS, HEAD_DIM)) * real[:, None, None]
+        out_THD = dacp_attn_varlen_func(q_THD, k_TGD, v_TGD, packed.metadata, backend=AttentionBackend.SDPA)
+        (out_THD * grad_out_THD).sum().backward()
+
+        where = f"cp_size {cp_size} cp_rank {cp_rank} {name}"
+        torch.testing.assert_close(out_THD.detach()[real], _take(rows, "out", expected, (NUM_HEADS, HEAD_DIM))[real],
+                                   rtol=1e-10, atol=1e-10, msg=lambda m, where=where: f"{where} forward: {m}")
+        for key, grad in (("q", q_THD.grad), ("k", k_TGD.grad), ("v", v_TGD.grad)):
+            assert grad is not None
+            shape = tuple(grad.shape[1:])
+            torch.testing.assert_close(grad[real], _take(rows, key, expected, shape)[real], rtol=1e-10, atol=1e-10,
+                                       msg=lambda m, key=key, where=where: f"{where} d{key}: {m}")
+            torch.testing.assert_close(grad[~real], torch.zeros_like(grad[~real]), msg=f"{where} padding d{key}")
+
+
+def _check_cp_group() -> None:
+    _check_rank(dist.get_world_size(), dist.get_rank(), dist.group.WORLD)
+
+
+def test_dacp_attention_matches_unsharded_reference_on_one_rank() -> None:
+    _check_rank(1, 0, None)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_dacp_attention_matches_unsharded_reference(cp_size: int) -> None:
+    spawn_gloo(_check_cp_group, cp_size)
+
+
+def test_bottom_right_causal_alignment_when_queries_are_a_suffix() -> None:
+    generator = torch.Generator().manual_seed(1)
+    q_THD = torch.randn(10, 2, 4, generator=generator, dtype=torch.float64)
+    k_TGD = torch.randn(10, 1, 4, generator=generator, dtype=torch.float64)
+    v_TGD = torch.randn(10, 1, 4, generator=generator, dtype=torch.float64)
+    full = _reference_attention(q_THD, k_TGD, v_TGD)
+    cu_q, cu_k = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 10], dtype=torch.int32)
+    suffix = varlen_causal_attn_func(q_THD[7:], k_TGD, v_TGD, cu_q, cu_k, 3, 10, backend="sdpa")
+    torch.testing.assert_close(suffix, full[7:])
+
+
+def test_kv_all_gather_fails_loudly_on_misuse() -> None:
+    gather = KVAllGather(None, cp_size=1)
+    with pytest.raises(RuntimeError, match="wait called before start"):
+        gather.wait()
+    gather.start(torch.zeros(2, 2))
+    with pytest.raises(RuntimeError, match="start called twice"):
+        gather.start(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="CP process group"):
+        KVAllGather(None, cp_size=2)

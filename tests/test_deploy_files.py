@@ -1,0 +1,259 @@
+"""Static checks of the deployment files (no Docker engine or cluster runs here).
+
+They parse, name the right images, commands, ports and probes, point at modules and flags that exist, and the
+health-check one-liners they embed really probe a running service.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+import threading
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+import yaml
+
+from scheduler_service import cli
+from scheduler_service.app import create_app
+from scheduler_service.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+COMPOSE = ROOT / "docker-compose.yml"
+K8S = ROOT / "deploy" / "k8s"
+SCHEDULER_IMAGE = "skrull-scheduler:0.1.0"
+TRAINER_IMAGE = "skrull-trainer:0.1.0"
+PORT = 8000
+
+TRAINER_ARGS = ["--dp", "2", "--cp", "2", "--model", "tiny", "--data", "synthetic:lmsys", "--global-batch", "16",
+                "--steps", "20", "--scheduler", "skrull"]
+
+
+# ---- a tiny Dockerfile reader ----------------------------------------------------------------------------------
+
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """Stage name → its (INSTRUCTION, arguments) in order; continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n\s*", " ", DOCKERFILE.read_text())
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instruction, _, arguments = line.partition(" ")
+        instruction = instruction.upper()
+        if instruction == "FROM":
+            name = arguments.split(" AS ")[-1].strip() if " AS " in arguments else f"stage{len(stages)}"
+            current = stages.setdefault(name, [])
+        current.append((instruction, arguments.strip()))
+    return stages
+
+
+def instruction(stage: list[tuple[str, str]], name: str) -> list[str]:
+    return [arguments for kind, arguments in stage if kind == name]
+
+
+def exec_form(arguments: str) -> list[str]:
+    value = json.loads(arguments)
+    assert isinstance(value, list) and all(isinstance(part, str) for part in value), arguments
+    return value
+
+
+def test_dockerfile_default_target_is_the_slim_non_root_scheduler() -> None:
+    stages = dockerfile_stages()
+    assert list(stages)[-1] == "scheduler", "the last stage is what a plain `docker build` produces"
+    scheduler = stages["scheduler"]
+    assert instruction(scheduler, "FROM") == ["${PYTHON_IMAGE} AS scheduler"]
+    assert re.search(r"ARG PYTHON_IMAGE=python:3\.11-slim", DOCKERFILE.read_text())
+    [user] = instruction(scheduler, "USER")
+    assert user not in ("root", "0")
+    assert exec_form(instruction(scheduler, "ENTRYPOINT")[0]) == ["python", "-m", "scheduler_service", "serve"]
+    cmd = exec_form(instruction(scheduler, "CMD")[0])
+    args = cli.build_parser().parse_args(["serve", *cmd])
+    assert (args.host, args.port) == ("0.0.0.0", PORT)
+    assert instruction(scheduler, "EXPOSE") == [str(PORT)]
+    assert importlib.util.find_spec("scheduler_service.__main__") is not None
+
+
+def test_dockerfile_installs_only_the_service_extra() -> None:
+    stages = dockerfile_stages()
+    runs = " ".join(instruction(stages["scheduler"], "RUN"))
+    assert '"skrull[service]"' in runs and "torch" not in runs and "[dev]" not in runs
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "service" in extras and "trainer" in extras
+    assert not any(dep.startswith(("torch", "transformers")) for dep in extras["service"])
+
+
+def test_dockerfile_copies_files_that_exist() -> None:
+    for stage in dockerfile_stages().values():
+        for arguments in instruction(stage, "COPY"):
+            if arguments.startswith("--from"):
+                continue
+            *sources, _ = arguments.split()
+            for source in sources:
+                assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+
+
+def test_dockerfile_trainer_stage_runs_torchrun() -> None:
+    trainer = dockerfile_stages()["trainer"]
+    assert any("torch==" in run and "whl/cpu" in run for run in instruction(trainer, "RUN"))
+    assert exec_form(instruction(trainer, "CMD")[0])[0] == "torchrun"
+    assert instruction(trainer, "USER") and instruction(trainer, "USER")[0] not in ("root", "0")
+
+
+# ---- compose -----------------------------------------------------------------------------------------------------
+
+def compose() -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return document
+
+
+def test_compose_builds_both_targets_of_the_dockerfile() -> None:
+    services = compose()["services"]
+    assert set(services) == {"scheduler", "trainer"}
+    stages = dockerfile_stages()
+    for name, image in (("scheduler", SCHEDULER_IMAGE), ("trainer", TRAINER_IMAGE)):
+        build = services[name]["build"]
+        assert (ROOT / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
+        assert build["target"] in stages
+        assert services[name]["image"] == image
+
+
+def test_compose_trainer_waits_for_healthy_scheduler_and_uses_its_name() -> None:
+    services = compose()["services"]
+    trainer = services["trainer"]
+    assert trainer["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
+    command = trainer["command"]
+    assert command[:5] == ["torchrun", "--nproc-per-node", "4", "-m", "trainer_client.train"]
+    assert command[5:] == [*TRAINER_ARGS, "--scheduler-url", f"http://scheduler:{PORT}", "--bucket-size", "4096"]
+    assert importlib.util.find_spec("trainer_client.train") is not None
+    scheduler = services["scheduler"]
+    args = cli.build_parser().parse_args(["serve", *scheduler["command"]])
+    assert (args.host, args.port) == ("0.0.0.0", PORT)
+    assert scheduler["ports"] == [f"127.0.0.1:{PORT}:{PORT}"]
+    test = scheduler["healthcheck"]["test"]
+    assert test[0] == "CMD" and f"127.0.0.1:{PORT}/readyz" in test[-1]
+
+
+def test_compose_trainer_flags_exist_in_the_trainer() -> None:
+    source = (ROOT / "trainer_client" / "train.py").read_text()
+    flags = [part for part in compose()["services"]["trainer"]["command"][5:] if part.startswith("--")]
+    missing = [flag for flag in flags if f'"{flag}"' not in source]
+    assert not missing, f"trainer_client.train has no {missing}"
+
+
+# ---- Kubernetes ----------------------------------------------------------------------------------------------------
+
+def k8s_documents() -> dict[str, list[dict[str, Any]]]:
+    return {path.name: list(yaml.safe_load_all(path.read_text())) for path in sorted(K8S.glob("*.yaml"))}
+
+
+def pod_specs() -> Iterator[tuple[str, dict[str, Any]]]:
+    for name, documents in k8s_documents().items():
+        for document in documents:
+            spec = document["spec"]
+            if document["kind"] in ("Job", "Deployment"):
+                yield f"{name}:{document['kind']}", spec["template"]["spec"]
+            elif document["kind"] == "PyTorchJob":
+                for role, replica in spec["pytorchReplicaSpecs"].items():
+                    yield f"{name}:{role}", replica["template"]["spec"]
+
+
+def assert_http_probe(probe: dict[str, Any], path: str) -> None:
+    assert probe["httpGet"]["path"] == path
+    assert probe["httpGet"]["port"] in (PORT, "http")
+
+
+def assert_scheduler_container(container: dict[str, Any]) -> None:
+    assert container["image"] == SCHEDULER_IMAGE
+    args = cli.build_parser().parse_args(["serve", *container["args"]])
+    assert args.port == PORT
+    assert {"containerPort": PORT, "name": "http"} in container["ports"]
+    assert_http_probe(container["startupProbe"], "/readyz")
+    assert_http_probe(container["readinessProbe"], "/readyz")
+    assert_http_probe(container["livenessProbe"], "/healthz")
+    assert container["securityContext"]["runAsNonRoot"] is True
+
+
+def test_k8s_files_parse_and_name_their_kinds() -> None:
+    kinds = {name: [d["kind"] for d in documents] for name, documents in k8s_documents().items()}
+    assert kinds == {"pytorchjob.yaml": ["PyTorchJob"], "scheduler-deployment.yaml": ["Deployment", "Service"],
+                     "trainer-job.yaml": ["Job"]}
+    for documents in k8s_documents().values():
+        for document in documents:
+            assert document["apiVersion"] and document["metadata"]["name"]
+
+
+def test_k8s_training_pods_carry_the_scheduler_as_native_sidecar() -> None:
+    training = {where: spec for where, spec in pod_specs() if "Deployment" not in where}
+    assert set(training) == {"trainer-job.yaml:Job", "pytorchjob.yaml:Master", "pytorchjob.yaml:Worker"}
+    for where, spec in training.items():
+        [sidecar] = spec["initContainers"]
+        assert sidecar["restartPolicy"] == "Always", where
+        assert_scheduler_container(sidecar)
+        [trainer] = spec["containers"]
+        assert trainer["image"] == TRAINER_IMAGE
+        command = trainer["command"]
+        assert command[0] == "torchrun" and "trainer_client.train" in command
+        assert f"--scheduler-url=http://localhost:{PORT}" in command, where
+
+
+def test_k8s_shared_scheduler_is_a_deployment_behind_a_service() -> None:
+    deployment, service = k8s_documents()["scheduler-deployment.yaml"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert deployment["spec"]["replicas"] >= 2
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert_scheduler_container(container)
+    assert service["spec"]["ports"] == [{"name": "http", "port": PORT, "targetPort": "http"}]
+    grace_s = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert grace_s > float(env["SKRULL_CPSAT_MAX_TIME_LIMIT_S"])
+
+
+# ---- the embedded health checks really probe the service -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def live_port() -> Iterator[int]:
+    config = uvicorn.Config(create_app(Settings(cpsat_warmup=False, access_log=False)), host="127.0.0.1", port=0,
+                            log_config=None, access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def run_probe(command: list[str], port: int) -> int:
+    assert command[:2] == ["python", "-c"], command
+    code = command[2].replace(f"127.0.0.1:{PORT}", f"127.0.0.1:{port}")
+    try:
+        exec(compile(code, "<healthcheck>", "exec"), {})
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
+
+
+def test_healthcheck_commands_succeed_against_a_running_service(live_port: int) -> None:
+    healthcheck = next(a for kind, a in dockerfile_stages()["scheduler"] if kind == "HEALTHCHECK")
+    docker_probe = exec_form(healthcheck.split(" CMD ", 1)[1])
+    assert f"127.0.0.1:{PORT}/healthz" in docker_probe[-1]
+    compose_probe = compose()["services"]["scheduler"]["healthcheck"]["test"][1:]
+    for probe in (docker_probe, compose_probe):
+        assert run_probe(probe, live_port) == 0, shlex.join(probe)

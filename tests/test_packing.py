@@ -1,0 +1,100 @@
+"""Packing slices tokens as the zigzag rule says and loses or repeats no loss token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from scheduler_service.core.plan import MicroBatch
+from trainer_client.data import IGNORE_INDEX, Sample
+from trainer_client.packing import pack_micro_batch
+from trainer_client.zigzag import padded_length, zigzag_positions
+
+LENGTHS = (5, 17, 64, 33, 1, 100, 2)
+
+
+def _samples(lengths: tuple[int, ...] = LENGTHS, seed: int = 0) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for length in lengths:
+        input_ids = rng.integers(1, 1000, size=length, dtype=np.int64)
+        labels = np.where(rng.random(length) < 0.2, IGNORE_INDEX, input_ids)  # some positions carry no loss
+        samples.append(Sample(input_ids=input_ids, labels=labels))
+    return samples
+
+
+def _micro_batch(cp_size: int) -> MicroBatch:
+    local = [[] for _ in range(cp_size)]
+    for slot, index in enumerate((0, 1, 4, 6)):
+        local[slot % cp_size].append(index)
+    return MicroBatch(local=tuple(tuple(rank_local) for rank_local in local), distributed=(2, 3, 5))
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+def test_each_rank_holds_its_local_sequences_then_its_zigzag_shards(cp_size: int) -> None:
+    samples, micro_batch = _samples(), _micro_batch(cp_size)
+    for cp_rank in range(cp_size):
+        packed = pack_micro_batch(samples, micro_batch, cp_size=cp_size, cp_rank=cp_rank)
+        expected_ids, expected_positions, expected_targets = [], [], []
+        for index in micro_batch.local[cp_rank]:
+            expected_ids.append(samples[index].input_ids)
+            expected_positions.append(np.arange(samples[index].num_tokens))
+            expected_targets.append(samples[index].targets)
+        for index in micro_batch.distributed:
+            sample = samples[index]
+            positions = zigzag_positions(sample.num_tokens, cp_size=cp_size, cp_rank=cp_rank)
+            padded_ids = np.concatenate([sample.input_ids, np.zeros(len(positions) * cp_size, dtype=np.int64)])
+            padded_targets = np.concatenate([sample.targets, np.full(len(positions) * cp_size, IGNORE_INDEX)])
+            expected_ids.append(padded_ids[positions])
+            expected_positions.append(positions)
+            expected_targets.append(padded_targets[positions])
+        np.testing.assert_array_equal(packed.input_ids_T.numpy(), np.concatenate(expected_ids))
+        np.testing.assert_array_equal(packed.position_ids_T.numpy(), np.concatenate(expected_positions))
+        np.testing.assert_array_equal(packed.targets_T.numpy(), np.concatenate(expected_targets))
+        local_lengths = [samples[i].num_tokens for i in micro_batch.local[cp_rank]]
+        assert packed.metadata.num_local_tokens == sum(local_lengths)
+        assert packed.metadata.cu_seqlens_local.tolist() == [0, *np.cumsum(local_lengths).tolist()]
+        assert packed.metadata.num_distributed_tokens == sum(
+            padded_length(samples[i].num_tokens, cp_size) // cp_size for i in micro_batch.distributed
+        )
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_every_loss_token_is_trained_exactly_once(cp_size: int) -> None:
+    samples, micro_batch = _samples(), _micro_batch(cp_size)
+    packs = [pack_micro_batch(samples, micro_batch, cp_size=cp_size, cp_rank=r) for r in range(cp_size)]
+    assert sum(p.num_loss_tokens for p in packs) == sum(s.num_loss_tokens for s in samples)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_kv_index_reads_each_chunks_causal_prefix_from_the_gathered_shards(cp_size: int) -> None:
+    samples, micro_batch = _samples(), _micro_batch(cp_size)
+    packs = [pack_micro_batch(samples, micro_batch, cp_size=cp_size, cp_rank=r) for r in range(cp_size)]
+    # Tag every distributed token with (sequence slot, global position), gather rank-major as the all-gather does.
+    tags = []
+    for pack in packs:
+        num_local = pack.metadata.num_local_tokens
+        slot = np.repeat(np.arange(len(micro_batch.distributed)),
+                         [padded_length(samples[i].num_tokens, cp_size) // cp_size for i in micro_batch.distributed])
+        tags.append(np.stack([slot, pack.position_ids_T[num_local:].numpy()], axis=1))
+    gathered = np.concatenate(tags)
+    for pack in packs:
+        meta = pack.metadata
+        prefix_tags = gathered[meta.kv_index_dist.numpy()]
+        cu_k, cu_q = meta.cu_seqlens_k_dist.tolist(), meta.cu_seqlens_q_dist.tolist()
+        positions = pack.position_ids_T[meta.num_local_tokens:].numpy()
+        for chunk in range(len(cu_k) - 1):
+            slot = chunk // 2
+            chunk_tags = prefix_tags[cu_k[chunk]:cu_k[chunk + 1]]
+            query_positions = positions[cu_q[chunk]:cu_q[chunk + 1]]
+            np.testing.assert_array_equal(chunk_tags[:, 0], slot)
+            # The prefix ends with the chunk itself: bottom-right causal alignment gives position p its p + 1 keys.
+            np.testing.assert_array_equal(chunk_tags[:, 1], np.arange(query_positions[-1] + 1))
+
+
+def test_empty_rank_packs_nothing() -> None:
+    micro_batch = MicroBatch(local=((0,), ()), distributed=())
+    packed = pack_micro_batch(_samples(), micro_batch, cp_size=2, cp_rank=1)
+    assert packed.num_tokens == 0 and packed.input_ids_T.dtype == torch.int64
+    assert not packed.metadata.has_distributed

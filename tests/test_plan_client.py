@@ -1,0 +1,163 @@
+"""The plan client against the real service app, and rank 0's fallback to the embedded planner."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from scheduler_service.app import create_app
+from scheduler_service.core.plan import make_problem
+from scheduler_service.core.planner import make_plan
+from scheduler_service.settings import Settings
+from trainer_client.distributed import free_port
+from trainer_client.plan_client import (
+    PlanClient,
+    PlanOrigin,
+    PlanRejected,
+    PlanSource,
+    PlanTimeout,
+    PlanUnavailable,
+)
+
+LENGTHS = (637, 208, 90, 138, 35, 1216, 326, 301, 270, 1742, 1014, 958, 344, 304, 347, 123)
+DP, CP, BUCKET_SIZE = 2, 2, 1024
+LOGGER = "trainer_client.plan_client"
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[TestClient]:
+    with TestClient(create_app(Settings(cpsat_warmup=False, access_log=False))) as client:
+        yield client
+
+
+def _source(client: PlanClient | None, scheduler: str = "skrull") -> PlanSource:
+    return PlanSource(scheduler=scheduler, dp_size=DP, cp_size=CP, model="tiny", bucket_size=BUCKET_SIZE,
+                      client=client)
+
+
+def _dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+@pytest.mark.parametrize("scheduler", ["skrull", "deepspeed"])
+def test_service_plan_equals_embedded_plan(service: TestClient, scheduler: str) -> None:
+    source = _source(PlanClient("http://testserver", client=service), scheduler)
+    decision = source.decide(0, LENGTHS)
+    expected = make_plan(make_problem(sequence_lengths=LENGTHS, dp_size=DP, cp_size=CP, model="tiny",
+                                      bucket_size=BUCKET_SIZE), scheduler)
+    assert decision.origin is PlanOrigin.SERVICE and decision.error is None
+    assert decision.plan == expected.plan
+    assert decision.estimated_time_ms == pytest.approx(expected.estimate.iteration_time_s * 1e3, rel=1e-6)
+    assert source.num_fallbacks == 0
+
+
+def test_prefetched_plan_is_used_for_its_batch(service: TestClient) -> None:
+    source = _source(PlanClient("http://testserver", client=service))
+    source.prefetch(1, LENGTHS[:8])
+    decision = source.decide(1, LENGTHS[:8])
+    assert decision.origin is PlanOrigin.SERVICE
+    assert sorted(i for d in decision.plan.dp_ranks for mb in d.micro_batches for i in mb.indices()) == list(range(8))
+    source.close()
+
+
+def test_unreachable_service_falls_back_to_embedded_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    source = _source(PlanClient(_dead_url(), timeout_s=1.0, max_attempts=2, backoff_s=0.01))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert source.check_service() is False
+        first, second = source.decide(0, LENGTHS), source.decide(1, LENGTHS)
+    warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
+    assert first.origin is second.origin is PlanOrigin.EMBEDDED
+    assert source.num_fallbacks == 2
+    expected = make_plan(make_problem(sequence_lengths=LENGTHS, dp_size=DP, cp_size=CP, model="tiny",
+                                      bucket_size=BUCKET_SIZE), "skrull")
+    assert first.plan == expected.plan
+    source.close()
+
+
+def test_connection_refused_raises_plan_unavailable_after_retries() -> None:
+    client = PlanClient(_dead_url(), timeout_s=1.0, max_attempts=3, backoff_s=0.01)
+    with pytest.raises(PlanUnavailable, match="after 3 attempts"):
+        client.plan(_source(None)._request(LENGTHS))
+
+
+def test_silent_service_raises_plan_timeout() -> None:
+    with socket.socket() as listener:  # accepts connections (kernel backlog) and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        client = PlanClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=0.2, max_attempts=2,
+                            backoff_s=0.01)
+        with pytest.raises(PlanTimeout, match="timed out"):
+            client.plan(_source(None)._request(LENGTHS))
+        client.close()
+
+
+def test_service_errors_are_retried_then_succeed(service: TestClient) -> None:
+    calls = []
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) == 1:
+            return httpx.Response(503, json={"title": "Service Unavailable", "detail": "warming up"})
+        real = service.post("/plan", content=request.content, headers={"content-type": "application/json"})
+        return httpx.Response(real.status_code, content=real.content)
+
+    http = httpx.Client(base_url="http://planner", transport=httpx.MockTransport(flaky))
+    client = PlanClient("http://planner", client=http, max_attempts=3, backoff_s=0.01)
+    decision = _source(client).decide(0, LENGTHS)
+    assert decision.origin is PlanOrigin.SERVICE and calls == ["/plan", "/plan"]
+
+
+def test_rejected_request_is_not_retried(service: TestClient) -> None:
+    calls = []
+
+    def counting(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        real = service.post("/plan", content=request.content, headers={"content-type": "application/json"})
+        return httpx.Response(real.status_code, content=real.content, headers=real.headers)
+
+    http = httpx.Client(base_url="http://planner", transport=httpx.MockTransport(counting))
+    client = PlanClient("http://planner", client=http, max_attempts=3, backoff_s=0.01)
+    too_long = _source(None)._request([BUCKET_SIZE * CP + 1, 10])
+    with pytest.raises(PlanRejected, match=r"422.*sequence 0 has 2049 tokens"):
+        client.plan(too_long)
+    assert len(calls) == 1
+
+
+def test_batch_no_planner_can_plan_becomes_an_error_decision(service: TestClient) -> None:
+    source = _source(PlanClient("http://testserver", client=service))
+    decision = source.decide(3, [BUCKET_SIZE * CP + 1, 10])
+    assert decision.plan is None and decision.origin is PlanOrigin.EMBEDDED
+    assert decision.error is not None and "global batch 3" in decision.error and "sequence 0 has 2049" in decision.error
+
+
+def test_plan_failing_the_checker_falls_back(service: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    def tampering(request: httpx.Request) -> httpx.Response:
+        body = service.post("/plan", content=request.content, headers={"content-type": "application/json"}).json()
+        body["dp_ranks"][0]["micro_batches"].pop()  # a buggy service: some sequences are never scheduled
+        return httpx.Response(200, content=json.dumps(body).encode())
+
+    http = httpx.Client(base_url="http://planner", transport=httpx.MockTransport(tampering))
+    source = _source(PlanClient("http://planner", client=http))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        decision = source.decide(0, LENGTHS)
+    assert decision.origin is PlanOrigin.EMBEDDED and source.num_fallbacks == 1
+    assert "fails the checker" in caplog.text and "not scheduled" in caplog.text
+
+
+def test_response_that_is_not_a_plan_is_rejected() -> None:
+    http = httpx.Client(base_url="http://planner",
+                        transport=httpx.MockTransport(lambda request: httpx.Response(200, json={"hello": 1})))
+    with pytest.raises(PlanRejected, match="not a PlanResponse"):
+        PlanClient("http://planner", client=http).plan(_source(None)._request(LENGTHS))
+
+
+def test_ready_reports_the_service_state(service: TestClient) -> None:
+    assert PlanClient("http://testserver", client=service).ready()
+    assert not PlanClient(_dead_url(), timeout_s=0.5).ready()

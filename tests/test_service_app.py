@@ -1,0 +1,358 @@
+"""The FastAPI app in-process (TestClient, lifespan run by the ``with`` block): every endpoint, every bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from skrull_proto import PlanRequest, PlanResponse, Problem, SchedulerName
+
+from scheduler_service import cli
+from scheduler_service.app import create_app
+from scheduler_service.core.check import check_plan
+from scheduler_service.core.errors import InfeasiblePlanError, PlanCheckError
+from scheduler_service.core.models import MODEL_CATALOGUE
+from scheduler_service.core.profile import DEFAULT_PROFILE
+from scheduler_service.settings import Settings
+from scheduler_service.wire import response_to_plan
+
+HEURISTICS = [s for s in SchedulerName if s is not SchedulerName.CPSAT]
+
+# A Figure-3-like mix: many short sequences and a few long ones (tokens).
+MIXED_LENGTHS = [812, 30311, 97, 4096, 1500, 256, 65000, 733, 12000, 410, 2048, 128, 9000, 350, 20000, 640]
+
+
+def plan_body(**overrides: object) -> dict[str, object]:
+    return {"sequence_lengths": MIXED_LENGTHS, "dp_size": 2, "cp_size": 4, **overrides}
+
+
+def service_settings(**overrides: object) -> Settings:
+    return Settings(cpsat_warmup=False, cpsat_max_time_limit_s=2.0, cpsat_default_time_limit_s=0.5,
+                    **overrides)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    with TestClient(create_app(service_settings(max_sequences=1000, max_body_bytes=64 << 10))) as test_client:
+        yield test_client
+
+
+def assert_problem(response: object, status: int, field: str | None = None) -> Problem:
+    assert response.status_code == status, response.text  # type: ignore[attr-defined]
+    assert response.headers["content-type"] == "application/problem+json"  # type: ignore[attr-defined]
+    problem = Problem.model_validate_json(response.content)  # type: ignore[attr-defined]
+    assert problem.status == status
+    assert problem.request_id == response.headers["x-request-id"]  # type: ignore[attr-defined]
+    if field is not None:
+        assert problem.field == field, problem
+    return problem
+
+
+# ---- POST /plan: good requests -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheduler", HEURISTICS)
+def test_plan_passes_checker_for_every_heuristic_scheduler(client: TestClient, scheduler: SchedulerName) -> None:
+    response = client.post("/plan", json=plan_body(scheduler=scheduler.value))
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
+    plan = PlanResponse.model_validate_json(response.content)
+    assert plan.scheduler is scheduler
+    assert len(plan.dp_ranks) == 2
+    check_plan(response_to_plan(plan), sequence_lengths=MIXED_LENGTHS, dp_size=2, cp_size=4,
+               bucket_size=plan.bucket_size)
+    assert plan.solver is None
+
+
+def test_plan_carries_deepspeed_baseline_and_speedup(client: TestClient) -> None:
+    plan = PlanResponse.model_validate_json(client.post("/plan", json=plan_body()).content)
+    assert plan.deepspeed_estimated_iteration_time_ms > 0
+    assert plan.speedup_vs_deepspeed == pytest.approx(
+        plan.deepspeed_estimated_iteration_time_ms / plan.estimated_iteration_time_ms, rel=1e-4)
+    assert plan.estimated_iteration_time_ms == pytest.approx(max(r.estimated_time_ms for r in plan.dp_ranks))
+    deepspeed = PlanResponse.model_validate_json(
+        client.post("/plan", json=plan_body(scheduler="deepspeed")).content)
+    assert deepspeed.speedup_vs_deepspeed == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("scheduler", HEURISTICS)
+def test_same_request_gives_same_plan(client: TestClient, scheduler: SchedulerName) -> None:
+    first, second = (client.post("/plan", json=plan_body(scheduler=scheduler.value)).json() for _ in range(2))
+    for varying in ("solve_time_ms",):
+        first.pop(varying), second.pop(varying)
+    assert first == second
+
+
+def test_service_answers_like_the_cli_twin(client: TestClient, tmp_path: object, capsys: pytest.CaptureFixture[str]
+                                           ) -> None:
+    request = plan_body(scheduler="skrull_paper", model="qwen2.5-1.5b", bucket_size=20000)
+    path = tmp_path / "request.json"  # type: ignore[operator]
+    path.write_text(json.dumps(request))
+    assert cli.main(["plan", str(path)]) == 0
+    from_cli = json.loads(capsys.readouterr().out)
+    from_service = client.post("/plan", json=request).json()
+    for response in (from_cli, from_service):
+        response.pop("solve_time_ms")
+    assert from_service == from_cli
+
+
+def test_inline_model_spec_and_explicit_bucket_size_are_honoured(client: TestClient) -> None:
+    shape = MODEL_CATALOGUE["small"]
+    spec = {name: getattr(shape, name) for name in ("hidden_size", "num_layers", "num_attention_heads",
+                                                    "num_key_value_heads", "head_dim", "intermediate_size",
+                                                    "vocab_size", "tie_word_embeddings", "attention_bias")}
+    response = client.post("/plan", json=plan_body(model={"name": "my-small", **spec}, bucket_size=70000))
+    assert response.status_code == 200, response.text
+    plan = PlanResponse.model_validate_json(response.content)
+    assert (plan.model, plan.bucket_size, plan.profile) == ("my-small", 70000, DEFAULT_PROFILE)
+
+
+def test_large_batch_is_planned_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import anyio.to_thread
+
+    offloaded: list[str] = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def recording_run_sync(function: Any, *args: Any, **kwargs: Any) -> Any:
+        offloaded.append(function.__name__)
+        return await run_sync(function, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", recording_run_sync)
+    with TestClient(create_app(service_settings(inline_max_sequences=len(MIXED_LENGTHS)))) as client:
+        small = client.post("/plan", json=plan_body())
+        assert "plan_request" not in offloaded
+        large = client.post("/plan", json=plan_body(sequence_lengths=[*MIXED_LENGTHS, 100]))
+    assert "plan_request" in offloaded
+    assert small.status_code == large.status_code == 200
+
+
+# ---- POST /plan: bad input is a 4xx problem naming the field and the limit ------------------------------------
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        pytest.param(b'{"sequence_lengths": [1, 2', 400, "body", id="malformed-json"),
+        pytest.param(b'{"sequence_lengths": [1], "dp_size": NaN, "cp_size": 1}', 400, "body", id="nan-literal"),
+        pytest.param(b"", 400, "body", id="empty-body"),
+        pytest.param(b"[1, 2, 3]", 422, "body", id="not-an-object"),
+        pytest.param(json.dumps(plan_body(dp_size="4")).encode(), 422, "dp_size", id="string-for-int"),
+        pytest.param(json.dumps(plan_body(dp_size=2.0)).encode(), 422, "dp_size", id="float-for-int"),
+        pytest.param(json.dumps(plan_body(cp_size=True)).encode(), 422, "cp_size", id="bool-for-int"),
+        pytest.param(json.dumps(plan_body(sequence_lengths=[5, "x", 7])).encode(), 422, "sequence_lengths[1]",
+                     id="string-length"),
+        pytest.param(json.dumps(plan_body(sequence_lengths=[5, 7.5])).encode(), 422, "sequence_lengths[1]",
+                     id="fractional-length"),
+        pytest.param(json.dumps(plan_body(sequence_lengths="1,2")).encode(), 422, "sequence_lengths",
+                     id="lengths-not-a-list"),
+        pytest.param(json.dumps({"dp_size": 1, "cp_size": 1}).encode(), 422, "sequence_lengths", id="missing-field"),
+        pytest.param(json.dumps(plan_body(sequence_lengths=[])).encode(), 422, "sequence_lengths", id="empty-batch"),
+        pytest.param(json.dumps(plan_body(sequence_lengths=[100, 0, 5])).encode(), 422, "sequence_lengths[1]",
+                     id="zero-length"),
+        pytest.param(json.dumps(plan_body(sequence_lengths=[100, 5, -3])).encode(), 422, "sequence_lengths[2]",
+                     id="negative-length"),
+        pytest.param(json.dumps(plan_body(sequence_lengths=[100, 10**40])).encode(), 422, "sequence_lengths[1]",
+                     id="absurd-length"),
+        pytest.param(json.dumps(plan_body(model="gpt-17")).encode(), 422, "model", id="unknown-model"),
+        pytest.param(json.dumps(plan_body(model={"name": "x", "hidden_size": 64})).encode(), 422,
+                     "model.num_layers", id="incomplete-model-spec"),
+        pytest.param(json.dumps(plan_body(scheduler="magic")).encode(), 422, "scheduler", id="unknown-scheduler"),
+        pytest.param(json.dumps(plan_body(profile="tpu-v9")).encode(), 422, "profile", id="unknown-profile"),
+        pytest.param(json.dumps(plan_body(dp_size=0)).encode(), 422, "dp_size", id="dp-zero"),
+        pytest.param(json.dumps(plan_body(cp_size=-1)).encode(), 422, "cp_size", id="cp-negative"),
+        pytest.param(json.dumps(plan_body(dp_size=10**6)).encode(), 422, "dp_size", id="dp-too-large"),
+        pytest.param(json.dumps(plan_body(cp_size=5000)).encode(), 422, "cp_size", id="cp-too-large"),
+        pytest.param(json.dumps(plan_body(bucket_size=0)).encode(), 422, "bucket_size", id="bucket-zero"),
+        pytest.param(json.dumps(plan_body(time_limit_s=-1.0)).encode(), 422, "time_limit_s", id="negative-time"),
+        pytest.param(json.dumps(plan_body(schema_version=2)).encode(), 422, "schema_version", id="future-version"),
+        pytest.param(json.dumps(plan_body(priority="high")).encode(), 422, "priority", id="unknown-field"),
+    ],
+)
+def test_rejects_bad_input_with_problem_naming_the_field(
+    client: TestClient, body: bytes, status: int, field: str
+) -> None:
+    response = client.post("/plan", content=body, headers={"content-type": "application/json"})
+    problem = assert_problem(response, status, field)
+    assert problem.detail
+    if status == 422:
+        assert any(error.field == field for error in problem.errors)
+
+
+def test_rejects_sequence_longer_than_cp_capacity(client: TestClient) -> None:
+    response = client.post("/plan", json=plan_body(sequence_lengths=[100, 200, 90000], bucket_size=20000))
+    problem = assert_problem(response, 422, "sequence_lengths[2]")
+    assert problem.limit == 20000 * 4
+    assert "90000" in problem.detail and "80000" in problem.detail
+
+
+def test_rejects_too_many_sequences_with_the_limit(client: TestClient) -> None:
+    problem = assert_problem(client.post("/plan", json=plan_body(sequence_lengths=[10] * 1001)), 422,
+                             "sequence_lengths")
+    assert problem.limit == 1000
+    assert "1000" in problem.detail
+
+
+def test_reports_the_bound_of_a_range_error(client: TestClient) -> None:
+    problem = assert_problem(client.post("/plan", json=plan_body(sequence_lengths=[5, -1])), 422,
+                             "sequence_lengths[1]")
+    assert problem.limit == 1
+
+
+def test_many_bad_items_give_a_short_bounded_report(client: TestClient) -> None:
+    problem = assert_problem(client.post("/plan", json=plan_body(sequence_lengths=[-1] * 1000)), 422,
+                             "sequence_lengths[0]")
+    assert len(problem.errors) <= 50
+    assert "more" in problem.detail
+
+
+def test_rejects_non_json_content_type(client: TestClient) -> None:
+    response = client.post("/plan", content=json.dumps(plan_body()), headers={"content-type": "text/plain"})
+    assert_problem(response, 415, "body")
+
+
+def test_rejects_body_over_limit_by_content_length(client: TestClient) -> None:
+    body = json.dumps(plan_body(sequence_lengths=[7] * 40000)).encode()
+    problem = assert_problem(client.post("/plan", content=body, headers={"content-type": "application/json"}),
+                             413, "body")
+    assert problem.limit == 64 << 10
+    assert str(64 << 10) in problem.detail
+
+
+def test_rejects_streamed_body_over_limit_without_content_length(client: TestClient) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"sequence_lengths": ['
+        for _ in range(2000):
+            yield b"1000, " * 10
+        yield b"1], \"dp_size\": 1, \"cp_size\": 1}"
+
+    response = client.post("/plan", content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in response.request.headers
+    problem = assert_problem(response, 413, "body")
+    assert problem.limit == 64 << 10
+
+
+def test_streamed_body_under_limit_is_accepted(client: TestClient) -> None:
+    payload = json.dumps(plan_body()).encode()
+
+    def chunks() -> Iterator[bytes]:
+        yield from (payload[i:i + 7] for i in range(0, len(payload), 7))
+
+    assert client.post("/plan", content=chunks(), headers={"content-type": "application/json"}).status_code == 200
+
+
+def test_infeasible_plan_is_a_422(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    def infeasible(*args: object, **kwargs: object) -> None:
+        raise InfeasiblePlanError("no plan fits bucket_size 10", field="bucket_size")
+
+    monkeypatch.setattr("scheduler_service.planning.make_plan", infeasible)
+    assert_problem(client.post("/plan", json=plan_body()), 422, "bucket_size")
+
+
+def test_plan_check_failure_is_an_internal_500(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise PlanCheckError(["index 3 scheduled twice"])
+
+    monkeypatch.setattr("scheduler_service.planning.make_plan", broken)
+    problem = assert_problem(client.post("/plan", json=plan_body()), 500)
+    assert "index 3 scheduled twice" in problem.detail
+
+
+def test_unexpected_error_is_a_logged_problem_500(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def bug(*args: object, **kwargs: object) -> None:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr("scheduler_service.planning.make_plan", bug)
+    with caplog.at_level(logging.ERROR, logger="scheduler_service.error"):
+        response = client.post("/plan", json=plan_body(), headers={"x-request-id": "bug-1"})
+    problem = assert_problem(response, 500)
+    assert problem.request_id == "bug-1"
+    [record] = [r for r in caplog.records if r.name == "scheduler_service.error"]
+    assert record.exc_info is not None and record.exc_info[0] is ZeroDivisionError
+
+
+def test_unknown_route_and_wrong_method_are_problems(client: TestClient) -> None:
+    assert_problem(client.get("/nowhere"), 404)
+    response = client.get("/plan")
+    assert_problem(response, 405)
+    assert response.headers["allow"] == "POST"
+
+
+# ---- request id and logs --------------------------------------------------------------------------------------
+
+def test_request_id_is_echoed_or_generated(client: TestClient) -> None:
+    assert client.get("/healthz", headers={"x-request-id": "trainer-7:step-42"}).headers["x-request-id"] == (
+        "trainer-7:step-42")
+    generated = client.get("/healthz").headers["x-request-id"]
+    assert len(generated) == 32 and generated != client.get("/healthz").headers["x-request-id"]
+    # A header that could forge log lines is replaced, not echoed.
+    assert client.get("/healthz", headers={"x-request-id": "a b\tc"}).headers["x-request-id"] != "a b\tc"
+
+
+def test_access_log_names_request_id_status_and_scheduler(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="scheduler_service.access"):
+        client.post("/plan", json=plan_body(scheduler="sorted"), headers={"x-request-id": "log-1"})
+    [record] = [r for r in caplog.records if r.name == "scheduler_service.access"]
+    assert (record.method, record.path, record.status, record.scheduler) == ("POST", "/plan", 200, "sorted")
+    assert record.duration_ms > 0
+
+
+# ---- GET endpoints --------------------------------------------------------------------------------------------
+
+def test_healthz(client: TestClient) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200 and response.json() == {"status": "ok", "checks": {}}
+
+
+def test_readyz_after_warmup(client: TestClient) -> None:
+    response = client.get("/readyz")
+    assert response.status_code == 200
+    assert response.json()["status"] == "ready" and response.json()["checks"]["planner"] == "ready"
+
+
+def test_readyz_is_503_before_startup() -> None:
+    client = TestClient(create_app(service_settings()))  # no ``with``: the lifespan has not run
+    assert_problem(client.get("/readyz"), 503)
+    assert_problem(client.post("/plan", json=plan_body()), 503)
+
+
+def test_models_lists_catalogue_profiles_schedulers_and_limits(client: TestClient) -> None:
+    body = client.get("/models").json()
+    assert [m["name"] for m in body["models"]] == list(MODEL_CATALOGUE)
+    assert body["default_profile"] == DEFAULT_PROFILE
+    assert DEFAULT_PROFILE in [p["name"] for p in body["profiles"]]
+    assert body["default_model"] == PlanRequest.model_fields["model"].default
+    assert body["schedulers"] == [s.value for s in SchedulerName]
+    assert body["limits"]["max_sequences"] == 1000
+    assert body["limits"]["max_body_bytes"] == 64 << 10
+
+
+def test_metrics_count_requests_by_scheduler_and_status() -> None:
+    with TestClient(create_app(service_settings())) as client:
+        client.post("/plan", json=plan_body(scheduler="balanced"))
+        client.post("/plan", json=plan_body(scheduler="balanced"))
+        client.post("/plan", json=plan_body(model="nope"))
+        response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    assert 'skrull_plan_requests_total{scheduler="balanced",status="200"} 2.0' in text
+    assert 'skrull_plan_requests_total{scheduler="skrull",status="422"} 1.0' in text
+    assert 'skrull_plan_request_duration_seconds_count{scheduler="balanced",status="200"} 2.0' in text
+    assert 'skrull_plan_solve_seconds_count{scheduler="balanced"} 2.0' in text
+    assert 'skrull_plan_speedup_vs_deepspeed_count{scheduler="balanced"} 2.0' in text
+    assert f'skrull_sequences_planned_total{{scheduler="balanced"}} {2.0 * len(MIXED_LENGTHS)}' in text
+    assert 'skrull_http_requests_total{method="POST",route="/plan",status="200"} 2.0' in text
+
+
+def test_metrics_label_requests_refused_before_routing() -> None:
+    with TestClient(create_app(service_settings(max_body_bytes=1024))) as client:
+        client.post("/plan", content=b"[" + b"1," * 2000 + b"1]", headers={"content-type": "application/json"})
+        text = client.get("/metrics").text
+    assert 'skrull_http_requests_total{method="POST",route="/plan",status="413"} 1.0' in text
+    assert 'skrull_plan_requests_total{scheduler="unknown",status="413"} 1.0' in text

@@ -1,0 +1,74 @@
+"""Configuration: SKRULL_* environment variables, the cached get_settings(), and the ``serve`` flags."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from pydantic import ValidationError
+
+from scheduler_service import cli, server
+from scheduler_service.settings import ENV_PREFIX, Settings, get_settings
+
+
+@pytest.fixture(autouse=True)
+def clean_environment() -> Iterator[None]:
+    """``serve`` exports its flags as SKRULL_* variables; put the environment and the cache back afterwards."""
+    saved = {key: value for key, value in os.environ.items() if key.startswith(ENV_PREFIX)}
+    for key in saved:
+        del os.environ[key]
+    get_settings.cache_clear()
+    yield
+    for key in [key for key in os.environ if key.startswith(ENV_PREFIX)]:
+        del os.environ[key]
+    os.environ.update(saved)
+    get_settings.cache_clear()
+
+
+def test_settings_read_skrull_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SKRULL_MAX_SEQUENCES", "77")
+    monkeypatch.setenv("SKRULL_CPSAT_WORKERS", "3")
+    monkeypatch.setenv("SKRULL_ACCESS_LOG", "false")
+    settings = get_settings()
+    assert (settings.max_sequences, settings.cpsat_workers, settings.access_log) == (77, 3, False)
+    assert settings.plan_limits.max_sequences == 77
+    assert get_settings() is settings  # cached: one configuration per process
+
+
+def test_bad_environment_fails_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SKRULL_PORT", "http")
+    with pytest.raises(ValidationError, match="port"):
+        get_settings()
+
+
+def test_default_time_limit_may_not_exceed_the_cap() -> None:
+    with pytest.raises(ValidationError, match="exceeds"):
+        Settings(cpsat_default_time_limit_s=20, cpsat_max_time_limit_s=10)
+
+
+def test_serve_flags_override_environment_for_every_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SKRULL_MAX_SEQUENCES", "10")
+    monkeypatch.setenv("SKRULL_MAX_CP_SIZE", "16")
+    served: list[Settings] = []
+    monkeypatch.setattr(server, "serve", served.append)
+    assert cli.main(["serve", "--host", "0.0.0.0", "--port", "9001", "--workers", "2", "--max-sequences", "500",
+                     "--cpsat-max-time-limit-s", "12.5", "--no-access-log"]) == 0
+    [settings] = served
+    assert (settings.host, settings.port, settings.workers) == ("0.0.0.0", 9001, 2)
+    assert (settings.max_sequences, settings.max_cp_size, settings.cpsat_max_time_limit_s) == (500, 16, 12.5)
+    assert settings.access_log is False
+    # uvicorn's worker processes rebuild the settings from the environment: the flags must be there.
+    assert os.environ["SKRULL_MAX_SEQUENCES"] == "500" and os.environ["SKRULL_WORKERS"] == "2"
+    assert os.environ["SKRULL_ACCESS_LOG"] == "false"
+
+
+def test_serve_rejects_bad_flag_value(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(server, "serve", lambda settings: pytest.fail("must not start"))
+    assert cli.main(["serve", "--workers", "0"]) == cli.EXIT_BAD_INPUT
+    assert "invalid setting: workers" in capsys.readouterr().err
+
+
+def test_plan_subcommand_still_parses() -> None:
+    args = cli.build_parser().parse_args(["plan", "request.json", "--table"])
+    assert args.command == "plan" and args.table

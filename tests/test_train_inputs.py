@@ -1,0 +1,61 @@
+"""Bad inputs to the trainer CLI: each a clear message and the documented behaviour (torchrun, CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer_client.demo import read_metrics, trainer_env
+from trainer_client.distributed import free_port
+
+
+def _torchrun(nproc: int, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "trainer_client.train", "--model", "tiny", "--no-progress", *args]
+    return subprocess.run(command, env=trainer_env(), capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+@pytest.mark.slow
+def test_rejects_world_size_different_from_dp_times_cp() -> None:
+    result = _torchrun(2, "--dp", "2", "--cp", "2", "--steps", "1")
+    assert result.returncode != 0
+    assert "error: world size 2 != dp 2 × cp 2 = 4; launch with torchrun --nproc-per-node 4" in result.stderr
+    assert result.stderr.count("error: world size") == 1  # rank 0 reports, the others exit quietly
+
+
+@pytest.mark.slow
+def test_rejects_record_longer_than_max_length_naming_the_record(tmp_path: Path) -> None:
+    data = tmp_path / "records.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n" + json.dumps({"input_ids": list(range(40))}) + "\n")
+    result = _torchrun(1, "--dp", "1", "--cp", "1", "--data", str(data), "--global-batch", "2",
+                       "--bucket-size", "32", "--steps", "1")
+    assert result.returncode != 0
+    assert f"error: record {data}:2 has 40 tokens; the maximum is 32" in result.stderr
+    assert "pass --truncate" in result.stderr
+
+
+@pytest.mark.slow
+def test_unreachable_service_at_start_up_trains_with_embedded_plans(tmp_path: Path) -> None:
+    metrics_out = tmp_path / "metrics.jsonl"
+    result = _torchrun(1, "--dp", "1", "--cp", "1", "--steps", "2", "--global-batch", "4", "--bucket-size", "2048",
+                       "--scheduler-url", f"http://127.0.0.1:{free_port()}", "--plan-attempts", "1",
+                       "--metrics-out", str(metrics_out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("is unreachable or not ready at start-up; planning with the embedded core") == 1
+    metrics = read_metrics(metrics_out)
+    assert [m["plan_source"] for m in metrics] == ["embedded", "embedded"]
+    assert metrics[-1]["plan_fallbacks"] == 2
+
+
+@pytest.mark.slow
+def test_batch_no_planner_can_plan_stops_every_rank_with_the_reason() -> None:
+    # max-length above bucket_size × cp: the planner must refuse some sequence, and no rank may hang.
+    result = _torchrun(2, "--dp", "2", "--cp", "1", "--steps", "3", "--data", "synthetic:chatqa2",
+                       "--bucket-size", "64", "--max-length", "100000")
+    assert result.returncode != 0
+    assert "error: cannot plan global batch 0: sequence" in result.stderr
+    assert "at most bucket_size 64 × cp_size 1 = 64 fit" in result.stderr

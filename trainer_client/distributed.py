@@ -1,0 +1,116 @@
+"""Process-group plumbing: the DP × CP mesh, and a gloo launcher for CPU tests and tools.
+
+``ParallelDims`` names every rank by its coordinates: ``global_rank = dp_rank ·
+cp_size + cp_rank`` (the row-major layout of ``init_device_mesh``), so the CP
+group of DP row ``i`` is global ranks ``[i · cp_size, (i + 1) · cp_size)``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelContext", "ParallelDims", "free_port", "init_parallel", "spawn_gloo"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelDims:
+    dp_size: int
+    cp_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp_size", "cp_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    def coordinates(self, global_rank: int) -> tuple[int, int]:
+        """(dp_rank, cp_rank) of a global rank."""
+        return divmod(global_rank, self.cp_size)
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise ValueError(
+                f"world size {world_size} != dp {self.dp_size} × cp {self.cp_size} = {self.world_size}; "
+                f"launch with torchrun --nproc-per-node {self.world_size} or change --dp/--cp"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelContext:
+    dims: ParallelDims
+    mesh: DeviceMesh
+    global_rank: int
+    dp_rank: int
+    cp_rank: int
+    device: torch.device
+    cp_group: dist.ProcessGroup
+    object_group: dist.ProcessGroup  # gloo: plans and decisions travel here even when training on NCCL
+
+    @property
+    def is_main(self) -> bool:
+        return self.global_rank == 0
+
+
+def init_parallel(dims: ParallelDims, *, timeout_s: float = 600.0) -> ParallelContext:
+    """Join the process group torchrun (or ``spawn_gloo``) set up and build the ("dp", "cp") mesh.
+
+    NCCL on CUDA, gloo on CPU; the world size is checked against dp × cp before any collective.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dims.check_world_size(world_size)
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    dims.check_world_size(dist.get_world_size())
+    mesh = init_device_mesh(device.type, (dims.dp_size, dims.cp_size), mesh_dim_names=("dp", "cp"))
+    global_rank = dist.get_rank()
+    dp_rank, cp_rank = dims.coordinates(global_rank)
+    object_group = dist.new_group(backend="gloo") if use_cuda else dist.group.WORLD
+    assert object_group is not None
+    return ParallelContext(dims=dims, mesh=mesh, global_rank=global_rank, dp_rank=dp_rank, cp_rank=cp_rank,
+                           device=device, cp_group=mesh.get_group("cp"), object_group=object_group)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (the OS picks; tiny race window, fine for tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _spawned(
+    local_rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
+                      RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    torch.set_num_threads(1)  # several ranks share few cores; oversubscription only slows every rank down
+    dist.init_process_group("gloo", rank=local_rank, world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(fn: Callable[..., None], world_size: int, *args: Any) -> None:
+    """Run ``fn(*args)`` on ``world_size`` CPU processes joined in a gloo group; re-raises a rank's exception."""
+    mp.spawn(_spawned, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)

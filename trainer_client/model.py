@@ -1,0 +1,172 @@
+"""The model: a Hugging Face ``transformers`` causal LM with DACP attention plugged in from outside.
+
+``build_model`` makes either a random-init model of a catalogue shape
+(``scheduler_service.core.models.MODEL_CATALOGUE``: ``tiny`` for tests and the
+demo, up to Qwen2.5-14B) or loads a local Hugging Face checkpoint (config +
+safetensors, no download). Catalogue shapes become a ``Qwen2ForCausalLM``
+(Qwen2 hard-wires Q/K/V biases); a shape without attention bias becomes a
+``LlamaForCausalLM``, the same architecture minus the biases.
+
+The model knows nothing about DP or CP. DACP attention is registered in
+transformers' attention registry under ``"dacp"`` and receives the packing
+metadata through the forward's keyword arguments:
+
+    model(input_ids=ids_1T, position_ids=pos_1T, use_cache=False, dacp_metadata=meta, dacp_backend="auto")
+
+Causality comes from the metadata (``cu_seqlens``, zigzag prefixes), so the
+mask function registered beside it (``AttentionMaskInterface``) builds no mask:
+a dense [T, T] mask is what DACP exists to avoid.
+
+Shape legend: T tokens of the packed row, H query heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
+from transformers.masking_utils import AttentionMaskInterface
+
+from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape
+from trainer_client.attention import AttentionBackend, dacp_attn_varlen_func
+from trainer_client.packing import DacpMetadata
+
+__all__ = ["DACP_ATTENTION", "build_model", "model_shape", "register_dacp_attention"]
+
+DACP_ATTENTION = "dacp"
+MAX_POSITION_EMBEDDINGS = 1 << 20  # RoPE is computed from position ids on the fly; this only bounds them
+
+
+def dacp_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q/k/v ``[1, heads, T, D]`` → output ``[1, T, heads, D]``."""
+    metadata: DacpMetadata | None = kwargs.get("dacp_metadata")
+    if metadata is None:
+        raise ValueError("DACP attention needs the packing metadata: call the model with dacp_metadata=… "
+                         "(trainer_client.packing.pack_micro_batch)")
+    if query.shape[0] != 1:
+        raise ValueError(f"DACP attention takes one packed row (batch size 1), got batch size {query.shape[0]}")
+    if dropout:
+        raise ValueError("DACP attention does not implement attention dropout; set attention_dropout=0")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("DACP attention does not implement sliding-window layers")
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # RoPE multiplies by float32 cos/sin, which promotes q/k back to float32 under autocast; the varlen
+        # kernels (flash-attn, torch varlen) take the autocast dtype only.
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    out_THD = dacp_attn_varlen_func(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), metadata,
+        softmax_scale=scaling, backend=kwargs.get("dacp_backend", AttentionBackend.AUTO),
+    )
+    return out_THD.unsqueeze(0), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def register_dacp_attention() -> None:
+    """Make ``attn_implementation="dacp"`` available (idempotent)."""
+    AttentionInterface.register(DACP_ATTENTION, dacp_attention_forward)
+    AttentionMaskInterface.register(DACP_ATTENTION, _no_mask)
+
+
+def _config_from_shape(shape: ModelShape) -> PretrainedConfig:
+    common: dict[str, Any] = dict(
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        attention_dropout=0.0,
+        pad_token_id=0,
+    )
+    if shape.attention_bias:
+        return Qwen2Config(use_sliding_window=False, **common)
+    return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+
+
+def build_model(
+    model: str,
+    *,
+    attn_implementation: str = DACP_ATTENTION,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> PreTrainedModel:
+    """A catalogue shape with seeded random init, or a local HF checkpoint directory.
+
+    The same ``(model, seed)`` gives bit-identical weights in every process, so every rank starts as a replica.
+    """
+    register_dacp_attention()
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {model!r} is a directory without config.json; expected a HF checkpoint")
+        loaded: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
+        )
+        return loaded if device is None else _to(loaded, device)
+    shape = MODEL_CATALOGUE.get(model.lower())
+    if shape is None:
+        raise ValueError(f"--model {model!r} is neither a built-in model ({', '.join(MODEL_CATALOGUE)}) "
+                         f"nor a local checkpoint directory")
+    torch.manual_seed(seed)
+    built: PreTrainedModel = AutoModelForCausalLM.from_config(
+        _config_from_shape(shape), attn_implementation=attn_implementation, dtype=dtype
+    )
+    return built if device is None else _to(built, device)
+
+
+def _to(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
+    torch.nn.Module.to(model, device)  # in place; PreTrainedModel.to's typing wraps the signature
+    return model
+
+
+def model_shape(model: str) -> ModelShape:
+    """The planner's view of ``model``: a catalogue entry, or the shape read from a checkpoint's config."""
+    path = Path(model)
+    if not path.is_dir():
+        shape = MODEL_CATALOGUE.get(model.lower())
+        if shape is None:
+            raise ValueError(f"--model {model!r} is neither a built-in model ({', '.join(MODEL_CATALOGUE)}) "
+                             f"nor a local checkpoint directory")
+        return shape
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelShape(
+        name=path.name,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(config, "attention_bias", config.model_type == "qwen2")),
+    )

@@ -1,0 +1,284 @@
+"""Plans for the trainer: the scheduler service over HTTP, the embedded planning core as fallback.
+
+``PlanClient`` speaks the wire contract (``skrull_proto``) with httpx: a timeout
+per attempt, bounded retries with exponential backoff on transport errors,
+timeouts, 429 and 5xx; a 4xx is final. Its errors:
+
+    PlanClientError (Exception)
+    ├── PlanUnavailable   no usable answer: connection refused/reset, 5xx, 429 (after every retry)
+    │   └── PlanTimeout   no answer within the timeout (after every retry)
+    └── PlanRejected      the service answered, but not with a usable plan: a 4xx (problem+json detail
+                          quoted), a body that is not a PlanResponse, or a plan that fails the checker
+
+``PlanSource`` is rank 0's decision maker. For global batch ``s`` it asks the
+service (prefetched in a background thread while batch ``s − 1`` trains); on
+any ``PlanClientError`` it plans the batch with the embedded core — the same
+``make_problem`` + ``make_plan`` the service runs, so the same plan — logs one
+warning for the whole run, counts the fallback, and the batch trains as
+planned: no batch is skipped or repeated. The service is asked again for the
+next batch. A batch no planner can plan (a sequence longer than
+``bucket_size × cp_size``) becomes an error decision, which every rank receives.
+
+Documented behaviour when the service is unreachable at start-up: one warning,
+training starts at once with embedded plans, and batches go back to the
+service as soon as it answers (the sidecar may come up later).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import StrEnum
+
+import httpx
+from pydantic import ValidationError
+from skrull_proto import ModelSpec, PlanRequest, PlanResponse, SchedulerName
+
+from scheduler_service.core.check import check_plan
+from scheduler_service.core.errors import PlanCheckError, PlanningError
+from scheduler_service.core.models import ModelShape
+from scheduler_service.core.plan import Plan, make_problem
+from scheduler_service.core.planner import make_plan
+from scheduler_service.wire import response_to_plan
+
+__all__ = [
+    "PlanClient",
+    "PlanClientError",
+    "PlanDecision",
+    "PlanOrigin",
+    "PlanRejected",
+    "PlanSource",
+    "PlanTimeout",
+    "PlanUnavailable",
+]
+
+logger = logging.getLogger("trainer_client.plan_client")
+
+_RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+class PlanClientError(Exception):
+    """Base class: the service gave no plan the trainer can use."""
+
+
+class PlanUnavailable(PlanClientError):
+    """The service could not be reached or kept failing (connection errors, 5xx, 429)."""
+
+
+class PlanTimeout(PlanUnavailable):
+    """The service did not answer within the timeout."""
+
+
+class PlanRejected(PlanClientError):
+    """The service answered with an error for this request, or with a plan that is not valid."""
+
+
+class PlanOrigin(StrEnum):
+    SERVICE = "service"
+    EMBEDDED = "embedded"
+
+
+def _problem_detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:200]
+    if isinstance(body, dict):
+        detail = body.get("detail") or body.get("title")
+        where = f" ({body['field']})" if body.get("field") else ""
+        return f"{detail}{where}"
+    return str(body)[:200]
+
+
+class PlanClient:
+    """POST /plan with a timeout and bounded retries; ``client`` may be injected (e.g. Starlette's TestClient)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 5.0,
+        max_attempts: int = 3,
+        backoff_s: float = 0.1,
+        client: httpx.Client | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"plan timeout must be positive, got {timeout_s}")
+        if max_attempts < 1:
+            raise ValueError(f"plan attempts must be at least 1, got {max_attempts}")
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"scheduler URL {base_url!r} must start with http:// or https://")
+        self.base_url = base_url
+        self.max_attempts = max_attempts
+        self.backoff_s = backoff_s
+        self._owns_client = client is None
+        self._client = client or httpx.Client(base_url=base_url, timeout=timeout_s)
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()
+
+    def ready(self) -> bool:
+        """One quick GET /readyz; False on any transport error or non-200."""
+        try:
+            return self._client.get("/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def plan(self, request: PlanRequest) -> PlanResponse:
+        body = request.model_dump_json(exclude_none=True)
+        headers = {"content-type": "application/json"}
+        failure: PlanUnavailable | None = None
+        for attempt in range(self.max_attempts):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self._client.post("/plan", content=body, headers=headers)
+            except httpx.TimeoutException as error:
+                failure = PlanTimeout(f"POST {self.base_url}/plan timed out ({type(error).__name__})")
+                continue
+            except httpx.HTTPError as error:
+                failure = PlanUnavailable(f"POST {self.base_url}/plan failed: {error!r}")
+                continue
+            if response.status_code in _RETRIED_STATUS:
+                failure = PlanUnavailable(
+                    f"POST {self.base_url}/plan answered {response.status_code}: {_problem_detail(response)}"
+                )
+                continue
+            if response.status_code != 200:
+                raise PlanRejected(
+                    f"POST {self.base_url}/plan answered {response.status_code}: {_problem_detail(response)}"
+                )
+            try:
+                return PlanResponse.model_validate_json(response.content)
+            except ValidationError as error:
+                raise PlanRejected(f"POST {self.base_url}/plan answered a body that is not a PlanResponse: "
+                                   f"{error.error_count()} errors, first: {error.errors()[0]['msg']}") from None
+        assert failure is not None
+        raise type(failure)(f"{failure} (after {self.max_attempts} attempts)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanDecision:
+    """What rank 0 broadcasts for one global batch: a plan, or the error every rank stops with."""
+
+    step: int
+    scheduler: str
+    origin: PlanOrigin
+    plan: Plan | None = None
+    bucket_size: int = 0
+    estimated_time_ms: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _ServicePlan:
+    plan: Plan
+    estimated_time_ms: float
+
+
+class PlanSource:
+    """Rank 0's plans: the service when one is configured and answers validly, else the embedded core."""
+
+    def __init__(
+        self,
+        *,
+        scheduler: str,
+        dp_size: int,
+        cp_size: int,
+        model: str | ModelShape,
+        bucket_size: int,
+        profile: str | None = None,
+        client: PlanClient | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.dp_size = dp_size
+        self.cp_size = cp_size
+        self.model = model
+        self.bucket_size = bucket_size
+        self.profile = profile
+        self.client = client
+        self.num_fallbacks = 0
+        self._warned = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-prefetch") if client else None
+        self._pending: dict[int, Future[_ServicePlan]] = {}
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.client is not None:
+            self.client.close()
+
+    def check_service(self) -> bool:
+        """Probe the service at start-up; warn (once for the run) when it does not answer."""
+        if self.client is None:
+            return False
+        if self.client.ready():
+            logger.info("scheduler service at %s is ready", self.client.base_url)
+            return True
+        self._warn(f"scheduler service at {self.client.base_url} is unreachable or not ready at start-up")
+        return False
+
+    def prefetch(self, step: int, sequence_lengths: Sequence[int]) -> None:
+        """Start asking the service for batch ``step`` in the background (no-op without a service)."""
+        if self._executor is not None and step not in self._pending:
+            self._pending[step] = self._executor.submit(self._ask_service, tuple(sequence_lengths))
+
+    def decide(self, step: int, sequence_lengths: Sequence[int]) -> PlanDecision:
+        """The plan of batch ``step``; never raises for a planning failure (it becomes an error decision)."""
+        if self._executor is not None:
+            self.prefetch(step, sequence_lengths)
+            try:
+                answer = self._pending.pop(step).result()
+                return PlanDecision(step=step, scheduler=self.scheduler, origin=PlanOrigin.SERVICE,
+                                    plan=answer.plan, bucket_size=self.bucket_size,
+                                    estimated_time_ms=answer.estimated_time_ms)
+            except PlanClientError as error:
+                self.num_fallbacks += 1
+                self._warn(f"plan of step {step} from the scheduler service failed: {error}")
+        return self._plan_embedded(step, sequence_lengths)
+
+    def _warn(self, reason: str) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning("%s; planning with the embedded core instead (same planner, same plans) and retrying "
+                           "the service for every later batch; fallbacks are counted in the metrics "
+                           "(plan_fallbacks), this warning is shown once", reason)
+
+    def _request(self, sequence_lengths: Sequence[int]) -> PlanRequest:
+        model: str | ModelSpec = (
+            self.model if isinstance(self.model, str)
+            else ModelSpec(**{name: getattr(self.model, name) for name in ModelSpec.model_fields})
+        )
+        return PlanRequest(sequence_lengths=[int(n) for n in sequence_lengths], dp_size=self.dp_size,
+                           cp_size=self.cp_size, model=model, bucket_size=self.bucket_size,
+                           scheduler=SchedulerName(self.scheduler), profile=self.profile)
+
+    def _ask_service(self, sequence_lengths: tuple[int, ...]) -> _ServicePlan:
+        assert self.client is not None
+        response = self.client.plan(self._request(sequence_lengths))
+        if response.scheduler != self.scheduler or response.bucket_size != self.bucket_size:
+            raise PlanRejected(f"the service planned with scheduler {response.scheduler} and bucket_size "
+                               f"{response.bucket_size}; asked for {self.scheduler} and {self.bucket_size}")
+        plan = response_to_plan(response)
+        try:
+            check_plan(plan, sequence_lengths=sequence_lengths, dp_size=self.dp_size, cp_size=self.cp_size,
+                       bucket_size=self.bucket_size)
+        except PlanCheckError as error:
+            raise PlanRejected(f"the service's plan fails the checker: {error.message}") from None
+        return _ServicePlan(plan=plan, estimated_time_ms=response.estimated_iteration_time_ms)
+
+    def _plan_embedded(self, step: int, sequence_lengths: Sequence[int]) -> PlanDecision:
+        try:
+            problem = make_problem(sequence_lengths=sequence_lengths, dp_size=self.dp_size, cp_size=self.cp_size,
+                                   model=self.model, bucket_size=self.bucket_size, profile=self.profile)
+            result = make_plan(problem, self.scheduler)
+        except PlanningError as error:
+            return PlanDecision(step=step, scheduler=self.scheduler, origin=PlanOrigin.EMBEDDED,
+                                error=f"cannot plan global batch {step}: {error.message}")
+        return PlanDecision(step=step, scheduler=self.scheduler, origin=PlanOrigin.EMBEDDED, plan=result.plan,
+                            bucket_size=problem.bucket_size,
+                            estimated_time_ms=result.estimate.iteration_time_s * 1e3)

@@ -1,0 +1,100 @@
+"""``torchrun --nproc-per-node DP×CP -m trainer_client.train …``: parse → build → train → close.
+
+Example (4 CPU processes, plans from a local scheduler service):
+
+    torchrun --nproc-per-node 4 -m trainer_client.train --dp 2 --cp 2 --model tiny \\
+      --data synthetic:lmsys --global-batch 16 --steps 20 --scheduler skrull \\
+      --scheduler-url http://127.0.0.1:8000 --bucket-size 4096 --seed 0 --metrics-out metrics.jsonl
+
+Exit status 2 with one message on stderr for a user error (bad flags, world
+size ≠ dp × cp, a record too long, a batch no planner can plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+
+from scheduler_service.core.plan import SchedulerName
+from trainer_client.attention import AttentionBackend
+from trainer_client.distributed import init_parallel
+from trainer_client.trainer import TrainConfig, Trainer
+
+__all__ = ["build_parser", "main"]
+
+EXIT_USER_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer_client.train", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--dp", type=int, required=True, help="data-parallel degree")
+    parser.add_argument("--cp", type=int, required=True, help="context-parallel degree")
+    parser.add_argument("--model", default="tiny", help="a built-in model name or a local HF checkpoint directory")
+    parser.add_argument("--data", default="synthetic:lmsys", help="synthetic:{wikipedia,lmsys,chatqa2} or a JSONL file")
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences per global batch")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (one per global batch)")
+    parser.add_argument("--scheduler", default="skrull", choices=[s.value for s in SchedulerName])
+    parser.add_argument("--scheduler-url", help="the scheduler service; absent: plan with the embedded core")
+    parser.add_argument("--bucket-size", type=int, help="tokens per CP rank per micro-batch (default: from profile)")
+    parser.add_argument("--profile", help="hardware profile for the performance model (default: the planner's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--max-length", type=int, help="longest record accepted (default: bucket_size × cp)")
+    parser.add_argument("--truncate", action="store_true", help="cut records longer than --max-length")
+    parser.add_argument("--metrics-out", type=Path, help="write one JSON line of metrics per step here")
+    parser.add_argument("--plan-timeout", type=float, default=5.0, help="seconds per POST /plan attempt")
+    parser.add_argument("--plan-attempts", type=int, default=3, help="POST /plan attempts before falling back")
+    parser.add_argument("--attention-backend", default="auto", choices=[b.value for b in AttentionBackend])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        dp=args.dp, cp=args.cp, model=args.model, data=args.data, global_batch=args.global_batch, steps=args.steps,
+        scheduler=args.scheduler, scheduler_url=args.scheduler_url, bucket_size=args.bucket_size,
+        profile=args.profile, seed=args.seed, lr=args.lr, weight_decay=args.weight_decay,
+        max_length=args.max_length, truncate=args.truncate, metrics_out=args.metrics_out,
+        plan_timeout_s=args.plan_timeout, plan_attempts=args.plan_attempts,
+        attention_backend=args.attention_backend, dtype=args.dtype, progress=not args.no_progress,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    trainer = None
+    try:
+        config = config_from_args(args)
+        config.dims.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))  # before any process group work
+        parallel = init_parallel(config.dims)
+        trainer = Trainer(config, parallel)
+        history = trainer.train()
+        if is_main:
+            for metrics in history:
+                print(f"step {metrics.step:>4} loss {metrics.loss:.6f} plan {metrics.plan_source}", flush=True)
+    except ValueError as error:  # user errors; every rank reaches the same one, rank 0 reports it
+        if is_main:
+            print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
