@@ -31,7 +31,7 @@ __all__ = ["dacp_balanced", "dacp_paper", "dacp_round_robin"]
 DISTRIBUTED = -1
 EXTRA_DISTRIBUTION_CANDIDATES = 2  # k values tried beyond the sequences too heavy to place locally
 GOOD_ENOUGH = 1.005  # stop searching within 0.5% of the perfectly balanced lower bound
-MAX_REFINEMENT_STEPS = 64
+MAX_REFINEMENT_STEPS = 16
 MIN_REFINEMENT_GAIN = 1e-3  # a move must cut the busiest rank's load by at least 0.1%
 
 

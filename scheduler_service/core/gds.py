@@ -26,7 +26,7 @@ from scheduler_service.core.baselines import contiguous_slices, pack_in_order
 from scheduler_service.core.dacp import dacp_balanced, dacp_paper, dacp_round_robin
 from scheduler_service.core.errors import InfeasiblePlanError
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
-from scheduler_service.core.simulate import micro_batch_time_s
+from scheduler_service.core.simulate import micro_batches_time_s
 
 __all__ = ["dacp_only", "gds_only", "gds_paper", "lpt_partition", "round_robin", "skrull", "skrull_paper"]
 
@@ -129,17 +129,6 @@ def round_robin(problem: PlanningProblem) -> Plan:
     return _paper_style(problem, dacp_round_robin)
 
 
-def _cost_s(problem: PlanningProblem, micro_batches: list[MicroBatch]) -> float:
-    """Estimated time of one DP rank's micro-batches (eqs. 1–5, summed)."""
-    lengths, flops = problem.sequence_lengths, problem.flops_list
-    total = 0.0
-    for mb in micro_batches:
-        local_flops = [sum(flops[i] for i in rank_local) for rank_local in mb.local]
-        total += micro_batch_time_s(problem.perf, problem.cp_size, local_flops,
-                                    sum(lengths[i] for i in mb.distributed), sum(flops[i] for i in mb.distributed))
-    return total
-
-
 def _dacp_unrefined(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch | None:
     return dacp_balanced(problem, indices, refine=False)
 
@@ -174,7 +163,7 @@ def _skrull_share(
             micro_batches = _schedule_groups(problem, groups, search_dacp)
             if micro_batches is not None:
                 first_feasible = count if first_feasible is None else first_feasible
-                cost = _cost_s(problem, micro_batches)
+                cost = micro_batches_time_s(problem, micro_batches)
                 if best is None or cost < best[0]:
                     best = (cost, groups)
     if best is None:

@@ -8,7 +8,7 @@ sum over its micro-batches; an iteration the max over DP ranks (eq. 8).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from scheduler_service.core.perf_model import PerformanceModel
@@ -21,6 +21,7 @@ __all__ = [
     "PlanEstimate",
     "iteration_time_s",
     "micro_batch_time_s",
+    "micro_batches_time_s",
     "simulate",
 ]
 
@@ -61,10 +62,11 @@ def micro_batch_time_s(
     perf: PerformanceModel, cp_size: int, local_flops: Sequence[float], distributed_tokens: float,
     distributed_flops: float,
 ) -> float:
-    """Eqs. 1–5 for one micro-batch given per-CP-rank local FLOPs: the schedulers' inner cost function."""
+    """Eqs. 1–5 for one micro-batch given the local FLOPs of (at least the busiest) CP ranks: the schedulers'
+    inner cost function."""
     comm_s = perf.comm_time_s(distributed_tokens)
     distributed_s = perf.compute_time_s(distributed_flops / cp_size)
-    return max(comm_s, perf.compute_time_s(max(local_flops))) + distributed_s
+    return max(comm_s, perf.compute_time_s(max(local_flops, default=0.0))) + distributed_s
 
 
 def _estimate_micro_batch(problem: PlanningProblem, micro_batch: MicroBatch) -> MicroBatchEstimate:
@@ -96,19 +98,21 @@ def _estimate_micro_batch(problem: PlanningProblem, micro_batch: MicroBatch) -> 
     )
 
 
+def micro_batches_time_s(problem: PlanningProblem, micro_batches: Iterable[MicroBatch]) -> float:
+    """Estimated time of micro-batches run one after another (a DP rank's gradient accumulation)."""
+    lengths, flops = problem.sequence_lengths, problem.flops_list
+    return sum(
+        micro_batch_time_s(
+            problem.perf, problem.cp_size, [sum(flops[i] for i in rank_local) for rank_local in mb.local if rank_local],
+            sum(lengths[i] for i in mb.distributed), sum(flops[i] for i in mb.distributed),
+        )
+        for mb in micro_batches
+    )
+
+
 def iteration_time_s(problem: PlanningProblem, plan: Plan) -> float:
     """``simulate(...).iteration_time_s`` without the breakdown: the cheap path for baselines and searches."""
-    lengths, flops = problem.sequence_lengths, problem.flops_list
-    return max(
-        sum(
-            micro_batch_time_s(
-                problem.perf, problem.cp_size, [sum(flops[i] for i in rank_local) for rank_local in mb.local],
-                sum(lengths[i] for i in mb.distributed), sum(flops[i] for i in mb.distributed),
-            )
-            for mb in dp_plan.micro_batches
-        )
-        for dp_plan in plan.dp_ranks
-    )
+    return max(micro_batches_time_s(problem, dp_plan.micro_batches) for dp_plan in plan.dp_ranks)
 
 
 def simulate(problem: PlanningProblem, plan: Plan) -> PlanEstimate:
