@@ -13,13 +13,16 @@ memory bound, by construction, in every algorithm here.
   S/N − S). A roll-back is only taken when the shard fits on every rank.
 * ``dacp_round_robin`` — the RR case-study scheduler (appendix B.2).
 * ``dacp_balanced`` — Skrull's default: distribute the k longest sequences for
-  a few k, place the rest largest-first on the least-loaded rank with room
+  a few k (and for k = all: static CP is always a candidate, so a micro-batch
+  never does worse than sharding everything under the cost model), place the
+  rest largest-first on the least-loaded rank with room
   (LPT under the memory bound), keep the cheapest k under the cost model, then
   improve it with bounded move/swap steps. Cost: O(k_max · K · N) per call.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -241,14 +244,15 @@ def dacp_balanced(problem: PlanningProblem, indices: Sequence[int], *, refine: b
     # Sequences that cannot be local, or that alone exceed a rank's fair share, are the ones worth sharding.
     num_forced = sum(1 for k in order if lengths[k] > problem.bucket_size)  # can never be local
     num_heavy = sum(1 for k in order if lengths[k] > problem.bucket_size or flops[k] > fair_share)
+    # k = number of longest sequences sharded up front; sharding all of them is always a candidate,
+    # and it fits whenever the micro-batch's tokens do.
+    candidates = [*range(num_forced, min(num_heavy + EXTRA_DISTRIBUTION_CANDIDATES, len(order)) + 1), len(order)]
+    prefix_tokens = [0, *itertools.accumulate(lengths[k] for k in order)]
+    prefix_flops = [0.0, *itertools.accumulate(flops[k] for k in order)]
     best: _Placement | None = None
-    distributed_tokens = sum(lengths[k] for k in order[:num_forced])  # sums over order[:num_distributed]
-    distributed_flops = sum(flops[k] for k in order[:num_forced])
-    for num_distributed in range(num_forced, min(num_heavy + EXTRA_DISTRIBUTION_CANDIDATES, len(order)) + 1):
-        if num_distributed > num_forced:
-            distributed_tokens += lengths[order[num_distributed - 1]]
-            distributed_flops += flops[order[num_distributed - 1]]
-        candidate = _largest_first(problem, order, num_distributed, distributed_tokens, distributed_flops)
+    for num_distributed in dict.fromkeys(candidates):  # ordered and without repeats
+        candidate = _largest_first(problem, order, num_distributed, prefix_tokens[num_distributed],
+                                   prefix_flops[num_distributed])
         if candidate is None:
             continue
         candidate.time_s = micro_batch_time_s(perf, cp_size, candidate.loads, candidate.distributed_tokens,
@@ -257,10 +261,8 @@ def dacp_balanced(problem: PlanningProblem, indices: Sequence[int], *, refine: b
             best = candidate
             if best.time_s <= lower_bound_s * GOOD_ENOUGH:
                 break
-    if best is None:  # sharding everything fits whenever the micro-batch's tokens do
-        best = _largest_first(problem, order, len(order), sum(lengths[k] for k in order), sum(flops[k] for k in order))
-        if best is None:
-            return None
+    if best is None:
+        return None
     if refine:
         _refine(problem, best)
     return _micro_batch(best.placement, cp_size)
