@@ -1,0 +1,389 @@
+"""Exact joint GDS + DACP scheduling with CP-SAT (paper eqs. 1–11): the yardstick for the heuristics.
+
+Formulation. Sequence ``k`` (``S_k`` tokens, ``F_k`` FLOPs) goes to exactly one
+place (eq. 9): a micro-batch of a DP rank ``i`` and, inside it, either whole on
+one CP rank ``j`` (``local``, the paper's ``P_kj``) or sharded over all ``N`` CP
+ranks (``dist``, the paper's ``D_k``). With ``T_comp(F) = α·F + β`` and
+``T_comm(V) = a·V + T_fixed``, whose fixed parts only non-empty groups pay
+(indicator booleans), a micro-batch takes (eqs. 1–5)
+
+    time = max(T_comm(dist tokens), max_j T_comp(local FLOPs on j)) + T_comp(dist FLOPs / N)
+
+under the memory bound ``N·(local tokens on j) + dist tokens <= C·N`` for every
+``j`` (eqs. 7, 10); the objective is ``min max_i sum over i's micro-batches of
+time`` (eq. 8). Every term is linear in the booleans, so this is a MILP that
+CP-SAT attacks with its LP relaxation, clause learning and LNS.
+
+Symmetry breaking. DP ranks, the micro-batches of a DP rank (gradient
+accumulation sums them in any order) and the CP ranks of a micro-batch are
+interchangeable. Each micro-batch is named after its smallest sequence index
+(its representative), so there is at most one per (DP rank, representative)
+and no plan is lost; DP ranks are ordered by their smallest index, CP ranks
+partly (see the comments at the constraints).
+
+Quantisation. Seconds become integer nanoseconds in ``_quantise`` only, every
+cost rounded *down*, so the model's time of any plan is at most its
+``simulate()`` time: ``bound_s`` is a true lower bound on every plan, and the
+plan the model calls optimal is within about a nanosecond per sequence of the
+true optimum. ``objective_s`` is always ``simulate()`` of the returned plan.
+
+Search. The model is warm-started from the hint (without one, every sequence
+alone and distributed) relabelled as the model names things, every variable
+hinted; the hint comes back whenever the search finds nothing better. Presolve
+runs only on models of at most ``MAX_PRESOLVE_BOOLEANS`` placement booleans
+(beyond, it eats the time limit); larger than ``MAX_PLACEMENT_BOOLEANS`` is
+refused.
+
+Measured cost (qwen2.5-0.5b, h100-paper profile, long-tailed lengths with
+the profile's BucketSize or a tight 4096 one, trivial hint, 2 workers on a
+2-core machine; time to OPTIMAL over 8 batches per row):
+
+    8 sequences   dp=2 cp=4 and dp=4 cp=8   all optimal, 0.04–0.3 s
+    12 sequences  dp=4 cp=8                 all optimal, 0.4–1.1 s
+    12 sequences  dp=2 cp=4                 all optimal, 0.2–6.2 s
+    16 sequences  dp=4 cp=8                 all optimal, 0.8–3.9 s (one earlier batch took 13 s)
+    16 sequences  dp=2 cp=4                 2 of 8 optimal within 10 s (5.7 s, 10 s); the others
+                                            stop with a 1.5–11 % gap, one still ~5 % after 60 s
+
+The hard case is many sequences of similar cost on few CP ranks: the best plan
+is usually found within seconds, but proving it is a partition problem about
+which the LP bound (perfect balance over CP ranks) says little. Building the
+model takes ~0.15 s for 32 sequences on dp=4 cp=8 and ~3 s / 300 MB for 128;
+it grows as dp·cp·K²/2 booleans. Far too slow for online planning, which is
+why the paper schedules with heuristics; this module measures their gap.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from ortools.sat.python import cp_model
+
+from scheduler_service.core.check import check_plan
+from scheduler_service.core.errors import InvalidRequestError
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, SolverReport
+from scheduler_service.core.simulate import simulate
+
+__all__ = ["MAX_PLACEMENT_BOOLEANS", "TICKS_PER_SECOND", "CpSatSolution", "solve"]
+
+TICKS_PER_SECOND = 1_000_000_000  # the model's time unit is 1 ns; iterations of minutes stay below 2^40 ticks
+# Measured on 2 cores: presolve takes 0.7 s at 3k placement booleans, 2 s at 8k and 6.5 s at 15k, so beyond
+# this it eats the time limit before the search starts; below it, it pays for itself.
+MAX_PRESOLVE_BOOLEANS = 10_000
+# About 128 sequences on dp=4 cp=8 (~3 s and ~300 MB to build); 256 take 12 s and 1 GB before any search.
+MAX_PLACEMENT_BOOLEANS = 300_000
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CpSatSolution:
+    plan: Plan
+    report: SolverReport
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Costs:
+    """The performance model in integer ticks, every term rounded down (never above the float model)."""
+
+    local: list[int]  # α·F_k: sequence k computed whole on one CP rank
+    distributed: list[int]  # α·F_k / N: each CP rank's share of sharded sequence k
+    comm: list[int]  # a·S_k: all-gather and reduce-scatter of k's K/V, all layers
+    compute_fixed: int  # β of eq. 14: once per non-empty packed group
+    comm_fixed: int  # T_fixed of eq. 16: once per micro-batch with distributed tokens
+
+
+def _quantise(problem: PlanningProblem) -> _Costs:
+    """The one place seconds become integers."""
+    perf = problem.perf
+    num_layers = perf.model.num_layers
+    comm_s_per_token = num_layers * perf.comm_bytes_per_layer(1.0) * (
+        perf.all_gather.slope + perf.reduce_scatter.slope)
+    comm_fixed_s = num_layers * (perf.all_gather.intercept + perf.reduce_scatter.intercept)
+    compute_s = perf.profile.compute.alpha_s_per_flop * problem.flops
+
+    def ticks(seconds: npt.ArrayLike) -> list[int]:
+        return [int(t) for t in np.floor(np.atleast_1d(np.asarray(seconds, dtype=np.float64)) * TICKS_PER_SECOND)]
+
+    return _Costs(
+        local=ticks(compute_s),
+        distributed=ticks(compute_s / problem.cp_size),
+        comm=ticks(comm_s_per_token * problem.lengths.astype(np.float64)),
+        compute_fixed=ticks(perf.compute_beta_s)[0],
+        comm_fixed=ticks(comm_fixed_s)[0],
+    )
+
+
+def _num_placement_booleans(problem: PlanningProblem) -> int:
+    """How many ``local`` and ``dist`` booleans ``_JointModel`` creates for ``problem``."""
+    num_sequences, bucket_size = problem.num_sequences, problem.bucket_size
+    fits_after = np.cumsum((problem.lengths <= bucket_size)[::-1])[::-1]  # [s]: sequences >= s that fit whole
+    count = 0
+    for i in range(min(problem.dp_size, num_sequences)):
+        for r in range(i, num_sequences):
+            count += num_sequences - r + sum(int(fits_after[s]) for s in range(r, min(r + problem.cp_size,
+                                                                                       num_sequences)))
+    return count
+
+
+def _min_micro_batches(token_counts: Sequence[int], capacity: int) -> int:
+    """Bin-packing lower bound: the total volume, and that sequences over half a micro-batch never share one."""
+    by_volume = -(-sum(token_counts) // capacity)
+    by_size = sum(1 for tokens in token_counts if 2 * tokens > capacity)
+    return max(by_volume, by_size)
+
+
+# A plan as the model labels it: DP ranks → micro-batches → (local groups, distributed), each list sorted
+# by smallest index, nothing empty.
+_CanonicalPlan = list[list[tuple[list[list[int]], list[int]]]]
+
+
+def _canonical(plan: Plan) -> _CanonicalPlan:
+    def first(micro_batch: tuple[list[list[int]], list[int]]) -> int:
+        groups, distributed = micro_batch
+        return min([*distributed, *(k for group in groups for k in group)])
+
+    dp_ranks = []
+    for dp_plan in plan.dp_ranks:
+        micro_batches = [
+            (sorted((sorted(group) for group in mb.local if group), key=min), sorted(mb.distributed))
+            for mb in dp_plan.micro_batches
+            if mb.indices()
+        ]
+        if micro_batches:
+            dp_ranks.append(sorted(micro_batches, key=first))
+    return sorted(dp_ranks, key=lambda micro_batches: first(micro_batches[0]))
+
+
+def _one_sequence_per_micro_batch(problem: PlanningProblem) -> Plan:
+    """Every sequence alone and distributed, dealt round-robin over DP ranks: valid whenever every
+    ``S_k <= C·N``, which ``make_problem`` guarantees. The hint of last resort."""
+    empty_local = ((),) * problem.cp_size
+    return Plan(dp_ranks=tuple(
+        DPRankPlan(micro_batches=tuple(
+            MicroBatch(local=empty_local, distributed=(k,))
+            for k in range(dp_rank, problem.num_sequences, problem.dp_size)
+        ))
+        for dp_rank in range(problem.dp_size)
+    ))
+
+
+class _JointModel:
+    """The CP-SAT model of one problem (paper eqs. 1–11), its warm start and its read-back."""
+
+    def __init__(self, problem: PlanningProblem) -> None:
+        self.problem = problem
+        self.costs = costs = _quantise(problem)
+        self.model = model = cp_model.CpModel()
+        num_sequences, cp_size, bucket_size = problem.num_sequences, problem.cp_size, problem.bucket_size
+        lengths = [int(length) for length in problem.lengths]
+        capacity = bucket_size * cp_size  # tokens per micro-batch over the CP group (eq. 10's C·N)
+        beta = costs.compute_fixed
+        # No plan is slower than running every sequence alone, one after another, paying every fixed cost.
+        horizon = sum(costs.local) + sum(costs.distributed) + sum(costs.comm) + num_sequences * (
+            2 * beta + costs.comm_fixed)
+
+        # Micro-batch slots (i, r): the micro-batch of DP rank i whose smallest sequence index (representative)
+        # is r. Every micro-batch of every plan has exactly one such name. Numbering DP ranks by their smallest
+        # index (below) makes DP rank i start at an index >= i, so r >= i.
+        num_dp_ranks = min(problem.dp_size, num_sequences)  # the others stay empty
+        self.slots = slots = [(i, r) for i in range(num_dp_ranks) for r in range(i, num_sequences)]
+        # CP ranks of a micro-batch, numbered by their smallest local index, make CP rank j start at an index
+        # >= r + j. A sequence longer than C never fits whole on one rank (eq. 7). CP ranks that no sequence
+        # can use are left out of the model (they form a suffix).
+        fits_whole = [length <= bucket_size for length in lengths]
+        self.members = {(i, r, j): [k for k in range(r + j, num_sequences) if fits_whole[k]]
+                        for i, r in slots for j in range(cp_size)}
+        self.cp_ranks = {(i, r): [j for j in range(cp_size) if self.members[i, r, j]] for i, r in slots}
+        self.distributable = {(i, r): range(r, num_sequences) for i, r in slots}
+
+        # Placement booleans: local[k, i, r, j] keeps sequence k whole on CP rank j of micro-batch (i, r)
+        # (P_kj); dist[k, i, r] shards it over the CP group (D_k).
+        self.local = local = {
+            (k, i, r, j): model.new_bool_var(f"local[{k},{i},{r},{j}]")
+            for i, r in slots for j in self.cp_ranks[i, r] for k in self.members[i, r, j]
+        }
+        self.dist = dist = {
+            (k, i, r): model.new_bool_var(f"dist[{k},{i},{r}]") for i, r in slots for k in self.distributable[i, r]
+        }
+
+        # Indicator booleans, each true exactly when its group is non-empty: opens[i, r] (the micro-batch),
+        # busy[i, r, j] (CP rank j has local work; it pays β), sharded[i, r] (distributed work; it pays
+        # T_fixed and β).
+        self.opens = opens = {(i, r): model.new_bool_var(f"opens[{i},{r}]") for i, r in slots}
+        self.busy = busy = {(i, r, j): model.new_bool_var(f"busy[{i},{r},{j}]")
+                            for i, r in slots for j in self.cp_ranks[i, r]}
+        self.sharded = sharded = {(i, r): model.new_bool_var(f"sharded[{i},{r}]") for i, r in slots}
+
+        # Micro-batch times and the iteration time, in ticks.
+        self.mb_time = mb_time = {(i, r): model.new_int_var(0, horizon, f"time[{i},{r}]") for i, r in slots}
+        self.iteration_time = model.new_int_var(0, horizon, "iteration_time")
+
+        # Each sequence is scheduled exactly once (eq. 9).
+        places: list[list[cp_model.IntVar]] = [[] for _ in range(num_sequences)]
+        for (k, *_), variable in [*dist.items(), *local.items()]:
+            places[k].append(variable)
+        for k in range(num_sequences):
+            model.add_exactly_one(places[k])
+
+        for i, r in slots:
+            distributable = self.distributable[i, r]
+            cp_ranks = self.cp_ranks[i, r]
+            in_micro_batch = [dist[k, i, r] for k in distributable] + [
+                local[k, i, r, j] for j in cp_ranks for k in self.members[i, r, j]]
+
+            # Representatives: micro-batch (i, r) is open exactly when sequence r is in it (on CP rank 0 if
+            # local, the rank of the smallest local index), and every member needs it open.
+            representative = [dist[r, i, r]] + ([local[r, i, r, 0]] if fits_whole[r] else [])
+            model.add(opens[i, r] == sum(representative))
+            for variable in in_micro_batch:
+                model.add_implication(variable, opens[i, r])
+
+            # Indicators tied both ways to their groups.
+            model.add_max_equality(sharded[i, r], [dist[k, i, r] for k in distributable])
+            for j in cp_ranks:
+                model.add_max_equality(busy[i, r, j], [local[k, i, r, j] for k in self.members[i, r, j]])
+
+            # CP ranks in order: CP rank j has local work only if CP rank j - 1 has.
+            for j in cp_ranks[1:]:
+                model.add_implication(busy[i, r, j], busy[i, r, j - 1])
+
+            # DP ranks in order of their smallest index: micro-batch r opens on DP rank i > 0 only if DP rank
+            # i - 1 has a micro-batch with a smaller representative.
+            if i > 0:
+                model.add(opens[i, r] <= sum(opens[i - 1, earlier] for earlier in range(i - 1, r)))
+
+            # Memory bound per CP rank, in integer tokens × N (eqs. 7, 10); a CP rank without local work still
+            # holds its 1/N of the distributed tokens. Each side is also bounded by its indicator times the
+            # capacity, which changes no integer solution and tightens the LP relaxation.
+            dist_tokens = sum(lengths[k] * dist[k, i, r] for k in distributable)
+            model.add(dist_tokens <= capacity * sharded[i, r])
+            for j in cp_ranks:
+                local_tokens = sum(lengths[k] * local[k, i, r, j] for k in self.members[i, r, j])
+                model.add(cp_size * local_tokens + dist_tokens <= capacity * opens[i, r])
+                model.add(local_tokens <= bucket_size * busy[i, r, j])
+
+            # Micro-batch time (eqs. 1–5): at least the communication and at least each CP rank's local compute
+            # (eq. 2's max, with communication overlapping local attention), either followed by each CP rank's
+            # 1/N of the distributed compute (eq. 4); a non-empty micro-batch takes at least β.
+            dist_compute = sum(costs.distributed[k] * dist[k, i, r] for k in distributable) + beta * sharded[i, r]
+            comm = sum(costs.comm[k] * dist[k, i, r] for k in distributable) + costs.comm_fixed * sharded[i, r]
+            model.add(mb_time[i, r] >= comm + dist_compute)
+            for j in cp_ranks:
+                local_compute = sum(costs.local[k] * local[k, i, r, j] for k in self.members[i, r, j])
+                model.add(mb_time[i, r] >= local_compute + beta * busy[i, r, j] + dist_compute)
+            model.add(mb_time[i, r] >= beta * opens[i, r])
+
+        # Redundant counts, for the bound: the memory bound summed over micro-batches needs at least this many
+        # micro-batches, and at least this many with distributed work (sequences longer than C).
+        model.add(sum(opens.values()) >= _min_micro_batches(lengths, capacity))
+        model.add(sum(sharded.values()) >= _min_micro_batches([n for n in lengths if n > bucket_size], capacity))
+
+        # Iteration time: the slowest DP rank's sum over its micro-batches (eq. 8).
+        for i in range(num_dp_ranks):
+            model.add(self.iteration_time >= sum(mb_time[i, r] for r in range(i, num_sequences)))
+        model.minimize(self.iteration_time)
+
+    def add_hint(self, plan: Plan) -> None:
+        """Warm start from a valid plan: every variable hinted, the times in model ticks."""
+        costs, beta = self.costs, self.costs.compute_fixed
+        values: dict[cp_model.IntVar, int] = dict.fromkeys(
+            [*self.local.values(), *self.dist.values(), *self.opens.values(), *self.busy.values(),
+             *self.sharded.values(), *self.mb_time.values()], 0)
+        dp_times = []
+        for i, micro_batches in enumerate(_canonical(plan)):
+            dp_times.append(0)
+            for groups, distributed in micro_batches:
+                r = min([*distributed, *(k for group in groups for k in group)])
+                values[self.opens[i, r]] = 1
+                comm = dist_compute = 0
+                if distributed:
+                    values[self.sharded[i, r]] = 1
+                    comm = sum(costs.comm[k] for k in distributed) + costs.comm_fixed
+                    dist_compute = sum(costs.distributed[k] for k in distributed) + beta
+                for k in distributed:
+                    values[self.dist[k, i, r]] = 1
+                local_compute = [0]
+                for j, group in enumerate(groups):
+                    values[self.busy[i, r, j]] = 1
+                    for k in group:
+                        values[self.local[k, i, r, j]] = 1
+                    local_compute.append(sum(costs.local[k] for k in group) + beta)
+                values[self.mb_time[i, r]] = max(comm, *local_compute) + dist_compute
+                dp_times[-1] += values[self.mb_time[i, r]]
+        values[self.iteration_time] = max(dp_times)
+        for variable, value in values.items():
+            self.model.add_hint(variable, value)
+
+    def plan(self, solver: cp_model.CpSolver) -> Plan:
+        """The solver's current solution as a plan; empty micro-batch slots are dropped."""
+        problem = self.problem
+        dp_ranks: list[list[MicroBatch]] = [[] for _ in range(problem.dp_size)]
+        for i, r in self.slots:
+            if not solver.boolean_value(self.opens[i, r]):
+                continue
+            local = tuple(
+                tuple(k for k in self.members[i, r, j] if solver.boolean_value(self.local[k, i, r, j]))
+                for j in self.cp_ranks[i, r]
+            )
+            distributed = tuple(k for k in self.distributable[i, r] if solver.boolean_value(self.dist[k, i, r]))
+            dp_ranks[i].append(MicroBatch(local=local + ((),) * (problem.cp_size - len(local)),
+                                          distributed=distributed))
+        return Plan(dp_ranks=tuple(DPRankPlan(micro_batches=tuple(micro_batches)) for micro_batches in dp_ranks))
+
+
+def solve(
+    problem: PlanningProblem, *, time_limit_s: float, hint: Plan | None = None, num_workers: int = 2
+) -> CpSatSolution:
+    """The best plan CP-SAT finds within ``time_limit_s``, warm-started from ``hint`` (a valid plan).
+
+    Never worse than the hint under ``simulate()``: when the search finds nothing better, or nothing at all,
+    the hint comes back, and ``report.status`` says what the solver proved. Without a hint, every sequence in
+    its own distributed micro-batch stands in for it. ``wall_time_s`` includes building the model.
+    """
+    if not time_limit_s >= 0:
+        raise ValueError(f"time_limit_s must be non-negative, got {time_limit_s}")
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+    if hint is not None:
+        check_plan(hint, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
+                   cp_size=problem.cp_size, bucket_size=problem.bucket_size)
+    num_booleans = _num_placement_booleans(problem)
+    if num_booleans > MAX_PLACEMENT_BOOLEANS:
+        raise InvalidRequestError(
+            f"the exact cpsat scheduler would need {num_booleans} placement booleans for {problem.num_sequences} "
+            f"sequences on dp_size {problem.dp_size} × cp_size {problem.cp_size}; at most {MAX_PLACEMENT_BOOLEANS} "
+            "are allowed: schedule a smaller batch or use a heuristic scheduler",
+            field="scheduler",
+        )
+    fallback = hint if hint is not None else _one_sequence_per_micro_batch(problem)
+    started = time.perf_counter()
+
+    joint = _JointModel(problem)
+    joint.add_hint(fallback)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = num_workers
+    solver.parameters.cp_model_presolve = num_booleans <= MAX_PRESOLVE_BOOLEANS
+    status = solver.solve(joint.model)
+
+    plan = fallback
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        solved = joint.plan(solver)
+        # Rounding down can rank a plan a few ns ahead of the hint in the model and behind it in simulate().
+        if simulate(problem, solved).iteration_time_s <= simulate(problem, fallback).iteration_time_s:
+            plan = solved
+    bound_s = None
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.UNKNOWN) and math.isfinite(
+            solver.best_objective_bound):
+        bound_s = max(solver.best_objective_bound, 0.0) / TICKS_PER_SECOND
+    report = SolverReport(
+        status=solver.status_name(status),
+        objective_s=simulate(problem, plan).iteration_time_s,
+        bound_s=bound_s,
+        wall_time_s=time.perf_counter() - started,
+    )
+    return CpSatSolution(plan=plan, report=report)
