@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from scheduler_service.core.plan import MicroBatch, PlanningProblem
 from scheduler_service.core.simulate import micro_batch_time_s
@@ -51,7 +51,7 @@ def _micro_batch(placement: dict[int, int], cp_size: int) -> MicroBatch:
 
 
 def _roll_back(
-    rank: int, order: Sequence[int], placement: dict[int, int], remaining: list[int], loads: list[float] | None,
+    rank: int, order: Sequence[int], placement: dict[int, int], remaining: list[int], loads: list[float],
     problem: PlanningProblem,
 ) -> bool:
     """Algorithm 3's RollBack, fixed: shard the first local sequence of ``rank`` whose shard fits everywhere."""
@@ -59,45 +59,45 @@ def _roll_back(
     for index in order:
         if placement.get(index) != rank:
             continue
-        tokens = int(problem.lengths[index])
+        tokens = problem.sequence_lengths[index]
         if any(remaining[r] < tokens for r in range(cp_size) if r != rank):
             continue
         placement[index] = DISTRIBUTED
         remaining[rank] += tokens * cp_size  # its whole length leaves this rank ...
         for r in range(cp_size):
             remaining[r] -= tokens  # ... and 1/N of it lands on every rank
-        if loads is not None:
-            flops = float(problem.flops[index])
-            loads[rank] -= flops
-            for r in range(cp_size):
-                loads[r] += flops / cp_size
+        flops = problem.flops_list[index]
+        loads[rank] -= flops
+        for r in range(cp_size):
+            loads[r] += flops / cp_size
         return True
     return False
 
 
-def dacp_paper(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch | None:
-    """Algorithm 1 (with the fixed roll-back); ``None`` when it fails, as GDS expects."""
-    cp_size, lengths, flops = problem.cp_size, problem.lengths, problem.flops
-    order = sorted(indices, key=lambda k: (lengths[k], k))  # line 1: ascending
+RankChoice = Callable[[list[int], list[float], int], int]
+
+
+def _greedy_with_roll_back(problem: PlanningProblem, order: Sequence[int], choose: RankChoice) -> MicroBatch | None:
+    """The loop Algorithm 1 and appendix B.2 share: place each sequence on ``choose``'s rank if it fits
+    there, else shard it if the shard fits everywhere, else roll back on the fullest rank and retry."""
+    cp_size, lengths, flops = problem.cp_size, problem.sequence_lengths, problem.flops_list
     remaining = [problem.bucket_size * cp_size] * cp_size  # RB, in 1/N-token units
     loads = [0.0] * cp_size  # L
     placement: dict[int, int] = {}
     position = 0
     while position < len(order):
         index = order[position]
-        tokens = int(lengths[index])
-        rank = min(range(cp_size), key=loads.__getitem__)  # line 6: least-loaded rank
-        if remaining[rank] < tokens * cp_size:
-            rank = max(range(cp_size), key=remaining.__getitem__)  # line 10: most room
-        if remaining[rank] >= tokens * cp_size:  # lines 7-8 / 11-12: UpdateLocal
+        tokens = lengths[index]
+        rank = choose(remaining, loads, tokens * cp_size)
+        if remaining[rank] >= tokens * cp_size:  # Alg. 1 lines 7-8 / 11-12: UpdateLocal
             placement[index] = rank
             remaining[rank] -= tokens * cp_size
-            loads[rank] += float(flops[index])
+            loads[rank] += flops[index]
         elif min(remaining) >= tokens:  # lines 14-16: UpdateAll
             placement[index] = DISTRIBUTED
             for r in range(cp_size):
                 remaining[r] -= tokens
-                loads[r] += float(flops[index]) / cp_size
+                loads[r] += flops[index] / cp_size
         else:  # line 18: roll back on the fullest rank, then retry this sequence
             fullest = min(range(cp_size), key=remaining.__getitem__)
             if not _roll_back(fullest, order, placement, remaining, loads, problem):
@@ -107,31 +107,26 @@ def dacp_paper(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch |
     return _micro_batch(placement, cp_size)
 
 
+def _least_loaded_else_most_room(remaining: list[int], loads: list[float], units: int) -> int:
+    rank = min(range(len(loads)), key=loads.__getitem__)  # Alg. 1 line 6
+    if remaining[rank] < units:
+        rank = max(range(len(remaining)), key=remaining.__getitem__)  # line 10
+    return rank
+
+
+def _most_room(remaining: list[int], loads: list[float], units: int) -> int:
+    return max(range(len(remaining)), key=remaining.__getitem__)
+
+
+def dacp_paper(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch | None:
+    """Algorithm 1 (with the fixed roll-back); ``None`` when it fails, as GDS expects."""
+    ascending = sorted(indices, key=lambda k: (problem.sequence_lengths[k], k))  # line 1
+    return _greedy_with_roll_back(problem, ascending, _least_loaded_else_most_room)
+
+
 def dacp_round_robin(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch | None:
     """Appendix B.2: each sequence to the bucket with the most room, else sharded, else roll back."""
-    cp_size, lengths = problem.cp_size, problem.lengths
-    order = list(indices)
-    remaining = [problem.bucket_size * cp_size] * cp_size
-    placement: dict[int, int] = {}
-    position = 0
-    while position < len(order):
-        index = order[position]
-        tokens = int(lengths[index])
-        rank = max(range(cp_size), key=remaining.__getitem__)
-        if remaining[rank] >= tokens * cp_size:
-            placement[index] = rank
-            remaining[rank] -= tokens * cp_size
-        elif min(remaining) >= tokens:
-            placement[index] = DISTRIBUTED
-            for r in range(cp_size):
-                remaining[r] -= tokens
-        else:
-            fullest = min(range(cp_size), key=remaining.__getitem__)
-            if not _roll_back(fullest, order, placement, remaining, None, problem):
-                return None
-            continue
-        position += 1
-    return _micro_batch(placement, cp_size)
+    return _greedy_with_roll_back(problem, list(indices), _most_room)
 
 
 class _Placement:
