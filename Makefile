@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench load serve schema lint clean
+.PHONY: install demo test bench load serve schema profile accuracy feedback lint clean
 
 install: $(STAMP)
 
@@ -35,6 +35,15 @@ serve: install
 
 schema: install
 	$(PY) -m scheduler_service.export_schema
+
+profile: install
+	$(PY) -m trainer_client.profile --model tiny --device cpu --out profiles/cpu-tiny.json
+
+accuracy: install
+	$(PY) -m benchmarks.accuracy
+
+feedback: install
+	$(PY) -m benchmarks.feedback
 
 lint: install
 	$(PY) -m ruff check .

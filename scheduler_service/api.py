@@ -7,29 +7,32 @@ errors are raised, never formatted here (``problems`` maps them to HTTP).
 from __future__ import annotations
 
 import functools
-from typing import Annotated
+from typing import Annotated, Literal
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from skrull_proto import (
+    FeedbackRequest,
+    FeedbackResponse,
     HealthStatus,
     ModelSpec,
     ModelsResponse,
     PlanRequest,
     PlanResponse,
+    ProfilesReloaded,
     ProfileSummary,
     SchedulerName,
     ServiceLimits,
 )
 
 from scheduler_service.core.models import MODEL_CATALOGUE
-from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles
+from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, builtin_profiles
 from scheduler_service.metrics import CONTENT_TYPE_LATEST, ServiceMetrics
 from scheduler_service.middleware import SCHEDULER_SCOPE_KEY
 from scheduler_service.parsing import parse_plan_request
-from scheduler_service.planning import PlanningService
-from scheduler_service.problems import PROBLEM_RESPONSES, ServiceUnavailableError
+from scheduler_service.planning import PlanningService, feedback_response
+from scheduler_service.problems import FEEDBACK_PROBLEM_RESPONSES, PROBLEM_RESPONSES, ServiceUnavailableError
 from scheduler_service.settings import Settings
 
 __all__ = ["router"]
@@ -95,13 +98,12 @@ async def plan(request: Request, planner: PlannerDep, settings: SettingsDep) -> 
 
 
 @router.get("/models", response_model=ModelsResponse, summary="Known models, profiles, schedulers and limits")
-async def models(settings: SettingsDep) -> ModelsResponse:
+async def models(settings: SettingsDep, planner: PlannerDep) -> ModelsResponse:
     return ModelsResponse(
         models=[ModelSpec.model_validate(_shape_fields(shape)) for shape in MODEL_CATALOGUE.values()],
         profiles=[
-            ProfileSummary(name=profile.name, description=profile.description, device=profile.device,
-                           device_memory_bytes=profile.device_memory_bytes, model=profile.model)
-            for profile in builtin_profiles().values()
+            *(_profile_summary(profile, "builtin") for profile in builtin_profiles().values()),
+            *(_profile_summary(profile, "directory") for profile in planner.profiles.values()),
         ],
         schedulers=list(SchedulerName),
         default_model=PlanRequest.model_fields["model"].default,
@@ -121,6 +123,52 @@ async def models(settings: SettingsDep) -> ModelsResponse:
 
 def _shape_fields(shape: object) -> dict[str, object]:
     return {name: getattr(shape, name) for name in ModelSpec.model_fields}
+
+
+def _profile_summary(profile: Profile, origin: Literal["builtin", "directory"]) -> ProfileSummary:
+    date = profile.provenance.get("date")
+    return ProfileSummary(name=profile.name, description=profile.description, device=profile.device,
+                          device_memory_bytes=profile.device_memory_bytes, model=profile.model,
+                          origin=origin, measured_at=date if isinstance(date, str) else None)
+
+
+@router.post(
+    "/profiles/reload",
+    response_model=ProfilesReloaded,
+    responses={422: PROBLEM_RESPONSES[422]},
+    summary="Read the profile folder again",
+    description="Reads SKRULL_PROFILE_DIR again, whole or not at all: a bad file is a 422 naming it, and the "
+    "profiles loaded before stay in use.",
+)
+async def reload_profiles(planner: PlannerDep, settings: SettingsDep) -> ProfilesReloaded:
+    names = planner.reload_profiles()
+    directory = None if settings.profile_dir is None else str(settings.profile_dir)
+    return ProfilesReloaded(directory=directory, profiles=names)
+
+
+@router.post(
+    "/feedback",
+    response_model=FeedbackResponse,
+    responses=FEEDBACK_PROBLEM_RESPONSES,
+    summary="Report measured micro-batches of a job (opt-in)",
+    description="A trainer that planned with a `job_id` reports what one step measured: per micro-batch the "
+    "lengths per CP rank, the time, and the peak memory where known. The service refits the job's compute and "
+    "memory coefficients robustly (outliers down-weighted, a bounded window) and uses them for the job's later "
+    "plans, lowering their bucket_size when the peak nears the memory budget. A bad report is a 4xx and "
+    "changes nothing.",
+)
+async def feedback(body: FeedbackRequest, planner: PlannerDep) -> FeedbackResponse:
+    return planner.feedback(body)
+
+
+@router.get(
+    "/feedback/{job_id}",
+    response_model=FeedbackResponse,
+    responses={404: FEEDBACK_PROBLEM_RESPONSES[404]},
+    summary="A job's refit state",
+)
+async def job_feedback(job_id: str, planner: PlannerDep) -> FeedbackResponse:
+    return feedback_response(planner.job(job_id))
 
 
 @router.get("/healthz", response_model=HealthStatus, summary="Liveness: the process answers")

@@ -52,6 +52,7 @@ _SERVE_FLAGS: dict[str, tuple[type, str]] = {
     "cpsat_workers": (int, "CP-SAT solver processes (SKRULL_CPSAT_WORKERS)"),
     "cpsat_queue": (int, "cpsat requests that may wait for a busy pool, else 429 (SKRULL_CPSAT_QUEUE)"),
     "cpsat_max_time_limit_s": (float, "cap on a request's time_limit_s (SKRULL_CPSAT_MAX_TIME_LIMIT_S)"),
+    "profile_dir": (str, "folder of measured profile files (SKRULL_PROFILE_DIR)"),
 }
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import skrull_proto
 from pydantic import BaseModel
-from skrull_proto import ModelsResponse, PlanRequest, PlanResponse, Problem
+from skrull_proto import FeedbackRequest, FeedbackResponse, ModelsResponse, PlanRequest, PlanResponse, Problem
 
 __all__ = ["CONTRACT_DIR", "contract_documents", "main", "stale_documents"]
 
@@ -30,6 +30,8 @@ _SCHEMA_MODELS: dict[str, type[BaseModel]] = {
     "plan_response.schema.json": PlanResponse,
     "problem.schema.json": Problem,
     "models_response.schema.json": ModelsResponse,
+    "feedback_request.schema.json": FeedbackRequest,
+    "feedback_response.schema.json": FeedbackResponse,
 }
 
 

@@ -15,6 +15,9 @@ each worker reports only its own.
     skrull_cpsat_in_flight                                    cpsat requests solving or waiting
     skrull_cpsat_rejected_total                               cpsat requests answered 429
     skrull_cpsat_status_total{status}                         CP-SAT result status
+    skrull_feedback_micro_batches_total                       measured micro-batches accepted by POST /feedback
+    skrull_feedback_jobs                                      jobs whose refit the service keeps
+    skrull_feedback_bucket_lowered_total                      plans whose bucket_size feedback lowered (memory)
 """
 
 from __future__ import annotations
@@ -73,6 +76,14 @@ class ServiceMetrics:
             "skrull_cpsat_rejected", "cpsat requests answered 429 because the pool was full.", registry=r
         )
         self.cpsat_status = Counter("skrull_cpsat_status", "CP-SAT result status.", ["status"], registry=r)
+        self.feedback_micro_batches = Counter(
+            "skrull_feedback_micro_batches", "Measured micro-batches accepted by POST /feedback.", registry=r
+        )
+        self.feedback_jobs = Gauge("skrull_feedback_jobs", "Jobs whose refit profile the service keeps.",
+                                   registry=r, multiprocess_mode="livesum")
+        self.feedback_bucket_lowered = Counter(
+            "skrull_feedback_bucket_lowered", "Plans whose bucket_size a job's memory feedback lowered.", registry=r
+        )
 
     def observe_request(
         self, *, method: str, route: str, status: int, duration_s: float, scheduler: str | None

@@ -14,6 +14,19 @@
 
 The request is validated by the core in this process first, so bad input is
 answered at once and never costs a solver slot.
+
+Profiles and feedback (state this service keeps, per process):
+
+* profiles measured by the profiler are read from ``profile_dir`` at start-up
+  (a bad file stops the start, naming it), again on ``POST /profiles/reload``,
+  and when a request names a profile not loaded yet; a folder is taken whole
+  or not at all.
+* a ``/plan`` request with a ``job_id`` registers the job (its base profile,
+  model, DP and CP sizes). ``POST /feedback`` refits that job's profile
+  (``core.feedback``, bounded per job) and its later plans use the refit and
+  any lowered BucketSize. At most ``feedback_max_jobs`` jobs are kept, least
+  recently used dropped. With several uvicorn workers each keeps its own jobs:
+  run one worker (the sidecar pattern) when trainers send feedback.
 """
 
 from __future__ import annotations
@@ -24,28 +37,47 @@ import logging
 import math
 import multiprocessing
 import os
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import anyio.to_thread
-from skrull_proto import PlanRequest, PlanResponse, SchedulerName
+from skrull_proto import (
+    ComputeCoefficients,
+    FeedbackRequest,
+    FeedbackResponse,
+    MemoryCoefficients,
+    PlanRequest,
+    PlanResponse,
+    SchedulerName,
+)
 
+from scheduler_service.core import feedback as core_feedback
 from scheduler_service.core.errors import (
     InfeasiblePlanError,
     InvalidRequestError,
     PlanCheckError,
     PlanningError,
 )
+from scheduler_service.core.feedback import FeedbackConfig, JobFeedback, MicroBatchMeasurement
 from scheduler_service.core.plan import PlanLimits
 from scheduler_service.core.planner import make_plan
+from scheduler_service.core.profile import Profile, builtin_profiles, load_profile_dir
 from scheduler_service.metrics import ServiceMetrics
-from scheduler_service.problems import ServiceBusyError, ServiceUnavailableError
+from scheduler_service.problems import (
+    FeedbackDisabledError,
+    RequestLimitError,
+    ServiceBusyError,
+    ServiceUnavailableError,
+    UnknownJobError,
+)
 from scheduler_service.settings import Settings
 from scheduler_service.wire import request_to_problem, result_to_response
 
-__all__ = ["PlannedBatch", "PlanningService", "plan_request"]
+__all__ = ["PlannedBatch", "PlanningService", "feedback_response", "plan_request"]
 
 logger = logging.getLogger("scheduler_service.planning")
 
@@ -64,9 +96,24 @@ class PlannedBatch:
     body: bytes  # the response's JSON, serialized where it was planned
 
 
-def plan_request(request: PlanRequest, limits: PlanLimits, time_limit_s: float | None = None) -> PlannedBatch:
-    """Validate, plan, check and simulate one request (any scheduler), synchronously."""
-    problem = request_to_problem(request, limits=limits)
+def plan_request(
+    request: PlanRequest, limits: PlanLimits, time_limit_s: float | None = None,
+    extra_profiles: dict[str, Profile] | None = None, job: JobFeedback | None = None,
+) -> PlannedBatch:
+    """Validate, plan, check and simulate one request (any scheduler), synchronously.
+
+    ``job``: the request's feedback state; its refit profile replaces the named one and its memory cap lowers
+    the BucketSize.
+    """
+    if job is not None and job.num_observations:
+        extra_profiles = {**(extra_profiles or {}), job.profile.name: job.profile}
+        request = request.model_copy(update={"profile": job.profile.name})
+    problem = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
+    if job is not None:
+        bucket_size = core_feedback.effective_bucket_size(job, problem.bucket_size, max(problem.sequence_lengths))
+        if bucket_size < problem.bucket_size:
+            request = request.model_copy(update={"bucket_size": bucket_size})
+            problem = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
     if time_limit_s is None:
         result = make_plan(problem, request.scheduler)
     else:
@@ -92,10 +139,13 @@ def _init_worker() -> None:
     os.nice(_CPSAT_NICE)
 
 
-def _solve_in_worker(request_json: bytes, limits: PlanLimits, time_limit_s: float) -> _WorkerOutcome:
+def _solve_in_worker(
+    request_json: bytes, limits: PlanLimits, time_limit_s: float, extra_profiles: dict[str, Profile] | None = None,
+    job: JobFeedback | None = None,
+) -> _WorkerOutcome:
     request = PlanRequest.model_validate_json(request_json)
     try:
-        batch = plan_request(request, limits, time_limit_s)
+        batch = plan_request(request, limits, time_limit_s, extra_profiles=extra_profiles, job=job)
     except PlanCheckError as error:
         return _WorkerOutcome(error_kind="check", message=error.message, violations=tuple(error.violations))
     except InfeasiblePlanError as error:
@@ -122,6 +172,41 @@ def _raise_worker_error(outcome: _WorkerOutcome) -> None:
     raise InvalidRequestError(outcome.message, field=outcome.field)
 
 
+# ---- feedback on the wire -------------------------------------------------------------------------------------
+
+def _measurements(request: FeedbackRequest) -> list[MicroBatchMeasurement]:
+    measurements = []
+    for index, item in enumerate(request.micro_batches):
+        try:
+            measurements.append(MicroBatchMeasurement(
+                local_lengths=tuple(tuple(rank) for rank in item.local_lengths),
+                distributed_lengths=tuple(item.distributed_lengths), time_s=item.time_ms / 1e3,
+                peak_memory_bytes=item.peak_memory_bytes,
+            ))
+        except InvalidRequestError as error:
+            raise InvalidRequestError(f"micro_batches[{index}]: {error.message}",
+                                      field=f"micro_batches[{index}].{error.field}") from None
+    return measurements
+
+
+def feedback_response(job: JobFeedback) -> FeedbackResponse:
+    compute = job.profile.compute
+    memory = None
+    if job.memory_slope is not None and job.memory_intercept is not None:
+        memory = MemoryCoefficients(bytes_per_token=job.memory_slope, fixed_bytes=job.memory_intercept)
+    return FeedbackResponse(
+        job_id=job.job_id, model=job.model.name, base_profile=job.base.name, profile=job.profile.name,
+        num_observations=job.num_observations, num_in_window=len(job.compute_window),
+        num_downweighted=job.num_downweighted, compute_scale=job.compute_scale,
+        compute=ComputeCoefficients(alpha_s_per_flop=compute.alpha_s_per_flop,
+                                    alpha_s_per_token=compute.alpha_s_per_token,
+                                    alpha_s_per_sequence=compute.alpha_s_per_sequence,
+                                    beta_s_per_layer=compute.beta_s_per_layer),
+        fit_median_relative_error=job.fit_median_relative_error, memory=memory,
+        memory_budget_bytes=job.memory_budget_bytes, bucket_size_cap=job.bucket_cap,
+    )
+
+
 # ---- the service side ----------------------------------------------------------------------------------------
 
 class PlanningService:
@@ -136,6 +221,11 @@ class PlanningService:
         self._pool: ProcessPoolExecutor | None = None
         self._cpsat_deadlines: dict[int, float] = {}  # admitted cpsat request -> when its solve should end
         self._next_ticket = 0
+        self.profiles: dict[str, Profile] = {}  # read from settings.profile_dir
+        self.feedback_config = FeedbackConfig(window=settings.feedback_window,
+                                              memory_headroom=settings.feedback_memory_headroom)
+        self._jobs: OrderedDict[str, JobFeedback] = OrderedDict()
+        self._jobs_lock = threading.Lock()  # plans of large batches run in worker threads
 
     @property
     def cpsat_in_flight(self) -> int:
@@ -145,7 +235,8 @@ class PlanningService:
     # -- lifecycle
 
     def start(self) -> None:
-        """Warm the planner (the first plan pays imports and caches), then report ready."""
+        """Read the profile folder, warm the planner (the first plan pays imports and caches), report ready."""
+        self.reload_profiles()
         self._pool = self._new_pool()
         if self.settings.cpsat_warmup:
             self.cpsat_state = "warming"
@@ -183,17 +274,97 @@ class PlanningService:
         else:
             self.cpsat_state = "ready"
 
+    # -- profiles
+
+    def reload_profiles(self) -> list[str]:
+        """Read ``profile_dir`` again (whole or not at all); the names it holds."""
+        if self.settings.profile_dir is None:
+            return []
+        profiles = load_profile_dir(self.settings.profile_dir)
+        clashes = sorted(set(profiles) & set(builtin_profiles()))
+        if clashes:
+            raise InvalidRequestError(f"profiles in {self.settings.profile_dir} reuse shipped names: "
+                                      f"{', '.join(clashes)}; rename them", field="profile_dir")
+        self.profiles = profiles
+        logger.info("profiles loaded", extra={"profile_dir": str(self.settings.profile_dir),
+                                              "profiles": sorted(profiles)})
+        return sorted(profiles)
+
+    def _refresh_profiles_for(self, request: PlanRequest) -> None:
+        """A request names a profile not loaded yet: it may have been added to the folder since."""
+        name = request.profile
+        if name is not None and name not in self.profiles and name not in builtin_profiles():
+            with contextlib.suppress(InvalidRequestError):  # the request then fails as an unknown profile
+                self.reload_profiles()
+
+    # -- feedback
+
+    def _job_for(self, request: PlanRequest) -> JobFeedback | None:
+        """The request's job, registered (or restarted, when its model, profile or sizes changed) by this plan."""
+        if request.job_id is None or not self.settings.feedback:
+            return None
+        problem = request_to_problem(request, limits=self.limits, extra_profiles=self.profiles)
+        perf = problem.perf
+        with self._jobs_lock:
+            job = self._jobs.get(request.job_id)
+            if job is None or (job.base.name, job.model, job.dp_size, job.cp_size) != (
+                perf.profile.name, perf.model, problem.dp_size, problem.cp_size
+            ):
+                job = core_feedback.start_job(request.job_id, base=perf.profile, model=perf.model,
+                                              dp_size=problem.dp_size, cp_size=problem.cp_size,
+                                              config=self.feedback_config)
+                self._jobs[request.job_id] = job
+            self._jobs.move_to_end(request.job_id)
+            while len(self._jobs) > self.settings.feedback_max_jobs:
+                self._jobs.popitem(last=False)
+            self.metrics.feedback_jobs.set(len(self._jobs))
+        return job
+
+    def job(self, job_id: str) -> JobFeedback:
+        if not self.settings.feedback:
+            raise FeedbackDisabledError()
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise UnknownJobError(job_id, max_jobs=self.settings.feedback_max_jobs)
+        return job
+
+    def feedback(self, request: FeedbackRequest) -> FeedbackResponse:
+        """Refit a job from one report; a bad report raises and leaves the job as it was."""
+        job = self.job(request.job_id)
+        limit = self.settings.max_sequence_length
+        for index, item in enumerate(request.micro_batches):
+            longest = max([*item.distributed_lengths, *(n for rank in item.local_lengths for n in rank)], default=0)
+            if longest > limit:
+                raise RequestLimitError(f"micro_batches[{index}] holds a sequence of {longest} tokens; the service "
+                                        f"accepts at most {limit}", field=f"micro_batches[{index}]", limit=limit)
+        updated = core_feedback.observe(job, _measurements(request), memory_budget_bytes=request.memory_budget_bytes)
+        with self._jobs_lock:
+            if self._jobs.get(request.job_id) is job:  # not restarted by a plan meanwhile
+                self._jobs[request.job_id] = updated
+                self._jobs.move_to_end(request.job_id)
+        self.metrics.feedback_micro_batches.inc(len(request.micro_batches))
+        logger.info("feedback", extra={"job_id": request.job_id, "step": request.step,
+                                       "micro_batches": len(request.micro_batches),
+                                       "compute_scale": round(updated.compute_scale, 6),
+                                       "bucket_size_cap": updated.bucket_cap})
+        return feedback_response(updated)
+
     # -- planning
 
     async def plan(self, request: PlanRequest) -> PlannedBatch:
         if not self.ready:
             raise ServiceUnavailableError("the planner is still warming up")
+        self._refresh_profiles_for(request)
+        job = self._job_for(request)
+        extra = self.profiles
         if request.scheduler is SchedulerName.CPSAT:
-            batch = await self._plan_cpsat(request)
+            batch = await self._plan_cpsat(request, job)
         elif len(request.sequence_lengths) <= self.settings.inline_max_sequences:
-            batch = plan_request(request, self.limits)
+            batch = plan_request(request, self.limits, extra_profiles=extra, job=job)
         else:
-            batch = await anyio.to_thread.run_sync(plan_request, request, self.limits)
+            batch = await anyio.to_thread.run_sync(plan_request, request, self.limits, None, extra, job)
+        if request.bucket_size is not None and batch.response.bucket_size < request.bucket_size:
+            self.metrics.feedback_bucket_lowered.inc()
         response = batch.response
         self.metrics.observe_plan(
             scheduler=response.scheduler.value, solve_time_s=response.solve_time_ms / 1e3,
@@ -202,10 +373,10 @@ class PlanningService:
         )
         return batch
 
-    async def _plan_cpsat(self, request: PlanRequest) -> PlannedBatch:
+    async def _plan_cpsat(self, request: PlanRequest, job: JobFeedback | None) -> PlannedBatch:
         settings = self.settings
         # Validate here first: bad input is answered at once and never takes a solver slot.
-        request_to_problem(request, limits=self.limits)
+        request_to_problem(request, limits=self.limits, extra_profiles=self.profiles)
         if len(request.sequence_lengths) > settings.cpsat_max_sequences:
             raise InvalidRequestError(
                 f"cpsat plans at most {settings.cpsat_max_sequences} sequences per request, got "
@@ -233,7 +404,8 @@ class PlanningService:
         self._cpsat_deadlines[ticket] = now + time_limit_s * (1 + queued_behind)
         self.metrics.cpsat_in_flight.inc()
         try:
-            future = pool.submit(_solve_in_worker, request.model_dump_json().encode(), self.limits, time_limit_s)
+            future = pool.submit(_solve_in_worker, request.model_dump_json().encode(), self.limits, time_limit_s,
+                                 self.profiles, job)
         except (BrokenProcessPool, RuntimeError) as error:
             self._release(ticket)
             self._replace_broken_pool(pool)

@@ -8,6 +8,8 @@
                                 core's InvalidRequestError family (Unknown{Model,Scheduler,Profile}Error)
     422 sequence-too-long       SequenceTooLongError: longer than bucket_size × cp_size
     422 infeasible-plan         InfeasiblePlanError: no plan honours the memory bound
+    404 unknown-job             UnknownJobError: POST /feedback for a job no POST /plan named
+    404 feedback-disabled       FeedbackDisabledError: the service runs with SKRULL_FEEDBACK=false
     429 busy                    ServiceBusyError: the cpsat pool and its queue are full (Retry-After)
     503 unavailable             ServiceUnavailableError: not ready, or the cpsat pool broke
     500 plan-check-failed       PlanCheckError: a scheduler produced an invalid plan (a bug, never bad input)
@@ -44,11 +46,14 @@ from scheduler_service.core.errors import (
 from scheduler_service.logging_setup import current_request_id
 
 __all__ = [
+    "FEEDBACK_PROBLEM_RESPONSES",
     "PROBLEM_MEDIA_TYPE",
     "PROBLEM_RESPONSES",
+    "FeedbackDisabledError",
     "RequestLimitError",
     "ServiceBusyError",
     "ServiceUnavailableError",
+    "UnknownJobError",
     "UnsupportedMediaTypeError",
     "install_problem_handlers",
     "internal_error_response",
@@ -95,6 +100,22 @@ class ServiceUnavailableError(Exception):
         self.retry_after_s = retry_after_s
 
 
+class UnknownJobError(Exception):
+    """Feedback for a job the service does not know (never planned with its job_id, or forgotten)."""
+
+    def __init__(self, job_id: str, *, max_jobs: int) -> None:
+        super().__init__(f"unknown job {job_id!r}: send POST /plan with \"job_id\": {job_id!r} first (the "
+                         f"service keeps the {max_jobs} most recently planned jobs)")
+        self.message = str(self)
+        self.limit = max_jobs
+
+
+class FeedbackDisabledError(Exception):
+    def __init__(self) -> None:
+        super().__init__("feedback is disabled on this service (SKRULL_FEEDBACK=false)")
+        self.message = str(self)
+
+
 def _problem_schema(description: str) -> dict[str, Any]:
     return {
         "description": description,
@@ -111,6 +132,16 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     429: _problem_schema("The cpsat pool is full; retry after the Retry-After header's seconds."),
     500: _problem_schema("Internal error (a bug; never caused by bad input)."),
     503: _problem_schema("Not ready yet, or the cpsat pool is unavailable."),
+}
+
+
+FEEDBACK_PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: PROBLEM_RESPONSES[400],
+    404: _problem_schema("Unknown job (no POST /plan named it, or it was forgotten), or feedback disabled."),
+    413: PROBLEM_RESPONSES[413],
+    422: _problem_schema("Invalid report (negative or absurd times or memory, wrong cp lists): the body names "
+                         "the field and the limit; the job's profile is left unchanged."),
+    500: PROBLEM_RESPONSES[500],
 }
 
 
@@ -252,6 +283,17 @@ async def _on_busy(request: Request, error: Exception) -> Response:
                             headers={"Retry-After": str(error.retry_after_s)})
 
 
+async def _on_unknown_job(request: Request, error: Exception) -> Response:
+    assert isinstance(error, UnknownJobError)
+    return problem_response(404, error.message, problem_type="unknown-job", title="Unknown job", field="job_id",
+                            limit=error.limit)
+
+
+async def _on_feedback_disabled(request: Request, error: Exception) -> Response:
+    assert isinstance(error, FeedbackDisabledError)
+    return problem_response(404, error.message, problem_type="feedback-disabled", title="Feedback disabled")
+
+
 async def _on_unavailable(request: Request, error: Exception) -> Response:
     assert isinstance(error, ServiceUnavailableError)
     return problem_response(503, error.message, problem_type="unavailable",
@@ -287,4 +329,6 @@ def install_problem_handlers(app: FastAPI) -> None:
     app.add_exception_handler(UnsupportedMediaTypeError, _on_unsupported_media_type)
     app.add_exception_handler(ServiceBusyError, _on_busy)
     app.add_exception_handler(ServiceUnavailableError, _on_unavailable)
+    app.add_exception_handler(UnknownJobError, _on_unknown_job)
+    app.add_exception_handler(FeedbackDisabledError, _on_feedback_disabled)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)

@@ -9,6 +9,7 @@ every uvicorn worker process sees one configuration.
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -57,6 +58,19 @@ class Settings(BaseSettings):
 
     # Planner warm-up before /readyz says ready.
     warmup: bool = Field(default=True, description="Plan a small batch at startup before reporting ready.")
+
+    # Profiles measured by `python -m trainer_client.profile`, beside the shipped ones.
+    profile_dir: Path | None = Field(
+        default=None, description="Folder of profile JSON files, read at start-up (a bad file stops the start) "
+        "and again by POST /profiles/reload or when a request names a profile not loaded yet.")
+
+    # Feedback: per-job online refit of the profile from measured micro-batches (POST /feedback).
+    feedback: bool = Field(default=True, description="Accept POST /feedback from trainers that opt in.")
+    feedback_max_jobs: int = Field(default=256, ge=1, description="Jobs whose refit is kept; the least recently "
+                                   "used is forgotten first.")
+    feedback_window: int = Field(default=256, ge=2, le=65536, description="Observations each job's refit keeps.")
+    feedback_memory_headroom: float = Field(default=0.9, gt=0, le=1, description="Fraction of the memory budget "
+                                            "a job's plans may use before its bucket_size is lowered.")
 
     @model_validator(mode="after")
     def _time_limits_are_ordered(self) -> Settings:

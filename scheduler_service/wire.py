@@ -14,6 +14,7 @@ from skrull_proto import (
     PlanResponse,
     SolverReport,
 )
+from skrull_proto import SchedulerName as WireSchedulerName
 
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import (
@@ -74,14 +75,14 @@ def result_to_response(result: PlanResult) -> PlanResponse:
     solver = None
     if result.solver is not None:
         report = result.solver
-        solver = SolverReport(
-            status=report.status,
-            objective_ms=None if report.objective_s is None else _ms(report.objective_s),
-            bound_ms=None if report.bound_s is None else _ms(report.bound_s),
-            wall_time_ms=_ms(report.wall_time_s),
-        )
+        solver = SolverReport.model_validate({  # validates the core's status string against the contract
+            "status": report.status,
+            "objective_ms": None if report.objective_s is None else _ms(report.objective_s),
+            "bound_ms": None if report.bound_s is None else _ms(report.bound_s),
+            "wall_time_ms": _ms(report.wall_time_s),
+        })
     return PlanResponse(
-        scheduler=result.scheduler.value,
+        scheduler=WireSchedulerName(result.scheduler.value),
         model=problem.perf.model.name,
         profile=problem.perf.profile.name,
         bucket_size=problem.bucket_size,

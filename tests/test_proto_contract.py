@@ -28,7 +28,9 @@ def test_export_check_fails_on_drift(tmp_path: object) -> None:
 
 def test_openapi_documents_every_endpoint_and_problem_responses() -> None:
     document = json.loads((CONTRACT_DIR / "openapi.json").read_text())
-    assert set(document["paths"]) == {"/plan", "/models", "/healthz", "/readyz", "/metrics"}
+    assert set(document["paths"]) == {
+        "/plan", "/models", "/healthz", "/readyz", "/metrics", "/feedback", "/feedback/{job_id}", "/profiles/reload"
+    }
     plan = document["paths"]["/plan"]["post"]
     assert plan["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/PlanRequest"}
     for status in ("400", "413", "415", "422", "429", "500", "503"):
@@ -87,3 +89,11 @@ def test_proto_imports_without_fastapi_or_the_planner() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
+
+
+def test_wire_and_core_name_the_same_schedulers() -> None:
+    from skrull_proto import SchedulerName as WireSchedulerName
+
+    from scheduler_service.core.plan import SchedulerName as CoreSchedulerName
+
+    assert [s.value for s in WireSchedulerName] == [s.value for s in CoreSchedulerName]

@@ -3,9 +3,10 @@
 Modules, one concept each: ``zigzag`` (which tokens a CP rank owns), ``data``
 (global batches), ``packing`` (a CP rank's row of a micro-batch), ``attention``
 (DACP attention), ``model`` (transformers model + attention registration),
-``plan_client`` (service client, embedded fallback), ``distributed`` (mesh,
-gloo launcher), ``trainer`` (the loop), ``train`` (the torchrun entrypoint),
-``demo`` (the end-to-end job).
+``plan_client`` (service client, embedded fallback, feedback), ``distributed``
+(mesh, gloo launcher), ``trainer`` (the loop), ``train`` (the torchrun
+entrypoint), ``profile`` (the offline profiler) and ``measure`` (its timing and
+memory probes), ``demo`` (the end-to-end job).
 
 Public names resolve lazily, so ``import trainer_client`` does not import torch.
 """
@@ -19,6 +20,7 @@ __all__ = [
     "AttentionBackend",
     "DacpMetadata",
     "GlobalBatch",
+    "MicroBatchTiming",
     "PackedMicroBatch",
     "PlanClient",
     "PlanClientError",
@@ -27,14 +29,17 @@ __all__ = [
     "PlanSource",
     "PlanTimeout",
     "PlanUnavailable",
+    "ProfileOptions",
     "Sample",
     "TrainConfig",
     "Trainer",
     "build_model",
     "dacp_attn_varlen_func",
+    "measure_profile",
     "pack_micro_batch",
     "padded_length",
     "register_dacp_attention",
+    "run_micro_batch",
     "varlen_causal_attn_func",
     "zigzag_positions",
 ]
@@ -61,6 +66,10 @@ _MODULE_OF = {
     "register_dacp_attention": "model",
     "padded_length": "zigzag",
     "zigzag_positions": "zigzag",
+    "run_micro_batch": "trainer",
+    "MicroBatchTiming": "plan_client",
+    "ProfileOptions": "profile",
+    "measure_profile": "profile",
 }
 
 

@@ -22,6 +22,14 @@ next batch. A batch no planner can plan (a sequence longer than
 Documented behaviour when the service is unreachable at start-up: one warning,
 training starts at once with embedded plans, and batches go back to the
 service as soon as it answers (the sidecar may come up later).
+
+Feedback (opt-in, a ``job_id``): plan requests carry the job id, and
+``PlanSource.report`` posts a step's measured micro-batches (``POST /feedback``)
+on the same background thread as the prefetch, so training never waits for
+it. Feedback is best effort: a failure is logged once and counted
+(``num_feedback_failures``), never raised. A service that lowered the job's
+BucketSize (memory near its budget) answers plans with the smaller
+``bucket_size``; any bucket up to the trainer's own is accepted.
 """
 
 from __future__ import annotations
@@ -35,16 +43,26 @@ from enum import StrEnum
 
 import httpx
 from pydantic import ValidationError
-from skrull_proto import ModelSpec, PlanRequest, PlanResponse, SchedulerName
+from skrull_proto import (
+    FeedbackRequest,
+    FeedbackResponse,
+    MicroBatchMeasurement,
+    ModelSpec,
+    PlanRequest,
+    PlanResponse,
+    SchedulerName,
+)
 
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import PlanCheckError, PlanningError
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import Plan, make_problem
 from scheduler_service.core.planner import make_plan
+from scheduler_service.core.profile import Profile
 from scheduler_service.wire import response_to_plan
 
 __all__ = [
+    "MicroBatchTiming",
     "PlanClient",
     "PlanClientError",
     "PlanDecision",
@@ -160,6 +178,23 @@ class PlanClient:
         assert failure is not None
         raise type(failure)(f"{failure} (after {self.max_attempts} attempts)")
 
+    def feedback(self, request: FeedbackRequest) -> FeedbackResponse:
+        """POST /feedback once (a report is not worth retrying: the next step sends a fresh one)."""
+        try:
+            response = self._client.post("/feedback", content=request.model_dump_json(exclude_none=True),
+                                         headers={"content-type": "application/json"})
+        except httpx.HTTPError as error:
+            raise PlanUnavailable(f"POST {self.base_url}/feedback failed: {error!r}") from None
+        if response.status_code != 200:
+            error_type = PlanUnavailable if response.status_code in _RETRIED_STATUS else PlanRejected
+            raise error_type(f"POST {self.base_url}/feedback answered {response.status_code}: "
+                             f"{_problem_detail(response)}")
+        try:
+            return FeedbackResponse.model_validate_json(response.content)
+        except ValidationError as error:
+            raise PlanRejected(f"POST {self.base_url}/feedback answered a body that is not a FeedbackResponse: "
+                               f"{error.error_count()} errors") from None
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanDecision:
@@ -178,6 +213,41 @@ class PlanDecision:
 class _ServicePlan:
     plan: Plan
     estimated_time_ms: float
+    bucket_size: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicroBatchTiming:
+    """What one rank measured for one of its DP rank's micro-batches."""
+
+    dp_rank: int
+    index: int  # position in the DP rank's micro-batch list
+    time_s: float
+    peak_memory_bytes: int | None = None
+
+
+def measurements_of(
+    plan: Plan, sequence_lengths: Sequence[int], timings: Sequence[MicroBatchTiming]
+) -> list[MicroBatchMeasurement]:
+    """Every rank's timings → one measurement per micro-batch: the slowest CP rank's time, the largest peak."""
+    slowest: dict[tuple[int, int], MicroBatchTiming] = {}
+    peaks: dict[tuple[int, int], int] = {}
+    for timing in timings:
+        key = (timing.dp_rank, timing.index)
+        if key not in slowest or timing.time_s > slowest[key].time_s:
+            slowest[key] = timing
+        if timing.peak_memory_bytes is not None:
+            peaks[key] = max(peaks.get(key, 0), timing.peak_memory_bytes)
+    measurements = []
+    for (dp_rank, index), timing in sorted(slowest.items()):
+        micro_batch = plan.dp_ranks[dp_rank].micro_batches[index]
+        measurements.append(MicroBatchMeasurement(
+            local_lengths=[[int(sequence_lengths[i]) for i in rank_local] for rank_local in micro_batch.local],
+            distributed_lengths=[int(sequence_lengths[i]) for i in micro_batch.distributed],
+            time_ms=timing.time_s * 1e3,
+            peak_memory_bytes=float(peaks[(dp_rank, index)]) if (dp_rank, index) in peaks else None,
+        ))
+    return measurements
 
 
 class PlanSource:
@@ -191,8 +261,9 @@ class PlanSource:
         cp_size: int,
         model: str | ModelShape,
         bucket_size: int,
-        profile: str | None = None,
+        profile: str | Profile | None = None,
         client: PlanClient | None = None,
+        job_id: str | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.dp_size = dp_size
@@ -201,8 +272,12 @@ class PlanSource:
         self.bucket_size = bucket_size
         self.profile = profile
         self.client = client
+        self.job_id = job_id
         self.num_fallbacks = 0
+        self.num_feedback_failures = 0
+        self.last_feedback: FeedbackResponse | None = None
         self._warned = False
+        self._feedback_warned = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-prefetch") if client else None
         self._pending: dict[int, Future[_ServicePlan]] = {}
 
@@ -234,7 +309,7 @@ class PlanSource:
             try:
                 answer = self._pending.pop(step).result()
                 return PlanDecision(step=step, scheduler=self.scheduler, origin=PlanOrigin.SERVICE,
-                                    plan=answer.plan, bucket_size=self.bucket_size,
+                                    plan=answer.plan, bucket_size=answer.bucket_size,
                                     estimated_time_ms=answer.estimated_time_ms)
             except PlanClientError as error:
                 self.num_fallbacks += 1
@@ -255,21 +330,48 @@ class PlanSource:
         )
         return PlanRequest(sequence_lengths=[int(n) for n in sequence_lengths], dp_size=self.dp_size,
                            cp_size=self.cp_size, model=model, bucket_size=self.bucket_size,
-                           scheduler=SchedulerName(self.scheduler), profile=self.profile)
+                           scheduler=SchedulerName(self.scheduler),
+                           profile=self.profile.name if isinstance(self.profile, Profile) else self.profile,
+                           job_id=self.job_id)
 
     def _ask_service(self, sequence_lengths: tuple[int, ...]) -> _ServicePlan:
         assert self.client is not None
         response = self.client.plan(self._request(sequence_lengths))
-        if response.scheduler != self.scheduler or response.bucket_size != self.bucket_size:
+        # A smaller bucket is the service lowering this job's memory use (feedback); a larger one could OOM.
+        if response.scheduler != self.scheduler or response.bucket_size > self.bucket_size:
             raise PlanRejected(f"the service planned with scheduler {response.scheduler} and bucket_size "
-                               f"{response.bucket_size}; asked for {self.scheduler} and {self.bucket_size}")
+                               f"{response.bucket_size}; asked for {self.scheduler} and at most {self.bucket_size}")
         plan = response_to_plan(response)
         try:
             check_plan(plan, sequence_lengths=sequence_lengths, dp_size=self.dp_size, cp_size=self.cp_size,
-                       bucket_size=self.bucket_size)
+                       bucket_size=response.bucket_size)
         except PlanCheckError as error:
             raise PlanRejected(f"the service's plan fails the checker: {error.message}") from None
-        return _ServicePlan(plan=plan, estimated_time_ms=response.estimated_iteration_time_ms)
+        return _ServicePlan(plan=plan, estimated_time_ms=response.estimated_iteration_time_ms,
+                            bucket_size=response.bucket_size)
+
+    def report(
+        self, step: int, plan: Plan, sequence_lengths: Sequence[int], timings: Sequence[MicroBatchTiming], *,
+        memory_budget_bytes: float | None = None,
+    ) -> Future[None] | None:
+        """Post a step's measured micro-batches in the background (no-op without a service or a job id)."""
+        if self._executor is None or self.job_id is None or not timings:
+            return None
+        request = FeedbackRequest(job_id=self.job_id, step=step,
+                                  micro_batches=measurements_of(plan, sequence_lengths, timings),
+                                  memory_budget_bytes=memory_budget_bytes)
+        return self._executor.submit(self._send_feedback, request)
+
+    def _send_feedback(self, request: FeedbackRequest) -> None:
+        assert self.client is not None
+        try:
+            self.last_feedback = self.client.feedback(request)
+        except PlanClientError as error:
+            self.num_feedback_failures += 1
+            if not self._feedback_warned:
+                self._feedback_warned = True
+                logger.warning("feedback of step %s was not accepted: %s; training goes on, later steps are "
+                               "reported too (this warning is shown once)", request.step, error)
 
     def _plan_embedded(self, step: int, sequence_lengths: Sequence[int]) -> PlanDecision:
         try:

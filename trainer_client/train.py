@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scheduler", default="skrull", choices=[s.value for s in SchedulerName])
     parser.add_argument("--scheduler-url", help="the scheduler service; absent: plan with the embedded core")
     parser.add_argument("--bucket-size", type=int, help="tokens per CP rank per micro-batch (default: from profile)")
-    parser.add_argument("--profile", help="hardware profile for the performance model (default: the planner's)")
+    parser.add_argument("--profile", help="hardware profile for the performance model: a name, or a profile file "
+                                          "from python -m trainer_client.profile (default: the planner's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.0)
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-backend", default="auto", choices=[b.value for b in AttentionBackend])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--feedback", action="store_true",
+                        help="report measured micro-batch times (and peak memory on CUDA) to the service, which "
+                             "refits this job's profile (POST /feedback; needs --scheduler-url)")
+    parser.add_argument("--job-id", help="the job name the service keys feedback by (default: random)")
     return parser
 
 
@@ -66,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_length=args.max_length, truncate=args.truncate, metrics_out=args.metrics_out,
         plan_timeout_s=args.plan_timeout, plan_attempts=args.plan_attempts,
         attention_backend=args.attention_backend, dtype=args.dtype, progress=not args.no_progress,
+        feedback=args.feedback, job_id=args.job_id,
     )
 
 

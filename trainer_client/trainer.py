@@ -15,6 +15,10 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
    scheduler therefore yields the gradients of the unscheduled batch, up to
    floating-point summation order.
 4. AdamW steps once.
+5. With ``feedback`` (opt-in), every rank's measured micro-batch times (and
+   peak memory on CUDA) are gathered on rank 0, which reports them to the
+   service (``POST /feedback``) in the background; the service refits this
+   job's profile for the next plans. Step 0 is not reported (one-off warm-up).
 
 Gradients are all-reduced by hand in one flat buffer after the last
 micro-batch instead of by DDP: DDP fires its all-reduce in the backward of a
@@ -30,6 +34,7 @@ import json
 import logging
 import resource
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,14 +48,15 @@ from tqdm import tqdm
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import SchedulerName, make_problem
+from scheduler_service.core.profile import Profile, load_profile
 from trainer_client.attention import AttentionBackend
 from trainer_client.data import IGNORE_INDEX, GlobalBatch, JsonlSource, SyntheticSource, make_source
 from trainer_client.distributed import ParallelContext, ParallelDims
 from trainer_client.model import build_model, model_shape
 from trainer_client.packing import PackedMicroBatch, pack_micro_batch
-from trainer_client.plan_client import PlanClient, PlanDecision, PlanOrigin, PlanSource
+from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanOrigin, PlanSource
 
-__all__ = ["PlanningFailed", "StepMetrics", "TrainConfig", "Trainer"]
+__all__ = ["PlanningFailed", "StepMetrics", "TrainConfig", "Trainer", "run_micro_batch"]
 
 logger = logging.getLogger("trainer_client.trainer")
 
@@ -70,7 +76,7 @@ class TrainConfig:
     scheduler: str = SchedulerName.SKRULL.value
     scheduler_url: str | None = None
     bucket_size: int | None = None
-    profile: str | None = None
+    profile: str | None = None  # a profile name, or a profile file (the profiler's output)
     seed: int = 0
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -82,6 +88,8 @@ class TrainConfig:
     attention_backend: str = AttentionBackend.AUTO.value
     dtype: str | None = None  # float32 | bfloat16; default float32 on CPU, bfloat16 autocast on CUDA
     progress: bool = True
+    feedback: bool = False  # report measured micro-batch times and peak memory to the service
+    job_id: str | None = None  # names this run for the service's feedback; random when absent
 
     def __post_init__(self) -> None:
         ParallelDims(dp_size=self.dp, cp_size=self.cp)
@@ -102,6 +110,8 @@ class TrainConfig:
         AttentionBackend(self.attention_backend)
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.feedback and self.scheduler_url is None:
+            raise ValueError("--feedback reports to the scheduler service: give --scheduler-url too")
 
     @property
     def dims(self) -> ParallelDims:
@@ -137,12 +147,38 @@ def _peak_memory(device: torch.device) -> tuple[int | None, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"
 
 
+def run_micro_batch(
+    model: torch.nn.Module, pack: PackedMicroBatch, *, num_loss_tokens: int,
+    autocast_dtype: torch.dtype | None = None, attention_backend: str = AttentionBackend.AUTO.value,
+) -> torch.Tensor:
+    """Forward and backward of one packed micro-batch (gradients accumulate); returns its summed token loss.
+
+    The loss is divided by the global batch's ``num_loss_tokens`` before backward (appendix A). The profiler and
+    the accuracy benchmark time exactly this.
+    """
+    device_type = pack.input_ids_T.device.type
+    autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
+                else nullcontext())
+    with autocast:
+        output = model(
+            input_ids=pack.input_ids_T.unsqueeze(0), position_ids=pack.position_ids_T.unsqueeze(0),
+            use_cache=False, dacp_metadata=pack.metadata, dacp_backend=attention_backend,
+        )
+    logits_TV = output.logits[0].float()
+    token_loss_sum = F.cross_entropy(logits_TV, pack.targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
+    (token_loss_sum / max(num_loss_tokens, 1)).backward()
+    return token_loss_sum.detach()
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, parallel: ParallelContext) -> None:
         self.config = config
         self.parallel = parallel
         self.device = parallel.device
         shape = model_shape(config.model)
+        # A file is read here: the embedded planner plans with it, the service is asked for it by name.
+        self.profile: str | Profile | None = (load_profile(config.profile) if config.profile is not None
+                                              and Path(config.profile).is_file() else config.profile)
         self.bucket_size = config.bucket_size or self._derived_bucket_size(shape)
         self.max_length = config.max_length or self.bucket_size * config.cp
         self.source: SyntheticSource | JsonlSource = make_source(
@@ -165,8 +201,11 @@ class Trainer:
                                     max_attempts=config.plan_attempts)
             self.plans = PlanSource(scheduler=config.scheduler, dp_size=config.dp, cp_size=config.cp,
                                     model=shape if Path(config.model).is_dir() else config.model,
-                                    bucket_size=self.bucket_size, profile=config.profile, client=client)
+                                    bucket_size=self.bucket_size, profile=self.profile, client=client,
+                                    job_id=(config.job_id or uuid.uuid4().hex) if config.feedback else None)
             self.plans.check_service()
+        self.micro_batch_timings: list[MicroBatchTiming] = []  # this rank's, of the latest step
+        self._step_peak_bytes = 0  # CUDA: the largest per-micro-batch peak of the step (feedback resets them)
         self._metrics_file: IO[str] | None = None
         if parallel.is_main and config.metrics_out is not None:
             config.metrics_out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +214,7 @@ class Trainer:
     def _derived_bucket_size(self, shape: ModelShape) -> int:
         """BucketSize from the profile, as the planner derives it when a request leaves it out."""
         return make_problem(sequence_lengths=[1], dp_size=self.config.dp, cp_size=self.config.cp, model=shape,
-                            profile=self.config.profile).bucket_size
+                            profile=self.profile).bucket_size
 
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:
@@ -225,20 +264,28 @@ class Trainer:
         for param in self.params:
             param.grad = None
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for pack in packs:
+        self.micro_batch_timings = []
+        # On CUDA the timing waits for the device, so only a run that reports it pays for the waits.
+        timed = self.device.type != "cuda" or self.config.feedback
+        for index, pack in enumerate(packs):
             if pack.num_tokens == 0:
                 continue  # no tokens here and no distributed sequence: nothing to compute, no CP collective
-            autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
-                        if self.autocast_dtype is not None else nullcontext())
-            with autocast:
-                output = self.model(
-                    input_ids=pack.input_ids_T.unsqueeze(0), position_ids=pack.position_ids_T.unsqueeze(0),
-                    use_cache=False, dacp_metadata=pack.metadata, dacp_backend=self.config.attention_backend,
-                )
-            logits_TV = output.logits[0].float()
-            token_loss_sum = F.cross_entropy(logits_TV, pack.targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
-            (token_loss_sum / max(num_loss_tokens, 1)).backward()
-            loss_sum += token_loss_sum.detach().double()
+            if timed and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+            started = time.perf_counter()
+            loss_sum += run_micro_batch(self.model, pack, num_loss_tokens=num_loss_tokens,
+                                        autocast_dtype=self.autocast_dtype,
+                                        attention_backend=self.config.attention_backend).double()
+            if timed:
+                peak = None
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                    peak = int(torch.cuda.max_memory_allocated(self.device))
+                    self._step_peak_bytes = max(self._step_peak_bytes, peak)
+                self.micro_batch_timings.append(MicroBatchTiming(
+                    dp_rank=self.parallel.dp_rank, index=index, time_s=time.perf_counter() - started,
+                    peak_memory_bytes=peak))
         # One collective for every gradient and the loss; ranks that ran nothing contribute zeros.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.float().reshape(1)])
@@ -263,7 +310,12 @@ class Trainer:
         self.optimizer.step()
         step_time_s = time.perf_counter() - started
         peak, memory_kind = _peak_memory(self.device)
+        if peak is not None and self.device.type == "cuda":
+            peak = max(peak, self._step_peak_bytes)
+            self._step_peak_bytes = 0
         assert decision.plan is not None
+        if self.config.feedback:
+            self.report_feedback(step, batch, decision)
         return StepMetrics(
             step=step, loss=loss, tokens=batch.num_tokens, loss_tokens=num_loss_tokens, step_time_s=step_time_s,
             tokens_per_s=batch.num_tokens / step_time_s, plan_source=decision.origin.value,
@@ -272,6 +324,19 @@ class Trainer:
             plan_fallbacks=self.plans.num_fallbacks if self.plans is not None else 0,
             peak_memory_bytes=peak, memory_kind=memory_kind,
         )
+
+    def report_feedback(self, step: int, batch: GlobalBatch, decision: PlanDecision) -> None:
+        """Gather every rank's micro-batch timings on rank 0, which reports them (every rank must call this)."""
+        gathered: list[list[MicroBatchTiming]] | None = [[] for _ in range(dist.get_world_size())] \
+            if self.parallel.is_main else None
+        dist.gather_object(self.micro_batch_timings, gathered, dst=0, group=self.parallel.object_group)
+        if self.plans is not None and gathered is not None and step > 0:  # step 0 pays one-off warm-up
+            assert decision.plan is not None
+            timings = [timing for rank_timings in gathered for timing in rank_timings]
+            memory_budget = (float(torch.cuda.get_device_properties(self.device).total_memory)
+                             if self.device.type == "cuda" else None)
+            self.plans.report(step, decision.plan, batch.sequence_lengths, timings,
+                              memory_budget_bytes=memory_budget)
 
     def train(self) -> list[StepMetrics]:
         history = []

@@ -19,10 +19,18 @@ from typing import Annotated, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 __all__ = [
+    "MAX_FEEDBACK_MICRO_BATCHES",
+    "MAX_MEMORY_BYTES",
+    "MAX_MICRO_BATCH_TIME_MS",
     "SCHEMA_VERSION",
+    "ComputeCoefficients",
     "DPRankPlanModel",
+    "FeedbackRequest",
+    "FeedbackResponse",
     "FieldError",
     "HealthStatus",
+    "MemoryCoefficients",
+    "MicroBatchMeasurement",
     "MicroBatchModel",
     "ModelSpec",
     "ModelsResponse",
@@ -30,6 +38,7 @@ __all__ = [
     "PlanResponse",
     "Problem",
     "ProfileSummary",
+    "ProfilesReloaded",
     "SchedulerName",
     "ServiceLimits",
     "SolverReport",
@@ -39,6 +48,12 @@ SCHEMA_VERSION: Final = 1
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 SequenceIndex = Annotated[StrictInt, Field(ge=0)]
+JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
+
+# Bounds on what a trainer can have measured; anything outside is a broken measurement, not a slow machine.
+MAX_MICRO_BATCH_TIME_MS: Final = 3_600_000.0  # one hour for one micro-batch
+MAX_MEMORY_BYTES: Final = float(1 << 50)  # 1 PiB on one device
+MAX_FEEDBACK_MICRO_BATCHES: Final = 4096
 
 
 class SchedulerName(StrEnum):
@@ -109,6 +124,11 @@ class PlanRequest(_Strict):
     time_limit_s: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] | None = Field(
         default=None, description="cpsat only: solver time limit in seconds (capped by the service)."
     )
+    job_id: JobId | None = Field(
+        default=None,
+        description="Opt-in feedback: names the training job. Its POST /feedback reports refit the profile its "
+        "later plans use, and may lower their bucket_size when measured peak memory nears the budget.",
+    )
 
 
 class MicroBatchModel(_Strict):
@@ -151,6 +171,70 @@ class PlanResponse(_Strict):
     solver: SolverReport | None = Field(default=None, description="cpsat only: status, objective and bound.")
 
 
+class MicroBatchMeasurement(_Strict):
+    """One micro-batch as the trainer ran it."""
+
+    local_lengths: list[list[PositiveInt]] = Field(
+        description="cp_size lists: lengths of the sequences kept whole on each CP rank.")
+    distributed_lengths: list[PositiveInt] = Field(description="Lengths of the sequences sharded over the CP group.")
+    time_ms: Annotated[float, Field(strict=True, gt=0, le=MAX_MICRO_BATCH_TIME_MS, allow_inf_nan=False)] = Field(
+        description="Measured forward + backward time of the slowest CP rank.")
+    peak_memory_bytes: Annotated[float, Field(strict=True, gt=0, le=MAX_MEMORY_BYTES, allow_inf_nan=False)] | None = (
+        Field(default=None, description="Peak device memory during the micro-batch, the largest over CP ranks; "
+                                        "absent where the device cannot measure it per micro-batch (CPU)."))
+
+
+class FeedbackRequest(_Strict):
+    """POST /feedback: what one training step measured, for the job's online refit."""
+
+    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Contract version.")
+    job_id: JobId = Field(description="The job_id its POST /plan requests carried.")
+    step: Annotated[StrictInt, Field(ge=0)] | None = Field(default=None, description="Training step, for logs.")
+    micro_batches: list[MicroBatchMeasurement] = Field(min_length=1, max_length=MAX_FEEDBACK_MICRO_BATCHES)
+    memory_budget_bytes: Annotated[float, Field(strict=True, gt=0, le=MAX_MEMORY_BYTES, allow_inf_nan=False)] | None = (
+        Field(default=None, description="Device memory the job may use; the profile's device memory when absent."))
+
+
+class ComputeCoefficients(_Strict):
+    alpha_s_per_flop: float
+    alpha_s_per_token: float
+    alpha_s_per_sequence: float
+    beta_s_per_layer: float
+
+
+class MemoryCoefficients(_Strict):
+    bytes_per_token: float = Field(description="Refit activation bytes per token per CP rank.")
+    fixed_bytes: float = Field(description="Refit peak at zero tokens: static, reserved and fixed memory.")
+
+
+class FeedbackResponse(_Strict):
+    """A job's refit state (POST /feedback and GET /feedback/{job_id})."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    job_id: str
+    model: str
+    base_profile: str = Field(description="The profile the job's plans started from.")
+    profile: str = Field(description="The profile name its plans now report (the base's, + feedback).")
+    num_observations: int = Field(description="Micro-batches reported so far.")
+    num_in_window: int = Field(description="Observations the current fit uses (a bounded sliding window).")
+    num_downweighted: int = Field(description="Observations of the window the robust fit treats as outliers.")
+    compute_scale: float = Field(description="Refit variable compute cost / the base profile's.")
+    compute: ComputeCoefficients
+    fit_median_relative_error: float | None = Field(description="Of the compute refit over its window.")
+    memory: MemoryCoefficients | None = Field(description="Null until a report carried peak memory.")
+    memory_budget_bytes: float
+    bucket_size_cap: int | None = Field(
+        description="The largest bucket_size that keeps the predicted peak under the budget's headroom; later "
+        "plans of the job use at most this (never less than the longest sequence needs over the CP group).")
+
+
+class ProfilesReloaded(_Strict):
+    """POST /profiles/reload: the profile folder read again."""
+
+    directory: str | None = Field(description="The folder (SKRULL_PROFILE_DIR); null when none is configured.")
+    profiles: list[str] = Field(description="Names loaded from it.")
+
+
 class FieldError(_Strict):
     field: str = Field(description="Path of the offending field, e.g. sequence_lengths[17].")
     message: str
@@ -179,6 +263,9 @@ class ProfileSummary(_Strict):
     device: str
     device_memory_bytes: float
     model: str | None = Field(description="The model the profile was measured for; null when it fits any model.")
+    origin: Literal["builtin", "directory"] = Field(
+        default="builtin", description="Shipped with the service, or read from its profile folder.")
+    measured_at: str | None = Field(default=None, description="When the profiler measured it (provenance.date).")
 
 
 class ServiceLimits(_Strict):

@@ -16,6 +16,14 @@ from scheduler_service.core.errors import (
     UnknownProfileError,
     UnknownSchedulerError,
 )
+from scheduler_service.core.feedback import (
+    FeedbackConfig,
+    JobFeedback,
+    MicroBatchMeasurement,
+    effective_bucket_size,
+    observe,
+    start_job,
+)
 from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape, resolve_model
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import (
@@ -29,7 +37,7 @@ from scheduler_service.core.plan import (
     make_problem,
 )
 from scheduler_service.core.planner import PlanResult, make_plan, schedule
-from scheduler_service.core.profile import Profile, builtin_profiles, load_profile, resolve_profile
+from scheduler_service.core.profile import Profile, builtin_profiles, load_profile, load_profile_dir, resolve_profile
 from scheduler_service.core.samplers import DATASETS, sample_lengths
 from scheduler_service.core.simulate import PlanEstimate, simulate
 
@@ -37,9 +45,12 @@ __all__ = [
     "DATASETS",
     "MODEL_CATALOGUE",
     "DPRankPlan",
+    "FeedbackConfig",
     "InfeasiblePlanError",
     "InvalidRequestError",
+    "JobFeedback",
     "MicroBatch",
+    "MicroBatchMeasurement",
     "ModelShape",
     "PerformanceModel",
     "Plan",
@@ -58,13 +69,17 @@ __all__ = [
     "UnknownSchedulerError",
     "builtin_profiles",
     "check_plan",
+    "effective_bucket_size",
     "find_violations",
     "load_profile",
+    "load_profile_dir",
     "make_plan",
     "make_problem",
+    "observe",
     "resolve_model",
     "resolve_profile",
     "sample_lengths",
     "schedule",
     "simulate",
+    "start_job",
 ]

@@ -3,13 +3,33 @@
 A profile is a versioned JSON file (see ``profiles/h100-paper.json``): compute
 ``T_comp = α·FLOPs + β``, activation memory ``M(S) = α·S + β`` and the
 collective latency tables ``T_comm`` is fitted from. Numbers live in data, each
-with its source, never in code. Profiles measured for one model name it in
-``model``; the shipped ones hold per-architecture formulas and fit any model.
+with its source, never in code. The shipped ``h100-paper`` profile holds
+per-architecture formulas and fits any model; a profile measured by the
+profiler (``python -m trainer_client.profile``) names its model in ``model``,
+and only plans for that model (its activation bytes per token are measured,
+not derived from the shape).
+
+Schema version 1; every member below ``compute``/``memory``/``communication``
+not listed in the shipped file is optional and defaults to what reproduces the
+paper's model:
+
+* ``compute.alpha_s_per_token`` and ``compute.alpha_s_per_sequence`` (default
+  0): the measured cost eq. 13 leaves out (the LM head, norms and element-wise
+  kernels per token; one attention call per sequence per layer where the
+  kernel is not varlen, as SDPA on CPU);
+* ``communication.tables`` may be empty (a single-process profile measured no
+  collective): communication then costs nothing in the model;
+* ``communication.fit``: ``"absolute"`` (default, least squares on seconds) or
+  ``"relative"`` (on relative error, so that small messages, which dominate
+  short distributed sequences, are fitted as well as large ones);
+* ``provenance``: where, when and with what the numbers were measured
+  (hardware, software versions, model, date, command); carried, not checked.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -27,6 +47,7 @@ __all__ = [
     "Profile",
     "builtin_profiles",
     "load_profile",
+    "load_profile_dir",
     "parse_profile",
     "resolve_profile",
 ]
@@ -34,12 +55,17 @@ __all__ = [
 PROFILE_SCHEMA_VERSION = 1
 DEFAULT_PROFILE = "h100-paper"
 COLLECTIVES = ("all_gather", "reduce_scatter")
+_MAX_PROFILE_BYTES = 1 << 20  # a profile is a few KiB; anything larger in a profile folder is not one
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ComputeProfile:
+    """``T_comp = α·FLOPs + α_token·tokens + α_sequence·sequences + β·layers`` of one packed group."""
+
     alpha_s_per_flop: float
     beta_s_per_layer: float
+    alpha_s_per_token: float = 0.0
+    alpha_s_per_sequence: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,8 +84,9 @@ class MemoryProfile:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CommunicationProfile:
     kv_bytes_per_element: int
-    # collective name -> ((message bytes, latency seconds), ...), sorted by size
+    # collective name -> ((message bytes, latency seconds), ...), sorted by size; empty when none was measured
     tables: dict[str, tuple[tuple[float, float], ...]]
+    relative_fit: bool = False  # fit T_comm to the tables on relative rather than absolute error
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,24 +102,56 @@ class Profile:
     raw: dict[str, Any]
 
     def __post_init__(self) -> None:
-        if self.device_memory_bytes <= 0:
+        if not self.device_memory_bytes > 0:
             raise InvalidRequestError("profile hardware.device_memory_bytes must be positive", field="profile")
-        if self.compute.alpha_s_per_flop <= 0 or self.compute.beta_s_per_layer < 0:
-            raise InvalidRequestError("profile compute coefficients must be positive", field="profile")
-        for collective in COLLECTIVES:
-            table = self.communication.tables.get(collective, ())
-            if len(table) < 2:
-                raise InvalidRequestError(
-                    f"profile communication.tables.{collective} needs at least 2 (bytes, seconds) points",
-                    field="profile",
-                )
+        compute = self.compute
+        if not compute.alpha_s_per_flop > 0:
+            raise InvalidRequestError(
+                f"profile compute.alpha_s_per_flop must be positive, got {compute.alpha_s_per_flop}", field="profile")
+        for name in ("beta_s_per_layer", "alpha_s_per_token", "alpha_s_per_sequence"):
+            if not getattr(compute, name) >= 0:
+                raise InvalidRequestError(f"profile compute.{name} must not be negative, got {getattr(compute, name)}",
+                                          field="profile")
+        memory = self.memory
+        per_token = (memory.activation_fixed_bytes_per_token, memory.activation_per_layer_hidden,
+                     memory.activation_per_vocab)
+        if min(per_token) < 0 or max(per_token) <= 0:
+            raise InvalidRequestError("profile memory.activation_bytes_per_token must be non-negative and not all 0",
+                                      field="profile")
+        if self.communication.kv_bytes_per_element < 1:
+            raise InvalidRequestError("profile communication.kv_bytes_per_element must be at least 1",
+                                      field="profile")
+        tables = self.communication.tables
+        if tables:
+            for collective in COLLECTIVES:
+                if len(tables.get(collective, ())) < 2:
+                    raise InvalidRequestError(
+                        f"profile communication.tables.{collective} needs at least 2 (bytes, seconds) points",
+                        field="profile",
+                    )
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        """Where the numbers come from (the profiler fills it); empty for hand-written profiles."""
+        provenance = self.raw.get("provenance")
+        return provenance if isinstance(provenance, dict) else {}
 
 
-def _number(data: dict[str, Any], key: str, path: str) -> float:
-    value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequestError(f"profile field {path}.{key} must be a number, got {value!r}", field="profile")
+def _number(data: dict[str, Any], key: str, path: str, default: float | None = None) -> float:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequestError(f"profile field {path}.{key} must be a finite number, got {value!r}",
+                                  field="profile")
     return float(value)
+
+
+def _table(name: str, points: Any) -> tuple[tuple[float, float], ...]:
+    parsed = tuple(sorted((float(size), float(latency)) for size, latency in points))
+    if any(not (math.isfinite(size) and math.isfinite(latency)) or size <= 0 or latency < 0
+           for size, latency in parsed):
+        raise InvalidRequestError(f"profile communication.tables.{name} needs positive sizes and latencies",
+                                  field="profile")
+    return parsed
 
 
 def parse_profile(data: dict[str, Any]) -> Profile:
@@ -111,21 +170,27 @@ def parse_profile(data: dict[str, Any]) -> Profile:
         )
         activation = memory["activation_bytes_per_token"]
         static = memory["static_bytes_per_parameter"]
-        tables = {
-            name: tuple(sorted((float(size), float(latency)) for size, latency in points))
-            for name, points in communication["tables"].items()
-        }
+        tables = {name: _table(name, points) for name, points in communication["tables"].items()}
+        comm_fit = communication.get("fit", "absolute")
+        if comm_fit not in ("absolute", "relative"):
+            raise ValueError(f"communication.fit must be 'absolute' or 'relative', got {comm_fit!r}")
     except (KeyError, TypeError, ValueError) as error:
         raise InvalidRequestError(f"profile is missing or has a malformed field: {error}", field="profile") from error
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError(f"profile field model must be a model name or null, got {model!r}",
+                                  field="profile")
     return Profile(
         name=str(data.get("name", "unnamed")),
         description=str(data.get("description", "")),
-        model=data.get("model"),
+        model=model,
         device=str(hardware.get("device", "unknown")),
         device_memory_bytes=_number(hardware, "device_memory_bytes", "hardware"),
         compute=ComputeProfile(
             alpha_s_per_flop=_number(compute, "alpha_s_per_flop", "compute"),
             beta_s_per_layer=_number(compute, "beta_s_per_layer", "compute"),
+            alpha_s_per_token=_number(compute, "alpha_s_per_token", "compute", default=0.0),
+            alpha_s_per_sequence=_number(compute, "alpha_s_per_sequence", "compute", default=0.0),
         ),
         memory=MemoryProfile(
             activation_fixed_bytes_per_token=_number(activation, "fixed", "memory.activation_bytes_per_token"),
@@ -139,6 +204,7 @@ def parse_profile(data: dict[str, Any]) -> Profile:
         communication=CommunicationProfile(
             kv_bytes_per_element=int(_number(communication, "kv_bytes_per_element", "communication")),
             tables=tables,
+            relative_fit=comm_fit == "relative",
         ),
         raw=data,
     )
@@ -148,19 +214,43 @@ def load_profile(path: str | Path) -> Profile:
     """Read a profile file; errors name the file."""
     path = Path(path)
     try:
+        if path.stat().st_size > _MAX_PROFILE_BYTES:
+            raise InvalidRequestError(f"profile {path} is larger than {_MAX_PROFILE_BYTES} bytes", field="profile")
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InvalidRequestError(f"cannot read profile {path}: {error}", field="profile") from error
     if not isinstance(data, dict):
         raise InvalidRequestError(f"profile {path} must hold a JSON object", field="profile")
-    return parse_profile(data)
+    try:
+        return parse_profile(data)
+    except InvalidRequestError as error:
+        raise InvalidRequestError(f"profile {path}: {error.message}", field="profile") from error
+
+
+def load_profile_dir(directory: str | Path) -> dict[str, Profile]:
+    """Every ``*.json`` profile in ``directory`` by name; the first bad file (or a duplicate name) is an error
+    naming it, so a folder is accepted whole or not at all."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise InvalidRequestError(f"profile directory {directory} does not exist or is not a directory",
+                                  field="profile_dir")
+    profiles: dict[str, Profile] = {}
+    origins: dict[str, Path] = {}
+    for path in sorted(directory.glob("*.json")):
+        profile = load_profile(path)
+        if profile.name in profiles:
+            raise InvalidRequestError(f"profiles {origins[profile.name]} and {path} are both named {profile.name!r}",
+                                      field="profile_dir")
+        profiles[profile.name] = profile
+        origins[profile.name] = path
+    return profiles
 
 
 @cache
 def builtin_profiles() -> dict[str, Profile]:
     """The profiles shipped with the package, by name."""
     folder = resources.files("scheduler_service.core") / "profiles"
-    files = (entry for entry in folder.iterdir() if entry.name.endswith(".json"))
+    files = sorted((entry for entry in folder.iterdir() if entry.name.endswith(".json")), key=lambda e: e.name)
     loaded = (parse_profile(json.loads(entry.read_text())) for entry in files)
     return {profile.name: profile for profile in loaded}
 

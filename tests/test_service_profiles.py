@@ -1,0 +1,110 @@
+"""Profiles from a folder (SKRULL_PROFILE_DIR): loaded at start-up and on request, listed, planned with."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from skrull_proto import ModelsResponse, PlanResponse
+
+from scheduler_service.app import create_app
+from scheduler_service.core.errors import InvalidRequestError
+from scheduler_service.core.profile import builtin_profiles
+from scheduler_service.settings import Settings
+
+
+def measured_document(name: str = "lab-tiny", model: str | None = "tiny", scale: float = 1.0) -> dict[str, Any]:
+    document = copy.deepcopy(builtin_profiles()["h100-paper"].raw)
+    document.update(name=name, model=model, description="made up for a test",
+                    provenance={"date": "2025-03-04T05:06:07+00:00", "tool": "test"})
+    document["compute"] = {"alpha_s_per_flop": 5e-11 * scale, "beta_s_per_layer": 5e-4,
+                           "alpha_s_per_token": 2e-5, "alpha_s_per_sequence": 1e-4}
+    return document
+
+
+def settings(profile_dir: Path | None, **overrides: Any) -> Settings:
+    return Settings(cpsat_warmup=False, warmup=False, access_log=False, profile_dir=profile_dir, **overrides)
+
+
+def plan_body(**overrides: Any) -> dict[str, Any]:
+    return {"sequence_lengths": [300, 1200, 80, 40], "dp_size": 1, "cp_size": 2, "model": "tiny",
+            "bucket_size": 1024, **overrides}
+
+
+def test_profiles_in_the_folder_are_listed_and_plan(tmp_path: Path) -> None:
+    (tmp_path / "lab.json").write_text(json.dumps(measured_document()))
+    with TestClient(create_app(settings(tmp_path))) as client:
+        models = ModelsResponse.model_validate_json(client.get("/models").content)
+        listed = {profile.name: profile for profile in models.profiles}
+        assert listed["lab-tiny"].origin == "directory" and listed["lab-tiny"].model == "tiny"
+        assert listed["lab-tiny"].measured_at == "2025-03-04T05:06:07+00:00"
+        assert listed["h100-paper"].origin == "builtin"
+        response = client.post("/plan", json=plan_body(profile="lab-tiny"))
+        assert response.status_code == 200, response.text
+        assert PlanResponse.model_validate_json(response.content).profile == "lab-tiny"
+
+
+def test_a_profile_measured_for_another_model_is_a_422_naming_the_profile(tmp_path: Path) -> None:
+    (tmp_path / "lab.json").write_text(json.dumps(measured_document()))
+    with TestClient(create_app(settings(tmp_path))) as client:
+        response = client.post("/plan", json=plan_body(profile="lab-tiny", model="qwen2.5-0.5b"))
+    assert response.status_code == 422
+    assert response.json()["field"] == "profile" and "measured for model tiny" in response.json()["detail"]
+
+
+def test_a_bad_profile_folder_stops_the_start_naming_the_file(tmp_path: Path) -> None:
+    (tmp_path / "broken.json").write_text('{"schema_version": 1, "name": "x"}')
+    with pytest.raises(InvalidRequestError, match=r"broken\.json"), TestClient(create_app(settings(tmp_path))):
+        pass
+    with pytest.raises(InvalidRequestError, match="does not exist"), \
+            TestClient(create_app(settings(tmp_path / "missing"))):
+        pass
+
+
+def test_a_folder_profile_may_not_shadow_a_shipped_one(tmp_path: Path) -> None:
+    (tmp_path / "fake.json").write_text(json.dumps(measured_document(name="h100-paper", model=None)))
+    with pytest.raises(InvalidRequestError, match="reuse shipped names: h100-paper"), \
+            TestClient(create_app(settings(tmp_path))):
+        pass
+
+
+def test_profiles_added_later_are_found_on_request_and_on_reload(tmp_path: Path) -> None:
+    with TestClient(create_app(settings(tmp_path))) as client:
+        assert client.post("/plan", json=plan_body(profile="late")).status_code == 422
+        (tmp_path / "late.json").write_text(json.dumps(measured_document(name="late")))
+        response = client.post("/plan", json=plan_body(profile="late"))  # an unknown name triggers a re-read
+        assert response.status_code == 200, response.text
+        (tmp_path / "later.json").write_text(json.dumps(measured_document(name="later")))
+        reloaded = client.post("/profiles/reload")
+        assert reloaded.status_code == 200
+        assert reloaded.json() == {"directory": str(tmp_path), "profiles": ["late", "later"]}
+
+
+def test_a_bad_file_on_reload_is_a_422_and_the_loaded_profiles_stay(tmp_path: Path) -> None:
+    (tmp_path / "good.json").write_text(json.dumps(measured_document(name="good")))
+    with TestClient(create_app(settings(tmp_path))) as client:
+        (tmp_path / "zz-bad.json").write_text("[]")
+        response = client.post("/profiles/reload")
+        assert response.status_code == 422 and "zz-bad.json" in response.json()["detail"]
+        assert client.post("/plan", json=plan_body(profile="good")).status_code == 200
+
+
+def test_reload_without_a_folder_lists_nothing() -> None:
+    with TestClient(create_app(settings(None))) as client:
+        assert client.post("/profiles/reload").json() == {"directory": None, "profiles": []}
+
+
+def test_jobs_can_start_from_a_folder_profile(tmp_path: Path) -> None:
+    (tmp_path / "lab.json").write_text(json.dumps(measured_document()))
+    with TestClient(create_app(settings(tmp_path))) as client:
+        assert client.post("/plan", json=plan_body(profile="lab-tiny", job_id="j")).status_code == 200
+        feedback = {"job_id": "j", "micro_batches": [
+            {"local_lengths": [[300, 80], [40]], "distributed_lengths": [1200], "time_ms": 90.0}]}
+        state = client.post("/feedback", json=feedback).json()
+        assert state["base_profile"] == "lab-tiny" and state["profile"] == "lab-tiny+feedback"
+        assert client.post("/plan", json=plan_body(profile="lab-tiny", job_id="j")).json()["profile"] == \
+            "lab-tiny+feedback"

@@ -1,0 +1,203 @@
+"""Measuring on the training device: timings, peak memory, collective latency, and what the machine is.
+
+Timings are repeated after warm-up and summarised by their median (robust to a
+run slowed by another process); on CUDA they use CUDA events, so they time the
+device, not the launch. Peak memory is the allocator's peak on CUDA; on CPU,
+where no allocator keeps one, PyTorch's ``MemTracker`` (a dispatch mode that
+follows every tensor storage's life) counts the bytes live at the peak —
+exact for tensors, blind to the allocator's own slack. Collectives time the
+exact calls DACP attention makes (``all_gather_single``, ``reduce_scatter_single``;
+``all_to_all_single`` for the Ulysses comparison) and take, per repetition, the
+slowest rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from scheduler_service.core.plan import MicroBatch
+from trainer_client.data import Sample
+from trainer_client.packing import PackedMicroBatch, pack_micro_batch
+
+__all__ = [
+    "COLLECTIVES",
+    "activation_peak_bytes",
+    "collective_latency_s",
+    "device_memory_bytes",
+    "hardware_info",
+    "local_pack",
+    "random_samples",
+    "software_versions",
+    "state_bytes",
+    "timed_runs",
+    "utc_now",
+]
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all")
+
+
+def timed_runs(fn: Callable[[], object], *, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Seconds per call of ``fn`` over ``repeats`` runs after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times_s = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times_s.append(start.elapsed_time(end) / 1e3)
+        else:
+            started = time.perf_counter()
+            fn()
+            times_s.append(time.perf_counter() - started)
+    return times_s
+
+
+def activation_peak_bytes(fn: Callable[[], object], *, device: torch.device, model: torch.nn.Module,
+                          optimizer: torch.optim.Optimizer) -> int:
+    """Peak bytes ``fn`` holds above the model's weights and optimizer states (activations, gradients,
+    temporaries)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - before)
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)  # so weights and optimizer states are told apart from activations
+    with tracker:
+        fn()
+    peak = tracker.get_tracker_snapshot("peak")[device]
+    static_kinds = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.OPT)
+    return int(peak["Total"] - sum(peak.get(kind, 0) for kind in static_kinds))
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of weights, gradients and optimizer states, counted tensor by tensor."""
+    def size(tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    parameters = list(model.parameters())
+    return {
+        "weights": sum(size(p) for p in parameters) + sum(size(b) for b in model.buffers()),
+        "gradients": sum(size(p) for p in parameters if p.requires_grad),  # fp32/dtype of the weights, as trained
+        "optimizer": sum(size(value) for state in optimizer.state.values() for value in state.values()
+                         if isinstance(value, torch.Tensor)),
+    }
+
+
+def collective_latency_s(
+    collective: str, num_bytes: int, *, group: dist.ProcessGroup | None, device: torch.device,
+    dtype: torch.dtype, warmup: int, repeats: int,
+) -> float:
+    """Median over repetitions of the slowest rank's time for one collective moving ``num_bytes`` in all
+    (the gathered output of an all-gather, the input of a reduce-scatter or an all-to-all)."""
+    world_size = dist.get_world_size(group)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    numel = max(num_bytes // element_size // world_size, 1) * world_size
+    full = torch.ones(numel, dtype=dtype, device=device)
+    shard = torch.ones(numel // world_size, dtype=dtype, device=device)
+
+    def run() -> None:
+        if collective == "all_gather":
+            dist.all_gather_single(full, shard, group=group)
+        elif collective == "reduce_scatter":
+            dist.reduce_scatter_single(shard, full, group=group)
+        elif collective == "all_to_all":
+            dist.all_to_all_single(full, full.clone(), group=group)
+        else:
+            raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
+
+    for _ in range(warmup):
+        run()
+    slowest_s = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        elapsed = timed_runs(run, device=device, warmup=0, repeats=1)[0]
+        measured = torch.tensor([elapsed], dtype=torch.float64, device=device)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+        slowest_s.append(float(measured.item()))
+    return statistics.median(slowest_s)
+
+
+def random_samples(lengths: Sequence[int], *, vocab_size: int, seed: int) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for length in lengths:
+        input_ids = rng.integers(0, vocab_size, size=int(length), dtype=np.int64)
+        samples.append(Sample(input_ids=input_ids, labels=input_ids.copy()))
+    return samples
+
+
+def local_pack(lengths: Sequence[int], *, vocab_size: int, device: torch.device, seed: int) -> PackedMicroBatch:
+    """One CP rank's packed micro-batch holding ``lengths`` whole (cp_size 1)."""
+    samples = random_samples(lengths, vocab_size=vocab_size, seed=seed)
+    micro_batch = MicroBatch(local=(tuple(range(len(samples))),), distributed=())
+    return pack_micro_batch(samples, micro_batch, cp_size=1, cp_rank=0).to(device)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The device's memory: the GPU's, or the host's physical memory for CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "host_memory_bytes": device_memory_bytes(torch.device("cpu")),
+        "platform": platform.platform(),
+    }
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        info.update(gpu=properties.name, gpu_memory_bytes=int(properties.total_memory),
+                    gpu_capability=f"{properties.major}.{properties.minor}", gpu_count=torch.cuda.device_count())
+    return info
+
+
+def software_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                                       "cuda": torch.version.cuda}
+    for package in ("skrull", "transformers", "numpy", "flash-attn"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
