@@ -8,12 +8,14 @@
   Algorithm 1 (``dacp_paper``) succeeds on each.
 * ``round_robin`` — the same GDS with the RR DACP of appendix B.2.
 * ``skrull`` — the default. DP balancing by LPT on FLOPs (largest first onto
-  the least-loaded rank). For each DP share it tries a few micro-batch counts
-  from the memory minimum up, and for each both the strided cut and a
-  token-spreading cut (longest first onto the micro-batch with the fewest
-  tokens, which pairs long with short and keeps each under C·N); every cut
-  is scheduled with ``dacp_balanced`` and the cheapest under the cost model
-  wins. Measured cost: see the README's planning-latency table.
+  the least-loaded rank). For each DP share it tries the memory-minimal
+  micro-batch count and one more (stopping early within 5% of a lower bound),
+  each cut by spreading tokens (longest first onto the micro-batch with the
+  fewest tokens, which pairs long with short and keeps each under C·N; it
+  matched or beat the strided cut in our measurements at half the cost); every
+  cut is scheduled with ``dacp_balanced`` and the cheapest under the cost model
+  wins, then refined. Measured cost: see the README's planning-latency table
+  (p99 3.6–4.5 ms for 256 sequences, ≤ 68 ms for 4096, DP=4, CP=8).
 """
 
 from __future__ import annotations
