@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from scheduler_service.core import baselines, dacp, gds
 from scheduler_service.core.check import find_violations
+from scheduler_service.core.partition import karmarkar_karp
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, SchedulerName, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.simulate import simulate
@@ -108,7 +109,7 @@ def test_sorted_batching_gives_the_shortest_sequences_to_the_first_rank(problem_
 
 def test_karmarkar_karp_balances_a_classic_instance() -> None:
     weights = [8, 7, 6, 5, 4]
-    parts = baselines.karmarkar_karp(list(range(5)), weights, 2)
+    parts = karmarkar_karp(list(range(5)), weights, 2)
     sums = sorted(sum(weights[i] for i in part) for part in parts)
     assert sorted(i for part in parts for i in part) == [0, 1, 2, 3, 4]
     assert sums[1] - sums[0] <= 2  # KK finds 16/14 (the optimum is 15/15; greedy LPT finds 17/13)
@@ -160,3 +161,20 @@ def test_make_plan_reports_speedup_against_deepspeed(problem_of: ProblemFactory)
         result.baseline_time_s / result.estimate.iteration_time_s)
     assert result.baseline_time_s == pytest.approx(simulate(problem, baselines.deepspeed(problem)).iteration_time_s)
     assert result.speedup_vs_deepspeed > 1.0  # many short sequences: DACP keeps them local, GDS packs them
+
+
+def test_search_starts_at_one_micro_batch_per_sequence_over_half_the_capacity(problem_of: ProblemFactory) -> None:
+    # Every sequence exceeds C·N/2, so no two share a micro-batch: the count search must start at n
+    # (it used to walk up from ⌈tokens / C·N⌉ one cut at a time, quadratic in n).
+    problem = problem_of([2049] * 300, dp_size=1, cp_size=2, bucket_size=2048)
+    for scheduler in HEURISTIC_SCHEDULERS:
+        plan = HEURISTIC_SCHEDULERS[scheduler](problem)
+        assert violations_of(problem, plan) == []
+        assert plan.num_micro_batches == 300
+
+
+def test_karmarkar_karp_hands_over_to_lpt_for_many_parts() -> None:
+    weights = list(range(1, 2001))
+    parts = karmarkar_karp(list(range(2000)), weights, 1024)  # 2M cells: over the KK memory cap
+    assert sorted(i for part in parts for i in part) == list(range(2000))
+    assert len(parts) == 1024

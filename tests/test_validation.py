@@ -80,3 +80,10 @@ def test_model_too_large_for_the_device_is_a_clear_error() -> None:
     with pytest.raises(InvalidRequestError, match="no activation memory") as caught:
         problem(bucket_size=None, model="qwen2.5-14b", dp_size=1, cp_size=1)
     assert caught.value.field == "bucket_size"
+
+
+def test_rejects_inline_model_with_absurd_size() -> None:
+    with pytest.raises(InvalidRequestError, match="between 1 and 262144") as caught:
+        ModelShape(name="x", hidden_size=10**200, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, intermediate_size=128, vocab_size=100)
+    assert caught.value.field == "model.hidden_size"

@@ -13,24 +13,33 @@
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
+from scheduler_service.core.partition import karmarkar_karp
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
 
-__all__ = ["balanced", "contiguous_slices", "deepspeed", "karmarkar_karp", "pack_in_order", "sorted_batching"]
+__all__ = [
+    "balanced",
+    "contiguous_slices",
+    "deepspeed",
+    "min_micro_batches",
+    "pack_in_order",
+    "shard_all",
+    "sorted_batching",
+]
 
 
-def _sharded(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch:
+def shard_all(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch:
+    """Static context parallelism: every sequence of the micro-batch sharded over the CP group."""
     return MicroBatch(local=((),) * problem.cp_size, distributed=tuple(sorted(indices)))
 
 
 def _plan(micro_batches_per_rank: list[list[list[int]]], problem: PlanningProblem) -> Plan:
     return Plan(dp_ranks=tuple(
-        DPRankPlan(micro_batches=tuple(_sharded(problem, group) for group in groups if group))
+        DPRankPlan(micro_batches=tuple(shard_all(problem, group) for group in groups if group))
         for groups in micro_batches_per_rank
     ))
 
@@ -64,38 +73,27 @@ def sorted_batching(problem: PlanningProblem) -> Plan:
     return _plan([pack_in_order(problem, share) for share in contiguous_slices(ascending, problem.dp_size)], problem)
 
 
-def karmarkar_karp(indices: Sequence[int], weights: Sequence[int], num_parts: int) -> list[list[int]]:
-    """k-way largest differencing: repeatedly merge the two partial partitions with the largest spread,
-    pairing the heaviest subset of one with the lightest of the other."""
-    if not indices:
-        return [[] for _ in range(num_parts)]
-    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
-    for counter, index in enumerate(indices):
-        subsets = [(int(weights[index]), [index])] + [(0, []) for _ in range(num_parts - 1)]
-        heapq.heappush(heap, (-int(weights[index]), counter, subsets))
-    counter = len(indices)
-    while len(heap) > 1:
-        _, _, first = heapq.heappop(heap)
-        _, _, second = heapq.heappop(heap)
-        first.sort(key=lambda subset: -subset[0])
-        second.sort(key=lambda subset: subset[0])
-        merged = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(first, second, strict=True)]
-        spread = max(s for s, _ in merged) - min(s for s, _ in merged)
-        counter += 1
-        heapq.heappush(heap, (-spread, counter, merged))
-    return [sorted(members) for _, members in heap[0][2]]
+def min_micro_batches(problem: PlanningProblem, subset: Sequence[int]) -> int:
+    """No fewer micro-batches can hold ``subset``: its tokens over C·N, and one each for the sequences
+    longer than C·N/2 (no two of them fit together)."""
+    if not subset:
+        return 0
+    lengths, capacity = problem.sequence_lengths, problem.micro_batch_capacity
+    by_tokens = math.ceil(sum(lengths[k] for k in subset) / capacity)
+    return max(1, by_tokens, sum(1 for k in subset if 2 * lengths[k] > capacity))
 
 
 def balanced(problem: PlanningProblem) -> Plan:
-    lengths = [int(n) for n in problem.lengths]
+    lengths = problem.sequence_lengths
     shares = karmarkar_karp(list(range(problem.num_sequences)), lengths, problem.dp_size)
     per_rank = []
     for share in shares:
-        count = max(1, math.ceil(sum(lengths[k] for k in share) / problem.micro_batch_capacity)) if share else 0
+        groups: list[list[int]] = []
+        count = min_micro_batches(problem, share)
         while share:
             groups = karmarkar_karp(share, lengths, count)
             if max(sum(lengths[k] for k in group) for group in groups) <= problem.micro_batch_capacity:
                 break
-            count += 1
-        per_rank.append(groups if share else [])
+            count = min(len(share), count + max(1, count // 4))  # geometric: O(log n) tries, ends at one each
+        per_rank.append(groups)
     return _plan(per_rank, problem)

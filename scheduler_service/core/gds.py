@@ -21,31 +21,20 @@
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable, Sequence
 
-from scheduler_service.core.baselines import contiguous_slices, pack_in_order
+from scheduler_service.core.baselines import contiguous_slices, min_micro_batches, pack_in_order, shard_all
 from scheduler_service.core.dacp import dacp_balanced, dacp_paper, dacp_round_robin
 from scheduler_service.core.errors import InfeasiblePlanError
+from scheduler_service.core.partition import lpt_partition
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
 from scheduler_service.core.simulate import micro_batches_time_s
 
-__all__ = ["dacp_only", "gds_only", "gds_paper", "lpt_partition", "round_robin", "skrull", "skrull_paper"]
+__all__ = ["dacp_only", "gds_only", "gds_paper", "round_robin", "skrull", "skrull_paper"]
 
 Dacp = Callable[[PlanningProblem, Sequence[int]], MicroBatch | None]
 EXTRA_MICRO_BATCH_COUNTS = 1  # counts tried beyond the first feasible one
 GOOD_ENOUGH = 1.05  # stop searching within 5% of the share's lower bound
-
-
-def lpt_partition(indices: Sequence[int], weights: Sequence[float], num_parts: int) -> list[list[int]]:
-    """Longest-processing-time-first: heaviest item onto the lightest part (ties by part index)."""
-    parts: list[list[int]] = [[] for _ in range(num_parts)]
-    heap = [(0.0, part) for part in range(num_parts)]
-    for index in sorted(indices, key=lambda k: (-weights[k], k)):
-        load, part = heapq.heappop(heap)
-        parts[part].append(index)
-        heapq.heappush(heap, (load + weights[index], part))
-    return parts
 
 
 def _greedy_in_order(indices: Sequence[int], weights: Sequence[float], num_parts: int) -> list[list[int]]:
@@ -57,10 +46,6 @@ def _greedy_in_order(indices: Sequence[int], weights: Sequence[float], num_parts
         parts[part].append(index)
         loads[part] += weights[index]
     return parts
-
-
-def _min_micro_batches(problem: PlanningProblem, subset: Sequence[int]) -> int:
-    return max(1, math.ceil(int(sum(problem.lengths[k] for k in subset)) / problem.micro_batch_capacity))
 
 
 def _strided(problem: PlanningProblem, subset: Sequence[int], count: int) -> list[list[int]]:
@@ -106,7 +91,7 @@ def _no_plan(problem: PlanningProblem, subset: Sequence[int]) -> InfeasiblePlanE
 
 def gds_paper(problem: PlanningProblem, subset: Sequence[int], dacp: Dacp) -> list[MicroBatch]:
     """Alg. 2 lines 2–12 for one DP rank's share."""
-    for count in range(_min_micro_batches(problem, subset), len(subset) + 1):
+    for count in range(min_micro_batches(problem, subset), len(subset) + 1):
         micro_batches = _schedule_groups(problem, _strided(problem, subset, count), dacp)
         if micro_batches is not None:
             return micro_batches
@@ -135,39 +120,33 @@ def _dacp_unrefined(problem: PlanningProblem, indices: Sequence[int]) -> MicroBa
     return dacp_balanced(problem, indices, refine=False)
 
 
-def _shard_all(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch:
-    """Static context parallelism: every sequence of the micro-batch sharded over the CP group."""
-    return MicroBatch(local=((),) * problem.cp_size, distributed=tuple(sorted(indices)))
-
-
 def _share_lower_bound_s(problem: PlanningProblem, subset: Sequence[int], num_micro_batches: int) -> float:
     """No plan of ``subset`` beats its FLOPs spread evenly over the CP group, one fixed cost per micro-batch."""
     total_flops = sum(problem.flops_list[k] for k in subset)
-    return problem.perf.profile.compute.alpha_s_per_flop * total_flops / problem.cp_size \
-        + num_micro_batches * problem.perf.compute_beta_s
+    return problem.perf.compute_time_s(total_flops / problem.cp_size) \
+        + (num_micro_batches - 1) * problem.perf.compute_beta_s
 
 
 def _skrull_share(
-    problem: PlanningProblem, subset: Sequence[int], search_dacp: Dacp = _dacp_unrefined,
-    final_dacp: Dacp = dacp_balanced,
+    problem: PlanningProblem, subset: Sequence[int], search_dacp: Dacp, final_dacp: Dacp
 ) -> list[MicroBatch]:
     best: tuple[float, list[list[int]]] | None = None
-    first_feasible: int | None = None
-    min_count = _min_micro_batches(problem, subset)
+    min_count = min_micro_batches(problem, subset)
     lower_bound_s = _share_lower_bound_s(problem, subset, min_count)
-    for count in range(min_count, len(subset) + 1):
-        if first_feasible is not None and count > first_feasible + EXTRA_MICRO_BATCH_COUNTS:
-            break
+    count, last_count = min_count, len(subset)
+    while count <= last_count:
         if best is not None and best[0] <= lower_bound_s * GOOD_ENOUGH:
             break
         groups = _spread_by_tokens(problem, subset, count)
-        if groups is not None:
-            micro_batches = _schedule_groups(problem, groups, search_dacp)
-            if micro_batches is not None:
-                first_feasible = count if first_feasible is None else first_feasible
-                cost = micro_batches_time_s(problem, micro_batches)
-                if best is None or cost < best[0]:
-                    best = (cost, groups)
+        micro_batches = None if groups is None else _schedule_groups(problem, groups, search_dacp)
+        if groups is not None and micro_batches is not None:
+            cost = micro_batches_time_s(problem, micro_batches)
+            if best is None or cost < best[0]:
+                best = (cost, groups)
+            last_count = min(last_count, count + EXTRA_MICRO_BATCH_COUNTS)
+            count += 1
+        else:  # until one fits, grow geometrically: O(log n) cuts even for adversarial lengths
+            count = count + 1 if count == last_count else min(last_count, count + max(1, count // 8))
     if best is None:
         raise _no_plan(problem, subset)
     # Refinement only moves sequences within a micro-batch, so it runs once, on the winning cut.
@@ -176,12 +155,17 @@ def _skrull_share(
     return refined
 
 
-def skrull(problem: PlanningProblem) -> Plan:
-    """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, balanced DACP."""
+def _lpt_gds(problem: PlanningProblem, search_dacp: Dacp, final_dacp: Dacp) -> Plan:
     shares = lpt_partition(range(problem.num_sequences), problem.flops_list, problem.dp_size)
     return Plan(dp_ranks=tuple(
-        DPRankPlan(micro_batches=tuple(_skrull_share(problem, share)) if share else ()) for share in shares
+        DPRankPlan(micro_batches=tuple(_skrull_share(problem, share, search_dacp, final_dacp)) if share else ())
+        for share in shares
     ))
+
+
+def skrull(problem: PlanningProblem) -> Plan:
+    """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, balanced DACP."""
+    return _lpt_gds(problem, _dacp_unrefined, dacp_balanced)
 
 
 def dacp_only(problem: PlanningProblem) -> Plan:
@@ -197,8 +181,4 @@ def dacp_only(problem: PlanningProblem) -> Plan:
 
 def gds_only(problem: PlanningProblem) -> Plan:
     """Ablation: Skrull's GDS with static context parallelism (every sequence sharded)."""
-    shares = lpt_partition(range(problem.num_sequences), problem.flops_list, problem.dp_size)
-    return Plan(dp_ranks=tuple(
-        DPRankPlan(micro_batches=tuple(_skrull_share(problem, share, _shard_all, _shard_all)) if share else ())
-        for share in shares
-    ))
+    return _lpt_gds(problem, shard_all, shard_all)

@@ -12,7 +12,19 @@ from dataclasses import dataclass
 
 from scheduler_service.core.errors import InvalidRequestError, UnknownModelError
 
-__all__ = ["MODEL_CATALOGUE", "ModelShape", "resolve_model"]
+__all__ = ["MODEL_CATALOGUE", "SHAPE_LIMITS", "ModelShape", "resolve_model"]
+
+
+# Far beyond any real model, small enough that eq. 13 stays finite in float64 (the wire contract has the same).
+SHAPE_LIMITS = {
+    "hidden_size": 1 << 18,
+    "num_layers": 1 << 12,
+    "num_attention_heads": 1 << 12,
+    "num_key_value_heads": 1 << 12,
+    "head_dim": 1 << 12,
+    "intermediate_size": 1 << 20,
+    "vocab_size": 1 << 23,
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -31,19 +43,12 @@ class ModelShape:
     attention_bias: bool = False
 
     def __post_init__(self) -> None:
-        for field_name in (
-            "hidden_size",
-            "num_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-        ):
+        for field_name, limit in SHAPE_LIMITS.items():
             value = getattr(self, field_name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
                 raise InvalidRequestError(
-                    f"model.{field_name} must be a positive integer, got {value!r}", field=f"model.{field_name}"
+                    f"model.{field_name} must be an integer between 1 and {limit}, got {value!r}",
+                    field=f"model.{field_name}",
                 )
         if self.num_attention_heads % self.num_key_value_heads:
             raise InvalidRequestError(
