@@ -17,7 +17,8 @@ memory bound, by construction, in every algorithm here.
   never does worse than sharding everything under the cost model), place the
   rest largest-first on the least-loaded rank with room
   (LPT under the memory bound), keep the cheapest k under the cost model, then
-  improve it with bounded move/swap steps. Cost: O(k_max · K · N) per call.
+  improve it with bounded move/swap steps. Cost: O(k_max · K · N) for the
+  candidates plus at most 16 refinement steps of O(K² / N) each.
 """
 
 from __future__ import annotations
