@@ -19,8 +19,8 @@ Profiles and feedback (state this service keeps, per process):
 
 * profiles measured by the profiler are read from ``profile_dir`` at start-up
   (a bad file stops the start, naming it), again on ``POST /profiles/reload``,
-  and when a request names a profile not loaded yet; a folder is taken whole
-  or not at all.
+  and when a request names a profile not loaded yet and the folder changed
+  since it was last read; a folder is taken whole or not at all.
 * a ``/plan`` request with a ``job_id`` registers the job (its base profile,
   model, DP and CP sizes). ``POST /feedback`` refits that job's profile
   (``core.feedback``, bounded per job) and its later plans use the refit and
@@ -37,12 +37,12 @@ import logging
 import math
 import multiprocessing
 import os
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import anyio.to_thread
 from skrull_proto import (
@@ -63,7 +63,8 @@ from scheduler_service.core.errors import (
     PlanningError,
 )
 from scheduler_service.core.feedback import FeedbackConfig, JobFeedback, MicroBatchMeasurement
-from scheduler_service.core.plan import PlanLimits
+from scheduler_service.core.perf_model import PerformanceModel
+from scheduler_service.core.plan import PlanLimits, PlanningProblem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import Profile, builtin_profiles, load_profile_dir
 from scheduler_service.metrics import ServiceMetrics
@@ -96,24 +97,33 @@ class PlannedBatch:
     body: bytes  # the response's JSON, serialized where it was planned
 
 
+def job_problem(problem: PlanningProblem, job: JobFeedback | None) -> PlanningProblem:
+    """The request's problem (validated with its base profile) as the job's feedback plans it: the refit profile
+    replaces the base one, and the memory cap lowers the BucketSize (the request's, or the one the base profile
+    derives), never below what the longest sequence needs over the whole CP group."""
+    if job is None:
+        return problem
+    if job.num_observations:
+        problem = replace(problem, perf=PerformanceModel(model=problem.perf.model, profile=job.profile))
+    bucket_size = core_feedback.effective_bucket_size(job, problem.bucket_size, max(problem.sequence_lengths))
+    if bucket_size < problem.bucket_size:
+        problem = replace(problem, bucket_size=bucket_size)
+    return problem
+
+
 def plan_request(
     request: PlanRequest, limits: PlanLimits, time_limit_s: float | None = None,
     extra_profiles: dict[str, Profile] | None = None, job: JobFeedback | None = None,
+    problem: PlanningProblem | None = None,
 ) -> PlannedBatch:
     """Validate, plan, check and simulate one request (any scheduler), synchronously.
 
     ``job``: the request's feedback state; its refit profile replaces the named one and its memory cap lowers
-    the BucketSize.
+    the BucketSize. ``problem``: the request already validated (with its base profile), if it was.
     """
-    if job is not None and job.num_observations:
-        extra_profiles = {**(extra_profiles or {}), job.profile.name: job.profile}
-        request = request.model_copy(update={"profile": job.profile.name})
-    problem = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
-    if job is not None:
-        bucket_size = core_feedback.effective_bucket_size(job, problem.bucket_size, max(problem.sequence_lengths))
-        if bucket_size < problem.bucket_size:
-            request = request.model_copy(update={"bucket_size": bucket_size})
-            problem = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
+    if problem is None:
+        problem = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
+    problem = job_problem(problem, job)
     if time_limit_s is None:
         result = make_plan(problem, request.scheduler)
     else:
@@ -224,8 +234,10 @@ class PlanningService:
         self.profiles: dict[str, Profile] = {}  # read from settings.profile_dir
         self.feedback_config = FeedbackConfig(window=settings.feedback_window,
                                               memory_headroom=settings.feedback_memory_headroom)
+        # No lock: every read and write of _jobs happens on the event loop (the endpoints are async); plans run
+        # in worker threads or processes only receive a job, an immutable snapshot.
         self._jobs: OrderedDict[str, JobFeedback] = OrderedDict()
-        self._jobs_lock = threading.Lock()  # plans of large batches run in worker threads
+        self._profile_dir_seen: object = None  # the folder's state at the last (re)load, successful or not
 
     @property
     def cpsat_in_flight(self) -> int:
@@ -280,6 +292,7 @@ class PlanningService:
         """Read ``profile_dir`` again (whole or not at all); the names it holds."""
         if self.settings.profile_dir is None:
             return []
+        self._profile_dir_seen = self._profile_dir_state()
         profiles = load_profile_dir(self.settings.profile_dir)
         clashes = sorted(set(profiles) & set(builtin_profiles()))
         if clashes:
@@ -290,34 +303,49 @@ class PlanningService:
                                               "profiles": sorted(profiles)})
         return sorted(profiles)
 
+    def _profile_dir_state(self) -> object:
+        """What changes when a profile file is added, removed, renamed or rewritten (cheap: no file is read)."""
+        directory = self.settings.profile_dir
+        if directory is None:
+            return None
+        try:
+            files = sorted((path.name, stat.st_mtime_ns, stat.st_size)
+                           for path in Path(directory).glob("*.json") for stat in (path.stat(),))
+            return Path(directory).stat().st_mtime_ns, tuple(files)
+        except OSError as error:
+            return repr(error)
+
     def _refresh_profiles_for(self, request: PlanRequest) -> None:
-        """A request names a profile not loaded yet: it may have been added to the folder since."""
+        """A request names a profile not loaded yet: it may have been added to the folder since. The folder is read
+        again only if it changed since the last (re)load, so unknown names cost no reading (nor a bad file's
+        re-parse) per request."""
         name = request.profile
-        if name is not None and name not in self.profiles and name not in builtin_profiles():
-            with contextlib.suppress(InvalidRequestError):  # the request then fails as an unknown profile
-                self.reload_profiles()
+        if name is None or name in self.profiles or name in builtin_profiles() or self.settings.profile_dir is None:
+            return
+        if self._profile_dir_state() == self._profile_dir_seen:
+            return
+        with contextlib.suppress(InvalidRequestError):  # the request then fails as an unknown profile
+            self.reload_profiles()
 
     # -- feedback
 
-    def _job_for(self, request: PlanRequest) -> JobFeedback | None:
+    def _job_for(self, request: PlanRequest, problem: PlanningProblem) -> JobFeedback | None:
         """The request's job, registered (or restarted, when its model, profile or sizes changed) by this plan."""
         if request.job_id is None or not self.settings.feedback:
             return None
-        problem = request_to_problem(request, limits=self.limits, extra_profiles=self.profiles)
         perf = problem.perf
-        with self._jobs_lock:
-            job = self._jobs.get(request.job_id)
-            if job is None or (job.base.name, job.model, job.dp_size, job.cp_size) != (
-                perf.profile.name, perf.model, problem.dp_size, problem.cp_size
-            ):
-                job = core_feedback.start_job(request.job_id, base=perf.profile, model=perf.model,
-                                              dp_size=problem.dp_size, cp_size=problem.cp_size,
-                                              config=self.feedback_config)
-                self._jobs[request.job_id] = job
-            self._jobs.move_to_end(request.job_id)
-            while len(self._jobs) > self.settings.feedback_max_jobs:
-                self._jobs.popitem(last=False)
-            self.metrics.feedback_jobs.set(len(self._jobs))
+        job = self._jobs.get(request.job_id)
+        if job is None or (job.base.name, job.model, job.dp_size, job.cp_size) != (
+            perf.profile.name, perf.model, problem.dp_size, problem.cp_size
+        ):
+            job = core_feedback.start_job(request.job_id, base=perf.profile, model=perf.model,
+                                          dp_size=problem.dp_size, cp_size=problem.cp_size,
+                                          config=self.feedback_config)
+            self._jobs[request.job_id] = job
+        self._jobs.move_to_end(request.job_id)
+        while len(self._jobs) > self.settings.feedback_max_jobs:
+            self._jobs.popitem(last=False)
+        self.metrics.feedback_jobs.set(len(self._jobs))
         return job
 
     def job(self, job_id: str) -> JobFeedback:
@@ -338,10 +366,9 @@ class PlanningService:
                 raise RequestLimitError(f"micro_batches[{index}] holds a sequence of {longest} tokens; the service "
                                         f"accepts at most {limit}", field=f"micro_batches[{index}]", limit=limit)
         updated = core_feedback.observe(job, _measurements(request), memory_budget_bytes=request.memory_budget_bytes)
-        with self._jobs_lock:
-            if self._jobs.get(request.job_id) is job:  # not restarted by a plan meanwhile
-                self._jobs[request.job_id] = updated
-                self._jobs.move_to_end(request.job_id)
+        if self._jobs.get(request.job_id) is job:  # not restarted by a plan meanwhile
+            self._jobs[request.job_id] = updated
+            self._jobs.move_to_end(request.job_id)
         self.metrics.feedback_micro_batches.inc(len(request.micro_batches))
         logger.info("feedback", extra={"job_id": request.job_id, "step": request.step,
                                        "micro_batches": len(request.micro_batches),
@@ -355,15 +382,17 @@ class PlanningService:
         if not self.ready:
             raise ServiceUnavailableError("the planner is still warming up")
         self._refresh_profiles_for(request)
-        job = self._job_for(request)
         extra = self.profiles
+        # Validated once, with the base profile; the job's refit and bucket cap are applied to this problem.
+        problem = request_to_problem(request, limits=self.limits, extra_profiles=extra)
+        job = self._job_for(request, problem)
         if request.scheduler is SchedulerName.CPSAT:
             batch = await self._plan_cpsat(request, job)
         elif len(request.sequence_lengths) <= self.settings.inline_max_sequences:
-            batch = plan_request(request, self.limits, extra_profiles=extra, job=job)
+            batch = plan_request(request, self.limits, extra_profiles=extra, job=job, problem=problem)
         else:
-            batch = await anyio.to_thread.run_sync(plan_request, request, self.limits, None, extra, job)
-        if request.bucket_size is not None and batch.response.bucket_size < request.bucket_size:
+            batch = await anyio.to_thread.run_sync(plan_request, request, self.limits, None, extra, job, problem)
+        if batch.response.bucket_size < problem.bucket_size:  # explicit or derived, feedback lowered it
             self.metrics.feedback_bucket_lowered.inc()
         response = batch.response
         self.metrics.observe_plan(
@@ -374,9 +403,9 @@ class PlanningService:
         return batch
 
     async def _plan_cpsat(self, request: PlanRequest, job: JobFeedback | None) -> PlannedBatch:
+        """The request was validated by ``plan`` already: bad input never takes a solver slot. The solver process
+        builds its own problem (it cannot share this one)."""
         settings = self.settings
-        # Validate here first: bad input is answered at once and never takes a solver slot.
-        request_to_problem(request, limits=self.limits, extra_profiles=self.profiles)
         if len(request.sequence_lengths) > settings.cpsat_max_sequences:
             raise InvalidRequestError(
                 f"cpsat plans at most {settings.cpsat_max_sequences} sequences per request, got "

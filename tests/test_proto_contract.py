@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from pydantic import ValidationError
-from skrull_proto import SCHEMA_VERSION, PlanRequest, PlanResponse, Problem
+from skrull_proto import SCHEMA_VERSION, ModelSpec, PlanRequest, PlanResponse, Problem
 
 from scheduler_service.export_schema import CONTRACT_DIR, contract_documents, main, stale_documents
 
@@ -62,6 +62,21 @@ def test_request_forbids_unknown_fields_and_other_versions() -> None:
         PlanRequest.model_validate({**base, "dp": 2})
     with pytest.raises(ValidationError):
         PlanRequest.model_validate({**base, "schema_version": 2})
+
+
+@pytest.mark.parametrize(
+    ("name", "bound"),
+    [("hidden_size", 2**18), ("intermediate_size", 2**20), ("num_layers", 2**12), ("num_attention_heads", 2**12),
+     ("num_key_value_heads", 2**12), ("head_dim", 2**12), ("vocab_size", 2**23)],
+)
+def test_inline_model_sizes_are_bounded(name: str, bound: int) -> None:
+    spec = {"name": "m", "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "head_dim": 16, "intermediate_size": 128, "vocab_size": 1000}
+    assert ModelSpec.model_validate({**spec, name: bound})  # the bound itself is accepted
+    with pytest.raises(ValidationError, match=name):
+        ModelSpec.model_validate({**spec, name: bound + 1})
+    schema = PlanRequest.model_json_schema()["$defs"]["ModelSpec"]["properties"][name]
+    assert schema["maximum"] == bound  # and published in the contract
 
 
 def test_response_round_trips_through_json() -> None:

@@ -180,6 +180,34 @@ def test_rejects_bad_input_with_problem_naming_the_field(
         assert any(error.field == field for error in problem.errors)
 
 
+def _small_spec(**overrides: object) -> dict[str, object]:
+    shape = MODEL_CATALOGUE["small"]
+    spec = {name: getattr(shape, name) for name in ("hidden_size", "num_layers", "num_attention_heads",
+                                                    "num_key_value_heads", "head_dim", "intermediate_size",
+                                                    "vocab_size")}
+    return {"name": "absurd", **spec, **overrides}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        pytest.param({"hidden_size": 10**200}, "model.hidden_size", id="hidden-10e200"),
+        pytest.param({"hidden_size": 2**18 + 1}, "model.hidden_size", id="hidden-over-bound"),
+        pytest.param({"intermediate_size": 2**20 + 1}, "model.intermediate_size", id="intermediate"),
+        pytest.param({"num_layers": 2**12 + 1}, "model.num_layers", id="layers"),
+        pytest.param({"num_attention_heads": 2**12 + 1}, "model.num_attention_heads", id="heads"),
+        pytest.param({"num_key_value_heads": 2**12 + 1}, "model.num_key_value_heads", id="kv-heads"),
+        pytest.param({"head_dim": 2**12 + 1}, "model.head_dim", id="head-dim"),
+        pytest.param({"vocab_size": 2**23 + 1}, "model.vocab_size", id="vocab"),
+    ],
+)
+def test_absurd_inline_model_is_a_422_not_an_overflow(
+    client: TestClient, overrides: dict[str, object], field: str
+) -> None:
+    response = client.post("/plan", json=plan_body(model=_small_spec(**overrides), bucket_size=70000))
+    assert any(error.field == field for error in assert_problem(response, 422).errors), response.text
+
+
 def test_rejects_sequence_longer_than_cp_capacity(client: TestClient) -> None:
     response = client.post("/plan", json=plan_body(sequence_lengths=[100, 200, 90000], bucket_size=20000))
     problem = assert_problem(response, 422, "sequence_lengths[2]")
@@ -356,3 +384,58 @@ def test_metrics_label_requests_refused_before_routing() -> None:
         text = client.get("/metrics").text
     assert 'skrull_http_requests_total{method="POST",route="/plan",status="413"} 1.0' in text
     assert 'skrull_plan_requests_total{scheduler="unknown",status="413"} 1.0' in text
+
+
+# ---- /plan with a job's feedback --------------------------------------------------------------------------------
+
+FEEDBACK_LENGTHS = [637, 208, 90, 138, 35, 1216, 326, 301, 270, 1742, 1014, 958, 344, 304, 347, 123]
+
+
+def _memory_report(job_id: str) -> dict[str, Any]:
+    """Peaks whose two-parameter fit puts the fixed memory above the device's: the refit profile leaves no
+    activation memory at all, and the memory cap is tiny."""
+    micro_batches = [{"local_lengths": [[100 + 150 * i], [50 + 75 * i]], "distributed_lengths": [], "time_ms": 5.0,
+                      "peak_memory_bytes": 1e11 + 1e4 * (100 + 150 * i)} for i in range(10)]
+    return {"job_id": job_id, "micro_batches": micro_batches, "memory_budget_bytes": 1e11}
+
+
+def test_a_capped_job_plans_with_or_without_bucket_size_alike() -> None:
+    body: dict[str, Any] = {"sequence_lengths": FEEDBACK_LENGTHS, "dp_size": 1, "cp_size": 2, "model": "tiny",
+                            "job_id": "j"}
+    with TestClient(create_app(service_settings(warmup=False, access_log=False))) as client:
+        base_bucket = client.post("/plan", json=body).json()["bucket_size"]
+        state = client.post("/feedback", json=_memory_report("j")).json()
+        assert state["bucket_size_cap"] is not None and state["bucket_size_cap"] < 871
+        derived = client.post("/plan", json=body)
+        explicit = client.post("/plan", json={**body, "bucket_size": base_bucket})
+        assert derived.status_code == explicit.status_code == 200, (derived.text, explicit.text)
+        # the documented floor: the longest sequence (1742 tokens) over the 2 CP ranks
+        assert derived.json()["bucket_size"] == explicit.json()["bucket_size"] == 871
+        assert derived.json()["profile"] == "h100-paper+feedback"
+        assert "skrull_feedback_bucket_lowered_total 2.0" in client.get("/metrics").text
+
+
+def test_a_plan_validates_its_request_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from scheduler_service import planning
+
+    calls: list[PlanRequest] = []
+    build = planning.request_to_problem
+
+    def counting(request: PlanRequest, **kwargs: Any) -> Any:
+        calls.append(request)
+        return build(request, **kwargs)
+
+    monkeypatch.setattr(planning, "request_to_problem", counting)
+    body: dict[str, Any] = {"sequence_lengths": FEEDBACK_LENGTHS, "dp_size": 1, "cp_size": 2, "model": "tiny",
+                            "job_id": "once", "bucket_size": 4096}
+    with TestClient(create_app(service_settings(warmup=False, access_log=False))) as client:
+        assert client.post("/plan", json=body).status_code == 200
+        client.post("/feedback", json=_memory_report("once"))
+        calls.clear()
+        response = client.post("/plan", json=body)  # a job with a refit profile and a lowered bucket
+        assert response.status_code == 200 and response.json()["bucket_size"] == 871
+        assert len(calls) == 1
+        calls.clear()
+        response = client.post("/plan", json={**body, "scheduler": "cpsat", "time_limit_s": 0.5})
+        assert response.status_code == 200, response.text
+        assert len(calls) == 1  # here; the solver process builds its own

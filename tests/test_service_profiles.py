@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import ModelsResponse, PlanResponse
 
+from scheduler_service import planning
 from scheduler_service.app import create_app
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.profile import builtin_profiles
@@ -91,6 +92,63 @@ def test_a_bad_file_on_reload_is_a_422_and_the_loaded_profiles_stay(tmp_path: Pa
         response = client.post("/profiles/reload")
         assert response.status_code == 422 and "zz-bad.json" in response.json()["detail"]
         assert client.post("/plan", json=plan_body(profile="good")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        pytest.param(lambda d: d.update(hardware=[]), "hardware", id="hardware-list"),
+        pytest.param(lambda d: d.update(compute=[]), "compute", id="compute-list"),
+        pytest.param(lambda d: d["communication"].update(tables=[]), "communication.tables", id="tables-list"),
+        pytest.param(lambda d: d["memory"].update(static_bytes_per_parameter=[]),
+                     "memory.static_bytes_per_parameter", id="static-list"),
+        pytest.param(lambda d: d["communication"]["tables"].update(all_gather=[[4096, 1e-5], [4096, 2e-5]]),
+                     "communication.tables.all_gather", id="duplicate-sizes"),
+    ],
+)
+def test_a_section_of_the_wrong_type_is_a_4xx_naming_the_file_not_a_500(
+    tmp_path: Path, mutate: Any, field: str
+) -> None:
+    (tmp_path / "good.json").write_text(json.dumps(measured_document(name="good")))
+    with TestClient(create_app(settings(tmp_path))) as client:
+        document = measured_document(name="bad")
+        mutate(document)
+        (tmp_path / "zz-bad.json").write_text(json.dumps(document))
+        response = client.post("/profiles/reload")
+        assert response.status_code == 422, response.text
+        assert response.headers["content-type"] == "application/problem+json"
+        assert "zz-bad.json" in response.json()["detail"] and field in response.json()["detail"]
+        # while the bad file stays, plans naming a loaded profile or a not-yet-loaded one are not 500s
+        assert client.post("/plan", json=plan_body(profile="good")).status_code == 200
+        unknown = client.post("/plan", json=plan_body(profile="not-there-yet"))
+        assert unknown.status_code == 422 and unknown.json()["field"] == "profile"
+
+
+def test_an_unknown_profile_rereads_the_folder_only_when_it_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[Path] = []
+    load = planning.load_profile_dir
+
+    def counting_load(directory: Path) -> dict[str, Any]:
+        reads.append(directory)
+        return load(directory)
+
+    monkeypatch.setattr(planning, "load_profile_dir", counting_load)
+    with TestClient(create_app(settings(tmp_path))) as client:
+        assert len(reads) == 1  # the start-up
+        for _ in range(3):  # unchanged folder: no re-read per request
+            assert client.post("/plan", json=plan_body(profile="late")).status_code == 422
+        assert len(reads) == 1
+        (tmp_path / "late.json").write_text(json.dumps(measured_document(name="late")))
+        assert client.post("/plan", json=plan_body(profile="late")).status_code == 200
+        assert len(reads) == 2
+        (tmp_path / "zz-bad.json").write_text('{"schema_version": 1, "hardware": []}')
+        for _ in range(3):  # a bad file is read once, not on every request naming an unknown profile
+            assert client.post("/plan", json=plan_body(profile="later")).status_code == 422
+        assert len(reads) == 3
+        assert client.post("/profiles/reload").status_code == 422  # an explicit reload always reads
+        assert len(reads) == 4
 
 
 def test_reload_without_a_folder_lists_nothing() -> None:

@@ -74,13 +74,15 @@ class ModelSpec(_Strict):
     """A model described inline, for architectures outside the built-in catalogue."""
 
     name: str = Field(min_length=1, max_length=128, description="A label for logs and metrics.")
-    hidden_size: PositiveInt = Field(description="h of eq. 13.")
-    num_layers: PositiveInt
-    num_attention_heads: PositiveInt
-    num_key_value_heads: PositiveInt = Field(description="Must divide num_attention_heads; h_kv = this × head_dim.")
-    head_dim: PositiveInt
-    intermediate_size: PositiveInt
-    vocab_size: PositiveInt
+    # Upper bounds well above any real model: absurd shapes are a 422, not an overflow deep in the planner.
+    hidden_size: PositiveInt = Field(le=2**18, description="h of eq. 13.")
+    num_layers: PositiveInt = Field(le=2**12)
+    num_attention_heads: PositiveInt = Field(le=2**12)
+    num_key_value_heads: PositiveInt = Field(le=2**12,
+                                             description="Must divide num_attention_heads; h_kv = this × head_dim.")
+    head_dim: PositiveInt = Field(le=2**12)
+    intermediate_size: PositiveInt = Field(le=2**20)
+    vocab_size: PositiveInt = Field(le=2**23)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
 

@@ -124,9 +124,11 @@ class Profile:
         tables = self.communication.tables
         if tables:
             for collective in COLLECTIVES:
-                if len(tables.get(collective, ())) < 2:
+                # two distinct sizes at least: T_comm is a line fitted to the table
+                if len({size for size, _ in tables.get(collective, ())}) < 2:
                     raise InvalidRequestError(
-                        f"profile communication.tables.{collective} needs at least 2 (bytes, seconds) points",
+                        f"profile communication.tables.{collective} needs (bytes, seconds) points at at least 2 "
+                        f"distinct sizes",
                         field="profile",
                     )
 
@@ -145,8 +147,23 @@ def _number(data: dict[str, Any], key: str, path: str, default: float | None = N
     return float(value)
 
 
+def _section(data: Any, key: str, path: str) -> dict[str, Any]:
+    value = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(value, dict):
+        where = f"{path}.{key}" if path else key
+        raise InvalidRequestError(f"profile field {where} must be a JSON object, got {value!r}", field="profile")
+    return value
+
+
 def _table(name: str, points: Any) -> tuple[tuple[float, float], ...]:
-    parsed = tuple(sorted((float(size), float(latency)) for size, latency in points))
+    if not isinstance(points, list | tuple):
+        raise InvalidRequestError(f"profile communication.tables.{name} must be a list of [bytes, seconds] points",
+                                  field="profile")
+    try:
+        parsed = tuple(sorted((float(size), float(latency)) for size, latency in points))
+    except (TypeError, ValueError) as error:
+        raise InvalidRequestError(f"profile communication.tables.{name} must hold [bytes, seconds] number pairs: "
+                                  f"{error}", field="profile") from error
     if any(not (math.isfinite(size) and math.isfinite(latency)) or size <= 0 or latency < 0
            for size, latency in parsed):
         raise InvalidRequestError(f"profile communication.tables.{name} needs positive sizes and latencies",
@@ -161,21 +178,18 @@ def parse_profile(data: dict[str, Any]) -> Profile:
             f"profile schema_version must be {PROFILE_SCHEMA_VERSION}, got {data.get('schema_version')!r}",
             field="profile",
         )
-    try:
-        hardware, compute, memory, communication = (
-            data["hardware"],
-            data["compute"],
-            data["memory"],
-            data["communication"],
-        )
-        activation = memory["activation_bytes_per_token"]
-        static = memory["static_bytes_per_parameter"]
-        tables = {name: _table(name, points) for name, points in communication["tables"].items()}
-        comm_fit = communication.get("fit", "absolute")
-        if comm_fit not in ("absolute", "relative"):
-            raise ValueError(f"communication.fit must be 'absolute' or 'relative', got {comm_fit!r}")
-    except (KeyError, TypeError, ValueError) as error:
-        raise InvalidRequestError(f"profile is missing or has a malformed field: {error}", field="profile") from error
+    hardware = _section(data, "hardware", "")
+    compute = _section(data, "compute", "")
+    memory = _section(data, "memory", "")
+    communication = _section(data, "communication", "")
+    activation = _section(memory, "activation_bytes_per_token", "memory")
+    static = _section(memory, "static_bytes_per_parameter", "memory")
+    raw_tables = _section(communication, "tables", "communication")
+    tables = {str(name): _table(str(name), points) for name, points in raw_tables.items()}
+    comm_fit = communication.get("fit", "absolute")
+    if comm_fit not in ("absolute", "relative"):
+        raise InvalidRequestError(f"profile field communication.fit must be 'absolute' or 'relative', got "
+                                  f"{comm_fit!r}", field="profile")
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequestError(f"profile field model must be a model name or null, got {model!r}",
