@@ -5,18 +5,22 @@ from __future__ import annotations
 import json
 import logging
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from skrull_proto.models import MAX_FEEDBACK_MICRO_BATCHES
 
 from scheduler_service.app import create_app
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.settings import Settings
+from trainer_client import plan_client
 from trainer_client.distributed import free_port
 from trainer_client.plan_client import (
+    MicroBatchTiming,
     PlanClient,
     PlanOrigin,
     PlanRejected,
@@ -161,3 +165,87 @@ def test_response_that_is_not_a_plan_is_rejected() -> None:
 def test_ready_reports_the_service_state(service: TestClient) -> None:
     assert PlanClient("http://testserver", client=service).ready()
     assert not PlanClient(_dead_url(), timeout_s=0.5).ready()
+
+
+def _feedback_source(handler: Callable[[httpx.Request], httpx.Response], job_id: str = "job-1") -> PlanSource:
+    http = httpx.Client(base_url="http://planner", transport=httpx.MockTransport(handler))
+    return PlanSource(scheduler="skrull", dp_size=DP, cp_size=CP, model="tiny", bucket_size=BUCKET_SIZE,
+                      client=PlanClient("http://planner", client=http), job_id=job_id)
+
+
+def _unexpected(request: httpx.Request) -> httpx.Response:
+    raise AssertionError(f"nothing should be sent, got {request.method} {request.url.path}")
+
+
+def test_report_the_contract_refuses_is_counted_and_warned_once_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    source = _feedback_source(_unexpected)
+    plan = source._plan_embedded(0, LENGTHS).plan
+    assert plan is not None
+    hour_long = [MicroBatchTiming(dp_rank=0, index=0, time_s=3601.0)]  # > MAX_MICRO_BATCH_TIME_MS
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert source.report(1, plan, LENGTHS, hour_long) is None
+        # > MAX_FEEDBACK_MICRO_BATCHES micro-batches in one step (measurements repeated to get there cheaply)
+        with pytest.MonkeyPatch.context() as patch:
+            real = plan_client.measurements_of
+            patch.setattr(plan_client, "measurements_of",
+                          lambda *args: real(*args) * (MAX_FEEDBACK_MICRO_BATCHES + 1))
+            assert source.report(2, plan, LENGTHS, [MicroBatchTiming(dp_rank=0, index=0, time_s=0.1)]) is None
+    assert source.num_feedback_failures == 2
+    warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "breaks the contract" in warnings[0].getMessage()
+    source.close()
+
+
+def test_feedback_send_error_of_any_kind_is_counted() -> None:
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("not an httpx error")
+
+    source = _feedback_source(broken)
+    plan = source._plan_embedded(0, LENGTHS).plan
+    assert plan is not None
+    future = source.report(1, plan, LENGTHS, [MicroBatchTiming(dp_rank=0, index=0, time_s=0.1)])
+    assert future is not None
+    future.result(timeout=10)  # does not raise
+    assert source.num_feedback_failures == 1
+    source.close()
+    # a report after close (the executor is shut down) is counted too, not raised
+    assert source.report(2, plan, LENGTHS, [MicroBatchTiming(dp_rank=0, index=0, time_s=0.1)]) is None
+    assert source.num_feedback_failures == 2
+
+
+def test_close_waits_for_the_report_in_flight() -> None:
+    answered: list[str] = []
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        time.sleep(0.3)
+        answered.append(request.url.path)
+        return httpx.Response(503, json={"title": "Service Unavailable", "detail": "busy"})
+
+    source = _feedback_source(slow)
+    plan = source._plan_embedded(0, LENGTHS).plan
+    assert plan is not None
+    assert source.report(1, plan, LENGTHS, [MicroBatchTiming(dp_rank=0, index=0, time_s=0.1)]) is not None
+    source.close()  # before the fix: returned at once and closed the client under the POST
+    assert answered == ["/feedback"] and source.num_feedback_failures == 1
+
+
+def test_job_id_the_contract_refuses_falls_back_to_embedded(service: TestClient) -> None:
+    source = PlanSource(scheduler="skrull", dp_size=DP, cp_size=CP, model="tiny", bucket_size=BUCKET_SIZE,
+                        client=PlanClient("http://testserver", client=service), job_id="has a space")
+    source.prefetch(1, LENGTHS)
+    decision = source.decide(1, LENGTHS)
+    assert decision.origin is PlanOrigin.EMBEDDED and decision.error is None and decision.plan is not None
+    assert source.num_fallbacks == 1
+    source.close()
+
+
+def test_any_service_path_failure_falls_back_to_embedded() -> None:
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("not an httpx error")
+
+    source = _feedback_source(broken)
+    decision = source.decide(0, LENGTHS)
+    assert decision.origin is PlanOrigin.EMBEDDED and decision.plan is not None and source.num_fallbacks == 1
+    source.close()

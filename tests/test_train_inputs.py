@@ -8,9 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from trainer_client.demo import read_metrics, trainer_env
 from trainer_client.distributed import free_port
+from trainer_client.train import main
+from trainer_client.trainer import TrainConfig
 
 
 def _torchrun(nproc: int, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
@@ -59,3 +62,21 @@ def test_batch_no_planner_can_plan_stops_every_rank_with_the_reason() -> None:
     assert result.returncode != 0
     assert "error: cannot plan global batch 0: sequence" in result.stderr
     assert "at most bucket_size 64 × cp_size 1 = 64 fit" in result.stderr
+
+
+@pytest.mark.parametrize("job_id", ["has a space", "", "-leading-dash", "x" * 129, "ünïcode"])
+def test_rejects_job_id_the_contract_refuses_before_any_work(
+    job_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match=r"--job-id .* is not a valid job id"):
+        TrainConfig(dp=1, cp=1, scheduler_url="http://127.0.0.1:1", feedback=True, job_id=job_id)
+    # the CLI: exit status 2 and one message, before any process group or model is set up
+    assert main(["--dp", "1", "--cp", "1", "--scheduler-url", "http://127.0.0.1:1", "--feedback",
+                 f"--job-id={job_id}"]) == 2
+    assert "error: --job-id" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+def test_accepts_job_ids_of_the_contract() -> None:
+    for job_id in ("e2e-job", "A1.b_c:d-e", "x" * 128):
+        assert TrainConfig(dp=1, cp=1, job_id=job_id).job_id == job_id

@@ -26,8 +26,12 @@ service as soon as it answers (the sidecar may come up later).
 Feedback (opt-in, a ``job_id``): plan requests carry the job id, and
 ``PlanSource.report`` posts a step's measured micro-batches (``POST /feedback``)
 on the same background thread as the prefetch, so training never waits for
-it. Feedback is best effort: a failure is logged once and counted
-(``num_feedback_failures``), never raised. A service that lowered the job's
+it. Feedback is best effort: a failure — a report the contract refuses (more
+than ``MAX_FEEDBACK_MICRO_BATCHES`` micro-batches, a micro-batch over an hour),
+a transport or serialisation error, an answer that is not 200 — is logged once
+and counted (``num_feedback_failures``), never raised, so it can neither stop
+rank 0 nor leave the other ranks waiting in the next collective. ``close``
+waits for the report in flight (bounded by the client's timeout). A service that lowered the job's
 BucketSize (memory near its budget) answers plans with the smaller
 ``bucket_size``; any bucket up to the trainer's own is accepted.
 """
@@ -35,6 +39,7 @@ BucketSize (memory near its budget) answers plans with the smaller
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -278,12 +283,15 @@ class PlanSource:
         self.last_feedback: FeedbackResponse | None = None
         self._warned = False
         self._feedback_warned = False
+        self._feedback_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plan-prefetch") if client else None
         self._pending: dict[int, Future[_ServicePlan]] = {}
 
     def close(self) -> None:
         if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            # Drop prefetches not yet started, but let a report (or plan) in flight finish — bounded by the client's
+            # timeout — before its client is closed under it.
+            self._executor.shutdown(wait=True, cancel_futures=True)
         if self.client is not None:
             self.client.close()
 
@@ -311,9 +319,10 @@ class PlanSource:
                 return PlanDecision(step=step, scheduler=self.scheduler, origin=PlanOrigin.SERVICE,
                                     plan=answer.plan, bucket_size=answer.bucket_size,
                                     estimated_time_ms=answer.estimated_time_ms)
-            except PlanClientError as error:
+            except Exception as error:  # PlanClientError, or any other failure: the embedded core still plans
                 self.num_fallbacks += 1
-                self._warn(f"plan of step {step} from the scheduler service failed: {error}")
+                reason = str(error) if isinstance(error, PlanClientError) else repr(error)
+                self._warn(f"plan of step {step} from the scheduler service failed: {reason}")
         return self._plan_embedded(step, sequence_lengths)
 
     def _warn(self, reason: str) -> None:
@@ -336,7 +345,12 @@ class PlanSource:
 
     def _ask_service(self, sequence_lengths: tuple[int, ...]) -> _ServicePlan:
         assert self.client is not None
-        response = self.client.plan(self._request(sequence_lengths))
+        try:
+            request = self._request(sequence_lengths)
+        except ValidationError as error:  # e.g. a job id the contract refuses: no service plan, the core plans
+            raise PlanRejected(f"cannot build the plan request: {error.error_count()} errors, first: "
+                               f"{error.errors()[0]['msg']}") from None
+        response = self.client.plan(request)
         # A smaller bucket is the service lowering this job's memory use (feedback); a larger one could OOM.
         if response.scheduler != self.scheduler or response.bucket_size > self.bucket_size:
             raise PlanRejected(f"the service planned with scheduler {response.scheduler} and bucket_size "
@@ -354,24 +368,40 @@ class PlanSource:
         self, step: int, plan: Plan, sequence_lengths: Sequence[int], timings: Sequence[MicroBatchTiming], *,
         memory_budget_bytes: float | None = None,
     ) -> Future[None] | None:
-        """Post a step's measured micro-batches in the background (no-op without a service or a job id)."""
+        """Post a step's measured micro-batches in the background (no-op without a service or a job id).
+
+        Never raises: a report that cannot be built or sent is counted in ``num_feedback_failures`` (warned once).
+        """
         if self._executor is None or self.job_id is None or not timings:
             return None
-        request = FeedbackRequest(job_id=self.job_id, step=step,
-                                  micro_batches=measurements_of(plan, sequence_lengths, timings),
-                                  memory_budget_bytes=memory_budget_bytes)
-        return self._executor.submit(self._send_feedback, request)
+        try:
+            request = FeedbackRequest(job_id=self.job_id, step=step,
+                                      micro_batches=measurements_of(plan, sequence_lengths, timings),
+                                      memory_budget_bytes=memory_budget_bytes)
+            return self._executor.submit(self._send_feedback, request)
+        except ValidationError as error:
+            self._feedback_failed(step, f"the report breaks the contract ({error.error_count()} errors, first: "
+                                        f"{error.errors()[0]['msg']})")
+        except Exception as error:  # best effort: nothing here may stop rank 0 between collectives
+            self._feedback_failed(step, repr(error))
+        return None
 
     def _send_feedback(self, request: FeedbackRequest) -> None:
         assert self.client is not None
         try:
             self.last_feedback = self.client.feedback(request)
         except PlanClientError as error:
+            self._feedback_failed(request.step, str(error))
+        except Exception as error:  # serialisation, a closed client, …: counted, never lost in an unread future
+            self._feedback_failed(request.step, repr(error))
+
+    def _feedback_failed(self, step: int | None, reason: str) -> None:
+        with self._feedback_lock:
             self.num_feedback_failures += 1
-            if not self._feedback_warned:
-                self._feedback_warned = True
-                logger.warning("feedback of step %s was not accepted: %s; training goes on, later steps are "
-                               "reported too (this warning is shown once)", request.step, error)
+            warn, self._feedback_warned = not self._feedback_warned, True
+        if warn:
+            logger.warning("feedback of step %s was not accepted: %s; training goes on, later steps are "
+                           "reported too (this warning is shown once)", step, reason)
 
     def _plan_embedded(self, step: int, sequence_lengths: Sequence[int]) -> PlanDecision:
         try:

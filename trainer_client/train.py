@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--feedback", action="store_true",
                         help="report measured micro-batch times (and peak memory on CUDA) to the service, which "
                              "refits this job's profile (POST /feedback; needs --scheduler-url)")
-    parser.add_argument("--job-id", help="the job name the service keys feedback by (default: random)")
+    parser.add_argument("--job-id", help="the job name the service keys feedback by: 1-128 letters, digits, "
+                                         ". _ : -, starting with a letter or digit (default: random)")
     return parser
 
 

@@ -43,6 +43,8 @@ from typing import IO
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from pydantic import TypeAdapter, ValidationError
+from skrull_proto.models import JobId
 from tqdm import tqdm
 
 from scheduler_service.core.check import check_plan
@@ -59,6 +61,8 @@ from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecisio
 __all__ = ["PlanningFailed", "StepMetrics", "TrainConfig", "Trainer", "run_micro_batch"]
 
 logger = logging.getLogger("trainer_client.trainer")
+
+_JOB_ID: TypeAdapter[str] = TypeAdapter(JobId)
 
 
 class PlanningFailed(ValueError):
@@ -112,6 +116,12 @@ class TrainConfig:
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.feedback and self.scheduler_url is None:
             raise ValueError("--feedback reports to the scheduler service: give --scheduler-url too")
+        if self.job_id is not None:
+            try:
+                _JOB_ID.validate_python(self.job_id)
+            except ValidationError:
+                raise ValueError(f"--job-id {self.job_id!r} is not a valid job id: 1 to 128 characters, letters, "
+                                 "digits and . _ : - only, starting with a letter or digit") from None
 
     @property
     def dims(self) -> ParallelDims:
@@ -206,6 +216,7 @@ class Trainer:
             self.plans.check_service()
         self.micro_batch_timings: list[MicroBatchTiming] = []  # this rank's, of the latest step
         self._step_peak_bytes = 0  # CUDA: the largest per-micro-batch peak of the step (feedback resets them)
+        self._next_batch: GlobalBatch | None = None  # rank 0: the batch built for the prefetch, trained next step
         self._metrics_file: IO[str] | None = None
         if parallel.is_main and config.metrics_out is not None:
             config.metrics_out.parent.mkdir(parents=True, exist_ok=True)
@@ -303,7 +314,8 @@ class Trainer:
         started = time.perf_counter()
         decision = self.decide(step, batch)
         if self.plans is not None and step + 1 < self.config.steps:
-            self.plans.prefetch(step + 1, self.source.batch(step + 1).sequence_lengths)
+            self._next_batch = self.source.batch(step + 1)
+            self.plans.prefetch(step + 1, self._next_batch.sequence_lengths)
         packs = self.pack(batch, decision)
         loss, num_loss_tokens = self.forward_backward(packs)
         assert num_loss_tokens == batch.num_loss_tokens, "packing lost or repeated loss tokens"
@@ -338,13 +350,20 @@ class Trainer:
             self.plans.report(step, decision.plan, batch.sequence_lengths, timings,
                               memory_budget_bytes=memory_budget)
 
+    def batch(self, step: int) -> GlobalBatch:
+        """Global batch ``step``, built once: rank 0 reuses the one it built for the prefetch."""
+        cached, self._next_batch = self._next_batch, None
+        if cached is not None and cached.step == step:
+            return cached
+        return self.source.batch(step)
+
     def train(self) -> list[StepMetrics]:
         history = []
         bar = tqdm(total=self.config.steps, desc=f"train {self.config.scheduler}", unit="step",
                    disable=not (self.parallel.is_main and self.config.progress))
         with bar:
             for step in range(self.config.steps):
-                metrics = self.train_step(step, self.source.batch(step))
+                metrics = self.train_step(step, self.batch(step))
                 history.append(metrics)
                 if self._metrics_file is not None:
                     self._metrics_file.write(metrics.to_json() + "\n")
