@@ -1,9 +1,13 @@
 """The plan checker: one solver-agnostic validator for every scheduler's output.
 
 A valid plan schedules every index exactly once, has ``dp_size`` DP entries and
-``cp_size`` local lists per micro-batch, and for every micro-batch and CP rank
-``r``: ``sum(len of local[r]) + sum(len of distributed) / cp_size <= bucket_size``
-(eq. 7). The bound is checked in exact integers (multiplied through by cp_size).
+``cp_size`` local lists per micro-batch, every hybrid group is an aligned block
+(size ``s`` with ``2 <= s < cp_size``, ``s`` divides ``cp_size``, first rank a
+multiple of ``s``), and for every micro-batch and CP rank ``r``:
+``sum(len of local[r]) + sum(len of distributed) / cp_size
++ sum over groups g containing r of sum(len of g) / size(g) <= bucket_size``
+(eq. 7, extended to groups). The bound is checked in exact integers
+(multiplied through by cp_size, which every group size divides).
 """
 
 from __future__ import annotations
@@ -11,9 +15,39 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from scheduler_service.core.errors import PlanCheckError
-from scheduler_service.core.plan import Plan
+from scheduler_service.core.plan import MicroBatch, Plan, cp_blocks
 
 __all__ = ["check_plan", "find_violations"]
+
+
+def _block_violation(cp_ranks: tuple[int, ...], cp_size: int) -> str | None:
+    degree = len(cp_ranks)
+    if not 2 <= degree < cp_size or cp_size % degree:
+        return f"has {degree} CP ranks; a group needs 2 <= size < cp_size {cp_size} and a size dividing it"
+    if cp_ranks not in cp_blocks(cp_size, degree):
+        return f"CP ranks {list(cp_ranks)} are not an aligned block (consecutive, starting at a multiple of {degree})"
+    return None
+
+
+def _memory_violations(
+    micro_batch: MicroBatch, sequence_lengths: Sequence[int], cp_size: int, bucket_size: int, where: str
+) -> list[str]:
+    """The bound per CP rank in 1/cp_size-token units: local × N, distributed × 1, a group of size s × N/s."""
+    num_sequences = len(sequence_lengths)
+
+    def tokens(indices: Sequence[int]) -> int:
+        return sum(sequence_lengths[i] for i in indices if 0 <= i < num_sequences)
+
+    distributed = tokens(micro_batch.distributed)
+    units = [tokens(rank_local) * cp_size + distributed for rank_local in micro_batch.local]
+    terms = [[f"{tokens(rank_local)} local", f"{distributed}/{cp_size} distributed"] for rank_local in micro_batch.local]
+    for group in micro_batch.sharded:
+        group_tokens = tokens(group.sequences)
+        for cp_rank in group.cp_ranks:
+            units[cp_rank] += group_tokens * (cp_size // len(group.cp_ranks))
+            terms[cp_rank].append(f"{group_tokens}/{len(group.cp_ranks)} sharded over {list(group.cp_ranks)}")
+    return [f"{where} CP rank {cp_rank} holds {' + '.join(terms[cp_rank])} tokens > bucket_size {bucket_size}"
+            for cp_rank in range(cp_size) if units[cp_rank] > bucket_size * cp_size]
 
 
 def find_violations(
@@ -39,14 +73,17 @@ def find_violations(
                     violations.append(f"sequence {index} is scheduled twice: in {seen[index]} and {where}")
                 else:
                     seen[index] = where
-            distributed_tokens = sum(sequence_lengths[i] for i in micro_batch.distributed if 0 <= i < num_sequences)
-            for cp_rank, rank_local in enumerate(micro_batch.local):
-                local_tokens = sum(sequence_lengths[i] for i in rank_local if 0 <= i < num_sequences)
-                if local_tokens * cp_size + distributed_tokens > bucket_size * cp_size:
-                    violations.append(
-                        f"{where} CP rank {cp_rank} holds {local_tokens} local + {distributed_tokens}/{cp_size} "
-                        f"distributed tokens > bucket_size {bucket_size}"
-                    )
+            blocks_valid = len(micro_batch.local) == cp_size
+            for group_index, group in enumerate(micro_batch.sharded):
+                problem = _block_violation(group.cp_ranks, cp_size)
+                if problem is not None:
+                    violations.append(f"{where}.sharded[{group_index}] {problem}")
+                    blocks_valid = False
+                if not group.sequences:
+                    violations.append(f"{where}.sharded[{group_index}] holds no sequence")
+            if not blocks_valid:
+                continue  # the memory bound is only defined over cp_size ranks and valid blocks
+            violations += _memory_violations(micro_batch, sequence_lengths, cp_size, bucket_size, where)
     missing = [index for index in range(num_sequences) if index not in seen]
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" …" if len(missing) > 10 else "")

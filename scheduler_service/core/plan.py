@@ -2,8 +2,10 @@
 
 A ``Plan`` mirrors the wire contract (DESIGN.md): per DP rank an ordered list
 of micro-batches; per micro-batch ``cp_size`` lists of sequence indices kept
-whole on that CP rank ("local") and one list sharded over the whole CP group
-("distributed"). Indices point into ``PlanningProblem.sequence_lengths``.
+whole on that CP rank ("local"), one list sharded over the whole CP group
+("distributed"), and hybrid DACP's ``sharded`` groups: sequences sharded over an
+aligned block of CP ranks (``cp_blocks``). Indices point into
+``PlanningProblem.sequence_lengths``.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ __all__ = [
     "PlanLimits",
     "PlanningProblem",
     "SchedulerName",
+    "ShardedGroup",
     "SolverReport",
+    "block_degrees",
+    "cp_blocks",
     "make_problem",
 ]
 
 
 class SchedulerName(StrEnum):
     SKRULL = "skrull"
+    SKRULL_BINARY = "skrull_binary"
     SKRULL_PAPER = "skrull_paper"
     DEEPSPEED = "deepspeed"
     SORTED = "sorted"
@@ -56,13 +62,37 @@ class PlanLimits:
 DEFAULT_LIMITS = PlanLimits()
 
 
+def block_degrees(cp_size: int) -> tuple[int, ...]:
+    """Sizes a hybrid group may have: the divisors ``s`` of ``cp_size`` with ``2 <= s < cp_size``, ascending."""
+    return tuple(s for s in range(2, cp_size) if cp_size % s == 0)
+
+
+def cp_blocks(cp_size: int, degree: int) -> tuple[tuple[int, ...], ...]:
+    """The aligned blocks of ``degree`` CP ranks: ``[0..s)``, ``[s..2s)``, … (DESIGN.md, "Hybrid DACP")."""
+    return tuple(tuple(range(start, start + degree)) for start in range(0, cp_size, degree))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardedGroup:
+    """Sequences zigzag-sharded over ``cp_ranks``, an aligned block of the CP group (the checker verifies it)."""
+
+    cp_ranks: tuple[int, ...]
+    sequences: tuple[int, ...]
+
+    @property
+    def degree(self) -> int:
+        return len(self.cp_ranks)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MicroBatch:
     local: tuple[tuple[int, ...], ...]  # one tuple per CP rank: indices kept whole there
     distributed: tuple[int, ...]  # indices sharded over the whole CP group
+    sharded: tuple[ShardedGroup, ...] = ()  # hybrid DACP: indices sharded over part of the CP group
 
     def indices(self) -> list[int]:
-        return [index for rank_local in self.local for index in rank_local] + list(self.distributed)
+        return ([index for rank_local in self.local for index in rank_local] + list(self.distributed)
+                + [index for group in self.sharded for index in group.sequences])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
