@@ -18,6 +18,7 @@ from scheduler_service.core.errors import (
 )
 from scheduler_service.core.feedback import (
     FeedbackConfig,
+    GroupLengths,
     JobFeedback,
     MicroBatchMeasurement,
     effective_bucket_size,
@@ -33,7 +34,10 @@ from scheduler_service.core.plan import (
     PlanLimits,
     PlanningProblem,
     SchedulerName,
+    ShardedGroup,
     SolverReport,
+    block_degrees,
+    cp_blocks,
     make_problem,
 )
 from scheduler_service.core.planner import PlanResult, make_plan, schedule
@@ -46,6 +50,7 @@ __all__ = [
     "MODEL_CATALOGUE",
     "DPRankPlan",
     "FeedbackConfig",
+    "GroupLengths",
     "InfeasiblePlanError",
     "InvalidRequestError",
     "JobFeedback",
@@ -63,12 +68,15 @@ __all__ = [
     "Profile",
     "SchedulerName",
     "SequenceTooLongError",
+    "ShardedGroup",
     "SolverReport",
     "UnknownModelError",
     "UnknownProfileError",
     "UnknownSchedulerError",
+    "block_degrees",
     "builtin_profiles",
     "check_plan",
+    "cp_blocks",
     "effective_bucket_size",
     "find_violations",
     "load_profile",

@@ -40,7 +40,8 @@ def _memory_violations(
 
     distributed = tokens(micro_batch.distributed)
     units = [tokens(rank_local) * cp_size + distributed for rank_local in micro_batch.local]
-    terms = [[f"{tokens(rank_local)} local", f"{distributed}/{cp_size} distributed"] for rank_local in micro_batch.local]
+    terms = [[f"{tokens(rank_local)} local", f"{distributed}/{cp_size} distributed"]
+             for rank_local in micro_batch.local]
     for group in micro_batch.sharded:
         group_tokens = tokens(group.sequences)
         for cp_rank in group.cp_ranks:

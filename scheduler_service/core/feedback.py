@@ -54,6 +54,7 @@ from scheduler_service.core.profile import ComputeProfile, MemoryProfile, Profil
 
 __all__ = [
     "FeedbackConfig",
+    "GroupLengths",
     "JobFeedback",
     "MicroBatchMeasurement",
     "effective_bucket_size",
@@ -88,6 +89,14 @@ class FeedbackConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class GroupLengths:
+    """The lengths of a hybrid group's sequences, sharded over the aligned block ``cp_ranks``."""
+
+    cp_ranks: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MicroBatchMeasurement:
     """One micro-batch as the trainer ran it: lengths per CP rank, sharded lengths, time, peak memory."""
 
@@ -95,6 +104,7 @@ class MicroBatchMeasurement:
     distributed_lengths: tuple[int, ...]  # sequences sharded over the CP group
     time_s: float  # the slowest CP rank's forward + backward
     peak_memory_bytes: float | None = None  # the largest over CP ranks; None where the device cannot tell
+    sharded_lengths: tuple[GroupLengths, ...] = ()  # hybrid groups: sequences sharded over part of the CP group
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.time_s) and self.time_s > 0):
@@ -104,7 +114,8 @@ class MicroBatchMeasurement:
         ):
             raise InvalidRequestError(f"peak memory must be positive, got {self.peak_memory_bytes}",
                                       field="peak_memory_bytes")
-        lengths = [*self.distributed_lengths, *(n for rank in self.local_lengths for n in rank)]
+        lengths = [*self.distributed_lengths, *(n for rank in self.local_lengths for n in rank),
+                   *(n for group in self.sharded_lengths for n in group.lengths)]
         if not lengths:
             raise InvalidRequestError("a measured micro-batch holds no sequence", field="local_lengths")
         if any(n <= 0 for n in lengths):
@@ -116,9 +127,12 @@ class MicroBatchMeasurement:
 
     @property
     def tokens_per_rank(self) -> float:
-        """The memory-bound quantity: the largest local + distributed / N over CP ranks."""
-        distributed = sum(self.distributed_lengths) / self.cp_size
-        return max(sum(rank) for rank in self.local_lengths) + distributed
+        """The memory-bound quantity: the largest local + distributed / N + groups' tokens / size over CP ranks."""
+        tokens = [sum(rank) + sum(self.distributed_lengths) / self.cp_size for rank in self.local_lengths]
+        for group in self.sharded_lengths:
+            for cp_rank in group.cp_ranks:
+                tokens[cp_rank] += sum(group.lengths) / len(group.cp_ranks)
+        return max(tokens)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
