@@ -88,7 +88,7 @@ def _probe_lengths(seed: int) -> list[list[int]]:
 
 def _predict_s(profile: Profile, lengths: Sequence[int]) -> float:
     perf = PerformanceModel(model=MODEL_CATALOGUE[MODEL], profile=profile)
-    return perf.compute_time_s(float(perf.flops_array(lengths).sum()))
+    return perf.compute_time_s(float(perf.placement_flops(lengths, 1).sum()))
 
 
 def _refit_profile(measured: Profile, state: dict[str, Any]) -> Profile:

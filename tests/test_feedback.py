@@ -21,18 +21,20 @@ from scheduler_service.core.feedback import (
 )
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
-from scheduler_service.core.profile import ComputeProfile, Profile, builtin_profiles, parse_profile
+from scheduler_service.core.profile import Profile, builtin_profiles, parse_profile
 from scheduler_service.core.samplers import sample_lengths
 
 TINY = MODEL_CATALOGUE["tiny"]
 PAPER = builtin_profiles()["h100-paper"]
 # What a CPU "really" costs for the tiny model (made up): about a thousand times the H100 profile's estimate.
-TRUTH = dataclasses.replace(PAPER, compute=ComputeProfile(alpha_s_per_flop=5e-11, beta_s_per_layer=1.5e-3))
+TRUTH = dataclasses.replace(PAPER, compute=dataclasses.replace(PAPER.compute, alpha_s_per_flop=5e-11,
+                                                              beta_s_per_layer=1.5e-3))
 
 
 def true_time_s(profile: Profile, lengths: list[int]) -> float:
+    """One CP rank running ``lengths`` whole, as the model prices it."""
     perf = PerformanceModel(model=TINY, profile=profile)
-    return perf.compute_time_s(float(perf.flops_array(lengths).sum()))
+    return perf.compute_time_s(float(perf.placement_flops(lengths, 1).sum()))
 
 
 def measured(lengths: list[int], time_s: float, peak: float | None = None) -> MicroBatchMeasurement:

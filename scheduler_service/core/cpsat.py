@@ -3,16 +3,23 @@
 Formulation. Sequence ``k`` (``S_k`` tokens, ``F_k`` FLOPs) goes to exactly one
 place (eq. 9): a micro-batch of a DP rank ``i`` and, inside it, either whole on
 one CP rank ``j`` (``local``, the paper's ``P_kj``) or sharded over all ``N`` CP
-ranks (``dist``, the paper's ``D_k``). With ``T_comp(F) = α·F + β`` and
-``T_comm(V) = a·V + T_fixed``, whose fixed parts only non-empty groups pay
-(indicator booleans), a micro-batch takes (eqs. 1–5)
+ranks (``dist``, the paper's ``D_k``). **It optimises this binary space only**:
+hybrid DACP's groups over part of the CP group are not modelled, so on batches
+where the hybrid ``skrull`` uses groups its plan may beat what CP-SAT proves
+optimal (the benchmark reports both). The cost of a micro-batch is the
+simulator's (``simulate.py``): on CP rank ``j``, with ``W`` the FLOP-equivalents
+at each sequence's placement, ``A_j`` its local attention time, and the
+all-gather (AG) and reduce-scatter (RS) of the distributed tokens,
 
-    time = max(T_comm(dist tokens), max_j T_comp(local FLOPs on j)) + T_comp(dist FLOPs / N)
+    time_j = α·(W_local,j + W_dist / N) + β + max(0, AG − A_j/3) + max(0, RS − 2·A_j/3)
 
-under the memory bound ``N·(local tokens on j) + dist tokens <= C·N`` for every
-``j`` (eqs. 7, 10); the objective is ``min max_i sum over i's micro-batches of
-time`` (eq. 8). Every term is linear in the booleans, so this is a MILP that
-CP-SAT attacks with its LP relaxation, clause learning and LNS.
+whose fixed parts only non-empty groups pay (indicator booleans), and the two
+exposures are linearised by non-negative variables bounded below by their
+argument (the objective pushes them down), under the memory bound
+``N·(local tokens on j) + dist tokens <= C·N`` for every ``j`` (eqs. 7, 10);
+the objective is ``min max_i sum over i's micro-batches of time`` (eq. 8).
+Every term is linear in the booleans, so this is a MILP that CP-SAT attacks
+with its LP relaxation, clause learning and LNS.
 
 Symmetry breaking. DP ranks, the micro-batches of a DP rank (gradient
 accumulation sums them in any order) and the CP ranks of a micro-batch are
@@ -22,8 +29,8 @@ and no plan is lost; DP ranks are ordered by their smallest index, CP ranks
 partly (see the comments at the constraints).
 
 Quantisation. Seconds become integer nanoseconds in ``_quantise`` only, every
-cost rounded *down*, so the model's time of any plan is at most its
-``simulate()`` time: ``bound_s`` is a true lower bound on every plan, and the
+cost rounded *down* (and the attention that hides communication *up*), so the
+model's time of any plan is at most its ``simulate()`` time: ``bound_s`` is a true lower bound on every plan, and the
 plan the model calls optimal is within about a nanosecond per sequence of the
 true optimum. ``objective_s`` is always ``simulate()`` of the returned plan.
 
@@ -57,7 +64,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +73,7 @@ from ortools.sat.python import cp_model
 
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import InvalidRequestError
+from scheduler_service.core.perf_model import ATTENTION_FORWARD_SHARE
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, SolverReport
 from scheduler_service.core.simulate import simulate
 
@@ -89,31 +97,37 @@ class CpSatSolution:
 class _Costs:
     """The performance model in integer ticks, every term rounded down (never above the float model)."""
 
-    local: list[int]  # α·F_k: sequence k computed whole on one CP rank
-    distributed: list[int]  # α·F_k / N: each CP rank's share of sharded sequence k
-    comm: list[int]  # a·S_k: all-gather and reduce-scatter of k's K/V, all layers
-    compute_fixed: int  # β of eq. 14: once per non-empty packed group
-    comm_fixed: int  # T_fixed of eq. 16: once per micro-batch with distributed tokens
+    local: list[int]  # α·W_k: sequence k computed whole on one CP rank
+    distributed: list[int]  # α·W_k(N): each CP rank's share of sharded sequence k
+    attention_forward: list[int]  # forward local attention of k when whole (hides the all-gather), rounded up
+    attention_backward: list[int]  # its backward (hides the reduce-scatter), rounded up
+    all_gather: list[int]  # a·S_k of the all-gather of k's K/V, all layers
+    reduce_scatter: list[int]  # and of the reduce-scatter of dK/dV
+    compute_fixed: int  # β of eq. 14: once per CP rank of a non-empty micro-batch
+    all_gather_fixed: int  # T_fixed of eq. 16: once per micro-batch with distributed tokens
+    reduce_scatter_fixed: int
 
 
 def _quantise(problem: PlanningProblem) -> _Costs:
     """The one place seconds become integers."""
-    perf = problem.perf
-    num_layers = perf.model.num_layers
-    comm_s_per_token = num_layers * perf.comm_bytes_per_layer(1.0) * (
-        perf.all_gather.slope + perf.reduce_scatter.slope)
-    comm_fixed_s = num_layers * (perf.all_gather.intercept + perf.reduce_scatter.intercept)
-    compute_s = perf.profile.compute.alpha_s_per_flop * problem.flops
+    alpha, collective = problem.alpha_s_per_flop, problem.perf.collective_cost(problem.cp_size)
+    tokens = problem.lengths.astype(np.float64)
+    attention_s = alpha * np.asarray(problem.local_attention)
 
-    def ticks(seconds: npt.ArrayLike) -> list[int]:
-        return [int(t) for t in np.floor(np.atleast_1d(np.asarray(seconds, dtype=np.float64)) * TICKS_PER_SECOND)]
+    def ticks(seconds: npt.ArrayLike, rounding: Callable[[npt.ArrayLike], npt.NDArray[np.float64]] = np.floor,
+              ) -> list[int]:
+        return [int(t) for t in rounding(np.atleast_1d(np.asarray(seconds, dtype=np.float64)) * TICKS_PER_SECOND)]
 
     return _Costs(
-        local=ticks(compute_s),
-        distributed=ticks(compute_s / problem.cp_size),
-        comm=ticks(comm_s_per_token * problem.lengths.astype(np.float64)),
-        compute_fixed=ticks(perf.compute_beta_s)[0],
-        comm_fixed=ticks(comm_fixed_s)[0],
+        local=ticks(alpha * np.asarray(problem.placement[1])),
+        distributed=ticks(alpha * np.asarray(problem.placement[problem.cp_size])),
+        attention_forward=ticks(attention_s * ATTENTION_FORWARD_SHARE, np.ceil),
+        attention_backward=ticks(attention_s * (1 - ATTENTION_FORWARD_SHARE), np.ceil),
+        all_gather=ticks(collective.all_gather_s_per_token * tokens),
+        reduce_scatter=ticks(collective.reduce_scatter_s_per_token * tokens),
+        compute_fixed=ticks(problem.beta_s)[0],
+        all_gather_fixed=ticks(collective.all_gather_fixed_s)[0],
+        reduce_scatter_fixed=ticks(collective.reduce_scatter_fixed_s)[0],
     )
 
 
@@ -183,8 +197,8 @@ class _JointModel:
         capacity = bucket_size * cp_size  # tokens per micro-batch over the CP group (eq. 10's C·N)
         beta = costs.compute_fixed
         # No plan is slower than running every sequence alone, one after another, paying every fixed cost.
-        horizon = sum(costs.local) + sum(costs.distributed) + sum(costs.comm) + num_sequences * (
-            2 * beta + costs.comm_fixed)
+        horizon = sum(costs.local) + sum(costs.distributed) + sum(costs.all_gather) + sum(costs.reduce_scatter) \
+            + num_sequences * (beta + costs.all_gather_fixed + costs.reduce_scatter_fixed)
 
         # Micro-batch slots (i, r): the micro-batch of DP rank i whose smallest sequence index (representative)
         # is r. Every micro-batch of every plan has exactly one such name. Numbering DP ranks by their smallest
@@ -211,12 +225,14 @@ class _JointModel:
         }
 
         # Indicator booleans, each true exactly when its group is non-empty: opens[i, r] (the micro-batch),
-        # busy[i, r, j] (CP rank j has local work; it pays β), sharded[i, r] (distributed work; it pays
-        # T_fixed and β).
+        # busy[i, r, j] (CP rank j has local work), sharded[i, r] (distributed work; it pays T_fixed and every
+        # CP rank pays β), working[i, r, j] (busy or sharded: CP rank j pays β).
         self.opens = opens = {(i, r): model.new_bool_var(f"opens[{i},{r}]") for i, r in slots}
         self.busy = busy = {(i, r, j): model.new_bool_var(f"busy[{i},{r},{j}]")
                             for i, r in slots for j in self.cp_ranks[i, r]}
         self.sharded = sharded = {(i, r): model.new_bool_var(f"sharded[{i},{r}]") for i, r in slots}
+        self.working = working = {(i, r, j): model.new_bool_var(f"working[{i},{r},{j}]")
+                                  for i, r in slots for j in self.cp_ranks[i, r]}
 
         # Micro-batch times and the iteration time, in ticks.
         self.mb_time = mb_time = {(i, r): model.new_int_var(0, horizon, f"time[{i},{r}]") for i, r in slots}
@@ -266,15 +282,27 @@ class _JointModel:
                 model.add(cp_size * local_tokens + dist_tokens <= capacity * opens[i, r])
                 model.add(local_tokens <= bucket_size * busy[i, r, j])
 
-            # Micro-batch time (eqs. 1–5): at least the communication and at least each CP rank's local compute
-            # (eq. 2's max, with communication overlapping local attention), either followed by each CP rank's
-            # 1/N of the distributed compute (eq. 4); a non-empty micro-batch takes at least β.
-            dist_compute = sum(costs.distributed[k] * dist[k, i, r] for k in distributable) + beta * sharded[i, r]
-            comm = sum(costs.comm[k] * dist[k, i, r] for k in distributable) + costs.comm_fixed * sharded[i, r]
-            model.add(mb_time[i, r] >= comm + dist_compute)
+            # Micro-batch time, per CP rank: its compute, one β, and the communication its local attention does
+            # not hide (forward all-gather, backward reduce-scatter), each exposure >= 0 and >= its argument.
+            dist_compute = sum(costs.distributed[k] * dist[k, i, r] for k in distributable)
+            all_gather = sum(costs.all_gather[k] * dist[k, i, r] for k in distributable) \
+                + costs.all_gather_fixed * sharded[i, r]
+            reduce_scatter = sum(costs.reduce_scatter[k] * dist[k, i, r] for k in distributable) \
+                + costs.reduce_scatter_fixed * sharded[i, r]
+            # A CP rank that can hold nothing whole: distributed work only, nothing hides its communication.
+            model.add(mb_time[i, r] >= dist_compute + beta * sharded[i, r] + all_gather + reduce_scatter)
             for j in cp_ranks:
-                local_compute = sum(costs.local[k] * local[k, i, r, j] for k in self.members[i, r, j])
-                model.add(mb_time[i, r] >= local_compute + beta * busy[i, r, j] + dist_compute)
+                members = self.members[i, r, j]
+                model.add_max_equality(working[i, r, j], [busy[i, r, j], sharded[i, r]])
+                exposed_forward = model.new_int_var(0, horizon, f"exposed_forward[{i},{r},{j}]")
+                exposed_backward = model.new_int_var(0, horizon, f"exposed_backward[{i},{r},{j}]")
+                model.add(exposed_forward >= all_gather - sum(
+                    costs.attention_forward[k] * local[k, i, r, j] for k in members))
+                model.add(exposed_backward >= reduce_scatter - sum(
+                    costs.attention_backward[k] * local[k, i, r, j] for k in members))
+                local_compute = sum(costs.local[k] * local[k, i, r, j] for k in members)
+                model.add(mb_time[i, r] >= local_compute + dist_compute + beta * working[i, r, j]
+                          + exposed_forward + exposed_backward)
             model.add(mb_time[i, r] >= beta * opens[i, r])
 
         # Redundant counts, for the bound: the memory bound summed over micro-batches needs at least this many
@@ -288,31 +316,38 @@ class _JointModel:
         model.minimize(self.iteration_time)
 
     def add_hint(self, plan: Plan) -> None:
-        """Warm start from a valid plan: every variable hinted, the times in model ticks."""
+        """Warm start from a valid binary plan: the placement, the indicators and the times in model ticks (the
+        solver completes the rest)."""
         costs, beta = self.costs, self.costs.compute_fixed
         values: dict[cp_model.IntVar, int] = dict.fromkeys(
             [*self.local.values(), *self.dist.values(), *self.opens.values(), *self.busy.values(),
-             *self.sharded.values(), *self.mb_time.values()], 0)
+             *self.sharded.values(), *self.working.values(), *self.mb_time.values()], 0)
         dp_times = []
         for i, micro_batches in enumerate(_canonical(plan)):
             dp_times.append(0)
             for groups, distributed in micro_batches:
                 r = min([*distributed, *(k for group in groups for k in group)])
                 values[self.opens[i, r]] = 1
-                comm = dist_compute = 0
+                all_gather = reduce_scatter = dist_compute = 0
                 if distributed:
                     values[self.sharded[i, r]] = 1
-                    comm = sum(costs.comm[k] for k in distributed) + costs.comm_fixed
-                    dist_compute = sum(costs.distributed[k] for k in distributed) + beta
+                    all_gather = sum(costs.all_gather[k] for k in distributed) + costs.all_gather_fixed
+                    reduce_scatter = sum(costs.reduce_scatter[k] for k in distributed) + costs.reduce_scatter_fixed
+                    dist_compute = sum(costs.distributed[k] for k in distributed)
                 for k in distributed:
                     values[self.dist[k, i, r]] = 1
-                local_compute = [0]
-                for j, group in enumerate(groups):
-                    values[self.busy[i, r, j]] = 1
+                rank_times = [dist_compute + beta * bool(distributed) + all_gather + reduce_scatter]
+                for j in self.cp_ranks[i, r]:
+                    group = groups[j] if j < len(groups) else []
+                    values[self.busy[i, r, j]] = int(bool(group))
+                    values[self.working[i, r, j]] = int(bool(group) or bool(distributed))
                     for k in group:
                         values[self.local[k, i, r, j]] = 1
-                    local_compute.append(sum(costs.local[k] for k in group) + beta)
-                values[self.mb_time[i, r]] = max(comm, *local_compute) + dist_compute
+                    exposed = max(0, all_gather - sum(costs.attention_forward[k] for k in group)) + max(
+                        0, reduce_scatter - sum(costs.attention_backward[k] for k in group))
+                    rank_times.append(sum(costs.local[k] for k in group) + dist_compute
+                                      + beta * values[self.working[i, r, j]] + exposed)
+                values[self.mb_time[i, r]] = max(*rank_times, beta)
                 dp_times[-1] += values[self.mb_time[i, r]]
         values[self.iteration_time] = max(dp_times)
         for variable, value in values.items():

@@ -12,25 +12,37 @@ memory bound, by construction, in every algorithm here.
   takes S/N on every rank (the published pseudo-code updates one bucket with
   S/N − S). A roll-back is only taken when the shard fits on every rank.
 * ``dacp_round_robin`` — the RR case-study scheduler (appendix B.2).
-* ``dacp_balanced`` — Skrull's default: distribute the k longest sequences for
-  a few k (and for k = all: static CP is always a candidate, so a micro-batch
-  never does worse than sharding everything under the cost model), place the
-  rest largest-first on the least-loaded rank with room
-  (LPT under the memory bound), keep the cheapest k under the cost model, then
-  improve it with bounded move/swap steps. Cost: O(k_max · K · N) for the
+* ``dacp_balanced`` — binary Skrull (``skrull_binary``): distribute the k
+  longest sequences for a few k (and for k = all: static CP is always a
+  candidate, so a micro-batch never does worse than sharding everything under
+  the cost model), place the rest largest-first on the least-loaded rank with
+  room (LPT under the memory bound), keep the cheapest k under the cost model,
+  then improve it with bounded move/swap steps. Cost: O(k_max · K · N) for the
   candidates plus at most 16 refinement steps of O(K² / N) each.
+* ``dacp_hybrid`` — Skrull's default: every sequence gets the smallest degree
+  (1, a hybrid block size, or the whole group) whose share of its work fits
+  the micro-batch's balanced per-rank load and whose share of its tokens fits
+  a bucket; then, widest first, groups go onto the aligned block whose busiest
+  rank is least loaded and whole sequences onto the least-loaded rank, each
+  only where its tokens fit (a sequence that fits nowhere takes the next
+  larger degree). The binary decision is always a candidate too, and the
+  cheaper under the cost model wins, then it is refined like the binary one.
+  Cost: O(K · N) per placement on top of ``dacp_balanced``.
+
+Memory units in the hybrid case: a sequence sharded over a block of ``s``
+ranks costs ``S·N/s`` on each of them (``s`` divides ``N``), so the bound stays
+exact in integers.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 
-from scheduler_service.core.plan import MicroBatch, PlanningProblem
-from scheduler_service.core.simulate import micro_batch_time_s
+from scheduler_service.core.plan import MicroBatch, PlanningProblem, ShardedGroup, cp_blocks
+from scheduler_service.core.simulate import rank_time_s
 
-__all__ = ["dacp_balanced", "dacp_paper", "dacp_round_robin"]
+__all__ = ["dacp_balanced", "dacp_hybrid", "dacp_paper", "dacp_round_robin"]
 
 DISTRIBUTED = -1
 EXTRA_DISTRIBUTION_CANDIDATES = 2  # k values tried beyond the sequences too heavy to place locally
@@ -130,74 +142,118 @@ def dacp_round_robin(problem: PlanningProblem, indices: Sequence[int]) -> MicroB
     return _greedy_with_roll_back(problem, list(indices), _most_room)
 
 
-class _Placement:
-    """A candidate DACP decision with the sums the cost model needs."""
+Block = tuple[int, int]  # (first CP rank, degree) of a group of ranks; (0, cp_size) is the whole CP group
 
-    __slots__ = ("distributed_flops", "distributed_tokens", "loads", "placement", "remaining", "time_s")
+
+class _Placement:
+    """A candidate DACP decision with the per-rank sums the cost model and the memory bound need."""
+
+    __slots__ = ("all_gather", "attention", "block_tokens", "cp_size", "groups", "loads", "placement",
+                 "reduce_scatter", "remaining", "time_s")
 
     def __init__(self, cp_size: int, capacity: int) -> None:
-        self.placement: dict[int, int] = {}
-        self.loads = [0.0] * cp_size
-        self.remaining = [capacity] * cp_size
-        self.distributed_tokens = 0
-        self.distributed_flops = 0.0
-        self.time_s = 0.0
+        self.cp_size = cp_size
+        self.placement: dict[int, int] = {}  # local sequences: index -> CP rank
+        self.groups: dict[Block, list[int]] = {}  # sharded sequences by block (distributed: (0, cp_size))
+        self.block_tokens: dict[Block, int] = {}
+        self.loads = [0.0] * cp_size  # FLOP-equivalents per rank (placement costs)
+        self.attention = [0.0] * cp_size  # local attention FLOP-equivalents per rank: what hides collectives
+        self.all_gather = [0.0] * cp_size  # seconds of collectives per rank, forward
+        self.reduce_scatter = [0.0] * cp_size  # and backward
+        self.remaining = [capacity] * cp_size  # memory units (1/N token)
+        self.time_s = math.inf
 
-    def distribute(self, index: int, tokens: int, flops: float) -> bool:
-        if min(self.remaining) < tokens:
-            return False
-        self.placement[index] = DISTRIBUTED
-        for rank in range(len(self.remaining)):
-            self.remaining[rank] -= tokens
-        self.distributed_tokens += tokens
-        self.distributed_flops += flops
-        return True
+    def fits(self, block: Block, tokens: int) -> bool:
+        first, degree = block
+        units = tokens * (self.cp_size // degree)
+        return all(self.remaining[r] >= units for r in range(first, first + degree))
 
-    def place(self, index: int, rank: int, tokens_units: int, flops: float) -> None:
+    def place(self, problem: PlanningProblem, index: int, rank: int) -> None:
         self.placement[index] = rank
-        self.remaining[rank] -= tokens_units
-        self.loads[rank] += flops
+        self.remaining[rank] -= problem.sequence_lengths[index] * self.cp_size
+        self.loads[rank] += problem.placement[1][index]
+        self.attention[rank] += problem.local_attention[index]
+
+    def unplace(self, problem: PlanningProblem, index: int) -> int:
+        rank = self.placement.pop(index)
+        self.remaining[rank] += problem.sequence_lengths[index] * self.cp_size
+        self.loads[rank] -= problem.placement[1][index]
+        self.attention[rank] -= problem.local_attention[index]
+        return rank
+
+    def shard(self, problem: PlanningProblem, index: int, block: Block) -> None:
+        first, degree = block
+        tokens = problem.sequence_lengths[index]
+        collective = problem.perf.collective_cost(degree)
+        is_new = block not in self.groups
+        self.groups.setdefault(block, []).append(index)
+        self.block_tokens[block] = self.block_tokens.get(block, 0) + tokens
+        units, flops = tokens * (self.cp_size // degree), problem.placement[degree][index]
+        all_gather = collective.all_gather_s_per_token * tokens + (collective.all_gather_fixed_s if is_new else 0.0)
+        reduce_scatter = (collective.reduce_scatter_s_per_token * tokens
+                          + (collective.reduce_scatter_fixed_s if is_new else 0.0))
+        for r in range(first, first + degree):
+            self.remaining[r] -= units
+            self.loads[r] += flops
+            self.all_gather[r] += all_gather
+            self.reduce_scatter[r] += reduce_scatter
+
+    def evaluate(self, problem: PlanningProblem) -> float:
+        self.time_s = max(
+            rank_time_s(problem, self.loads[r], self.attention[r], self.all_gather[r], self.reduce_scatter[r])
+            for r in range(self.cp_size)
+        )
+        return self.time_s
+
+    def micro_batch(self) -> MicroBatch:
+        local: list[list[int]] = [[] for _ in range(self.cp_size)]
+        for index in sorted(self.placement):
+            local[self.placement[index]].append(index)
+        distributed = sorted(self.groups.get((0, self.cp_size), ()))
+        sharded = tuple(
+            ShardedGroup(cp_ranks=tuple(range(first, first + degree)), sequences=tuple(sorted(self.groups[first,
+                                                                                                          degree])))
+            for first, degree in sorted(self.groups) if degree < self.cp_size
+        )
+        return MicroBatch(local=tuple(map(tuple, local)), distributed=tuple(distributed), sharded=sharded)
 
 
-def _largest_first(
-    problem: PlanningProblem, order: Sequence[int], num_distributed: int, distributed_tokens: int,
-    distributed_flops: float,
-) -> _Placement | None:
-    """Shard ``order[:num_distributed]`` (whose sums the caller keeps), then LPT-place the rest under the
-    memory bound; a sequence that fits on no rank is sharded too."""
-    cp_size, lengths, flops = problem.cp_size, problem.sequence_lengths, problem.flops_list
-    capacity = problem.bucket_size * cp_size
-    if distributed_tokens > capacity:
-        return None
-    candidate = _Placement(cp_size, capacity - distributed_tokens)
-    candidate.placement = dict.fromkeys(order[:num_distributed], DISTRIBUTED)
-    candidate.distributed_tokens, candidate.distributed_flops = distributed_tokens, distributed_flops
-    loads, remaining, ranks = candidate.loads, candidate.remaining, range(cp_size)
-    for index in order[num_distributed:]:
-        units = lengths[index] * cp_size
-        best_rank, best_load = -1, math.inf
-        for rank in ranks:
-            if remaining[rank] >= units and loads[rank] < best_load:
-                best_rank, best_load = rank, loads[rank]
-        if best_rank >= 0:
-            candidate.placement[index] = best_rank
-            remaining[best_rank] -= units
-            loads[best_rank] += flops[index]
-        elif not candidate.distribute(index, lengths[index], flops[index]):
+def _least_loaded_with_room(candidate: _Placement, units: int) -> int:
+    best_rank, best_load = -1, math.inf
+    loads, remaining = candidate.loads, candidate.remaining
+    for rank in range(candidate.cp_size):
+        if remaining[rank] >= units and loads[rank] < best_load:
+            best_rank, best_load = rank, loads[rank]
+    return best_rank
+
+
+def _largest_first(problem: PlanningProblem, order: Sequence[int], num_distributed: int) -> _Placement | None:
+    """Shard ``order[:num_distributed]`` over the whole CP group, then LPT-place the rest under the memory bound;
+    a sequence that fits on no rank is sharded too."""
+    cp_size, lengths = problem.cp_size, problem.sequence_lengths
+    candidate = _Placement(cp_size, problem.bucket_size * cp_size)
+    whole_group = (0, cp_size)
+    for position, index in enumerate(order):
+        if position >= num_distributed:
+            rank = _least_loaded_with_room(candidate, lengths[index] * cp_size)
+            if rank >= 0:
+                candidate.place(problem, index, rank)
+                continue
+        if not candidate.fits(whole_group, lengths[index]):
             return None
+        candidate.shard(problem, index, whole_group)
     return candidate
 
 
 def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
     """Bounded local search: move or swap local sequences off the most loaded rank while that lowers its load."""
-    cp_size, lengths, flops = problem.cp_size, problem.sequence_lengths, problem.flops_list
+    cp_size, lengths, costs = problem.cp_size, problem.sequence_lengths, problem.placement[1]
     for _ in range(MAX_REFINEMENT_STEPS):
         loads, remaining = candidate.loads, candidate.remaining
         busiest = max(range(cp_size), key=loads.__getitem__)
         members: list[list[int]] = [[] for _ in range(cp_size)]
         for index, rank in candidate.placement.items():
-            if rank != DISTRIBUTED:
-                members[rank].append(index)
+            members[rank].append(index)
         best_gain = 0.0
         best_move: tuple[int, int | None, int] | None = None
         for other in range(cp_size):
@@ -207,12 +263,12 @@ def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
             for a in members[busiest]:
                 units_a = lengths[a] * cp_size
                 # move a: the pair's max load drops by min(F_a, gap - F_a) when F_a < gap
-                if flops[a] < gap and remaining[other] >= units_a:
-                    gain = min(flops[a], gap - flops[a])
+                if costs[a] < gap and remaining[other] >= units_a:
+                    gain = min(costs[a], gap - costs[a])
                     if gain > best_gain:
                         best_gain, best_move = gain, (a, None, other)
                 for b in members[other]:
-                    delta = flops[a] - flops[b]
+                    delta = costs[a] - costs[b]
                     units_b = lengths[b] * cp_size
                     if 0 < delta < gap and remaining[other] + units_b >= units_a \
                             and remaining[busiest] + units_a >= units_b:
@@ -222,43 +278,117 @@ def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
         if best_move is None or best_gain < loads[busiest] * MIN_REFINEMENT_GAIN:
             return
         moved, swapped, other = best_move
-        candidate.place(moved, other, lengths[moved] * cp_size, flops[moved])
-        candidate.remaining[busiest] += lengths[moved] * cp_size
-        candidate.loads[busiest] -= flops[moved]
+        candidate.unplace(problem, moved)
         if swapped is not None:
-            candidate.place(swapped, busiest, lengths[swapped] * cp_size, flops[swapped])
-            candidate.remaining[other] += lengths[swapped] * cp_size
-            candidate.loads[other] -= flops[swapped]
+            candidate.unplace(problem, swapped)
+            candidate.place(problem, swapped, busiest)
+        candidate.place(problem, moved, other)
 
 
-def dacp_balanced(problem: PlanningProblem, indices: Sequence[int], *, refine: bool = True) -> MicroBatch | None:
-    """Skrull's DACP: the cheapest of a few "shard the k longest" decisions, LPT-placed and (optionally) refined."""
-    cp_size, lengths, flops, perf = problem.cp_size, problem.sequence_lengths, problem.flops_list, problem.perf
-    order = sorted(indices, key=lambda k: (-lengths[k], k))  # longest (= most FLOPs) first
-    fair_share = sum(flops[k] for k in order) / cp_size
-    lower_bound_s = perf.compute_time_s(fair_share)  # every FLOP split evenly, no communication exposed
+def _lower_bound_s(problem: PlanningProblem, indices: Sequence[int]) -> float:
+    """No decision beats every sequence at its cheapest placement, spread evenly, no communication exposed."""
+    return rank_time_s(problem, sum(problem.area[k] for k in indices) / problem.cp_size, 0.0, 0.0, 0.0)
+
+
+def _binary_candidates(problem: PlanningProblem, order: Sequence[int], lower_bound_s: float) -> _Placement | None:
+    """The cheapest of "shard the k longest over the whole group" for the few k worth trying."""
+    lengths, costs = problem.sequence_lengths, problem.placement[1]
+    fair_share = sum(costs[k] for k in order) / problem.cp_size
     # Sequences that cannot be local, or that alone exceed a rank's fair share, are the ones worth sharding.
     num_forced = sum(1 for k in order if lengths[k] > problem.bucket_size)  # can never be local
-    num_heavy = sum(1 for k in order if lengths[k] > problem.bucket_size or flops[k] > fair_share)
+    num_heavy = sum(1 for k in order if lengths[k] > problem.bucket_size or costs[k] > fair_share)
     # k = number of longest sequences sharded up front; sharding all of them is always a candidate,
     # and it fits whenever the micro-batch's tokens do.
     candidates = [*range(num_forced, min(num_heavy + EXTRA_DISTRIBUTION_CANDIDATES, len(order)) + 1), len(order)]
-    prefix_tokens = [0, *itertools.accumulate(lengths[k] for k in order)]
-    prefix_flops = [0.0, *itertools.accumulate(flops[k] for k in order)]
     best: _Placement | None = None
     for num_distributed in dict.fromkeys(candidates):  # ordered and without repeats
-        candidate = _largest_first(problem, order, num_distributed, prefix_tokens[num_distributed],
-                                   prefix_flops[num_distributed])
+        candidate = _largest_first(problem, order, num_distributed)
         if candidate is None:
             continue
-        candidate.time_s = micro_batch_time_s(perf, cp_size, candidate.loads, candidate.distributed_tokens,
-                                              candidate.distributed_flops)
-        if best is None or candidate.time_s < best.time_s:
+        if best is None or candidate.evaluate(problem) < best.time_s:
             best = candidate
             if best.time_s <= lower_bound_s * GOOD_ENOUGH:
                 break
+    return best
+
+
+def _finish(problem: PlanningProblem, best: _Placement | None, refine: bool) -> MicroBatch | None:
     if best is None:
         return None
     if refine:
         _refine(problem, best)
-    return _micro_batch(best.placement, cp_size)
+    return best.micro_batch()
+
+
+def dacp_balanced(problem: PlanningProblem, indices: Sequence[int], *, refine: bool = True) -> MicroBatch | None:
+    """Binary Skrull's DACP: the cheapest of a few "shard the k longest" decisions, LPT-placed and refined."""
+    order = sorted(indices, key=lambda k: (-problem.sequence_lengths[k], k))  # longest (= most FLOPs) first
+    return _finish(problem, _binary_candidates(problem, order, _lower_bound_s(problem, order)), refine)
+
+
+def _chosen_degree(problem: PlanningProblem, index: int, target_flops: float) -> int:
+    """The smallest degree whose share of the sequence's tokens fits a bucket and whose share of its work fits
+    the target per-rank load; the whole group when none does."""
+    tokens = problem.sequence_lengths[index]
+    for degree in problem.degrees:
+        if tokens <= degree * problem.bucket_size and problem.placement[degree][index] <= target_flops:
+            return degree
+    return problem.degrees[-1]
+
+
+def _best_block(problem: PlanningProblem, candidate: _Placement, tokens: int, degree: int) -> Block | None:
+    """The aligned block of ``degree`` ranks with room whose busiest rank is least loaded."""
+    best: Block | None = None
+    best_load = math.inf
+    for block in cp_blocks(problem.cp_size, degree):
+        first = block[0]
+        if candidate.fits((first, degree), tokens):
+            load = max(candidate.loads[first:first + degree])
+            if load < best_load:
+                best, best_load = (first, degree), load
+    return best
+
+
+def _widest_first(problem: PlanningProblem, order: Sequence[int], target_flops: float) -> _Placement | None:
+    """Place each sequence at its chosen degree, widest first then heaviest share first; escalate the degree of a
+    sequence that fits nowhere."""
+    cp_size, lengths = problem.cp_size, problem.sequence_lengths
+    chosen = {k: _chosen_degree(problem, k, target_flops) for k in order}
+    candidate = _Placement(cp_size, problem.bucket_size * cp_size)
+    for index in sorted(order, key=lambda k: (-chosen[k], -problem.placement[chosen[k]][k], k)):
+        tokens = lengths[index]
+        for degree in problem.degrees[problem.degrees.index(chosen[index]):]:
+            if degree == 1:
+                rank = _least_loaded_with_room(candidate, tokens * cp_size)
+                if rank >= 0:
+                    candidate.place(problem, index, rank)
+                    break
+            else:
+                block = _best_block(problem, candidate, tokens, degree)
+                if block is not None:
+                    candidate.shard(problem, index, block)
+                    break
+        else:
+            return None
+    return candidate
+
+
+def dacp_hybrid(problem: PlanningProblem, indices: Sequence[int], *, refine: bool = True) -> MicroBatch | None:
+    """Hybrid Skrull's DACP: each sequence at the degree that suits it, groups side by side; never worse than the
+    binary decision under the cost model (that is a candidate too).
+
+    The per-rank target bounds how much work one placement may put on a rank: the balanced load ``T`` (every
+    sequence at its cheapest placement, spread evenly), and ``T/d`` for each group size ``d``. Finer pieces pack
+    memory and load better but pay more communication and shorter, less efficient attention chunks; the cost
+    model picks."""
+    order = sorted(indices, key=lambda k: (-problem.sequence_lengths[k], k))
+    lower_bound_s = _lower_bound_s(problem, order)
+    best = _binary_candidates(problem, order, lower_bound_s)
+    balanced_flops = sum(problem.area[k] for k in order) / problem.cp_size
+    for degree in problem.degrees[:-1] if len(problem.degrees) > 2 else ():
+        if best is not None and best.time_s <= lower_bound_s * GOOD_ENOUGH:
+            break
+        hybrid = _widest_first(problem, order, balanced_flops / degree)
+        if hybrid is not None and (best is None or hybrid.evaluate(problem) < best.time_s):
+            best = hybrid
+    return _finish(problem, best, refine)

@@ -6,14 +6,15 @@ after each step, every micro-batch it ran: the sequence lengths on each CP rank
 the device can say, the peak memory. ``observe`` turns each report into
 observations and refits two things, robustly and in bounded memory:
 
-* **compute**: the micro-batch time of eq. 2 under the base profile splits into
-  a variable part ``W`` (``α·FLOPs``, with the profile's per-token and
-  per-sequence terms) and fixed parts (``β·L`` per packed group). The refit
-  keeps the base profile's ratios inside ``W`` and fits ``t ≈ u·W + b·n_β``:
-  one multiplier ``u`` on the variable cost and the fixed cost ``b`` per packed
-  group. Communication stays the base profile's (it is measured offline by the
+* **compute**: the micro-batch time of the critical CP rank under the base
+  profile (``simulate.rank_time_s``) splits into a variable part ``W``
+  (``α·FLOPs`` at each sequence's placement, with the profile's per-token and
+  per-sequence terms) and the fixed part ``β·L`` paid once per micro-batch. The
+  refit keeps the base profile's ratios inside ``W`` and fits ``t ≈ u·W + b``:
+  one multiplier ``u`` on the variable cost and the fixed cost ``b``.
+  Communication stays the base profile's (it is measured offline by the
   collective benchmark; a micro-batch time cannot tell hidden communication
-  from compute): where it is predicted to dominate, it is subtracted from the
+  from compute): the part predicted to be exposed is subtracted from the
   measured time first.
 * **memory**: ``peak ≈ m₀ + m₁·tokens`` over the tokens per CP rank (local +
   distributed / N); ``m₁`` becomes the activation bytes per token, ``m₀`` the
@@ -50,7 +51,9 @@ import numpy.typing as npt
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
-from scheduler_service.core.profile import ComputeProfile, MemoryProfile, Profile
+from scheduler_service.core.plan import MicroBatch, PlanningProblem, ShardedGroup, cp_blocks
+from scheduler_service.core.profile import MemoryProfile, Profile
+from scheduler_service.core.simulate import rank_loads
 
 __all__ = [
     "FeedbackConfig",
@@ -138,7 +141,7 @@ class MicroBatchMeasurement:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _ComputeObservation:
     work_s: float  # the variable compute time under the base profile (u multiplies it)
-    num_fixed: int  # packed groups on the critical path, each paying β·L (b multiplies it)
+    num_fixed: int  # fixed costs on the critical path, each β·L (b multiplies it): 1 per micro-batch
     time_s: float  # measured time minus the communication predicted to be exposed
 
 
@@ -195,26 +198,40 @@ def start_job(
 # ---- observations ---------------------------------------------------------------------------------------------
 
 
+def _as_micro_batch(perf: PerformanceModel, measurement: MicroBatchMeasurement) -> tuple[PlanningProblem, MicroBatch]:
+    """The measured micro-batch as a one-micro-batch problem, so the simulator's per-rank sums apply to it."""
+    lengths: list[int] = []
+
+    def indices(group_lengths: Sequence[int]) -> tuple[int, ...]:
+        lengths.extend(group_lengths)
+        return tuple(range(len(lengths) - len(group_lengths), len(lengths)))
+
+    local = tuple(indices(rank) for rank in measurement.local_lengths)
+    distributed = indices(measurement.distributed_lengths)
+    sharded = tuple(ShardedGroup(cp_ranks=group.cp_ranks, sequences=indices(group.lengths))
+                    for group in measurement.sharded_lengths)
+    problem = PlanningProblem(sequence_lengths=tuple(lengths), dp_size=1, cp_size=measurement.cp_size,
+                              bucket_size=sum(lengths), perf=perf)
+    return problem, MicroBatch(local=local, distributed=distributed, sharded=sharded)
+
+
 def _compute_observation(job: JobFeedback, perf: PerformanceModel,
                          measurement: MicroBatchMeasurement) -> _ComputeObservation | None:
-    """Eq. 2 under the current refit, split into what ``u`` and ``b`` multiply on the critical CP rank."""
-    alpha = perf.profile.compute.alpha_s_per_flop
-    cp_size = measurement.cp_size
-    local_work = [alpha * float(perf.flops_array(rank).sum()) if rank else 0.0 for rank in measurement.local_lengths]
-    local_fixed = [1 if rank else 0 for rank in measurement.local_lengths]
-    dist_work = alpha * float(perf.flops_array(measurement.distributed_lengths).sum()) / cp_size
-    dist_fixed = 1 if measurement.distributed_lengths else 0
-    comm_s = perf.comm_time_s(sum(measurement.distributed_lengths))
-    u, b = job.compute_scale, job.fixed_s
-    critical = max(range(cp_size), key=lambda j: u * local_work[j] + b * local_fixed[j])
-    local_s = u * local_work[critical] + b * local_fixed[critical]
-    if comm_s > local_s:  # communication exposed: only the distributed compute is left to explain
-        remaining_s = measurement.time_s - comm_s
-        if remaining_s <= 0 or not dist_fixed:
-            return None  # all communication: the time says nothing about compute
-        return _ComputeObservation(work_s=dist_work, num_fixed=dist_fixed, time_s=remaining_s)
-    return _ComputeObservation(work_s=local_work[critical] + dist_work,
-                               num_fixed=local_fixed[critical] + dist_fixed, time_s=measurement.time_s)
+    """The critical CP rank's time under the current refit, split into what ``u`` and ``b`` multiply."""
+    problem, micro_batch = _as_micro_batch(perf, measurement)
+    alpha, u, b = problem.alpha_s_per_flop, job.compute_scale, job.fixed_s
+
+    def exposed_s(rank_index: int) -> float:
+        rank = ranks[rank_index]
+        return perf.exposed_comm_s(rank.all_gather_s, rank.reduce_scatter_s, u * rank.local_attention_flops)
+
+    ranks = rank_loads(problem, micro_batch)
+    working = [r for r in range(len(ranks)) if ranks[r].work_flops > 0]
+    critical = max(working, key=lambda r: u * alpha * ranks[r].work_flops + b + exposed_s(r))
+    remaining_s = measurement.time_s - exposed_s(critical)
+    if remaining_s <= 0:
+        return None  # all communication: the time says nothing about compute
+    return _ComputeObservation(work_s=alpha * ranks[critical].work_flops, num_fixed=1, time_s=remaining_s)
 
 
 # ---- robust fitting -------------------------------------------------------------------------------------------
@@ -301,6 +318,13 @@ def observe(
             raise InvalidRequestError(
                 f"micro-batch {index} has {measurement.cp_size} local lists; job {job.job_id} runs cp_size "
                 f"{job.cp_size}", field=f"micro_batches[{index}].local_lengths")
+        for group_index, group in enumerate(measurement.sharded_lengths):
+            if len(group.cp_ranks) < 2 or group.cp_ranks not in cp_blocks(job.cp_size, len(group.cp_ranks)) \
+                    or len(group.cp_ranks) >= job.cp_size:
+                raise InvalidRequestError(
+                    f"micro-batch {index} group {group_index} has CP ranks {list(group.cp_ranks)}: not an aligned "
+                    f"block of a cp_size {job.cp_size} group", field=f"micro_batches[{index}].sharded_lengths"
+                    f"[{group_index}].cp_ranks")
     if memory_budget_bytes is not None and not (math.isfinite(memory_budget_bytes) and memory_budget_bytes > 0):
         raise InvalidRequestError(f"memory budget must be positive, got {memory_budget_bytes}",
                                   field="memory_budget_bytes")
@@ -359,7 +383,8 @@ def _refit_memory(job: JobFeedback) -> JobFeedback:
 def _refit_profile(job: JobFeedback) -> Profile:
     """The base profile with the refit coefficients, as a valid profile document too (``raw``)."""
     base, u = job.base, job.compute_scale
-    compute = ComputeProfile(
+    compute = replace(  # the attention-efficiency curve is a shape, not a scale: it stays the base profile's
+        base.compute,
         alpha_s_per_flop=base.compute.alpha_s_per_flop * u,
         alpha_s_per_token=base.compute.alpha_s_per_token * u,
         alpha_s_per_sequence=base.compute.alpha_s_per_sequence * u,

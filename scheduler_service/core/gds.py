@@ -7,15 +7,18 @@
   ``m = ⌈tokens / (C·N)⌉`` and growing ``m`` until every micro-batch fits and
   Algorithm 1 (``dacp_paper``) succeeds on each.
 * ``round_robin`` — the same GDS with the RR DACP of appendix B.2.
-* ``skrull`` — the default. DP balancing by LPT on FLOPs (largest first onto
-  the least-loaded rank). For each DP share it tries the memory-minimal
-  micro-batch count and one more (stopping early within 5% of a lower bound),
-  each cut by spreading tokens (longest first onto the micro-batch with the
-  fewest tokens, which pairs long with short and keeps each under C·N; it
-  matched or beat the strided cut in our measurements at half the cost); every
-  cut is scheduled with ``dacp_balanced`` and the cheapest under the cost model
-  wins, then refined. Measured cost: see the README's planning-latency table
-  (p99 3.6–4.5 ms for 256 sequences, ≤ 68 ms for 4096, DP=4, CP=8).
+* ``skrull`` — the default, hybrid. DP balancing by LPT on each sequence's
+  cheapest placement cost (its rank-FLOP-equivalents at the degree that costs
+  least, ``PlanningProblem.area``; largest first onto the least-loaded rank).
+  For each DP share it tries the memory-minimal micro-batch count and one more
+  (stopping early within 5% of a lower bound), each cut by spreading tokens
+  (longest first onto the micro-batch with the fewest tokens, which pairs long
+  with short and keeps each under C·N; it matched or beat the strided cut in
+  our measurements at half the cost); every cut is scheduled with
+  ``dacp_hybrid`` and the cheapest under the cost model wins, then refined.
+  Measured cost: see the README's planning-latency table.
+* ``skrull_binary`` — the same GDS with LPT on FLOPs and binary DACP
+  (``dacp_balanced``): whole, or sharded over the whole CP group.
 """
 
 from __future__ import annotations
@@ -24,13 +27,13 @@ import heapq
 from collections.abc import Callable, Sequence
 
 from scheduler_service.core.baselines import contiguous_slices, min_micro_batches, pack_in_order, shard_all
-from scheduler_service.core.dacp import dacp_balanced, dacp_paper, dacp_round_robin
+from scheduler_service.core.dacp import dacp_balanced, dacp_hybrid, dacp_paper, dacp_round_robin
 from scheduler_service.core.errors import InfeasiblePlanError
 from scheduler_service.core.partition import lpt_partition
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
 from scheduler_service.core.simulate import micro_batches_time_s
 
-__all__ = ["dacp_only", "gds_only", "gds_paper", "round_robin", "skrull", "skrull_paper"]
+__all__ = ["dacp_only", "gds_only", "gds_paper", "round_robin", "skrull", "skrull_binary", "skrull_paper"]
 
 Dacp = Callable[[PlanningProblem, Sequence[int]], MicroBatch | None]
 EXTRA_MICRO_BATCH_COUNTS = 1  # counts tried beyond the first feasible one
@@ -116,15 +119,19 @@ def round_robin(problem: PlanningProblem) -> Plan:
     return _paper_style(problem, dacp_round_robin)
 
 
-def _dacp_unrefined(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch | None:
+def _binary_unrefined(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch | None:
     return dacp_balanced(problem, indices, refine=False)
 
 
+def _hybrid_unrefined(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch | None:
+    return dacp_hybrid(problem, indices, refine=False)
+
+
 def _share_lower_bound_s(problem: PlanningProblem, subset: Sequence[int], num_micro_batches: int) -> float:
-    """No plan of ``subset`` beats its FLOPs spread evenly over the CP group, one fixed cost per micro-batch."""
-    total_flops = sum(problem.flops_list[k] for k in subset)
-    return problem.perf.compute_time_s(total_flops / problem.cp_size) \
-        + (num_micro_batches - 1) * problem.perf.compute_beta_s
+    """No plan of ``subset`` beats every sequence at its cheapest placement spread evenly over the CP group, one
+    fixed cost per micro-batch."""
+    total = sum(problem.area[k] for k in subset)
+    return problem.alpha_s_per_flop * total / problem.cp_size + num_micro_batches * problem.beta_s
 
 
 def _skrull_share(
@@ -155,8 +162,8 @@ def _skrull_share(
     return refined
 
 
-def _lpt_gds(problem: PlanningProblem, search_dacp: Dacp, final_dacp: Dacp) -> Plan:
-    shares = lpt_partition(range(problem.num_sequences), problem.flops_list, problem.dp_size)
+def _lpt_gds(problem: PlanningProblem, weights: Sequence[float], search_dacp: Dacp, final_dacp: Dacp) -> Plan:
+    shares = lpt_partition(range(problem.num_sequences), weights, problem.dp_size)
     return Plan(dp_ranks=tuple(
         DPRankPlan(micro_batches=tuple(_skrull_share(problem, share, search_dacp, final_dacp)) if share else ())
         for share in shares
@@ -164,8 +171,13 @@ def _lpt_gds(problem: PlanningProblem, search_dacp: Dacp, final_dacp: Dacp) -> P
 
 
 def skrull(problem: PlanningProblem) -> Plan:
-    """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, balanced DACP."""
-    return _lpt_gds(problem, _dacp_unrefined, dacp_balanced)
+    """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, hybrid DACP."""
+    return _lpt_gds(problem, problem.area, _hybrid_unrefined, dacp_hybrid)
+
+
+def skrull_binary(problem: PlanningProblem) -> Plan:
+    """Binary Skrull: the same GDS, each sequence whole or sharded over the whole CP group."""
+    return _lpt_gds(problem, problem.flops_list, _binary_unrefined, dacp_balanced)
 
 
 def dacp_only(problem: PlanningProblem) -> Plan:
@@ -181,4 +193,4 @@ def dacp_only(problem: PlanningProblem) -> Plan:
 
 def gds_only(problem: PlanningProblem) -> Plan:
     """Ablation: Skrull's GDS with static context parallelism (every sequence sharded)."""
-    return _lpt_gds(problem, shard_all, shard_all)
+    return _lpt_gds(problem, problem.flops_list, shard_all, shard_all)

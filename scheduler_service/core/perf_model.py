@@ -1,9 +1,18 @@
 """The performance model of the Skrull paper, appendix C, with the fitting helpers the profiler uses.
 
 * FLOPs of a sequence of ``S`` tokens (eq. 13, b = 1, summed over layers):
-  ``L · (20·h²·S + 4·h·h_kv·S + 4·h·S²)``.
+  ``L · (20·h²·S + 4·h·h_kv·S + 4·h·S²)``: a linear part and an attention part.
 * Compute time ``T_comp = α·FLOPs + β`` (eq. 14); ``β`` is per layer, paid once
-  per group of tokens that runs as one packed kernel sequence.
+  per micro-batch by each CP rank (one packed row runs through the layers).
+* Where a sequence runs: kept whole on one CP rank (degree 1), or zigzag-sharded
+  over ``d`` ranks (a hybrid group, or the whole CP group). Each of the ``d``
+  ranks computes ``1/d`` of its linear and attention FLOPs, but its attention
+  runs as two query chunks of ``S/(2d)`` tokens, and attention kernels are less
+  efficient on short queries (the paper's Figure 1(b)). A profile may carry that
+  efficiency as a function of the query length (``compute.attention_efficiency``,
+  relative throughput, interpolated in log length and held flat past its ends);
+  the attention FLOPs are divided by it (``placement_flops``). Without it the
+  efficiency is 1 everywhere.
 * A measured profile may add what eq. 13 leaves out: a cost per token (LM head,
   norms, element-wise kernels) and per sequence (one attention call per
   sequence and layer where the kernel is not varlen, as SDPA on CPU). Both are
@@ -16,7 +25,16 @@
 * Communication volume ``V = S·h_kv`` per layer (eq. 15), sent for K and V;
   ``T_comm = α·V + T_fixed`` (eq. 16), fitted by least squares to the profile's
   all-gather (forward) and reduce-scatter (backward) latency tables; free when
-  the profile measured no collective (a single-process profile).
+  the profile measured no collective (a single-process profile). The tables
+  were measured over ``communication.world_size`` ranks; a collective over a
+  group of ``s`` ranks uses the table measured for ``s``
+  (``communication.tables_by_group_size``) where there is one, else scales the
+  bandwidth term by the ring volume ``(s−1)/s`` relative to the measured group
+  (NCCL-tests' bus-bandwidth factor for all-gather and reduce-scatter).
+* Overlap (what the trainer does, ``trainer_client/attention.py``): per layer
+  the all-gather of K/V runs while the rank's local attention forward runs, and
+  the reduce-scatter of dK/dV while its local attention backward runs; the
+  linear layers overlap nothing. ``exposed_comm_s`` is what is left visible.
 
 Fitting (``fit_compute``, ``fit_memory``): least squares on *relative* residuals
 (micro-batch times span orders of magnitude, and a planner needs ratios right),
@@ -38,6 +56,8 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.profile import Profile
 
 __all__ = [
+    "ATTENTION_FORWARD_SHARE",
+    "CollectiveCost",
     "ComputeFit",
     "ComputePoint",
     "LinearFit",
@@ -63,6 +83,26 @@ class LinearFit:
 
 _NO_COST = LinearFit(slope=0.0, intercept=0.0)
 
+# Forward share of attention's forward + backward time: backward does twice the forward's matrix products
+# (dQ, dK, dV against the forward's Q·Kᵀ and P·V), the convention "fwd + bwd = 3 × fwd" the profiles use.
+ATTENTION_FORWARD_SHARE = 1.0 / 3.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveCost:
+    """All layers' all-gather (forward) and reduce-scatter (backward) time of one group size, per token."""
+
+    all_gather_s_per_token: float
+    all_gather_fixed_s: float
+    reduce_scatter_s_per_token: float
+    reduce_scatter_fixed_s: float
+
+    def all_gather_s(self, num_tokens: float) -> float:
+        return self.all_gather_s_per_token * num_tokens + self.all_gather_fixed_s if num_tokens > 0 else 0.0
+
+    def reduce_scatter_s(self, num_tokens: float) -> float:
+        return self.reduce_scatter_s_per_token * num_tokens + self.reduce_scatter_fixed_s if num_tokens > 0 else 0.0
+
 
 @cache  # profiles are parsed once but performance models are built per request
 def fit_line(points: tuple[tuple[float, float], ...], relative: bool = False) -> LinearFit:
@@ -77,9 +117,18 @@ def fit_line(points: tuple[tuple[float, float], ...], relative: bool = False) ->
 
 def eq13_flops(model: ModelShape, lengths: npt.ArrayLike) -> npt.NDArray[np.float64]:
     """Forward FLOPs of eq. 13 (b = 1) summed over layers, one entry per sequence length."""
+    return _linear_flops(model, lengths) + _attention_flops(model, lengths)
+
+
+def _linear_flops(model: ModelShape, lengths: npt.ArrayLike) -> npt.NDArray[np.float64]:
     s = np.asarray(lengths, dtype=np.float64)
     h, h_kv = float(model.hidden_size), float(model.kv_hidden_size)
-    return model.num_layers * (20 * h * h * s + 4 * h * h_kv * s + 4 * h * s * s)
+    return model.num_layers * (20 * h * h * s + 4 * h * h_kv * s)
+
+
+def _attention_flops(model: ModelShape, lengths: npt.ArrayLike) -> npt.NDArray[np.float64]:
+    s = np.asarray(lengths, dtype=np.float64)
+    return model.num_layers * 4 * float(model.hidden_size) * s * s
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +141,7 @@ class PerformanceModel:
     reduce_scatter: LinearFit = field(init=False)
     _flops_per_token: float = field(init=False, repr=False)  # measured per-token cost, in FLOP-equivalents
     _flops_per_sequence: float = field(init=False, repr=False)  # measured per-sequence cost, in FLOP-equivalents
+    _collectives: dict[int, CollectiveCost] = field(init=False, repr=False)  # by group size, filled on demand
 
     def __post_init__(self) -> None:
         measured_for = self.profile.model
@@ -109,6 +159,7 @@ class PerformanceModel:
         compute = self.profile.compute
         object.__setattr__(self, "_flops_per_token", compute.alpha_s_per_token / compute.alpha_s_per_flop)
         object.__setattr__(self, "_flops_per_sequence", compute.alpha_s_per_sequence / compute.alpha_s_per_flop)
+        object.__setattr__(self, "_collectives", {})
 
     # -- compute --------------------------------------------------------------
     def flops(self, num_tokens: float) -> float:
@@ -123,6 +174,31 @@ class PerformanceModel:
         if self._flops_per_token or self._flops_per_sequence:
             flops = flops + self._flops_per_token * s + np.where(s > 0, self._flops_per_sequence, 0.0)
         return flops
+
+    def attention_efficiency(self, query_tokens: npt.ArrayLike) -> npt.NDArray[np.float64]:
+        """Relative attention-kernel throughput at this query length (1 without a measured curve)."""
+        q = np.asarray(query_tokens, dtype=np.float64)
+        points = self.profile.compute.attention_efficiency
+        if not points:
+            return np.ones_like(q)
+        log_lengths = np.log2([length for length, _ in points])
+        return np.interp(np.log2(np.maximum(q, 1.0)), log_lengths, [efficiency for _, efficiency in points])
+
+    def placement_flops(self, lengths: npt.ArrayLike, degree: int) -> npt.NDArray[np.float64]:
+        """FLOP-equivalents each of ``degree`` CP ranks computes for a sequence kept whole (``degree`` 1) or
+        zigzag-sharded over ``degree`` ranks: ``1/degree`` of its work, attention at the efficiency of its query
+        chunks (the whole sequence, or two chunks of ``S / 2·degree``), one attention call per chunk."""
+        s = np.asarray(lengths, dtype=np.float64)
+        query_tokens = s if degree == 1 else s / (2 * degree)
+        attention = _attention_flops(self.model, s) / self.attention_efficiency(query_tokens)
+        flops = (_linear_flops(self.model, s) + self._flops_per_token * s + attention) / degree
+        calls_per_rank = 1 if degree == 1 else 2
+        return flops + np.where(s > 0, calls_per_rank * self._flops_per_sequence, 0.0)
+
+    def local_attention_flops(self, lengths: npt.ArrayLike) -> npt.NDArray[np.float64]:
+        """The attention part of ``placement_flops(lengths, 1)``: what hides a rank's collectives."""
+        s = np.asarray(lengths, dtype=np.float64)
+        return _attention_flops(self.model, s) / self.attention_efficiency(s)
 
     @property
     def compute_beta_s(self) -> float:
@@ -139,13 +215,44 @@ class PerformanceModel:
         """Bytes of K and V of ``num_tokens`` distributed tokens in one layer (eq. 15, for K and V)."""
         return 2.0 * num_tokens * self.model.kv_hidden_size * self.profile.communication.kv_bytes_per_element
 
-    def comm_time_s(self, num_tokens: float) -> float:
-        """``T_comm`` (eq. 16) of a micro-batch's distributed tokens: an all-gather of K/V per layer
-        forward and a reduce-scatter of dK/dV per layer backward."""
-        if num_tokens <= 0:
-            return 0.0
-        message_bytes = self.comm_bytes_per_layer(num_tokens)
-        return self.model.num_layers * (self.all_gather(message_bytes) + self.reduce_scatter(message_bytes))
+    def collective_cost(self, group_size: int) -> CollectiveCost:
+        """``T_comm`` (eq. 16) coefficients of one group size, over all layers, per distributed token."""
+        cost = self._collectives.get(group_size)
+        if cost is None:
+            cost = self._collective_cost(group_size)
+            self._collectives[group_size] = cost
+        return cost
+
+    def _collective_cost(self, group_size: int) -> CollectiveCost:
+        communication = self.profile.communication
+        measured = communication.tables_by_group_size.get(group_size)
+        if measured is not None:
+            all_gather = fit_line(measured["all_gather"], communication.relative_fit)
+            reduce_scatter = fit_line(measured["reduce_scatter"], communication.relative_fit)
+            bandwidth_scale = 1.0
+        else:
+            all_gather, reduce_scatter = self.all_gather, self.reduce_scatter
+            bandwidth_scale = _ring_volume(group_size) / _ring_volume(communication.world_size or group_size)
+        bytes_per_token, layers = self.comm_bytes_per_layer(1.0), self.model.num_layers
+        return CollectiveCost(
+            all_gather_s_per_token=layers * all_gather.slope * bytes_per_token * bandwidth_scale,
+            all_gather_fixed_s=layers * all_gather.intercept,
+            reduce_scatter_s_per_token=layers * reduce_scatter.slope * bytes_per_token * bandwidth_scale,
+            reduce_scatter_fixed_s=layers * reduce_scatter.intercept,
+        )
+
+    def comm_time_s(self, num_tokens: float, group_size: int | None = None) -> float:
+        """``T_comm`` (eq. 16) of ``num_tokens`` tokens sharded over ``group_size`` ranks (default: the group the
+        tables were measured on): an all-gather of K/V per layer forward and a reduce-scatter of dK/dV backward."""
+        cost = self.collective_cost(group_size or self.profile.communication.world_size or 2)
+        return cost.all_gather_s(num_tokens) + cost.reduce_scatter_s(num_tokens)
+
+    def exposed_comm_s(self, all_gather_s: float, reduce_scatter_s: float, local_attention_flops: float) -> float:
+        """Communication left visible: the all-gathers hide behind the local attention forward, the
+        reduce-scatters behind its backward (the trainer's two overlaps, and no other)."""
+        attention_s = self.profile.compute.alpha_s_per_flop * local_attention_flops
+        forward_s = attention_s * ATTENTION_FORWARD_SHARE
+        return max(0.0, all_gather_s - forward_s) + max(0.0, reduce_scatter_s - (attention_s - forward_s))
 
     # -- memory -------------------------------------------------------------------
     @property
@@ -174,12 +281,27 @@ class PerformanceModel:
         return (self.profile.memory.reserved_bytes + self.static_bytes(num_state_shards)
                 + self.activation_bytes(num_tokens))
 
-    def bucket_size(self, num_state_shards: int, device_memory_bytes: float | None = None) -> int:
-        """BucketSize C: tokens per CP rank whose activations fit beside the static memory (appendix C.1)."""
+    def gathered_kv_bytes_per_token(self, cp_size: int) -> float:
+        """The most gathered K/V a token of a CP rank's bucket can bring: a sequence sharded over ``d`` ranks puts
+        ``S/d`` tokens in each bucket and keeps all ``S`` tokens' K/V of every layer for its attention backward,
+        so at most ``cp_size`` tokens' K/V per bucket token (the whole group; smaller groups bring less)."""
+        if cp_size <= 1:
+            return 0.0
+        return cp_size * self.comm_bytes_per_layer(1.0) * self.model.num_layers
+
+    def bucket_size(self, num_state_shards: int, device_memory_bytes: float | None = None, cp_size: int = 1) -> int:
+        """BucketSize C: tokens per CP rank whose activations, and the gathered K/V they may bring, fit beside the
+        static memory (appendix C.1)."""
         budget = device_memory_bytes if device_memory_bytes is not None else self.profile.device_memory_bytes
         free = budget - self.profile.memory.reserved_bytes - self.static_bytes(num_state_shards)
         free -= self.profile.memory.beta_bytes
-        return max(int(free // self.activation_bytes_per_token), 0)
+        per_token = self.activation_bytes_per_token + self.gathered_kv_bytes_per_token(cp_size)
+        return max(int(free // per_token), 0)
+
+
+def _ring_volume(group_size: int) -> float:
+    """Fraction of the gathered bytes each rank sends and receives in a ring all-gather or reduce-scatter."""
+    return (group_size - 1) / group_size if group_size > 1 else 1.0
 
 
 # ---- fitting ------------------------------------------------------------------------------------------------

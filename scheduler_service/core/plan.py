@@ -10,6 +10,7 @@ aligned block of CP ranks (``cp_blocks``). Indices point into
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -131,12 +132,35 @@ class PlanningProblem:
     lengths: npt.NDArray[np.int64] = field(init=False, repr=False)
     flops: npt.NDArray[np.float64] = field(init=False, repr=False)
     flops_list: tuple[float, ...] = field(init=False, repr=False)  # plain floats: fast scalar access in loops
+    # Where a sequence can run: 1 (whole on one CP rank), each hybrid block size, cp_size (the whole group).
+    degrees: tuple[int, ...] = field(init=False, repr=False)
+    # degree -> per sequence, the FLOP-equivalents each rank of a group of that size computes for it
+    placement: dict[int, tuple[float, ...]] = field(init=False, repr=False)
+    local_attention: tuple[float, ...] = field(init=False, repr=False)  # the attention part of placement[1]
+    # per sequence, the least rank-FLOP-equivalents it can cost: min over degrees d it fits (S <= d·C) of d·placement
+    area: tuple[float, ...] = field(init=False, repr=False)
+    alpha_s_per_flop: float = field(init=False, repr=False)
+    beta_s: float = field(init=False, repr=False)  # β·L, paid once per micro-batch by each CP rank with work
 
     def __post_init__(self) -> None:
         lengths = np.asarray(self.sequence_lengths, dtype=np.int64)
-        object.__setattr__(self, "lengths", lengths)
-        object.__setattr__(self, "flops", self.perf.flops_array(lengths))
-        object.__setattr__(self, "flops_list", tuple(self.flops.tolist()))
+        perf = self.perf
+        set_field = functools.partial(object.__setattr__, self)
+        set_field("lengths", lengths)
+        set_field("flops", perf.flops_array(lengths))
+        set_field("flops_list", tuple(self.flops.tolist()))
+        degrees = (1, *block_degrees(self.cp_size), self.cp_size) if self.cp_size > 1 else (1,)
+        set_field("degrees", degrees)
+        per_degree = {degree: perf.placement_flops(lengths, degree) for degree in degrees}
+        set_field("placement", {degree: tuple(costs.tolist()) for degree, costs in per_degree.items()})
+        set_field("local_attention", tuple(perf.local_attention_flops(lengths).tolist()))
+        areas = np.full(len(lengths), np.inf)
+        for degree, costs in per_degree.items():
+            fits = lengths <= degree * self.bucket_size
+            areas = np.where(fits, np.minimum(areas, degree * costs), areas)
+        set_field("area", tuple(areas.tolist()))
+        set_field("alpha_s_per_flop", perf.profile.compute.alpha_s_per_flop)
+        set_field("beta_s", perf.compute_beta_s)
 
     @property
     def num_sequences(self) -> int:
@@ -198,7 +222,7 @@ def make_problem(
     perf = PerformanceModel(model=resolve_model(model), profile=resolve_profile(profile, extra_profiles))
     if bucket_size is None:
         # ZeRO-2 shards gradients and optimizer states over every rank holding a replica: DP × CP.
-        bucket_size = perf.bucket_size(num_state_shards=dp_size * cp_size)
+        bucket_size = perf.bucket_size(num_state_shards=dp_size * cp_size, cp_size=cp_size)
         if bucket_size <= 0:
             raise InvalidRequestError(
                 f"model {perf.model.name} leaves no activation memory on {perf.profile.device} with "

@@ -38,6 +38,7 @@ class PlanResult:
 
 HEURISTIC_SCHEDULERS: dict[SchedulerName, Callable[[PlanningProblem], Plan]] = {
     SchedulerName.SKRULL: gds.skrull,
+    SchedulerName.SKRULL_BINARY: gds.skrull_binary,
     SchedulerName.SKRULL_PAPER: gds.skrull_paper,
     SchedulerName.DEEPSPEED: baselines.deepspeed,
     SchedulerName.SORTED: baselines.sorted_batching,
@@ -61,7 +62,7 @@ def schedule(
     if name is SchedulerName.CPSAT:
         from scheduler_service.core import cpsat  # ortools is only needed for offline comparison
 
-        solution = cpsat.solve(problem, time_limit_s=time_limit_s, hint=gds.skrull(problem))
+        solution = cpsat.solve(problem, time_limit_s=time_limit_s, hint=gds.skrull_binary(problem))
         return solution.plan, solution.report
     return HEURISTIC_SCHEDULERS[name](problem), None
 

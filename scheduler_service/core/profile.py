@@ -22,6 +22,16 @@ paper's model:
 * ``communication.fit``: ``"absolute"`` (default, least squares on seconds) or
   ``"relative"`` (on relative error, so that small messages, which dominate
   short distributed sequences, are fitted as well as large ones);
+* ``compute.attention_efficiency`` (default: none, efficiency 1):
+  ``{"points": [[query_tokens, relative_throughput], ...], "source": ...}``,
+  the attention kernel's throughput at each query length relative to long
+  sequences (the paper's Figure 1(b) effect; at least 2 points, throughputs in
+  (0, 1]);
+* ``communication.world_size`` (default: none, no scaling by group size): the
+  number of ranks the tables were measured over;
+* ``communication.tables_by_group_size`` (default: none):
+  ``{"2": {"all_gather": [...], "reduce_scatter": [...]}, ...}``, the same
+  tables measured over groups of other sizes;
 * ``provenance``: where, when and with what the numbers were measured
   (hardware, software versions, model, date, command); carried, not checked.
 """
@@ -30,7 +40,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -66,6 +76,8 @@ class ComputeProfile:
     beta_s_per_layer: float
     alpha_s_per_token: float = 0.0
     alpha_s_per_sequence: float = 0.0
+    # (query tokens, relative throughput), ascending in tokens; empty: the kernel is equally efficient at every length
+    attention_efficiency: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,6 +99,9 @@ class CommunicationProfile:
     # collective name -> ((message bytes, latency seconds), ...), sorted by size; empty when none was measured
     tables: dict[str, tuple[tuple[float, float], ...]]
     relative_fit: bool = False  # fit T_comm to the tables on relative rather than absolute error
+    world_size: int | None = None  # ranks the tables were measured over; None: no scaling by group size
+    # group size -> the same tables measured over groups of that size
+    tables_by_group_size: dict[int, dict[str, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,22 +136,37 @@ class Profile:
         if self.communication.kv_bytes_per_element < 1:
             raise InvalidRequestError("profile communication.kv_bytes_per_element must be at least 1",
                                       field="profile")
-        tables = self.communication.tables
-        if tables:
-            for collective in COLLECTIVES:
-                # two distinct sizes at least: T_comm is a line fitted to the table
-                if len({size for size, _ in tables.get(collective, ())}) < 2:
-                    raise InvalidRequestError(
-                        f"profile communication.tables.{collective} needs (bytes, seconds) points at at least 2 "
-                        f"distinct sizes",
-                        field="profile",
-                    )
+        _check_tables(self.communication.tables, "communication.tables")
+        for group_size, group_tables in self.communication.tables_by_group_size.items():
+            _check_tables(group_tables, f"communication.tables_by_group_size.{group_size}")
+        world_size = self.communication.world_size
+        if world_size is not None and world_size < 1:
+            raise InvalidRequestError(f"profile communication.world_size must be at least 1, got {world_size}",
+                                      field="profile")
+        efficiency = compute.attention_efficiency
+        if efficiency and (len(efficiency) < 2 or len({tokens for tokens, _ in efficiency}) < len(efficiency)
+                           or any(not (tokens >= 1 and 0 < value <= 1) for tokens, value in efficiency)):
+            raise InvalidRequestError(
+                "profile compute.attention_efficiency.points needs at least 2 [query_tokens, throughput] points at "
+                "distinct lengths >= 1 with relative throughputs in (0, 1]", field="profile")
 
     @property
     def provenance(self) -> dict[str, Any]:
         """Where the numbers come from (the profiler fills it); empty for hand-written profiles."""
         provenance = self.raw.get("provenance")
         return provenance if isinstance(provenance, dict) else {}
+
+
+def _check_tables(tables: dict[str, tuple[tuple[float, float], ...]], path: str) -> None:
+    if not tables:
+        return
+    for collective in COLLECTIVES:
+        # two distinct sizes at least: T_comm is a line fitted to the table
+        if len({size for size, _ in tables.get(collective, ())}) < 2:
+            raise InvalidRequestError(
+                f"profile {path}.{collective} needs (bytes, seconds) points at at least 2 distinct sizes",
+                field="profile",
+            )
 
 
 def _number(data: dict[str, Any], key: str, path: str, default: float | None = None) -> float:
@@ -155,20 +185,53 @@ def _section(data: Any, key: str, path: str) -> dict[str, Any]:
     return value
 
 
-def _table(name: str, points: Any) -> tuple[tuple[float, float], ...]:
+def _table(path: str, points: Any, what: str = "[bytes, seconds]") -> tuple[tuple[float, float], ...]:
     if not isinstance(points, list | tuple):
-        raise InvalidRequestError(f"profile communication.tables.{name} must be a list of [bytes, seconds] points",
-                                  field="profile")
+        raise InvalidRequestError(f"profile {path} must be a list of {what} points", field="profile")
     try:
-        parsed = tuple(sorted((float(size), float(latency)) for size, latency in points))
+        parsed = tuple(sorted((float(x), float(y)) for x, y in points))
     except (TypeError, ValueError) as error:
-        raise InvalidRequestError(f"profile communication.tables.{name} must hold [bytes, seconds] number pairs: "
-                                  f"{error}", field="profile") from error
-    if any(not (math.isfinite(size) and math.isfinite(latency)) or size <= 0 or latency < 0
-           for size, latency in parsed):
-        raise InvalidRequestError(f"profile communication.tables.{name} needs positive sizes and latencies",
-                                  field="profile")
+        raise InvalidRequestError(f"profile {path} must hold {what} number pairs: {error}",
+                                  field="profile") from error
+    if any(not (math.isfinite(x) and math.isfinite(y)) or x <= 0 or y < 0 for x, y in parsed):
+        raise InvalidRequestError(f"profile {path} needs positive {what} values", field="profile")
     return parsed
+
+
+def _tables(section: dict[str, Any], path: str) -> dict[str, tuple[tuple[float, float], ...]]:
+    return {str(name): _table(f"{path}.{name}", points) for name, points in section.items()}
+
+
+def _efficiency(compute: dict[str, Any]) -> tuple[tuple[float, float], ...]:
+    if "attention_efficiency" not in compute:
+        return ()
+    section = _section(compute, "attention_efficiency", "compute")
+    return _table("compute.attention_efficiency.points", section.get("points"), what="[query_tokens, throughput]")
+
+
+def _group_tables(communication: dict[str, Any]) -> dict[int, dict[str, tuple[tuple[float, float], ...]]]:
+    if "tables_by_group_size" not in communication:
+        return {}
+    groups = _section(communication, "tables_by_group_size", "communication")
+    parsed = {}
+    for key, section in groups.items():
+        path = f"communication.tables_by_group_size.{key}"
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 2):
+            raise InvalidRequestError(f"profile field {path}: group sizes are integers >= 2", field="profile")
+        if not isinstance(section, dict):
+            raise InvalidRequestError(f"profile field {path} must be a JSON object of tables", field="profile")
+        parsed[int(key)] = _tables(section, path)
+    return parsed
+
+
+def _world_size(communication: dict[str, Any]) -> int | None:
+    value = communication.get("world_size")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"profile field communication.world_size must be an integer, got {value!r}",
+                                  field="profile")
+    return value
 
 
 def parse_profile(data: dict[str, Any]) -> Profile:
@@ -185,7 +248,7 @@ def parse_profile(data: dict[str, Any]) -> Profile:
     activation = _section(memory, "activation_bytes_per_token", "memory")
     static = _section(memory, "static_bytes_per_parameter", "memory")
     raw_tables = _section(communication, "tables", "communication")
-    tables = {str(name): _table(str(name), points) for name, points in raw_tables.items()}
+    tables = _tables(raw_tables, "communication.tables")
     comm_fit = communication.get("fit", "absolute")
     if comm_fit not in ("absolute", "relative"):
         raise InvalidRequestError(f"profile field communication.fit must be 'absolute' or 'relative', got "
@@ -205,6 +268,7 @@ def parse_profile(data: dict[str, Any]) -> Profile:
             beta_s_per_layer=_number(compute, "beta_s_per_layer", "compute"),
             alpha_s_per_token=_number(compute, "alpha_s_per_token", "compute", default=0.0),
             alpha_s_per_sequence=_number(compute, "alpha_s_per_sequence", "compute", default=0.0),
+            attention_efficiency=_efficiency(compute),
         ),
         memory=MemoryProfile(
             activation_fixed_bytes_per_token=_number(activation, "fixed", "memory.activation_bytes_per_token"),
@@ -219,6 +283,8 @@ def parse_profile(data: dict[str, Any]) -> Profile:
             kv_bytes_per_element=int(_number(communication, "kv_bytes_per_element", "communication")),
             tables=tables,
             relative_fit=comm_fit == "relative",
+            world_size=_world_size(communication),
+            tables_by_group_size=_group_tables(communication),
         ),
         raw=data,
     )
