@@ -77,7 +77,8 @@ _PLAN_REQUEST_BODY = {
     response_model=PlanResponse,
     responses=PROBLEM_RESPONSES,
     summary="Plan one global batch",
-    description="Schedules the batch with the chosen scheduler (GDS + DACP for `skrull`) and returns the plan "
+    description="Schedules the batch with the chosen scheduler (GDS + hybrid DACP for `skrull`, binary DACP for "
+    "`skrull_binary`) and returns the plan "
     "with its estimated iteration time beside the deepspeed baseline's. Deterministic: the same request gives "
     "the same plan. `cpsat` runs in a bounded process pool (429 with Retry-After when full).",
     openapi_extra={"requestBody": _PLAN_REQUEST_BODY},
@@ -152,7 +153,8 @@ async def reload_profiles(planner: PlannerDep, settings: SettingsDep) -> Profile
     responses=FEEDBACK_PROBLEM_RESPONSES,
     summary="Report measured micro-batches of a job (opt-in)",
     description="A trainer that planned with a `job_id` reports what one step measured: per micro-batch the "
-    "lengths per CP rank, the time, and the peak memory where known. The service refits the job's compute and "
+    "lengths per CP rank (and per hybrid group, `sharded_lengths`, each an aligned block of the job's CP ranks), "
+    "the time, and the peak memory where known. The service refits the job's compute and "
     "memory coefficients robustly (outliers down-weighted, a bounded window) and uses them for the job's later "
     "plans, lowering their bucket_size when the peak nears the memory budget. A bad report is a 4xx and "
     "changes nothing.",

@@ -12,18 +12,23 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 from skrull_proto import PlanRequest, PlanResponse
 
 from scheduler_service.core.baselines import deepspeed
 from scheduler_service.core.errors import PlanningError
+from scheduler_service.core.plan import MicroBatch, PlanningProblem
 from scheduler_service.core.planner import PlanResult, make_plan
 from scheduler_service.core.profile import load_profile
 from scheduler_service.core.simulate import PlanEstimate, simulate
 from scheduler_service.wire import request_to_problem, result_to_response
 
-__all__ = ["build_parser", "main"]
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["build_parser", "cp_rank_shares", "format_table", "main", "plot_gantt"]
 
 EXIT_BAD_INPUT = 2
 
@@ -103,6 +108,12 @@ def _format_validation_error(error: ValidationError) -> str:
     return "invalid request: " + "; ".join(lines)
 
 
+def _groups_cell(micro_batch: MicroBatch, lengths: Sequence[int]) -> str:
+    """``[0,1]:2/18432 [2,3]:1/9000``: each hybrid group's CP ranks, its sequences and their tokens."""
+    return " ".join(f"[{','.join(map(str, group.cp_ranks))}]:{len(group.sequences)}/"
+                    f"{sum(lengths[i] for i in group.sequences)}" for group in micro_batch.sharded) or "-"
+
+
 def format_table(result: PlanResult) -> str:
     """A readable per-DP-rank, per-micro-batch summary of a plan and its estimate."""
     problem = result.problem
@@ -111,8 +122,8 @@ def format_table(result: PlanResult) -> str:
         f"scheduler {result.scheduler.value}  model {problem.perf.model.name}  profile {problem.perf.profile.name}  "
         f"dp {problem.dp_size}  cp {problem.cp_size}  bucket_size {problem.bucket_size}  "
         f"sequences {problem.num_sequences}",
-        f"{'dp':>3} {'mb':>3} {'#local':>6} {'#dist':>5} {'dist tok':>9} {'tokens per CP rank (local + dist/N)':<44}"
-        f" {'time ms':>9}",
+        f"{'dp':>3} {'mb':>3} {'#local':>6} {'#dist':>5} {'dist tok':>9} {'#grp':>4} "
+        f"{'tokens per CP rank (local + dist/N + grp/s)':<44} {'time ms':>9}  groups [cp ranks]:sequences/tokens",
     ]
     for dp_rank, (dp_plan, dp_estimate) in enumerate(zip(result.plan.dp_ranks, result.estimate.dp_ranks,
                                                          strict=True)):
@@ -122,8 +133,10 @@ def format_table(result: PlanResult) -> str:
             num_local = sum(len(rank_local) for rank_local in mb.local)
             distributed_tokens = sum(lengths[i] for i in mb.distributed)
             lines.append(f"{dp_rank:>3} {mb_index:>3} {num_local:>6} {len(mb.distributed):>5} "
-                         f"{distributed_tokens:>9} {per_rank:<44} {mb_estimate.time_s * 1e3:>9.2f}")
-        lines.append(f"{dp_rank:>3} {'sum':>3} {'':>6} {'':>5} {'':>9} {'':<44} {dp_estimate.time_s * 1e3:>9.2f}")
+                         f"{distributed_tokens:>9} {len(mb.sharded):>4} {per_rank:<44} "
+                         f"{mb_estimate.time_s * 1e3:>9.2f}  {_groups_cell(mb, lengths)}")
+        lines.append(f"{dp_rank:>3} {'sum':>3} {'':>6} {'':>5} {'':>9} {'':>4} {'':<44} "
+                     f"{dp_estimate.time_s * 1e3:>9.2f}")
     lines.append(
         f"estimated iteration {result.estimate.iteration_time_s * 1e3:.2f} ms; deepspeed "
         f"{result.baseline_time_s * 1e3:.2f} ms; speedup {result.speedup_vs_deepspeed:.2f}x; "
@@ -135,8 +148,65 @@ def format_table(result: PlanResult) -> str:
     return "\n".join(lines)
 
 
+# How a CP rank's work is drawn, per placement: greys and gold with hatches, apart from the micro-batch colours
+# (matplotlib's C0..C9) of the DP panels above.
+_PLACEMENT_STYLES: dict[str, tuple[str, str | None]] = {  # placement -> (face colour, hatch)
+    "local": ("0.35", None),
+    "distributed": ("0.8", "///"),
+    "sharded (hybrid group)": ("gold", "..."),
+}
+
+
+def cp_rank_shares(problem: PlanningProblem, micro_batch: MicroBatch) -> list[dict[str, float]]:
+    """Per CP rank, the FLOPs it computes for each placement: its local sequences, its 1/N of the distributed
+    ones, and 1/s of each hybrid group of size s it belongs to (the keys of ``_PLACEMENT_STYLES``)."""
+    flops = problem.flops_list
+    distributed = sum(flops[i] for i in micro_batch.distributed) / problem.cp_size
+    shares = [{"local": sum(flops[i] for i in rank_local), "distributed": distributed,
+               "sharded (hybrid group)": 0.0} for rank_local in micro_batch.local]
+    for group in micro_batch.sharded:
+        group_flops = sum(flops[i] for i in group.sequences) / len(group.cp_ranks)
+        for cp_rank in group.cp_ranks:
+            shares[cp_rank]["sharded (hybrid group)"] += group_flops
+    return shares
+
+
+def _plot_cp_ranks(axis: Axes, result: PlanResult) -> None:
+    """The slowest DP rank's micro-batches on each of its CP ranks, each rank's estimated time split by the FLOPs
+    share of local, distributed and hybrid-group work (idle time, waiting for the slowest rank, is left blank)."""
+    from matplotlib.patches import Patch
+
+    estimate = result.estimate
+    dp_rank = max(range(len(estimate.dp_ranks)), key=lambda i: estimate.dp_ranks[i].time_s)
+    start_ms = 0.0
+    for micro_batch, mb_estimate in zip(result.plan.dp_ranks[dp_rank].micro_batches,
+                                        estimate.dp_ranks[dp_rank].micro_batches, strict=True):
+        for cp_rank, (shares, rank_estimate) in enumerate(zip(cp_rank_shares(result.problem, micro_batch),
+                                                              mb_estimate.cp_ranks, strict=True)):
+            total = sum(shares.values())
+            left_ms = start_ms
+            for placement, share in shares.items():
+                if share > 0:
+                    width_ms = rank_estimate.time_s * 1e3 * share / total
+                    colour, hatch = _PLACEMENT_STYLES[placement]
+                    axis.barh(cp_rank, width_ms, left=left_ms, facecolor=colour, hatch=hatch, edgecolor="black",
+                              linewidth=0.2)
+                    left_ms += width_ms
+        start_ms += mb_estimate.time_s * 1e3
+        axis.axvline(start_ms, color="black", linewidth=0.6)  # micro-batch boundary: every CP rank syncs here
+    cp_size = result.problem.cp_size
+    axis.set_yticks(range(cp_size), [f"CP {j}" for j in range(cp_size)])
+    axis.invert_yaxis()
+    axis.legend(handles=[Patch(label=name, facecolor=colour, hatch=hatch, edgecolor="black", linewidth=0.2)
+                         for name, (colour, hatch) in _PLACEMENT_STYLES.items()],
+                loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize="small", ncols=3, frameon=False)
+    axis.set_title(f"{result.scheduler.value}, DP rank {dp_rank} (the slowest) per CP rank: estimated time split by "
+                   "FLOPs share; black lines end micro-batches")
+
+
 def plot_gantt(result: PlanResult, path: Path) -> None:
-    """Per-DP-rank bars of consecutive micro-batch times, the chosen scheduler beside deepspeed."""
+    """Per-DP-rank bars of consecutive micro-batch times, the chosen scheduler beside deepspeed; below, the
+    slowest DP rank's CP ranks with local, distributed and hybrid-group work in distinct colours."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,9 +216,12 @@ def plot_gantt(result: PlanResult, path: Path) -> None:
         (result.scheduler.value, result.estimate),
         ("deepspeed", simulate(result.problem, deepspeed(result.problem))),
     ]
-    figure, axes = plt.subplots(len(panels), 1, figsize=(11, 1.2 + 0.6 * result.problem.dp_size * len(panels)),
-                                sharex=True, squeeze=False)
-    for axis, (title, estimate) in zip(axes[:, 0], panels, strict=True):
+    dp_size, cp_size = result.problem.dp_size, result.problem.cp_size
+    figure, axes = plt.subplots(
+        len(panels) + 1, 1, figsize=(11, 1.8 + 0.6 * dp_size * len(panels) + 0.4 * cp_size),
+        height_ratios=[*(dp_size + 1 for _ in panels), cp_size + 2], sharex=True, squeeze=False,
+    )
+    for axis, (title, estimate) in zip(axes[:-1, 0], panels, strict=True):
         for dp_rank, dp_estimate in enumerate(estimate.dp_ranks):
             start_ms = 0.0
             for mb_index, mb_estimate in enumerate(dp_estimate.micro_batches):
@@ -159,7 +232,8 @@ def plot_gantt(result: PlanResult, path: Path) -> None:
         axis.set_yticks(range(len(estimate.dp_ranks)), [f"DP {i}" for i in range(len(estimate.dp_ranks))])
         axis.invert_yaxis()
         axis.set_title(f"{title}: {estimate.iteration_time_s * 1e3:.1f} ms per iteration (estimated)")
-    axes[-1, 0].set_xlabel("time (ms); each colour block is one micro-batch")
+    _plot_cp_ranks(axes[-1, 0], result)
+    axes[-1, 0].set_xlabel("time (ms); in the DP panels each colour block is one micro-batch")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -12,6 +12,9 @@ each worker reports only its own.
     skrull_plan_solve_seconds{scheduler}                      the scheduler's own solve time
     skrull_plan_speedup_vs_deepspeed{scheduler}               estimated speedup of each plan
     skrull_sequences_planned_total{scheduler}                 sequences in successful plans
+    skrull_sequences_placed_total{scheduler,placement}        the same by placement: local (whole on one CP rank),
+                                                              distributed (whole CP group), sharded (hybrid group)
+    skrull_sharded_group_degree{scheduler}                    CP ranks of each hybrid DACP group planned
     skrull_cpsat_in_flight                                    cpsat requests solving or waiting
     skrull_cpsat_rejected_total                               cpsat requests answered 429
     skrull_cpsat_status_total{status}                         CP-SAT result status
@@ -23,12 +26,14 @@ each worker reports only its own.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import multiprocess as prometheus_multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "ServiceMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "Placement", "ServiceMetrics"]
 
 # Latencies of a sidecar that answers in about a millisecond, up to multi-second CP-SAT solves.
 # The *_created series double the exposition for no use on a dashboard.
@@ -36,6 +41,16 @@ disable_created_metrics()
 
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _SPEEDUP_BUCKETS = (0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)
+# A group's size divides cp_size (at most max_cp_size, 1024 by default): powers of two, plus 3 and 6.
+_GROUP_DEGREE_BUCKETS = (2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Placement(StrEnum):
+    """Where a plan puts a sequence (DESIGN.md, "Wire contract")."""
+
+    LOCAL = "local"
+    DISTRIBUTED = "distributed"
+    SHARDED = "sharded"
 
 
 class ServiceMetrics:
@@ -68,6 +83,15 @@ class ServiceMetrics:
         self.sequences_planned = Counter(
             "skrull_sequences_planned", "Sequences in successfully planned batches.", ["scheduler"], registry=r
         )
+        self.sequences_placed = Counter(
+            "skrull_sequences_placed", "Sequences in successfully planned batches, by placement: local, "
+            "distributed (the whole CP group) or sharded (a hybrid DACP group).", ["scheduler", "placement"],
+            registry=r,
+        )
+        self.group_degree = Histogram(
+            "skrull_sharded_group_degree", "CP ranks of each hybrid DACP group in a successful plan.", ["scheduler"],
+            buckets=_GROUP_DEGREE_BUCKETS, registry=r,
+        )
         self.cpsat_in_flight = Gauge(
             "skrull_cpsat_in_flight", "cpsat requests solving or waiting for the pool.", registry=r,
             multiprocess_mode="livesum",
@@ -96,11 +120,17 @@ class ServiceMetrics:
             self.plan_duration.labels(scheduler, status_label).observe(duration_s)
 
     def observe_plan(
-        self, *, scheduler: str, solve_time_s: float, speedup: float, num_sequences: int, solver_status: str | None
+        self, *, scheduler: str, solve_time_s: float, speedup: float, num_sequences: int, solver_status: str | None,
+        placements: Mapping[Placement, int] | None = None, group_degrees: Sequence[int] = (),
     ) -> None:
+        """``placements``: sequences per placement; ``group_degrees``: the size of every hybrid group."""
         self.solve_time.labels(scheduler).observe(solve_time_s)
         self.speedup.labels(scheduler).observe(speedup)
         self.sequences_planned.labels(scheduler).inc(num_sequences)
+        for placement, count in (placements or {}).items():
+            self.sequences_placed.labels(scheduler, placement.value).inc(count)
+        for degree in group_degrees:
+            self.group_degree.labels(scheduler).observe(degree)
         if solver_status is not None:
             self.cpsat_status.labels(solver_status).inc()
 

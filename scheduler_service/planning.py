@@ -62,12 +62,12 @@ from scheduler_service.core.errors import (
     PlanCheckError,
     PlanningError,
 )
-from scheduler_service.core.feedback import FeedbackConfig, JobFeedback, MicroBatchMeasurement
+from scheduler_service.core.feedback import FeedbackConfig, GroupLengths, JobFeedback, MicroBatchMeasurement
 from scheduler_service.core.perf_model import PerformanceModel
-from scheduler_service.core.plan import PlanLimits, PlanningProblem
-from scheduler_service.core.planner import make_plan
+from scheduler_service.core.plan import PlanLimits, PlanningProblem, block_degrees, cp_blocks
+from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.profile import Profile, builtin_profiles, load_profile_dir
-from scheduler_service.metrics import ServiceMetrics
+from scheduler_service.metrics import Placement, ServiceMetrics
 from scheduler_service.problems import (
     FeedbackDisabledError,
     RequestLimitError,
@@ -82,9 +82,11 @@ __all__ = ["PlannedBatch", "PlanningService", "feedback_response", "plan_request
 
 logger = logging.getLogger("scheduler_service.planning")
 
-# A small mixed batch that touches every heuristic code path (local, distributed, roll-back).
+# A small mixed batch that touches every heuristic code path (local, distributed, roll-back); over 4 CP ranks,
+# so hybrid groups (blocks of 2) are candidates too.
 _WARMUP_LENGTHS = [128, 512, 2048, 8192, 30000, 300, 1000, 4000, 96, 16000, 700, 64] * 4
 _WARMUP_BUCKET_SIZE = 16384
+_WARMUP_CP_SIZE = 4
 # Solver processes yield the CPU to the event loop's heuristic planning.
 _CPSAT_NICE = 10
 # Extra wall time allowed beyond a solve's time limit (spawn, model building, presolve) before giving up.
@@ -182,7 +184,43 @@ def _raise_worker_error(outcome: _WorkerOutcome) -> None:
     raise InvalidRequestError(outcome.message, field=outcome.field)
 
 
+def _placements(response: PlanResponse) -> tuple[dict[Placement, int], list[int]]:
+    """Sequences per placement, and the size of every hybrid group, of one plan (for the metrics)."""
+    counts = dict.fromkeys(Placement, 0)
+    group_degrees = []
+    for dp_rank in response.dp_ranks:
+        for micro_batch in dp_rank.micro_batches:
+            counts[Placement.LOCAL] += sum(len(rank_local) for rank_local in micro_batch.local)
+            counts[Placement.DISTRIBUTED] += len(micro_batch.distributed)
+            for group in micro_batch.sharded:
+                counts[Placement.SHARDED] += len(group.sequences)
+                group_degrees.append(len(group.cp_ranks))
+    return counts, group_degrees
+
+
 # ---- feedback on the wire -------------------------------------------------------------------------------------
+
+def _check_group_blocks(request: FeedbackRequest, cp_size: int) -> None:
+    """Every reported hybrid group is an aligned block of the job's CP group (the plan checker's rule). A
+    micro-batch with the wrong number of local lists is left to ``observe``, which names that first."""
+    degrees = block_degrees(cp_size)
+    for index, item in enumerate(request.micro_batches):
+        if len(item.local_lengths) != cp_size:
+            continue
+        for group_index, group in enumerate(item.sharded_lengths):
+            cp_ranks, degree = tuple(group.cp_ranks), len(group.cp_ranks)
+            if not degrees:
+                reason = f"is a hybrid group, but cp_size {cp_size} has none (no size 2 <= s < cp_size divides it)"
+            elif degree not in degrees:
+                reason = f"has {degree} CP ranks; a group of cp_size {cp_size} has a size in {list(degrees)}"
+            elif cp_ranks not in cp_blocks(cp_size, degree):
+                reason = (f"CP ranks {list(cp_ranks)} are not an aligned block (consecutive, ascending, starting "
+                          f"at a multiple of {degree})")
+            else:
+                continue
+            where = f"micro_batches[{index}].sharded_lengths[{group_index}]"
+            raise InvalidRequestError(f"{where} {reason}", field=f"{where}.cp_ranks")
+
 
 def _measurements(request: FeedbackRequest) -> list[MicroBatchMeasurement]:
     measurements = []
@@ -192,6 +230,8 @@ def _measurements(request: FeedbackRequest) -> list[MicroBatchMeasurement]:
                 local_lengths=tuple(tuple(rank) for rank in item.local_lengths),
                 distributed_lengths=tuple(item.distributed_lengths), time_s=item.time_ms / 1e3,
                 peak_memory_bytes=item.peak_memory_bytes,
+                sharded_lengths=tuple(GroupLengths(cp_ranks=tuple(group.cp_ranks), lengths=tuple(group.lengths))
+                                      for group in item.sharded_lengths),
             ))
         except InvalidRequestError as error:
             raise InvalidRequestError(f"micro_batches[{index}]: {error.message}",
@@ -257,10 +297,10 @@ class PlanningService:
             self.cpsat_state = "cold"
         if self.settings.warmup:
             started = time.perf_counter()
-            for scheduler in SchedulerName:
-                if scheduler is not SchedulerName.CPSAT:
-                    plan_request(PlanRequest(sequence_lengths=_WARMUP_LENGTHS, dp_size=2, cp_size=2,
-                                             bucket_size=_WARMUP_BUCKET_SIZE, scheduler=scheduler), PlanLimits())
+            for scheduler in HEURISTIC_SCHEDULERS:
+                plan_request(PlanRequest(sequence_lengths=_WARMUP_LENGTHS, dp_size=2, cp_size=_WARMUP_CP_SIZE,
+                                         bucket_size=_WARMUP_BUCKET_SIZE, scheduler=SchedulerName(scheduler.value)),
+                             PlanLimits())
             logger.info("planner warmed up", extra={"warmup_ms": round((time.perf_counter() - started) * 1e3, 1)})
         self.ready = True
 
@@ -361,10 +401,12 @@ class PlanningService:
         job = self.job(request.job_id)
         limit = self.settings.max_sequence_length
         for index, item in enumerate(request.micro_batches):
-            longest = max([*item.distributed_lengths, *(n for rank in item.local_lengths for n in rank)], default=0)
+            longest = max([*item.distributed_lengths, *(n for rank in item.local_lengths for n in rank),
+                           *(n for group in item.sharded_lengths for n in group.lengths)], default=0)
             if longest > limit:
                 raise RequestLimitError(f"micro_batches[{index}] holds a sequence of {longest} tokens; the service "
                                         f"accepts at most {limit}", field=f"micro_batches[{index}]", limit=limit)
+        _check_group_blocks(request, job.cp_size)
         updated = core_feedback.observe(job, _measurements(request), memory_budget_bytes=request.memory_budget_bytes)
         if self._jobs.get(request.job_id) is job:  # not restarted by a plan meanwhile
             self._jobs[request.job_id] = updated
@@ -395,10 +437,12 @@ class PlanningService:
         if batch.response.bucket_size < problem.bucket_size:  # explicit or derived, feedback lowered it
             self.metrics.feedback_bucket_lowered.inc()
         response = batch.response
+        placements, group_degrees = _placements(response)
         self.metrics.observe_plan(
             scheduler=response.scheduler.value, solve_time_s=response.solve_time_ms / 1e3,
             speedup=response.speedup_vs_deepspeed, num_sequences=len(request.sequence_lengths),
             solver_status=response.solver.status if response.solver else None,
+            placements=placements, group_degrees=group_degrees,
         )
         return batch
 

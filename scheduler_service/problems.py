@@ -139,8 +139,9 @@ FEEDBACK_PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: PROBLEM_RESPONSES[400],
     404: _problem_schema("Unknown job (no POST /plan named it, or it was forgotten), or feedback disabled."),
     413: PROBLEM_RESPONSES[413],
-    422: _problem_schema("Invalid report (negative or absurd times or memory, wrong cp lists): the body names "
-                         "the field and the limit; the job's profile is left unchanged."),
+    422: _problem_schema("Invalid report (negative or absurd times or memory, wrong cp lists, a hybrid group that "
+                         "is not an aligned block of CP ranks): the body names the field and the limit; the job's "
+                         "profile is left unchanged."),
     500: PROBLEM_RESPONSES[500],
 }
 

@@ -12,6 +12,7 @@ from skrull_proto import (
     ModelSpec,
     PlanRequest,
     PlanResponse,
+    ShardedGroupModel,
     SolverReport,
 )
 from skrull_proto import SchedulerName as WireSchedulerName
@@ -24,6 +25,7 @@ from scheduler_service.core.plan import (
     Plan,
     PlanLimits,
     PlanningProblem,
+    ShardedGroup,
     make_problem,
 )
 from scheduler_service.core.planner import PlanResult
@@ -64,6 +66,8 @@ def result_to_response(result: PlanResult) -> PlanResponse:
                 MicroBatchModel(
                     local=[list(rank_local) for rank_local in micro_batch.local],
                     distributed=list(micro_batch.distributed),
+                    sharded=[ShardedGroupModel(cp_ranks=list(group.cp_ranks), sequences=list(group.sequences))
+                             for group in micro_batch.sharded],
                     estimated_time_ms=_ms(mb_estimate.time_s),
                 )
                 for micro_batch, mb_estimate in zip(dp_plan.micro_batches, dp_estimate.micro_batches, strict=True)
@@ -95,17 +99,20 @@ def result_to_response(result: PlanResult) -> PlanResponse:
     )
 
 
+def _micro_batch(model: MicroBatchModel) -> MicroBatch:
+    return MicroBatch(
+        local=tuple(tuple(rank_local) for rank_local in model.local),
+        distributed=tuple(model.distributed),
+        sharded=tuple(ShardedGroup(cp_ranks=tuple(group.cp_ranks), sequences=tuple(group.sequences))
+                      for group in model.sharded),
+    )
+
+
 def response_to_plan(response: PlanResponse) -> Plan:
-    """The core plan a response describes (check it with ``check_plan`` before use)."""
+    """The core plan a response describes, hybrid groups included (check it with ``check_plan`` before use)."""
     return Plan(
         dp_ranks=tuple(
-            DPRankPlan(
-                micro_batches=tuple(
-                    MicroBatch(local=tuple(tuple(rank_local) for rank_local in mb.local),
-                               distributed=tuple(mb.distributed))
-                    for mb in dp_rank.micro_batches
-                )
-            )
+            DPRankPlan(micro_batches=tuple(_micro_batch(mb) for mb in dp_rank.micro_batches))
             for dp_rank in response.dp_ranks
         )
     )

@@ -19,7 +19,7 @@ REQUEST = {
     "model": "qwen2.5-0.5b",
     "bucket_size": 26000,
 }
-HEURISTICS = ["skrull", "skrull_paper", "deepspeed", "sorted", "round_robin", "balanced"]
+HEURISTICS = ["skrull", "skrull_binary", "skrull_paper", "deepspeed", "sorted", "round_robin", "balanced"]
 
 
 def run_cli(args: list[str], stdin: str) -> subprocess.CompletedProcess[str]:

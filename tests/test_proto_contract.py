@@ -36,8 +36,8 @@ def test_openapi_documents_every_endpoint_and_problem_responses() -> None:
     for status in ("400", "413", "415", "422", "429", "500", "503"):
         assert plan["responses"][status]["content"] == {
             "application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
-    assert {"PlanRequest", "PlanResponse", "Problem", "ModelSpec", "SolverReport"} <= set(
-        document["components"]["schemas"])
+    assert {"PlanRequest", "PlanResponse", "Problem", "ModelSpec", "SolverReport", "ShardedGroupModel",
+            "ShardedGroupLengths"} <= set(document["components"]["schemas"])
 
 
 def test_json_schemas_describe_the_models() -> None:

@@ -18,6 +18,8 @@ warning for the whole run, counts the fallback, and the batch trains as
 planned: no batch is skipped or repeated. The service is asked again for the
 next batch. A batch no planner can plan (a sequence longer than
 ``bucket_size × cp_size``) becomes an error decision, which every rank receives.
+A service plan keeps its hybrid DACP groups (``sharded``) and is checked with
+the core's checker (aligned blocks, memory bound) before any rank sees it.
 
 Documented behaviour when the service is unreachable at start-up: one warning,
 training starts at once with embedded plans, and batches go back to the
@@ -56,6 +58,7 @@ from skrull_proto import (
     PlanRequest,
     PlanResponse,
     SchedulerName,
+    ShardedGroupLengths,
 )
 
 from scheduler_service.core.check import check_plan
@@ -234,7 +237,8 @@ class MicroBatchTiming:
 def measurements_of(
     plan: Plan, sequence_lengths: Sequence[int], timings: Sequence[MicroBatchTiming]
 ) -> list[MicroBatchMeasurement]:
-    """Every rank's timings → one measurement per micro-batch: the slowest CP rank's time, the largest peak."""
+    """Every rank's timings → one measurement per micro-batch: the slowest CP rank's time, the largest peak, and
+    the lengths as planned (local, distributed and each hybrid group's)."""
     slowest: dict[tuple[int, int], MicroBatchTiming] = {}
     peaks: dict[tuple[int, int], int] = {}
     for timing in timings:
@@ -249,6 +253,9 @@ def measurements_of(
         measurements.append(MicroBatchMeasurement(
             local_lengths=[[int(sequence_lengths[i]) for i in rank_local] for rank_local in micro_batch.local],
             distributed_lengths=[int(sequence_lengths[i]) for i in micro_batch.distributed],
+            sharded_lengths=[ShardedGroupLengths(cp_ranks=list(group.cp_ranks),
+                                                 lengths=[int(sequence_lengths[i]) for i in group.sequences])
+                             for group in micro_batch.sharded],
             time_ms=timing.time_s * 1e3,
             peak_memory_bytes=float(peaks[(dp_rank, index)]) if (dp_rank, index) in peaks else None,
         ))

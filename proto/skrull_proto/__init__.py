@@ -27,6 +27,8 @@ from skrull_proto.models import (
     ProfileSummary,
     SchedulerName,
     ServiceLimits,
+    ShardedGroupLengths,
+    ShardedGroupModel,
     SolverReport,
 )
 
@@ -53,5 +55,7 @@ __all__ = [
     "ProfilesReloaded",
     "SchedulerName",
     "ServiceLimits",
+    "ShardedGroupLengths",
+    "ShardedGroupModel",
     "SolverReport",
 ]

@@ -14,9 +14,9 @@ service's OpenAPI document are exported beside this module
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Final, Literal
+from typing import Annotated, ClassVar, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictInt, model_serializer
 
 __all__ = [
     "MAX_FEEDBACK_MICRO_BATCHES",
@@ -41,6 +41,8 @@ __all__ = [
     "ProfilesReloaded",
     "SchedulerName",
     "ServiceLimits",
+    "ShardedGroupLengths",
+    "ShardedGroupModel",
     "SolverReport",
 ]
 
@@ -48,6 +50,7 @@ SCHEMA_VERSION: Final = 1
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 SequenceIndex = Annotated[StrictInt, Field(ge=0)]
+CPRank = Annotated[StrictInt, Field(ge=0)]
 JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
 
 # Bounds on what a trainer can have measured; anything outside is a broken measurement, not a slow machine.
@@ -58,6 +61,7 @@ MAX_FEEDBACK_MICRO_BATCHES: Final = 4096
 
 class SchedulerName(StrEnum):
     SKRULL = "skrull"
+    SKRULL_BINARY = "skrull_binary"
     SKRULL_PAPER = "skrull_paper"
     DEEPSPEED = "deepspeed"
     SORTED = "sorted"
@@ -133,9 +137,43 @@ class PlanRequest(_Strict):
     )
 
 
-class MicroBatchModel(_Strict):
+_BLOCK_RULE = ("size s with 2 <= s < cp_size and s dividing cp_size, the ranks consecutive and ascending from a "
+               "multiple of s (e.g. [0, 1], [2, 3], [4, 5, 6, 7] for cp_size 8)")
+
+
+class _OmitsEmptyGroups(_Strict):
+    """Leaves an empty hybrid-group list out of the JSON, so a plan (or report) without groups reads exactly as
+    before hybrid DACP: a client that predates ``sharded`` still parses it, and one that gets groups refuses the
+    unknown field (``extra="forbid"``) instead of silently running the plan without them."""
+
+    _group_field: ClassVar[str]  # the list left out when empty
+
+    # No return annotation: pydantic would take it as the serialisation schema instead of the model's own.
+    @model_serializer(mode="wrap")
+    def _omit_empty_groups(self, handler: SerializerFunctionWrapHandler):
+        data = handler(self)
+        if isinstance(data, dict) and not data.get(self._group_field, True):
+            del data[self._group_field]
+        return data
+
+
+class ShardedGroupModel(_Strict):
+    """Hybrid DACP: sequences sharded (zigzag) over part of the CP group."""
+
+    cp_ranks: list[CPRank] = Field(min_length=2, description=f"The group's CP ranks, an aligned block: {_BLOCK_RULE}.")
+    sequences: list[SequenceIndex] = Field(min_length=1, description="Indices sharded over these CP ranks.")
+
+
+class MicroBatchModel(_OmitsEmptyGroups):
+    _group_field: ClassVar[str] = "sharded"
+
     local: list[list[SequenceIndex]] = Field(description="cp_size lists: indices kept whole on that CP rank.")
     distributed: list[SequenceIndex] = Field(description="Indices sharded (zigzag) over the whole CP group.")
+    sharded: list[ShardedGroupModel] = Field(
+        default_factory=list,
+        description="Hybrid DACP groups: indices sharded over an aligned block of CP ranks; a CP rank may belong "
+        "to several groups. Omitted when empty (a plain Skrull plan).",
+    )
     estimated_time_ms: float = Field(description="max over CP ranks of the estimated micro-batch time.")
 
 
@@ -173,12 +211,24 @@ class PlanResponse(_Strict):
     solver: SolverReport | None = Field(default=None, description="cpsat only: status, objective and bound.")
 
 
-class MicroBatchMeasurement(_Strict):
+class ShardedGroupLengths(_Strict):
+    """A hybrid group as the trainer ran it: the lengths of the sequences sharded over its CP ranks."""
+
+    cp_ranks: list[CPRank] = Field(
+        min_length=2, description=f"The group's CP ranks, an aligned block of the job's CP group: {_BLOCK_RULE}.")
+    lengths: list[PositiveInt] = Field(min_length=1, description="Lengths of the sequences sharded over them.")
+
+
+class MicroBatchMeasurement(_OmitsEmptyGroups):
     """One micro-batch as the trainer ran it."""
+
+    _group_field: ClassVar[str] = "sharded_lengths"
 
     local_lengths: list[list[PositiveInt]] = Field(
         description="cp_size lists: lengths of the sequences kept whole on each CP rank.")
     distributed_lengths: list[PositiveInt] = Field(description="Lengths of the sequences sharded over the CP group.")
+    sharded_lengths: list[ShardedGroupLengths] = Field(
+        default_factory=list, description="Hybrid DACP groups of the micro-batch; omitted when it had none.")
     time_ms: Annotated[float, Field(strict=True, gt=0, le=MAX_MICRO_BATCH_TIME_MS, allow_inf_nan=False)] = Field(
         description="Measured forward + backward time of the slowest CP rank.")
     peak_memory_bytes: Annotated[float, Field(strict=True, gt=0, le=MAX_MEMORY_BYTES, allow_inf_nan=False)] | None = (
