@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from scheduler_service.core.plan import MicroBatch, PlanningProblem, ShardedGroup, cp_blocks
+from scheduler_service.core.plan import MicroBatch, PlanningProblem, ShardedGroup
 from scheduler_service.core.simulate import rank_time_s
 
 __all__ = ["dacp_balanced", "dacp_hybrid", "dacp_paper", "dacp_round_robin"]
@@ -146,27 +146,33 @@ Block = tuple[int, int]  # (first CP rank, degree) of a group of ranks; (0, cp_s
 
 
 class _Placement:
-    """A candidate DACP decision with the per-rank sums the cost model and the memory bound need."""
+    """A candidate DACP decision with the per-rank sums the cost model and the memory bound need.
 
-    __slots__ = ("all_gather", "attention", "block_tokens", "cp_size", "groups", "loads", "placement",
-                 "reduce_scatter", "remaining", "time_s")
+    Whole-group shards add the same to every rank, so they are kept as one shared offset (``shared_*``): sharding
+    over the whole group is O(1), and per-rank comparisons of loads are unchanged by it."""
+
+    __slots__ = ("all_gather", "attention", "cp_size", "groups", "loads", "placement", "reduce_scatter",
+                 "remaining", "shared_all_gather", "shared_load", "shared_reduce_scatter", "shared_units", "time_s")
 
     def __init__(self, cp_size: int, capacity: int) -> None:
         self.cp_size = cp_size
         self.placement: dict[int, int] = {}  # local sequences: index -> CP rank
         self.groups: dict[Block, list[int]] = {}  # sharded sequences by block (distributed: (0, cp_size))
-        self.block_tokens: dict[Block, int] = {}
-        self.loads = [0.0] * cp_size  # FLOP-equivalents per rank (placement costs)
+        self.loads = [0.0] * cp_size  # FLOP-equivalents per rank (placement costs), besides the shared load
         self.attention = [0.0] * cp_size  # local attention FLOP-equivalents per rank: what hides collectives
-        self.all_gather = [0.0] * cp_size  # seconds of collectives per rank, forward
+        self.all_gather = [0.0] * cp_size  # seconds of collectives per rank, forward, besides the shared ones
         self.reduce_scatter = [0.0] * cp_size  # and backward
-        self.remaining = [capacity] * cp_size  # memory units (1/N token)
+        self.remaining = [capacity] * cp_size  # memory units (1/N token) before the shared units
+        self.shared_units = 0
+        self.shared_load = 0.0
+        self.shared_all_gather = 0.0
+        self.shared_reduce_scatter = 0.0
         self.time_s = math.inf
 
     def fits(self, block: Block, tokens: int) -> bool:
         first, degree = block
-        units = tokens * (self.cp_size // degree)
-        return all(self.remaining[r] >= units for r in range(first, first + degree))
+        need = tokens * (self.cp_size // degree) + self.shared_units
+        return min(self.remaining[first:first + degree]) >= need
 
     def place(self, problem: PlanningProblem, index: int, rank: int) -> None:
         self.placement[index] = rank
@@ -187,11 +193,17 @@ class _Placement:
         collective = problem.perf.collective_cost(degree)
         is_new = block not in self.groups
         self.groups.setdefault(block, []).append(index)
-        self.block_tokens[block] = self.block_tokens.get(block, 0) + tokens
-        units, flops = tokens * (self.cp_size // degree), problem.placement[degree][index]
+        flops = problem.placement[degree][index]
         all_gather = collective.all_gather_s_per_token * tokens + (collective.all_gather_fixed_s if is_new else 0.0)
         reduce_scatter = (collective.reduce_scatter_s_per_token * tokens
                           + (collective.reduce_scatter_fixed_s if is_new else 0.0))
+        if degree == self.cp_size:
+            self.shared_units += tokens
+            self.shared_load += flops
+            self.shared_all_gather += all_gather
+            self.shared_reduce_scatter += reduce_scatter
+            return
+        units = tokens * (self.cp_size // degree)
         for r in range(first, first + degree):
             self.remaining[r] -= units
             self.loads[r] += flops
@@ -199,8 +211,10 @@ class _Placement:
             self.reduce_scatter[r] += reduce_scatter
 
     def evaluate(self, problem: PlanningProblem) -> float:
+        load, all_gather, reduce_scatter = self.shared_load, self.shared_all_gather, self.shared_reduce_scatter
         self.time_s = max(
-            rank_time_s(problem, self.loads[r], self.attention[r], self.all_gather[r], self.reduce_scatter[r])
+            rank_time_s(problem, self.loads[r] + load, self.attention[r], self.all_gather[r] + all_gather,
+                        self.reduce_scatter[r] + reduce_scatter)
             for r in range(self.cp_size)
         )
         return self.time_s
@@ -211,18 +225,17 @@ class _Placement:
             local[self.placement[index]].append(index)
         distributed = sorted(self.groups.get((0, self.cp_size), ()))
         sharded = tuple(
-            ShardedGroup(cp_ranks=tuple(range(first, first + degree)), sequences=tuple(sorted(self.groups[first,
-                                                                                                          degree])))
-            for first, degree in sorted(self.groups) if degree < self.cp_size
+            ShardedGroup(cp_ranks=tuple(range(first, first + degree)), sequences=tuple(sorted(members)))
+            for (first, degree), members in sorted(self.groups.items()) if degree < self.cp_size
         )
         return MicroBatch(local=tuple(map(tuple, local)), distributed=tuple(distributed), sharded=sharded)
 
 
 def _least_loaded_with_room(candidate: _Placement, units: int) -> int:
     best_rank, best_load = -1, math.inf
-    loads, remaining = candidate.loads, candidate.remaining
+    loads, remaining, need = candidate.loads, candidate.remaining, units + candidate.shared_units
     for rank in range(candidate.cp_size):
-        if remaining[rank] >= units and loads[rank] < best_load:
+        if remaining[rank] >= need and loads[rank] < best_load:
             best_rank, best_load = rank, loads[rank]
     return best_rank
 
@@ -249,7 +262,8 @@ def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
     """Bounded local search: move or swap local sequences off the most loaded rank while that lowers its load."""
     cp_size, lengths, costs = problem.cp_size, problem.sequence_lengths, problem.placement[1]
     for _ in range(MAX_REFINEMENT_STEPS):
-        loads, remaining = candidate.loads, candidate.remaining
+        loads, shared = candidate.loads, candidate.shared_units
+        remaining = [units - shared for units in candidate.remaining]
         busiest = max(range(cp_size), key=loads.__getitem__)
         members: list[list[int]] = [[] for _ in range(cp_size)]
         for index, rank in candidate.placement.items():
@@ -340,8 +354,7 @@ def _best_block(problem: PlanningProblem, candidate: _Placement, tokens: int, de
     """The aligned block of ``degree`` ranks with room whose busiest rank is least loaded."""
     best: Block | None = None
     best_load = math.inf
-    for block in cp_blocks(problem.cp_size, degree):
-        first = block[0]
+    for first in range(0, problem.cp_size, degree):  # the aligned blocks (plan.cp_blocks)
         if candidate.fits((first, degree), tokens):
             load = max(candidate.loads[first:first + degree])
             if load < best_load:

@@ -6,6 +6,11 @@ Table 1: share of sequences below 1K/4K/8K/32K/128K tokens and the longest).
 Within each bin lengths are log-uniform — an approximation: the table fixes the
 bin masses exactly and nothing finer. The shortest sequence is assumed to be
 32 tokens (a prompt and a short answer).
+
+Two long-heavy shapes of our own (not measured data sets) stress hybrid DACP:
+``longtail64k`` (a 16K–64K tail under a chat-length body, shaped like
+long-context instruction mixes such as Qwen2.5-Turbo's) and ``docmix`` (flat
+4K–16K documents).
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ DATASETS: dict[str, LengthDistribution] = {
                            cumulative=(0.8712, 0.9935, 0.9987, 0.9998, 0.9999), longest=1643 * K),
         LengthDistribution(name="chatqa2", thresholds=_THRESHOLDS,
                            cumulative=(0.2192, 0.3148, 0.4043, 0.9986, 1.0), longest=99 * K),
+        LengthDistribution(name="longtail64k", thresholds=_THRESHOLDS,
+                           cumulative=(0.35, 0.55, 0.65, 0.80, 1.0), longest=64 * K),
+        LengthDistribution(name="docmix", thresholds=(4 * K, 16 * K), cumulative=(0.0, 1.0), longest=16 * K),
     )
 }
 
