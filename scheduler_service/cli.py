@@ -19,10 +19,10 @@ from skrull_proto import PlanRequest, PlanResponse
 
 from scheduler_service.core.baselines import deepspeed
 from scheduler_service.core.errors import PlanningError
-from scheduler_service.core.plan import MicroBatch, PlanningProblem
+from scheduler_service.core.plan import MicroBatch
 from scheduler_service.core.planner import PlanResult, make_plan
 from scheduler_service.core.profile import load_profile
-from scheduler_service.core.simulate import PlanEstimate, simulate
+from scheduler_service.core.simulate import CPRankEstimate, PlanEstimate, simulate
 from scheduler_service.wire import request_to_problem, result_to_response
 
 if TYPE_CHECKING:
@@ -154,40 +154,32 @@ _PLACEMENT_STYLES: dict[str, tuple[str, str | None]] = {  # placement -> (face c
     "local": ("0.35", None),
     "distributed": ("0.8", "///"),
     "sharded (hybrid group)": ("gold", "..."),
+    "fixed + exposed communication": ("white", "xx"),
 }
 
 
-def cp_rank_shares(problem: PlanningProblem, micro_batch: MicroBatch) -> list[dict[str, float]]:
-    """Per CP rank, the FLOPs it computes for each placement: its local sequences, its 1/N of the distributed
-    ones, and 1/s of each hybrid group of size s it belongs to (the keys of ``_PLACEMENT_STYLES``)."""
-    flops = problem.flops_list
-    distributed = sum(flops[i] for i in micro_batch.distributed) / problem.cp_size
-    shares = [{"local": sum(flops[i] for i in rank_local), "distributed": distributed,
-               "sharded (hybrid group)": 0.0} for rank_local in micro_batch.local]
-    for group in micro_batch.sharded:
-        group_flops = sum(flops[i] for i in group.sequences) / len(group.cp_ranks)
-        for cp_rank in group.cp_ranks:
-            shares[cp_rank]["sharded (hybrid group)"] += group_flops
-    return shares
+def cp_rank_shares(rank: CPRankEstimate) -> dict[str, float]:
+    """One CP rank's estimated seconds by what it spends them on (the keys of ``_PLACEMENT_STYLES``); they add up
+    to its ``time_s``."""
+    return {"local": rank.local_compute_s, "distributed": rank.distributed_compute_s,
+            "sharded (hybrid group)": rank.sharded_compute_s,
+            "fixed + exposed communication": rank.fixed_s + rank.exposed_comm_s}
 
 
 def _plot_cp_ranks(axis: Axes, result: PlanResult) -> None:
-    """The slowest DP rank's micro-batches on each of its CP ranks, each rank's estimated time split by the FLOPs
-    share of local, distributed and hybrid-group work (idle time, waiting for the slowest rank, is left blank)."""
+    """The slowest DP rank's micro-batches on each of its CP ranks, each rank's estimated time split into local,
+    distributed and hybrid-group compute and the rest (idle time, waiting for the slowest rank, is left blank)."""
     from matplotlib.patches import Patch
 
     estimate = result.estimate
     dp_rank = max(range(len(estimate.dp_ranks)), key=lambda i: estimate.dp_ranks[i].time_s)
     start_ms = 0.0
-    for micro_batch, mb_estimate in zip(result.plan.dp_ranks[dp_rank].micro_batches,
-                                        estimate.dp_ranks[dp_rank].micro_batches, strict=True):
-        for cp_rank, (shares, rank_estimate) in enumerate(zip(cp_rank_shares(result.problem, micro_batch),
-                                                              mb_estimate.cp_ranks, strict=True)):
-            total = sum(shares.values())
+    for mb_estimate in estimate.dp_ranks[dp_rank].micro_batches:
+        for cp_rank, rank_estimate in enumerate(mb_estimate.cp_ranks):
             left_ms = start_ms
-            for placement, share in shares.items():
-                if share > 0:
-                    width_ms = rank_estimate.time_s * 1e3 * share / total
+            for placement, share_s in cp_rank_shares(rank_estimate).items():
+                if share_s > 0:
+                    width_ms = share_s * 1e3
                     colour, hatch = _PLACEMENT_STYLES[placement]
                     axis.barh(cp_rank, width_ms, left=left_ms, facecolor=colour, hatch=hatch, edgecolor="black",
                               linewidth=0.2)
@@ -200,8 +192,8 @@ def _plot_cp_ranks(axis: Axes, result: PlanResult) -> None:
     axis.legend(handles=[Patch(label=name, facecolor=colour, hatch=hatch, edgecolor="black", linewidth=0.2)
                          for name, (colour, hatch) in _PLACEMENT_STYLES.items()],
                 loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize="small", ncols=3, frameon=False)
-    axis.set_title(f"{result.scheduler.value}, DP rank {dp_rank} (the slowest) per CP rank: estimated time split by "
-                   "FLOPs share; black lines end micro-batches")
+    axis.set_title(f"{result.scheduler.value}, DP rank {dp_rank} (the slowest) per CP rank: estimated time by "
+                   "what it runs; black lines end micro-batches")
 
 
 def plot_gantt(result: PlanResult, path: Path) -> None:

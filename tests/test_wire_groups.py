@@ -394,13 +394,14 @@ def test_table_of_a_binary_plan_shows_no_group() -> None:
     assert all(row.split()[5] == "0" and row.endswith("  -") for row in micro_batch_rows)
 
 
-def test_cp_rank_shares_put_group_work_on_the_groups_ranks_only() -> None:
+def test_cp_rank_shares_put_group_work_on_the_groups_ranks_only_and_add_up_to_the_estimate() -> None:
     planning_problem = problem()
-    flops = planning_problem.flops_list
-    shares = cp_rank_shares(planning_problem, GROUPED_PLAN.dp_ranks[1].micro_batches[0])
-    assert [share["sharded (hybrid group)"] for share in shares] == [0.0, 0.0, flops[7] / 2, flops[7] / 2]
-    assert all(share["distributed"] == pytest.approx(flops[6] / CP) for share in shares)
-    assert all(share["local"] == 0.0 for share in shares)
+    micro_batch = simulate(planning_problem, GROUPED_PLAN).dp_ranks[1].micro_batches[0]
+    shares = [cp_rank_shares(rank) for rank in micro_batch.cp_ranks]
+    assert [share["sharded (hybrid group)"] > 0 for share in shares] == [False, False, True, True]
+    assert all(share["distributed"] > 0 and share["local"] == 0.0 for share in shares)
+    for share, rank in zip(shares, micro_batch.cp_ranks, strict=True):
+        assert sum(share.values()) == pytest.approx(rank.time_s, rel=1e-12)
 
 
 def test_plot_draws_a_grouped_plan(tmp_path: Path) -> None:
