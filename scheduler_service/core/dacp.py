@@ -36,6 +36,7 @@ exact in integers.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -210,6 +211,20 @@ class _Placement:
             self.all_gather[r] += all_gather
             self.reduce_scatter[r] += reduce_scatter
 
+    def shard_over_group(self, problem: PlanningProblem, indices: Sequence[int], tokens: int, flops: float) -> None:
+        """``shard`` over the whole CP group for many sequences at once, given their summed tokens and costs."""
+        if not indices:
+            return
+        collective = problem.perf.collective_cost(self.cp_size)
+        is_new = (0, self.cp_size) not in self.groups
+        self.groups.setdefault((0, self.cp_size), []).extend(indices)
+        self.shared_units += tokens
+        self.shared_load += flops
+        self.shared_all_gather += collective.all_gather_s_per_token * tokens + (
+            collective.all_gather_fixed_s if is_new else 0.0)
+        self.shared_reduce_scatter += collective.reduce_scatter_s_per_token * tokens + (
+            collective.reduce_scatter_fixed_s if is_new else 0.0)
+
     def evaluate(self, problem: PlanningProblem) -> float:
         load, all_gather, reduce_scatter = self.shared_load, self.shared_all_gather, self.shared_reduce_scatter
         self.time_s = max(
@@ -240,21 +255,27 @@ def _least_loaded_with_room(candidate: _Placement, units: int) -> int:
     return best_rank
 
 
-def _largest_first(problem: PlanningProblem, order: Sequence[int], num_distributed: int) -> _Placement | None:
-    """Shard ``order[:num_distributed]`` over the whole CP group, then LPT-place the rest under the memory bound;
-    a sequence that fits on no rank is sharded too."""
+def _largest_first(
+    problem: PlanningProblem, order: Sequence[int], num_distributed: int, prefix_tokens: Sequence[int],
+    prefix_flops: Sequence[float],
+) -> _Placement | None:
+    """Shard ``order[:num_distributed]`` over the whole CP group (their sums from the prefix sums), then LPT-place
+    the rest under the memory bound; a sequence that fits on no rank is sharded too."""
     cp_size, lengths = problem.cp_size, problem.sequence_lengths
+    if prefix_tokens[num_distributed] > problem.bucket_size * cp_size:
+        return None
     candidate = _Placement(cp_size, problem.bucket_size * cp_size)
+    candidate.shard_over_group(problem, order[:num_distributed], prefix_tokens[num_distributed],
+                               prefix_flops[num_distributed])
     whole_group = (0, cp_size)
-    for position, index in enumerate(order):
-        if position >= num_distributed:
-            rank = _least_loaded_with_room(candidate, lengths[index] * cp_size)
-            if rank >= 0:
-                candidate.place(problem, index, rank)
-                continue
-        if not candidate.fits(whole_group, lengths[index]):
+    for index in order[num_distributed:]:
+        rank = _least_loaded_with_room(candidate, lengths[index] * cp_size)
+        if rank >= 0:
+            candidate.place(problem, index, rank)
+        elif candidate.fits(whole_group, lengths[index]):
+            candidate.shard(problem, index, whole_group)
+        else:
             return None
-        candidate.shard(problem, index, whole_group)
     return candidate
 
 
@@ -314,9 +335,12 @@ def _binary_candidates(problem: PlanningProblem, order: Sequence[int], lower_bou
     # k = number of longest sequences sharded up front; sharding all of them is always a candidate,
     # and it fits whenever the micro-batch's tokens do.
     candidates = [*range(num_forced, min(num_heavy + EXTRA_DISTRIBUTION_CANDIDATES, len(order)) + 1), len(order)]
+    shard_costs = problem.placement[problem.cp_size]
+    prefix_tokens = [0, *itertools.accumulate(lengths[k] for k in order)]
+    prefix_flops = [0.0, *itertools.accumulate(shard_costs[k] for k in order)]
     best: _Placement | None = None
     for num_distributed in dict.fromkeys(candidates):  # ordered and without repeats
-        candidate = _largest_first(problem, order, num_distributed)
+        candidate = _largest_first(problem, order, num_distributed, prefix_tokens, prefix_flops)
         if candidate is None:
             continue
         if best is None or candidate.evaluate(problem) < best.time_s:
