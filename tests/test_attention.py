@@ -136,11 +136,15 @@ def test_bottom_right_causal_alignment_when_queries_are_a_suffix() -> None:
 
 
 def test_kv_all_gather_fails_loudly_on_misuse() -> None:
-    gather = KVAllGather(None, cp_size=1)
+    gather = KVAllGather(None, group_size=1)
     with pytest.raises(RuntimeError, match="wait called before start"):
         gather.wait()
     gather.start(torch.zeros(2, 2))
     with pytest.raises(RuntimeError, match="start called twice"):
         gather.start(torch.zeros(2, 2))
-    with pytest.raises(ValueError, match="CP process group"):
-        KVAllGather(None, cp_size=2)
+    with pytest.raises(ValueError, match="block's process group"):
+        KVAllGather(None, group_size=2)
+    with pytest.raises(RuntimeError, match="waited before it was launched"):
+        KVAllGather(None, group_size=1)._wait_reduce_scatter()
+    with pytest.raises(RuntimeError, match="launched before the all-gather finished"):
+        KVAllGather(None, group_size=1)._launch_reduce_scatter(torch.zeros(2, 2))

@@ -55,7 +55,7 @@ def test_each_rank_holds_its_local_sequences_then_its_zigzag_shards(cp_size: int
         local_lengths = [samples[i].num_tokens for i in micro_batch.local[cp_rank]]
         assert packed.metadata.num_local_tokens == sum(local_lengths)
         assert packed.metadata.cu_seqlens_local.tolist() == [0, *np.cumsum(local_lengths).tolist()]
-        assert packed.metadata.num_distributed_tokens == sum(
+        assert packed.metadata.num_sharded_tokens == sum(
             padded_length(samples[i].num_tokens, cp_size) // cp_size for i in micro_batch.distributed
         )
 
@@ -80,10 +80,11 @@ def test_kv_index_reads_each_chunks_causal_prefix_from_the_gathered_shards(cp_si
         tags.append(np.stack([slot, pack.position_ids_T[num_local:].numpy()], axis=1))
     gathered = np.concatenate(tags)
     for pack in packs:
-        meta = pack.metadata
-        prefix_tags = gathered[meta.kv_index_dist.numpy()]
-        cu_k, cu_q = meta.cu_seqlens_k_dist.tolist(), meta.cu_seqlens_q_dist.tolist()
-        positions = pack.position_ids_T[meta.num_local_tokens:].numpy()
+        (spec,) = pack.metadata.sharded
+        assert spec.cp_ranks == tuple(range(cp_size)) and spec.group_rank == pack.metadata.cp_rank
+        prefix_tags = gathered[spec.kv_index.numpy()]
+        cu_k, cu_q = spec.cu_seqlens_k.tolist(), spec.cu_seqlens_q.tolist()
+        positions = pack.position_ids_T[pack.metadata.num_local_tokens:].numpy()
         for chunk in range(len(cu_k) - 1):
             slot = chunk // 2
             chunk_tags = prefix_tags[cu_k[chunk]:cu_k[chunk + 1]]
@@ -97,4 +98,4 @@ def test_empty_rank_packs_nothing() -> None:
     micro_batch = MicroBatch(local=((0,), ()), distributed=())
     packed = pack_micro_batch(_samples(), micro_batch, cp_size=2, cp_rank=1)
     assert packed.num_tokens == 0 and packed.input_ids_T.dtype == torch.int64
-    assert not packed.metadata.has_distributed
+    assert not packed.metadata.sharded and packed.is_idle

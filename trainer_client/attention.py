@@ -1,19 +1,30 @@
-"""DACP attention: local sequences stay on their rank, distributed ones attend over the CP group.
+"""DACP attention: local sequences stay on their rank, sharded ones attend over their block of CP ranks.
 
-One CP rank's packed tokens are ``[local sequences | zigzag shards of distributed
-sequences]`` (``packing.py``). Per attention layer:
+One CP rank's packed row is ``[local sequences | shards of collective 0 |
+shards of collective 1 | …]`` (``packing.py``): a collective is the set of
+sequences zigzag-sharded over one aligned block of CP ranks, the whole CP group
+for the plan's ``distributed`` sequences or a hybrid group's block
+(``DacpMetadata.sharded``, one ``ShardedSpec`` each). Per attention layer:
 
-1. launch the asynchronous all-gather of the shards' K/V over the CP group;
+1. launch the asynchronous all-gather of every collective's K/V shards over its
+   block's process group, all of them before any wait;
 2. meanwhile run causal varlen attention over the local sequences, which never
    leave the rank (the overlap of the paper's Fig. 2(d));
-3. wait, then run the distributed queries (two zigzag chunks per sequence)
+3. per collective, wait, then run its queries (two zigzag chunks per sequence)
    against their causal prefix of the gathered K/V (the Llama 3 all-gather-KV
    scheme: exact, works with many packed documents and with gloo).
 
-The backward of the all-gather is a reduce-scatter of dK/dV (``_GatheredKV``),
-so forward and backward equal unsharded attention. Cost per layer and CP rank:
-one all-gather of ``cp_size × shard`` K/V rows forward, one reduce-scatter of
-the same size backward; local sequences move no bytes.
+Backward mirrors it: the gradient of each gathered buffer is reduce-scattered
+to the shards' owners. The reduce-scatter is *launched* in the gather's
+backward and *waited* in the backward of an identity node placed on the K/V
+shard before local attention (``_AwaitKVGrad``); the autograd engine runs the
+ready node made latest in forward first, so the order is: collective
+attention backward → reduce-scatter launched → local attention backward (the
+overlap) → wait. Forward and backward equal unsharded attention. Cost per layer,
+CP rank and collective over a block of ``s`` ranks: one all-gather of
+``s × shard`` K/V rows forward, one reduce-scatter of the same size backward;
+local sequences move no bytes. ``KVAllGather`` holds all the communication and
+raises on any out-of-order use.
 
 Kernels (``AttentionBackend``), all *causal aligned bottom-right* as flash-attn
 is when ``seqlen_q != seqlen_k``:
@@ -24,7 +35,7 @@ is when ``seqlen_q != seqlen_k``:
 ``SKRULL_ATTENTION_BACKEND=sdpa``.
 
 Shape legend: T query tokens, S key tokens, H query heads, G key/value heads,
-D head dim, X = 2 (K and V stacked for one collective), N cp_size.
+D head dim, X = 2 (K and V stacked for one collective), N size of a block.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainer_client.packing import DacpMetadata
+from trainer_client.packing import DacpMetadata, ShardedSpec
 
 __all__ = [
     "AttentionBackend",
@@ -139,64 +150,113 @@ def varlen_causal_attn_func(
 # ---------------------------------------------------------------------------------------------------- communication
 
 
-class _GatheredKV(torch.autograd.Function):
-    """Identity on the gathered buffer forward (after the wait); reduce-scatter of its gradient backward."""
+class _AwaitKVGrad(torch.autograd.Function):
+    """Identity on a K/V shard forward, made before local attention; backward waits for its reduce-scatter.
+
+    Its input gradient from ``_GatheredKV`` is only a placeholder: the reduced dK/dV come from the collective.
+    """
 
     @staticmethod
     def forward(ctx: Any, kv_local_TXGD: torch.Tensor, comm: KVAllGather) -> torch.Tensor:
-        ctx.group = comm.group
-        return comm._finish()
+        ctx.comm = comm
+        return kv_local_TXGD.view_as(kv_local_TXGD)
+
+    @staticmethod
+    def backward(ctx: Any, placeholder_TXGD: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.comm._wait_reduce_scatter(), None
+
+
+class _GatheredKV(torch.autograd.Function):
+    """The gathered buffer forward (after the wait); backward launches the reduce-scatter of its gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, kv_local_TXGD: torch.Tensor, comm: KVAllGather) -> torch.Tensor:
+        ctx.comm = comm
+        ctx.shard_shape = kv_local_TXGD.shape
+        return comm._wait_all_gather()
 
     @staticmethod
     def backward(ctx: Any, grad_gathered_NTXGD: torch.Tensor) -> tuple[torch.Tensor, None]:
-        num_ranks = dist.get_world_size(ctx.group)
-        grad_local_TXGD = grad_gathered_NTXGD.new_empty(
-            (grad_gathered_NTXGD.shape[0] // num_ranks, *grad_gathered_NTXGD.shape[1:])
-        )
-        # Every rank holds dK/dV for every rank's shard; the owner gets their sum.
-        dist.reduce_scatter_single(grad_local_TXGD, grad_gathered_NTXGD.contiguous(), group=ctx.group)
-        return grad_local_TXGD, None
+        ctx.comm._launch_reduce_scatter(grad_gathered_NTXGD)
+        # Not the gradient (it is in flight): a free stand-in that lets the engine reach _AwaitKVGrad.
+        return grad_gathered_NTXGD.new_zeros(()).expand(ctx.shard_shape), None
 
 
 class KVAllGather:
-    """One asynchronous all-gather of K/V rows over the CP group, differentiable; use once: start, then wait."""
+    """One collective's K/V over a block of CP ranks: all-gather forward, reduce-scatter backward, both async.
 
-    def __init__(self, group: dist.ProcessGroup | None, cp_size: int) -> None:
-        if cp_size > 1 and group is None:
-            raise ValueError("distributed sequences with cp_size > 1 need the CP process group (DacpMetadata.cp_group)")
+    Use once per layer and collective: ``start`` (before local attention), then ``wait`` (after it). Backward
+    calls ``_launch_reduce_scatter`` then ``_wait_reduce_scatter`` (again in that order for a retained graph).
+    Every other order raises. Tensors are held only while a collective is in flight.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, group_size: int) -> None:
+        if group_size > 1 and group is None:
+            raise ValueError(f"sequences sharded over {group_size} CP ranks need that block's process group "
+                             "(ShardedSpec.group: pack with cp_group / cp_block_groups)")
         self.group = group
-        self.cp_size = cp_size
+        self.group_size = group_size
         self._input: torch.Tensor | None = None
+        self._send: torch.Tensor | None = None
         self._buffer: torch.Tensor | None = None
         self._work: dist.Work | None = None
+        self._started = False
         self._waited = False
+        self._gathered = False
 
     def start(self, kv_local_TXGD: torch.Tensor) -> None:
-        if self._input is not None:
+        """Launch the all-gather of this rank's shard ``[T, X, G, D]``."""
+        if self._started:
             raise RuntimeError("KVAllGather.start called twice; make one object per collective")
-        self._input = kv_local_TXGD
-        if self.cp_size == 1:
+        self._started = True
+        if self.group_size == 1:
+            self._input = kv_local_TXGD
             return
-        assert dist.get_world_size(self.group) == self.cp_size, "CP group size disagrees with the metadata"
-        self._buffer = kv_local_TXGD.new_empty((self.cp_size * kv_local_TXGD.shape[0], *kv_local_TXGD.shape[1:]))
-        self._work = dist.all_gather_single(self._buffer, kv_local_TXGD.detach().contiguous(), group=self.group,
-                                            async_op=True)
+        assert dist.get_world_size(self.group) == self.group_size, "block group size disagrees with the metadata"
+        # Made now, before local attention, so that its backward (the wait for dK/dV) runs after local attention's.
+        self._input = _AwaitKVGrad.apply(kv_local_TXGD, self)
+        self._send = kv_local_TXGD.detach().contiguous()
+        self._buffer = self._send.new_empty((self.group_size * self._send.shape[0], *self._send.shape[1:]))
+        self._work = dist.all_gather_single(self._buffer, self._send, group=self.group, async_op=True)
 
     def wait(self) -> torch.Tensor:
-        """The gathered rows, rank-major ``[cp_size · T, ...]``; gradients flow back to this rank's rows."""
-        if self._input is None:
+        """The gathered rows, rank-major ``[group_size · T, ...]``; gradients flow back to this rank's rows."""
+        if not self._started:
             raise RuntimeError("KVAllGather.wait called before start")
         if self._waited:
             raise RuntimeError("KVAllGather.wait called twice")
         self._waited = True
-        if self.cp_size == 1:
-            return self._input
-        return _GatheredKV.apply(self._input, self)
+        kv_input, self._input = self._input, None
+        assert kv_input is not None
+        if self.group_size == 1:
+            return kv_input
+        gathered: torch.Tensor = _GatheredKV.apply(kv_input, self)
+        return gathered
 
-    def _finish(self) -> torch.Tensor:
+    def _wait_all_gather(self) -> torch.Tensor:
         assert self._work is not None and self._buffer is not None
         self._work.wait()
-        return self._buffer
+        buffer, self._buffer, self._send, self._work = self._buffer, None, None, None
+        self._gathered = True
+        return buffer
+
+    def _launch_reduce_scatter(self, grad_gathered_NTXGD: torch.Tensor) -> None:
+        if not self._gathered:
+            raise RuntimeError("KVAllGather reduce-scatter launched before the all-gather finished")
+        if self._work is not None:
+            raise RuntimeError("KVAllGather reduce-scatter launched twice without a wait")
+        # Every rank holds dK/dV for every rank's shard; the owner gets their sum.
+        self._send = grad_gathered_NTXGD.contiguous()
+        self._buffer = self._send.new_empty((self._send.shape[0] // self.group_size, *self._send.shape[1:]))
+        self._work = dist.reduce_scatter_single(self._buffer, self._send, group=self.group, async_op=True)
+
+    def _wait_reduce_scatter(self) -> torch.Tensor:
+        if self._work is None or not self._gathered:
+            raise RuntimeError("KVAllGather reduce-scatter waited before it was launched")
+        self._work.wait()
+        grad_local_TXGD, self._buffer, self._send, self._work = self._buffer, None, None, None
+        assert grad_local_TXGD is not None
+        return grad_local_TXGD
 
 
 # ---------------------------------------------------------------------------------------------------- public
@@ -213,14 +273,18 @@ def dacp_attn_varlen_func(
 ) -> torch.Tensor:
     """Causal attention of one CP rank's packed micro-batch; equal to unsharded per-sequence attention."""
     num_local = metadata.num_local_tokens
-    if q_THD.shape[0] != num_local + metadata.num_distributed_tokens:
-        raise ValueError(f"packed tokens ({q_THD.shape[0]}) != local {num_local} + distributed "
-                         f"{metadata.num_distributed_tokens} of the metadata")
-    gather = None
-    if metadata.has_distributed:
-        # Launch the communication first: local attention below runs while K/V travel.
-        gather = KVAllGather(metadata.cp_group, metadata.cp_size)
-        gather.start(torch.stack([k_TGD[num_local:], v_TGD[num_local:]], dim=1))
+    if q_THD.shape[0] != metadata.num_tokens:
+        raise ValueError(f"packed tokens ({q_THD.shape[0]}) != local {num_local} + sharded "
+                         f"{metadata.num_sharded_tokens} of the metadata")
+    # Launch every collective first: local attention below runs while K/V travel.
+    gathers: list[tuple[ShardedSpec, slice, KVAllGather]] = []
+    first_row = num_local
+    for spec in metadata.sharded:
+        rows = slice(first_row, first_row + spec.num_tokens)
+        gather = KVAllGather(spec.group, spec.group_size)
+        gather.start(torch.stack([k_TGD[rows], v_TGD[rows]], dim=1))
+        gathers.append((spec, rows, gather))
+        first_row = rows.stop
     outputs = []
     if num_local:
         outputs.append(varlen_causal_attn_func(
@@ -228,13 +292,12 @@ def dacp_attn_varlen_func(
             metadata.cu_seqlens_local, metadata.cu_seqlens_local, metadata.max_seqlen_local, metadata.max_seqlen_local,
             softmax_scale=softmax_scale, backend=backend,
         ))
-    if gather is not None:
+    for spec, rows, gather in gathers:
         kv_gathered_SXGD = gather.wait()
-        kv_prefix_SXGD = kv_gathered_SXGD[metadata.kv_index_dist]
+        kv_prefix_SXGD = kv_gathered_SXGD[spec.kv_index]
         outputs.append(varlen_causal_attn_func(
-            q_THD[num_local:], kv_prefix_SXGD[:, 0], kv_prefix_SXGD[:, 1],
-            metadata.cu_seqlens_q_dist, metadata.cu_seqlens_k_dist,
-            metadata.max_seqlen_q_dist, metadata.max_seqlen_k_dist,
+            q_THD[rows], kv_prefix_SXGD[:, 0], kv_prefix_SXGD[:, 1],
+            spec.cu_seqlens_q, spec.cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k,
             softmax_scale=softmax_scale, backend=backend,
         ))
     if not outputs:

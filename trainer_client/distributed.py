@@ -3,13 +3,22 @@
 ``ParallelDims`` names every rank by its coordinates: ``global_rank = dp_rank ·
 cp_size + cp_rank`` (the row-major layout of ``init_device_mesh``), so the CP
 group of DP row ``i`` is global ranks ``[i · cp_size, (i + 1) · cp_size)``.
+
+Hybrid DACP shards some sequences over an aligned *block* of a CP group
+(DESIGN.md, "Hybrid DACP"). ``init_parallel`` creates the process group of every
+such block of every DP row up front, ``sum(cp_size / s for s in
+block_degrees(cp_size))`` per row (4 + 2 for cp_size 8), because
+``dist.new_group`` is collective over the world and cannot be called lazily by
+only the ranks of one micro-batch. ``ParallelContext.cp_block_group(first, s)``
+looks a block up by its first CP rank and size; the block of all ``cp_size``
+ranks is the CP group itself.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -18,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from scheduler_service.core.plan import block_degrees, cp_blocks
 
 __all__ = ["ParallelContext", "ParallelDims", "free_port", "init_parallel", "spawn_gloo"]
 
@@ -41,6 +52,17 @@ class ParallelDims:
         """(dp_rank, cp_rank) of a global rank."""
         return divmod(global_rank, self.cp_size)
 
+    def global_rank(self, dp_rank: int, cp_rank: int) -> int:
+        return dp_rank * self.cp_size + cp_rank
+
+    def cp_block_ranks(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """(dp_rank, block of CP ranks) of every aligned block of every DP row, in the order groups are created.
+
+        Per degree ``s`` of ``block_degrees(cp_size)``, ascending, then per DP row, the blocks ``cp_blocks``.
+        """
+        return tuple((dp_rank, block) for degree in block_degrees(self.cp_size) for dp_rank in range(self.dp_size)
+                     for block in cp_blocks(self.cp_size, degree))
+
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
             raise ValueError(
@@ -58,11 +80,23 @@ class ParallelContext:
     cp_rank: int
     device: torch.device
     cp_group: dist.ProcessGroup
+    # (first CP rank, size) → process group, for every aligned block of the CP group that holds this rank.
+    cp_block_groups: Mapping[tuple[int, int], dist.ProcessGroup]
     object_group: dist.ProcessGroup  # gloo: plans and decisions travel here even when training on NCCL
 
     @property
     def is_main(self) -> bool:
         return self.global_rank == 0
+
+    def cp_block_group(self, first_cp_rank: int, degree: int) -> dist.ProcessGroup:
+        """The process group of CP ranks ``[first_cp_rank, first_cp_rank + degree)`` of this rank's DP row."""
+        if (first_cp_rank, degree) == (0, self.dims.cp_size):
+            return self.cp_group
+        group = self.cp_block_groups.get((first_cp_rank, degree))
+        if group is None:
+            raise ValueError(f"CP rank {self.cp_rank} has no group for the block of {degree} CP ranks from "
+                             f"{first_cp_rank}: not an aligned block of cp_size {self.dims.cp_size} holding it")
+        return group
 
 
 def init_parallel(dims: ParallelDims, *, timeout_s: float = 600.0) -> ParallelContext:
@@ -85,10 +119,26 @@ def init_parallel(dims: ParallelDims, *, timeout_s: float = 600.0) -> ParallelCo
     mesh = init_device_mesh(device.type, (dims.dp_size, dims.cp_size), mesh_dim_names=("dp", "cp"))
     global_rank = dist.get_rank()
     dp_rank, cp_rank = dims.coordinates(global_rank)
+    cp_block_groups = _new_cp_block_groups(dims, global_rank)
     object_group = dist.new_group(backend="gloo") if use_cuda else dist.group.WORLD
     assert object_group is not None
+    cp_group = mesh.get_group("cp")
     return ParallelContext(dims=dims, mesh=mesh, global_rank=global_rank, dp_rank=dp_rank, cp_rank=cp_rank,
-                           device=device, cp_group=mesh.get_group("cp"), object_group=object_group)
+                           device=device, cp_group=cp_group, cp_block_groups=cp_block_groups,
+                           object_group=object_group)
+
+
+def _new_cp_block_groups(dims: ParallelDims, global_rank: int) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """Create every block group of every DP row; keep this rank's. Every rank runs the same calls in the same order."""
+    dp_rank, cp_rank = dims.coordinates(global_rank)
+    groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+    for row, block in dims.cp_block_ranks():
+        # Group rank = position in the block: new_group orders members by global rank, ascending here.
+        group = dist.new_group([dims.global_rank(row, member) for member in block])
+        if row == dp_rank and cp_rank in block:
+            assert group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
+            groups[(block[0], len(block))] = group
+    return groups
 
 
 def free_port() -> int:

@@ -2,30 +2,40 @@
 
 For micro-batch ``m`` of DP rank ``i`` and CP rank ``j`` the packed row is
 
-    [ local[j][0] | local[j][1] | … | shard of dist[0] | shard of dist[1] | … ]
-      whole sequences, positions 0..L−1   zigzag chunks j and 2N−1−j (``zigzag.py``)
+    [ local[j][0] | local[j][1] | … | shards of distributed | shards of sharded[g] | shards of sharded[g'] | … ]
+      whole sequences, positions 0..L−1  zigzag over all N ranks   zigzag over each hybrid group g ∋ j, plan order
+
+A run of shards is one *collective*: the sequences zigzag-sharded over one
+aligned block of ``s`` CP ranks (all ``N`` for ``distributed``, a hybrid group's
+``cp_ranks`` otherwise; DESIGN.md, "Hybrid DACP"). Each such sequence is padded
+to a multiple of ``2s`` and cut into ``2s`` chunks; the rank at position
+``p = j − first rank of the block`` holds chunks ``p`` and ``2s − 1 − p``
+(``zigzag.py`` with ``cp_size = s``, ``cp_rank = p``). The whole CP group is
+just the block of all ranks: one code path packs both.
 
 Local sequences keep their own positions; shards carry the *global* positions
 of their tokens (RoPE and the causal mask need them). Targets are shifted
-before sharding, so the token at the end of chunk ``j`` still predicts the first
-token of chunk ``j + 1`` on another rank.
+before sharding, so the token at the end of chunk ``p`` still predicts the first
+token of chunk ``p + 1`` on another rank.
 
 ``DacpMetadata`` is what attention needs, named as flash-attn names it:
-``cu_seqlens_local``/``max_seqlen_local`` for the local sequences; for the
-distributed ones, each rank's two chunks per sequence are separate queries
-(``cu_seqlens_q_dist``) whose keys are the sequence's *prefix* up to the end of
-that chunk, read from the all-gathered K/V through ``kv_index_dist``
-(``cu_seqlens_k_dist``). With causal attention aligned bottom-right (query
-``i`` of a chunk of ``c`` tokens sees ``len(prefix) − c + i + 1`` keys) this is
-exactly the unsharded causal attention of the sequence.
+``cu_seqlens_local``/``max_seqlen_local`` for the local sequences, and one
+``ShardedSpec`` per collective (the whole CP group first when there are
+distributed sequences, then every hybrid group holding ``j``, in plan order).
+In a spec each of the rank's two chunks per sequence is a separate query
+segment (``cu_seqlens_q``) whose keys are the sequence's *prefix* up to the end
+of that chunk (``cu_seqlens_k``), read from the block's all-gathered K/V through
+``kv_index``. With causal attention aligned bottom-right (query ``i`` of a chunk
+of ``c`` tokens sees ``len(prefix) − c + i + 1`` keys) this is exactly the
+unsharded causal attention of the sequence.
 
 Shape legend: T tokens this rank holds in the micro-batch; K gathered-prefix
-tokens (all distributed chunks of this rank).
+tokens (all chunks of this rank in one collective).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,43 +43,63 @@ import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-from scheduler_service.core.plan import MicroBatch
+from scheduler_service.core.plan import MicroBatch, cp_blocks
 from trainer_client.data import IGNORE_INDEX, Sample
 from trainer_client.zigzag import padded_length, zigzag_positions
 
-__all__ = ["DacpMetadata", "PackedMicroBatch", "distributed_kv_index", "pack_micro_batch"]
+__all__ = ["DacpMetadata", "PackedMicroBatch", "ShardedSpec", "distributed_kv_index", "pack_micro_batch"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardedSpec:
+    """One collective of a CP rank: the sequences zigzag-sharded over one aligned block of CP ranks."""
+
+    cp_ranks: tuple[int, ...]  # the block, consecutive CP ranks; all of them for the micro-batch's distributed part
+    group: dist.ProcessGroup | None  # the block's process group; None only where nothing is sent (size 1, tests)
+    group_rank: int  # this rank's position in the block: cp_rank − cp_ranks[0]
+    num_tokens: int  # this rank's shard tokens; the same on every rank of the block
+    cu_seqlens_q: torch.Tensor  # int32 [2 · num sequences + 1]: one query segment per chunk
+    cu_seqlens_k: torch.Tensor  # int32 [2 · num sequences + 1]: the prefix each chunk attends to
+    max_seqlen_q: int
+    max_seqlen_k: int
+    kv_index: torch.Tensor  # int64 [K]: rows of the gathered [group_size · num_tokens] K/V, rank-major
+
+    @property
+    def group_size(self) -> int:
+        return len(self.cp_ranks)
+
+    def to(self, device: torch.device) -> ShardedSpec:
+        return ShardedSpec(
+            cp_ranks=self.cp_ranks, group=self.group, group_rank=self.group_rank, num_tokens=self.num_tokens,
+            cu_seqlens_q=self.cu_seqlens_q.to(device), cu_seqlens_k=self.cu_seqlens_k.to(device),
+            max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k, kv_index=self.kv_index.to(device),
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DacpMetadata:
-    """How one CP rank's packed tokens split into local and distributed attention."""
+    """How one CP rank's packed tokens split into local attention and one attention per collective."""
 
     cp_size: int
     cp_rank: int
-    cp_group: dist.ProcessGroup | None  # None only when cp_size == 1 or there are no distributed sequences
     num_local_tokens: int
     cu_seqlens_local: torch.Tensor  # int32 [num local sequences + 1]
     max_seqlen_local: int
-    num_distributed_tokens: int  # this rank's shard tokens; the same on every CP rank of the micro-batch
-    cu_seqlens_q_dist: torch.Tensor  # int32 [2 · num distributed + 1]: one query segment per chunk
-    cu_seqlens_k_dist: torch.Tensor  # int32 [2 · num distributed + 1]: the prefix each chunk attends to
-    max_seqlen_q_dist: int
-    max_seqlen_k_dist: int
-    kv_index_dist: torch.Tensor  # int64 [K]: rows of the gathered [cp_size · num_distributed_tokens] K/V
+    sharded: tuple[ShardedSpec, ...]  # in row order, after the local tokens
 
     @property
-    def has_distributed(self) -> bool:
-        return self.num_distributed_tokens > 0
+    def num_sharded_tokens(self) -> int:
+        return sum(spec.num_tokens for spec in self.sharded)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_local_tokens + self.num_sharded_tokens
 
     def to(self, device: torch.device) -> DacpMetadata:
         return DacpMetadata(
-            cp_size=self.cp_size, cp_rank=self.cp_rank, cp_group=self.cp_group,
-            num_local_tokens=self.num_local_tokens,
+            cp_size=self.cp_size, cp_rank=self.cp_rank, num_local_tokens=self.num_local_tokens,
             cu_seqlens_local=self.cu_seqlens_local.to(device), max_seqlen_local=self.max_seqlen_local,
-            num_distributed_tokens=self.num_distributed_tokens,
-            cu_seqlens_q_dist=self.cu_seqlens_q_dist.to(device), cu_seqlens_k_dist=self.cu_seqlens_k_dist.to(device),
-            max_seqlen_q_dist=self.max_seqlen_q_dist, max_seqlen_k_dist=self.max_seqlen_k_dist,
-            kv_index_dist=self.kv_index_dist.to(device),
+            sharded=tuple(spec.to(device) for spec in self.sharded),
         )
 
 
@@ -88,6 +118,11 @@ class PackedMicroBatch:
     def num_loss_tokens(self) -> int:
         return int((self.targets_T != IGNORE_INDEX).sum())
 
+    @property
+    def is_idle(self) -> bool:
+        """No tokens and no collective: the rank may skip this micro-batch without leaving any peer waiting."""
+        return self.num_tokens == 0 and not self.metadata.sharded
+
     def to(self, device: torch.device) -> PackedMicroBatch:
         return PackedMicroBatch(input_ids_T=self.input_ids_T.to(device), position_ids_T=self.position_ids_T.to(device),
                                 targets_T=self.targets_T.to(device), metadata=self.metadata.to(device))
@@ -97,13 +132,18 @@ def _cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
     return torch.tensor([0, *np.cumsum(lengths, dtype=np.int64).tolist()], dtype=torch.int32)
 
 
+def _cat(parts: list[npt.NDArray[np.int64]]) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+
+
 def distributed_kv_index(
     lengths: Sequence[int], *, cp_size: int
 ) -> tuple[list[npt.NDArray[np.int64]], int]:
-    """Where each global position of each distributed sequence lies in the all-gathered shards.
+    """Where each global position of each sharded sequence lies in the all-gathered shards.
 
-    Returns one array per sequence (indexed by global position in the padded sequence, values are rows of the
-    gathered ``[cp_size · shard_tokens]`` buffer, rank-major) and ``shard_tokens`` (tokens per rank).
+    ``cp_size`` is the size of the block the sequences are sharded over. Returns one array per sequence (indexed
+    by global position in the padded sequence, values are rows of the gathered ``[cp_size · shard_tokens]``
+    buffer, rank-major) and ``shard_tokens`` (tokens per rank).
     """
     shard_lengths = [padded_length(length, cp_size) // cp_size for length in lengths]
     shard_tokens = sum(shard_lengths)
@@ -120,6 +160,47 @@ def distributed_kv_index(
     return locations, shard_tokens
 
 
+@dataclass(slots=True)
+class _Row:
+    """The packed row under construction: parallel lists of input ids, positions and targets."""
+
+    input_ids: list[npt.NDArray[np.int64]]
+    positions: list[npt.NDArray[np.int64]]
+    targets: list[npt.NDArray[np.int64]]
+
+
+def _pack_shards(
+    row: _Row, samples: Sequence[Sample], indices: Sequence[int], *, cp_ranks: tuple[int, ...], cp_rank: int,
+    group: dist.ProcessGroup | None, pad_token_id: int,
+) -> ShardedSpec:
+    """Append this rank's zigzag shards of ``indices`` (sharded over ``cp_ranks``) to ``row``; their spec."""
+    group_size, group_rank = len(cp_ranks), cp_rank - cp_ranks[0]
+    locations, shard_tokens = distributed_kv_index([samples[i].num_tokens for i in indices], cp_size=group_size)
+    chunk_lengths_q: list[int] = []
+    chunk_lengths_k: list[int] = []
+    kv_index: list[npt.NDArray[np.int64]] = []
+    for index, location in zip(indices, locations, strict=True):
+        sample = samples[index]
+        shard_positions = zigzag_positions(sample.num_tokens, cp_size=group_size, cp_rank=group_rank)
+        is_real = shard_positions < sample.num_tokens
+        real_positions = np.minimum(shard_positions, sample.num_tokens - 1)
+        row.input_ids.append(np.where(is_real, sample.input_ids[real_positions], pad_token_id))
+        row.targets.append(np.where(is_real, sample.targets[real_positions], IGNORE_INDEX))
+        row.positions.append(shard_positions)
+        chunk_tokens = len(shard_positions) // 2
+        for chunk_first in (shard_positions[0], shard_positions[chunk_tokens]):
+            prefix_end = int(chunk_first) + chunk_tokens
+            chunk_lengths_q.append(chunk_tokens)
+            chunk_lengths_k.append(prefix_end)
+            kv_index.append(location[:prefix_end])
+    return ShardedSpec(
+        cp_ranks=cp_ranks, group=group, group_rank=group_rank, num_tokens=shard_tokens,
+        cu_seqlens_q=_cu_seqlens(chunk_lengths_q), cu_seqlens_k=_cu_seqlens(chunk_lengths_k),
+        max_seqlen_q=max(chunk_lengths_q, default=0), max_seqlen_k=max(chunk_lengths_k, default=0),
+        kv_index=_cat(kv_index),
+    )
+
+
 def pack_micro_batch(
     samples: Sequence[Sample],
     micro_batch: MicroBatch,
@@ -127,60 +208,51 @@ def pack_micro_batch(
     cp_size: int,
     cp_rank: int,
     cp_group: dist.ProcessGroup | None = None,
+    cp_block_groups: Mapping[tuple[int, int], dist.ProcessGroup] | None = None,
     pad_token_id: int = 0,
 ) -> PackedMicroBatch:
-    """The packed row CP rank ``cp_rank`` runs for ``micro_batch`` (indices into ``samples``)."""
+    """The packed row CP rank ``cp_rank`` runs for ``micro_batch`` (indices into ``samples``).
+
+    ``cp_group`` is the whole CP group, ``cp_block_groups`` maps ``(first CP rank, size)`` of each aligned block
+    holding this rank to its process group (``ParallelContext.cp_block_groups``); a collective whose group is
+    missing packs, and fails in attention if it needs to communicate.
+    """
     if len(micro_batch.local) != cp_size:
         raise ValueError(f"micro-batch has {len(micro_batch.local)} local lists; cp_size is {cp_size}")
-    input_ids: list[npt.NDArray[np.int64]] = []
-    positions: list[npt.NDArray[np.int64]] = []
-    targets: list[npt.NDArray[np.int64]] = []
+    row = _Row(input_ids=[], positions=[], targets=[])
 
     local_lengths = []
     for index in micro_batch.local[cp_rank]:
         sample = samples[index]
-        input_ids.append(sample.input_ids)
-        positions.append(np.arange(sample.num_tokens, dtype=np.int64))
-        targets.append(sample.targets)
+        row.input_ids.append(sample.input_ids)
+        row.positions.append(np.arange(sample.num_tokens, dtype=np.int64))
+        row.targets.append(sample.targets)
         local_lengths.append(sample.num_tokens)
 
-    dist_lengths = [samples[index].num_tokens for index in micro_batch.distributed]
-    locations, shard_tokens = distributed_kv_index(dist_lengths, cp_size=cp_size)
-    chunk_lengths_q: list[int] = []
-    chunk_lengths_k: list[int] = []
-    kv_index: list[npt.NDArray[np.int64]] = []
-    for index, location in zip(micro_batch.distributed, locations, strict=True):
-        sample = samples[index]
-        shard_positions = zigzag_positions(sample.num_tokens, cp_size=cp_size, cp_rank=cp_rank)
-        is_real = shard_positions < sample.num_tokens
-        real_positions = np.minimum(shard_positions, sample.num_tokens - 1)
-        input_ids.append(np.where(is_real, sample.input_ids[real_positions], pad_token_id))
-        targets.append(np.where(is_real, sample.targets[real_positions], IGNORE_INDEX))
-        positions.append(shard_positions)
-        chunk_tokens = len(shard_positions) // 2
-        for chunk_first in (shard_positions[0], shard_positions[chunk_tokens]):
-            prefix_end = int(chunk_first) + chunk_tokens
-            chunk_lengths_q.append(chunk_tokens)
-            chunk_lengths_k.append(prefix_end)
-            kv_index.append(location[:prefix_end])
+    # One collective per block, in row order: the whole CP group, then the hybrid groups holding this rank.
+    collectives: list[tuple[tuple[int, ...], Sequence[int], dist.ProcessGroup | None]] = []
+    if micro_batch.distributed:
+        collectives.append((tuple(range(cp_size)), micro_batch.distributed, cp_group))
+    for group in micro_batch.sharded:
+        cp_ranks, degree = group.cp_ranks, group.degree
+        if not degree or cp_size % degree or cp_ranks not in cp_blocks(cp_size, degree):
+            raise ValueError(f"sharded group over CP ranks {list(cp_ranks)} is not an aligned block of "
+                             f"cp_size {cp_size}")
+        if cp_rank in cp_ranks and group.sequences:
+            block_group = (cp_group if degree == cp_size
+                           else (cp_block_groups or {}).get((cp_ranks[0], degree)))
+            collectives.append((cp_ranks, group.sequences, block_group))
+    sharded = tuple(_pack_shards(row, samples, indices, cp_ranks=cp_ranks, cp_rank=cp_rank, group=block_group,
+                                 pad_token_id=pad_token_id)
+                    for cp_ranks, indices, block_group in collectives)
 
-    def cat(parts: list[npt.NDArray[np.int64]]) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
-
-    num_local_tokens = sum(local_lengths)
     metadata = DacpMetadata(
         cp_size=cp_size,
         cp_rank=cp_rank,
-        cp_group=cp_group,
-        num_local_tokens=num_local_tokens,
+        num_local_tokens=sum(local_lengths),
         cu_seqlens_local=_cu_seqlens(local_lengths),
         max_seqlen_local=max(local_lengths, default=0),
-        num_distributed_tokens=shard_tokens,
-        cu_seqlens_q_dist=_cu_seqlens(chunk_lengths_q),
-        cu_seqlens_k_dist=_cu_seqlens(chunk_lengths_k),
-        max_seqlen_q_dist=max(chunk_lengths_q, default=0),
-        max_seqlen_k_dist=max(chunk_lengths_k, default=0),
-        kv_index_dist=cat(kv_index),
+        sharded=sharded,
     )
-    return PackedMicroBatch(input_ids_T=cat(input_ids), position_ids_T=cat(positions), targets_T=cat(targets),
-                            metadata=metadata)
+    return PackedMicroBatch(input_ids_T=_cat(row.input_ids), position_ids_T=_cat(row.positions),
+                            targets_T=_cat(row.targets), metadata=metadata)

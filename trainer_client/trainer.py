@@ -6,9 +6,11 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
    broadcasts the *decision* over a gloo group; every rank checks the plan
    with the core's checker. An error decision stops every rank cleanly.
 2. DP rank ``i``, CP rank ``j`` packs each of its micro-batches
-   (``plan.dp_ranks[i]``, column ``j``) and runs forward + backward on them in
-   order (gradient accumulation). A rank with nothing to run still joins
-   every collective below.
+   (``plan.dp_ranks[i]``, column ``j``; sequences sharded over the whole CP
+   group or over a hybrid group's block of it) and runs forward + backward on
+   them in order (gradient accumulation). It skips only a micro-batch where it
+   holds no token and is a member of no collective; a rank with nothing to run
+   still joins every collective below.
 3. Loss normalisation over the *whole* global batch (paper appendix A): the
    number of loss tokens is all-reduced, every micro-batch's summed token loss
    is divided by it, and gradients are summed over all DP × CP ranks. Every
@@ -262,7 +264,8 @@ class Trainer:
         micro_batches = decision.plan.dp_ranks[self.parallel.dp_rank].micro_batches
         return [
             pack_micro_batch(batch.samples, micro_batch, cp_size=self.config.cp, cp_rank=self.parallel.cp_rank,
-                             cp_group=self.parallel.cp_group, pad_token_id=self.pad_token_id).to(self.device)
+                             cp_group=self.parallel.cp_group, cp_block_groups=self.parallel.cp_block_groups,
+                             pad_token_id=self.pad_token_id).to(self.device)
             for micro_batch in micro_batches
         ]
 
@@ -279,8 +282,8 @@ class Trainer:
         # On CUDA the timing waits for the device, so only a run that reports it pays for the waits.
         timed = self.device.type != "cuda" or self.config.feedback
         for index, pack in enumerate(packs):
-            if pack.num_tokens == 0:
-                continue  # no tokens here and no distributed sequence: nothing to compute, no CP collective
+            if pack.is_idle:
+                continue  # no tokens here and a member of no collective: no peer waits for this rank
             if timed and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
                 torch.cuda.reset_peak_memory_stats(self.device)

@@ -10,6 +10,12 @@ Padding tokens sit at the end of the sequence (global positions
 ``>= num_tokens``); causal attention never lets a real token see them and the
 loss ignores them, so they change no number that matters.
 
+Hybrid DACP shards a sequence over an aligned *block* of ``s`` CP ranks
+instead of the whole group (DESIGN.md, "Hybrid DACP"): the same rule applies
+with ``cp_size = s`` and ``cp_rank`` the rank's position in the block
+(``cp_rank − first rank of the block``); the whole CP group is the block of all
+ranks.
+
 This module is the one place the rule lives. Packing (``packing.py``) slices
 tokens with ``zigzag_positions`` and builds the K/V gather index from it; the
 tests check both against this function.

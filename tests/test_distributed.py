@@ -1,0 +1,38 @@
+"""The DP × CP layout and the hybrid DACP block groups every rank creates at start-up."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from trainer_client.distributed import ParallelDims
+
+
+@pytest.mark.parametrize(("dp_size", "cp_size", "blocks_per_row"), [(2, 8, 4 + 2), (3, 4, 2), (1, 6, 3 + 2), (2, 2, 0)])
+def test_every_aligned_block_of_every_dp_row_gets_a_group(dp_size: int, cp_size: int, blocks_per_row: int) -> None:
+    dims = ParallelDims(dp_size=dp_size, cp_size=cp_size)
+    blocks = dims.cp_block_ranks()
+    assert len(blocks) == dp_size * blocks_per_row
+    assert len(set(blocks)) == len(blocks)
+    for degree in {len(block) for _, block in blocks}:
+        assert 2 <= degree < cp_size and cp_size % degree == 0
+        # Per size, a DP row's blocks partition its CP ranks into aligned runs.
+        for dp_rank in range(dp_size):
+            of_row = [block for row, block in blocks if row == dp_rank and len(block) == degree]
+            assert [cp_rank for block in of_row for cp_rank in block] == list(range(cp_size))
+            assert all(block == tuple(range(block[0], block[0] + degree)) and block[0] % degree == 0
+                       for block in of_row)
+
+
+def test_global_ranks_are_row_major_over_dp_then_cp() -> None:
+    dims = ParallelDims(dp_size=2, cp_size=4)
+    assert [dims.global_rank(*dims.coordinates(g)) for g in range(8)] == list(range(8))
+    assert dims.global_rank(1, 2) == 6
+
+
+def test_each_rank_joins_one_block_group_per_size() -> None:
+    dims = ParallelDims(dp_size=2, cp_size=8)
+    memberships = Counter((dims.global_rank(row, cp_rank), len(block))
+                          for row, block in dims.cp_block_ranks() for cp_rank in block)
+    assert set(memberships.values()) == {1} and len(memberships) == 16 * 2
