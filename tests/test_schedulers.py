@@ -136,7 +136,7 @@ def test_simulator_hides_collectives_behind_local_attention_only_and_takes_the_s
     problem_of: ProblemFactory,
 ) -> None:
     # The trainer overlaps the forward all-gather with the local attention forward and the backward
-    # reduce-scatter with the local attention backward (tests/test_attention.py checks that order); the
+    # reduce-scatter with the local attention backward (tests/test_hybrid_attention.py checks that order); the
     # simulator must hide exactly that and nothing else.
     problem = problem_of([1000, 200, 4000], dp_size=1, cp_size=2, bucket_size=4000)
     mb = MicroBatch(local=((0,), (1,)), distributed=(2,))
