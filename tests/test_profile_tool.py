@@ -1,8 +1,10 @@
 """The profiler (``python -m trainer_client.profile``): a short sweep on this machine gives a profile file with
-provenance that the service and the CLI accept; under two gloo ranks it adds collectives and the shard effect."""
+provenance that the service and the CLI accept; under gloo ranks it adds collectives (over the world and over
+every hybrid block size) and the shard effect per degree, from which the attention efficiency is derived."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -15,11 +17,12 @@ from skrull_proto import PlanResponse
 
 from scheduler_service import cli
 from scheduler_service.app import create_app
+from scheduler_service.core.check import find_violations
 from scheduler_service.core.models import MODEL_CATALOGUE
-from scheduler_service.core.perf_model import PerformanceModel
-from scheduler_service.core.plan import make_problem
+from scheduler_service.core.perf_model import PerformanceModel, fit_line
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGroup, make_problem
 from scheduler_service.core.planner import make_plan
-from scheduler_service.core.profile import load_profile, parse_profile
+from scheduler_service.core.profile import builtin_profiles, load_profile, parse_profile
 from scheduler_service.settings import Settings
 from trainer_client import profile as profiler
 from trainer_client.distributed import spawn_gloo
@@ -109,7 +112,7 @@ def test_profiler_rejects_bad_options_with_exit_2(
     assert not (tmp_path / "p.json").exists()
 
 
-def _profile_two_ranks(out_path: Path) -> None:
+def _profile_ranks(out_path: Path) -> None:
     options = profiler.ProfileOptions(model="tiny", sizes=(32, 64), short_length=16, memory_sizes=(32, 64),
                                       comm_sizes=(1024, 8192), shard_sizes=(64,), repeats=1, warmup=0,
                                       progress=False)
@@ -124,17 +127,182 @@ def _profile_two_ranks(out_path: Path) -> None:
 @pytest.mark.slow
 def test_two_ranks_measure_collectives_and_the_shard_effect(tmp_path: Path) -> None:
     out_path = tmp_path / "two-ranks.json"
-    spawn_gloo(_profile_two_ranks, 2, out_path)
+    spawn_gloo(_profile_ranks, 2, out_path)
     document: dict[str, Any] = json.loads(out_path.read_text())
     tables = document["communication"]["tables"]
     assert set(tables) == {"all_gather", "reduce_scatter", "all_to_all"}
     assert all(len(table) == 2 and all(latency > 0 for _, latency in table) for table in tables.values())
     assert document["communication"]["world_size"] == 2 and document["communication"]["fit"] == "relative"
+    assert document["communication"]["tables_by_group_size"] == {}  # no block size between 2 and 2
     (shard,) = document["compute"]["shard_effect"]
-    assert shard["num_tokens"] == 64 and shard["cp_size"] == 2
+    assert shard["num_tokens"] == 64 and shard["degree"] == 2 and shard["query_tokens"] == 16
     assert shard["whole_s"] > 0 and shard["shard_s"] > 0 and shard["predicted_shard_s"] > 0
     perf = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=parse_profile(document))
     assert perf.comm_time_s(64) > 0  # distributed sequences now pay for their collectives
+
+
+@pytest.mark.slow
+def test_four_ranks_measure_every_degree_and_the_tables_of_blocks_of_two(tmp_path: Path) -> None:
+    out_path = tmp_path / "four-ranks.json"
+    spawn_gloo(_profile_ranks, 4, out_path)
+    document: dict[str, Any] = json.loads(out_path.read_text())
+    compute, communication = document["compute"], document["communication"]
+    assert [(row["num_tokens"], row["degree"]) for row in compute["shard_effect"]] == [(64, 2), (64, 4)]
+    assert all(row["shard_s"] > 0 and row["predicted_shard_s"] > 0 for row in compute["shard_effect"])
+    assert communication["world_size"] == 4 and set(communication["tables_by_group_size"]) == {"2"}
+    pair_tables = communication["tables_by_group_size"]["2"]
+    assert set(pair_tables) == {"all_gather", "reduce_scatter"}
+    assert all([size for size, _ in table] == [1024, 8192] and all(latency > 0 for _, latency in table)
+               for table in pair_tables.values())
+    # Efficiency is written only with its derivation beside it, and the note says which way it went.
+    derivation = compute["fit"]["attention_efficiency"]
+    assert ("attention_efficiency" in compute) == derivation["result"].startswith("written")
+    assert derivation["result"] in compute["shard_effect_note"]
+
+    profile = parse_profile(document)
+    perf = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=profile)
+    cost = perf.collective_cost(2)
+    all_gather = fit_line(profile.communication.tables_by_group_size[2]["all_gather"], relative=True)
+    reduce_scatter = fit_line(profile.communication.tables_by_group_size[2]["reduce_scatter"], relative=True)
+    layers, bytes_per_token = MODEL_CATALOGUE["tiny"].num_layers, perf.comm_bytes_per_layer(1.0)
+    assert cost.all_gather_fixed_s == pytest.approx(layers * all_gather.intercept)
+    assert cost.all_gather_s_per_token == pytest.approx(layers * all_gather.slope * bytes_per_token)
+    assert cost.reduce_scatter_fixed_s == pytest.approx(layers * reduce_scatter.intercept)
+    assert cost.reduce_scatter_s_per_token == pytest.approx(layers * reduce_scatter.slope * bytes_per_token)
+
+    table = profiler.summary(document).splitlines()
+    assert any(line.split()[:2] == ["64", "2"] for line in table) and any(
+        line.split()[:2] == ["64", "4"] for line in table)
+    assert any(line.startswith("communication over 2 ranks: all_gather") for line in table)
+
+
+def test_shard_micro_batch_puts_one_sequence_on_every_aligned_block() -> None:
+    assert profiler.shard_degrees(1) == () and profiler.shard_degrees(2) == (2,)
+    assert profiler.shard_degrees(8) == (2, 4, 8)
+    assert profiler.shard_micro_batch(4, 2) == MicroBatch(
+        local=((),) * 4, distributed=(),
+        sharded=(ShardedGroup(cp_ranks=(0, 1), sequences=(0,)), ShardedGroup(cp_ranks=(2, 3), sequences=(1,))))
+    assert profiler.shard_micro_batch(4, 4) == MicroBatch(local=((),) * 4, distributed=(0,))
+    for degree in profiler.shard_degrees(8):  # each is a plan the trainer would accept
+        micro_batch = profiler.shard_micro_batch(8, degree)
+        lengths = [512] * len(micro_batch.indices())
+        assert find_violations(Plan(dp_ranks=(DPRankPlan(micro_batches=(micro_batch,)),)), sequence_lengths=lengths,
+                               dp_size=1, cp_size=8, bucket_size=512) == []
+
+
+# ---- the attention efficiency, derived from synthetic shard-effect rows (no processes) -------------------------
+
+TRUE_CURVE = [[32, 0.4], [2048, 1.0]]  # relative throughput by query tokens, log-interpolated
+
+
+def _flat_and_true_models(
+    curve: list[list[float]] = TRUE_CURVE,
+) -> tuple[dict[str, Any], PerformanceModel, PerformanceModel]:
+    document = copy.deepcopy(builtin_profiles()["cpu-tiny"].raw)
+    document["compute"].pop("attention_efficiency", None)
+    curved = copy.deepcopy(document)
+    curved["compute"]["attention_efficiency"] = {"points": curve, "source": "test"}
+    tiny = MODEL_CATALOGUE["tiny"]
+    return (document, PerformanceModel(model=tiny, profile=parse_profile(document)),
+            PerformanceModel(model=tiny, profile=parse_profile(curved)))
+
+
+def _rows_timed_by(perf: PerformanceModel, sizes: list[int], degrees: list[int]) -> list[dict[str, Any]]:
+    """What the profiler would measure on a machine that behaves exactly as ``perf`` says."""
+    return [{"num_tokens": size, "degree": degree,
+             "whole_s": perf.compute_time_s(float(perf.placement_flops([size], 1)[0])),
+             "shard_s": profiler._predicted_shard_s(perf, size, degree)}
+            for size in sizes for degree in degrees]
+
+
+def test_efficiency_derivation_recovers_the_curve_the_times_came_from() -> None:
+    _, flat, true = _flat_and_true_models()
+    rows = _rows_timed_by(true, [512, 2048], [2, 4])
+    fit = profiler.derive_attention_efficiency(flat, rows)
+    assert fit.result == "written: 5 points" and fit.reference_query_tokens == 2048
+    queries = [query for query, _ in fit.points]
+    assert queries == [64, 128, 256, 512, 2048]  # 512 whole and 2048 over 2 ranks both query 512 tokens
+    assert [relative for _, relative in fit.points] == pytest.approx(true.attention_efficiency(queries).tolist())
+
+
+def test_written_efficiency_makes_the_model_reproduce_the_measured_shard_times() -> None:
+    document, flat, true = _flat_and_true_models()
+    rows = _rows_timed_by(true, [512, 2048], [2, 4])
+    options = profiler.ProfileOptions(model="tiny", shard_sizes=(512, 2048))
+    profiler._add_shard_effect(document["compute"], flat, rows, options)
+    assert document["compute"]["attention_efficiency"]["source"].startswith("derived from compute.shard_effect")
+    derived = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=parse_profile(document))
+    for row in rows:
+        assert profiler._predicted_shard_s(derived, row["num_tokens"], row["degree"]) == pytest.approx(row["shard_s"])
+    assert [row["predicted_shard_s"] < row["shard_s"] for row in document["compute"]["shard_effect"]] == [True] * 4
+    assert "attention efficiency (relative throughput" in profiler.summary(document)
+
+
+def test_efficiency_is_omitted_when_fewer_than_two_lengths_are_determined() -> None:
+    document, flat, true = _flat_and_true_models()
+    rows = _rows_timed_by(true, [2048], [2, 4])
+    for row in rows:  # shards faster than the model's non-attention terms alone: noise, not attention
+        row["shard_s"] = 0.5 * profiler._candidate(flat, row["num_tokens"], row["degree"], row["shard_s"]).other_s
+    fit = profiler.derive_attention_efficiency(flat, rows)
+    assert fit.points == () and fit.result == "omitted: 1 usable query length(s), a curve needs 2"
+    assert fit.verdicts[256].startswith("ill-determined") and fit.verdicts[2048].startswith("usable")
+
+    options = profiler.ProfileOptions(model="tiny", shard_sizes=(2048,))
+    profiler._add_shard_effect(document["compute"], flat, rows, options)
+    assert "attention_efficiency" not in document["compute"]
+    assert "attention_efficiency: omitted: 1 usable" in document["compute"]["shard_effect_note"]
+    parse_profile(document)
+
+
+def test_efficiency_drops_lengths_whose_candidates_disagree_or_beat_the_reference() -> None:
+    _, flat, true = _flat_and_true_models()
+    rows = _rows_timed_by(true, [512, 1024, 2048], [2, 4])
+    by_case = {(row["num_tokens"], row["degree"]): row for row in rows}
+    by_case[(1024, 4)]["shard_s"] *= 3  # query 128 twice (512 over 2, 1024 over 4): now far apart
+    for row in rows:
+        if row["num_tokens"] == 1024:
+            row["whole_s"] *= 0.5  # 1024 tokens whole faster than the model allows at efficiency 1
+    fit = profiler.derive_attention_efficiency(flat, rows)
+    assert fit.verdicts[128].startswith("ill-determined: its candidates disagree")
+    assert fit.verdicts[1024].startswith("ill-determined") or fit.verdicts[1024].startswith("dropped")
+    assert 128 not in dict(fit.points) and 1024 not in dict(fit.points)
+    assert all(0 < relative <= 1 for _, relative in fit.points) and dict(fit.points)[2048] == 1.0
+
+
+def test_efficiency_is_omitted_when_it_falls_as_queries_lengthen() -> None:
+    _, flat, true = _flat_and_true_models([[64, 0.9], [256, 0.4], [2048, 1.0]])  # a machine whose load varied
+    fit = profiler.derive_attention_efficiency(flat, _rows_timed_by(true, [512, 2048], [2, 4]))
+    assert fit.points == ()
+    assert fit.result.startswith("omitted: not sensible, the relative throughput falls from")
+
+
+def test_efficiency_is_omitted_when_the_longest_sequence_disagrees_with_the_compute_fit() -> None:
+    _, flat, true = _flat_and_true_models()
+    rows = _rows_timed_by(true, [512, 2048], [2, 4])
+    for row in rows:
+        if row["num_tokens"] == 2048:
+            row["whole_s"] *= 0.7  # the machine was quieter during the shard runs than during the compute sweep
+    fit = profiler.derive_attention_efficiency(flat, rows)
+    assert fit.points == ()
+    assert fit.result.startswith("omitted: not sensible, the longest query (2048 tokens whole) has efficiency")
+
+
+def test_efficiency_is_derived_only_against_the_model_without_a_curve() -> None:
+    _, _, true = _flat_and_true_models()
+    with pytest.raises(ValueError, match="already has an attention efficiency curve"):
+        profiler.derive_attention_efficiency(true, _rows_timed_by(true, [512], [2]))
+
+
+def test_efficiency_is_omitted_when_the_longest_query_is_not_determined() -> None:
+    _, flat, true = _flat_and_true_models()
+    rows = _rows_timed_by(true, [512, 2048], [2])
+    for row in rows:
+        if row["num_tokens"] == 2048:
+            row["whole_s"] = 0.01  # less than the model's linear work alone
+    fit = profiler.derive_attention_efficiency(flat, rows)
+    assert fit.points == () and fit.result.startswith("omitted: the longest query measured (2048 tokens)")
+    verdicts = {c["query_tokens"]: c["verdict"] for c in fit.to_json()["candidates"]}
+    assert verdicts[512].startswith("not used") and verdicts[2048].startswith("ill-determined")
 
 
 def test_trainer_plans_with_a_profile_file_and_asks_the_service_for_it_by_name(measured: Path) -> None:

@@ -17,9 +17,22 @@ median (CUDA events on CUDA), running exactly the trainer's micro-batch code
   and the BucketSize for the memory budget follows;
 * **communication** (world size > 1): all-gather / reduce-scatter /
   all-to-all latency vs message size over all ranks → the tables ``T_comm`` is
-  fitted from; and the shard-size effect of the paper's Figure 1(b): one
-  sequence computed whole on one rank vs as 1/N zigzag shards over N ranks,
-  measured beside the model's prediction.
+  fitted from; the same all-gather / reduce-scatter sizes over every aligned
+  block of ``s`` ranks at once (``s`` each hybrid group size: the divisors of
+  the world size between 2 and it) → ``communication.tables_by_group_size``;
+* **the shard-size effect** of the paper's Figure 1(b) (world size > 1): one
+  sequence computed whole on every rank vs as zigzag shards over every aligned
+  block of ``d`` ranks at once (each block its own copy, so every rank works),
+  for ``d`` each hybrid group size and the whole world, beside the model's
+  prediction (``compute.shard_effect``). From those rows the attention kernel's
+  efficiency per query length follows (``derive_attention_efficiency``): per
+  row, the efficiency that makes the model's time equal the measured one,
+  normalised to the longest query measured. It is written as
+  ``compute.attention_efficiency`` only when well determined (at least 2 query
+  lengths where attention is a tenth or more of the measured time, the
+  measurements of one length agree, the longest whole sequence runs as the
+  compute fit predicts, the efficiency lies in (0, 1], and it does not fall as
+  queries lengthen); ``compute.shard_effect_note`` says which, and why.
 
 Under ``torchrun`` every rank runs the compute sweep at the same time (as in
 training, ranks share the machine) and the per-rank medians are averaged;
@@ -32,7 +45,9 @@ model it was measured for, with ``provenance`` (hardware, software versions,
 model shape, date, command) and the raw points beside every fit. The default
 sweeps take about 15 s for the tiny model in one process and 30–40 s under
 torchrun with 2 ranks, on the 2-core development machine; ``--sizes``,
-``--repeats`` and friends trade time for precision.
+``--repeats`` and friends trade time for precision. Every derived number sits
+beside what it was derived from (``compute.fit``, the candidates of
+``compute.fit.attention_efficiency``).
 
 A profile holds for the machine *as it was* while measured: on a shared host
 another job taking a core makes every micro-batch slower (we saw 2×). The
@@ -43,12 +58,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import logging
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -61,7 +77,7 @@ from tqdm import tqdm
 from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import ComputePoint, PerformanceModel, eq13_flops, fit_compute, fit_memory
-from scheduler_service.core.plan import MicroBatch
+from scheduler_service.core.plan import MicroBatch, ShardedGroup, block_degrees, cp_blocks
 from scheduler_service.core.profile import PROFILE_SCHEMA_VERSION, parse_profile
 from trainer_client.attention import AttentionBackend, resolve_backend
 from trainer_client.measure import (
@@ -81,11 +97,33 @@ from trainer_client.model import build_model, model_shape
 from trainer_client.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.trainer import run_micro_batch
 
-__all__ = ["ProfileOptions", "build_parser", "compute_cases", "main", "measure_profile"]
+__all__ = [
+    "EfficiencyCandidate",
+    "EfficiencyFit",
+    "ProfileOptions",
+    "build_parser",
+    "compute_cases",
+    "derive_attention_efficiency",
+    "main",
+    "measure_profile",
+    "shard_degrees",
+    "shard_effect_rows",
+    "shard_micro_batch",
+]
 
 logger = logging.getLogger("trainer_client.profile")
 
 EXIT_USER_ERROR = 2
+GROUP_COLLECTIVES = ("all_gather", "reduce_scatter")  # what a hybrid group's attention runs (attention.py)
+# An efficiency is solved from the measured time minus the model's other terms; where attention is less than
+# this share of the measured time, a few percent of noise in the other terms is a large error in it.
+MIN_ATTENTION_SHARE = 0.1
+# Candidates at one query length (from different sequence lengths and degrees) measure the same kernel; where they
+# disagree by more than this factor, noise or a term the model lacks dominates, not the kernel's efficiency.
+MAX_CANDIDATE_SPREAD = 1.5
+# The longest query is a whole sequence like the compute sweep's, so against the sweep's fit its efficiency is
+# about 1; further off than this, the machine ran differently during the shard runs (load) and nothing is normalised.
+MAX_REFERENCE_DEVIATION = 0.25
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,7 +135,7 @@ class ProfileOptions:
     short_length: int = 128  # tokens of each sequence in the "many short" mixes
     memory_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
     comm_sizes: tuple[int, ...] = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes per collective
-    shard_sizes: tuple[int, ...] = (512, 2048)  # tokens of the sequence computed whole vs sharded
+    shard_sizes: tuple[int, ...] = (512, 2048)  # tokens of the sequence computed whole vs sharded at each degree
     warmup: int = 1
     repeats: int = 5
     memory_budget_bytes: float | None = None
@@ -225,40 +263,103 @@ def _measure_memory(bench: _Bench, bar: tqdm) -> list[tuple[int, int]]:
     return points
 
 
-def _measure_collectives(bench: _Bench, bar: tqdm) -> dict[str, list[list[float]]]:
+def shard_degrees(world_size: int) -> tuple[int, ...]:
+    """The degrees the shard effect is measured at: every hybrid group size (``block_degrees``) and the whole
+    world; none in one process."""
+    return (*block_degrees(world_size), world_size) if world_size > 1 else ()
+
+
+def shard_micro_batch(world_size: int, degree: int) -> MicroBatch:
+    """Sequence ``b`` zigzag-sharded over the ``b``-th aligned block of ``degree`` ranks, every block at once (so
+    every rank works, as in training); over the whole world it is the plan's ``distributed`` part."""
+    local: tuple[tuple[int, ...], ...] = ((),) * world_size
+    if degree == world_size:
+        return MicroBatch(local=local, distributed=(0,))
+    return MicroBatch(local=local, distributed=(), sharded=tuple(
+        ShardedGroup(cp_ranks=block, sequences=(index,)) for index, block in enumerate(cp_blocks(world_size, degree))))
+
+
+def _new_block_groups(world_size: int) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """The process group of every aligned block holding this rank, by (first rank, size) as
+    ``ParallelContext.cp_block_groups`` keys them: the profiler's world is one CP group. ``new_group`` is
+    collective over the world, so every rank creates every block, in the same order."""
+    rank = dist.get_rank()
+    groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+    for degree in block_degrees(world_size):
+        for block in cp_blocks(world_size, degree):
+            group = dist.new_group(list(block))
+            if rank in block:
+                assert group is not None
+                groups[(block[0], degree)] = group
+    return groups
+
+
+def _slowest_over_ranks(value: float, device: torch.device) -> float:
+    slowest = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
+def _collective_table(bench: _Bench, collective: str, group: dist.ProcessGroup | None) -> list[list[float]]:
     dtype = torch.bfloat16 if bench.autocast_dtype is not None else torch.float32
-    tables: dict[str, list[list[float]]] = {}
+    table = []
+    for num_bytes in bench.options.comm_sizes:
+        latency_s = collective_latency_s(collective, num_bytes, group=group, device=bench.device, dtype=dtype,
+                                         warmup=max(bench.options.warmup, 1), repeats=max(bench.options.repeats, 3))
+        if group is not None:  # every block measured at once; a micro-batch waits for the slowest
+            latency_s = _slowest_over_ranks(latency_s, bench.device)
+        table.append([float(num_bytes), latency_s])
+    return table
+
+
+def _measure_collectives(bench: _Bench, bar: tqdm) -> dict[str, list[list[float]]]:
+    tables = {}
     for collective in COLLECTIVES:
-        table = []
-        for num_bytes in bench.options.comm_sizes:
-            latency_s = collective_latency_s(collective, num_bytes, group=None, device=bench.device, dtype=dtype,
-                                             warmup=max(bench.options.warmup, 1), repeats=max(bench.options.repeats, 3))
-            table.append([float(num_bytes), latency_s])
-            bar.update()
-        tables[collective] = table
+        tables[collective] = _collective_table(bench, collective, group=None)
+        bar.update(len(bench.options.comm_sizes))
     return tables
 
 
-def _measure_shards(bench: _Bench, bar: tqdm, world_size: int) -> list[dict[str, Any]]:
-    """Figure 1(b): one sequence whole on every rank (concurrently) vs as 1/N zigzag shards over N ranks."""
+def _measure_group_collectives(
+    bench: _Bench, bar: tqdm, world_size: int, block_groups: Mapping[tuple[int, int], dist.ProcessGroup]
+) -> dict[str, dict[str, list[list[float]]]]:
+    """All-gather and reduce-scatter over every aligned block of each hybrid group size, all blocks at once."""
     rank = dist.get_rank()
+    by_size: dict[str, dict[str, list[list[float]]]] = {}
+    for degree in block_degrees(world_size):
+        group = block_groups[(rank // degree * degree, degree)]
+        by_size[str(degree)] = {}
+        for collective in GROUP_COLLECTIVES:
+            by_size[str(degree)][collective] = _collective_table(bench, collective, group)
+            bar.update(len(bench.options.comm_sizes))
+    return by_size
+
+
+def _measure_shards(
+    bench: _Bench, bar: tqdm, world_size: int, block_groups: Mapping[tuple[int, int], dist.ProcessGroup]
+) -> list[dict[str, Any]]:
+    """Figure 1(b) per degree: one sequence whole on every rank (concurrently) vs as 1/d zigzag shards over
+    every aligned block of d ranks (concurrently)."""
+    rank, options = dist.get_rank(), bench.options
     results = []
-    for size in bench.options.shard_sizes:
-        samples = random_samples([size], vocab_size=bench.shape.vocab_size, seed=2000 + size)
+    for size in options.shard_sizes:
+        (sample,) = random_samples([size], vocab_size=bench.shape.vocab_size, seed=2000 + size)
         whole = local_pack([size], vocab_size=bench.shape.vocab_size, device=bench.device, seed=2000 + size)
-        sharded = pack_micro_batch(samples, MicroBatch(local=((),) * world_size, distributed=(0,)),
-                                   cp_size=world_size, cp_rank=rank, cp_group=dist.group.WORLD).to(bench.device)
         dist.barrier()
         whole_s = statistics.median(timed_runs(functools.partial(bench.step, whole), device=bench.device,
-                                               warmup=bench.options.warmup, repeats=bench.options.repeats))
-        dist.barrier()
-        shard_times = timed_runs(functools.partial(bench.step, sharded), device=bench.device,
-                                 warmup=bench.options.warmup, repeats=bench.options.repeats)
-        slowest = torch.tensor([statistics.median(shard_times)], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        results.append({"num_tokens": size, "cp_size": world_size,
-                        "whole_s": _mean_over_ranks(whole_s, world_size), "shard_s": float(slowest.item())})
-        bar.update()
+                                               warmup=options.warmup, repeats=options.repeats))
+        whole_s = _mean_over_ranks(whole_s, world_size)
+        for degree in shard_degrees(world_size):
+            micro_batch = shard_micro_batch(world_size, degree)
+            samples = [sample] * (1 if micro_batch.distributed else len(micro_batch.sharded))
+            sharded = pack_micro_batch(samples, micro_batch, cp_size=world_size, cp_rank=rank,
+                                       cp_group=dist.group.WORLD, cp_block_groups=block_groups).to(bench.device)
+            dist.barrier()
+            shard_times = timed_runs(functools.partial(bench.step, sharded), device=bench.device,
+                                     warmup=options.warmup, repeats=options.repeats)
+            results.append({"num_tokens": size, "degree": degree, "whole_s": whole_s,
+                            "shard_s": _slowest_over_ranks(statistics.median(shard_times), bench.device)})
+            bar.update()
     bench.zero_grad()
     return results
 
@@ -276,24 +377,33 @@ def measure_profile(options: ProfileOptions, *, command: str | None = None) -> d
     bench = _Bench(options, device)
     shape = bench.shape
     num_cases = len(compute_cases(options.sizes, options.short_length)) + len(options.memory_sizes)
+    num_group_sizes = len(block_degrees(world_size))
     if world_size > 1:
-        num_cases += len(COLLECTIVES) * len(options.comm_sizes) + len(options.shard_sizes)
+        num_cases += ((len(COLLECTIVES) + len(GROUP_COLLECTIVES) * num_group_sizes) * len(options.comm_sizes)
+                      + len(options.shard_sizes) * len(shard_degrees(world_size)))
     bar = tqdm(total=num_cases, desc=f"profile {shape.name}", unit="case", disable=not (is_main and options.progress))
+    tables: dict[str, list[list[float]]] = {}
+    group_tables: dict[str, dict[str, list[list[float]]]] = {}
+    shards: list[dict[str, Any]] = []
     with bar:
         compute_points = _measure_compute(bench, bar, world_size)
-        tables = _measure_collectives(bench, bar) if world_size > 1 else {}
-        shards = _measure_shards(bench, bar, world_size) if world_size > 1 else []
+        if world_size > 1:
+            block_groups = _new_block_groups(world_size)
+            tables = _measure_collectives(bench, bar)
+            group_tables = _measure_group_collectives(bench, bar, world_size, block_groups)
+            shards = _measure_shards(bench, bar, world_size, block_groups)
         memory_points = _measure_memory(bench, bar) if is_main else []
     if not is_main:
         return None
     command = command or f"trainer_client.profile.measure_profile() from {Path(sys.argv[0]).name}"
-    return _document(options, bench, world_size, compute_points, memory_points, tables, shards, command)
+    return _document(options, bench, world_size, compute_points, memory_points, tables, group_tables, shards,
+                     command)
 
 
 def _document(
     options: ProfileOptions, bench: _Bench, world_size: int, compute_points: list[dict[str, Any]],
-    memory_points: list[tuple[int, int]], tables: dict[str, list[list[float]]], shards: list[dict[str, Any]],
-    command: str,
+    memory_points: list[tuple[int, int]], tables: dict[str, list[list[float]]],
+    group_tables: dict[str, dict[str, list[list[float]]]], shards: list[dict[str, Any]], command: str,
 ) -> dict[str, Any]:
     shape, device = bench.shape, bench.device
     points = [ComputePoint(flops=p["flops"], num_tokens=p["num_tokens"], num_sequences=p["num_sequences"],
@@ -364,9 +474,13 @@ def _document(
         "communication": {
             "kv_bytes_per_element": bench.kv_bytes_per_element(),
             "tables": tables,
+            "tables_by_group_size": group_tables,
             "fit": "relative",
             "world_size": world_size,
-            "source": f"collective latency (slowest rank, median) vs bytes moved in all: {comm_note}.",
+            "source": f"collective latency (slowest rank, median) vs bytes moved in all: {comm_note}."
+                      + (f" tables_by_group_size: all_gather and reduce_scatter of the same sizes over every aligned "
+                         f"block of s ranks at once (dist.new_group per block), slowest rank of any block, for s in "
+                         f"{', '.join(group_tables)}." if group_tables else ""),
         },
         "provenance": {
             "tool": "python -m trainer_client.profile",
@@ -382,7 +496,8 @@ def _document(
         },
     }
     if shards:
-        document["compute"]["shard_effect"] = _shard_effect(document, shape, shards)
+        _add_shard_effect(document["compute"], PerformanceModel(model=shape, profile=parse_profile(document)), shards,
+                          options)
     parse_profile(document)  # the file must load where it is used
     return document
 
@@ -393,18 +508,180 @@ def _fit_summary(fit: Any) -> dict[str, float]:
             "median_relative_error": fit.median_relative_error, "max_relative_error": fit.max_relative_error}
 
 
-def _shard_effect(document: dict[str, Any], shape: ModelShape, shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Measured whole vs shard times beside the model's prediction of the shard (eq. 2 with no local work)."""
-    perf = PerformanceModel(model=shape, profile=parse_profile(document))
+def _predicted_shard_s(perf: PerformanceModel, num_tokens: int, degree: int) -> float:
+    """The model's time of a rank holding only its shard of one sequence sharded over ``degree`` ranks: no local
+    attention hides the collectives (``simulate.rank_time_s``)."""
+    cost = perf.collective_cost(degree)
+    return (perf.compute_time_s(float(perf.placement_flops([num_tokens], degree)[0]))
+            + perf.exposed_comm_s(cost.all_gather_s(num_tokens), cost.reduce_scatter_s(num_tokens), 0.0))
+
+
+def shard_effect_rows(perf: PerformanceModel, shards: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Measured whole vs shard times beside the model's prediction of both (eq. 2 with no local work)."""
     rows = []
     for shard in shards:
-        size, cp_size = shard["num_tokens"], shard["cp_size"]
-        predicted = perf.comm_time_s(size) + perf.compute_time_s(perf.flops(size) / cp_size)
-        rows.append({**shard, "speedup": shard["whole_s"] / shard["shard_s"],
-                     "efficiency": shard["whole_s"] / (cp_size * shard["shard_s"]),
-                     "predicted_shard_s": predicted,
-                     "shard_relative_error": abs(predicted - shard["shard_s"]) / shard["shard_s"]})
+        size, degree = shard["num_tokens"], shard["degree"]
+        predicted_s = _predicted_shard_s(perf, size, degree)
+        rows.append({**shard, "query_tokens": size / (2 * degree),
+                     "speedup": shard["whole_s"] / shard["shard_s"],
+                     "parallel_efficiency": shard["whole_s"] / (degree * shard["shard_s"]),
+                     "predicted_whole_s": perf.compute_time_s(float(perf.placement_flops([size], 1)[0])),
+                     "predicted_shard_s": predicted_s,
+                     "shard_relative_error": abs(predicted_s - shard["shard_s"]) / shard["shard_s"]})
     return rows
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EfficiencyCandidate:
+    """One measured attention call length: the attention time the model leaves unexplained vs its ideal."""
+
+    query_tokens: float  # the sequence when whole; each zigzag chunk, S / 2d, when sharded over d ranks
+    measured_as: str
+    time_s: float  # measured
+    other_s: float  # the model's non-attention terms: linear and per-token work, per-call costs, β, collectives
+    ideal_attention_s: float  # α · attention FLOPs per rank: the attention term at efficiency 1
+
+    @property
+    def attention_s(self) -> float:
+        return self.time_s - self.other_s
+
+    @property
+    def is_determined(self) -> bool:
+        return self.attention_s >= MIN_ATTENTION_SHARE * self.time_s
+
+    @property
+    def efficiency(self) -> float | None:
+        """The efficiency that makes the model's time equal the measured one (None where ill-determined)."""
+        return self.ideal_attention_s / self.attention_s if self.is_determined else None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EfficiencyFit:
+    """``compute.attention_efficiency`` derived from the shard-effect rows, or why it is not."""
+
+    points: tuple[tuple[float, float], ...]  # (query tokens, relative throughput); empty: not determined
+    reference_query_tokens: float  # the longest query measured: relative throughput 1 there
+    candidates: tuple[EfficiencyCandidate, ...]
+    verdicts: dict[float, str]  # per query length: usable, or why not
+    result: str
+
+    def __post_init__(self) -> None:
+        assert set(self.verdicts) == {c.query_tokens for c in self.candidates}, "every query length has a verdict"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reference_query_tokens": self.reference_query_tokens,
+            "min_attention_share": MIN_ATTENTION_SHARE,
+            "max_candidate_spread": MAX_CANDIDATE_SPREAD,
+            "max_reference_deviation": MAX_REFERENCE_DEVIATION,
+            "candidates": [{**asdict(c), "attention_s": c.attention_s, "efficiency": c.efficiency,
+                            "verdict": self.verdicts[c.query_tokens]} for c in self.candidates],
+            "result": self.result,
+        }
+
+
+def _candidate(perf: PerformanceModel, num_tokens: int, degree: int, time_s: float) -> EfficiencyCandidate:
+    alpha = perf.profile.compute.alpha_s_per_flop
+    ideal_flops = float(perf.local_attention_flops([num_tokens])[0]) / degree
+    # placement_flops minus its attention at efficiency 1: what the model says besides attention (β included)
+    other_s = perf.compute_time_s(float(perf.placement_flops([num_tokens], degree)[0])) - alpha * ideal_flops
+    if degree > 1:
+        other_s += perf.comm_time_s(num_tokens, group_size=degree)  # no local attention hides it
+    return EfficiencyCandidate(
+        query_tokens=float(num_tokens) if degree == 1 else num_tokens / (2 * degree),
+        measured_as=f"{num_tokens} tokens whole" if degree == 1 else f"{num_tokens} tokens over {degree} ranks",
+        time_s=time_s, other_s=other_s, ideal_attention_s=alpha * ideal_flops)
+
+
+def derive_attention_efficiency(perf: PerformanceModel, rows: Sequence[Mapping[str, Any]]) -> EfficiencyFit:
+    """Attention throughput per query length from shard-effect rows (``num_tokens``, ``degree``, ``whole_s``,
+    ``shard_s``), against ``perf`` with efficiency 1 everywhere.
+
+    Per whole sequence (query ``S``) and per shard (query ``S / 2d``): the efficiency ``e`` with
+    ``α·A/(d·e) + other = measured`` (``A`` the attention FLOPs, ``other`` the model's remaining terms), where
+    attention is at least ``MIN_ATTENTION_SHARE`` of the measured time; per query length the median, where its
+    candidates agree within ``MAX_CANDIDATE_SPREAD``, divided by the value at the longest query measured (a whole
+    sequence, about 1 against the compute fit: within ``MAX_REFERENCE_DEVIATION`` of it). Points in (0, 1] are
+    kept; fewer than 2, or a curve that falls by more than ``MAX_CANDIDATE_SPREAD`` towards longer queries, is no
+    curve.
+    """
+    if perf.profile.compute.attention_efficiency:
+        raise ValueError(f"profile {perf.profile.name} already has an attention efficiency curve; the efficiency is "
+                         f"solved against the model with efficiency 1 everywhere")
+    whole_s = {row["num_tokens"]: row["whole_s"] for row in rows}
+    candidates = tuple(
+        [_candidate(perf, size, 1, time_s) for size, time_s in sorted(whole_s.items())]
+        + [_candidate(perf, row["num_tokens"], row["degree"], row["shard_s"]) for row in rows])
+    by_query: dict[float, list[float]] = {}
+    for candidate in candidates:
+        by_query.setdefault(candidate.query_tokens, []).extend(
+            [candidate.efficiency] if candidate.efficiency is not None else [])
+    verdicts: dict[float, str] = {}
+    determined: dict[float, float] = {}  # query tokens -> efficiency, ascending
+    for query, values in sorted(by_query.items()):
+        if not values:
+            verdicts[query] = (f"ill-determined: attention is under {MIN_ATTENTION_SHARE:.0%} of the measured time "
+                               f"or the model's other terms exceed it")
+        elif max(values) > MAX_CANDIDATE_SPREAD * min(values):
+            verdicts[query] = (f"ill-determined: its candidates disagree ({min(values):.3f} .. {max(values):.3f}, "
+                               f"more than {MAX_CANDIDATE_SPREAD}x apart)")
+        else:
+            determined[query] = statistics.median(values)
+            verdicts[query] = f"not used: efficiency {determined[query]:.3f}, but no curve is written"
+    reference = max(by_query)
+
+    def fit(points: Sequence[tuple[float, float]], result: str) -> EfficiencyFit:
+        return EfficiencyFit(points=tuple(points), reference_query_tokens=reference, candidates=candidates,
+                             verdicts=verdicts, result=result)
+
+    if reference not in determined:
+        return fit((), f"omitted: the longest query measured ({reference:g} tokens), the reference, is "
+                       f"{verdicts[reference]}")
+    if abs(determined[reference] - 1) > MAX_REFERENCE_DEVIATION:
+        return fit((), f"omitted: not sensible, the longest query ({reference:g} tokens whole) has efficiency "
+                       f"{determined[reference]:.3f} against the compute fit, more than {MAX_REFERENCE_DEVIATION:.0%} "
+                       f"from 1: the machine ran differently than during the compute sweep")
+    points = []
+    for query, efficiency in determined.items():
+        relative = efficiency / determined[reference]
+        if 0 < relative <= 1:
+            points.append((query, relative))
+            verdicts[query] = f"usable: relative throughput {relative:.3f}"
+        else:
+            verdicts[query] = f"dropped: relative throughput {relative:.3f} is outside (0, 1]"
+    if len(points) < 2:
+        return fit((), f"omitted: {len(points)} usable query length(s), a curve needs 2")
+    # Figure 1(b): throughput does not fall as queries lengthen; a curve that falls by more than the noise the
+    # candidates are allowed measures the machine's load, not the kernel.
+    for (short, short_relative), (long, long_relative) in itertools.combinations(points, 2):
+        if short_relative > MAX_CANDIDATE_SPREAD * long_relative:
+            return fit((), f"omitted: not sensible, the relative throughput falls from {short_relative:.3f} at "
+                           f"{short:g} to {long_relative:.3f} at {long:g} query tokens")
+    return fit(points, f"written: {len(points)} points")
+
+
+def _add_shard_effect(compute: dict[str, Any], perf: PerformanceModel, shards: list[dict[str, Any]],
+                      options: ProfileOptions) -> None:
+    """``compute.shard_effect`` rows, their note, and ``attention_efficiency`` where the rows determine it."""
+    rows = shard_effect_rows(perf, shards)
+    fit = derive_attention_efficiency(perf, rows)
+    compute["shard_effect"] = rows
+    compute["fit"]["attention_efficiency"] = fit.to_json()
+    degrees = sorted({row["degree"] for row in rows})
+    note = (f"one sequence of each of {list(options.shard_sizes)} tokens run whole on every rank at once (whole_s: "
+            f"mean over ranks) vs as zigzag shards over every aligned block of d ranks at once, d in {degrees} "
+            f"(shard_s: slowest rank); each the median of {options.repeats} timed runs after {options.warmup} "
+            f"warm-up. predicted_*: this profile's model with attention efficiency 1 (a rank holding only its "
+            f"shard: nothing hides the collectives, whose cost is the table measured for d). ")
+    if fit.points:
+        compute["attention_efficiency"] = {
+            "points": [[query, relative] for query, relative in fit.points],
+            "source": f"derived from compute.shard_effect: per query length, the efficiency that makes the model's "
+                      f"time equal the measured time, median per length, relative to the longest query measured "
+                      f"({fit.reference_query_tokens:g} tokens); candidates in compute.fit.attention_efficiency.",
+        }
+    compute["shard_effect_note"] = note + (f"attention_efficiency: {fit.result}; candidates and verdicts in "
+                                           f"compute.fit.attention_efficiency.")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -430,7 +707,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--comm-sizes", type=_ints, default=defaults.comm_sizes,
                         help="bytes per collective (world size > 1)")
     parser.add_argument("--shard-sizes", type=_ints, default=defaults.shard_sizes,
-                        help="sequence lengths computed whole vs sharded (world size > 1)")
+                        help="sequence lengths computed whole vs sharded over blocks of every hybrid group size "
+                             "and the whole world (world size > 1)")
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed runs before each timing")
     parser.add_argument("--repeats", type=int, default=defaults.repeats, help="timed runs per case (median)")
     parser.add_argument("--threads", type=int, help="torch threads per process (default: torch's choice)")
@@ -444,7 +722,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def summary(document: dict[str, Any]) -> str:
-    """A few lines for the terminal: the fits, their errors, the BucketSize."""
+    """A few lines for the terminal: the fits, their errors, the BucketSize, the collective tables per group size
+    and the shard effect per degree."""
     compute, memory = document["compute"], document["memory"]
     extended, paper = compute["fit"]["extended"], compute["fit"]["paper_eq14"]
     profile = parse_profile(document)
@@ -459,16 +738,41 @@ def summary(document: dict[str, Any]) -> str:
         f"static {sum(memory['static_bytes'].values())} B; fit error max {memory['fit']['max_relative_error']:.1%}; "
         f"BucketSize for {document['hardware']['device_memory_bytes']:.3g} B on one rank: {perf.bucket_size(1)}",
     ]
-    tables = document["communication"]["tables"]
-    if tables:
-        lines.append("communication: " + "; ".join(
-            f"{name} {table[0][1] * 1e6:.0f} us @ {table[0][0]:.0f} B .. {table[-1][1] * 1e6:.0f} us @ "
-            f"{table[-1][0]:.0f} B" for name, table in tables.items()))
-    for row in compute.get("shard_effect", []):
-        lines.append(f"shard effect: {row['num_tokens']} tokens whole {row['whole_s'] * 1e3:.1f} ms vs 1/"
-                     f"{row['cp_size']} shards {row['shard_s'] * 1e3:.1f} ms (efficiency {row['efficiency']:.0%}; "
-                     f"model predicts {row['predicted_shard_s'] * 1e3:.1f} ms)")
+    communication = document["communication"]
+    groups = {communication["world_size"]: communication["tables"],
+              **{int(size): tables for size, tables in communication.get("tables_by_group_size", {}).items()}}
+    for group_size, tables in sorted(groups.items()):
+        if tables:
+            lines.append(f"communication over {group_size} ranks: " + "; ".join(
+                f"{name} {table[0][1] * 1e6:.0f} us @ {table[0][0]:.0f} B .. {table[-1][1] * 1e6:.0f} us @ "
+                f"{table[-1][0]:.0f} B" for name, table in tables.items()))
+    if "shard_effect" in compute:
+        lines.extend(_shard_table(compute, perf))
     return "\n".join(lines)
+
+
+def _shard_table(compute: dict[str, Any], perf: PerformanceModel) -> list[str]:
+    """The per-degree shard effect: measured whole and shard times, the model's shard time with efficiency 1 and
+    (where the profile carries one) with its attention efficiency curve."""
+    with_curve = bool(compute.get("attention_efficiency"))
+    lines = ["shard effect (one sequence whole on each rank vs zigzag shards over every aligned block of d ranks; "
+             "ms per micro-batch):",
+             f"  {'tokens':>6} {'d':>3} {'query':>6} {'whole':>8} {'shard':>8} {'speedup':>7} {'par.eff':>7} "
+             f"{'model':>8} {'error':>6}" + (f" {'+curve':>8} {'error':>6}" if with_curve else "")]
+    for row in compute["shard_effect"]:
+        line = (f"  {row['num_tokens']:>6} {row['degree']:>3} {row['query_tokens']:>6.0f} {row['whole_s'] * 1e3:>8.2f} "
+                f"{row['shard_s'] * 1e3:>8.2f} {row['speedup']:>6.2f}x {row['parallel_efficiency']:>7.0%} "
+                f"{row['predicted_shard_s'] * 1e3:>8.2f} {row['shard_relative_error']:>6.0%}")
+        if with_curve:
+            predicted_s = _predicted_shard_s(perf, row["num_tokens"], row["degree"])
+            line += f" {predicted_s * 1e3:>8.2f} {abs(predicted_s - row['shard_s']) / row['shard_s']:>6.0%}"
+        lines.append(line)
+    if with_curve:
+        lines.append("attention efficiency (relative throughput by query tokens): " + ", ".join(
+            f"{query:g}: {relative:.2f}" for query, relative in compute["attention_efficiency"]["points"]))
+    else:
+        lines.append(f"attention efficiency: {compute['fit']['attention_efficiency']['result']}")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
