@@ -5,7 +5,6 @@ Four gloo ranks, cp_size 4, float64. Process groups come from ``init_parallel``,
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 import trainer_client.attention as attention
 from scheduler_service.core.plan import MicroBatch, ShardedGroup
+from tests.test_attention import _reference_attention
 from trainer_client.attention import AttentionBackend, KVAllGather, dacp_attn_varlen_func
 from trainer_client.data import Sample
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
@@ -148,16 +148,6 @@ def _run_rank(out_dir: Path) -> None:
                  for key, x in (("q", q_THD), ("k", k_TGD), ("v", v_TGD))}
         results[name] = {"rows": rows, "out": out_THD.detach(), **grads, "events": events}
     torch.save(results, out_dir / f"cp_rank_{cp_rank}.pt")
-
-
-def _reference_attention(q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGD: torch.Tensor) -> torch.Tensor:
-    """Textbook causal softmax attention of one sequence, GQA by repeating K/V heads."""
-    groups = q_THD.shape[1] // k_TGD.shape[1]
-    k_THD, v_THD = k_TGD.repeat_interleave(groups, dim=1), v_TGD.repeat_interleave(groups, dim=1)
-    scores_HTT = torch.einsum("thd,shd->hts", q_THD, k_THD) / math.sqrt(q_THD.shape[-1])
-    causal_TT = torch.ones(q_THD.shape[0], q_THD.shape[0], dtype=torch.bool).tril()
-    weights_HTT = scores_HTT.masked_fill(~causal_TT, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hts,shd->thd", weights_HTT, v_THD)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGroup
-from trainer_client.data import IGNORE_INDEX, GlobalBatch, make_source
+from tests.test_train_step import _unscheduled_step
+from trainer_client.data import GlobalBatch, make_source
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.model import build_model
 from trainer_client.plan_client import PlanDecision, PlanOrigin
 from trainer_client.trainer import TrainConfig, Trainer
 
@@ -92,18 +91,12 @@ def test_hybrid_plan_gives_the_deepspeed_plans_loss_and_gradients(step_results: 
 @pytest.mark.slow
 def test_hybrid_step_equals_single_process_unscheduled_step(step_results: dict[str, dict]) -> None:
     batch = _source_batch(_config())
-    model = build_model("tiny", attn_implementation="sdpa", seed=0)
-    total = torch.zeros(())
-    for sample in batch.samples:
-        logits_TV = model(input_ids=torch.from_numpy(sample.input_ids)[None], use_cache=False).logits[0]
-        total = total + F.cross_entropy(logits_TV, torch.from_numpy(sample.targets), ignore_index=IGNORE_INDEX,
-                                        reduction="sum")
-    (total / batch.num_loss_tokens).backward()
+    reference_loss, reference_grads = _unscheduled_step(batch)
     hybrid = step_results["hybrid"]
     assert hybrid["num_loss_tokens"] == batch.num_loss_tokens
-    assert hybrid["loss"] == pytest.approx(float(total.detach()) / batch.num_loss_tokens, rel=1e-5)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(hybrid["grads"][name], param.grad, rtol=1e-4, atol=1e-6,
+    assert hybrid["loss"] == pytest.approx(reference_loss, rel=1e-5)
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(hybrid["grads"][name], grad, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
