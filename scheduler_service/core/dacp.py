@@ -19,15 +19,15 @@ memory bound, by construction, in every algorithm here.
   room (LPT under the memory bound), keep the cheapest k under the cost model,
   then improve it with bounded move/swap steps. Cost: O(k_max · K · N) for the
   candidates plus at most 16 refinement steps of O(K² / N) each.
-* ``dacp_hybrid`` — Skrull's default: every sequence gets the smallest degree
-  (1, a hybrid block size, or the whole group) whose share of its work fits
-  the micro-batch's balanced per-rank load and whose share of its tokens fits
-  a bucket; then, widest first, groups go onto the aligned block whose busiest
-  rank is least loaded and whole sequences onto the least-loaded rank, each
-  only where its tokens fit (a sequence that fits nowhere takes the next
-  larger degree). The binary decision is always a candidate too, and the
-  cheaper under the cost model wins, then it is refined like the binary one.
-  Cost: O(K · N) per placement on top of ``dacp_balanced``.
+* ``dacp_hybrid`` — Skrull's default: a dual approximation over degrees. It
+  bisects on a cap on every rank's load; under a cap, each sequence takes the
+  smallest degree (1, a hybrid block size, or the whole group) whose share of
+  its work fits the cap and whose share of its tokens fits a bucket, and widest
+  first, it goes to the best-fitting aligned block where it stays under the cap
+  (a sequence that fits nowhere takes the next larger degree). The binary
+  decision is a candidate too, and the cheapest under the cost model wins,
+  then it is refined like the binary one. Cost: at most 8 packings of
+  O(K · N) on top of ``dacp_balanced``.
 
 Memory units in the hybrid case: a sequence sharded over a block of ``s``
 ranks costs ``S·N/s`` on each of them (``s`` divides ``N``), so the bound stays
@@ -47,7 +47,9 @@ __all__ = ["dacp_balanced", "dacp_hybrid", "dacp_paper", "dacp_round_robin"]
 
 DISTRIBUTED = -1
 EXTRA_DISTRIBUTION_CANDIDATES = 2  # k values tried beyond the sequences too heavy to place locally
+CAP_TOLERANCE = 1.005  # stop bisecting the load cap once its bracket is within 0.5%
 GOOD_ENOUGH = 1.005  # stop searching within 0.5% of the perfectly balanced lower bound
+MAX_CAP_BISECTIONS = 8
 MAX_REFINEMENT_STEPS = 16
 MIN_REFINEMENT_GAIN = 1e-3  # a move must cut the busiest rank's load by at least 0.1%
 
@@ -364,47 +366,54 @@ def dacp_balanced(problem: PlanningProblem, indices: Sequence[int], *, refine: b
     return _finish(problem, _binary_candidates(problem, order, _lower_bound_s(problem, order)), refine)
 
 
-def _chosen_degree(problem: PlanningProblem, index: int, target_flops: float) -> int:
-    """The smallest degree whose share of the sequence's tokens fits a bucket and whose share of its work fits
-    the target per-rank load; the whole group when none does."""
-    tokens = problem.sequence_lengths[index]
-    for degree in problem.degrees:
-        if tokens <= degree * problem.bucket_size and problem.placement[degree][index] <= target_flops:
-            return degree
-    return problem.degrees[-1]
-
-
-def _best_block(problem: PlanningProblem, candidate: _Placement, tokens: int, degree: int) -> Block | None:
-    """The aligned block of ``degree`` ranks with room whose busiest rank is least loaded."""
-    best: Block | None = None
-    best_load = math.inf
+def _best_fit_block(problem: PlanningProblem, candidate: _Placement, index: int, degree: int,
+                    cap_flops: float) -> int:
+    """The first rank of the aligned block of ``degree`` ranks where the sequence's tokens fit and its share keeps
+    every rank under the cap, and whose busiest rank is the most loaded such (best fit); -1 when there is none."""
+    share, tokens = problem.placement[degree][index], problem.sequence_lengths[index]
+    loads, remaining = candidate.loads, candidate.remaining
+    need = tokens * (problem.cp_size // degree) + candidate.shared_units
+    room = cap_flops - candidate.shared_load - share  # the busiest rank of the block may carry at most this
+    best_first, best_load = -1, -math.inf
+    if degree == 1:  # the common case, without slices
+        for rank, load in enumerate(loads):
+            if best_load < load <= room and remaining[rank] >= need:
+                best_first, best_load = rank, load
+        return best_first
     for first in range(0, problem.cp_size, degree):  # the aligned blocks (plan.cp_blocks)
-        if candidate.fits((first, degree), tokens):
-            load = max(candidate.loads[first:first + degree])
-            if load < best_load:
-                best, best_load = (first, degree), load
-    return best
+        last = first + degree
+        load = max(loads[first:last])
+        if best_load < load <= room and min(remaining[first:last]) >= need:
+            best_first, best_load = first, load
+    return best_first
 
 
-def _widest_first(problem: PlanningProblem, order: Sequence[int], target_flops: float) -> _Placement | None:
-    """Place each sequence at its chosen degree, widest first then heaviest share first; escalate the degree of a
-    sequence that fits nowhere."""
-    cp_size, lengths = problem.cp_size, problem.sequence_lengths
-    chosen = {k: _chosen_degree(problem, k, target_flops) for k in order}
-    candidate = _Placement(cp_size, problem.bucket_size * cp_size)
+def _pack_under_cap(problem: PlanningProblem, order: Sequence[int], cap_flops: float) -> _Placement | None:
+    """Place every sequence so that no rank's load exceeds ``cap_flops``, or ``None``.
+
+    Each sequence starts at the smallest degree whose per-rank share fits the cap and whose tokens fit a bucket
+    per rank. Widest first (aligned blocks then never fragment: a block is free or holds wider groups' shares),
+    heaviest share first within a degree, each goes to its best-fit block; one that fits nowhere takes the next
+    larger degree."""
+    lengths, degrees, bucket_size = problem.sequence_lengths, problem.degrees, problem.bucket_size
+    chosen: dict[int, int] = {}
+    for index in order:
+        degree = next((degree for degree in degrees if lengths[index] <= degree * bucket_size
+                       and problem.placement[degree][index] <= cap_flops), 0)
+        if not degree:
+            return None
+        chosen[index] = degree
+    candidate = _Placement(problem.cp_size, bucket_size * problem.cp_size)
     for index in sorted(order, key=lambda k: (-chosen[k], -problem.placement[chosen[k]][k], k)):
-        tokens = lengths[index]
-        for degree in problem.degrees[problem.degrees.index(chosen[index]):]:
+        for degree in degrees[degrees.index(chosen[index]):]:
+            first = _best_fit_block(problem, candidate, index, degree, cap_flops)
+            if first < 0:
+                continue
             if degree == 1:
-                rank = _least_loaded_with_room(candidate, tokens * cp_size)
-                if rank >= 0:
-                    candidate.place(problem, index, rank)
-                    break
+                candidate.place(problem, index, first)
             else:
-                block = _best_block(problem, candidate, tokens, degree)
-                if block is not None:
-                    candidate.shard(problem, index, block)
-                    break
+                candidate.shard(problem, index, (first, degree))
+            break
         else:
             return None
     return candidate
@@ -414,18 +423,27 @@ def dacp_hybrid(problem: PlanningProblem, indices: Sequence[int], *, refine: boo
     """Hybrid Skrull's DACP: each sequence at the degree that suits it, groups side by side; never worse than the
     binary decision under the cost model (that is a candidate too).
 
-    The per-rank target bounds how much work one placement may put on a rank: the balanced load ``T`` (every
-    sequence at its cheapest placement, spread evenly), and ``T/d`` for each group size ``d``. Finer pieces pack
-    memory and load better but pay more communication and shorter, less efficient attention chunks; the cost
-    model picks."""
+    A dual approximation, as for moldable tasks: bisect on a cap on every rank's load between the balanced load
+    (every sequence at its cheapest placement, spread evenly: no placement does better) and the best binary
+    decision's busiest rank, packing under each cap (``_pack_under_cap``). A lower cap forces finer pieces, which
+    pack memory and load better but pay more communication and shorter, less efficient attention chunks; every
+    packing found is evaluated under the cost model and the cheapest decision wins."""
     order = sorted(indices, key=lambda k: (-problem.sequence_lengths[k], k))
     lower_bound_s = _lower_bound_s(problem, order)
     best = _binary_candidates(problem, order, lower_bound_s)
-    balanced_flops = sum(problem.area[k] for k in order) / problem.cp_size
-    for degree in problem.degrees[:-1] if len(problem.degrees) > 2 else ():
-        if best is not None and best.time_s <= lower_bound_s * GOOD_ENOUGH:
+    if best is None or len(problem.degrees) <= 2:  # no room for tokens, or no block between a rank and the group
+        return _finish(problem, best, refine)
+    low = sum(problem.area[k] for k in order) / problem.cp_size
+    high = max(best.loads) + best.shared_load
+    for _ in range(MAX_CAP_BISECTIONS):
+        if high <= low * CAP_TOLERANCE or best.time_s <= lower_bound_s * GOOD_ENOUGH:
             break
-        hybrid = _widest_first(problem, order, balanced_flops / degree)
-        if hybrid is not None and (best is None or hybrid.evaluate(problem) < best.time_s):
-            best = hybrid
+        cap = (low + high) / 2
+        packed = _pack_under_cap(problem, order, cap)
+        if packed is None:
+            low = cap
+            continue
+        high = cap
+        if packed.evaluate(problem) < best.time_s:
+            best = packed
     return _finish(problem, best, refine)

@@ -15,7 +15,9 @@
   (longest first onto the micro-batch with the fewest tokens, which pairs long
   with short and keeps each under C·N; it matched or beat the strided cut in
   our measurements at half the cost); every cut is scheduled with
-  ``dacp_hybrid`` and the cheapest under the cost model wins, then refined.
+  ``dacp_hybrid`` (refined) and the cheapest under the cost model wins.
+  Binary Skrull's plan is a candidate too (its DP split and cuts differ), so
+  ``skrull`` is never slower than ``skrull_binary`` under the cost model.
   Measured cost: see the README's planning-latency table.
 * ``skrull_binary`` — the same GDS with LPT on FLOPs and binary DACP
   (``dacp_balanced``): whole, or sharded over the whole CP group.
@@ -23,6 +25,7 @@
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable, Sequence
 
@@ -31,7 +34,7 @@ from scheduler_service.core.dacp import dacp_balanced, dacp_hybrid, dacp_paper, 
 from scheduler_service.core.errors import InfeasiblePlanError
 from scheduler_service.core.partition import lpt_partition
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
-from scheduler_service.core.simulate import micro_batches_time_s
+from scheduler_service.core.simulate import iteration_time_s, micro_batches_time_s
 
 __all__ = ["dacp_only", "gds_only", "gds_paper", "round_robin", "skrull", "skrull_binary", "skrull_paper"]
 
@@ -119,14 +122,6 @@ def round_robin(problem: PlanningProblem) -> Plan:
     return _paper_style(problem, dacp_round_robin)
 
 
-def _binary_unrefined(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch | None:
-    return dacp_balanced(problem, indices, refine=False)
-
-
-def _hybrid_unrefined(problem: PlanningProblem, indices: Sequence[int]) -> MicroBatch | None:
-    return dacp_hybrid(problem, indices, refine=False)
-
-
 def _share_lower_bound_s(problem: PlanningProblem, subset: Sequence[int], num_micro_batches: int) -> float:
     """No plan of ``subset`` beats every sequence at its cheapest placement spread evenly over the CP group, one
     fixed cost per micro-batch."""
@@ -134,10 +129,8 @@ def _share_lower_bound_s(problem: PlanningProblem, subset: Sequence[int], num_mi
     return problem.alpha_s_per_flop * total / problem.cp_size + num_micro_batches * problem.beta_s
 
 
-def _skrull_share(
-    problem: PlanningProblem, subset: Sequence[int], search_dacp: Dacp, final_dacp: Dacp
-) -> list[MicroBatch]:
-    best: tuple[float, list[list[int]]] | None = None
+def _skrull_share(problem: PlanningProblem, subset: Sequence[int], dacp: Dacp) -> list[MicroBatch]:
+    best: tuple[float, list[MicroBatch]] | None = None
     min_count = min_micro_batches(problem, subset)
     lower_bound_s = _share_lower_bound_s(problem, subset, min_count)
     count, last_count = min_count, len(subset)
@@ -145,39 +138,37 @@ def _skrull_share(
         if best is not None and best[0] <= lower_bound_s * GOOD_ENOUGH:
             break
         groups = _spread_by_tokens(problem, subset, count)
-        micro_batches = None if groups is None else _schedule_groups(problem, groups, search_dacp)
-        if groups is not None and micro_batches is not None:
+        micro_batches = None if groups is None else _schedule_groups(problem, groups, dacp)
+        if micro_batches is not None:
             cost = micro_batches_time_s(problem, micro_batches)
             if best is None or cost < best[0]:
-                best = (cost, groups)
+                best = (cost, micro_batches)
             last_count = min(last_count, count + EXTRA_MICRO_BATCH_COUNTS)
             count += 1
         else:  # until one fits, grow geometrically: O(log n) cuts even for adversarial lengths
             count = count + 1 if count == last_count else min(last_count, count + max(1, count // 8))
     if best is None:
         raise _no_plan(problem, subset)
-    # Refinement only moves sequences within a micro-batch, so it runs once, on the winning cut.
-    refined = _schedule_groups(problem, best[1], final_dacp)
-    assert refined is not None, "refinement keeps a feasible DACP decision feasible"
-    return refined
+    return best[1]
 
 
-def _lpt_gds(problem: PlanningProblem, weights: Sequence[float], search_dacp: Dacp, final_dacp: Dacp) -> Plan:
+def _lpt_gds(problem: PlanningProblem, weights: Sequence[float], dacp: Dacp) -> Plan:
     shares = lpt_partition(range(problem.num_sequences), weights, problem.dp_size)
     return Plan(dp_ranks=tuple(
-        DPRankPlan(micro_batches=tuple(_skrull_share(problem, share, search_dacp, final_dacp)) if share else ())
-        for share in shares
+        DPRankPlan(micro_batches=tuple(_skrull_share(problem, share, dacp)) if share else ()) for share in shares
     ))
 
 
 def skrull(problem: PlanningProblem) -> Plan:
-    """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, hybrid DACP."""
-    return _lpt_gds(problem, problem.area, _hybrid_unrefined, dacp_hybrid)
+    """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, hybrid DACP; binary Skrull's
+    plan where that is cheaper under the cost model (its DP split and cuts can differ), so never slower than it."""
+    hybrid = _lpt_gds(problem, problem.area, dacp_hybrid)
+    return min(hybrid, skrull_binary(problem), key=functools.partial(iteration_time_s, problem))
 
 
 def skrull_binary(problem: PlanningProblem) -> Plan:
     """Binary Skrull: the same GDS, each sequence whole or sharded over the whole CP group."""
-    return _lpt_gds(problem, problem.flops_list, _binary_unrefined, dacp_balanced)
+    return _lpt_gds(problem, problem.flops_list, dacp_balanced)
 
 
 def dacp_only(problem: PlanningProblem) -> Plan:
@@ -193,4 +184,4 @@ def dacp_only(problem: PlanningProblem) -> Plan:
 
 def gds_only(problem: PlanningProblem) -> Plan:
     """Ablation: Skrull's GDS with static context parallelism (every sequence sharded)."""
-    return _lpt_gds(problem, problem.flops_list, shard_all, shard_all)
+    return _lpt_gds(problem, problem.flops_list, shard_all)
