@@ -26,6 +26,7 @@ from scheduler_service.middleware import BodySizeLimitMiddleware, RequestContext
 from scheduler_service.planning import PlanningService
 from scheduler_service.problems import install_problem_handlers
 from scheduler_service.settings import Settings, get_settings
+from scheduler_service.viewer import install_viewer
 
 __all__ = ["app_factory", "create_app"]
 
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.planner = planner
     app.include_router(router)
+    install_viewer(app)  # GET / (the plan viewer), /static, /samplers
     install_problem_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     known_paths = frozenset(getattr(route, "path", "") for route in [*router.routes, *app.routes]) - {""}

@@ -246,7 +246,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.table:
         print(format_table(result))
     else:
-        response: PlanResponse = result_to_response(result)
+        response: PlanResponse = result_to_response(result, breakdown=request.breakdown)
         print(response.model_dump_json(indent=2))
     return 0
 

@@ -130,7 +130,7 @@ def plan_request(
         result = make_plan(problem, request.scheduler)
     else:
         result = make_plan(problem, request.scheduler, time_limit_s=time_limit_s)
-    response = result_to_response(result)
+    response = result_to_response(result, breakdown=request.breakdown)
     return PlannedBatch(response=response, body=response.model_dump_json().encode())
 
 

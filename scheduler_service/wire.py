@@ -7,6 +7,7 @@ FastAPI, so the CLI and the trainer use it too.
 from __future__ import annotations
 
 from skrull_proto import (
+    CPRankEstimateModel,
     DPRankPlanModel,
     MicroBatchModel,
     ModelSpec,
@@ -30,6 +31,7 @@ from scheduler_service.core.plan import (
 )
 from scheduler_service.core.planner import PlanResult
 from scheduler_service.core.profile import Profile
+from scheduler_service.core.simulate import CPRankEstimate
 
 __all__ = ["request_to_problem", "response_to_plan", "result_to_response"]
 
@@ -58,7 +60,17 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 6)
 
 
-def result_to_response(result: PlanResult) -> PlanResponse:
+def _cp_rank_model(rank: CPRankEstimate) -> CPRankEstimateModel:
+    return CPRankEstimateModel(
+        tokens=round(rank.tokens, 6), local_tokens=rank.local_tokens, local_ms=_ms(rank.local_compute_s),
+        distributed_ms=_ms(rank.distributed_compute_s), sharded_ms=_ms(rank.sharded_compute_s),
+        fixed_ms=_ms(rank.fixed_s), comm_ms=_ms(rank.comm_s), exposed_comm_ms=_ms(rank.exposed_comm_s),
+        time_ms=_ms(rank.time_s),
+    )
+
+
+def result_to_response(result: PlanResult, *, breakdown: bool = False) -> PlanResponse:
+    """The response to a plan; ``breakdown`` (the request's) adds every CP rank's estimate per micro-batch."""
     problem, estimate = result.problem, result.estimate
     dp_ranks = [
         DPRankPlanModel(
@@ -69,6 +81,7 @@ def result_to_response(result: PlanResult) -> PlanResponse:
                     sharded=[ShardedGroupModel(cp_ranks=list(group.cp_ranks), sequences=list(group.sequences))
                              for group in micro_batch.sharded],
                     estimated_time_ms=_ms(mb_estimate.time_s),
+                    cp_ranks=[_cp_rank_model(rank) for rank in mb_estimate.cp_ranks] if breakdown else [],
                 )
                 for micro_batch, mb_estimate in zip(dp_plan.micro_batches, dp_estimate.micro_batches, strict=True)
             ],

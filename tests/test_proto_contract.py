@@ -29,7 +29,8 @@ def test_export_check_fails_on_drift(tmp_path: object) -> None:
 def test_openapi_documents_every_endpoint_and_problem_responses() -> None:
     document = json.loads((CONTRACT_DIR / "openapi.json").read_text())
     assert set(document["paths"]) == {
-        "/plan", "/models", "/healthz", "/readyz", "/metrics", "/feedback", "/feedback/{job_id}", "/profiles/reload"
+        "/plan", "/models", "/healthz", "/readyz", "/metrics", "/feedback", "/feedback/{job_id}", "/profiles/reload",
+        "/samplers", "/samplers/{name}",
     }
     plan = document["paths"]["/plan"]["post"]
     assert plan["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/PlanRequest"}
@@ -37,7 +38,7 @@ def test_openapi_documents_every_endpoint_and_problem_responses() -> None:
         assert plan["responses"][status]["content"] == {
             "application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
     assert {"PlanRequest", "PlanResponse", "Problem", "ModelSpec", "SolverReport", "ShardedGroupModel",
-            "ShardedGroupLengths"} <= set(document["components"]["schemas"])
+            "ShardedGroupLengths", "CPRankEstimateModel", "SampledBatch"} <= set(document["components"]["schemas"])
 
 
 def test_json_schemas_describe_the_models() -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "MAX_MEMORY_BYTES",
     "MAX_MICRO_BATCH_TIME_MS",
     "SCHEMA_VERSION",
+    "CPRankEstimateModel",
     "ComputeCoefficients",
     "DPRankPlanModel",
     "FeedbackRequest",
@@ -39,6 +40,9 @@ __all__ = [
     "Problem",
     "ProfileSummary",
     "ProfilesReloaded",
+    "SampledBatch",
+    "SamplerSpec",
+    "SamplersResponse",
     "SchedulerName",
     "ServiceLimits",
     "ShardedGroupLengths",
@@ -135,25 +139,33 @@ class PlanRequest(_Strict):
         description="Opt-in feedback: names the training job. Its POST /feedback reports refit the profile its "
         "later plans use, and may lower their bucket_size when measured peak memory nears the budget.",
     )
+    breakdown: bool = Field(
+        default=False,
+        description="Add each CP rank's estimated time and tokens to every micro-batch of the response "
+        "(`cp_ranks`), as the plan viewer draws them. Off by default: responses stay as they were.",
+    )
 
 
 _BLOCK_RULE = ("size s with 2 <= s < cp_size and s dividing cp_size, the ranks consecutive and ascending from a "
                "multiple of s (e.g. [0, 1], [2, 3], [4, 5, 6, 7] for cp_size 8)")
 
 
-class _OmitsEmptyGroups(_Strict):
-    """Leaves an empty hybrid-group list out of the JSON, so a plan (or report) without groups reads exactly as
-    before hybrid DACP: a client that predates ``sharded`` still parses it, and one that gets groups refuses the
-    unknown field (``extra="forbid"``) instead of silently running the plan without them."""
+class _OmitsEmptyLists(_Strict):
+    """Leaves empty optional lists out of the JSON, so a plan (or report) without hybrid groups or a per-CP-rank
+    breakdown reads exactly as before those fields existed: a client that predates them still parses it, and one
+    that gets them refuses the unknown field (``extra="forbid"``) instead of silently running the plan without
+    them."""
 
-    _group_field: ClassVar[str]  # the list left out when empty
+    _omitted_when_empty: ClassVar[tuple[str, ...]]  # the lists left out when empty
 
     # No return annotation: pydantic would take it as the serialisation schema instead of the model's own.
     @model_serializer(mode="wrap")
-    def _omit_empty_groups(self, handler: SerializerFunctionWrapHandler):
+    def _omit_empty_lists(self, handler: SerializerFunctionWrapHandler):
         data = handler(self)
-        if isinstance(data, dict) and not data.get(self._group_field, True):
-            del data[self._group_field]
+        if isinstance(data, dict):
+            for name in self._omitted_when_empty:
+                if not data.get(name, True):
+                    del data[name]
         return data
 
 
@@ -164,8 +176,24 @@ class ShardedGroupModel(_Strict):
     sequences: list[SequenceIndex] = Field(min_length=1, description="Indices sharded over these CP ranks.")
 
 
-class MicroBatchModel(_OmitsEmptyGroups):
-    _group_field: ClassVar[str] = "sharded"
+class CPRankEstimateModel(_Strict):
+    """One CP rank's share of a micro-batch under the performance model (the simulator's breakdown): what the
+    CLI's ``--plot`` and the plan viewer draw. The parts add up to ``time_ms``."""
+
+    tokens: float = Field(description="local + distributed / cp_size + each hybrid group's tokens / its size: "
+                                      "the quantity bucket_size bounds (activation memory).")
+    local_tokens: StrictInt = Field(description="Tokens of the sequences kept whole on this rank.")
+    local_ms: float = Field(description="Compute of the sequences kept whole on this rank.")
+    distributed_ms: float = Field(description="This rank's share of the compute of `distributed`.")
+    sharded_ms: float = Field(description="This rank's share of the compute of its hybrid groups.")
+    fixed_ms: float = Field(description="Fixed cost per micro-batch with work (β).")
+    comm_ms: float = Field(description="Every collective this rank takes part in, forward and backward.")
+    exposed_comm_ms: float = Field(description="The part of comm_ms local attention does not hide.")
+    time_ms: float = Field(description="local + distributed + sharded + fixed + exposed communication.")
+
+
+class MicroBatchModel(_OmitsEmptyLists):
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("sharded", "cp_ranks")
 
     local: list[list[SequenceIndex]] = Field(description="cp_size lists: indices kept whole on that CP rank.")
     distributed: list[SequenceIndex] = Field(description="Indices sharded (zigzag) over the whole CP group.")
@@ -175,6 +203,11 @@ class MicroBatchModel(_OmitsEmptyGroups):
         "to several groups. Omitted when empty (a plain Skrull plan).",
     )
     estimated_time_ms: float = Field(description="max over CP ranks of the estimated micro-batch time.")
+    cp_ranks: list[CPRankEstimateModel] = Field(
+        default_factory=list,
+        description="cp_size entries: each CP rank's estimated time and tokens. Only when the request set "
+        "`breakdown`; omitted otherwise.",
+    )
 
 
 class DPRankPlanModel(_Strict):
@@ -219,10 +252,10 @@ class ShardedGroupLengths(_Strict):
     lengths: list[PositiveInt] = Field(min_length=1, description="Lengths of the sequences sharded over them.")
 
 
-class MicroBatchMeasurement(_OmitsEmptyGroups):
+class MicroBatchMeasurement(_OmitsEmptyLists):
     """One micro-batch as the trainer ran it."""
 
-    _group_field: ClassVar[str] = "sharded_lengths"
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("sharded_lengths",)
 
     local_lengths: list[list[PositiveInt]] = Field(
         description="cp_size lists: lengths of the sequences kept whole on each CP rank.")
@@ -343,6 +376,31 @@ class ModelsResponse(_Strict):
     default_model: str
     default_profile: str
     limits: ServiceLimits
+
+
+class SamplerSpec(_Strict):
+    """A named sequence-length distribution a batch can be drawn from (GET /samplers)."""
+
+    name: str
+    thresholds: list[StrictInt] = Field(description="Token counts, ascending.")
+    cumulative: list[float] = Field(description="Share of sequences shorter than each threshold.")
+    longest: StrictInt = Field(description="The longest sequence the distribution yields.")
+
+
+class SamplersResponse(_Strict):
+    """GET /samplers: the named length distributions (shaped like the Skrull paper's Table 1, and two of ours)."""
+
+    samplers: list[SamplerSpec]
+
+
+class SampledBatch(_Strict):
+    """GET /samplers/{name}: lengths drawn from one sampler; the same name, count, seed and cap give the same
+    batch."""
+
+    sampler: str
+    seed: StrictInt
+    max_length: StrictInt = Field(description="Longer draws were cut to this, as a trainer truncates records.")
+    sequence_lengths: list[PositiveInt] = Field(description="Ready to POST to /plan as `sequence_lengths`.")
 
 
 class HealthStatus(_Strict):

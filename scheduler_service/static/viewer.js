@@ -1,0 +1,421 @@
+"use strict";
+// The Skrull plan viewer. It talks to the public API only: GET /models (models, schedulers), GET /samplers and
+// GET /samplers/{name} (a drawn batch), POST /plan with "breakdown": true (each CP rank's estimate per
+// micro-batch). Input is sent as typed, so every complaint shown is the service's own problem+json message,
+// placed next to the field it names.
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+// What a CP rank spends a micro-batch on: the parts of CPRankEstimateModel that add up to its time_ms.
+const PARTS = [
+  { key: "local", label: "local (whole sequences)", fields: ["local_ms"] },
+  { key: "distributed", label: "distributed (whole CP group)", fields: ["distributed_ms"] },
+  { key: "sharded", label: "sharded (hybrid group)", fields: ["sharded_ms"] },
+  { key: "overhead", label: "fixed + exposed communication", fields: ["fixed_ms", "exposed_comm_ms"] },
+];
+
+// Problem "field" (its first name) → the form field that shows it.
+const FIELD_BOXES = {
+  sequence_lengths: "sequence_lengths", dp_size: "dp_size", cp_size: "cp_size", bucket_size: "bucket_size",
+  model: "model", profile: "model", scheduler: "scheduler", time_limit_s: "scheduler",
+  name: "sampler", num_sequences: "sampler", seed: "sampler", max_length: "sampler", file: "file",
+};
+
+const GANTT = { left: 96, width: 840, row: 14, gap: 10, top: 8, axis: 28 };
+const MEMORY = { bar: 7, cluster: 8, height: 90, left: 44, top: 10, axis: 30 };
+
+const byId = (id) => document.getElementById(id);
+
+function html(tag, attributes = {}, text = undefined) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, value);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function svg(tag, attributes = {}, parent = undefined) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, String(value));
+  if (parent) parent.appendChild(node);
+  return node;
+}
+
+function tooltip(node, text) {
+  svg("title", {}, node).textContent = text;
+}
+
+const fmt = (value, digits = 2) => Number(value).toFixed(digits);
+
+// ---- the service ---------------------------------------------------------------------------------------------
+
+class ServiceProblem extends Error {
+  constructor(problem) {
+    super(`${problem.title}: ${problem.detail}`);
+    this.problem = problem;
+  }
+}
+
+async function call(method, url, body = undefined) {
+  let response;
+  try {
+    response = await fetch(url, {
+      method,
+      headers: body === undefined ? {} : { "Content-Type": "application/json" },
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+  } catch (error) {
+    throw new ServiceProblem({ title: "Service unreachable", detail: String(error.message || error), field: null });
+  }
+  const text = await response.text();
+  let data = null;
+  try {
+    data = JSON.parse(text);
+  } catch {
+    data = null;
+  }
+  if (!response.ok) {
+    const problem = data && data.title ? data : { title: `HTTP ${response.status}`, detail: text, field: null };
+    throw new ServiceProblem(problem);
+  }
+  return data;
+}
+
+// ---- problems next to fields ---------------------------------------------------------------------------------
+
+function fieldBox(field) {
+  const name = String(field || "").replace(/^(query|path)\./, "").split(/[.[]/)[0];
+  const key = FIELD_BOXES[name] || "request";
+  return document.querySelector(`.field[data-field="${key}"]`);
+}
+
+function clearProblems() {
+  for (const box of document.querySelectorAll(".field")) {
+    box.classList.remove("invalid");
+    box.querySelector(".problem").textContent = "";
+  }
+}
+
+function showProblem(field, message) {
+  const box = fieldBox(field);
+  const line = box.querySelector(".problem");
+  line.textContent = line.textContent ? `${line.textContent}\n${message}` : message;
+  box.classList.add("invalid");
+}
+
+// ---- the batch -----------------------------------------------------------------------------------------------
+
+// Numbers go as numbers, anything else as the text typed: the service says what is wrong with which item.
+function parseLengths(text) {
+  return text.split(/[\s,;]+/).filter((token) => token !== "").map((token) => {
+    const number = Number(token);
+    return Number.isFinite(number) && /^[-+0-9.eE]+$/.test(token) ? number : token;
+  });
+}
+
+function inputValue(id) {
+  const text = byId(id).value.trim();
+  const number = Number(text);
+  return text !== "" && Number.isFinite(number) ? number : text;
+}
+
+function lengthsFromCsv(text) {
+  const rows = text.split(/\r?\n/).map((line) => line.split(",").map((cell) => cell.trim()))
+    .filter((cells) => cells.some((cell) => cell !== ""));
+  if (rows.length === 0) throw new Error("the CSV file is empty");
+  let column = 0;
+  if (rows[0].every((cell) => !Number.isFinite(Number(cell)))) {  // a header row names the columns
+    const named = rows[0].findIndex((cell) => /length|tokens/i.test(cell));
+    column = Math.max(named, 0);
+    rows.shift();
+  }
+  return rows.map((cells) => cells[column] ?? "");
+}
+
+function applyRequestFile(data) {
+  if (Array.isArray(data)) return data;
+  if (data && typeof data === "object" && Array.isArray(data.sequence_lengths)) {
+    if (data.dp_size !== undefined) byId("dp").value = data.dp_size;
+    if (data.cp_size !== undefined) byId("cp").value = data.cp_size;
+    if (data.bucket_size !== undefined && data.bucket_size !== null) byId("bucket").value = data.bucket_size;
+    if (typeof data.model === "string") byId("model").value = data.model;
+    if (typeof data.scheduler === "string") {
+      for (const box of document.querySelectorAll("#schedulers input")) box.checked = box.value === data.scheduler;
+    }
+    return data.sequence_lengths;
+  }
+  throw new Error("a JSON file holds a list of lengths or a /plan request with sequence_lengths");
+}
+
+async function loadFile() {
+  clearProblems();
+  const [file] = byId("file").files;
+  if (!file) return;
+  try {
+    const text = await file.text();
+    const isJson = /\.json$/i.test(file.name) || /^\s*[[{]/.test(text);
+    let lengths;
+    if (isJson) {
+      let data;
+      try {
+        data = JSON.parse(text);
+      } catch (error) {
+        throw new Error(`${file.name} is not valid JSON: ${error.message}`);
+      }
+      lengths = applyRequestFile(data);
+    } else {
+      lengths = lengthsFromCsv(text);
+    }
+    byId("lengths").value = lengths.join(", ");
+  } catch (error) {
+    showProblem("file", error.message);
+  }
+}
+
+async function drawBatch() {
+  clearProblems();
+  const name = encodeURIComponent(byId("sampler").value);
+  const query = new URLSearchParams({ num_sequences: byId("num-sequences").value, seed: byId("seed").value });
+  try {
+    const batch = await call("GET", `/samplers/${name}?${query}`);
+    byId("lengths").value = batch.sequence_lengths.join(", ");
+  } catch (error) {
+    showProblem("sampler", error.message);
+  }
+}
+
+// ---- planning ------------------------------------------------------------------------------------------------
+
+function planRequest(scheduler) {
+  const request = {
+    sequence_lengths: parseLengths(byId("lengths").value),
+    dp_size: inputValue("dp"),
+    cp_size: inputValue("cp"),
+    model: byId("model").value,
+    scheduler,
+    breakdown: true,
+  };
+  if (byId("bucket").value.trim() !== "") request.bucket_size = inputValue("bucket");
+  return request;
+}
+
+async function planAll(event) {
+  event.preventDefault();
+  clearProblems();
+  const schedulers = [...document.querySelectorAll("#schedulers input:checked")].map((box) => box.value);
+  if (schedulers.length === 0) {
+    showProblem("scheduler", "choose at least one scheduler");
+    return;
+  }
+  byId("plan").disabled = true;
+  const plans = [];
+  const problems = new Map();  // message → [field, schedulers]: a problem of the batch is shown once
+  for (const scheduler of schedulers) {
+    byId("status").textContent = `planning with ${scheduler}…`;
+    try {
+      plans.push(await call("POST", "/plan", planRequest(scheduler)));
+    } catch (error) {
+      const problem = error.problem;
+      const entry = problems.get(error.message) || [problem.field, []];
+      entry[1].push(scheduler);
+      problems.set(error.message, entry);
+    }
+  }
+  for (const [message, [field, failed]] of problems) {
+    showProblem(field, failed.length === schedulers.length ? message : `${failed.join(", ")}: ${message}`);
+  }
+  byId("status").textContent = plans.length ? `planned ${plans.length} of ${schedulers.length}` : "";
+  byId("plan").disabled = false;
+  if (plans.length) render(plans);
+  else byId("results").hidden = true;
+}
+
+// ---- figures derived from a plan -----------------------------------------------------------------------------
+
+const microBatches = (plan) => plan.dp_ranks.flatMap((dp) => dp.micro_batches);
+const sum = (values) => values.reduce((total, value) => total + value, 0);
+const mean = (values) => sum(values) / values.length;
+const partMs = (rank, part) => sum(part.fields.map((field) => rank[field]));
+
+function balances(plan) {
+  const dpTimes = plan.dp_ranks.map((dp) => dp.estimated_time_ms);
+  const batches = microBatches(plan);
+  const slowest = sum(batches.map((mb) => Math.max(...mb.cp_ranks.map((rank) => rank.time_ms))));
+  const average = sum(batches.map((mb) => mean(mb.cp_ranks.map((rank) => rank.time_ms))));
+  const fullest = Math.max(...batches.flatMap((mb) => mb.cp_ranks.map((rank) => rank.tokens)));
+  return {
+    dp: mean(dpTimes) > 0 ? Math.max(...dpTimes) / mean(dpTimes) : 1,
+    cp: average > 0 ? slowest / average : 1,
+    memory: fullest / plan.bucket_size,
+    numMicroBatches: batches.length,
+  };
+}
+
+// ---- rendering -----------------------------------------------------------------------------------------------
+
+function render(plans) {
+  byId("results").hidden = false;
+  renderSummary(plans);
+  renderLegend();
+  const xMaxMs = Math.max(...plans.map((plan) => plan.estimated_iteration_time_ms));
+  byId("gantts").replaceChildren(...plans.map((plan) => renderGantt(plan, xMaxMs)));
+  byId("memory").replaceChildren(...plans.map(renderMemory));
+}
+
+function renderSummary(plans) {
+  const rows = [
+    ["iteration", "Estimated iteration (ms)", (p) => fmt(p.estimated_iteration_time_ms)],
+    ["deepspeed", "deepspeed estimate (ms)", (p) => fmt(p.deepspeed_estimated_iteration_time_ms)],
+    ["speedup", "Speedup vs deepspeed", (p) => `${fmt(p.speedup_vs_deepspeed)}×`],
+    ["dp-balance", "DP balance (max / mean)", (p) => fmt(balances(p).dp, 3)],
+    ["cp-balance", "CP balance (max / mean)", (p) => fmt(balances(p).cp, 3)],
+    ["memory", "Fullest CP rank / bucket", (p) => `${fmt(100 * balances(p).memory, 1)} %`],
+    ["micro-batches", "Micro-batches", (p) => String(balances(p).numMicroBatches)],
+    ["bucket", "Bucket size (tokens)", (p) => String(p.bucket_size)],
+    ["solve", "Planning time (ms)", (p) => fmt(p.solve_time_ms)],
+  ];
+  const table = byId("summary");
+  const head = html("tr");
+  head.append(html("th", {}, `${plans[0].model} · ${plans[0].profile}`));
+  for (const plan of plans) head.append(html("th", { scope: "col" }, plan.scheduler));
+  const body = rows.map(([metric, label, value]) => {
+    const row = html("tr");
+    row.append(html("th", { scope: "row" }, label));
+    for (const plan of plans) {
+      row.append(html("td", { "data-metric": metric, "data-scheduler": plan.scheduler }, value(plan)));
+    }
+    return row;
+  });
+  table.replaceChildren(html("thead"), html("tbody"));
+  table.tHead.append(head);
+  table.tBodies[0].append(...body);
+}
+
+function renderLegend() {
+  byId("legend").replaceChildren(...PARTS.map((part) => {
+    const item = html("span", { class: "legend-item" });
+    item.append(html("span", { class: `swatch part-${part.key}` }), document.createTextNode(part.label));
+    return item;
+  }));
+}
+
+function niceStep(maxValue, numTicks) {
+  const raw = maxValue / numTicks;
+  const power = 10 ** Math.floor(Math.log10(raw));
+  return [1, 2, 5, 10].map((m) => m * power).find((step) => step >= raw);
+}
+
+function timeAxis(root, x, y, xMaxMs, scale) {
+  const step = niceStep(xMaxMs, 8);
+  for (let tick = 0; tick <= xMaxMs + 1e-9; tick += step) {
+    svg("line", { x1: x + tick * scale, x2: x + tick * scale, y1: y, y2: y + 4, class: "tick" }, root);
+    svg("text", { x: x + tick * scale, y: y + 15, class: "tick-label" }, root).textContent = fmt(tick, step < 1 ? 1 : 0);
+  }
+  svg("text", { x: x + GANTT.width, y: y + 26, class: "axis-label" }, root).textContent = "time (ms)";
+}
+
+function renderGantt(plan, xMaxMs) {
+  const figure = html("figure", { class: "gantt-figure" });
+  figure.append(html("figcaption", {}, `${plan.scheduler}: ${fmt(plan.estimated_iteration_time_ms)} ms per iteration `
+    + `(estimated), ${fmt(plan.speedup_vs_deepspeed)}× over deepspeed`));
+  const cpSize = plan.dp_ranks[0].micro_batches[0].cp_ranks.length;
+  const groupHeight = cpSize * GANTT.row + GANTT.gap;
+  const height = GANTT.top + plan.dp_ranks.length * groupHeight + GANTT.axis;
+  const root = svg("svg", { class: "gantt", "data-scheduler": plan.scheduler, width: GANTT.left + GANTT.width + 20,
+    height, viewBox: `0 0 ${GANTT.left + GANTT.width + 20} ${height}` });
+  const scale = GANTT.width / xMaxMs;
+  plan.dp_ranks.forEach((dp, dpRank) => {
+    const top = GANTT.top + dpRank * groupHeight;
+    let startMs = 0;
+    dp.micro_batches.forEach((mb, mbIndex) => {
+      const band = svg("rect", { class: `mb mb-${mbIndex % 2}`, "data-dp": dpRank, "data-mb": mbIndex,
+        x: GANTT.left + startMs * scale, y: top, width: mb.estimated_time_ms * scale, height: cpSize * GANTT.row },
+      root);
+      tooltip(band, `DP ${dpRank}, micro-batch ${mbIndex}: ${fmt(mb.estimated_time_ms)} ms`);
+      mb.cp_ranks.forEach((rank, cpRank) => {
+        let leftMs = startMs;
+        for (const part of PARTS) {
+          const ms = partMs(rank, part);
+          if (ms <= 0) continue;
+          const bar = svg("rect", { class: `seg part-${part.key}`, "data-part": part.key, "data-ms": ms,
+            x: GANTT.left + leftMs * scale, y: top + cpRank * GANTT.row + 1, width: Math.max(ms * scale, 0.5),
+            height: GANTT.row - 2 }, root);
+          tooltip(bar, `DP ${dpRank} · CP ${cpRank} · micro-batch ${mbIndex}\n${part.label}: ${fmt(ms, 3)} ms\n`
+            + `rank total ${fmt(rank.time_ms, 3)} ms of ${fmt(mb.estimated_time_ms, 3)} ms; `
+            + `${fmt(rank.tokens, 0)} tokens (bucket ${plan.bucket_size}); communication ${fmt(rank.comm_ms, 3)} ms, `
+            + `exposed ${fmt(rank.exposed_comm_ms, 3)} ms`);
+          leftMs += ms;
+        }
+      });
+      startMs += mb.estimated_time_ms;
+      svg("line", { class: "mb-end", x1: GANTT.left + startMs * scale, x2: GANTT.left + startMs * scale,
+        y1: top, y2: top + cpSize * GANTT.row }, root);
+    });
+    for (let cpRank = 0; cpRank < cpSize; cpRank += 1) {
+      svg("text", { class: "row-label", x: GANTT.left - 6, y: top + (cpRank + 0.75) * GANTT.row }, root)
+        .textContent = `DP ${dpRank} · CP ${cpRank}`;
+    }
+  });
+  timeAxis(root, GANTT.left, height - GANTT.axis + 2, xMaxMs, scale);
+  figure.append(root);
+  return figure;
+}
+
+function renderMemory(plan) {
+  const figure = html("figure", { class: "memory-figure" });
+  figure.append(html("figcaption", {}, `${plan.scheduler}: tokens per CP rank, per DP rank and micro-batch`));
+  const clusters = plan.dp_ranks.flatMap((dp, dpRank) => dp.micro_batches.map((mb, mbIndex) => ({ dpRank, mbIndex, mb })));
+  const cpSize = clusters[0].mb.cp_ranks.length;
+  const clusterWidth = cpSize * MEMORY.bar + MEMORY.cluster;
+  const width = MEMORY.left + clusters.length * clusterWidth + 10;
+  const height = MEMORY.top + MEMORY.height + MEMORY.axis;
+  const fullest = Math.max(1, ...clusters.flatMap(({ mb }) => mb.cp_ranks.map((rank) => rank.tokens / plan.bucket_size)));
+  const yOf = (ratio) => MEMORY.top + MEMORY.height * (1 - ratio / (fullest * 1.05));
+  const root = svg("svg", { class: "memory", "data-scheduler": plan.scheduler, width, height,
+    viewBox: `0 0 ${width} ${height}` });
+  clusters.forEach(({ dpRank, mbIndex, mb }, index) => {
+    const left = MEMORY.left + index * clusterWidth;
+    mb.cp_ranks.forEach((rank, cpRank) => {
+      const ratio = rank.tokens / plan.bucket_size;
+      const bar = svg("rect", { class: ratio > 1 ? "mem over" : "mem", "data-tokens": rank.tokens,
+        x: left + cpRank * MEMORY.bar, y: yOf(ratio), width: MEMORY.bar - 1, height: yOf(0) - yOf(ratio) }, root);
+      tooltip(bar, `DP ${dpRank} · micro-batch ${mbIndex} · CP ${cpRank}: ${fmt(rank.tokens, 0)} tokens, `
+        + `${fmt(100 * ratio, 1)} % of the bucket (${plan.bucket_size})`);
+    });
+    if (mbIndex === 0) {
+      svg("text", { class: "dp-label", x: left, y: yOf(0) + 14 }, root)
+        .textContent = `DP ${dpRank}`;
+    }
+  });
+  svg("line", { class: "bucket", x1: MEMORY.left - 4, x2: width - 6, y1: yOf(1), y2: yOf(1) }, root);
+  svg("text", { class: "row-label", x: MEMORY.left - 6, y: yOf(1) + 4 }, root).textContent = "bucket";
+  svg("text", { class: "row-label", x: MEMORY.left - 6, y: yOf(0) }, root).textContent = "0";
+  figure.append(root);
+  return figure;
+}
+
+// ---- start ---------------------------------------------------------------------------------------------------
+
+async function start() {
+  byId("plan-form").addEventListener("submit", planAll);
+  byId("draw").addEventListener("click", drawBatch);
+  byId("file").addEventListener("change", loadFile);
+  try {
+    const [catalogue, samplers] = await Promise.all([call("GET", "/models"), call("GET", "/samplers")]);
+    byId("model").replaceChildren(...catalogue.models.map((model) => html("option", { value: model.name }, model.name)));
+    byId("model").value = catalogue.default_model;
+    byId("schedulers").replaceChildren(...catalogue.schedulers.map((name) => {
+      const label = html("label");
+      const box = html("input", { type: "checkbox", value: name, name: "scheduler" });
+      box.checked = ["skrull", "deepspeed"].includes(name);
+      label.append(box, document.createTextNode(name));
+      return label;
+    }));
+    byId("sampler").replaceChildren(...samplers.samplers.map((s) => html("option", { value: s.name }, s.name)));
+    byId("sampler").value = "lmsys";
+  } catch (error) {
+    showProblem("request", error.message);
+  }
+  document.body.dataset.ready = "true";
+}
+
+start();
