@@ -14,11 +14,11 @@ const PARTS = [
   { key: "overhead", label: "fixed + exposed communication", fields: ["fixed_ms", "exposed_comm_ms"] },
 ];
 
-// Problem "field" (its first name) → the form field that shows it.
+// A problem's "field" (its first name) → the form field (data-field) that shows it.
 const FIELD_BOXES = {
   sequence_lengths: "sequence_lengths", dp_size: "dp_size", cp_size: "cp_size", bucket_size: "bucket_size",
   model: "model", profile: "model", scheduler: "scheduler", time_limit_s: "scheduler",
-  name: "sampler", num_sequences: "sampler", seed: "sampler", max_length: "sampler", file: "file",
+  name: "sampler", num_sequences: "sampler", seed: "sampler", max_length: "sampler",
 };
 
 const GANTT = { left: 96, width: 840, row: 14, gap: 10, top: 8, axis: 28 };
@@ -82,10 +82,10 @@ async function call(method, url, body = undefined) {
 
 // ---- problems next to fields ---------------------------------------------------------------------------------
 
-function fieldBox(field) {
+// "sequence_lengths[3]" → "sequence_lengths"; what the form does not show (or no field) → "request".
+function boxFor(field) {
   const name = String(field || "").replace(/^(query|path)\./, "").split(/[.[]/)[0];
-  const key = FIELD_BOXES[name] || "request";
-  return document.querySelector(`.field[data-field="${key}"]`);
+  return FIELD_BOXES[name] || "request";
 }
 
 function clearProblems() {
@@ -95,8 +95,8 @@ function clearProblems() {
   }
 }
 
-function showProblem(field, message) {
-  const box = fieldBox(field);
+function showProblem(boxKey, message) {
+  const box = document.querySelector(`.field[data-field="${boxKey}"]`);
   const line = box.querySelector(".problem");
   line.textContent = line.textContent ? `${line.textContent}\n${message}` : message;
   box.classList.add("invalid");
@@ -221,9 +221,9 @@ async function planAll(event) {
     }
   }
   for (const [message, [field, failed]] of problems) {
-    showProblem(field, failed.length === schedulers.length ? message : `${failed.join(", ")}: ${message}`);
+    showProblem(boxFor(field), failed.length === schedulers.length ? message : `${failed.join(", ")}: ${message}`);
   }
-  byId("status").textContent = plans.length ? `planned ${plans.length} of ${schedulers.length}` : "";
+  byId("status").textContent = `planned ${plans.length} of ${schedulers.length}`;
   byId("plan").disabled = false;
   if (plans.length) render(plans);
   else byId("results").hidden = true;
