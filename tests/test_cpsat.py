@@ -233,3 +233,16 @@ def test_plans_pass_the_checker_and_never_lose_to_the_hint(problem: PlanningProb
     _assert_valid(problem, solution.plan)
     assert solution.report.objective_s is not None and solution.report.bound_s is not None
     assert solution.report.bound_s <= solution.report.objective_s <= simulate(problem, hint).iteration_time_s
+
+
+def test_same_problem_gives_the_same_plan_when_stopped_before_optimality() -> None:
+    """The contract's determinism holds for cpsat too: the stop is CP-SAT's deterministic time, not the clock."""
+    problem = _problem(_long_tailed_lengths(1, 12, 4 * 4096), dp_size=2, cp_size=4, bucket_size=4096)
+    hint = _one_sequence_per_micro_batch(problem)
+
+    first = cpsat.solve(problem, time_limit_s=1.0, hint=hint)
+    second = cpsat.solve(problem, time_limit_s=1.0, hint=hint)
+
+    assert first.report.status == "FEASIBLE"  # stopped by the limit: the case a wall-clock limit made random
+    assert second.plan == first.plan
+    assert second.report.objective_s == first.report.objective_s
