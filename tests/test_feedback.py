@@ -210,3 +210,19 @@ def test_any_valid_report_keeps_the_refit_profile_valid(
     assert compute.alpha_s_per_flop > 0 and compute.beta_s_per_layer >= 0
     assert job.bucket_cap is None or job.bucket_cap >= 1
     parse_profile(job.profile.raw)
+
+
+def test_extreme_measurements_never_make_a_coefficient_non_finite_or_non_positive() -> None:
+    """Each value is valid alone; alternating the tiniest and the largest drove the refit to NaN and an overflow."""
+    job = tiny_job()
+    for step in range(20):
+        tiny, huge = step % 2 == 0, step % 3 == 0
+        report = [measured([1000 + 37 * step, 64], 1e-300 if tiny else 3600.0, 1e-300 if huge else float(1 << 50))
+                  for _ in range(4)]
+        job = observe(job, report)
+        assert math.isfinite(job.compute_scale) and job.compute_scale > 0
+        assert math.isfinite(job.fixed_s) and job.fixed_s >= 0
+        assert job.memory_slope is not None and math.isfinite(job.memory_slope) and job.memory_slope > 0
+        assert job.memory_intercept is not None and math.isfinite(job.memory_intercept)
+        assert job.bucket_cap is None or job.bucket_cap >= 1
+        parse_profile(job.profile.raw)

@@ -117,6 +117,10 @@ def _bad(mutate: Any) -> dict[str, Any]:
                      "micro_batches[2].peak_memory_bytes", id="absurd-memory"),
         pytest.param(_bad(lambda b: b["micro_batches"][2].update(peak_memory_bytes=-1)), 422,
                      "micro_batches[2].peak_memory_bytes", id="negative-memory"),
+        pytest.param(_bad(lambda b: b["micro_batches"][2].update(peak_memory_bytes=1e-300)), 422,
+                     "micro_batches[2].peak_memory_bytes", id="tiny-memory"),
+        pytest.param(_bad(lambda b: b["micro_batches"][1].update(time_ms=1e-300)), 422, "micro_batches[1].time_ms",
+                     id="tiny-time"),
         pytest.param(_bad(lambda b: b["micro_batches"][0].update(local_lengths=[[637, 0], [1216]])), 422,
                      "micro_batches[0].local_lengths[0][1]", id="zero-length"),
         pytest.param(_bad(lambda b: b["micro_batches"][1].update(distributed_lengths=[1 << 30])), 422,
@@ -197,11 +201,11 @@ def test_plan_source_reports_measured_micro_batches_and_accepts_a_lowered_bucket
 def test_measurements_take_the_slowest_cp_rank_and_the_largest_peak() -> None:
     problem = make_problem(sequence_lengths=LENGTHS, dp_size=1, cp_size=2, model="tiny", bucket_size=2048)
     plan_ = make_plan(problem, "skrull").plan
-    timings = [MicroBatchTiming(dp_rank=0, index=0, time_s=0.2, peak_memory_bytes=5),
-               MicroBatchTiming(dp_rank=0, index=0, time_s=0.3, peak_memory_bytes=4)]
+    timings = [MicroBatchTiming(dp_rank=0, index=0, time_s=0.2, peak_memory_bytes=5 << 30),
+               MicroBatchTiming(dp_rank=0, index=0, time_s=0.3, peak_memory_bytes=4 << 30)]
     (only,) = measurements_of(plan_, LENGTHS, timings)
     micro_batch = plan_.dp_ranks[0].micro_batches[0]
-    assert only.time_ms == pytest.approx(300.0) and only.peak_memory_bytes == 5
+    assert only.time_ms == pytest.approx(300.0) and only.peak_memory_bytes == 5 << 30
     assert only.local_lengths == [[LENGTHS[i] for i in rank] for rank in micro_batch.local]
     FeedbackRequest(job_id="x", micro_batches=[only])  # a valid wire report
 

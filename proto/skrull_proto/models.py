@@ -22,6 +22,8 @@ __all__ = [
     "MAX_FEEDBACK_MICRO_BATCHES",
     "MAX_MEMORY_BYTES",
     "MAX_MICRO_BATCH_TIME_MS",
+    "MIN_MEMORY_BYTES",
+    "MIN_MICRO_BATCH_TIME_MS",
     "SCHEMA_VERSION",
     "CPRankEstimateModel",
     "ComputeCoefficients",
@@ -57,8 +59,11 @@ SequenceIndex = Annotated[StrictInt, Field(ge=0)]
 CPRank = Annotated[StrictInt, Field(ge=0)]
 JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
 
-# Bounds on what a trainer can have measured; anything outside is a broken measurement, not a slow machine.
+# Bounds on what a trainer can have measured; anything outside is a broken measurement, not a slow machine
+# (and values far apart, each positive, drove the refit's arithmetic to overflow).
+MIN_MICRO_BATCH_TIME_MS: Final = 1e-3  # one microsecond: less than one kernel launch
 MAX_MICRO_BATCH_TIME_MS: Final = 3_600_000.0  # one hour for one micro-batch
+MIN_MEMORY_BYTES: Final = float(1 << 20)  # 1 MiB: less than any device holds while it trains
 MAX_MEMORY_BYTES: Final = float(1 << 50)  # 1 PiB on one device
 MAX_FEEDBACK_MICRO_BATCHES: Final = 4096
 
@@ -262,9 +267,11 @@ class MicroBatchMeasurement(_OmitsEmptyLists):
     distributed_lengths: list[PositiveInt] = Field(description="Lengths of the sequences sharded over the CP group.")
     sharded_lengths: list[ShardedGroupLengths] = Field(
         default_factory=list, description="Hybrid DACP groups of the micro-batch; omitted when it had none.")
-    time_ms: Annotated[float, Field(strict=True, gt=0, le=MAX_MICRO_BATCH_TIME_MS, allow_inf_nan=False)] = Field(
+    time_ms: Annotated[float, Field(strict=True, ge=MIN_MICRO_BATCH_TIME_MS, le=MAX_MICRO_BATCH_TIME_MS,
+                                    allow_inf_nan=False)] = Field(
         description="Measured forward + backward time of the slowest CP rank.")
-    peak_memory_bytes: Annotated[float, Field(strict=True, gt=0, le=MAX_MEMORY_BYTES, allow_inf_nan=False)] | None = (
+    peak_memory_bytes: Annotated[float, Field(strict=True, ge=MIN_MEMORY_BYTES, le=MAX_MEMORY_BYTES,
+                                              allow_inf_nan=False)] | None = (
         Field(default=None, description="Peak device memory during the micro-batch, the largest over CP ranks; "
                                         "absent where the device cannot measure it per micro-batch (CPU)."))
 
@@ -276,7 +283,8 @@ class FeedbackRequest(_Strict):
     job_id: JobId = Field(description="The job_id its POST /plan requests carried.")
     step: Annotated[StrictInt, Field(ge=0)] | None = Field(default=None, description="Training step, for logs.")
     micro_batches: list[MicroBatchMeasurement] = Field(min_length=1, max_length=MAX_FEEDBACK_MICRO_BATCHES)
-    memory_budget_bytes: Annotated[float, Field(strict=True, gt=0, le=MAX_MEMORY_BYTES, allow_inf_nan=False)] | None = (
+    memory_budget_bytes: Annotated[float, Field(strict=True, ge=MIN_MEMORY_BYTES, le=MAX_MEMORY_BYTES,
+                                                allow_inf_nan=False)] | None = (
         Field(default=None, description="Device memory the job may use; the profile's device memory when absent."))
 
 

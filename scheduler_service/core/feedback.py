@@ -244,8 +244,17 @@ def _huber_fit(
     """``y ≈ slope·x1 + intercept·x2`` with slope > 0, intercept ≥ 0, minimising Huber's loss of relative residuals.
 
     ``prior`` (slope, intercept) is first scaled by the median ratio y / prediction; with ``two_parameters``
-    False that scaled prior is the answer, otherwise IRLS with a weak ridge toward it.
+    False that scaled prior is the answer, otherwise IRLS with a weak ridge toward it. Measurements far apart
+    may overflow the arithmetic; the caller refuses a fit that is not finite (``_usable``), so numpy need not warn.
     """
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        return _huber_irls(x1, x2, y, prior, two_parameters=two_parameters, huber_k=huber_k)
+
+
+def _huber_irls(
+    x1: npt.NDArray[np.float64], x2: npt.NDArray[np.float64], y: npt.NDArray[np.float64],
+    prior: tuple[float, float], *, two_parameters: bool, huber_k: float,
+) -> _Fit:
     prior_prediction = prior[0] * x1 + prior[1] * x2
     scale = float(np.median(y / np.maximum(prior_prediction, 1e-300)))
     slope0, intercept0 = prior[0] * scale, prior[1] * scale
@@ -354,6 +363,8 @@ def _refit_compute(job: JobFeedback) -> JobFeedback:
     # β is identifiable only if the ratio fixed : variable varies between observations.
     two = len(window) >= job.config.min_two_parameter_samples and _spread(x1 / np.maximum(x2, 1.0)) > 0.05
     fit = _huber_fit(x1, x2, y, (1.0, base_fixed_s), two_parameters=two, huber_k=job.config.huber_k)
+    if not _usable(fit):
+        return job  # extreme (if valid) measurements: keep the coefficients the job had
     return replace(job, compute_scale=fit.slope, fixed_s=fit.intercept,
                    fit_median_relative_error=fit.median_relative_error, num_downweighted=fit.num_downweighted)
 
@@ -368,16 +379,25 @@ def _refit_memory(job: JobFeedback) -> JobFeedback:
     two = len(window) >= job.config.min_two_parameter_samples and _spread(tokens) > 0.05
     fit = _huber_fit(tokens, np.ones_like(tokens), peaks, (base_perf.activation_bytes_per_token, prior_intercept),
                      two_parameters=two, huber_k=job.config.huber_k)
+    if not _usable(fit):
+        return job  # extreme (if valid) measurements: keep the coefficients and the cap the job had
     target = job.config.memory_headroom * job.memory_budget_bytes
-    caps = []
-    if fit.slope > 0:
-        caps.append(math.floor((target - fit.intercept) / fit.slope))
+    caps = [(target - fit.intercept) / fit.slope]
     for obs in window:  # a measured peak over the target shrinks the bucket even if the fit disagrees
         if obs.peak_bytes > target:
             fixed = min(fit.intercept, 0.5 * obs.peak_bytes)
-            caps.append(math.floor(obs.tokens * (target - fixed) / (obs.peak_bytes - fixed)))
-    cap = max(min(caps), 1) if caps else None
+            caps.append(obs.tokens * (target - fixed) / (obs.peak_bytes - fixed))
+    # A cap beyond any real bucket (a slope of almost nothing) caps nothing; floor() of it would overflow.
+    finite_caps = [math.floor(cap) for cap in caps if math.isfinite(cap)]
+    cap = max(min(finite_caps), 1) if finite_caps else None
     return replace(job, memory_slope=fit.slope, memory_intercept=fit.intercept, bucket_cap=cap)
+
+
+def _usable(fit: _Fit) -> bool:
+    """A refit a job may adopt: a finite positive slope and a finite non-negative intercept. Measurements that
+    are each valid but wildly apart can drive the arithmetic to inf or NaN; then the job keeps its model, so a
+    report can only improve a job's model or leave it as it was."""
+    return math.isfinite(fit.slope) and fit.slope > 0 and math.isfinite(fit.intercept) and fit.intercept >= 0
 
 
 def _refit_profile(job: JobFeedback) -> Profile:
