@@ -6,14 +6,16 @@ errors are raised, never formatted here (``problems`` maps them to HTTP).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
-from typing import Annotated, Literal
+from collections.abc import Coroutine
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from skrull_proto import (
-    FeedbackRequest,
     FeedbackResponse,
     HealthStatus,
     ModelSpec,
@@ -32,7 +34,12 @@ from scheduler_service.metrics import CONTENT_TYPE_LATEST, ServiceMetrics
 from scheduler_service.middleware import SCHEDULER_SCOPE_KEY
 from scheduler_service.parsing import parse_plan_request
 from scheduler_service.planning import PlanningService, feedback_response
-from scheduler_service.problems import FEEDBACK_PROBLEM_RESPONSES, PROBLEM_RESPONSES, ServiceUnavailableError
+from scheduler_service.problems import (
+    FEEDBACK_PROBLEM_RESPONSES,
+    PROBLEM_RESPONSES,
+    ClientDisconnectedError,
+    ServiceUnavailableError,
+)
 from scheduler_service.settings import Settings
 
 __all__ = ["router"]
@@ -66,10 +73,31 @@ _JSON = "application/json"
 _INLINE_MAX_BODY_BYTES = 64 << 10
 
 
-_PLAN_REQUEST_BODY = {
-    "required": True,
-    "content": {_JSON: {"schema": {"$ref": "#/components/schemas/PlanRequest"}}},
-}
+T = TypeVar("T")
+
+
+def _request_body(schema: str) -> dict[str, Any]:
+    """OpenAPI of a body the route parses itself (``parsing``), so that the service decides where it is parsed."""
+    return {"requestBody": {"content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+                            "required": True}}
+
+
+async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result, unless the client hangs up first: then stop waiting (a task still queued in a pool is
+    dropped) and raise ``ClientDisconnectedError`` (logged and counted as 499, not as a server error). Once the
+    body is read, the next ``receive`` returns only when the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and watcher.result()["type"] == "http.disconnect":
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            raise ClientDisconnectedError()
+        return await task
+    finally:
+        watcher.cancel()
 
 
 @router.post(
@@ -81,7 +109,7 @@ _PLAN_REQUEST_BODY = {
     "`skrull_binary`) and returns the plan "
     "with its estimated iteration time beside the deepspeed baseline's. Deterministic: the same request gives "
     "the same plan. `cpsat` runs in a bounded process pool (429 with Retry-After when full).",
-    openapi_extra={"requestBody": _PLAN_REQUEST_BODY},
+    openapi_extra=_request_body("PlanRequest"),
 )
 async def plan(request: Request, planner: PlannerDep, settings: SettingsDep) -> Response:
     raw = await request.body()
@@ -93,7 +121,7 @@ async def plan(request: Request, planner: PlannerDep, settings: SettingsDep) -> 
             functools.partial(parse_plan_request, raw, content_type, max_sequences=settings.max_sequences)
         )
     request.scope[SCHEDULER_SCOPE_KEY] = body.scheduler.value
-    batch = await planner.plan(body)
+    batch = await _unless_client_leaves(request, planner.plan(body))
     # Already serialized where it was planned; returning a Response skips FastAPI's second validation pass.
     return Response(batch.body, media_type=_JSON)
 
@@ -143,7 +171,8 @@ def _profile_summary(profile: Profile, origin: Literal["builtin", "directory"]) 
 )
 async def reload_profiles(planner: PlannerDep, settings: SettingsDep) -> ProfilesReloaded:
     names = planner.reload_profiles()
-    directory = None if settings.profile_dir is None else str(settings.profile_dir)
+    # The folder's name: answers never carry a server's file-system path.
+    directory = None if settings.profile_dir is None else settings.profile_dir.name
     return ProfilesReloaded(directory=directory, profiles=names)
 
 
@@ -158,9 +187,11 @@ async def reload_profiles(planner: PlannerDep, settings: SettingsDep) -> Profile
     "memory coefficients robustly (outliers down-weighted, a bounded window) and uses them for the job's later "
     "plans, lowering their bucket_size when the peak nears the memory budget. A bad report is a 4xx and "
     "changes nothing.",
+    openapi_extra=_request_body("FeedbackRequest"),
 )
-async def feedback(body: FeedbackRequest, planner: PlannerDep) -> FeedbackResponse:
-    return planner.feedback(body)
+async def feedback(request: Request, planner: PlannerDep) -> FeedbackResponse:
+    body = await request.body()
+    return await _unless_client_leaves(request, planner.feedback(body, request.headers.get("content-type")))
 
 
 @router.get(

@@ -5,7 +5,7 @@ environment); tests pass their own ``Settings``. ``app_factory`` is what
 uvicorn imports (``serve``): it also installs the JSON log handler.
 
 Middleware, outermost first: request context (request id, access log,
-metrics, last-resort 500) → body size limit (413) → FastAPI.
+metrics, last-resort 500, 499) → body limits (413, 408) → FastAPI.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from skrull_proto import SCHEMA_VERSION, PlanRequest, Problem
+from skrull_proto import SCHEMA_VERSION, FeedbackRequest, PlanRequest, Problem
 
 from scheduler_service.api import router
 from scheduler_service.logging_setup import configure_logging
@@ -63,7 +63,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(router)
     install_viewer(app)  # GET / (the plan viewer), /static, /samplers
     install_problem_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       body_timeout_s=settings.body_timeout_s)
     known_paths = frozenset(getattr(route, "path", "") for route in [*router.routes, *app.routes]) - {""}
     app.add_middleware(RequestContextMiddleware, metrics=metrics, known_paths=known_paths,
                        access_log=settings.access_log)
@@ -72,13 +73,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document plus the schemas the routes refer to by hand: PlanRequest (POST /plan parses its
-    own body, see ``parsing``) and Problem (the problem+json responses)."""
+    """FastAPI's document plus the schemas the routes refer to by hand: PlanRequest and FeedbackRequest (POST
+    /plan and /feedback parse their own bodies, see ``parsing``) and Problem (the problem+json responses)."""
     if app.openapi_schema is None:
         document = get_openapi(title=app.title, version=app.version, description=app.description,
                                routes=app.routes)
         schemas = document.setdefault("components", {}).setdefault("schemas", {})
-        for model in (PlanRequest, Problem):
+        for model in (PlanRequest, FeedbackRequest, Problem):
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema

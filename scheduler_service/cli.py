@@ -58,6 +58,14 @@ _SERVE_FLAGS: dict[str, tuple[type, str]] = {
     "cpsat_queue": (int, "cpsat requests that may wait for a busy pool, else 429 (SKRULL_CPSAT_QUEUE)"),
     "cpsat_max_time_limit_s": (float, "cap on a request's time_limit_s (SKRULL_CPSAT_MAX_TIME_LIMIT_S)"),
     "profile_dir": (str, "folder of measured profile files (SKRULL_PROFILE_DIR)"),
+    "max_plan_cells": (int, "largest estimated plan, micro-batches x cp_size + sequences, else 422 "
+                            "(SKRULL_MAX_PLAN_CELLS)"),
+    "inline_max_cells": (int, "larger requests run in the heavy pool (SKRULL_INLINE_MAX_CELLS)"),
+    "heavy_workers": (int, "processes planning heavy requests (SKRULL_HEAVY_WORKERS)"),
+    "heavy_queue": (int, "heavy requests that may wait for a busy pool, else 429 (SKRULL_HEAVY_QUEUE)"),
+    "header_timeout_s": (float, "a request's headers must arrive within, else closed (SKRULL_HEADER_TIMEOUT_S)"),
+    "body_timeout_s": (float, "a request's body must arrive within, else 408 (SKRULL_BODY_TIMEOUT_S)"),
+    "timeout_keep_alive_s": (int, "idle keep-alive connections closed after (SKRULL_TIMEOUT_KEEP_ALIVE_S)"),
 }
 
 

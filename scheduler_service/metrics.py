@@ -5,7 +5,7 @@ With several uvicorn workers set ``PROMETHEUS_MULTIPROC_DIR`` (an empty,
 writable folder) so ``/metrics`` aggregates every worker's samples; without it
 each worker reports only its own.
 
-    skrull_http_requests_total{method,route,status}           every request
+    skrull_http_requests_total{method,route,status}           every request; 499: the client hung up first
     skrull_http_request_duration_seconds{method,route}        its latency
     skrull_plan_requests_total{scheduler,status}              POST /plan by scheduler and HTTP status
     skrull_plan_request_duration_seconds{scheduler,status}    its latency, end to end
@@ -18,6 +18,8 @@ each worker reports only its own.
     skrull_cpsat_in_flight                                    cpsat requests solving or waiting
     skrull_cpsat_rejected_total                               cpsat requests answered 429
     skrull_cpsat_status_total{status}                         CP-SAT result status
+    skrull_heavy_in_flight                                    heavy requests (plans, reports) working or waiting
+    skrull_heavy_rejected_total                               heavy requests answered 429
     skrull_feedback_micro_batches_total                       measured micro-batches accepted by POST /feedback
     skrull_feedback_jobs                                      jobs whose refit the service keeps
     skrull_feedback_bucket_lowered_total                      plans whose bucket_size feedback lowered (memory)
@@ -100,6 +102,13 @@ class ServiceMetrics:
             "skrull_cpsat_rejected", "cpsat requests answered 429 because the pool was full.", registry=r
         )
         self.cpsat_status = Counter("skrull_cpsat_status", "CP-SAT result status.", ["status"], registry=r)
+        self.heavy_in_flight = Gauge(
+            "skrull_heavy_in_flight", "Heavy requests (plans, feedback reports) working or waiting for the pool.",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.heavy_rejected = Counter(
+            "skrull_heavy_rejected", "Heavy requests answered 429 because the pool was full.", registry=r
+        )
         self.feedback_micro_batches = Counter(
             "skrull_feedback_micro_batches", "Measured micro-batches accepted by POST /feedback.", registry=r
         )

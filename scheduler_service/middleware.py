@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: request context (id, access log, metrics, last-resort 500) and the body size limit.
+"""Pure ASGI middleware: request context (id, access log, metrics, last-resort 500, 499 for a client that
+hung up) and the body limits (size: 413; time: 408).
 
 Both are plain ASGI callables rather than ``BaseHTTPMiddleware``: they add no
 task or stream per request, which keeps the sidecar's latency near the
@@ -7,6 +8,7 @@ planner's own.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -16,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler_service.logging_setup import request_id_var
 from scheduler_service.metrics import ServiceMetrics
-from scheduler_service.problems import internal_error_response, problem_response
+from scheduler_service.problems import CLIENT_CLOSED_REQUEST, internal_error_response, problem_response
 
 __all__ = ["SCHEDULER_SCOPE_KEY", "BodySizeLimitMiddleware", "RequestContextMiddleware"]
 
@@ -51,24 +53,32 @@ class RequestContextMiddleware:
         started_s = time.perf_counter()
         request_id = _request_id(scope)
         token = request_id_var.set(request_id)
-        status = 500
-        response_started = False
+        status: int | None = None
+        disconnected = False
+
+        async def receive_watching() -> Message:
+            nonlocal disconnected
+            message = await receive()
+            disconnected = disconnected or message["type"] == "http.disconnect"
+            return message
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status, response_started
+            nonlocal status
             if message["type"] == "http.response.start":
-                response_started = True
-                status = message["status"]
+                # An answer started after the client hung up is never read: the request is the client's 499.
+                status = CLIENT_CLOSED_REQUEST if disconnected else message["status"]
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive_watching, send_with_id)
         except Exception:
             error_logger.exception("unhandled error", extra={"method": scope["method"], "path": scope["path"]})
-            if not response_started:
+            if status is None and not disconnected:
                 await internal_error_response()(scope, receive, send_with_id)
         finally:
+            if status is None:  # no answer started: the client left (499), or the app never answered (a bug)
+                status = CLIENT_CLOSED_REQUEST if disconnected else 500
             duration_s = time.perf_counter() - started_s
             route = scope.get("route")
             route_path = getattr(route, "path", None) or (
@@ -105,18 +115,20 @@ def _client(scope: Scope) -> str | None:
 
 
 class BodySizeLimitMiddleware:
-    """Answers 413 when a request body exceeds ``max_body_bytes``.
+    """Answers 413 when a request body exceeds ``max_body_bytes``, 408 when it takes over ``body_timeout_s``.
 
     A declared ``Content-Length`` over the limit is refused before reading a
     byte; a chunked (or lying) body is counted as it streams and refused as soon
     as it passes the limit. The body is read here in full and replayed to the
     app, so the app never sees a partial body and the 413 decision is made
-    before any response starts.
+    before any response starts. A client that trickles its body is cut off at
+    the deadline (the server alone would wait for it forever).
     """
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_timeout_s: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
@@ -129,17 +141,27 @@ class BodySizeLimitMiddleware:
         chunks: list[bytes] = []
         num_bytes = 0
         more_body = True
-        while more_body:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left; nobody to answer
-            chunk = message.get("body", b"")
-            num_bytes += len(chunk)
-            if num_bytes > self.max_body_bytes:
-                await self._refuse(scope, receive, send, f"more than {num_bytes - len(chunk)} + {len(chunk)} bytes")
-                return
-            chunks.append(chunk)
-            more_body = message.get("more_body", False)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while more_body:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return  # the client left; nobody to answer
+                    chunk = message.get("body", b"")
+                    num_bytes += len(chunk)
+                    if num_bytes > self.max_body_bytes:
+                        await self._refuse(scope, receive, send,
+                                           f"more than {num_bytes - len(chunk)} + {len(chunk)} bytes")
+                        return
+                    chunks.append(chunk)
+                    more_body = message.get("more_body", False)
+        except TimeoutError:
+            response = problem_response(
+                408, f"the request body did not arrive within {self.body_timeout_s:g} s ({num_bytes} bytes came)",
+                problem_type="body-timeout", title="Request Timeout", field="body", limit=self.body_timeout_s,
+                headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
         body = b"".join(chunks)
         replayed = False
 

@@ -1,42 +1,66 @@
-"""Parsing POST /plan's body into the wire model, cheaply and with bounded error reports."""
+"""Parsing request bodies into the wire models, cheaply and with bounded error reports.
+
+Done here rather than by FastAPI's body parameter so that the service decides
+where the work runs: a large body is parsed in a pool process, never on the
+event loop (a 4 MB /feedback report takes seconds to validate).
+"""
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import pydantic_core
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
-from skrull_proto import PlanRequest
+from pydantic import BaseModel, ValidationError
+from skrull_proto import FeedbackRequest, PlanRequest
 
 from scheduler_service.problems import RequestLimitError, UnsupportedMediaTypeError
 
-__all__ = ["parse_plan_request"]
+__all__ = ["check_json_media_type", "parse_feedback_request", "parse_plan_request"]
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 def parse_plan_request(body: bytes, content_type: str | None, *, max_sequences: int) -> PlanRequest:
-    """Parse POST /plan's body, refusing an over-long batch *before* validating its items.
-
-    Done here rather than by FastAPI's body parameter because pydantic reports
-    every bad item: a 4 MB body of negative lengths would cost seconds of
-    event-loop time to describe. Counting first bounds that by ``max_sequences``.
-    """
-    if content_type is not None:
-        media_type = content_type.split(";", 1)[0].strip().lower()
-        if media_type != "application/json" and not media_type.endswith("+json"):
-            raise UnsupportedMediaTypeError(content_type)
-    if not body.strip():
-        raise _json_error("the request body is empty; send a JSON object")
-    try:
-        data = pydantic_core.from_json(body, allow_inf_nan=False)
-    except ValueError as error:
-        raise _json_error(str(error)) from None
+    """Parse POST /plan's body, refusing an over-long batch *before* validating its items: pydantic reports
+    every bad item, and a 4 MB body of negative lengths would cost seconds to describe. Counting first bounds
+    that by ``max_sequences``."""
+    data = _json(body, content_type)
     lengths = data.get("sequence_lengths") if isinstance(data, dict) else None
     if isinstance(lengths, list) and len(lengths) > max_sequences:
         raise RequestLimitError(
             f"sequence_lengths has {len(lengths)} sequences; at most {max_sequences} are accepted",
             field="sequence_lengths", limit=max_sequences,
         )
+    return _validate(PlanRequest, data)
+
+
+def parse_feedback_request(body: bytes, content_type: str | None) -> FeedbackRequest:
+    """Parse POST /feedback's body (its size was bounded by the caller's cost estimate)."""
+    return _validate(FeedbackRequest, _json(body, content_type))
+
+
+def check_json_media_type(content_type: str | None) -> None:
+    """A body sent as anything but JSON is a 415 (no Content-Type is taken as JSON)."""
+    if content_type is not None:
+        media_type = content_type.split(";", 1)[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
+            raise UnsupportedMediaTypeError(content_type)
+
+
+def _json(body: bytes, content_type: str | None) -> Any:
+    check_json_media_type(content_type)
+    if not body.strip():
+        raise _json_error("the request body is empty; send a JSON object")
     try:
-        return PlanRequest.model_validate(data)
+        return pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError as error:
+        raise _json_error(str(error)) from None
+
+
+def _validate(model: type[ModelT], data: Any) -> ModelT:
+    try:
+        return model.model_validate(data)
     except ValidationError as error:
         raise RequestValidationError(
             [{**item, "loc": ("body", *item["loc"])} for item in error.errors(include_url=False, include_input=False)]

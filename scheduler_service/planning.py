@@ -1,19 +1,26 @@
-"""Where plans are made: inline, in a thread, or in the CP-SAT process pool.
+"""Where plans are made: inline on the event loop, in the heavy pool, or in the CP-SAT pool.
 
-* Heuristic schedulers (everything but ``cpsat``) take about a millisecond for
-  a few hundred sequences, so they run inline on the event loop: a thread hop
-  costs more than it saves under the GIL and worsens tail latency. Batches
-  above ``inline_max_sequences`` go to a worker thread so one huge batch does
-  not stall every other request (and ``/healthz``) behind it.
-* ``cpsat`` runs in a bounded ``ProcessPoolExecutor`` (spawned, niced worker
-  processes) with the request's time limit capped by the settings. At most
-  ``cpsat_workers + cpsat_queue`` cpsat requests are admitted; the next gets
-  ``ServiceBusyError`` (429) with the seconds until the soonest solve ends.
-  Heuristic requests never wait for CP-SAT: they do not share the pool, and
-  the solver processes run at a lower CPU priority.
+Every request's cost is estimated from its shape before any work (``cost``:
+cells = micro-batches × ``cp_size`` local lists, plus sequences):
 
-The request is validated by the core in this process first, so bad input is
-answered at once and never costs a solver slot.
+* over ``max_plan_cells`` (``max_feedback_cells`` for /feedback) it is refused
+  with a 422 naming the limit and the estimate;
+* up to ``inline_max_cells`` it runs inline on the event loop: a few
+  milliseconds, where a process hop would cost more than it saves;
+* anything larger runs in the *heavy pool*, a bounded ``ProcessPoolExecutor``
+  (spawned, niced processes), so the event loop keeps answering ``/healthz``,
+  ``/readyz`` and ``/metrics`` whatever the load, and the server's own memory
+  does not grow with the plans (the answer comes back as bytes, with a small
+  summary for the metrics). At most ``heavy_workers + heavy_queue`` requests
+  are admitted; the next gets ``ServiceBusyError`` (429) with the seconds until
+  the soonest admitted one should end (Retry-After).
+* ``cpsat`` runs in its own pool of the same kind (``cpsat_workers`` +
+  ``cpsat_queue``), with the request's time limit capped by the settings, so
+  exact solves never delay heuristic plans.
+
+Pool processes exit when the server process is gone, even after a SIGKILL
+(``_exit_with_parent``). The request is validated by the core in this process
+first, so bad input is answered at once and never costs a pool slot.
 
 Profiles and feedback (state this service keeps, per process):
 
@@ -36,22 +43,26 @@ import contextlib
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, TypeVar
 
-import anyio.to_thread
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import Counter, Gauge
 from skrull_proto import (
     ComputeCoefficients,
     FeedbackRequest,
     FeedbackResponse,
     MemoryCoefficients,
     PlanRequest,
-    PlanResponse,
     SchedulerName,
 )
 
@@ -64,10 +75,13 @@ from scheduler_service.core.errors import (
 )
 from scheduler_service.core.feedback import FeedbackConfig, GroupLengths, JobFeedback, MicroBatchMeasurement
 from scheduler_service.core.perf_model import PerformanceModel
-from scheduler_service.core.plan import PlanLimits, PlanningProblem, block_degrees, cp_blocks
+from scheduler_service.core.plan import Plan, PlanLimits, PlanningProblem, block_degrees, cp_blocks
+from scheduler_service.core.plan import SchedulerName as CoreSchedulerName
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.profile import Profile, builtin_profiles, load_profile_dir
+from scheduler_service.cost import PlanCost, feedback_cells, plan_cost
 from scheduler_service.metrics import Placement, ServiceMetrics
+from scheduler_service.parsing import check_json_media_type, parse_feedback_request
 from scheduler_service.problems import (
     FeedbackDisabledError,
     RequestLimitError,
@@ -78,7 +92,7 @@ from scheduler_service.problems import (
 from scheduler_service.settings import Settings
 from scheduler_service.wire import request_to_problem, result_to_response
 
-__all__ = ["PlannedBatch", "PlanningService", "feedback_response", "plan_request"]
+__all__ = ["PlanSummary", "PlannedBatch", "PlanningService", "feedback_response", "plan_request", "refit_job"]
 
 logger = logging.getLogger("scheduler_service.planning")
 
@@ -87,16 +101,32 @@ logger = logging.getLogger("scheduler_service.planning")
 _WARMUP_LENGTHS = [128, 512, 2048, 8192, 30000, 300, 1000, 4000, 96, 16000, 700, 64] * 4
 _WARMUP_BUCKET_SIZE = 16384
 _WARMUP_CP_SIZE = 4
-# Solver processes yield the CPU to the event loop's heuristic planning.
-_CPSAT_NICE = 10
-# Extra wall time allowed beyond a solve's time limit (spawn, model building, presolve) before giving up.
-_CPSAT_GRACE_S = 30.0
+# Pool processes yield the CPU to the event loop (probes, small plans).
+_POOL_NICE = 10
+# Extra wall time allowed beyond a task's expected time (spawn, imports, model building) before giving up.
+_POOL_GRACE_S = 30.0
+# Seconds per cell of the slowest measured plans (2 cores): only feeds Retry-After and the give-up time.
+_SECONDS_PER_CELL = 15e-6
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanSummary:
+    """What the service records of a plan (metrics, feedback): small, so it crosses processes cheaply."""
+
+    scheduler: str
+    bucket_size: int
+    solve_time_s: float
+    speedup: float
+    solver_status: str | None
+    placements: dict[Placement, int]
+    group_degrees: tuple[int, ...]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannedBatch:
-    response: PlanResponse
-    body: bytes  # the response's JSON, serialized where it was planned
+    body: bytes  # the response's JSON, serialized where it was planned: never parsed again on the event loop
+    summary: PlanSummary
 
 
 def job_problem(problem: PlanningProblem, job: JobFeedback | None) -> PlanningProblem:
@@ -131,64 +161,124 @@ def plan_request(
     else:
         result = make_plan(problem, request.scheduler, time_limit_s=time_limit_s)
     response = result_to_response(result, breakdown=request.breakdown)
-    return PlannedBatch(response=response, body=response.model_dump_json().encode())
+    placements, group_degrees = _placements(result.plan)
+    summary = PlanSummary(scheduler=response.scheduler.value, bucket_size=response.bucket_size,
+                          solve_time_s=result.solve_time_s, speedup=response.speedup_vs_deepspeed,
+                          solver_status=response.solver.status if response.solver else None,
+                          placements=placements, group_degrees=tuple(group_degrees))
+    return PlannedBatch(body=response.model_dump_json().encode(), summary=summary)
 
 
-# ---- the CP-SAT worker process side ---------------------------------------------------------------------------
+# ---- the pool process side -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _WorkerOutcome:
-    """What a solver process sends back; errors travel as data (core errors do not all pickle)."""
+    """What a pool process sends back; errors travel as data (core errors do not all pickle)."""
 
-    body: bytes | None = None
+    batch: PlannedBatch | None = None
+    job: JobFeedback | None = None  # /feedback: the refit job (the job id alone after the first phase)
+    job_id: str | None = None
     error_kind: str | None = None
     message: str = ""
     field: str | None = None
+    limit: int | float | None = None
     violations: tuple[str, ...] = ()
+    validation_errors: tuple[dict[str, Any], ...] = ()
 
 
 def _init_worker() -> None:
-    os.nice(_CPSAT_NICE)
+    os.nice(_POOL_NICE)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent.sentinel,), name="exit-with-parent",
+                         daemon=True).start()
 
 
-def _solve_in_worker(
-    request_json: bytes, limits: PlanLimits, time_limit_s: float, extra_profiles: dict[str, Profile] | None = None,
-    job: JobFeedback | None = None,
-) -> _WorkerOutcome:
-    request = PlanRequest.model_validate_json(request_json)
-    try:
-        batch = plan_request(request, limits, time_limit_s, extra_profiles=extra_profiles, job=job)
-    except PlanCheckError as error:
+def _exit_with_parent(parent_sentinel: int) -> None:
+    """Exit as soon as the server process is gone. A pool process otherwise outlives a server killed with
+    SIGKILL: it holds both ends of its task queue, so it never reads an end of file. The parent's sentinel
+    becomes readable when the parent dies, however it dies."""
+    multiprocessing.connection.wait([parent_sentinel])
+    os._exit(1)
+
+
+def _outcome_of(error: Exception) -> _WorkerOutcome:
+    if isinstance(error, RequestValidationError):
+        # The first few hundred say all there is to say (and pickling a million would not be cheap).
+        return _WorkerOutcome(error_kind="validation", validation_errors=tuple(error.errors()[:256]))
+    if isinstance(error, PlanCheckError):
         return _WorkerOutcome(error_kind="check", message=error.message, violations=tuple(error.violations))
-    except InfeasiblePlanError as error:
+    if isinstance(error, InfeasiblePlanError):
         return _WorkerOutcome(error_kind="infeasible", message=error.message, field=error.field)
-    except PlanningError as error:
-        return _WorkerOutcome(error_kind="invalid", message=error.message, field=error.field)
-    return _WorkerOutcome(body=batch.body)
-
-
-def _warm_worker() -> str:
-    """Import CP-SAT and solve a tiny batch, so the first real request pays no start-up."""
-    request = PlanRequest(sequence_lengths=[4000, 3000, 2000, 1000, 500, 200], dp_size=2, cp_size=2,
-                          bucket_size=4096, scheduler=SchedulerName.CPSAT)
-    batch = plan_request(request, PlanLimits(), time_limit_s=0.5)
-    assert batch.response.solver is not None
-    return batch.response.solver.status
+    if isinstance(error, RequestLimitError):
+        return _WorkerOutcome(error_kind="limit", message=error.message, field=error.field, limit=error.limit)
+    assert isinstance(error, PlanningError)
+    return _WorkerOutcome(error_kind="invalid", message=error.message, field=error.field)
 
 
 def _raise_worker_error(outcome: _WorkerOutcome) -> None:
+    if outcome.error_kind == "validation":
+        raise RequestValidationError(list(outcome.validation_errors))
     if outcome.error_kind == "check":
         raise PlanCheckError(list(outcome.violations))
     if outcome.error_kind == "infeasible":
         raise InfeasiblePlanError(outcome.message, field=outcome.field)
+    if outcome.error_kind == "limit":
+        assert outcome.field is not None and outcome.limit is not None
+        raise RequestLimitError(outcome.message, field=outcome.field, limit=outcome.limit)
     raise InvalidRequestError(outcome.message, field=outcome.field)
 
 
-def _placements(response: PlanResponse) -> tuple[dict[Placement, int], list[int]]:
+def _plan_in_worker(
+    request_json: bytes, limits: PlanLimits, time_limit_s: float | None, extra_profiles: dict[str, Profile],
+    job: JobFeedback | None,
+) -> _WorkerOutcome:
+    request = PlanRequest.model_validate_json(request_json)
+    try:
+        return _WorkerOutcome(batch=plan_request(request, limits, time_limit_s, extra_profiles=extra_profiles,
+                                                 job=job))
+    except PlanningError as error:
+        return _outcome_of(error)
+
+
+def _feedback_job_id_in_worker(body: bytes) -> _WorkerOutcome:
+    """First phase of a heavy report: parse it (seconds for a few MB), so the event loop learns its job."""
+    try:
+        return _WorkerOutcome(job_id=parse_feedback_request(body, None).job_id)
+    except RequestValidationError as error:
+        return _outcome_of(error)
+
+
+def _refit_in_worker(body: bytes, job: JobFeedback, max_sequence_length: int) -> _WorkerOutcome:
+    """Second phase: parse again (cheaper than sending a million parsed lists back and forth) and refit."""
+    try:
+        return _WorkerOutcome(job=refit_job(job, parse_feedback_request(body, None), max_sequence_length))
+    except (RequestValidationError, PlanningError) as error:
+        return _outcome_of(error)
+
+
+def _warm_planner() -> None:
+    """Plan a small mixed batch with every heuristic: the first plans pay imports and caches."""
+    for scheduler in HEURISTIC_SCHEDULERS:
+        plan_request(PlanRequest(sequence_lengths=_WARMUP_LENGTHS, dp_size=2, cp_size=_WARMUP_CP_SIZE,
+                                 bucket_size=_WARMUP_BUCKET_SIZE, scheduler=SchedulerName(scheduler.value)),
+                     PlanLimits())
+
+
+def _warm_worker() -> str:
+    """Import the planner and CP-SAT and solve a tiny batch, so the first real request pays no start-up."""
+    request = PlanRequest(sequence_lengths=[4000, 3000, 2000, 1000, 500, 200], dp_size=2, cp_size=2,
+                          bucket_size=4096, scheduler=SchedulerName.CPSAT)
+    batch = plan_request(request, PlanLimits(), time_limit_s=0.5)
+    assert batch.summary.solver_status is not None
+    return batch.summary.solver_status
+
+
+def _placements(plan: Plan) -> tuple[dict[Placement, int], list[int]]:
     """Sequences per placement, and the size of every hybrid group, of one plan (for the metrics)."""
     counts = dict.fromkeys(Placement, 0)
     group_degrees = []
-    for dp_rank in response.dp_ranks:
+    for dp_rank in plan.dp_ranks:
         for micro_batch in dp_rank.micro_batches:
             counts[Placement.LOCAL] += sum(len(rank_local) for rank_local in micro_batch.local)
             counts[Placement.DISTRIBUTED] += len(micro_batch.distributed)
@@ -239,6 +329,19 @@ def _measurements(request: FeedbackRequest) -> list[MicroBatchMeasurement]:
     return measurements
 
 
+def refit_job(job: JobFeedback, request: FeedbackRequest, max_sequence_length: int) -> JobFeedback:
+    """The job refit from one report (pure: inline or in a pool process); a bad report raises."""
+    for index, item in enumerate(request.micro_batches):
+        longest = max([*item.distributed_lengths, *(n for rank in item.local_lengths for n in rank),
+                       *(n for group in item.sharded_lengths for n in group.lengths)], default=0)
+        if longest > max_sequence_length:
+            raise RequestLimitError(f"micro_batches[{index}] holds a sequence of {longest} tokens; the service "
+                                    f"accepts at most {max_sequence_length}", field=f"micro_batches[{index}]",
+                                    limit=max_sequence_length)
+    _check_group_blocks(request, job.cp_size)
+    return core_feedback.observe(job, _measurements(request), memory_budget_bytes=request.memory_budget_bytes)
+
+
 def feedback_response(job: JobFeedback) -> FeedbackResponse:
     compute = job.profile.compute
     memory = None
@@ -257,6 +360,111 @@ def feedback_response(job: JobFeedback) -> FeedbackResponse:
     )
 
 
+def _without_folder(message: str, directory: Path) -> str:
+    """``message`` with the folder's path left out: answers never carry a server's file-system paths."""
+    folder = str(directory).rstrip("/")
+    return message.replace(folder + "/", "").replace(folder, "the profile folder")
+
+
+# ---- the pools ------------------------------------------------------------------------------------------------
+
+class _Pool:
+    """A process pool with admission control: at most ``workers + queue`` tasks admitted at once; the next is
+    refused with ``ServiceBusyError`` (429) and the seconds until the soonest admitted task should end."""
+
+    def __init__(self, name: str, *, workers: int, queue: int, in_flight: Gauge, rejected: Counter,
+                 alternative: str) -> None:
+        self.name = name
+        self.workers = workers
+        self.capacity = workers + queue
+        self._in_flight_gauge = in_flight
+        self._rejected = rejected
+        self._alternative = alternative  # what the 429 suggests instead of waiting
+        self._executor: ProcessPoolExecutor | None = None
+        self._deadlines: dict[int, float] = {}  # admitted task -> when it should end
+        self._next_ticket = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Tasks admitted and not yet finished (running or waiting for a process)."""
+        return len(self._deadlines)
+
+    def start(self) -> None:
+        self._executor = self._new_executor()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            # Queued tasks are dropped; running ones end by their own bounds (the time limit, the cost limit),
+            # and waiting for them lets the processes exit cleanly.
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def submit_unadmitted(self, fn: Callable[[], T]) -> Future[T]:
+        """Start-up work (a warm-up) that bypasses admission."""
+        assert self._executor is not None
+        return self._executor.submit(fn)
+
+    def _new_executor(self) -> ProcessPoolExecutor:
+        # spawn, not fork: the server process has threads (event loop, anyio workers) that fork would copy mid-state.
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker)
+
+    async def run(self, fn: Callable[..., T], *args: object, expected_s: float) -> T:
+        """``fn(*args)`` in a pool process, admitted or refused at once. The slot is held until the task really
+        ends, even if its request stops waiting (a client that hung up): the process is busy until then. A task
+        still queued when its request stops waiting is dropped."""
+        now = time.monotonic()
+        if self.in_flight >= self.capacity:
+            self._rejected.inc()
+            soonest_s = min(self._deadlines.values()) - now
+            raise ServiceBusyError(
+                f"the {self.name} pool is full ({self.workers} working + {self.capacity - self.workers} waiting); "
+                f"retry later{self._alternative}", retry_after_s=max(1, math.ceil(soonest_s)), limit=self.capacity)
+        executor = self._executor
+        if executor is None:
+            raise ServiceUnavailableError(f"the {self.name} pool is not running")
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        # A waiting task ends one expected time after the running ones; the estimate only feeds Retry-After.
+        queued_behind = max(0, self.in_flight - self.workers + 1)
+        self._deadlines[ticket] = now + expected_s * (1 + queued_behind)
+        self._in_flight_gauge.inc()
+        try:
+            future = executor.submit(fn, *args)
+        except (BrokenProcessPool, RuntimeError) as error:
+            self._release(ticket)
+            self._replace_broken(executor)
+            raise ServiceUnavailableError(f"the {self.name} pool is unavailable; retry") from error
+        loop = asyncio.get_running_loop()
+
+        def release_on_loop(_: Future[T]) -> None:
+            # Runs on the pool's manager thread; the bookkeeping stays on the event loop. A closed loop means the
+            # app is gone, and its bookkeeping with it.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._release, ticket)
+
+        future.add_done_callback(release_on_loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future),
+                                          timeout=expected_s * (1 + queued_behind) + _POOL_GRACE_S)
+        except BrokenProcessPool as error:
+            self._replace_broken(executor)
+            raise ServiceUnavailableError(f"a {self.name} pool process died; retry") from error
+        except TimeoutError as error:
+            raise ServiceUnavailableError(f"the {self.name} pool did not finish within {expected_s:g} s plus "
+                                          "grace") from error
+
+    def _release(self, ticket: int) -> None:
+        if self._deadlines.pop(ticket, None) is not None:
+            self._in_flight_gauge.dec()
+
+    def _replace_broken(self, broken: ProcessPoolExecutor) -> None:
+        if self._executor is broken:
+            broken.shutdown(wait=False, cancel_futures=True)
+            self._executor = self._new_executor()
+            logger.error("a pool broke; started a new one", extra={"pool": self.name})
+
+
 # ---- the service side ----------------------------------------------------------------------------------------
 
 class PlanningService:
@@ -268,60 +476,56 @@ class PlanningService:
         self.limits = settings.plan_limits
         self.ready = False
         self.cpsat_state = "not started"
-        self._pool: ProcessPoolExecutor | None = None
-        self._cpsat_deadlines: dict[int, float] = {}  # admitted cpsat request -> when its solve should end
-        self._next_ticket = 0
+        self.cpsat_pool = _Pool("cpsat", workers=settings.cpsat_workers, queue=settings.cpsat_queue,
+                                in_flight=metrics.cpsat_in_flight, rejected=metrics.cpsat_rejected,
+                                alternative=" or use a heuristic scheduler")
+        self.heavy_pool = _Pool("heavy", workers=settings.heavy_workers, queue=settings.heavy_queue,
+                                in_flight=metrics.heavy_in_flight, rejected=metrics.heavy_rejected,
+                                alternative=" or send smaller requests")
         self.profiles: dict[str, Profile] = {}  # read from settings.profile_dir
         self.feedback_config = FeedbackConfig(window=settings.feedback_window,
                                               memory_headroom=settings.feedback_memory_headroom)
-        # No lock: every read and write of _jobs happens on the event loop (the endpoints are async); plans run
-        # in worker threads or processes only receive a job, an immutable snapshot.
+        # No lock: every read and write of _jobs happens on the event loop (the endpoints are async); refits and
+        # plans run in pool processes only receive a job, an immutable snapshot.
         self._jobs: OrderedDict[str, JobFeedback] = OrderedDict()
+        self._refitting: set[str] = set()  # jobs whose report is being refit in the heavy pool
         self._profile_dir_seen: object = None  # the folder's state at the last (re)load, successful or not
 
     @property
     def cpsat_in_flight(self) -> int:
         """cpsat requests admitted and not yet solved (solving or waiting for a worker)."""
-        return len(self._cpsat_deadlines)
+        return self.cpsat_pool.in_flight
 
     # -- lifecycle
 
     def start(self) -> None:
-        """Read the profile folder, warm the planner (the first plan pays imports and caches), report ready."""
+        """Read the profile folder, start the pools, warm the planner (the first plan pays imports and caches),
+        report ready."""
         self.reload_profiles()
-        self._pool = self._new_pool()
+        self.cpsat_pool.start()
+        self.heavy_pool.start()
         if self.settings.cpsat_warmup:
             self.cpsat_state = "warming"
-            self._pool.submit(_warm_worker).add_done_callback(self._on_cpsat_warm)
+            self.cpsat_pool.submit_unadmitted(_warm_worker).add_done_callback(self._on_cpsat_warm)
+            self.heavy_pool.submit_unadmitted(_warm_planner)  # spawned and warm before the first heavy request
         else:
             self.cpsat_state = "cold"
         if self.settings.warmup:
             started = time.perf_counter()
-            for scheduler in HEURISTIC_SCHEDULERS:
-                plan_request(PlanRequest(sequence_lengths=_WARMUP_LENGTHS, dp_size=2, cp_size=_WARMUP_CP_SIZE,
-                                         bucket_size=_WARMUP_BUCKET_SIZE, scheduler=SchedulerName(scheduler.value)),
-                             PlanLimits())
+            _warm_planner()
             logger.info("planner warmed up", extra={"warmup_ms": round((time.perf_counter() - started) * 1e3, 1)})
         self.ready = True
 
     def close(self) -> None:
         self.ready = False
-        if self._pool is not None:
-            # Queued solves are dropped; running ones end by their own time limit (at most
-            # cpsat_max_time_limit_s), and waiting for them lets the processes exit cleanly.
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-    def _new_pool(self) -> ProcessPoolExecutor:
-        # spawn, not fork: the server process has threads (event loop, anyio workers) that fork would copy mid-state.
-        return ProcessPoolExecutor(max_workers=self.settings.cpsat_workers,
-                                   mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
+        self.cpsat_pool.close()
+        self.heavy_pool.close()
 
     def _on_cpsat_warm(self, future: Future[str]) -> None:
         if future.cancelled():
             self.cpsat_state = "cancelled"
         elif (error := future.exception()) is not None:
-            self.cpsat_state = f"failed: {type(error).__name__}: {error}"
+            self.cpsat_state = f"failed: {type(error).__name__}"  # the log has the rest; answers carry no detail
             logger.error("cpsat warm-up failed", extra={"error": repr(error)})
         else:
             self.cpsat_state = "ready"
@@ -330,13 +534,19 @@ class PlanningService:
 
     def reload_profiles(self) -> list[str]:
         """Read ``profile_dir`` again (whole or not at all); the names it holds."""
-        if self.settings.profile_dir is None:
+        directory = self.settings.profile_dir
+        if directory is None:
             return []
         self._profile_dir_seen = self._profile_dir_state()
-        profiles = load_profile_dir(self.settings.profile_dir)
+        try:
+            profiles = load_profile_dir(directory)
+        except InvalidRequestError as error:
+            # The log keeps the paths; the answer names files within the folder only.
+            logger.warning("profile folder refused", extra={"profile_dir": str(directory), "error": error.message})
+            raise InvalidRequestError(_without_folder(error.message, directory), field=error.field) from None
         clashes = sorted(set(profiles) & set(builtin_profiles()))
         if clashes:
-            raise InvalidRequestError(f"profiles in {self.settings.profile_dir} reuse shipped names: "
+            raise InvalidRequestError(f"profiles in the profile folder reuse shipped names: "
                                       f"{', '.join(clashes)}; rename them", field="profile_dir")
         self.profiles = profiles
         logger.info("profiles loaded", extra={"profile_dir": str(self.settings.profile_dir),
@@ -396,24 +606,55 @@ class PlanningService:
             raise UnknownJobError(job_id, max_jobs=self.settings.feedback_max_jobs)
         return job
 
-    def feedback(self, request: FeedbackRequest) -> FeedbackResponse:
-        """Refit a job from one report; a bad report raises and leaves the job as it was."""
-        job = self.job(request.job_id)
-        limit = self.settings.max_sequence_length
-        for index, item in enumerate(request.micro_batches):
-            longest = max([*item.distributed_lengths, *(n for rank in item.local_lengths for n in rank),
-                           *(n for group in item.sharded_lengths for n in group.lengths)], default=0)
-            if longest > limit:
-                raise RequestLimitError(f"micro_batches[{index}] holds a sequence of {longest} tokens; the service "
-                                        f"accepts at most {limit}", field=f"micro_batches[{index}]", limit=limit)
-        _check_group_blocks(request, job.cp_size)
-        updated = core_feedback.observe(job, _measurements(request), memory_budget_bytes=request.memory_budget_bytes)
-        if self._jobs.get(request.job_id) is job:  # not restarted by a plan meanwhile
-            self._jobs[request.job_id] = updated
-            self._jobs.move_to_end(request.job_id)
-        self.metrics.feedback_micro_batches.inc(len(request.micro_batches))
-        logger.info("feedback", extra={"job_id": request.job_id, "step": request.step,
-                                       "micro_batches": len(request.micro_batches),
+    async def feedback(self, body: bytes, content_type: str | None) -> FeedbackResponse:
+        """Refit a job from one report (raw JSON: a large report is parsed in the heavy pool, not here); a bad
+        report raises and leaves the job as it was. One report per job at a time (the trainer sends them one
+        after another); another meanwhile is a 429."""
+        if not self.settings.feedback:
+            raise FeedbackDisabledError()
+        cells = feedback_cells(body)
+        if cells > self.settings.max_feedback_cells:
+            raise RequestLimitError(
+                f"the report holds up to {cells} lists and lengths (estimated from its body); the service refits "
+                f"at most {self.settings.max_feedback_cells} per report: report fewer micro-batches at a time",
+                field="micro_batches", limit=self.settings.max_feedback_cells)
+        if cells <= self.settings.inline_max_cells:
+            request = parse_feedback_request(body, content_type)
+            job = self._admit_refit(request.job_id)
+            updated = refit_job(job, request, self.settings.max_sequence_length)
+            return self._adopt_refit(job, updated, len(request.micro_batches), request.step)
+        check_json_media_type(content_type)  # here: the pool processes parse the JSON only
+        expected_s = cells * _SECONDS_PER_CELL
+        parsed = await self.heavy_pool.run(_feedback_job_id_in_worker, body, expected_s=expected_s)
+        if parsed.job_id is None:
+            _raise_worker_error(parsed)
+        assert parsed.job_id is not None
+        job = self._admit_refit(parsed.job_id)
+        self._refitting.add(job.job_id)
+        try:
+            outcome = await self.heavy_pool.run(_refit_in_worker, body, job,
+                                                self.settings.max_sequence_length, expected_s=expected_s)
+        finally:
+            self._refitting.discard(job.job_id)
+        if outcome.job is None:
+            _raise_worker_error(outcome)
+        assert outcome.job is not None
+        return self._adopt_refit(job, outcome.job, outcome.job.num_observations - job.num_observations, None)
+
+    def _admit_refit(self, job_id: str) -> JobFeedback:
+        job = self.job(job_id)
+        if job_id in self._refitting:
+            raise ServiceBusyError(f"job {job_id!r} has a report being refit; send the next one after it",
+                                   retry_after_s=1, limit=1)
+        return job
+
+    def _adopt_refit(self, job: JobFeedback, updated: JobFeedback, num_micro_batches: int,
+                     step: int | None) -> FeedbackResponse:
+        if self._jobs.get(job.job_id) is job:  # not restarted by a plan meanwhile
+            self._jobs[job.job_id] = updated
+            self._jobs.move_to_end(job.job_id)
+        self.metrics.feedback_micro_batches.inc(num_micro_batches)
+        logger.info("feedback", extra={"job_id": job.job_id, "step": step, "micro_batches": num_micro_batches,
                                        "compute_scale": round(updated.compute_scale, 6),
                                        "bucket_size_cap": updated.bucket_cap})
         return feedback_response(updated)
@@ -428,23 +669,49 @@ class PlanningService:
         # Validated once, with the base profile; the job's refit and bucket cap are applied to this problem.
         problem = request_to_problem(request, limits=self.limits, extra_profiles=extra)
         job = self._job_for(request, problem)
+        scheduled = job_problem(problem, job)
+        cost = plan_cost(scheduled, CoreSchedulerName(request.scheduler.value), breakdown=request.breakdown)
+        self._check_cost(cost, scheduled)
         if request.scheduler is SchedulerName.CPSAT:
             batch = await self._plan_cpsat(request, job)
-        elif len(request.sequence_lengths) <= self.settings.inline_max_sequences:
+        elif cost.cells <= self.settings.inline_max_cells:
             batch = plan_request(request, self.limits, extra_profiles=extra, job=job, problem=problem)
         else:
-            batch = await anyio.to_thread.run_sync(plan_request, request, self.limits, None, extra, job, problem)
-        if batch.response.bucket_size < problem.bucket_size:  # explicit or derived, feedback lowered it
+            outcome = await self.heavy_pool.run(_plan_in_worker, request.model_dump_json().encode(), self.limits,
+                                                None, extra, job, expected_s=cost.cells * _SECONDS_PER_CELL)
+            batch = self._batch_of(outcome)
+        summary = batch.summary
+        if summary.bucket_size < problem.bucket_size:  # explicit or derived, feedback lowered it
             self.metrics.feedback_bucket_lowered.inc()
-        response = batch.response
-        placements, group_degrees = _placements(response)
         self.metrics.observe_plan(
-            scheduler=response.scheduler.value, solve_time_s=response.solve_time_ms / 1e3,
-            speedup=response.speedup_vs_deepspeed, num_sequences=len(request.sequence_lengths),
-            solver_status=response.solver.status if response.solver else None,
-            placements=placements, group_degrees=group_degrees,
+            scheduler=summary.scheduler, solve_time_s=summary.solve_time_s, speedup=summary.speedup,
+            num_sequences=len(request.sequence_lengths), solver_status=summary.solver_status,
+            placements=summary.placements, group_degrees=summary.group_degrees,
         )
         return batch
+
+    def _check_cost(self, cost: PlanCost, problem: PlanningProblem) -> None:
+        """Refuse a plan whose estimate is over a limit, naming the limit and the estimate."""
+        settings = self.settings
+        shape = (f"this plan would hold about {cost.num_micro_batches} micro-batches × cp_size {problem.cp_size} "
+                 f"local lists for {problem.num_sequences} sequences, beside the deepspeed baseline's "
+                 f"{problem.num_sequences} × {problem.cp_size}: an estimated {cost.cells} cells and a "
+                 f"{cost.answer_bytes / 1e6:.1f} MB answer")
+        advice = "use a larger bucket_size, a smaller cp_size or a smaller batch"
+        if cost.cells > settings.max_plan_cells:
+            raise RequestLimitError(f"{shape}; the service plans at most {settings.max_plan_cells} cells: {advice}",
+                                    field="sequence_lengths", limit=settings.max_plan_cells)
+        if cost.answer_bytes > settings.max_answer_bytes:
+            raise RequestLimitError(f"{shape}; the service answers at most {settings.max_answer_bytes} bytes: "
+                                    f"{advice}, or leave out the breakdown", field="sequence_lengths",
+                                    limit=settings.max_answer_bytes)
+
+    @staticmethod
+    def _batch_of(outcome: _WorkerOutcome) -> PlannedBatch:
+        if outcome.batch is None:
+            _raise_worker_error(outcome)
+        assert outcome.batch is not None
+        return outcome.batch
 
     async def _plan_cpsat(self, request: PlanRequest, job: JobFeedback | None) -> PlannedBatch:
         """The request was validated by ``plan`` already: bad input never takes a solver slot. The solver process
@@ -458,60 +725,6 @@ class PlanningService:
             )
         requested_s = request.time_limit_s or settings.cpsat_default_time_limit_s
         time_limit_s = min(float(requested_s), settings.cpsat_max_time_limit_s)
-        now = time.monotonic()
-        if self.cpsat_in_flight >= settings.cpsat_capacity:
-            self.metrics.cpsat_rejected.inc()
-            soonest_s = min(self._cpsat_deadlines.values()) - now
-            raise ServiceBusyError(
-                f"the cpsat pool is full ({settings.cpsat_workers} solving + {settings.cpsat_queue} waiting); "
-                f"retry later or use a heuristic scheduler",
-                retry_after_s=max(1, math.ceil(soonest_s)), limit=settings.cpsat_capacity,
-            )
-        pool = self._pool
-        if pool is None:
-            raise ServiceUnavailableError("the cpsat pool is not running")
-        ticket = self._next_ticket
-        self._next_ticket += 1
-        # A waiting request's solve ends one time limit after the running ones; the estimate only feeds Retry-After.
-        queued_behind = max(0, len(self._cpsat_deadlines) - settings.cpsat_workers + 1)
-        self._cpsat_deadlines[ticket] = now + time_limit_s * (1 + queued_behind)
-        self.metrics.cpsat_in_flight.inc()
-        try:
-            future = pool.submit(_solve_in_worker, request.model_dump_json().encode(), self.limits, time_limit_s,
-                                 self.profiles, job)
-        except (BrokenProcessPool, RuntimeError) as error:
-            self._release(ticket)
-            self._replace_broken_pool(pool)
-            raise ServiceUnavailableError(f"the cpsat pool is unavailable ({error}); retry") from error
-        # The slot is held until the solve really ends, even if this request gives up waiting for it. The
-        # callback runs on the pool's manager thread; the bookkeeping stays on the event loop.
-        loop = asyncio.get_running_loop()
-
-        def release_on_loop(_: Future[_WorkerOutcome]) -> None:
-            # A closed loop means the app is gone, and its bookkeeping with it.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._release, ticket)
-
-        future.add_done_callback(release_on_loop)
-        try:
-            outcome = await asyncio.wait_for(asyncio.wrap_future(future),
-                                             timeout=time_limit_s * (1 + queued_behind) + _CPSAT_GRACE_S)
-        except BrokenProcessPool as error:
-            self._replace_broken_pool(pool)
-            raise ServiceUnavailableError("a cpsat worker process died; retry") from error
-        except TimeoutError as error:
-            raise ServiceUnavailableError(f"cpsat did not finish within {time_limit_s:g} s plus grace") from error
-        if outcome.body is None:
-            _raise_worker_error(outcome)
-        assert outcome.body is not None
-        return PlannedBatch(response=PlanResponse.model_validate_json(outcome.body), body=outcome.body)
-
-    def _release(self, ticket: int) -> None:
-        if self._cpsat_deadlines.pop(ticket, None) is not None:
-            self.metrics.cpsat_in_flight.dec()
-
-    def _replace_broken_pool(self, broken: ProcessPoolExecutor) -> None:
-        if self._pool is broken:
-            broken.shutdown(wait=False, cancel_futures=True)
-            self._pool = self._new_pool()
-            logger.error("cpsat pool broke; started a new one")
+        outcome = await self.cpsat_pool.run(_plan_in_worker, request.model_dump_json().encode(), self.limits,
+                                            time_limit_s, self.profiles, job, expected_s=time_limit_s)
+        return self._batch_of(outcome)

@@ -10,14 +10,20 @@
     422 infeasible-plan         InfeasiblePlanError: no plan honours the memory bound
     404 unknown-job             UnknownJobError: POST /feedback for a job no POST /plan named
     404 feedback-disabled       FeedbackDisabledError: the service runs with SKRULL_FEEDBACK=false
-    429 busy                    ServiceBusyError: the cpsat pool and its queue are full (Retry-After)
-    503 unavailable             ServiceUnavailableError: not ready, or the cpsat pool broke
+    429 busy                    ServiceBusyError: the cpsat or heavy pool and its queue are full (Retry-After)
+    408 body-timeout            the body did not arrive within ``body_timeout_s`` (BodySizeLimitMiddleware)
+    429 busy                    ServiceBusyError from the heavy pool too, and a job's second report at once
+    499 (no body)               ClientDisconnectedError: the client hung up before its answer (logged and
+                                counted as 499, never as a server error; nobody reads the answer)
+    503 unavailable             ServiceUnavailableError: not ready, or a pool broke
     500 plan-check-failed       PlanCheckError: a scheduler produced an invalid plan (a bug, never bad input)
     500 internal-error          anything else (a bug); logged with its traceback (RequestContextMiddleware)
     4xx from Starlette          404, 405: the same body shape, type about:blank
 
 Every body names the offending ``field`` (a path such as ``sequence_lengths[17]``)
-and the ``limit`` where one applies, and carries the request id.
+and the ``limit`` where one applies, and carries the request id. No body carries
+a file-system path, a stack trace or a setting's value beyond the limits; values
+echoed back are cut to a short prefix, and every text to ``MAX_DETAIL_CHARS``.
 """
 
 from __future__ import annotations
@@ -42,13 +48,17 @@ from scheduler_service.core.errors import (
     PlanCheckError,
     PlanningError,
     SequenceTooLongError,
+    quoted,
 )
 from scheduler_service.logging_setup import current_request_id
 
 __all__ = [
+    "CLIENT_CLOSED_REQUEST",
     "FEEDBACK_PROBLEM_RESPONSES",
+    "MAX_DETAIL_CHARS",
     "PROBLEM_MEDIA_TYPE",
     "PROBLEM_RESPONSES",
+    "ClientDisconnectedError",
     "FeedbackDisabledError",
     "RequestLimitError",
     "ServiceBusyError",
@@ -63,6 +73,8 @@ __all__ = [
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 _TYPE_PREFIX = "urn:skrull:problem:"
+CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client that closed the connection before the answer
+MAX_DETAIL_CHARS = 2000  # every message is far shorter; a longer one echoes something it should not
 
 logger = logging.getLogger("scheduler_service.problems")
 
@@ -77,8 +89,12 @@ class RequestLimitError(InvalidRequestError):
 
 class UnsupportedMediaTypeError(Exception):
     def __init__(self, content_type: str) -> None:
-        super().__init__(f"Content-Type {content_type!r} is not JSON; send application/json")
+        super().__init__(f"Content-Type {quoted(content_type)} is not JSON; send application/json")
         self.message = str(self)
+
+
+class ClientDisconnectedError(Exception):
+    """The client hung up before its answer was ready: the client's doing, not a server error."""
 
 
 class ServiceBusyError(Exception):
@@ -161,14 +177,18 @@ def problem_response(
         type=_TYPE_PREFIX + problem_type if problem_type else "about:blank",
         title=title or HTTPStatus(status).phrase,
         status=status,
-        detail=detail,
+        detail=_clip(detail),
         field=field,
         limit=limit,
-        errors=list(errors),
+        errors=[FieldError(field=_clip(e.field), message=_clip(e.message)) for e in errors],
         request_id=current_request_id(),
     )
     body = problem.model_dump_json(exclude_none=True).encode()
     return Response(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE, headers=dict(headers or {}))
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_DETAIL_CHARS else text[:MAX_DETAIL_CHARS] + f"… ({len(text)} characters)"
 
 
 # pydantic puts union members' tags (``str``, ``ModelSpec``, ``constrained-float``) into error locations;
@@ -284,6 +304,11 @@ async def _on_busy(request: Request, error: Exception) -> Response:
                             headers={"Retry-After": str(error.retry_after_s)})
 
 
+async def _on_client_disconnected(request: Request, error: Exception) -> Response:
+    """Nobody reads this answer (the server drops it); its status is what the log and the metrics record."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def _on_unknown_job(request: Request, error: Exception) -> Response:
     assert isinstance(error, UnknownJobError)
     return problem_response(404, error.message, problem_type="unknown-job", title="Unknown job", field="job_id",
@@ -331,5 +356,6 @@ def install_problem_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ServiceBusyError, _on_busy)
     app.add_exception_handler(ServiceUnavailableError, _on_unavailable)
     app.add_exception_handler(UnknownJobError, _on_unknown_job)
+    app.add_exception_handler(ClientDisconnectedError, _on_client_disconnected)
     app.add_exception_handler(FeedbackDisabledError, _on_feedback_disabled)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)

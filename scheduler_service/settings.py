@@ -39,12 +39,29 @@ class Settings(BaseSettings):
     max_dp_size: int = Field(default=4096, ge=1)
     max_cp_size: int = Field(default=1024, ge=1)
 
-    # Heuristic planning: small batches plan on the event loop (cheapest, best p99), larger ones in a thread
-    # so that one huge batch does not stall /healthz and every other request behind it.
-    # Measured: ~8 ms for 256 sequences (DP 4, CP 8) inline, ~40 ms for 1024.
-    inline_max_sequences: int = Field(
-        default=1024, ge=0, description="Batches up to this many sequences are planned inline; larger in a thread."
-    )
+    # Cost of a request, in cells (``cost``: micro-batches × cp_size local lists, plus sequences), estimated
+    # from its shape before any work. Measured on 2 cores: 4-15 µs and about 3 bytes of answer per cell.
+    max_plan_cells: int = Field(default=1 << 20, ge=1, description="Largest estimated plan accepted (else 422): "
+                                "about 4-15 s of planning and a 3 MB answer on 2 cores.")
+    max_answer_bytes: int = Field(default=8 << 20, ge=1024, description="Largest estimated /plan answer "
+                                  "accepted (else 422); a breakdown adds about 180 bytes per cell.")
+    max_feedback_cells: int = Field(default=1 << 18, ge=1, description="Largest /feedback report accepted, in "
+                                    "lists and lengths (else 422).")
+    # Small requests run on the event loop (cheapest, best p99: 256 sequences at DP 4 CP 8 is ~2.3k cells and
+    # ~8 ms); everything above runs in the bounded heavy pool, so no request can stall /healthz.
+    inline_max_cells: int = Field(default=4096, ge=0, description="Requests up to this many cells run on the "
+                                  "event loop; larger ones in the heavy pool.")
+    heavy_workers: int = Field(default=1, ge=1, le=64, description="Processes planning heavy requests.")
+    heavy_queue: int = Field(default=2, ge=0, description="Heavy requests allowed to wait for a busy pool "
+                             "(else 429).")
+
+    # Connections: uvicorn closes idle keep-alive connections; the header and body deadlines close a client
+    # that starts a request and never finishes it (uvicorn alone waits forever for the rest of the headers).
+    timeout_keep_alive_s: int = Field(default=5, ge=1, description="Idle keep-alive connections closed after.")
+    header_timeout_s: float = Field(default=10.0, gt=0, description="A request's headers must arrive within "
+                                    "this time of its first byte (else the connection is closed).")
+    body_timeout_s: float = Field(default=30.0, gt=0, description="A request's body must arrive within this "
+                                  "time (else 408).")
 
     # CP-SAT: a bounded process pool, so exact solves never block heuristic plans.
     cpsat_workers: int = Field(default=1, ge=1, le=64, description="Processes solving cpsat requests.")
@@ -54,7 +71,8 @@ class Settings(BaseSettings):
     cpsat_max_sequences: int = Field(default=48, ge=1, description="Most sequences a cpsat request may hold.")
     cpsat_default_time_limit_s: float = Field(default=2.0, gt=0, description="Solver time limit when none is given.")
     cpsat_max_time_limit_s: float = Field(default=10.0, gt=0, description="Cap on a request's time_limit_s.")
-    cpsat_warmup: bool = Field(default=True, description="Start the pool and import CP-SAT at startup.")
+    cpsat_warmup: bool = Field(default=True, description="Start the pools at startup: CP-SAT imported, "
+                                 "the heavy pool's planner warmed.")
 
     # Planner warm-up before /readyz says ready.
     warmup: bool = Field(default=True, description="Plan a small batch at startup before reporting ready.")
@@ -90,10 +108,6 @@ class Settings(BaseSettings):
             max_cp_size=self.max_cp_size,
         )
 
-    @property
-    def cpsat_capacity(self) -> int:
-        """cpsat requests admitted at once: solving plus waiting."""
-        return self.cpsat_workers + self.cpsat_queue
 
 
 @cache

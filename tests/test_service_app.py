@@ -110,23 +110,36 @@ def test_inline_model_spec_and_explicit_bucket_size_are_honoured(client: TestCli
     assert (plan.model, plan.bucket_size, plan.profile) == ("my-small", 70000, DEFAULT_PROFILE)
 
 
-def test_large_batch_is_planned_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    import anyio.to_thread
+def test_a_request_planned_in_the_heavy_pool_gets_the_plan_planned_inline() -> None:
+    with TestClient(create_app(service_settings(access_log=False))) as client:
+        inline = client.post("/plan", json=plan_body())
+    with TestClient(create_app(service_settings(access_log=False, inline_max_cells=0))) as client:
+        pooled = client.post("/plan", json=plan_body())
+        in_pool = client.get("/metrics").text
+    assert inline.status_code == pooled.status_code == 200, pooled.text
+    assert inline.json()["dp_ranks"] == pooled.json()["dp_ranks"]
+    assert "skrull_heavy_in_flight 0.0" in in_pool  # it went through the pool, and left it
 
-    offloaded: list[str] = []
-    run_sync = anyio.to_thread.run_sync
 
-    async def recording_run_sync(function: Any, *args: Any, **kwargs: Any) -> Any:
-        offloaded.append(function.__name__)
-        return await run_sync(function, *args, **kwargs)
+def test_a_plan_over_the_cost_limit_is_refused_before_planning_naming_limit_and_estimate() -> None:
+    with TestClient(create_app(service_settings(access_log=False, max_plan_cells=50_000))) as client:
+        response = client.post("/plan", json=plan_body(sequence_lengths=[1000] * 64, dp_size=1, cp_size=1024,
+                                                        bucket_size=1))
+    problem = Problem.model_validate_json(response.content)
+    assert (response.status_code, problem.field, problem.limit) == (422, "sequence_lengths", 50_000)
+    assert "64 micro-batches × cp_size 1024" in problem.detail and "cells" in problem.detail
 
-    monkeypatch.setattr(anyio.to_thread, "run_sync", recording_run_sync)
-    with TestClient(create_app(service_settings(inline_max_sequences=len(MIXED_LENGTHS)))) as client:
-        small = client.post("/plan", json=plan_body())
-        assert "plan_request" not in offloaded
-        large = client.post("/plan", json=plan_body(sequence_lengths=[*MIXED_LENGTHS, 100]))
-    assert "plan_request" in offloaded
-    assert small.status_code == large.status_code == 200
+
+def test_an_answer_over_the_size_limit_is_refused_before_planning() -> None:
+    with TestClient(create_app(service_settings(access_log=False, max_answer_bytes=100_000))) as client:
+        plain = client.post("/plan", json=plan_body(sequence_lengths=[1000] * 64, dp_size=1, cp_size=64,
+                                                     bucket_size=16))
+        detailed = client.post("/plan", json=plan_body(sequence_lengths=[1000] * 64, dp_size=1, cp_size=64,
+                                                        bucket_size=16, breakdown=True))
+    assert plain.status_code == 200, plain.text
+    problem = Problem.model_validate_json(detailed.content)
+    assert (detailed.status_code, problem.limit) == (422, 100_000)
+    assert "MB answer" in problem.detail
 
 
 # ---- POST /plan: bad input is a 4xx problem naming the field and the limit ------------------------------------

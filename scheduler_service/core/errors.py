@@ -26,7 +26,17 @@ __all__ = [
     "UnknownModelError",
     "UnknownProfileError",
     "UnknownSchedulerError",
+    "quoted",
 ]
+
+_QUOTED_CHARS = 64
+
+
+def quoted(value: str) -> str:
+    """``value`` as an error echoes it: quoted, cut to a short prefix (a 3 MB model name must not come back)."""
+    if len(value) <= _QUOTED_CHARS:
+        return repr(value)
+    return f"{value[:_QUOTED_CHARS]!r}… ({len(value)} characters)"
 
 
 class PlanningError(ValueError):
@@ -59,17 +69,17 @@ class SequenceTooLongError(InvalidRequestError):
 
 class UnknownModelError(InvalidRequestError):
     def __init__(self, name: str, known: list[str]) -> None:
-        super().__init__(f"unknown model {name!r}; known models: {', '.join(sorted(known))}", field="model")
+        super().__init__(f"unknown model {quoted(name)}; known models: {', '.join(sorted(known))}", field="model")
 
 
 class UnknownSchedulerError(InvalidRequestError):
     def __init__(self, name: str, known: list[str]) -> None:
-        super().__init__(f"unknown scheduler {name!r}; known schedulers: {', '.join(known)}", field="scheduler")
+        super().__init__(f"unknown scheduler {quoted(name)}; known schedulers: {', '.join(known)}", field="scheduler")
 
 
 class UnknownProfileError(InvalidRequestError):
     def __init__(self, name: str, known: list[str]) -> None:
-        super().__init__(f"unknown profile {name!r}; known profiles: {', '.join(sorted(known))}", field="profile")
+        super().__init__(f"unknown profile {quoted(name)}; known profiles: {', '.join(sorted(known))}", field="profile")
 
 
 class InfeasiblePlanError(PlanningError):

@@ -340,7 +340,7 @@ def resolve_profile(profile: str | Profile | None, extra: dict[str, Profile] | N
     if isinstance(profile, Profile):
         return profile
     known = {**builtin_profiles(), **(extra or {})}
-    name = profile or DEFAULT_PROFILE
+    name = DEFAULT_PROFILE if profile is None else profile  # "" is a name, unknown like any other
     if name not in known:
         raise UnknownProfileError(name, list(known))
     return known[name]
