@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -249,3 +250,57 @@ def test_any_service_path_failure_falls_back_to_embedded() -> None:
     decision = source.decide(0, LENGTHS)
     assert decision.origin is PlanOrigin.EMBEDDED and decision.plan is not None and source.num_fallbacks == 1
     source.close()
+
+
+class _TricklingServer:
+    """A real HTTP server that answers every request with a valid head and then one byte of body every 50 ms,
+    for a body long enough to take minutes: each read returns in time, the whole answer never does."""
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.bytes_sent = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        self.listener.settimeout(0.1)
+        while not self.stopped.is_set():
+            try:
+                connection, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            with connection:
+                connection.recv(65536)
+                connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 4000\r\n\r\n")
+                try:
+                    while not self.stopped.wait(0.05):
+                        connection.sendall(b" ")
+                        self.bytes_sent += 1
+                except OSError:  # the client shut the connection down: the next request may come
+                    continue
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=10)
+        self.listener.close()
+
+
+def test_a_trickling_answer_is_cut_at_the_fetch_deadline_and_the_step_plans_embedded() -> None:
+    server = _TricklingServer()
+    try:
+        client = PlanClient(server.url, timeout_s=1.0, max_attempts=3, backoff_s=0.01, deadline_s=0.5)
+        source = _source(client)
+        decision = source.decide(0, LENGTHS)
+        source.close()
+    finally:
+        server.close()
+    assert decision.origin is PlanOrigin.EMBEDDED and decision.plan is not None
+    assert source.num_fallbacks == 1
+    assert 0 < server.bytes_sent < 4000  # the answer had started and was cut, not finished

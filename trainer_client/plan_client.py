@@ -1,8 +1,12 @@
 """Plans for the trainer: the scheduler service over HTTP, the embedded planning core as fallback.
 
 ``PlanClient`` speaks the wire contract (``skrull_proto``) with httpx: a timeout
-per attempt, bounded retries with exponential backoff on transport errors,
-timeouts, 429 and 5xx; a 4xx is final. Its errors:
+per read, bounded retries with exponential backoff on transport errors,
+timeouts, 429 and 5xx; a 4xx is final; and a total deadline per fetch (all
+attempts together), which httpx's timeouts alone do not give: they bound each
+read, so a server that trickles its answer a few bytes at a time would hold
+rank 0 forever. At the deadline the connection's socket is shut down and the
+fetch fails with ``PlanTimeout`` (so the step plans with the embedded core). Its errors:
 
     PlanClientError (Exception)
     ├── PlanUnavailable   no usable answer: connection refused/reset, 5xx, 429 (after every retry)
@@ -40,13 +44,16 @@ BucketSize (memory near its budget) answers plans with the smaller
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import httpx
 from pydantic import ValidationError
@@ -119,8 +126,42 @@ def _problem_detail(response: httpx.Response) -> str:
     return str(body)[:200]
 
 
+class _Deadline:
+    """Shuts down the sockets of one request's connections at its deadline (from a timer thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self.expired = False
+
+    def trace(self, event: str, info: dict[str, Any]) -> None:
+        """httpcore's ``trace`` extension: learns each connection's socket as it opens."""
+        if event != "connection.connect_tcp.complete" or info.get("return_value") is None:
+            return
+        sock = info["return_value"].get_extra_info("socket")
+        if sock is None:
+            return
+        with self._lock:
+            self._sockets.append(sock)
+            if self.expired:  # opened after the deadline passed
+                _shut(sock)
+
+    def expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:
+                _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Wake a read blocked on ``sock`` (closing it from another thread would not)."""
+    with contextlib.suppress(OSError):  # already closed
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 class PlanClient:
-    """POST /plan with a timeout and bounded retries; ``client`` may be injected (e.g. Starlette's TestClient)."""
+    """POST /plan with a timeout per read, bounded retries and a total deadline per fetch; ``client`` may be
+    injected (e.g. Starlette's TestClient, whose in-process transport no deadline can interrupt)."""
 
     def __init__(
         self,
@@ -129,10 +170,15 @@ class PlanClient:
         timeout_s: float = 5.0,
         max_attempts: int = 3,
         backoff_s: float = 0.1,
+        deadline_s: float | None = None,
         client: httpx.Client | None = None,
     ) -> None:
+        """``deadline_s``: the most one fetch (every attempt and backoff) may take; ``timeout_s`` × attempts when
+        absent."""
         if timeout_s <= 0:
             raise ValueError(f"plan timeout must be positive, got {timeout_s}")
+        if deadline_s is not None and deadline_s <= 0:
+            raise ValueError(f"plan deadline must be positive, got {deadline_s}")
         if max_attempts < 1:
             raise ValueError(f"plan attempts must be at least 1, got {max_attempts}")
         if not base_url.startswith(("http://", "https://")):
@@ -140,8 +186,11 @@ class PlanClient:
         self.base_url = base_url
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
+        self.deadline_s = deadline_s if deadline_s is not None else timeout_s * max_attempts
         self._owns_client = client is None
-        self._client = client or httpx.Client(base_url=base_url, timeout=timeout_s)
+        # No idle connection is kept: every request opens its own, so the deadline learns its socket.
+        self._client = client or httpx.Client(base_url=base_url, timeout=timeout_s,
+                                              limits=httpx.Limits(max_keepalive_connections=0))
 
     def close(self) -> None:
         if self._owns_client:
@@ -154,15 +203,38 @@ class PlanClient:
         except httpx.HTTPError:
             return False
 
+    def _post(self, path: str, body: str, deadline: float) -> httpx.Response:
+        """POST ``body`` and read the whole answer before ``deadline`` (``time.monotonic``), else PlanTimeout."""
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            raise PlanTimeout(f"POST {self.base_url}{path} timed out: it passed its deadline of {self.deadline_s:g} s")
+        watch = _Deadline()
+        timer = threading.Timer(remaining_s, watch.expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            return self._client.post(path, content=body, headers={"content-type": "application/json"},
+                                     extensions={"trace": watch.trace})
+        except httpx.HTTPError:
+            if watch.expired:
+                raise PlanTimeout(f"POST {self.base_url}{path} timed out: it passed its deadline of "
+                                  f"{self.deadline_s:g} s (the answer was still arriving)") from None
+            raise
+        finally:
+            timer.cancel()
+
     def plan(self, request: PlanRequest) -> PlanResponse:
         body = request.model_dump_json(exclude_none=True)
-        headers = {"content-type": "application/json"}
+        deadline = time.monotonic() + self.deadline_s
         failure: PlanUnavailable | None = None
         for attempt in range(self.max_attempts):
             if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), max(0.0, deadline - time.monotonic())))
             try:
-                response = self._client.post("/plan", content=body, headers=headers)
+                response = self._post("/plan", body, deadline)
+            except PlanTimeout as error:
+                failure = error
+                break  # the deadline covers every attempt
             except httpx.TimeoutException as error:
                 failure = PlanTimeout(f"POST {self.base_url}/plan timed out ({type(error).__name__})")
                 continue
@@ -184,13 +256,14 @@ class PlanClient:
                 raise PlanRejected(f"POST {self.base_url}/plan answered a body that is not a PlanResponse: "
                                    f"{error.error_count()} errors, first: {error.errors()[0]['msg']}") from None
         assert failure is not None
-        raise type(failure)(f"{failure} (after {self.max_attempts} attempts)")
+        raise type(failure)(f"{failure} (after {attempt + 1} attempts)")
 
     def feedback(self, request: FeedbackRequest) -> FeedbackResponse:
         """POST /feedback once (a report is not worth retrying: the next step sends a fresh one)."""
         try:
-            response = self._client.post("/feedback", content=request.model_dump_json(exclude_none=True),
-                                         headers={"content-type": "application/json"})
+            # A deadline here too: reports share the plan prefetch's thread, so a hung report would stall plans.
+            response = self._post("/feedback", request.model_dump_json(exclude_none=True),
+                                  time.monotonic() + self.deadline_s)
         except httpx.HTTPError as error:
             raise PlanUnavailable(f"POST {self.base_url}/feedback failed: {error!r}") from None
         if response.status_code != 200:
