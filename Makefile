@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench load serve schema profile accuracy feedback lint clean
+.PHONY: install demo test bench load serve schema profile accuracy feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -49,6 +49,13 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy scheduler_service trainer_client proto/skrull_proto
 	$(PY) -m scheduler_service.export_schema --check
+
+# Containers (README, "Containers"): Docker with BuildKit, on a Debian base made here when no registry is reachable.
+images:
+	PYTHON=$(PYTHON) deploy/build-images.sh
+
+docker-smoke:
+	PYTHON=$(PYTHON) $(PYTHON) deploy/docker_smoke.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis

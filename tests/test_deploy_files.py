@@ -1,6 +1,7 @@
-"""Static checks of the deployment files (no Docker engine or cluster runs here).
+"""Checks of the deployment files that need no Docker engine or cluster (``make docker-smoke`` runs the images).
 
-They parse, name the right images, commands, ports and probes, point at modules and flags that exist, and the
+They parse, name the right images, commands, ports and probes, point at modules and flags that exist, the
+Kubernetes manifests validate against the Kubernetes API's own schemas (offline, kubernetes-validate), and the
 health-check one-liners they embed really probe a running service.
 """
 
@@ -10,20 +11,16 @@ import importlib.util
 import json
 import re
 import shlex
-import threading
-import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
-import uvicorn
 import yaml
 
 from scheduler_service import cli
-from scheduler_service.app import create_app
-from scheduler_service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
@@ -70,17 +67,39 @@ def exec_form(arguments: str) -> list[str]:
 def test_dockerfile_default_target_is_the_slim_non_root_scheduler() -> None:
     stages = dockerfile_stages()
     assert list(stages)[-1] == "scheduler", "the last stage is what a plain `docker build` produces"
-    scheduler = stages["scheduler"]
-    assert instruction(scheduler, "FROM") == ["${PYTHON_IMAGE} AS scheduler"]
+    assert instruction(stages["runtime"], "FROM") == ["${PYTHON_IMAGE} AS runtime"]
     assert re.search(r"ARG PYTHON_IMAGE=python:3\.11-slim", DOCKERFILE.read_text())
+    scheduler = stages["scheduler"]
+    assert instruction(scheduler, "FROM") == ["runtime AS scheduler"]
     [user] = instruction(scheduler, "USER")
-    assert user not in ("root", "0")
+    assert user.isdigit() and int(user) != 0, "numeric, so Kubernetes' runAsNonRoot can verify it"
     assert exec_form(instruction(scheduler, "ENTRYPOINT")[0]) == ["python", "-m", "scheduler_service", "serve"]
     cmd = exec_form(instruction(scheduler, "CMD")[0])
     args = cli.build_parser().parse_args(["serve", *cmd])
     assert (args.host, args.port) == ("0.0.0.0", PORT)
     assert instruction(scheduler, "EXPOSE") == [str(PORT)]
     assert importlib.util.find_spec("scheduler_service.__main__") is not None
+
+
+def test_dockerfile_installs_into_a_venv_that_any_debian_python_base_can_make() -> None:
+    runtime = dockerfile_stages()["runtime"]
+    [setup] = instruction(runtime, "RUN")
+    assert setup.startswith("python3 -m venv /opt/venv"), "python:*-slim and Debian's python3 both have python3"
+    assert "apt-get" not in DOCKERFILE.read_text(), "the local Debian base has no package lists"
+    assert any("PATH=/opt/venv/bin:$PATH" in env for env in instruction(runtime, "ENV"))
+    for name, stage in dockerfile_stages().items():
+        assert instruction(stage, "FROM")[0].split()[0] in ("${PYTHON_IMAGE}", "runtime"), name
+
+
+def test_dockerfile_never_bakes_the_ca_bundle_into_a_layer() -> None:
+    for name, stage in dockerfile_stages().items():
+        for arguments in instruction(stage, "RUN"):
+            if "pip-ca " in arguments:
+                assert "--mount=type=secret,id=pip_ca" in arguments, f"{name}: pip-ca without the secret mount"
+        copied = " ".join(instruction(stage, "COPY") + instruction(stage, "ADD"))
+        assert ".crt" not in copied and "secret" not in copied, name
+    helper = (ROOT / "deploy" / "pip-ca.sh").read_text()
+    assert "PIP_CERT=/run/secrets/pip_ca" in helper
 
 
 def test_dockerfile_installs_only_the_service_extra() -> None:
@@ -102,11 +121,16 @@ def test_dockerfile_copies_files_that_exist() -> None:
                 assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
 
 
-def test_dockerfile_trainer_stage_runs_torchrun() -> None:
+def test_dockerfile_trainer_stage_installs_the_pinned_cpu_torch_and_runs_torchrun() -> None:
     trainer = dockerfile_stages()["trainer"]
-    assert any("torch==" in run and "whl/cpu" in run for run in instruction(trainer, "RUN"))
+    [pin] = [line for line in (ROOT / "constraints.txt").read_text().splitlines() if line.startswith("torch==")]
+    [torch_run] = [run for run in instruction(trainer, "RUN") if "torch==" in run]
+    assert pin in torch_run.split() and "--no-deps" in torch_run
+    assert "source=deploy/wheels" in torch_run and (ROOT / "deploy" / "wheels").is_dir()
+    assert instruction(trainer, "ARG") == ["TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"]
     assert exec_form(instruction(trainer, "CMD")[0])[0] == "torchrun"
-    assert instruction(trainer, "USER") and instruction(trainer, "USER")[0] not in ("root", "0")
+    [user] = instruction(trainer, "USER")
+    assert user.isdigit() and int(user) != 0
 
 
 # ---- compose -----------------------------------------------------------------------------------------------------
@@ -138,7 +162,7 @@ def test_compose_trainer_waits_for_healthy_scheduler_and_uses_its_name() -> None
     scheduler = services["scheduler"]
     args = cli.build_parser().parse_args(["serve", *scheduler["command"]])
     assert (args.host, args.port) == ("0.0.0.0", PORT)
-    assert scheduler["ports"] == [f"127.0.0.1:{PORT}:{PORT}"]
+    assert scheduler["ports"] == [f"127.0.0.1:${{SKRULL_HOST_PORT:-{PORT}}}:{PORT}"]
     test = scheduler["healthcheck"]["test"]
     assert test[0] == "CMD" and f"127.0.0.1:{PORT}/readyz" in test[-1]
 
@@ -220,25 +244,49 @@ def test_k8s_shared_scheduler_is_a_deployment_behind_a_service() -> None:
     assert grace_s > float(env["SKRULL_CPSAT_MAX_TIME_LIMIT_S"])
 
 
+# Kubernetes versions the manifests must be valid for: the first with native sidecars on by default, and the newest
+# kubernetes-validate ships schemas for.
+K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
+
+
+def k8s_resources() -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every object the API server would validate: each manifest, and each PyTorchJob replica's pod template as
+    a PodTemplate (the operator is a CRD, so its own schema is not the API's; the pods it creates are)."""
+    for name, documents in k8s_documents().items():
+        for document in documents:
+            if document["kind"] == "PyTorchJob":
+                for role, replica in document["spec"]["pytorchReplicaSpecs"].items():
+                    yield f"{name}:{role}", {"apiVersion": "v1", "kind": "PodTemplate",
+                                             "metadata": {"name": f"{document['metadata']['name']}-{role.lower()}"},
+                                             "template": replica["template"]}
+            else:
+                yield f"{name}:{document['kind']}", document
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_k8s_manifests_validate_against_the_kubernetes_api_schemas(version: str) -> None:
+    resources = dict(k8s_resources())
+    assert len(resources) == 5
+    for where, resource in resources.items():
+        try:  # strict: an unknown (misspelt) field fails too
+            kubernetes_validate.validate(resource, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"{where} against Kubernetes {version}: {'.'.join(map(str, error.path))}: {error.message}")
+
+
+def test_k8s_schema_validation_catches_a_misspelt_or_mistyped_field() -> None:
+    deployment = k8s_documents()["scheduler-deployment.yaml"][0]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    for broken in ({**container, "livenesProbe": container["livenessProbe"]},
+                   {**container, "ports": [{"name": "http", "containerPort": "8000"}]}):
+        document = {**deployment, "spec": {**deployment["spec"], "template": {
+            **deployment["spec"]["template"], "spec": {**deployment["spec"]["template"]["spec"],
+                                                       "containers": [broken]}}}}
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(document, K8S_VERSIONS[-1], strict=True)
+
+
 # ---- the embedded health checks really probe the service -------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def live_port() -> Iterator[int]:
-    config = uvicorn.Config(create_app(Settings(cpsat_warmup=False, access_log=False)), host="127.0.0.1", port=0,
-                            log_config=None, access_log=False)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.01)
-    try:
-        yield server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
 
 def run_probe(command: list[str], port: int) -> int:
     assert command[:2] == ["python", "-c"], command

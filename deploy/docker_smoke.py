@@ -1,0 +1,196 @@
+"""``make docker-smoke``: build both images and run them for real, checking what a user would see.
+
+1. Uses the Docker engine that answers, or starts ``dockerd`` (root) and stops it at the end.
+2. Builds both images (``deploy/build-images.sh``, timed).
+3. Runs the scheduler image with its port published on the loopback, waits until Docker reports its health
+   check healthy, then plans a batch through the port (every sequence scheduled exactly once), and loads the
+   plan viewer from it.
+4. Runs the compose demo (scheduler + CPU trainer, ``docker-compose.yml``) to completion: every step's loss is
+   finite and every plan came from the service.
+
+Everything it starts (containers, the compose project, dockerd) is removed or stopped, also on failure. It
+prints the figures the README reports: build time, image sizes, start-to-ready time. Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = os.environ.get("DOCKER") or ("/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker")
+COMPOSE = os.environ.get("COMPOSE", "docker-compose").split()
+SCHEDULER_IMAGE, TRAINER_IMAGE = "skrull-scheduler:0.1.0", "skrull-trainer:0.1.0"
+CONTAINER = "skrull-smoke-scheduler"
+PROJECT = "skrull-smoke"
+TRAINER_STEPS = 20  # docker-compose.yml's --steps
+LENGTHS = [812, 30311, 97, 4096, 1500, 256, 65000, 733]
+DP_SIZE = 2
+BATCH = {"sequence_lengths": LENGTHS, "dp_size": DP_SIZE, "cp_size": 4, "scheduler": "skrull"}
+
+
+def run(*command: str, check: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, check=check, text=True, capture_output=True, cwd=ROOT,
+                          env=None if env is None else {**os.environ, **env})
+
+
+def engine_answers() -> bool:
+    return run(DOCKER, "info", check=False).returncode == 0
+
+
+@contextlib.contextmanager
+def docker_engine() -> Iterator[None]:
+    """The running engine, or one started here (and stopped when done)."""
+    if engine_answers():
+        yield
+        return
+    log = tempfile.NamedTemporaryFile(prefix="skrull-dockerd-", suffix=".log", delete=False)  # noqa: SIM115
+    daemon = subprocess.Popen(["dockerd"], stdout=log, stderr=subprocess.STDOUT)
+    print(f"started dockerd (pid {daemon.pid}, log {log.name})")
+    try:
+        deadline = time.monotonic() + 60
+        while not engine_answers():
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"dockerd did not come up; see {log.name}")
+            time.sleep(0.5)
+        yield
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+        print(f"stopped dockerd (pid {daemon.pid})")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def http(method: str, url: str, body: object | None = None) -> tuple[int, str]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def build_images() -> float:
+    start = time.monotonic()
+    subprocess.run([str(ROOT / "deploy" / "build-images.sh")], check=True, cwd=ROOT,
+                   env={**os.environ, "DOCKER": DOCKER})
+    return time.monotonic() - start
+
+
+def image_size_mb(image: str) -> float:
+    return int(run(DOCKER, "image", "inspect", "-f", "{{.Size}}", image).stdout) / 1e6
+
+
+def check_scheduler_container() -> dict[str, float]:
+    """Run the scheduler image, wait for healthy, plan through the published port; seconds to ready / healthy."""
+    port = free_port()
+    run(DOCKER, "rm", "-f", CONTAINER, check=False)
+    started = time.monotonic()
+    run(DOCKER, "run", "-d", "--name", CONTAINER, "-p", f"127.0.0.1:{port}:8000", SCHEDULER_IMAGE)
+    try:
+        ready_s: float | None = None
+        health = "starting"
+        while ready_s is None or health != "healthy":
+            elapsed_s = time.monotonic() - started
+            if ready_s is None and http_ok(f"http://127.0.0.1:{port}/readyz"):
+                ready_s = elapsed_s
+            health = run(DOCKER, "inspect", "-f", "{{.State.Health.Status}}", CONTAINER).stdout.strip()
+            if health == "unhealthy" or elapsed_s > 120:
+                raise SystemExit(f"scheduler container is {health} after {elapsed_s:.0f} s:\n"
+                                 + run(DOCKER, "logs", CONTAINER, check=False).stderr[-4000:])
+            time.sleep(0.2)
+        healthy_s = time.monotonic() - started
+        status, body = http("POST", f"http://127.0.0.1:{port}/plan", BATCH)
+        assert status == 200, f"POST /plan answered {status}: {body}"
+        plan = json.loads(body)
+        scheduled = sorted(
+            index for dp in plan["dp_ranks"] for mb in dp["micro_batches"]
+            for index in [*(i for local in mb["local"] for i in local), *mb["distributed"],
+                          *(i for group in mb.get("sharded", []) for i in group["sequences"])])
+        assert scheduled == list(range(len(LENGTHS))), scheduled
+        assert len(plan["dp_ranks"]) == DP_SIZE and plan["speedup_vs_deepspeed"] >= 1.0, plan
+        status, page = http("GET", f"http://127.0.0.1:{port}/")
+        assert status == 200 and "/static/viewer.js" in page, "the plan viewer is not in the image"
+        assert http("GET", f"http://127.0.0.1:{port}/static/viewer.js")[0] == 200
+        print(f"scheduler container: /readyz after {ready_s:.1f} s, Docker healthy after {healthy_s:.1f} s; "
+              f"planned {len(scheduled)} sequences in {plan['solve_time_ms']:.1f} ms, "
+              f"estimated speedup {plan['speedup_vs_deepspeed']:.2f}x over deepspeed")
+        return {"ready_s": ready_s, "healthy_s": healthy_s}
+    finally:
+        run(DOCKER, "rm", "-f", CONTAINER, check=False)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        return http("GET", url)[0] == 200
+    except OSError:  # not listening yet
+        return False
+
+
+def check_compose_demo() -> float:
+    """The compose demo to completion; its trainer's losses and plan sources. Returns its wall time."""
+    env = {"SKRULL_HOST_PORT": str(free_port())}  # not 8000: a `make serve` may hold it
+    compose = [*COMPOSE, "-p", PROJECT, "-f", str(ROOT / "docker-compose.yml")]
+    started = time.monotonic()
+    try:
+        up = run(*compose, "up", "--no-build", "--abort-on-container-exit", "--exit-code-from", "trainer",
+                 check=False, env=env)
+        wall_s = time.monotonic() - started
+        logs = run(*compose, "logs", "--no-color", "trainer", check=False, env=env).stdout
+        if up.returncode != 0:
+            raise SystemExit(f"compose demo failed (exit {up.returncode}):\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}")
+        steps = re.findall(r"step\s+(\d+) loss (\S+) plan (\w+)", logs)
+        assert len(steps) == TRAINER_STEPS, f"expected {TRAINER_STEPS} steps in the trainer's log:\n{logs[-3000:]}"
+        losses = [float(loss) for _, loss, _ in steps]
+        assert all(math.isfinite(loss) for loss in losses), losses
+        sources = {source for _, _, source in steps}
+        assert sources == {"service"}, f"plans came from {sources}, not only the service"
+        print(f"compose demo: {len(steps)} steps in {wall_s:.0f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+              "every plan from the scheduler service")
+        return wall_s
+    finally:
+        run(*compose, "down", "--volumes", "--remove-orphans", check=False, env=env)
+
+
+def main() -> int:
+    for tool in (DOCKER, COMPOSE[0]):
+        if shutil.which(tool) is None:
+            print(f"docker-smoke needs {tool} (Debian: apt-get install docker.io docker-compose debootstrap)",
+                  file=sys.stderr)
+            return 2
+    with docker_engine():
+        build_s = build_images()
+        sizes = {image: image_size_mb(image) for image in (SCHEDULER_IMAGE, TRAINER_IMAGE)}
+        container = check_scheduler_container()
+        compose_s = check_compose_demo()
+    images = ", ".join(f"{image} {mb:.0f} MB" for image, mb in sizes.items())
+    print(f"docker-smoke passed: build {build_s:.0f} s; {images}; scheduler ready {container['ready_s']:.1f} s "
+          f"(healthy {container['healthy_s']:.1f} s); compose demo {compose_s:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
