@@ -137,3 +137,14 @@ def test_viewer_draws_a_batch_from_a_sampler_and_shows_its_problems(page: WebDri
     problem = page.find_element(By.CSS_SELECTOR, '.field[data-field="sampler"] .problem')
     WebDriverWait(page, WAIT_S).until(lambda _: problem.text)
     assert "num_sequences: Input should be greater than or equal to 1" in problem.text
+
+
+def test_a_link_fills_the_form_and_plans_at_once(browser: WebDriver, live_port: int) -> None:
+    browser.get(f"http://127.0.0.1:{live_port}/?sampler=docmix&num_sequences=16&seed=3&dp=1&cp=2"
+                "&schedulers=skrull_binary&plan=1")
+    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"))
+    assert browser.find_element(By.ID, "status").text == "planned 1 of 1"
+    drawn = httpx.get(f"http://127.0.0.1:{live_port}/samplers/docmix", params={"num_sequences": 16, "seed": 3}).json()
+    expected = httpx.post(f"http://127.0.0.1:{live_port}/plan", json={
+        "sequence_lengths": drawn["sequence_lengths"], "dp_size": 1, "cp_size": 2, "scheduler": "skrull_binary"}).json()
+    assert cell(browser, "iteration", "skrull_binary") == f"{expected['estimated_iteration_time_ms']:.2f}"

@@ -412,10 +412,27 @@ async function start() {
     }));
     byId("sampler").replaceChildren(...samplers.samplers.map((s) => html("option", { value: s.name }, s.name)));
     byId("sampler").value = "lmsys";
+    await applyLink(new URLSearchParams(window.location.search));
   } catch (error) {
     showProblem("request", error.message);
   }
   document.body.dataset.ready = "true";
+}
+
+// A link can fill the form and plan at once, e.g.
+// /?sampler=longtail64k&num_sequences=64&dp=2&cp=4&schedulers=skrull,deepspeed&plan=1 (or lengths=812,30311,...).
+async function applyLink(query) {
+  const fields = { sampler: "sampler", num_sequences: "num-sequences", seed: "seed", lengths: "lengths",
+    model: "model", dp: "dp", cp: "cp", bucket: "bucket" };
+  for (const [name, id] of Object.entries(fields)) {
+    if (query.has(name)) byId(id).value = query.get(name);
+  }
+  if (query.has("schedulers")) {
+    const chosen = query.get("schedulers").split(",");
+    for (const box of document.querySelectorAll("#schedulers input")) box.checked = chosen.includes(box.value);
+  }
+  if (query.has("sampler") && !query.has("lengths")) await drawBatch();
+  if (query.has("plan")) await planAll(new Event("submit"));
 }
 
 start();
