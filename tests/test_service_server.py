@@ -1,7 +1,11 @@
-"""The real server: ``python -m scheduler_service serve`` on a free loopback port, spoken to with httpx."""
+"""The real server: ``python -m scheduler_service serve`` on a free loopback port, spoken to with httpx.
+
+``serve`` starts one; the robustness tests (``test_service_robustness``) use it too.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -10,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -40,10 +44,11 @@ def _read_lines(stream: object, lines: queue.Queue[str]) -> None:
         lines.put(line)
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    """Port 0: uvicorn binds a free port and logs it, so there is no race for a port number."""
-    env = {**os.environ, "SKRULL_CPSAT_WARMUP": "false", "SKRULL_CPSAT_DEFAULT_TIME_LIMIT_S": "0.3"}
+@contextlib.contextmanager
+def serve(env: Mapping[str, str] | None = None) -> Iterator[Served]:
+    """``python -m scheduler_service serve`` on port 0 (uvicorn binds a free port and logs it, so there is no race
+    for a port number), stopped with SIGTERM (graceful: the lifespan's exit runs)."""
+    env = {**os.environ, "SKRULL_CPSAT_WARMUP": "false", "SKRULL_CPSAT_DEFAULT_TIME_LIMIT_S": "0.3", **(env or {})}
     process = subprocess.Popen(
         [sys.executable, "-m", "scheduler_service", "serve", "--host", "127.0.0.1", "--port", "0"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -62,21 +67,24 @@ def served() -> Iterator[Served]:
         log_lines.append(line)
         if match := _RUNNING.search(line):
             port = int(match.group(1))
-    if port is None:
-        process.kill()
-        process.wait()
-        reader.join(timeout=10)
-        assert process.stderr is not None
-        process.stderr.close()
-        pytest.fail("server did not start:\n" + "".join(log_lines))
     try:
+        if port is None:
+            process.kill()
+            pytest.fail("server did not start:\n" + "".join(log_lines))
         yield Served(base_url=f"http://127.0.0.1:{port}", process=process, pending=lines, log_lines=log_lines)
     finally:
-        process.terminate()  # SIGTERM: uvicorn shuts down gracefully and runs the lifespan's exit
+        if process.poll() is None:
+            process.terminate()
         process.wait(timeout=30)
         reader.join(timeout=10)  # it ends at the pipe's end of file
         assert process.stderr is not None
         process.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    with serve() as server:
+        yield server
 
 
 def test_real_server_plans_over_http(served: Served) -> None:
