@@ -48,6 +48,7 @@ from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import simulate
 from trainer_client.distributed import spawn_gloo
 from trainer_client.measure import random_samples, timed_runs
+from trainer_client.loss import CausalLMLoss
 from trainer_client.model import build_model
 from trainer_client.packing import pack_micro_batch
 from trainer_client.profile import ProfileOptions, measure_profile
@@ -118,7 +119,7 @@ def _rank_main(options: AccuracyOptions, out_path: Path) -> None:
         assert document is not None
         profile = parse_profile(document)
     paper_profile = _paper_profile(document, profile)
-    model = build_model(options.model, seed=options.seed)
+    model = CausalLMLoss(build_model(options.model, seed=options.seed))
     model.train()
     rng = np.random.default_rng(options.seed)
     rows = []
@@ -126,7 +127,7 @@ def _rank_main(options: AccuracyOptions, out_path: Path) -> None:
         for batch_index in range(options.batches_per_dataset):
             lengths = sample_lengths(dataset, options.global_batch, rng,
                                      max_length=bucket_size * cp_size).tolist()
-            samples = random_samples(lengths, vocab_size=model.config.vocab_size, seed=options.seed + batch_index)
+            samples = random_samples(lengths, vocab_size=model.lm.config.vocab_size, seed=options.seed + batch_index)
             for scheduler in options.schedulers:
                 problem = make_problem(sequence_lengths=lengths, dp_size=1, cp_size=cp_size, model=options.model,
                                        bucket_size=bucket_size, profile=profile)

@@ -33,8 +33,8 @@ def _one_step_on_every_plan(out_dir: Path) -> None:
         batch = trainer.source.batch(0)
         decision = trainer.decide(0, batch)
         loss, num_loss_tokens = trainer.forward_backward(trainer.pack(batch, decision))
+        grads = trainer.gradients()  # collective under FSDP
         if parallel.is_main:
-            grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
             micro_batches = [len(d.micro_batches) for d in decision.plan.dp_ranks]
             torch.save({"loss": loss, "num_loss_tokens": num_loss_tokens, "grads": grads,
                         "micro_batches": micro_batches}, out_dir / f"{name}.pt")

@@ -78,6 +78,7 @@ class Sample:
 class GlobalBatch:
     step: int
     samples: tuple[Sample, ...]
+    next_position: dict[str, int] = field(default_factory=dict)  # where the source resumes after this batch
     sequence_lengths: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +115,9 @@ class SyntheticSource:
             input_ids = rng.integers(0, self.vocab_size, size=int(length), dtype=np.int64)
             samples.append(Sample(input_ids=input_ids, labels=input_ids.copy()))
         return GlobalBatch(step=step, samples=tuple(samples))
+
+    def seek(self, position: dict[str, int]) -> None:
+        """Nothing to restore: batch ``s`` depends on ``(seed, s)`` alone."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,6 +178,9 @@ class JsonlSource:
         start = step * self.global_batch_size
         samples = tuple(self.records[(start + offset) % num_records] for offset in range(self.global_batch_size))
         return GlobalBatch(step=step, samples=samples)
+
+    def seek(self, position: dict[str, int]) -> None:
+        """Nothing to restore: batch ``s`` is records ``[s·B, (s+1)·B)``."""
 
 
 def make_source(

@@ -12,6 +12,14 @@ block_degrees(cp_size))`` per row (4 + 2 for cp_size 8), because
 only the ranks of one micro-batch. ``ParallelContext.cp_block_group(first, s)``
 looks a block up by its first CP rank and size; the block of all ``cp_size``
 ranks is the CP group itself.
+
+Every process group (the world, the mesh's, the flattened DP × CP mesh FSDP
+shards over, the block groups, the gloo object group) is created with the same
+collective timeout: a rank that stops answering fails its peers' next
+collective after that long, whichever group it is on (``new_group`` would
+otherwise give each new group the 30-minute default). Under torchrun a rank that
+raises ends the job at once (the agent stops the other workers and reports the
+failing rank's error; ``train.py``).
 """
 
 from __future__ import annotations
@@ -26,11 +34,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._C._distributed_c10d import Backend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scheduler_service.core.plan import block_degrees, cp_blocks
 
-__all__ = ["ParallelContext", "ParallelDims", "free_port", "init_parallel", "spawn_gloo"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "ParallelContext", "ParallelDims", "free_port", "init_parallel",
+           "spawn_gloo"]
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,6 +87,7 @@ class ParallelDims:
 class ParallelContext:
     dims: ParallelDims
     mesh: DeviceMesh
+    shard_mesh: DeviceMesh  # 1-D, the flattened ("dp", "cp") mesh: FSDP shards parameters over every rank
     global_rank: int
     dp_rank: int
     cp_rank: int
@@ -83,6 +96,7 @@ class ParallelContext:
     # (first CP rank, size) → process group, for every aligned block of the CP group that holds this rank.
     cp_block_groups: Mapping[tuple[int, int], dist.ProcessGroup]
     object_group: dist.ProcessGroup  # gloo: plans and decisions travel here even when training on NCCL
+    collective_timeout: timedelta  # of every group above
 
     @property
     def is_main(self) -> bool:
@@ -99,10 +113,19 @@ class ParallelContext:
         return group
 
 
-def init_parallel(dims: ParallelDims, *, timeout_s: float = 600.0) -> ParallelContext:
+def _group_options(backend: str, timeout: timedelta) -> Backend.Options:
+    """Backend options carrying ``timeout``: how ``DeviceMesh`` is told a timeout for the groups it creates."""
+    options: Backend.Options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
+                                else dist.ProcessGroupGloo._Options())  # type: ignore[attr-defined]
+    options._timeout = timeout
+    return options
+
+
+def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> ParallelContext:
     """Join the process group torchrun (or ``spawn_gloo``) set up and build the ("dp", "cp") mesh.
 
-    NCCL on CUDA, gloo on CPU; the world size is checked against dp × cp before any collective.
+    NCCL on CUDA, gloo on CPU; the world size is checked against dp × cp before any collective. Every group is
+    created with ``timeout_s`` (a world group made by the caller must have been given the same).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dims.check_world_size(world_size)
@@ -113,28 +136,35 @@ def init_parallel(dims: ParallelDims, *, timeout_s: float = 600.0) -> ParallelCo
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timeout)
     dims.check_world_size(dist.get_world_size())
-    mesh = init_device_mesh(device.type, (dims.dp_size, dims.cp_size), mesh_dim_names=("dp", "cp"))
+    override = (backend, _group_options(backend, timeout))
+    mesh = init_device_mesh(device.type, (dims.dp_size, dims.cp_size), mesh_dim_names=("dp", "cp"),
+                            backend_override={"dp": override, "cp": override})
+    shard_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=override)
     global_rank = dist.get_rank()
     dp_rank, cp_rank = dims.coordinates(global_rank)
-    cp_block_groups = _new_cp_block_groups(dims, global_rank)
-    object_group = dist.new_group(backend="gloo") if use_cuda else dist.group.WORLD
+    cp_block_groups = _new_cp_block_groups(dims, global_rank, timeout)
+    object_group = dist.new_group(backend="gloo", timeout=timeout) if use_cuda else dist.group.WORLD
     assert object_group is not None
     cp_group = mesh.get_group("cp")
-    return ParallelContext(dims=dims, mesh=mesh, global_rank=global_rank, dp_rank=dp_rank, cp_rank=cp_rank,
-                           device=device, cp_group=cp_group, cp_block_groups=cp_block_groups,
-                           object_group=object_group)
+    return ParallelContext(dims=dims, mesh=mesh, shard_mesh=shard_mesh, global_rank=global_rank, dp_rank=dp_rank,
+                           cp_rank=cp_rank, device=device, cp_group=cp_group, cp_block_groups=cp_block_groups,
+                           object_group=object_group, collective_timeout=timeout)
 
 
-def _new_cp_block_groups(dims: ParallelDims, global_rank: int) -> dict[tuple[int, int], dist.ProcessGroup]:
+def _new_cp_block_groups(
+    dims: ParallelDims, global_rank: int, timeout: timedelta
+) -> dict[tuple[int, int], dist.ProcessGroup]:
     """Create every block group of every DP row; keep this rank's. Every rank runs the same calls in the same order."""
     dp_rank, cp_rank = dims.coordinates(global_rank)
     groups: dict[tuple[int, int], dist.ProcessGroup] = {}
     for row, block in dims.cp_block_ranks():
         # Group rank = position in the block: new_group orders members by global rank, ascending here.
-        group = dist.new_group([dims.global_rank(row, member) for member in block])
+        group = dist.new_group([dims.global_rank(row, member) for member in block], timeout=timeout)
         if row == dp_rank and cp_rank in block:
             assert group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
             groups[(block[0], len(block))] = group
@@ -154,7 +184,8 @@ def _spawned(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                       RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     torch.set_num_threads(1)  # several ranks share few cores; oversubscription only slows every rank down
-    dist.init_process_group("gloo", rank=local_rank, world_size=world_size, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=local_rank, world_size=world_size,
+                            timeout=timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S))
     try:
         fn(*args)
     finally:

@@ -47,7 +47,14 @@ from scheduler_service.core.plan import MicroBatch, cp_blocks
 from trainer_client.data import IGNORE_INDEX, Sample
 from trainer_client.zigzag import padded_length, zigzag_positions
 
-__all__ = ["DacpMetadata", "PackedMicroBatch", "ShardedSpec", "distributed_kv_index", "pack_micro_batch"]
+__all__ = [
+    "DacpMetadata",
+    "PackedMicroBatch",
+    "ShardedSpec",
+    "distributed_kv_index",
+    "pack_micro_batch",
+    "padding_micro_batch",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,6 +116,7 @@ class PackedMicroBatch:
     position_ids_T: torch.Tensor  # int64: per local sequence from 0; global positions for shards
     targets_T: torch.Tensor  # int64: next-token targets, IGNORE_INDEX for no loss and padding
     metadata: DacpMetadata
+    is_padding: bool = False  # a zero-loss stand-in run only to match peers' collectives (padding_micro_batch)
 
     @property
     def num_tokens(self) -> int:
@@ -125,7 +133,8 @@ class PackedMicroBatch:
 
     def to(self, device: torch.device) -> PackedMicroBatch:
         return PackedMicroBatch(input_ids_T=self.input_ids_T.to(device), position_ids_T=self.position_ids_T.to(device),
-                                targets_T=self.targets_T.to(device), metadata=self.metadata.to(device))
+                                targets_T=self.targets_T.to(device), metadata=self.metadata.to(device),
+                                is_padding=self.is_padding)
 
 
 def _cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
@@ -256,3 +265,13 @@ def pack_micro_batch(
     )
     return PackedMicroBatch(input_ids_T=_cat(row.input_ids), position_ids_T=_cat(row.positions),
                             targets_T=_cat(row.targets), metadata=metadata)
+
+
+def padding_micro_batch(*, cp_size: int, cp_rank: int, pad_token_id: int = 0) -> PackedMicroBatch:
+    """One pad token that predicts nothing: a zero-loss micro-batch that runs every layer (and so every FSDP
+    collective) and joins no CP collective. Sharded training runs it where a rank must match its peers'
+    collectives without tokens of its own (``parallelize.py``)."""
+    metadata = DacpMetadata(cp_size=cp_size, cp_rank=cp_rank, num_local_tokens=1, cu_seqlens_local=_cu_seqlens([1]),
+                            max_seqlen_local=1, sharded=())
+    return PackedMicroBatch(input_ids_T=torch.tensor([pad_token_id]), position_ids_T=torch.zeros(1, dtype=torch.int64),
+                            targets_T=torch.tensor([IGNORE_INDEX]), metadata=metadata, is_padding=True)

@@ -80,6 +80,7 @@ from scheduler_service.core.perf_model import ComputePoint, PerformanceModel, eq
 from scheduler_service.core.plan import MicroBatch, ShardedGroup, block_degrees, cp_blocks
 from scheduler_service.core.profile import PROFILE_SCHEMA_VERSION, parse_profile
 from trainer_client.attention import AttentionBackend, resolve_backend
+from trainer_client.loss import CausalLMLoss
 from trainer_client.measure import (
     COLLECTIVES,
     activation_peak_bytes,
@@ -192,7 +193,7 @@ class _Bench:
         self.options = options
         self.device = device
         self.shape: ModelShape = model_shape(options.model)
-        self.model = build_model(options.model, seed=options.seed, device=device)
+        self.model = CausalLMLoss(build_model(options.model, seed=options.seed, device=device))
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         dtype = options.dtype or ("bfloat16" if device.type == "cuda" else "float32")

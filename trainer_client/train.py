@@ -7,7 +7,10 @@ Example (4 CPU processes, plans from a local scheduler service):
       --scheduler-url http://127.0.0.1:8000 --bucket-size 4096 --seed 0 --metrics-out metrics.jsonl
 
 Exit status 2 with one message on stderr for a user error (bad flags, world
-size ≠ dp × cp, a record too long, a batch no planner can plan).
+size ≠ dp × cp, a record too long, a batch no planner can plan). Any other
+failure of a rank is recorded for torchrun (``@record``): the agent stops the
+other ranks at once and names the failing rank and its traceback; with
+``--max-restarts N --resume`` the job restarts from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from scheduler_service.core.plan import SchedulerName
 from trainer_client.attention import AttentionBackend
-from trainer_client.distributed import init_parallel
+from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, init_parallel
+from trainer_client.loss import DEFAULT_CHUNK_TOKENS
+from trainer_client.parallelize import ActivationCheckpointing, Sharding
 from trainer_client.trainer import TrainConfig, Trainer
 
 __all__ = ["build_parser", "main"]
@@ -48,6 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps before the cosine decay")
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine ends at lr × this")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm; 0: off")
+    parser.add_argument("--sharding", default=Sharding.ZERO2.value, choices=[s.value for s in Sharding],
+                        help="FSDP2 over all DP × CP ranks: zero2 keeps parameters unsharded for the step, zero3 "
+                             "reshards after every forward; none: replicated, one all-reduce")
+    parser.add_argument("--activation-checkpointing", default=ActivationCheckpointing.NONE.value,
+                        choices=[a.value for a in ActivationCheckpointing],
+                        help="per decoder layer: selective recomputes the MLP, full the whole layer")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                        help="tokens per chunk of the LM head + cross-entropy (bounds the fp32 logits held)")
+    parser.add_argument("--checkpoint-dir", type=Path, help="save DCP checkpoints here")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="steps between checkpoints (0: after the last step only)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint-dir when there is one")
+    parser.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+                        help="seconds any collective of any process group may wait for a peer")
     parser.add_argument("--max-length", type=int, help="longest record accepted (default: bucket_size × cp)")
     parser.add_argument("--truncate", action="store_true", help="cut records longer than --max-length")
     parser.add_argument("--metrics-out", type=Path, help="write one JSON line of metrics per step here")
@@ -69,6 +93,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         dp=args.dp, cp=args.cp, model=args.model, data=args.data, global_batch=args.global_batch, steps=args.steps,
         scheduler=args.scheduler, scheduler_url=args.scheduler_url, bucket_size=args.bucket_size,
         profile=args.profile, seed=args.seed, lr=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm,
+        sharding=args.sharding, activation_checkpointing=args.activation_checkpointing,
+        loss_chunk_tokens=args.loss_chunk_tokens, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, collective_timeout_s=args.collective_timeout,
         max_length=args.max_length, truncate=args.truncate, metrics_out=args.metrics_out,
         plan_timeout_s=args.plan_timeout, plan_attempts=args.plan_attempts,
         attention_backend=args.attention_backend, dtype=args.dtype, progress=not args.no_progress,
@@ -85,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         config.dims.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))  # before any process group work
-        parallel = init_parallel(config.dims)
+        parallel = init_parallel(config.dims, timeout_s=config.collective_timeout_s)
         trainer = Trainer(config, parallel)
         history = trainer.train()
         if is_main:
@@ -104,4 +132,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Recorded for torchrun's error summary only here: tests call main() in a process whose stderr has no fileno.
+    sys.exit(record(main)())

@@ -8,30 +8,37 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
 2. DP rank ``i``, CP rank ``j`` packs each of its micro-batches
    (``plan.dp_ranks[i]``, column ``j``; sequences sharded over the whole CP
    group or over a hybrid group's block of it) and runs forward + backward on
-   them in order (gradient accumulation). It skips only a micro-batch where it
-   holds no token and is a member of no collective; a rank with nothing to run
-   still joins every collective below.
+   them in order (gradient accumulation). Sharded (``--sharding zero2|zero3``,
+   FSDP2, ``parallelize.py``): a micro-batch where the rank holds no token and
+   is a member of no collective runs as a zero-loss padding micro-batch, and
+   ranks add padding micro-batches so that their FSDP collectives match (zero3:
+   as many as the plan's longest DP rank; zero2: one where a DP rank has
+   none); gradients are reduce-scattered over all ranks in the backward of the
+   last one, overlapping it. ``--sharding none``: idle micro-batches are
+   skipped, and the gradients of all ranks are summed by one flat all-reduce
+   afterwards (DDP would need the same number of micro-batches on every DP rank,
+   which Skrull's plans do not give).
 3. Loss normalisation over the *whole* global batch (paper appendix A): the
    number of loss tokens is all-reduced, every micro-batch's summed token loss
-   is divided by it, and gradients are summed over all DP × CP ranks. Every
-   scheduler therefore yields the gradients of the unscheduled batch, up to
-   floating-point summation order.
-4. AdamW steps once.
+   (``loss.py``: LM head and cross-entropy chunked over tokens) is divided by
+   it, and gradients are summed over all DP × CP ranks. Every scheduler and
+   every sharding mode therefore yields the gradients of the unscheduled batch,
+   up to floating-point summation order.
+4. The gradients are clipped to a global norm, AdamW steps once, the learning
+   rate follows warmup + cosine (``optim.py``); every ``--checkpoint-every``
+   steps all ranks save a DCP checkpoint (``checkpoint.py``), from which
+   ``--resume`` continues exactly.
 5. With ``feedback`` (opt-in), every rank's measured micro-batch times (and
    peak memory on CUDA) are gathered on rank 0, which reports them to the
    service (``POST /feedback``) in the background; the service refits this
    job's profile for the next plans. Step 0 is not reported (one-off warm-up).
-
-Gradients are all-reduced by hand in one flat buffer after the last
-micro-batch instead of by DDP: DDP fires its all-reduce in the backward of a
-micro-batch and so needs the same number of micro-batches on every DP rank,
-which Skrull's plans do not give (a DP rank may even have none).
 
 Shape legend: T tokens of one packed row, V vocabulary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import resource
@@ -44,23 +51,34 @@ from typing import IO
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from pydantic import TypeAdapter, ValidationError
 from skrull_proto.models import JobId
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import SchedulerName, make_problem
-from scheduler_service.core.profile import Profile, load_profile
+from scheduler_service.core.profile import Profile, load_profile, resolve_profile
 from trainer_client.attention import AttentionBackend
-from trainer_client.data import IGNORE_INDEX, GlobalBatch, JsonlSource, SyntheticSource, make_source
-from trainer_client.distributed import ParallelContext, ParallelDims
+from trainer_client.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_client.data import GlobalBatch, JsonlSource, SyntheticSource, make_source
+from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelContext, ParallelDims
+from trainer_client.loss import DEFAULT_CHUNK_TOKENS, CausalLMLoss
 from trainer_client.model import build_model, model_shape
-from trainer_client.packing import PackedMicroBatch, pack_micro_batch
+from trainer_client.optim import clip_gradients, warmup_cosine_schedule
+from trainer_client.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
+from trainer_client.parallelize import (
+    ActivationCheckpointing,
+    Sharding,
+    num_padding_micro_batches,
+    parallelize,
+    prepare_micro_batch,
+    static_bytes_per_parameter,
+)
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanOrigin, PlanSource
 
-__all__ = ["PlanningFailed", "StepMetrics", "TrainConfig", "Trainer", "run_micro_batch"]
+__all__ = ["PlanningFailed", "StepMetrics", "TrainConfig", "Trainer", "memory_profile", "run_micro_batch"]
 
 logger = logging.getLogger("trainer_client.trainer")
 
@@ -86,6 +104,16 @@ class TrainConfig:
     seed: int = 0
     lr: float = 1e-3
     weight_decay: float = 0.0
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # the cosine ends at lr × this at the last step
+    max_grad_norm: float = 1.0  # 0: no clipping (the norm is still reported)
+    sharding: str = Sharding.ZERO2.value
+    activation_checkpointing: str = ActivationCheckpointing.NONE.value
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only after the last step (with --checkpoint-dir)
+    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir, if there is one
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     max_length: int | None = None
     truncate: bool = False
     metrics_out: Path | None = None
@@ -113,6 +141,22 @@ class TrainConfig:
             raise ValueError(f"--scheduler-url {self.scheduler_url!r} must start with http:// or https://")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min-lr-ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"--max-grad-norm must not be negative, got {self.max_grad_norm}")
+        Sharding(self.sharding)
+        ActivationCheckpointing(self.activation_checkpointing)
+        if self.loss_chunk_tokens < 1:
+            raise ValueError(f"--loss-chunk-tokens must be positive, got {self.loss_chunk_tokens}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must not be negative, got {self.checkpoint_every}")
+        if (self.checkpoint_every or self.resume) and self.checkpoint_dir is None:
+            raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"--collective-timeout must be positive, got {self.collective_timeout_s}")
         AttentionBackend(self.attention_backend)
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
@@ -142,7 +186,10 @@ class StepMetrics:
     scheduler: str
     estimated_time_ms: float | None
     num_micro_batches: int
+    num_padding_micro_batches: int  # zero-loss micro-batches run so that FSDP collectives match, all ranks
     plan_fallbacks: int
+    lr: float
+    grad_norm: float  # global gradient norm before clipping
     peak_memory_bytes: int | None
     memory_kind: str
 
@@ -160,7 +207,7 @@ def _peak_memory(device: torch.device) -> tuple[int | None, str]:
 
 
 def run_micro_batch(
-    model: torch.nn.Module, pack: PackedMicroBatch, *, num_loss_tokens: int,
+    module: CausalLMLoss, pack: PackedMicroBatch, *, num_loss_tokens: int,
     autocast_dtype: torch.dtype | None = None, attention_backend: str = AttentionBackend.AUTO.value,
 ) -> torch.Tensor:
     """Forward and backward of one packed micro-batch (gradients accumulate); returns its summed token loss.
@@ -172,14 +219,19 @@ def run_micro_batch(
     autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
                 else nullcontext())
     with autocast:
-        output = model(
-            input_ids=pack.input_ids_T.unsqueeze(0), position_ids=pack.position_ids_T.unsqueeze(0),
-            use_cache=False, dacp_metadata=pack.metadata, dacp_backend=attention_backend,
-        )
-    logits_TV = output.logits[0].float()
-    token_loss_sum = F.cross_entropy(logits_TV, pack.targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
+        token_loss_sum = module(pack, attention_backend)
     (token_loss_sum / max(num_loss_tokens, 1)).backward()
     return token_loss_sum.detach()
+
+
+def memory_profile(profile: str | Profile | None, *, sharding: Sharding, param_dtype: torch.dtype) -> Profile:
+    """``profile`` with the static bytes per parameter of the sharding mode the trainer runs (``parallelize.py``),
+    so that the BucketSize derived from it is the one this trainer's memory allows."""
+    resolved = resolve_profile(profile)
+    static = static_bytes_per_parameter(sharding, param_dtype=param_dtype)
+    memory = dataclasses.replace(resolved.memory, replicated_bytes_per_parameter=static.replicated,
+                                 sharded_bytes_per_parameter=static.sharded)
+    return dataclasses.replace(resolved, memory=memory)
 
 
 class Trainer:
@@ -187,24 +239,39 @@ class Trainer:
         self.config = config
         self.parallel = parallel
         self.device = parallel.device
+        self.sharding = Sharding(config.sharding)
         shape = model_shape(config.model)
+        dtype = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        param_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        # FSDP computes in param_dtype itself (MixedPrecisionPolicy); only replicated training needs autocast.
+        self.autocast_dtype = (param_dtype if self.sharding is Sharding.NONE and param_dtype != torch.float32
+                               else None)
         # A file is read here: the embedded planner plans with it, the service is asked for it by name.
         self.profile: str | Profile | None = (load_profile(config.profile) if config.profile is not None
                                               and Path(config.profile).is_file() else config.profile)
-        self.bucket_size = config.bucket_size or self._derived_bucket_size(shape)
+        self.bucket_size = config.bucket_size or self._derived_bucket_size(shape, param_dtype)
         self.max_length = config.max_length or self.bucket_size * config.cp
         self.source: SyntheticSource | JsonlSource = make_source(
             config.data, global_batch_size=config.global_batch, vocab_size=shape.vocab_size,
             max_length=self.max_length, seed=config.seed, truncate=config.truncate,
         )
-        self.model = build_model(config.model, seed=config.seed, device=self.device)
-        self.model.train()
-        self._broadcast_parameters()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        lm = build_model(config.model, seed=config.seed, device=self.device)
+        lm.train()
+        self.pad_token_id = int(getattr(lm.config, "pad_token_id", None) or 0)
+        self._broadcast_parameters(lm)
+        self.module = parallelize(
+            CausalLMLoss(lm, chunk_tokens=config.loss_chunk_tokens), parallel.shard_mesh, sharding=self.sharding,
+            activation_checkpointing=ActivationCheckpointing(config.activation_checkpointing), param_dtype=param_dtype,
+        )
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
-        dtype = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
-        self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" else None
-        self.pad_token_id = int(getattr(self.model.config, "pad_token_id", None) or 0)
+        self.lr_schedule = warmup_cosine_schedule(self.optimizer, warmup_steps=config.warmup_steps,
+                                                  total_steps=config.steps, min_lr_ratio=config.min_lr_ratio)
+        self.first_step = 0
+        self.num_padding_micro_batches = 0  # of the latest step, summed over all ranks
+        if config.resume:
+            assert config.checkpoint_dir is not None
+            self._resume(config.checkpoint_dir)
         self.plans: PlanSource | None = None
         if parallel.is_main:
             client = None
@@ -221,19 +288,51 @@ class Trainer:
         self._next_batch: GlobalBatch | None = None  # rank 0: the batch built for the prefetch, trained next step
         self._metrics_file: IO[str] | None = None
         if parallel.is_main and config.metrics_out is not None:
-            config.metrics_out.parent.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = config.metrics_out.open("w")
+            self._metrics_file = _open_metrics(config.metrics_out, keep_steps_before=self.first_step)
 
-    def _derived_bucket_size(self, shape: ModelShape) -> int:
-        """BucketSize from the profile, as the planner derives it when a request leaves it out."""
+    def _derived_bucket_size(self, shape: ModelShape, param_dtype: torch.dtype) -> int:
+        """BucketSize from the profile, as the planner derives it when a request leaves it out, with the static
+        memory of this trainer's sharding mode."""
+        profile = memory_profile(self.profile, sharding=self.sharding, param_dtype=param_dtype)
         return make_problem(sequence_lengths=[1], dp_size=self.config.dp, cp_size=self.config.cp, model=shape,
-                            profile=self.profile).bucket_size
+                            profile=profile).bucket_size
 
+    @staticmethod
     @torch.no_grad()
-    def _broadcast_parameters(self) -> None:
+    def _broadcast_parameters(lm: torch.nn.Module) -> None:
         """Seeded init already makes replicas; the broadcast guarantees it (checkpoints, nondeterministic init)."""
-        for tensor in self.model.state_dict().values():
+        for tensor in lm.state_dict().values():
             dist.broadcast(tensor, src=0)
+
+    def _resume(self, directory: Path) -> None:
+        path = latest_checkpoint(directory)
+        if path is None:
+            logger.info("no checkpoint in %s: training from scratch", directory)
+            return
+        state = load_checkpoint(path, module=self.module, optimizer=self.optimizer)
+        self.lr_schedule.load_state_dict(state.lr_schedule)
+        self.source.seek(state.data_position)
+        self.first_step = state.num_steps_done
+        if self.first_step > self.config.steps:
+            raise ValueError(f"checkpoint {path} is {self.first_step} steps in; --steps {self.config.steps} ends "
+                             "before it")
+        logger.info("resumed from %s: %d steps done", path, self.first_step)
+
+    def save_checkpoint(self, num_steps_done: int, batch: GlobalBatch) -> Path:
+        """Every rank calls this after optimizer step ``num_steps_done − 1`` on ``batch``."""
+        assert self.config.checkpoint_dir is not None
+        state = TrainState(num_steps_done=num_steps_done, lr_schedule=self.lr_schedule.state_dict(),
+                           data_position=batch.next_position)
+        return save_checkpoint(self.config.checkpoint_dir, module=self.module, optimizer=self.optimizer, state=state)
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole gradient by the model's own names (collective under FSDP: every rank calls)."""
+        grads = {}
+        for name, param in self.module.lm.named_parameters():
+            grad = param.grad
+            if grad is not None:
+                grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        return grads
 
     # ------------------------------------------------------------------------------------------------ planning
 
@@ -260,14 +359,21 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ compute
 
     def pack(self, batch: GlobalBatch, decision: PlanDecision) -> list[PackedMicroBatch]:
+        """This rank's micro-batches in plan order; under FSDP the idle ones are padding and padding follows them."""
         assert decision.plan is not None
         micro_batches = decision.plan.dp_ranks[self.parallel.dp_rank].micro_batches
-        return [
-            pack_micro_batch(batch.samples, micro_batch, cp_size=self.config.cp, cp_rank=self.parallel.cp_rank,
-                             cp_group=self.parallel.cp_group, cp_block_groups=self.parallel.cp_block_groups,
-                             pad_token_id=self.pad_token_id).to(self.device)
-            for micro_batch in micro_batches
-        ]
+        padding = padding_micro_batch(cp_size=self.config.cp, cp_rank=self.parallel.cp_rank,
+                                      pad_token_id=self.pad_token_id)
+        packs = []
+        for micro_batch in micro_batches:
+            pack = pack_micro_batch(batch.samples, micro_batch, cp_size=self.config.cp, cp_rank=self.parallel.cp_rank,
+                                    cp_group=self.parallel.cp_group, cp_block_groups=self.parallel.cp_block_groups,
+                                    pad_token_id=self.pad_token_id)
+            packs.append(padding if pack.is_idle and self.sharding is not Sharding.NONE else pack)
+        max_planned = max(len(dp_rank.micro_batches) for dp_rank in decision.plan.dp_ranks)
+        packs += [padding] * num_padding_micro_batches(self.sharding, num_planned=len(micro_batches),
+                                                       max_planned=max_planned)
+        return [pack.to(self.device) for pack in packs]
 
     def forward_backward(self, packs: list[PackedMicroBatch]) -> tuple[float, int]:
         """Accumulate this rank's gradients and reduce them over all ranks; returns (global loss, loss tokens)."""
@@ -275,23 +381,25 @@ class Trainer:
         counts = torch.tensor([sum(p.num_loss_tokens for p in packs)], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=world)
         num_loss_tokens = int(counts.item())
-        for param in self.params:
-            param.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.micro_batch_timings = []
         # On CUDA the timing waits for the device, so only a run that reports it pays for the waits.
         timed = self.device.type != "cuda" or self.config.feedback
+        # Replicated: an idle micro-batch (no tokens, no collective) is skipped, no peer waits for this rank.
+        last = max((index for index, pack in enumerate(packs) if not pack.is_idle), default=-1)
         for index, pack in enumerate(packs):
             if pack.is_idle:
-                continue  # no tokens here and a member of no collective: no peer waits for this rank
+                continue
+            prepare_micro_batch(self.module, sharding=self.sharding, is_last=index == last)
             if timed and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
                 torch.cuda.reset_peak_memory_stats(self.device)
             started = time.perf_counter()
-            loss_sum += run_micro_batch(self.model, pack, num_loss_tokens=num_loss_tokens,
+            loss_sum += run_micro_batch(self.module, pack, num_loss_tokens=num_loss_tokens,
                                         autocast_dtype=self.autocast_dtype,
                                         attention_backend=self.config.attention_backend).double()
-            if timed:
+            if timed and not pack.is_padding:
                 peak = None
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -300,15 +408,23 @@ class Trainer:
                 self.micro_batch_timings.append(MicroBatchTiming(
                     dp_rank=self.parallel.dp_rank, index=index, time_s=time.perf_counter() - started,
                     peak_memory_bytes=peak))
-        # One collective for every gradient and the loss; ranks that ran nothing contribute zeros.
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.float().reshape(1)])
-        dist.all_reduce(flat, group=world)
-        offset = 0
-        for param, grad in zip(self.params, grads, strict=True):
-            param.grad = flat[offset:offset + grad.numel()].view_as(param).to(param.dtype)
-            offset += grad.numel()
-        global_loss = float(flat[offset].item()) / max(num_loss_tokens, 1)
+        totals = [loss_sum.float().reshape(1), torch.tensor([float(sum(p.is_padding for p in packs))],
+                                                             device=self.device)]
+        if self.sharding is Sharding.NONE:
+            # One collective for every gradient and the loss; ranks that ran nothing contribute zeros.
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            flat = torch.cat([g.reshape(-1).float() for g in grads] + totals)
+            dist.all_reduce(flat, group=world)
+            offset = 0
+            for param, grad in zip(self.params, grads, strict=True):
+                param.grad = flat[offset:offset + grad.numel()].view_as(param).to(param.dtype)
+                offset += grad.numel()
+            reduced = flat[offset:]
+        else:  # FSDP reduce-scattered the gradients in the last micro-batch's backward
+            reduced = torch.cat(totals)
+            dist.all_reduce(reduced, group=world)
+        self.num_padding_micro_batches = int(reduced[1].item())
+        global_loss = float(reduced[0].item()) / max(num_loss_tokens, 1)
         return global_loss, num_loss_tokens
 
     # ------------------------------------------------------------------------------------------------ loop
@@ -322,7 +438,10 @@ class Trainer:
         packs = self.pack(batch, decision)
         loss, num_loss_tokens = self.forward_backward(packs)
         assert num_loss_tokens == batch.num_loss_tokens, "packing lost or repeated loss tokens"
+        grad_norm = clip_gradients(self.params, max_norm=self.config.max_grad_norm)
+        lr = float(self.lr_schedule.get_last_lr()[0])
         self.optimizer.step()
+        self.lr_schedule.step()
         step_time_s = time.perf_counter() - started
         peak, memory_kind = _peak_memory(self.device)
         if peak is not None and self.device.type == "cuda":
@@ -336,7 +455,8 @@ class Trainer:
             tokens_per_s=batch.num_tokens / step_time_s, plan_source=decision.origin.value,
             scheduler=decision.scheduler, estimated_time_ms=decision.estimated_time_ms,
             num_micro_batches=decision.plan.num_micro_batches,
-            plan_fallbacks=self.plans.num_fallbacks if self.plans is not None else 0,
+            num_padding_micro_batches=self.num_padding_micro_batches,
+            plan_fallbacks=self.plans.num_fallbacks if self.plans is not None else 0, lr=lr, grad_norm=grad_norm,
             peak_memory_bytes=peak, memory_kind=memory_kind,
         )
 
@@ -362,15 +482,21 @@ class Trainer:
 
     def train(self) -> list[StepMetrics]:
         history = []
-        bar = tqdm(total=self.config.steps, desc=f"train {self.config.scheduler}", unit="step",
-                   disable=not (self.parallel.is_main and self.config.progress))
+        bar = tqdm(total=self.config.steps, initial=self.first_step, desc=f"train {self.config.scheduler}",
+                   unit="step", disable=not (self.parallel.is_main and self.config.progress))
+        every = self.config.checkpoint_every
         with bar:
-            for step in range(self.config.steps):
-                metrics = self.train_step(step, self.batch(step))
+            for step in range(self.first_step, self.config.steps):
+                batch = self.batch(step)
+                metrics = self.train_step(step, batch)
                 history.append(metrics)
                 if self._metrics_file is not None:
                     self._metrics_file.write(metrics.to_json() + "\n")
                     self._metrics_file.flush()
+                done = step + 1
+                if self.config.checkpoint_dir is not None and ((every and done % every == 0)
+                                                               or done == self.config.steps):
+                    self.save_checkpoint(done, batch)
                 bar.set_postfix(loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:.0f}",
                                 plan=metrics.plan_source)
                 bar.update()
@@ -381,3 +507,17 @@ class Trainer:
             self.plans.close()
         if self._metrics_file is not None:
             self._metrics_file.close()
+
+
+def _open_metrics(path: Path, *, keep_steps_before: int) -> IO[str]:
+    """The metrics file, holding each step once: a resumed run keeps the lines of the steps its checkpoint holds
+    and rewrites the ones after (which the killed run may have logged)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if keep_steps_before and path.is_file():
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] < keep_steps_before]
+    handle = path.open("w")
+    handle.writelines(line + "\n" for line in kept)
+    handle.flush()
+    return handle

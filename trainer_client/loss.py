@@ -1,0 +1,75 @@
+"""The training loss of one packed micro-batch, with the LM head and cross-entropy chunked over tokens.
+
+``CausalLMLoss`` wraps a causal LM (a transformers ``*ForCausalLM``): the decoder gives hidden states, and
+``chunked_cross_entropy`` applies the LM head and the token cross-entropy ``chunk_tokens`` tokens at a time,
+each chunk under activation checkpointing. The fp32 logits of a whole 32K-token row over a 152K vocabulary
+(~20 GB) are never held: at most one chunk's (``chunk_tokens × V`` fp32, and its gradient) at a time, forward
+and backward; the price is one extra LM-head matmul per chunk in backward. It returns the *sum* of token losses;
+the trainer divides by the global batch's loss tokens (``trainer.py``).
+
+The wrapper is the trainer's root module: ``parallelize.py`` shards it (the embeddings, final norm and tied LM
+head are the root FSDP unit), so the LM head's weight is unsharded while ``forward`` runs.
+
+Shape legend: T tokens of the packed row, D hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+from trainer_client.data import IGNORE_INDEX
+from trainer_client.packing import PackedMicroBatch
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "CausalLMLoss", "chunked_cross_entropy"]
+
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def _chunk_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+    logits_TV = F.linear(hidden_TD, weight_VD).float()
+    return F.cross_entropy(logits_TV, targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy(
+    hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor, *, chunk_tokens: int
+) -> torch.Tensor:
+    """Summed cross-entropy of ``hidden_TD @ weight_VDᵀ`` against ``targets_T``, ``chunk_tokens`` rows at a time."""
+    if hidden_TD.shape[0] == 0:
+        raise ValueError("chunked_cross_entropy needs at least one token")
+    total = None
+    for start in range(0, hidden_TD.shape[0], chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        chunk = checkpoint(_chunk_loss, hidden_TD[rows], weight_VD, targets_T[rows], use_reentrant=False)
+        total = chunk if total is None else total + chunk
+    assert total is not None
+    return total
+
+
+class CausalLMLoss(torch.nn.Module):
+    """A causal LM whose forward takes a packed micro-batch and returns its summed token loss."""
+
+    def __init__(self, lm: PreTrainedModel, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        super().__init__()
+        if chunk_tokens < 1:
+            raise ValueError(f"loss chunk must hold at least one token, got {chunk_tokens}")
+        head = lm.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("the chunked loss supports LM heads without bias (Qwen2, Llama)")
+        self.lm = lm
+        self.chunk_tokens = chunk_tokens
+
+    def decoder_layers(self) -> list[torch.nn.Module]:
+        """The transformer blocks, in order: the units of sharding and activation checkpointing."""
+        layers: torch.nn.ModuleList = self.lm.get_decoder().get_submodule("layers")
+        return list(layers)
+
+    def forward(self, pack: PackedMicroBatch, attention_backend: str) -> torch.Tensor:
+        hidden_1TD = self.lm.get_decoder()(
+            input_ids=pack.input_ids_T.unsqueeze(0), position_ids=pack.position_ids_T.unsqueeze(0), use_cache=False,
+            dacp_metadata=pack.metadata, dacp_backend=attention_backend,
+        ).last_hidden_state
+        weight_VD = self.lm.get_output_embeddings().weight
+        return chunked_cross_entropy(hidden_1TD[0], weight_VD, pack.targets_T, chunk_tokens=self.chunk_tokens)

@@ -1,0 +1,143 @@
+"""Sharding and activation checkpointing, applied to a model from outside (torchtitan's ``parallelize`` step).
+
+``parallelize(module, mesh, ...)`` takes the trainer's ``CausalLMLoss`` (``loss.py``) and
+
+1. wraps activation checkpointing around each decoder layer (``ActivationCheckpointing``):
+   ``selective`` recomputes each layer's MLP (the largest activations, ``intermediate_size`` wide) and never
+   attention, whose recomputation would all-gather K/V again; ``full`` recomputes the whole layer, attention
+   and its all-gather included (Megatron's full recomputation). Composable checkpointing
+   (``torch.distributed._composable.checkpoint``) hooks the module, so parameter names do not change and
+   checkpoints stay interchangeable between modes.
+2. shards with FSDP2 (``fully_shard``) over the flattened DP × CP mesh (``Sharding``): every decoder layer is
+   one unit, the root (embeddings, final norm, the tied LM head) another. CP ranks hold different tokens of
+   the same global batch, so for the optimizer they are data-parallel ranks like any other.
+
+Under FSDP the ranks of one CP group run the same micro-batches in the same order, the idle ones (no token, no
+collective) as zero-loss padding micro-batches: a rank skipping one would pair its next FSDP collective (over
+all ranks) with a peer still inside a CP collective that waits for it. Per micro-batch the trainer then calls
+``prepare_micro_batch``:
+
+* ``zero2``: parameters stay unsharded across a rank's micro-batches (``reshard_after_forward=False`` and no
+  reshard after backward until the last one); gradients accumulate unsharded and are reduce-scattered once, in
+  the backward of the rank's last micro-batch (``set_requires_gradient_sync``). Each rank's FSDP collectives
+  are one all-gather per unit (first forward) and one reduce-scatter per unit (last backward), so DP ranks may
+  run different numbers of micro-batches; one with none runs one zero-loss padding micro-batch.
+* ``zero3``: parameters are resharded after every forward and gathered again for backward; gradients are
+  reduce-scattered every micro-batch. Every rank gathers per micro-batch, so every rank runs the same number:
+  the plan's longest DP rank's count, topped up with zero-loss padding micro-batches.
+* ``none``: replicated parameters, gradients summed by one flat all-reduce after the last micro-batch.
+
+Gradients are summed, not averaged, over ranks (``set_gradient_divide_factor(1)``): the loss is already divided
+by the global batch's loss tokens (``trainer.py``). On CUDA, FSDP keeps bf16 parameters and compute and reduces
+gradients in fp32 (``MixedPrecisionPolicy``); on CPU everything is fp32.
+
+Static memory per parameter (``static_bytes_per_parameter``; w = compute dtype bytes, 4 = fp32, N ranks):
+``none`` 4 + 4 + 8 + 4 (weights, gradients, AdamW moments, the flat all-reduce buffer) replicated; ``zero2``
+unsharded weights and gradients (2·w) replicated, fp32 weights, gradients and moments (16) sharded; ``zero3``
+all 16 sharded (plus one layer's unsharded weights at a time, not per parameter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from trainer_client.loss import CausalLMLoss
+
+__all__ = [
+    "ActivationCheckpointing",
+    "Sharding",
+    "StaticBytes",
+    "num_padding_micro_batches",
+    "parallelize",
+    "prepare_micro_batch",
+    "static_bytes_per_parameter",
+]
+
+FP32_BYTES = 4
+ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32, one per parameter each
+
+
+class Sharding(StrEnum):
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+    NONE = "none"
+
+
+class ActivationCheckpointing(StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StaticBytes:
+    """Bytes per parameter every rank keeps whole (``replicated``) and split over all ranks (``sharded``)."""
+
+    replicated: float
+    sharded: float
+
+
+def static_bytes_per_parameter(sharding: Sharding, *, param_dtype: torch.dtype) -> StaticBytes:
+    """What a sharding mode keeps per parameter at the peak of a step (the last micro-batch's backward)."""
+    compute = torch.empty((), dtype=param_dtype).element_size()
+    master = FP32_BYTES * (2 + ADAMW_MOMENTS)  # fp32 weights, fp32 gradients, AdamW moments
+    if sharding is Sharding.NONE:
+        return StaticBytes(replicated=master + FP32_BYTES, sharded=0.0)  # + the flat all-reduce buffer
+    if sharding is Sharding.ZERO2:
+        return StaticBytes(replicated=2 * compute, sharded=master)  # unsharded weights and accumulated gradients
+    return StaticBytes(replicated=0.0, sharded=master)
+
+
+def parallelize(
+    module: CausalLMLoss, mesh: DeviceMesh, *, sharding: Sharding, activation_checkpointing: ActivationCheckpointing,
+    param_dtype: torch.dtype,
+) -> CausalLMLoss:
+    """Apply activation checkpointing, then FSDP2 (``mesh`` is 1-D: the flattened DP × CP ranks); in place."""
+    layers = module.decoder_layers()
+    for layer in layers:
+        if activation_checkpointing is ActivationCheckpointing.FULL:
+            checkpoint(layer, early_stop=False)  # recompute everything: the K/V all-gather of every rank must rerun
+        elif activation_checkpointing is ActivationCheckpointing.SELECTIVE:
+            checkpoint(layer.get_submodule("mlp"))
+    if sharding is Sharding.NONE:
+        return module
+    mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    reshard = sharding is Sharding.ZERO3
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed_precision)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed_precision)
+    assert isinstance(module, FSDPModule)
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            # Sum, not mean: the loss is already normalised by the global token count. A plain SUM reduction (gloo
+            # has no PREMUL_SUM) followed by a division by 1, which is exact.
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+    return module
+
+
+def prepare_micro_batch(module: torch.nn.Module, *, sharding: Sharding, is_last: bool) -> None:
+    """Tell FSDP whether this rank's coming micro-batch is its last of the step (where gradients are reduced)."""
+    if not isinstance(module, FSDPModule):
+        return
+    module.set_requires_gradient_sync(is_last or sharding is Sharding.ZERO3)
+    if sharding is Sharding.ZERO2:
+        module.set_reshard_after_backward(is_last)
+
+
+def num_padding_micro_batches(sharding: Sharding, *, num_planned: int, max_planned: int) -> int:
+    """Zero-loss micro-batches a rank appends to the plan's so that its FSDP collectives match every other rank's.
+
+    ``num_planned``: micro-batches the plan gives this rank's DP rank; ``max_planned``: the most any DP rank has.
+    """
+    if sharding is Sharding.ZERO3:
+        return max_planned - num_planned
+    if sharding is Sharding.ZERO2:
+        return 0 if num_planned else 1
+    return 0
