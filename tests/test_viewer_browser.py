@@ -108,19 +108,29 @@ def test_viewer_shows_the_services_problem_beside_the_bad_field(page: WebDriver,
     lengths = page.find_element(By.ID, "lengths")
     lengths.clear()
     lengths.send_keys("812, -5, 97")
+    dp = page.find_element(By.ID, "dp")
+    dp.clear()
+    dp.send_keys("0")
     plan_and_wait(page)
-    problem = httpx.post(f"http://127.0.0.1:{live_port}/plan",
-                         json={"sequence_lengths": [812, -5, 97], "scheduler": "skrull", **SETUP}).json()
-    assert problem["field"] == "sequence_lengths[1]"
-    shown = page.find_element(By.CSS_SELECTOR, '.field[data-field="sequence_lengths"] .problem').text
-    assert shown == f"{problem['title']}: {problem['detail']}"
+    problem = httpx.post(f"http://127.0.0.1:{live_port}/plan", json={
+        "sequence_lengths": [812, -5, 97], "scheduler": "skrull", **SETUP, "dp_size": 0}).json()
+    expected = {error["field"]: f"{error['field']}: {error['message']}" for error in problem["errors"]}
+    assert set(expected) == {"sequence_lengths[1]", "dp_size"}
+    for box, field in (("sequence_lengths", "sequence_lengths[1]"), ("dp_size", "dp_size")):
+        assert page.find_element(By.CSS_SELECTOR, f'.field[data-field="{box}"] .problem').text == expected[field]
     assert page.find_element(By.ID, "results").get_attribute("hidden") is not None
+    dp.clear()
+    dp.send_keys(str(SETUP["dp_size"]))
     too_long = page.find_element(By.ID, "lengths")
     too_long.clear()
     too_long.send_keys("812, 200000")  # more than bucket_size 20000 × cp_size 4 tokens
     plan_and_wait(page)
+    problem = httpx.post(f"http://127.0.0.1:{live_port}/plan", json={
+        "sequence_lengths": [812, 200000], "scheduler": "skrull", **SETUP}).json()
+    [error] = problem["errors"]
+    assert error["field"] == "sequence_lengths[1]" and "80000" in error["message"]
     shown = page.find_element(By.CSS_SELECTOR, '.field[data-field="sequence_lengths"] .problem').text
-    assert "200000" in shown and "80000" in shown
+    assert shown == f"sequence_lengths[1]: {error['message']}"
 
 
 def test_viewer_draws_a_batch_from_a_sampler_and_shows_its_problems(page: WebDriver, live_port: int) -> None:

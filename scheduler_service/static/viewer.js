@@ -88,6 +88,16 @@ function boxFor(field) {
   return FIELD_BOXES[name] || "request";
 }
 
+// [form field, message] pairs for one failed call: each invalid field's own message beside it when the
+// service lists them (422 invalid-request), else the problem's title and detail beside the field it names.
+function problemLines(error) {
+  const { problem } = error;
+  if (Array.isArray(problem.errors) && problem.errors.length > 0) {
+    return problem.errors.map((item) => [boxFor(item.field), `${item.field}: ${item.message}`]);
+  }
+  return [[boxFor(problem.field), error.message]];
+}
+
 function clearProblems() {
   for (const box of document.querySelectorAll(".field")) {
     box.classList.remove("invalid");
@@ -208,20 +218,21 @@ async function planAll(event) {
   }
   byId("plan").disabled = true;
   const plans = [];
-  const problems = new Map();  // message → [field, schedulers]: a problem of the batch is shown once
+  const problems = new Map();  // "box\nmessage" → schedulers: a problem of the batch is shown once
   for (const scheduler of schedulers) {
     byId("status").textContent = `planning with ${scheduler}…`;
     try {
       plans.push(await call("POST", "/plan", planRequest(scheduler)));
     } catch (error) {
-      const problem = error.problem;
-      const entry = problems.get(error.message) || [problem.field, []];
-      entry[1].push(scheduler);
-      problems.set(error.message, entry);
+      for (const [box, message] of problemLines(error)) {
+        const key = `${box}\n${message}`;
+        problems.set(key, [...(problems.get(key) || []), scheduler]);
+      }
     }
   }
-  for (const [message, [field, failed]] of problems) {
-    showProblem(boxFor(field), failed.length === schedulers.length ? message : `${failed.join(", ")}: ${message}`);
+  for (const [key, failed] of problems) {
+    const [box, message] = key.split("\n");
+    showProblem(box, failed.length === schedulers.length ? message : `${failed.join(", ")}: ${message}`);
   }
   byId("status").textContent = `planned ${plans.length} of ${schedulers.length}`;
   byId("plan").disabled = false;
