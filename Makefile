@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench load serve schema profile accuracy feedback lint clean images docker-smoke
+.PHONY: install demo test bench load stress serve schema profile accuracy feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ bench: install
 
 load: install
 	$(PY) -m benchmarks.load
+
+stress: install
+	$(PY) -m benchmarks.stress
 
 serve: install
 	$(PY) -m scheduler_service serve --host 127.0.0.1 --port 8000

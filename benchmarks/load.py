@@ -42,7 +42,7 @@ from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.planning import plan_request
 from scheduler_service.wire import request_to_problem
 
-__all__ = ["main"]
+__all__ = ["free_port", "main", "process_tree", "start_server", "wait_ready"]
 
 WARMUP_REQUESTS = 200
 IN_PROCESS_SAMPLE = 200  # batches timed in-process
@@ -70,7 +70,7 @@ class LoadReport:
     server_env: dict[str, str]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
@@ -113,24 +113,35 @@ def in_process_times(batches: list[PlanRequest], repeats: int) -> tuple[list[flo
     return end_to_end, planner
 
 
-def _process_tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds so far of a process and its live descendants (uvicorn workers, CP-SAT pool)."""
+def _stat_fields(stat: Path) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name; None when the process ended meanwhile."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def process_tree(pid: int) -> list[int]:
+    """A process and its live descendants (uvicorn workers, the heavy and CP-SAT pools)."""
     children: dict[int, list[int]] = {}
-    cpu_s: dict[int, float] = {}
-    ticks = os.sysconf("SC_CLK_TCK")
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        process_id, parent_id = int(stat.parent.name), int(fields[1])
-        children.setdefault(parent_id, []).append(process_id)
-        cpu_s[process_id] = (int(fields[11]) + int(fields[12])) / ticks
-    total_s, stack = 0.0, [pid]
+        if (fields := _stat_fields(stat)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, stack = [], [pid]
     while stack:
         current = stack.pop()
-        total_s += cpu_s.get(current, 0.0)
+        tree.append(current)
         stack.extend(children.get(current, []))
+    return tree
+
+
+def _process_tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds so far of a process and its live descendants."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total_s = 0.0
+    for process_id in process_tree(pid):
+        if (fields := _stat_fields(Path(f"/proc/{process_id}/stat"))) is not None:
+            total_s += (int(fields[11]) + int(fields[12])) / ticks
     return total_s
 
 
@@ -273,7 +284,7 @@ def run(args: argparse.Namespace) -> LoadReport:
     bodies = [batch.model_dump_json().encode() for batch in batches]
     end_to_end_s, planner_s = in_process_times(batches[:IN_PROCESS_SAMPLE], repeats=args.in_process_repeats)
     env_overrides = dict(item.split("=", 1) for item in args.env)
-    port = _free_port()
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     server = start_server(port, env_overrides)
     try:

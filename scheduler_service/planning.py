@@ -1,26 +1,35 @@
 """Where plans are made: inline on the event loop, in the heavy pool, or in the CP-SAT pool.
 
-Every request's cost is estimated from its shape before any work (``cost``:
-cells = micro-batches × ``cp_size`` local lists, plus sequences):
+Every plan's cost is estimated from its shape before any work (``cost``:
+cells = micro-batches × ``cp_size`` local lists, plus sequences; and the
+answer's bytes):
 
-* over ``max_plan_cells`` (``max_feedback_cells`` for /feedback) it is refused
-  with a 422 naming the limit and the estimate;
-* up to ``inline_max_cells`` it runs inline on the event loop: a few
-  milliseconds, where a process hop would cost more than it saves;
-* anything larger runs in the *heavy pool*, a bounded ``ProcessPoolExecutor``
-  (spawned, niced processes), so the event loop keeps answering ``/healthz``,
-  ``/readyz`` and ``/metrics`` whatever the load, and the server's own memory
-  does not grow with the plans (the answer comes back as bytes, with a small
-  summary for the metrics). At most ``heavy_workers + heavy_queue`` requests
-  are admitted; the next gets ``ServiceBusyError`` (429) with the seconds until
-  the soonest admitted one should end (Retry-After).
+* its shape alone (sequences × ``cp_size``, the deepspeed baseline's cells)
+  is a lower bound known before validating the batch, which itself costs ~3 µs
+  per sequence: over ``max_plan_cells`` the request is refused at once (422
+  naming the limit and the estimate); up to ``inline_max_cells`` it is
+  validated and planned inline on the event loop (a few milliseconds, where a
+  process hop would cost more than it saves);
+* anything larger is validated and planned in the *heavy pool*, a bounded
+  ``ProcessPoolExecutor`` (spawned, niced processes), so the event loop keeps
+  answering ``/healthz``, ``/readyz`` and ``/metrics`` whatever the load, and
+  the server's own memory does not grow with the plans (the answer comes back
+  as bytes, with a small summary for the metrics). At most ``heavy_workers +
+  heavy_queue`` requests are admitted; the next gets ``ServiceBusyError`` (429)
+  with the seconds until the soonest admitted one should end (Retry-After).
+* wherever it is validated, the full estimate (micro-batches from the bucket
+  size, answer bytes with or without a breakdown) is checked against
+  ``max_plan_cells`` and ``max_answer_bytes`` before planning.
 * ``cpsat`` runs in its own pool of the same kind (``cpsat_workers`` +
   ``cpsat_queue``), with the request's time limit capped by the settings, so
-  exact solves never delay heuristic plans.
+  exact solves never delay heuristic plans; its batches are small, so they are
+  validated here first and bad input never costs a solver slot.
+* ``/feedback`` reports are estimated from their raw body (``cost``), refused
+  over ``max_feedback_cells``, and parsed and refit in the heavy pool above
+  ``inline_max_cells``.
 
 Pool processes exit when the server process is gone, even after a SIGKILL
-(``_exit_with_parent``). The request is validated by the core in this process
-first, so bad input is answered at once and never costs a pool slot.
+(``_exit_with_parent``).
 
 Profiles and feedback (state this service keeps, per process):
 
@@ -74,12 +83,13 @@ from scheduler_service.core.errors import (
     PlanningError,
 )
 from scheduler_service.core.feedback import FeedbackConfig, GroupLengths, JobFeedback, MicroBatchMeasurement
+from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import Plan, PlanLimits, PlanningProblem, block_degrees, cp_blocks
 from scheduler_service.core.plan import SchedulerName as CoreSchedulerName
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.profile import Profile, builtin_profiles, load_profile_dir
-from scheduler_service.cost import PlanCost, feedback_cells, plan_cost
+from scheduler_service.cost import feedback_cells, plan_cost
 from scheduler_service.metrics import Placement, ServiceMetrics
 from scheduler_service.parsing import check_json_media_type, parse_feedback_request
 from scheduler_service.problems import (
@@ -90,7 +100,7 @@ from scheduler_service.problems import (
     UnknownJobError,
 )
 from scheduler_service.settings import Settings
-from scheduler_service.wire import request_to_problem, result_to_response
+from scheduler_service.wire import request_model_and_profile, request_to_problem, result_to_response
 
 __all__ = ["PlanSummary", "PlannedBatch", "PlanningService", "feedback_response", "plan_request", "refit_job"]
 
@@ -116,6 +126,7 @@ class PlanSummary:
 
     scheduler: str
     bucket_size: int
+    bucket_lowered: bool  # the job's memory feedback lowered the bucket_size (requested or derived)
     solve_time_s: float
     speedup: float
     solver_status: str | None
@@ -143,19 +154,50 @@ def job_problem(problem: PlanningProblem, job: JobFeedback | None) -> PlanningPr
     return problem
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostLimits:
+    """The most a plan may cost (``Settings.max_plan_cells``, ``max_answer_bytes``), checked where it is planned."""
+
+    max_cells: int
+    max_answer_bytes: int
+
+    def check(self, problem: PlanningProblem, request: PlanRequest) -> None:
+        """Refuse ``problem`` (as the job plans it) when its estimate is over a limit, naming limit and estimate."""
+        cost = plan_cost(problem, CoreSchedulerName(request.scheduler.value), breakdown=request.breakdown)
+        shape = (f"this plan would hold about {cost.num_micro_batches} micro-batches × cp_size {problem.cp_size} "
+                 f"local lists for {problem.num_sequences} sequences, beside the deepspeed baseline's "
+                 f"{problem.num_sequences} × {problem.cp_size}: an estimated {cost.cells} cells and a "
+                 f"{cost.answer_bytes / 1e6:.1f} MB answer")
+        advice = "use a larger bucket_size, a smaller cp_size or a smaller batch"
+        if cost.cells > self.max_cells:
+            raise RequestLimitError(f"{shape}; the service plans at most {self.max_cells} cells: {advice}",
+                                    field="sequence_lengths", limit=self.max_cells)
+        if cost.answer_bytes > self.max_answer_bytes:
+            raise RequestLimitError(f"{shape}; the service answers at most {self.max_answer_bytes} bytes: "
+                                    f"{advice}, or leave out the breakdown", field="sequence_lengths",
+                                    limit=self.max_answer_bytes)
+
+
+def shape_cells(request: PlanRequest, limits: PlanLimits) -> int:
+    """Cells every plan of ``request`` costs at least (the deepspeed baseline's sequences × cp_size local lists,
+    and the sequences), from its shape alone: known before validating it, which costs ~3 µs per sequence."""
+    return len(request.sequence_lengths) * (min(request.cp_size, limits.max_cp_size) + 1)
+
+
 def plan_request(
     request: PlanRequest, limits: PlanLimits, time_limit_s: float | None = None,
     extra_profiles: dict[str, Profile] | None = None, job: JobFeedback | None = None,
-    problem: PlanningProblem | None = None,
+    cost_limits: CostLimits | None = None,
 ) -> PlannedBatch:
-    """Validate, plan, check and simulate one request (any scheduler), synchronously.
+    """Validate, estimate, plan, check and simulate one request (any scheduler), synchronously.
 
     ``job``: the request's feedback state; its refit profile replaces the named one and its memory cap lowers
-    the BucketSize. ``problem``: the request already validated (with its base profile), if it was.
+    the BucketSize. ``cost_limits``: refuse the request before planning when its estimate is over them.
     """
-    if problem is None:
-        problem = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
-    problem = job_problem(problem, job)
+    base = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
+    problem = job_problem(base, job)
+    if cost_limits is not None:
+        cost_limits.check(problem, request)
     if time_limit_s is None:
         result = make_plan(problem, request.scheduler)
     else:
@@ -163,6 +205,7 @@ def plan_request(
     response = result_to_response(result, breakdown=request.breakdown)
     placements, group_degrees = _placements(result.plan)
     summary = PlanSummary(scheduler=response.scheduler.value, bucket_size=response.bucket_size,
+                          bucket_lowered=problem.bucket_size < base.bucket_size,
                           solve_time_s=result.solve_time_s, speedup=response.speedup_vs_deepspeed,
                           solver_status=response.solver.status if response.solver else None,
                           placements=placements, group_degrees=tuple(group_degrees))
@@ -231,12 +274,12 @@ def _raise_worker_error(outcome: _WorkerOutcome) -> None:
 
 def _plan_in_worker(
     request_json: bytes, limits: PlanLimits, time_limit_s: float | None, extra_profiles: dict[str, Profile],
-    job: JobFeedback | None,
+    job: JobFeedback | None, cost_limits: CostLimits,
 ) -> _WorkerOutcome:
     request = PlanRequest.model_validate_json(request_json)
     try:
         return _WorkerOutcome(batch=plan_request(request, limits, time_limit_s, extra_profiles=extra_profiles,
-                                                 job=job))
+                                                 job=job, cost_limits=cost_limits))
     except PlanningError as error:
         return _outcome_of(error)
 
@@ -358,6 +401,11 @@ def feedback_response(job: JobFeedback) -> FeedbackResponse:
         fit_median_relative_error=job.fit_median_relative_error, memory=memory,
         memory_budget_bytes=job.memory_budget_bytes, bucket_size_cap=job.bucket_cap,
     )
+
+
+def _job_key(job: JobFeedback) -> tuple[str, ModelShape, int, int]:
+    """What a job's plans share: a plan that changes any of these restarts the job."""
+    return job.base.name, job.model, job.dp_size, job.cp_size
 
 
 def _without_folder(message: str, directory: Path) -> str:
@@ -579,24 +627,30 @@ class PlanningService:
 
     # -- feedback
 
-    def _job_for(self, request: PlanRequest, problem: PlanningProblem) -> JobFeedback | None:
-        """The request's job, registered (or restarted, when its model, profile or sizes changed) by this plan."""
+    def _job_for(self, request: PlanRequest) -> JobFeedback | None:
+        """The request's job as its plan will use it: the one kept, or a new one when its model, profile or sizes
+        changed (or it is new). Kept only once the plan succeeds (``_keep_job``): a refused request changes no
+        job. Model and profile are resolved without validating the batch, so this is cheap for any batch."""
         if request.job_id is None or not self.settings.feedback:
             return None
-        perf = problem.perf
+        model, profile = request_model_and_profile(request, extra_profiles=self.profiles)
         job = self._jobs.get(request.job_id)
-        if job is None or (job.base.name, job.model, job.dp_size, job.cp_size) != (
-            perf.profile.name, perf.model, problem.dp_size, problem.cp_size
-        ):
-            job = core_feedback.start_job(request.job_id, base=perf.profile, model=perf.model,
-                                          dp_size=problem.dp_size, cp_size=problem.cp_size,
-                                          config=self.feedback_config)
-            self._jobs[request.job_id] = job
-        self._jobs.move_to_end(request.job_id)
+        if job is None or _job_key(job) != (profile.name, model, request.dp_size, request.cp_size):
+            job = core_feedback.start_job(request.job_id, base=profile, model=model, dp_size=request.dp_size,
+                                          cp_size=request.cp_size, config=self.feedback_config)
+        return job
+
+    def _keep_job(self, job: JobFeedback | None) -> None:
+        """Register or refresh a job after a successful plan; a refit adopted meanwhile (same key) is kept."""
+        if job is None:
+            return
+        kept = self._jobs.get(job.job_id)
+        if kept is None or _job_key(kept) != _job_key(job):
+            self._jobs[job.job_id] = job
+        self._jobs.move_to_end(job.job_id)
         while len(self._jobs) > self.settings.feedback_max_jobs:
             self._jobs.popitem(last=False)
         self.metrics.feedback_jobs.set(len(self._jobs))
-        return job
 
     def job(self, job_id: str) -> JobFeedback:
         if not self.settings.feedback:
@@ -662,26 +716,35 @@ class PlanningService:
     # -- planning
 
     async def plan(self, request: PlanRequest) -> PlannedBatch:
+        """Where a plan runs is decided from the request's shape, before validating it (~3 µs per sequence):
+        small ones inline; anything larger, validation included, in the heavy pool."""
         if not self.ready:
             raise ServiceUnavailableError("the planner is still warming up")
         self._refresh_profiles_for(request)
-        extra = self.profiles
-        # Validated once, with the base profile; the job's refit and bucket cap are applied to this problem.
-        problem = request_to_problem(request, limits=self.limits, extra_profiles=extra)
-        job = self._job_for(request, problem)
-        scheduled = job_problem(problem, job)
-        cost = plan_cost(scheduled, CoreSchedulerName(request.scheduler.value), breakdown=request.breakdown)
-        self._check_cost(cost, scheduled)
+        settings = self.settings
+        cost_limits = CostLimits(max_cells=settings.max_plan_cells, max_answer_bytes=settings.max_answer_bytes)
+        at_least = shape_cells(request, self.limits)
+        if at_least > settings.max_plan_cells:  # over the limit whatever the micro-batches: refused at once
+            raise RequestLimitError(
+                f"every plan of {len(request.sequence_lengths)} sequences on cp_size {request.cp_size} holds at "
+                f"least {at_least} cells (the deepspeed baseline's sequences × cp_size local lists); the service "
+                f"plans at most {settings.max_plan_cells}: use a smaller cp_size or a smaller batch",
+                field="sequence_lengths", limit=settings.max_plan_cells)
+        job = self._job_for(request)
         if request.scheduler is SchedulerName.CPSAT:
-            batch = await self._plan_cpsat(request, job)
-        elif cost.cells <= self.settings.inline_max_cells:
-            batch = plan_request(request, self.limits, extra_profiles=extra, job=job, problem=problem)
+            batch = await self._plan_cpsat(request, job, cost_limits)
+        elif at_least <= settings.inline_max_cells:
+            batch = plan_request(request, self.limits, extra_profiles=self.profiles, job=job,
+                                 cost_limits=cost_limits)
         else:
+            # Planning costs about twice the baseline's cells; the estimate only feeds Retry-After and the give-up.
             outcome = await self.heavy_pool.run(_plan_in_worker, request.model_dump_json().encode(), self.limits,
-                                                None, extra, job, expected_s=cost.cells * _SECONDS_PER_CELL)
+                                                None, self.profiles, job, cost_limits,
+                                                expected_s=2 * at_least * _SECONDS_PER_CELL)
             batch = self._batch_of(outcome)
+        self._keep_job(job)
         summary = batch.summary
-        if summary.bucket_size < problem.bucket_size:  # explicit or derived, feedback lowered it
+        if summary.bucket_lowered:
             self.metrics.feedback_bucket_lowered.inc()
         self.metrics.observe_plan(
             scheduler=summary.scheduler, solve_time_s=summary.solve_time_s, speedup=summary.speedup,
@@ -690,22 +753,6 @@ class PlanningService:
         )
         return batch
 
-    def _check_cost(self, cost: PlanCost, problem: PlanningProblem) -> None:
-        """Refuse a plan whose estimate is over a limit, naming the limit and the estimate."""
-        settings = self.settings
-        shape = (f"this plan would hold about {cost.num_micro_batches} micro-batches × cp_size {problem.cp_size} "
-                 f"local lists for {problem.num_sequences} sequences, beside the deepspeed baseline's "
-                 f"{problem.num_sequences} × {problem.cp_size}: an estimated {cost.cells} cells and a "
-                 f"{cost.answer_bytes / 1e6:.1f} MB answer")
-        advice = "use a larger bucket_size, a smaller cp_size or a smaller batch"
-        if cost.cells > settings.max_plan_cells:
-            raise RequestLimitError(f"{shape}; the service plans at most {settings.max_plan_cells} cells: {advice}",
-                                    field="sequence_lengths", limit=settings.max_plan_cells)
-        if cost.answer_bytes > settings.max_answer_bytes:
-            raise RequestLimitError(f"{shape}; the service answers at most {settings.max_answer_bytes} bytes: "
-                                    f"{advice}, or leave out the breakdown", field="sequence_lengths",
-                                    limit=settings.max_answer_bytes)
-
     @staticmethod
     def _batch_of(outcome: _WorkerOutcome) -> PlannedBatch:
         if outcome.batch is None:
@@ -713,8 +760,9 @@ class PlanningService:
         assert outcome.batch is not None
         return outcome.batch
 
-    async def _plan_cpsat(self, request: PlanRequest, job: JobFeedback | None) -> PlannedBatch:
-        """The request was validated by ``plan`` already: bad input never takes a solver slot. The solver process
+    async def _plan_cpsat(self, request: PlanRequest, job: JobFeedback | None,
+                          cost_limits: CostLimits) -> PlannedBatch:
+        """Validated here first (a cpsat batch is small): bad input never takes a solver slot. The solver process
         builds its own problem (it cannot share this one)."""
         settings = self.settings
         if len(request.sequence_lengths) > settings.cpsat_max_sequences:
@@ -723,8 +771,10 @@ class PlanningService:
                 f"{len(request.sequence_lengths)}; use a heuristic scheduler for larger batches",
                 field="sequence_lengths",
             )
+        problem = request_to_problem(request, limits=self.limits, extra_profiles=self.profiles)
+        cost_limits.check(job_problem(problem, job), request)
         requested_s = request.time_limit_s or settings.cpsat_default_time_limit_s
         time_limit_s = min(float(requested_s), settings.cpsat_max_time_limit_s)
         outcome = await self.cpsat_pool.run(_plan_in_worker, request.model_dump_json().encode(), self.limits,
-                                            time_limit_s, self.profiles, job, expected_s=time_limit_s)
+                                            time_limit_s, self.profiles, job, cost_limits, expected_s=time_limit_s)
         return self._batch_of(outcome)

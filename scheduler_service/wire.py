@@ -18,7 +18,7 @@ from skrull_proto import (
 )
 from skrull_proto import SchedulerName as WireSchedulerName
 
-from scheduler_service.core.models import ModelShape
+from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.plan import (
     DEFAULT_LIMITS,
     DPRankPlan,
@@ -30,10 +30,10 @@ from scheduler_service.core.plan import (
     make_problem,
 )
 from scheduler_service.core.planner import PlanResult
-from scheduler_service.core.profile import Profile
+from scheduler_service.core.profile import Profile, resolve_profile
 from scheduler_service.core.simulate import CPRankEstimate
 
-__all__ = ["request_to_problem", "response_to_plan", "result_to_response"]
+__all__ = ["request_model_and_profile", "request_to_problem", "response_to_plan", "result_to_response"]
 
 
 def _model_shape(model: str | ModelSpec) -> str | ModelShape:
@@ -54,6 +54,14 @@ def request_to_problem(
         limits=limits,
         extra_profiles=extra_profiles,
     )
+
+
+def request_model_and_profile(
+    request: PlanRequest, *, extra_profiles: dict[str, Profile] | None = None
+) -> tuple[ModelShape, Profile]:
+    """The request's model and profile (unknown names raise), without validating its batch: cheap whatever its
+    size, and what a feedback job is keyed by."""
+    return resolve_model(_model_shape(request.model)), resolve_profile(request.profile, extra_profiles)
 
 
 def _ms(seconds: float) -> float:

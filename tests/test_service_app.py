@@ -122,12 +122,16 @@ def test_a_request_planned_in_the_heavy_pool_gets_the_plan_planned_inline() -> N
 
 
 def test_a_plan_over_the_cost_limit_is_refused_before_planning_naming_limit_and_estimate() -> None:
-    with TestClient(create_app(service_settings(access_log=False, max_plan_cells=50_000))) as client:
+    """Its shape alone (64 × 1024 baseline cells) is under the limit; with its own 64 micro-batches it is not."""
+    with TestClient(create_app(service_settings(access_log=False, max_plan_cells=100_000))) as client:
         response = client.post("/plan", json=plan_body(sequence_lengths=[1000] * 64, dp_size=1, cp_size=1024,
                                                         bucket_size=1))
+        # Half the batch (65 600 cells) is under the limit and planned.
+        assert client.post("/plan", json=plan_body(sequence_lengths=[1000] * 32, dp_size=1, cp_size=1024,
+                                                    bucket_size=1)).status_code == 200
     problem = Problem.model_validate_json(response.content)
-    assert (response.status_code, problem.field, problem.limit) == (422, "sequence_lengths", 50_000)
-    assert "64 micro-batches × cp_size 1024" in problem.detail and "cells" in problem.detail
+    assert (response.status_code, problem.field, problem.limit) == (422, "sequence_lengths", 100_000)
+    assert "64 micro-batches × cp_size 1024" in problem.detail and "131136 cells" in problem.detail
 
 
 def test_an_answer_over_the_size_limit_is_refused_before_planning() -> None:

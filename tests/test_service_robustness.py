@@ -100,7 +100,7 @@ def test_a_plan_over_the_cost_limit_is_a_422_naming_the_limit_and_the_estimate(s
         assert _metric(client, "skrull_heavy_in_flight") == 0.0  # refused before any work
     problem = Problem.model_validate_json(response.content)
     assert response.status_code == 422 and problem.limit == 1 << 20
-    assert "1024 micro-batches × cp_size 1024" in problem.detail and "2098176 cells" in problem.detail
+    assert "1024 sequences on cp_size 1024 holds at least 1049600 cells" in problem.detail
 
 
 def test_server_memory_stays_bounded_under_repeated_heavy_plans(served: Served) -> None:
