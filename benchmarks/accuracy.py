@@ -47,8 +47,8 @@ from scheduler_service.core.profile import ComputeProfile, Profile, load_profile
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import simulate
 from trainer_client.distributed import spawn_gloo
-from trainer_client.measure import random_samples, timed_runs
 from trainer_client.loss import CausalLMLoss
+from trainer_client.measure import random_samples, timed_runs
 from trainer_client.model import build_model
 from trainer_client.packing import pack_micro_batch
 from trainer_client.profile import ProfileOptions, measure_profile

@@ -121,6 +121,22 @@ def _group_options(backend: str, timeout: timedelta) -> Backend.Options:
     return options
 
 
+def _restart_store(world_size: int, timeout: timedelta) -> dict[str, Any]:
+    """Under torchrun, the agent's store with this restart's own key prefix (``init_process_group`` arguments).
+
+    torchrun keeps one agent store across ``--max-restarts`` restarts and ``env://`` adds no per-restart prefix
+    (torch 2.13), so a restarted gloo group reads the dead workers' addresses and fails to connect. Outside
+    torchrun: no arguments, ``env://`` as usual.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"skrull/restart_{restart}", store), "rank": int(os.environ["RANK"]),
+            "world_size": world_size}
+
+
 def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> ParallelContext:
     """Join the process group torchrun (or ``spawn_gloo``) set up and build the ("dp", "cp") mesh.
 
@@ -139,7 +155,7 @@ def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_T
     backend = "nccl" if use_cuda else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **_restart_store(world_size, timeout))
     dims.check_world_size(dist.get_world_size())
     override = (backend, _group_options(backend, timeout))
     mesh = init_device_mesh(device.type, (dims.dp_size, dims.cp_size), mesh_dim_names=("dp", "cp"),

@@ -1,0 +1,101 @@
+"""A run killed at any step and resumed from its checkpoint trains the batches it had not, bit for bit (fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from trainer_client.checkpoint import LATEST, latest_checkpoint
+from trainer_client.demo import read_metrics, trainer_env
+from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.trainer import TrainConfig, Trainer
+
+DP, CP, STEPS, GLOBAL_BATCH, BUCKET_SIZE = 2, 2, 3, 8, 512
+
+
+def _config(**changes: object) -> TrainConfig:
+    base: dict[str, object] = dict(dp=DP, cp=CP, model="tiny", data="synthetic:lmsys", global_batch=GLOBAL_BATCH,
+                                   steps=STEPS, bucket_size=BUCKET_SIZE, seed=0, progress=False, warmup_steps=1)
+    return TrainConfig(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def _train(config: TrainConfig) -> list[float]:
+    trainer = Trainer(config, init_parallel(config.dims))
+    try:
+        return [m.loss for m in trainer.train()]
+    finally:
+        trainer.close()
+
+
+def _uninterrupted_then_resumed(out_dir: Path, sharding: str) -> None:
+    checkpoints = out_dir / f"checkpoints-{sharding}"
+    uninterrupted = _train(_config(sharding=sharding, checkpoint_dir=checkpoints, checkpoint_every=2))
+    if dist.get_rank() == 0:
+        (checkpoints / LATEST).write_text("step-00000002\n")  # as if killed during step 2 (0-based)
+    dist.barrier()
+    metrics_out = out_dir / f"resumed-{sharding}.jsonl"
+    resumed = _train(_config(sharding=sharding, checkpoint_dir=checkpoints, resume=True, metrics_out=metrics_out))
+    if dist.get_rank() == 0:
+        (out_dir / f"{sharding}.json").write_text(json.dumps({"uninterrupted": uninterrupted, "resumed": resumed}))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out_dir = tmp_path_factory.mktemp("checkpoint")
+    spawn_gloo(_uninterrupted_then_resumed, DP * CP, out_dir, "zero2")
+    return out_dir
+
+
+@pytest.mark.slow
+def test_resumed_run_equals_the_uninterrupted_one_bit_for_bit(runs: Path) -> None:
+    result = json.loads((runs / "zero2.json").read_text())
+    assert len(result["uninterrupted"]) == STEPS
+    assert result["resumed"] == result["uninterrupted"][2:]  # exact float equality: step 2 only
+
+
+@pytest.mark.slow
+def test_checkpoints_are_written_every_n_steps_and_latest_names_the_newest(runs: Path) -> None:
+    folder = runs / "checkpoints-zero2"
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-00000002", "step-00000003"]  # every 2, and last
+    assert latest_checkpoint(folder) == folder / "step-00000003"  # the resumed run saved after its last step
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_job_whose_rank_was_killed_and_it_ends_with_the_uninterrupted_losses(
+    runs: Path, tmp_path: Path
+) -> None:
+    reference = json.loads((runs / "zero2.json").read_text())["uninterrupted"]
+    metrics_out = tmp_path / "metrics.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(DP * CP),
+               "--max-restarts", "1", "-m", "trainer_client.train", "--dp", str(DP), "--cp", str(CP),
+               "--model", "tiny", "--data", "synthetic:lmsys", "--global-batch", str(GLOBAL_BATCH),
+               "--steps", str(STEPS), "--bucket-size", str(BUCKET_SIZE), "--warmup-steps", "1",
+               "--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "2", "--resume",
+               "--metrics-out", str(metrics_out), "--no-progress"]
+    job = subprocess.Popen(command, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and job.poll() is None:
+            if metrics_out.exists() and len(read_metrics(metrics_out)) >= 3:  # step 2 trained, checkpoint at 2
+                break
+            time.sleep(0.05)
+        workers = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
+        assert len(workers) == DP * CP
+        os.kill(int(workers[-1]), signal.SIGKILL)  # the last rank dies mid-run, after the checkpoint of step 2
+        _, stderr = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stderr and "step-00000002" in stderr
+    metrics = read_metrics(metrics_out)
+    assert [m["step"] for m in metrics] == list(range(STEPS))  # each step once: none skipped, none repeated
+    assert [m["loss"] for m in metrics] == reference
