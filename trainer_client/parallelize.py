@@ -33,8 +33,9 @@ gradients in fp32 (``MixedPrecisionPolicy``); on CPU everything is fp32.
 
 Static memory per parameter (``static_bytes_per_parameter``; w = compute dtype bytes, 4 = fp32, N ranks):
 ``none`` 4 + 4 + 8 + 4 (weights, gradients, AdamW moments, the flat all-reduce buffer) replicated; ``zero2``
-unsharded weights and gradients (2·w) replicated, fp32 weights, gradients and moments (16) sharded; ``zero3``
-all 16 sharded (plus one layer's unsharded weights at a time, not per parameter).
+unsharded weights (w) and unsharded gradients (4: FSDP accumulates them in the fp32 reduce dtype across
+micro-batches) replicated, fp32 weights, gradients and moments (16) sharded; ``zero3`` all 16 sharded (plus one
+layer's unsharded weights and gradients at a time, not per parameter).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ __all__ = [
     "ActivationCheckpointing",
     "Sharding",
     "StaticBytes",
+    "apply_activation_checkpointing",
+    "apply_fsdp",
     "num_padding_micro_batches",
     "parallelize",
     "prepare_micro_batch",
@@ -90,7 +93,7 @@ def static_bytes_per_parameter(sharding: Sharding, *, param_dtype: torch.dtype) 
     if sharding is Sharding.NONE:
         return StaticBytes(replicated=master + FP32_BYTES, sharded=0.0)  # + the flat all-reduce buffer
     if sharding is Sharding.ZERO2:
-        return StaticBytes(replicated=2 * compute, sharded=master)  # unsharded weights and accumulated gradients
+        return StaticBytes(replicated=compute + FP32_BYTES, sharded=master)  # unsharded weights, fp32 gradients
     return StaticBytes(replicated=0.0, sharded=master)
 
 
@@ -98,28 +101,35 @@ def parallelize(
     module: CausalLMLoss, mesh: DeviceMesh, *, sharding: Sharding, activation_checkpointing: ActivationCheckpointing,
     param_dtype: torch.dtype,
 ) -> CausalLMLoss:
-    """Apply activation checkpointing, then FSDP2 (``mesh`` is 1-D: the flattened DP × CP ranks); in place."""
-    layers = module.decoder_layers()
-    for layer in layers:
-        if activation_checkpointing is ActivationCheckpointing.FULL:
+    """Activation checkpointing, then FSDP2 over ``mesh`` (1-D: the flattened DP × CP ranks); in place."""
+    apply_activation_checkpointing(module, activation_checkpointing)
+    if sharding is not Sharding.NONE:
+        apply_fsdp(module, mesh, reshard_after_forward=sharding is Sharding.ZERO3, param_dtype=param_dtype)
+    return module
+
+
+def apply_activation_checkpointing(module: CausalLMLoss, mode: ActivationCheckpointing) -> None:
+    for layer in module.decoder_layers():
+        if mode is ActivationCheckpointing.FULL:
             checkpoint(layer, early_stop=False)  # recompute everything: the K/V all-gather of every rank must rerun
-        elif activation_checkpointing is ActivationCheckpointing.SELECTIVE:
+        elif mode is ActivationCheckpointing.SELECTIVE:
             checkpoint(layer.get_submodule("mlp"))
-    if sharding is Sharding.NONE:
-        return module
+
+
+def apply_fsdp(
+    module: CausalLMLoss, mesh: DeviceMesh, *, reshard_after_forward: bool, param_dtype: torch.dtype
+) -> None:
+    """One FSDP unit per decoder layer and the root; gradients summed over ranks, reduced in fp32."""
     mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    reshard = sharding is Sharding.ZERO3
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed_precision)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed_precision)
-    assert isinstance(module, FSDPModule)
+    for layer in module.decoder_layers():
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision)
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             # Sum, not mean: the loss is already normalised by the global token count. A plain SUM reduction (gloo
             # has no PREMUL_SUM) followed by a division by 1, which is exact.
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
-    return module
 
 
 def prepare_micro_batch(module: torch.nn.Module, *, sharding: Sharding, is_last: bool) -> None:
