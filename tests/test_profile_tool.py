@@ -54,8 +54,12 @@ def test_profiler_writes_a_profile_with_fits_and_provenance(measured: Path) -> N
     assert provenance["software"]["torch"] and provenance["hardware"]["cpu_count"] >= 1
     assert provenance["date"].startswith("20") and provenance["world_size"] == 1
     assert document["communication"]["tables"] == {}  # one process measures no collective
-    # static memory is measured tensor by tensor: fp32 weights + gradients + two AdamW states = 16 B/parameter
-    assert document["memory"]["static_bytes_per_parameter"]["replicated"] == pytest.approx(16, rel=0.01)
+    # one replica's static memory is measured tensor by tensor: fp32 weights + gradients + two AdamW states
+    num_parameters = MODEL_CATALOGUE["tiny"].num_parameters
+    assert sum(document["memory"]["static_bytes"].values()) == pytest.approx(16 * num_parameters, rel=0.01)
+    # the per-parameter terms are the trainer's default sharding (zero2, fp32): unsharded weights + gradients
+    assert document["memory"]["static_bytes_per_parameter"] == {"replicated": 8, "sharded": 16}
+    assert document["memory"]["activation_checkpointing"] == "none"
     perf = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=profile)
     assert perf.bucket_size(1) > 0
 

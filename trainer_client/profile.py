@@ -96,6 +96,12 @@ from trainer_client.measure import (
 )
 from trainer_client.model import build_model, model_shape
 from trainer_client.packing import PackedMicroBatch, pack_micro_batch
+from trainer_client.parallelize import (
+    ActivationCheckpointing,
+    Sharding,
+    apply_activation_checkpointing,
+    static_bytes_per_parameter,
+)
 from trainer_client.trainer import run_micro_batch
 
 __all__ = [
@@ -142,12 +148,14 @@ class ProfileOptions:
     memory_budget_bytes: float | None = None
     dtype: str | None = None  # float32 | bfloat16 autocast; default as the trainer: float32 on CPU, bf16 on CUDA
     attention_backend: str = AttentionBackend.AUTO.value
+    activation_checkpointing: str = ActivationCheckpointing.NONE.value  # as the trainer will run; recorded
     seed: int = 0
     progress: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        ActivationCheckpointing(self.activation_checkpointing)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is visible to torch")
         for name in ("sizes", "memory_sizes", "comm_sizes", "shard_sizes"):
@@ -194,6 +202,7 @@ class _Bench:
         self.device = device
         self.shape: ModelShape = model_shape(options.model)
         self.model = CausalLMLoss(build_model(options.model, seed=options.seed, device=device))
+        apply_activation_checkpointing(self.model, ActivationCheckpointing(options.activation_checkpointing))
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         dtype = options.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -413,7 +422,7 @@ def _document(
     paper = fit_compute(points, num_layers=shape.num_layers, extended=False)
     memory = fit_memory(memory_points)
     states = state_bytes(bench.model, bench.optimizer)
-    static_bytes = sum(states.values())
+    default_static = static_bytes_per_parameter(Sharding.ZERO2, param_dtype=bench.autocast_dtype or torch.float32)
     reserved_bytes = 0
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -461,16 +470,20 @@ def _document(
                                            "per_vocab": 0.0},
             "beta_bytes": memory.beta_bytes,
             "reserved_bytes": reserved_bytes,
-            "static_bytes_per_parameter": {"replicated": static_bytes / shape.num_parameters, "sharded": 0.0},
+            "static_bytes_per_parameter": {"replicated": default_static.replicated,
+                                           "sharded": default_static.sharded},
+            "activation_checkpointing": options.activation_checkpointing,
             "fit": {"max_relative_error": memory.max_relative_error},
             "points": [[tokens, peak] for tokens, peak in memory_points],
             "static_bytes": states,
             "source": ("activation peak above weights and optimizer states per micro-batch "
                        + ("(torch.cuda.max_memory_allocated)" if device.type == "cuda" else
                           "(torch.distributed._tools.mem_tracker.MemTracker: live tensor bytes)")
-                       + "; static = weights + gradients + AdamW states counted per tensor, all replicated: the "
-                         "trainer keeps no ZeRO sharding. reserved: CUDA context and allocator slack "
-                         "(mem_get_info minus allocated), 0 on CPU."),
+                       + f" with activation checkpointing {options.activation_checkpointing}; static per parameter: "
+                         "the trainer's default --sharding zero2 (parallelize.static_bytes_per_parameter; the "
+                         "trainer derives its BucketSize with its own mode's), static_bytes: weights, gradients "
+                         "and AdamW states of one unsharded replica counted per tensor. reserved: CUDA context and "
+                         "allocator slack (mem_get_info minus allocated), 0 on CPU."),
         },
         "communication": {
             "kv_bytes_per_element": bench.kv_bytes_per_element(),
@@ -717,6 +730,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="device memory the BucketSize is derived for (default: the device's)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: as the trainer")
     parser.add_argument("--attention-backend", default="auto", choices=[b.value for b in AttentionBackend])
+    parser.add_argument("--activation-checkpointing", default=defaults.activation_checkpointing,
+                        choices=[a.value for a in ActivationCheckpointing],
+                        help="measure activations as the trainer will run with this --activation-checkpointing")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -788,7 +804,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             short_length=args.short_length, memory_sizes=args.memory_sizes, comm_sizes=args.comm_sizes,
             shard_sizes=args.shard_sizes, warmup=args.warmup, repeats=args.repeats,
             memory_budget_bytes=args.memory_budget_bytes, dtype=args.dtype,
-            attention_backend=args.attention_backend, seed=args.seed, progress=not args.no_progress,
+            attention_backend=args.attention_backend, activation_checkpointing=args.activation_checkpointing,
+            seed=args.seed, progress=not args.no_progress,
         )
         if args.threads is not None:
             if args.threads < 1:

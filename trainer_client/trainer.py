@@ -224,10 +224,18 @@ def run_micro_batch(
     return token_loss_sum.detach()
 
 
-def memory_profile(profile: str | Profile | None, *, sharding: Sharding, param_dtype: torch.dtype) -> Profile:
+def memory_profile(profile: str | Profile | None, *, sharding: Sharding, param_dtype: torch.dtype,
+                   activation_checkpointing: ActivationCheckpointing) -> Profile:
     """``profile`` with the static bytes per parameter of the sharding mode the trainer runs (``parallelize.py``),
-    so that the BucketSize derived from it is the one this trainer's memory allows."""
+    so that the BucketSize derived from it is the one this trainer's memory allows. A measured profile records
+    the activation checkpointing its activations were measured with; it must be the trainer's."""
     resolved = resolve_profile(profile)
+    measured_with = resolved.raw.get("memory", {}).get("activation_checkpointing")
+    if measured_with is not None and measured_with != activation_checkpointing:
+        raise ValueError(f"profile {resolved.name} measured activations with --activation-checkpointing "
+                         f"{measured_with}, this run uses {activation_checkpointing}: measure a profile with "
+                         f"python -m trainer_client.profile --activation-checkpointing {activation_checkpointing}, "
+                         "or give --bucket-size")
     static = static_bytes_per_parameter(sharding, param_dtype=param_dtype)
     memory = dataclasses.replace(resolved.memory, replicated_bytes_per_parameter=static.replicated,
                                  sharded_bytes_per_parameter=static.sharded)
@@ -293,7 +301,8 @@ class Trainer:
     def _derived_bucket_size(self, shape: ModelShape, param_dtype: torch.dtype) -> int:
         """BucketSize from the profile, as the planner derives it when a request leaves it out, with the static
         memory of this trainer's sharding mode."""
-        profile = memory_profile(self.profile, sharding=self.sharding, param_dtype=param_dtype)
+        profile = memory_profile(self.profile, sharding=self.sharding, param_dtype=param_dtype,
+                                 activation_checkpointing=ActivationCheckpointing(self.config.activation_checkpointing))
         return make_problem(sequence_lengths=[1], dp_size=self.config.dp, cp_size=self.config.cp, model=shape,
                             profile=profile).bucket_size
 
