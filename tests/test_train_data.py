@@ -1,4 +1,5 @@
-"""Training data: deterministic synthetic batches from the core's samplers, JSONL records with clear errors."""
+"""Training data: deterministic synthetic batches, streamed JSONL and datasets records (token ids, chats with prompt
+masking, text) with a tokenizer built here, resumable positions, clear errors."""
 
 from __future__ import annotations
 
@@ -7,9 +8,46 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from scheduler_service.core.samplers import sample_lengths
-from trainer_client.data import IGNORE_INDEX, JsonlSource, RecordTooLongError, Sample, make_source
+from trainer_client.data import IGNORE_INDEX, DataSource, LengthStats, RecordTooLongError, Sample, make_source
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WORDS = ("the", "model", "reads", "long", "documents", "and", "answers", "questions", "about", "them", "while",
+         "the", "scheduler", "packs", "short", "chats", "beside", "long", "ones", "so", "that", "every", "rank",
+         "finishes", "its", "micro", "batches", "at", "the", "same", "time")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level BPE tokenizer trained on a few KB of text, with a ChatML template, saved like a hub one."""
+    rng = np.random.default_rng(0)
+    corpus = [" ".join(rng.choice(WORDS, size=12)) for _ in range(400)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<pad>",
+                                        chat_template=CHATML)
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _write(path: Path, records: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _source(spec: Path | str, *, global_batch: int = 2, max_length: int = 64, tokenizer: Path | None = None,
+            truncate: bool = False) -> DataSource:
+    return make_source(str(spec), global_batch_size=global_batch, vocab_size=1024, max_length=max_length, seed=0,
+                       truncate=truncate, tokenizer=str(tokenizer) if tokenizer else None)
 
 
 def test_synthetic_batches_are_the_same_on_every_call_and_follow_the_sampler() -> None:
@@ -28,40 +66,45 @@ def test_targets_are_labels_shifted_left() -> None:
     assert sample.num_loss_tokens == 2
 
 
-def _write(path: Path, records: list[dict[str, object]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def test_jsonl_reads_labels_and_loss_masks(tmp_path: Path) -> None:
+def test_jsonl_reads_labels_and_loss_masks_in_order_and_wraps_around(tmp_path: Path) -> None:
     path = _write(tmp_path / "d.jsonl", [
         {"input_ids": [1, 2, 3]},
         {"input_ids": [4, 5, 6], "labels": [-100, 5, 6]},
         {"input_ids": [7, 8, 9], "loss_mask": [0, 0, 1]},
     ])
-    source = JsonlSource(path=path, global_batch_size=2, max_length=16)
-    assert [s.labels.tolist() for s in source.records] == [[1, 2, 3], [-100, 5, 6], [-100, -100, 9]]
-    assert source.batch(1).sequence_lengths == (3, 3)  # records 2 and 0: the file wraps around
+    source = _source(path)
+    first, second = source.batch(0), source.batch(1)
+    assert [s.labels.tolist() for s in first.samples] == [[1, 2, 3], [-100, 5, 6]]
+    assert [s.labels.tolist() for s in second.samples] == [[-100, -100, 9], [1, 2, 3]]  # the file wraps around
+
+
+def test_a_source_moved_to_a_saved_position_continues_with_the_same_batches(tmp_path: Path) -> None:
+    path = _write(tmp_path / "d.jsonl", [{"input_ids": list(range(1, n + 2))} for n in range(7)])
+    source = _source(path, global_batch=3)
+    batches = [source.batch(step) for step in range(4)]
+    resumed = _source(path, global_batch=3)
+    resumed.seek(batches[1].next_position)
+    assert [resumed.batch(step).sequence_lengths for step in (2, 3)] == [b.sequence_lengths for b in batches[2:]]
 
 
 def test_rejects_record_longer_than_max_length_naming_it(tmp_path: Path) -> None:
     path = _write(tmp_path / "d.jsonl", [{"input_ids": [1, 2]}, {"input_ids": list(range(20))}])
-    with pytest.raises(RecordTooLongError, match=r"d\.jsonl:2 has 20 tokens; the maximum is 8.*--truncate"):
-        JsonlSource(path=path, global_batch_size=2, max_length=8)
-    truncated = JsonlSource(path=path, global_batch_size=2, max_length=8, truncate=True)
-    assert truncated.batch(0).sequence_lengths == (2, 8)
+    with pytest.raises(RecordTooLongError, match=r"d\.jsonl@\d+ has 20 tokens; the maximum is 8.*--truncate"):
+        _source(path, max_length=8).batch(0)
+    assert _source(path, max_length=8, truncate=True).batch(0).sequence_lengths == (2, 8)
 
 
 @pytest.mark.parametrize(("record", "message"), [
-    ({"tokens": [1]}, "no 'input_ids'"),
+    ({"tokens": [1]}, "none of 'input_ids', 'messages', 'text'"),
     ({"input_ids": []}, "non-empty"),
     ({"input_ids": [1, 2], "labels": [1]}, "labels has 1 entries"),
     ({"input_ids": [1, 5000]}, r"token ids must lie in \[0, 1024\)"),
+    ({"text": "hello"}, "give --tokenizer"),
 ])
 def test_rejects_malformed_records(tmp_path: Path, record: dict[str, object], message: str) -> None:
     path = _write(tmp_path / "d.jsonl", [record])
     with pytest.raises(ValueError, match=message):
-        JsonlSource(path=path, global_batch_size=1, max_length=64, vocab_size=1024)
+        _source(path, global_batch=1).batch(0)
 
 
 def test_rejects_unknown_data_spec() -> None:
@@ -69,3 +112,62 @@ def test_rejects_unknown_data_spec() -> None:
         make_source("synthetic:imdb", global_batch_size=1, vocab_size=8, max_length=8, seed=0)
     with pytest.raises(ValueError, match="neither synthetic:NAME"):
         make_source("/no/such/file.jsonl", global_batch_size=1, vocab_size=8, max_length=8, seed=0)
+
+
+CHAT = {"messages": [
+    {"role": "system", "content": "answer briefly"},
+    {"role": "user", "content": "what does the scheduler pack"},
+    {"role": "assistant", "content": "short chats beside long ones"},
+    {"role": "user", "content": "why"},
+    {"role": "assistant", "content": "so that every rank finishes at the same time"},
+]}
+
+
+def test_chat_records_train_only_the_assistant_turns(tmp_path: Path, tokenizer_dir: Path) -> None:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    sample = _source(_write(tmp_path / "chat.jsonl", [CHAT]), global_batch=1, max_length=512,
+                     tokenizer=tokenizer_dir).batch(0).samples[0]
+    assert tokenizer.decode(sample.input_ids) == tokenizer.apply_chat_template(CHAT["messages"], tokenize=False)
+    trained = [tokenizer.decode(sample.input_ids[run]) for run in _runs(sample.labels != IGNORE_INDEX)]
+    assert trained == ["short chats beside long ones<|im_end|>\n",
+                       "so that every rank finishes at the same time<|im_end|>\n"]
+
+
+def _runs(mask: np.ndarray) -> list[slice]:
+    """The maximal runs of True in ``mask``."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return [slice(start, stop) for start, stop in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def test_text_records_train_every_token_and_end_with_end_of_text(tmp_path: Path, tokenizer_dir: Path) -> None:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    sample = _source(_write(tmp_path / "text.jsonl", [{"text": "the model reads long documents"}]), global_batch=1,
+                     tokenizer=tokenizer_dir).batch(0).samples[0]
+    assert tokenizer.decode(sample.input_ids) == "the model reads long documents<|endoftext|>"
+    assert np.array_equal(sample.labels, sample.input_ids)
+
+
+def test_a_datasets_directory_gives_the_batches_of_the_same_records_in_jsonl(tmp_path: Path,
+                                                                            tokenizer_dir: Path) -> None:
+    from datasets import Dataset
+
+    records = [CHAT, {"text": "every rank finishes"}, {"text": "the scheduler packs"}]
+    Dataset.from_list([{"messages": r.get("messages"), "text": r.get("text")} for r in records]).save_to_disk(
+        tmp_path / "dataset")
+    # a row holds every column; the first present key decides, so None columns must not count as present
+    jsonl = _source(_write(tmp_path / "d.jsonl", records), global_batch=3, max_length=512, tokenizer=tokenizer_dir)
+    folder = _source(tmp_path / "dataset", global_batch=3, max_length=512, tokenizer=tokenizer_dir)
+    for expected, got in zip(jsonl.batch(0).samples, folder.batch(0).samples, strict=True):
+        assert np.array_equal(expected.input_ids, got.input_ids) and np.array_equal(expected.labels, got.labels)
+
+
+def test_length_stats_summarise_what_was_trained() -> None:
+    source = make_source("synthetic:lmsys", global_batch_size=8, vocab_size=1024, max_length=4096, seed=0)
+    stats = LengthStats()
+    batches = [source.batch(step) for step in range(3)]
+    for batch in batches:
+        stats.add(batch)
+    lengths = [n for b in batches for n in b.sequence_lengths]
+    summary = stats.summary()
+    assert summary.startswith(f"24 sequences, {sum(lengths)} tokens")
+    assert f"min {min(lengths)}" in summary and f"max {max(lengths)}" in summary

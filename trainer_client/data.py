@@ -1,28 +1,47 @@
 """Training data: global batches of token sequences, identical on every rank.
 
-Two sources, chosen by ``--data``:
+Sources, chosen by ``--data``:
 
 - ``synthetic:NAME`` (NAME in wikipedia | lmsys | chatqa2): lengths drawn from
   the planning core's Table-1-shaped samplers
   (``scheduler_service.core.samplers.sample_lengths``), token ids uniform over the
   vocabulary. Global batch ``s`` depends on ``(seed, s)`` alone, so every rank,
   every scheduler and every rerun sees the same batches in the same order.
-- a JSONL file, one record per line: ``{"input_ids": [...]}`` with optional
-  ``"labels"`` (same length; -100 = no loss, Hugging Face convention) or
-  ``"loss_mask"`` (same length; 0/1). Global batch ``s`` is records
-  ``[s·B, (s+1)·B)`` modulo the file length, in file order.
+- a JSONL file, one record per line, or a local Hugging Face ``datasets``
+  directory (``Dataset.save_to_disk``), one record per row. Global batch ``s``
+  is the next ``B`` records in file order, wrapping around at the end.
+
+Records (``RecordEncoder``), the first key present (and not null) decides:
+
+- ``{"input_ids": [...]}``, tokenized already, with optional ``"labels"`` (same
+  length; -100 = no loss, Hugging Face convention) or ``"loss_mask"`` (0/1);
+- ``{"messages": [{"role": ..., "content": ...}, ...]}``: a chat, rendered with
+  the tokenizer's chat template (``--tokenizer``); only assistant turns carry
+  loss, every prompt token (system, user, tool, the template's markup before
+  each answer) is masked;
+- ``{"text": "..."}``: plain text, tokenized (with the end-of-text token) and
+  trained on every token.
+
+Both record readers stream: a JSONL file is read line by line from a byte
+offset, a ``datasets`` directory is memory-mapped Arrow read row by row, so no
+rank holds the file. Where the next batch starts (``GlobalBatch.next_position``)
+is saved in checkpoints and restored with ``seek``.
 
 Labels follow the Hugging Face convention (aligned with ``input_ids``); the
 token at position ``t`` is trained to predict ``labels[t + 1]``
 (``Sample.targets``). A record longer than ``max_length`` is an error naming the
-record, unless ``truncate`` is set.
+record, unless ``truncate`` is set. ``LengthStats`` summarises the lengths a
+run trained on.
 """
 
 from __future__ import annotations
 
 import json
+from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -31,11 +50,17 @@ from scheduler_service.core.samplers import DATASETS, sample_lengths
 
 __all__ = [
     "IGNORE_INDEX",
+    "DataSource",
+    "DatasetRecords",
     "GlobalBatch",
-    "JsonlSource",
+    "JsonlRecords",
+    "LengthStats",
+    "RecordEncoder",
+    "RecordSource",
     "RecordTooLongError",
     "Sample",
     "SyntheticSource",
+    "load_tokenizer",
     "make_source",
 ]
 
@@ -116,48 +141,61 @@ class SyntheticSource:
             samples.append(Sample(input_ids=input_ids, labels=input_ids.copy()))
         return GlobalBatch(step=step, samples=tuple(samples))
 
-    def seek(self, position: dict[str, int]) -> None:
+    def seek(self, position: Mapping[str, int]) -> None:
         """Nothing to restore: batch ``s`` depends on ``(seed, s)`` alone."""
 
 
+# ---------------------------------------------------------------------------------------------------- records
+
+
+class Tokenizer(Protocol):
+    """What the encoder needs of a transformers tokenizer."""
+
+    eos_token_id: int | None
+
+    def __len__(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A tokenizer from a local directory (``save_pretrained``); never downloads."""
+    if not Path(path).is_dir():
+        raise ValueError(f"--tokenizer {path!r} is not a local tokenizer directory (no hub downloads)")
+    from transformers import AutoTokenizer
+
+    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return tokenizer
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class JsonlSource:
-    path: Path
-    global_batch_size: int
+class RecordEncoder:
+    """A record (one JSON line or dataset row) → ``Sample``, with every error naming the record."""
+
     max_length: int
     truncate: bool = False
     vocab_size: int | None = None
-    records: tuple[Sample, ...] = field(init=False, repr=False)
+    tokenizer: Tokenizer | None = None
 
     def __post_init__(self) -> None:
-        if self.global_batch_size < 1:
-            raise ValueError(f"global batch size must be positive, got {self.global_batch_size}")
-        records = tuple(self._read())
-        if not records:
-            raise ValueError(f"{self.path} holds no records")
-        object.__setattr__(self, "records", records)
+        if self.tokenizer is not None and self.vocab_size is not None and len(self.tokenizer) > self.vocab_size:
+            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens; the model's vocabulary only "
+                             f"{self.vocab_size}")
 
-    def _read(self) -> list[Sample]:
-        samples: list[Sample] = []
-        with self.path.open() as lines:
-            for line_number, line in enumerate(lines, start=1):
-                if line.strip():
-                    samples.append(self._parse(json.loads(line), f"{self.path}:{line_number}"))
-        return samples
-
-    def _parse(self, record: dict[str, object], where: str) -> Sample:
-        if not isinstance(record, dict) or "input_ids" not in record:
-            raise ValueError(f"record {where} has no 'input_ids'")
-        input_ids = np.asarray(record["input_ids"], dtype=np.int64)
-        if "labels" in record:
-            labels = np.asarray(record["labels"], dtype=np.int64)
-        elif "loss_mask" in record:
-            mask = np.asarray(record["loss_mask"], dtype=bool)
-            if mask.shape != input_ids.shape:
-                raise ValueError(f"record {where}: loss_mask has {mask.size} entries, input_ids {input_ids.size}")
-            labels = np.where(mask, input_ids, IGNORE_INDEX)
+    def encode(self, record: object, where: str) -> Sample:
+        if not isinstance(record, dict):
+            raise ValueError(f"record {where} is not a JSON object")
+        # A datasets row holds every column of the set: a column that is None in this row is absent.
+        if record.get("input_ids") is not None:
+            input_ids, labels = self._tokenized(record, where)
+        elif record.get("messages") is not None:
+            input_ids, labels = self._chat(record["messages"], where)
+        elif record.get("text") is not None:
+            input_ids, labels = self._text(record["text"], where)
         else:
-            labels = input_ids.copy()
+            raise ValueError(f"record {where} has none of 'input_ids', 'messages', 'text'")
         if input_ids.ndim != 1 or input_ids.size == 0:
             raise ValueError(f"record {where}: input_ids must be a non-empty list of token ids")
         if labels.shape != input_ids.shape:
@@ -173,25 +211,200 @@ class JsonlSource:
             input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
         return Sample(input_ids=input_ids, labels=labels)
 
-    def batch(self, step: int) -> GlobalBatch:
-        num_records = len(self.records)
-        start = step * self.global_batch_size
-        samples = tuple(self.records[(start + offset) % num_records] for offset in range(self.global_batch_size))
-        return GlobalBatch(step=step, samples=samples)
+    @staticmethod
+    def _tokenized(record: dict[str, Any], where: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        input_ids = np.asarray(record["input_ids"], dtype=np.int64)
+        if record.get("labels") is not None:
+            return input_ids, np.asarray(record["labels"], dtype=np.int64)
+        if record.get("loss_mask") is not None:
+            mask = np.asarray(record["loss_mask"], dtype=bool)
+            if mask.shape != input_ids.shape:
+                raise ValueError(f"record {where}: loss_mask has {mask.size} entries, input_ids {input_ids.size}")
+            return input_ids, np.where(mask, input_ids, IGNORE_INDEX)
+        return input_ids, input_ids.copy()
 
-    def seek(self, position: dict[str, int]) -> None:
-        """Nothing to restore: batch ``s`` is records ``[s·B, (s+1)·B)``."""
+    def _needs_tokenizer(self, kind: str, where: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"record {where} holds {kind}: give --tokenizer (a local tokenizer directory)")
+        return self.tokenizer
+
+    def _text(self, text: object, where: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        tokenizer = self._needs_tokenizer("text", where)
+        if not isinstance(text, str):
+            raise ValueError(f"record {where}: 'text' must be a string")
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)  # the model learns where a document ends
+        input_ids = np.asarray(ids, dtype=np.int64)
+        return input_ids, input_ids.copy()
+
+    def _chat(self, messages: object, where: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Render the chat; train only the tokens each assistant turn adds after its prompt.
+
+        The prompt of assistant turn ``k`` is the template of ``messages[:k]`` with the generation prompt; its
+        answer is what the template of ``messages[:k + 1]`` adds to that. Templates render prefixes of a chat as
+        prefixes of its tokens (checked: a template that does not is an error naming the record).
+        """
+        tokenizer = self._needs_tokenizer("a chat", where)
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages)):
+            raise ValueError(f"record {where}: 'messages' must be a non-empty list of {{role, content}} strings")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"record {where}: the chat has no assistant turn to train on")
+
+        def render(turns: list[dict[str, str]], *, prompt: bool) -> list[int]:
+            ids: list[int] = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False,
+                                                           add_generation_prompt=prompt)
+            return ids
+
+        ids: list[int] = []
+        trained: list[bool] = []
+        for k, message in enumerate(messages):
+            if message["role"] == "assistant":
+                prompt = render(messages[:k], prompt=True) if k else []
+                self._extend(ids, trained, prompt, train=False, where=where)
+            self._extend(ids, trained, render(messages[: k + 1], prompt=False), train=message["role"] == "assistant",
+                         where=where)
+        input_ids = np.asarray(ids, dtype=np.int64)
+        return input_ids, np.where(np.asarray(trained), input_ids, IGNORE_INDEX)
+
+    @staticmethod
+    def _extend(ids: list[int], trained: list[bool], rendered: list[int], *, train: bool, where: str) -> None:
+        """Append what ``rendered`` adds to ``ids`` (which it must start with), marked ``train``."""
+        if rendered[: len(ids)] != ids:
+            raise ValueError(f"record {where}: the chat template does not render a prefix of the chat as a prefix "
+                             "of its tokens; prompt masking needs it to")
+        trained.extend([train] * (len(rendered) - len(ids)))
+        ids.extend(rendered[len(ids):])
+
+
+class RecordReader(Protocol):
+    """Records in order from a position; wraps around at the end."""
+
+    def read(self, position: int) -> tuple[object, str, int]:
+        """The record at ``position``, where it is (for errors), and the position of the next one."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JsonlRecords:
+    """A JSONL file read line by line from a byte offset; blank lines are skipped."""
+
+    path: Path
+
+    def read(self, position: int) -> tuple[object, str, int]:
+        with self.path.open("rb") as lines:
+            lines.seek(position)
+            wrapped = False
+            while True:
+                line = lines.readline()
+                if not line:  # end of file: wrap around, once
+                    if wrapped:
+                        raise ValueError(f"{self.path} holds no records")
+                    wrapped = True
+                    lines.seek(0)
+                    position = 0
+                    continue
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as error:
+                        raise ValueError(f"record {self.path}@{position} is not JSON: {error}") from None
+                    return record, f"{self.path}@{position}", lines.tell()
+                position = lines.tell()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DatasetRecords:
+    """A local Hugging Face ``datasets`` directory (``save_to_disk``), memory-mapped; rows in order."""
+
+    path: Path
+    dataset: Any = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            from datasets import load_from_disk
+        except ImportError:
+            raise ValueError(f"--data {self.path} is a directory: reading a datasets directory needs the "
+                             "'datasets' package (pip install 'skrull[data]')") from None
+        dataset = load_from_disk(str(self.path))
+        if not hasattr(dataset, "num_rows") or isinstance(dataset.num_rows, dict):
+            raise ValueError(f"--data {self.path} holds several splits; give the directory of one split")
+        if dataset.num_rows == 0:
+            raise ValueError(f"{self.path} holds no records")
+        object.__setattr__(self, "dataset", dataset)
+
+    def read(self, position: int) -> tuple[object, str, int]:
+        row = position % self.dataset.num_rows
+        return self.dataset[row], f"{self.path}[{row}]", row + 1
+
+
+@dataclass(kw_only=True, slots=True)
+class RecordSource:
+    """Global batches of the next ``global_batch_size`` records, streamed; call ``batch`` for steps in order."""
+
+    records: RecordReader
+    encoder: RecordEncoder
+    global_batch_size: int
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1:
+            raise ValueError(f"global batch size must be positive, got {self.global_batch_size}")
+
+    def batch(self, step: int) -> GlobalBatch:
+        samples = []
+        for _ in range(self.global_batch_size):
+            record, where, self.position = self.records.read(self.position)
+            samples.append(self.encoder.encode(record, where))
+        return GlobalBatch(step=step, samples=tuple(samples), next_position={"position": self.position})
+
+    def seek(self, position: Mapping[str, int]) -> None:
+        self.position = int(position["position"])
+
+
+DataSource = SyntheticSource | RecordSource
 
 
 def make_source(
-    spec: str, *, global_batch_size: int, vocab_size: int, max_length: int, seed: int, truncate: bool = False
-) -> SyntheticSource | JsonlSource:
-    """``synthetic:NAME`` or a path to a JSONL file."""
+    spec: str, *, global_batch_size: int, vocab_size: int, max_length: int, seed: int, truncate: bool = False,
+    tokenizer: str | None = None,
+) -> DataSource:
+    """``synthetic:NAME``, a JSONL file or a ``datasets`` directory (``tokenizer``: a local tokenizer folder)."""
     if spec.startswith(SYNTHETIC_PREFIX):
         return SyntheticSource(dataset=spec.removeprefix(SYNTHETIC_PREFIX), global_batch_size=global_batch_size,
                                vocab_size=vocab_size, max_length=max_length, seed=seed)
     path = Path(spec)
-    if not path.is_file():
-        raise ValueError(f"--data {spec!r} is neither synthetic:NAME ({', '.join(DATASETS)}) nor a JSONL file")
-    return JsonlSource(path=path, global_batch_size=global_batch_size, max_length=max_length, truncate=truncate,
-                       vocab_size=vocab_size)
+    records: RecordReader
+    if path.is_file():
+        records = JsonlRecords(path=path)
+    elif path.is_dir():
+        records = DatasetRecords(path=path)
+    else:
+        raise ValueError(f"--data {spec!r} is neither synthetic:NAME ({', '.join(DATASETS)}) nor a JSONL file nor "
+                         "a datasets directory")
+    encoder = RecordEncoder(max_length=max_length, truncate=truncate, vocab_size=vocab_size,
+                            tokenizer=load_tokenizer(tokenizer) if tokenizer is not None else None)
+    return RecordSource(records=records, encoder=encoder, global_batch_size=global_batch_size)
+
+
+@dataclass(slots=True)
+class LengthStats:
+    """The sequence lengths a run trained on (4 bytes per sequence), and how many tokens carried loss."""
+
+    lengths: array = field(default_factory=lambda: array("I"))
+    num_loss_tokens: int = 0
+
+    def add(self, batch: GlobalBatch) -> None:
+        self.lengths.extend(batch.sequence_lengths)
+        self.num_loss_tokens += batch.num_loss_tokens
+
+    def summary(self) -> str:
+        if not self.lengths:
+            return "no sequences"
+        lengths = np.asarray(self.lengths)
+        p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+        total = int(lengths.sum())
+        return (f"{lengths.size} sequences, {total} tokens ({self.num_loss_tokens / total:.0%} with loss); "
+                f"length min {lengths.min()}, median {p50:.0f}, p90 {p90:.0f}, p99 {p99:.0f}, max {lengths.max()}")

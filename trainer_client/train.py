@@ -43,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp", type=int, required=True, help="data-parallel degree")
     parser.add_argument("--cp", type=int, required=True, help="context-parallel degree")
     parser.add_argument("--model", default="tiny", help="a built-in model name or a local HF checkpoint directory")
-    parser.add_argument("--data", default="synthetic:lmsys", help="synthetic:{wikipedia,lmsys,chatqa2} or a JSONL file")
+    parser.add_argument("--data", default="synthetic:lmsys",
+                        help="synthetic:{wikipedia,lmsys,chatqa2}, a JSONL file or a local datasets directory of "
+                             "input_ids, messages (chat) or text records")
+    parser.add_argument("--tokenizer", help="a local tokenizer directory (for messages and text records)")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per global batch")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (one per global batch)")
     parser.add_argument("--scheduler", default="skrull", choices=[s.value for s in SchedulerName])
@@ -97,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         sharding=args.sharding, activation_checkpointing=args.activation_checkpointing,
         loss_chunk_tokens=args.loss_chunk_tokens, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, collective_timeout_s=args.collective_timeout,
-        max_length=args.max_length, truncate=args.truncate, metrics_out=args.metrics_out,
+        max_length=args.max_length, truncate=args.truncate, tokenizer=args.tokenizer, metrics_out=args.metrics_out,
         plan_timeout_s=args.plan_timeout, plan_attempts=args.plan_attempts,
         attention_backend=args.attention_backend, dtype=args.dtype, progress=not args.no_progress,
         feedback=args.feedback, job_id=args.job_id,

@@ -62,7 +62,7 @@ from scheduler_service.core.plan import SchedulerName, make_problem
 from scheduler_service.core.profile import Profile, load_profile, resolve_profile
 from trainer_client.attention import AttentionBackend
 from trainer_client.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer_client.data import GlobalBatch, JsonlSource, SyntheticSource, make_source
+from trainer_client.data import DataSource, GlobalBatch, LengthStats, make_source
 from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelContext, ParallelDims
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS, CausalLMLoss
 from trainer_client.model import build_model, model_shape
@@ -116,6 +116,7 @@ class TrainConfig:
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     max_length: int | None = None
     truncate: bool = False
+    tokenizer: str | None = None  # a local tokenizer directory, for text and chat records
     metrics_out: Path | None = None
     plan_timeout_s: float = 5.0
     plan_attempts: int = 3
@@ -259,10 +260,11 @@ class Trainer:
                                               and Path(config.profile).is_file() else config.profile)
         self.bucket_size = config.bucket_size or self._derived_bucket_size(shape, param_dtype)
         self.max_length = config.max_length or self.bucket_size * config.cp
-        self.source: SyntheticSource | JsonlSource = make_source(
+        self.source: DataSource = make_source(
             config.data, global_batch_size=config.global_batch, vocab_size=shape.vocab_size,
-            max_length=self.max_length, seed=config.seed, truncate=config.truncate,
+            max_length=self.max_length, seed=config.seed, truncate=config.truncate, tokenizer=config.tokenizer,
         )
+        self.lengths = LengthStats()  # of the batches this run trained
         lm = build_model(config.model, seed=config.seed, device=self.device)
         lm.train()
         self.pad_token_id = int(getattr(lm.config, "pad_token_id", None) or 0)
@@ -498,6 +500,7 @@ class Trainer:
             for step in range(self.first_step, self.config.steps):
                 batch = self.batch(step)
                 metrics = self.train_step(step, batch)
+                self.lengths.add(batch)
                 history.append(metrics)
                 if self._metrics_file is not None:
                     self._metrics_file.write(metrics.to_json() + "\n")
@@ -509,6 +512,8 @@ class Trainer:
                 bar.set_postfix(loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:.0f}",
                                 plan=metrics.plan_source)
                 bar.update()
+        if self.parallel.is_main:
+            logger.info("data: %s", self.lengths.summary())
         return history
 
     def close(self) -> None:
