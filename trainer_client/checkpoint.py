@@ -19,6 +19,7 @@ one had not and reproduces the uninterrupted run's losses bit for bit (``tests/t
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,9 @@ def save_checkpoint(
     """Every rank calls this (DCP is collective); rank 0 then points ``latest`` at it."""
     path = _step_dir(directory, state.num_steps_done)
     model_state, optimizer_state = get_state_dict(module, optimizer)
+    if dist.get_rank() == 0 and path.exists():
+        shutil.rmtree(path)  # written by a killed run after the checkpoint its restart resumed from: replace it
+    dist.barrier()
     dcp.save({"model": model_state, "optimizer": optimizer_state, "train": _train_entry(state),
               "rng": {f"rank{dist.get_rank()}": torch.get_rng_state()}}, checkpoint_id=path)
     if dist.get_rank() == 0:
