@@ -6,11 +6,8 @@ errors are raised, never formatted here (``problems`` maps them to HTTP).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
-from collections.abc import Coroutine
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Request
@@ -30,16 +27,12 @@ from skrull_proto import (
 
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, builtin_profiles
+from scheduler_service.disconnect import ClientWatch
 from scheduler_service.metrics import CONTENT_TYPE_LATEST, ServiceMetrics
 from scheduler_service.middleware import SCHEDULER_SCOPE_KEY
 from scheduler_service.parsing import parse_plan_request
 from scheduler_service.planning import PlanningService, feedback_response
-from scheduler_service.problems import (
-    FEEDBACK_PROBLEM_RESPONSES,
-    PROBLEM_RESPONSES,
-    ClientDisconnectedError,
-    ServiceUnavailableError,
-)
+from scheduler_service.problems import FEEDBACK_PROBLEM_RESPONSES, PROBLEM_RESPONSES, ServiceUnavailableError
 from scheduler_service.settings import Settings
 
 __all__ = ["router"]
@@ -73,31 +66,10 @@ _JSON = "application/json"
 _INLINE_MAX_BODY_BYTES = 64 << 10
 
 
-T = TypeVar("T")
-
-
 def _request_body(schema: str) -> dict[str, Any]:
     """OpenAPI of a body the route parses itself (``parsing``), so that the service decides where it is parsed."""
     return {"requestBody": {"content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
                             "required": True}}
-
-
-async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """``work``'s result, unless the client hangs up first: then stop waiting (a task still queued in a pool is
-    dropped) and raise ``ClientDisconnectedError`` (logged and counted as 499, not as a server error). Once the
-    body is read, the next ``receive`` returns only when the client disconnects."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(request.receive())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done() and watcher.result()["type"] == "http.disconnect":
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-            raise ClientDisconnectedError()
-        return await task
-    finally:
-        watcher.cancel()
 
 
 @router.post(
@@ -121,7 +93,7 @@ async def plan(request: Request, planner: PlannerDep, settings: SettingsDep) -> 
             functools.partial(parse_plan_request, raw, content_type, max_sequences=settings.max_sequences)
         )
     request.scope[SCHEDULER_SCOPE_KEY] = body.scheduler.value
-    batch = await _unless_client_leaves(request, planner.plan(body))
+    batch = await planner.plan(body, watch=ClientWatch(request.receive))
     # Already serialized where it was planned; returning a Response skips FastAPI's second validation pass.
     return Response(batch.body, media_type=_JSON)
 
@@ -191,7 +163,7 @@ async def reload_profiles(planner: PlannerDep, settings: SettingsDep) -> Profile
 )
 async def feedback(request: Request, planner: PlannerDep) -> FeedbackResponse:
     body = await request.body()
-    return await _unless_client_leaves(request, planner.feedback(body, request.headers.get("content-type")))
+    return await planner.feedback(body, request.headers.get("content-type"), watch=ClientWatch(request.receive))
 
 
 @router.get(

@@ -31,7 +31,7 @@ answer's bytes):
 Pool processes exit when the server process is gone, even after a SIGKILL
 (``_exit_with_parent``).
 
-Profiles and feedback (state this service keeps, per process):
+Profiles and feedback (state this service keeps):
 
 * profiles measured by the profiler are read from ``profile_dir`` at start-up
   (a bad file stops the start, naming it), again on ``POST /profiles/reload``,
@@ -40,9 +40,13 @@ Profiles and feedback (state this service keeps, per process):
 * a ``/plan`` request with a ``job_id`` registers the job (its base profile,
   model, DP and CP sizes). ``POST /feedback`` refits that job's profile
   (``core.feedback``, bounded per job) and its later plans use the refit and
-  any lowered BucketSize. At most ``feedback_max_jobs`` jobs are kept, least
-  recently used dropped. With several uvicorn workers each keeps its own jobs:
-  run one worker (the sidecar pattern) when trainers send feedback.
+  any lowered BucketSize. Jobs live in the job store (``job_store``: a SQLite
+  file by default, Redis when ``state_url`` names one), so a restarted process
+  resumes every job's refit and workers sharing the store share the jobs; at
+  most ``feedback_max_jobs`` are kept, least recently used dropped. A report
+  is adopted only onto the state it was refit from: a report that another
+  (worker's) report or plan of the same job overtook is a 429, never a lost
+  update.
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ import multiprocessing.connection
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -83,13 +86,14 @@ from scheduler_service.core.errors import (
     PlanningError,
 )
 from scheduler_service.core.feedback import FeedbackConfig, GroupLengths, JobFeedback, MicroBatchMeasurement
-from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import Plan, PlanLimits, PlanningProblem, block_degrees, cp_blocks
 from scheduler_service.core.plan import SchedulerName as CoreSchedulerName
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.profile import Profile, builtin_profiles, load_profile_dir
 from scheduler_service.cost import feedback_cells, plan_cost
+from scheduler_service.disconnect import ClientWatch
+from scheduler_service.job_store import StoredJob, job_key, open_job_store
 from scheduler_service.metrics import Placement, ServiceMetrics
 from scheduler_service.parsing import check_json_media_type, parse_feedback_request
 from scheduler_service.problems import (
@@ -113,8 +117,10 @@ _WARMUP_BUCKET_SIZE = 16384
 _WARMUP_CP_SIZE = 4
 # Pool processes yield the CPU to the event loop (probes, small plans).
 _POOL_NICE = 10
-# Extra wall time allowed beyond a task's expected time (spawn, imports, model building) before giving up.
-_POOL_GRACE_S = 30.0
+# A task is given up (503) only long after it should have ended: its expected time several times over (niced
+# pool processes on a busy machine run slower than the calibration) plus a grace (spawn, imports, model building).
+_POOL_PATIENCE = 4.0
+_POOL_GRACE_S = 60.0
 # Seconds per cell of the slowest measured plans (2 cores): only feeds Retry-After and the give-up time.
 _SECONDS_PER_CELL = 15e-6
 T = TypeVar("T")
@@ -403,11 +409,6 @@ def feedback_response(job: JobFeedback) -> FeedbackResponse:
     )
 
 
-def _job_key(job: JobFeedback) -> tuple[str, ModelShape, int, int]:
-    """What a job's plans share: a plan that changes any of these restarts the job."""
-    return job.base.name, job.model, job.dp_size, job.cp_size
-
-
 def _without_folder(message: str, directory: Path) -> str:
     """``message`` with the folder's path left out: answers never carry a server's file-system paths."""
     folder = str(directory).rstrip("/")
@@ -457,10 +458,10 @@ class _Pool:
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_init_worker)
 
-    async def run(self, fn: Callable[..., T], *args: object, expected_s: float) -> T:
+    async def run(self, fn: Callable[..., T], *args: object, expected_s: float, watch: ClientWatch | None) -> T:
         """``fn(*args)`` in a pool process, admitted or refused at once. The slot is held until the task really
-        ends, even if its request stops waiting (a client that hung up): the process is busy until then. A task
-        still queued when its request stops waiting is dropped."""
+        ends, even if its request stops waiting (``watch``: the client hung up): the process is busy until then.
+        A task still queued when its request stops waiting is dropped."""
         now = time.monotonic()
         if self.in_flight >= self.capacity:
             self._rejected.inc()
@@ -493,14 +494,15 @@ class _Pool:
 
         future.add_done_callback(release_on_loop)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future),
-                                          timeout=expected_s * (1 + queued_behind) + _POOL_GRACE_S)
+            result = asyncio.wrap_future(future)
+            return await asyncio.wait_for(result if watch is None else watch.until_gone(result),
+                                          timeout=_POOL_PATIENCE * expected_s * (1 + queued_behind) + _POOL_GRACE_S)
         except BrokenProcessPool as error:
             self._replace_broken(executor)
             raise ServiceUnavailableError(f"a {self.name} pool process died; retry") from error
         except TimeoutError as error:
-            raise ServiceUnavailableError(f"the {self.name} pool did not finish within {expected_s:g} s plus "
-                                          "grace") from error
+            raise ServiceUnavailableError(f"the {self.name} pool did not finish within {_POOL_PATIENCE:g} × "
+                                          f"{expected_s:g} s plus grace") from error
 
     def _release(self, ticket: int) -> None:
         if self._deadlines.pop(ticket, None) is not None:
@@ -533,9 +535,9 @@ class PlanningService:
         self.profiles: dict[str, Profile] = {}  # read from settings.profile_dir
         self.feedback_config = FeedbackConfig(window=settings.feedback_window,
                                               memory_headroom=settings.feedback_memory_headroom)
-        # No lock: every read and write of _jobs happens on the event loop (the endpoints are async); refits and
-        # plans run in pool processes only receive a job, an immutable snapshot.
-        self._jobs: OrderedDict[str, JobFeedback] = OrderedDict()
+        # Called on the event loop only (the endpoints are async); refits and plans run in pool processes only
+        # receive a job, an immutable snapshot.
+        self.jobs = open_job_store(settings.state_url, max_jobs=settings.feedback_max_jobs)
         self._refitting: set[str] = set()  # jobs whose report is being refit in the heavy pool
         self._profile_dir_seen: object = None  # the folder's state at the last (re)load, successful or not
 
@@ -568,6 +570,7 @@ class PlanningService:
         self.ready = False
         self.cpsat_pool.close()
         self.heavy_pool.close()
+        self.jobs.close()
 
     def _on_cpsat_warm(self, future: Future[str]) -> None:
         if future.cancelled():
@@ -634,33 +637,30 @@ class PlanningService:
         if request.job_id is None or not self.settings.feedback:
             return None
         model, profile = request_model_and_profile(request, extra_profiles=self.profiles)
-        job = self._jobs.get(request.job_id)
-        if job is None or _job_key(job) != (profile.name, model, request.dp_size, request.cp_size):
-            job = core_feedback.start_job(request.job_id, base=profile, model=model, dp_size=request.dp_size,
-                                          cp_size=request.cp_size, config=self.feedback_config)
-        return job
+        stored = self.jobs.get(request.job_id)
+        if stored is not None and job_key(stored.job) == (profile.name, model, request.dp_size, request.cp_size):
+            return stored.job
+        return core_feedback.start_job(request.job_id, base=profile, model=model, dp_size=request.dp_size,
+                                       cp_size=request.cp_size, config=self.feedback_config)
 
     def _keep_job(self, job: JobFeedback | None) -> None:
         """Register or refresh a job after a successful plan; a refit adopted meanwhile (same key) is kept."""
-        if job is None:
-            return
-        kept = self._jobs.get(job.job_id)
-        if kept is None or _job_key(kept) != _job_key(job):
-            self._jobs[job.job_id] = job
-        self._jobs.move_to_end(job.job_id)
-        while len(self._jobs) > self.settings.feedback_max_jobs:
-            self._jobs.popitem(last=False)
-        self.metrics.feedback_jobs.set(len(self._jobs))
+        if job is not None:
+            self.metrics.feedback_jobs.set(self.jobs.keep(job))
 
     def job(self, job_id: str) -> JobFeedback:
+        return self._stored_job(job_id).job
+
+    def _stored_job(self, job_id: str) -> StoredJob:
         if not self.settings.feedback:
             raise FeedbackDisabledError()
-        job = self._jobs.get(job_id)
-        if job is None:
+        stored = self.jobs.get(job_id)
+        if stored is None:
             raise UnknownJobError(job_id, max_jobs=self.settings.feedback_max_jobs)
-        return job
+        return stored
 
-    async def feedback(self, body: bytes, content_type: str | None) -> FeedbackResponse:
+    async def feedback(self, body: bytes, content_type: str | None, *,
+                       watch: ClientWatch | None = None) -> FeedbackResponse:
         """Refit a job from one report (raw JSON: a large report is parsed in the heavy pool, not here); a bad
         report raises and leaves the job as it was. One report per job at a time (the trainer sends them one
         after another); another meanwhile is a 429."""
@@ -674,50 +674,53 @@ class PlanningService:
                 field="micro_batches", limit=self.settings.max_feedback_cells)
         if cells <= self.settings.inline_max_cells:
             request = parse_feedback_request(body, content_type)
-            job = self._admit_refit(request.job_id)
-            updated = refit_job(job, request, self.settings.max_sequence_length)
-            return self._adopt_refit(job, updated, len(request.micro_batches), request.step)
+            stored = self._admit_refit(request.job_id)
+            updated = refit_job(stored.job, request, self.settings.max_sequence_length)
+            return self._adopt_refit(stored, updated, len(request.micro_batches), request.step)
         check_json_media_type(content_type)  # here: the pool processes parse the JSON only
         expected_s = cells * _SECONDS_PER_CELL
-        parsed = await self.heavy_pool.run(_feedback_job_id_in_worker, body, expected_s=expected_s)
+        parsed = await self.heavy_pool.run(_feedback_job_id_in_worker, body, expected_s=expected_s, watch=watch)
         if parsed.job_id is None:
             _raise_worker_error(parsed)
         assert parsed.job_id is not None
-        job = self._admit_refit(parsed.job_id)
+        stored = self._admit_refit(parsed.job_id)
+        job = stored.job
         self._refitting.add(job.job_id)
         try:
-            outcome = await self.heavy_pool.run(_refit_in_worker, body, job,
-                                                self.settings.max_sequence_length, expected_s=expected_s)
+            outcome = await self.heavy_pool.run(_refit_in_worker, body, job, self.settings.max_sequence_length,
+                                                expected_s=expected_s, watch=watch)
         finally:
             self._refitting.discard(job.job_id)
         if outcome.job is None:
             _raise_worker_error(outcome)
         assert outcome.job is not None
-        return self._adopt_refit(job, outcome.job, outcome.job.num_observations - job.num_observations, None)
+        return self._adopt_refit(stored, outcome.job, outcome.job.num_observations - job.num_observations, None)
 
-    def _admit_refit(self, job_id: str) -> JobFeedback:
-        job = self.job(job_id)
+    def _admit_refit(self, job_id: str) -> StoredJob:
+        stored = self._stored_job(job_id)
         if job_id in self._refitting:
             raise ServiceBusyError(f"job {job_id!r} has a report being refit; send the next one after it",
                                    retry_after_s=1, limit=1)
-        return job
+        return stored
 
-    def _adopt_refit(self, job: JobFeedback, updated: JobFeedback, num_micro_batches: int,
+    def _adopt_refit(self, stored: StoredJob, updated: JobFeedback, num_micro_batches: int,
                      step: int | None) -> FeedbackResponse:
-        if self._jobs.get(job.job_id) is job:  # not restarted by a plan meanwhile
-            self._jobs[job.job_id] = updated
-            self._jobs.move_to_end(job.job_id)
+        job_id = updated.job_id
+        if not self.jobs.replace(stored, updated):
+            raise ServiceBusyError(f"job {job_id!r} was refit (or restarted by a plan) by another request while "
+                                   "this report was refit; send it again", retry_after_s=1, limit=1)
         self.metrics.feedback_micro_batches.inc(num_micro_batches)
-        logger.info("feedback", extra={"job_id": job.job_id, "step": step, "micro_batches": num_micro_batches,
+        logger.info("feedback", extra={"job_id": job_id, "step": step, "micro_batches": num_micro_batches,
                                        "compute_scale": round(updated.compute_scale, 6),
                                        "bucket_size_cap": updated.bucket_cap})
         return feedback_response(updated)
 
     # -- planning
 
-    async def plan(self, request: PlanRequest) -> PlannedBatch:
+    async def plan(self, request: PlanRequest, *, watch: ClientWatch | None = None) -> PlannedBatch:
         """Where a plan runs is decided from the request's shape, before validating it (~3 µs per sequence):
-        small ones inline; anything larger, validation included, in the heavy pool."""
+        small ones inline; anything larger, validation included, in the heavy pool. ``watch``: stop waiting
+        for a pool when the client hangs up."""
         if not self.ready:
             raise ServiceUnavailableError("the planner is still warming up")
         self._refresh_profiles_for(request)
@@ -732,7 +735,7 @@ class PlanningService:
                 field="sequence_lengths", limit=settings.max_plan_cells)
         job = self._job_for(request)
         if request.scheduler is SchedulerName.CPSAT:
-            batch = await self._plan_cpsat(request, job, cost_limits)
+            batch = await self._plan_cpsat(request, job, cost_limits, watch)
         elif at_least <= settings.inline_max_cells:
             batch = plan_request(request, self.limits, extra_profiles=self.profiles, job=job,
                                  cost_limits=cost_limits)
@@ -740,7 +743,7 @@ class PlanningService:
             # Planning costs about twice the baseline's cells; the estimate only feeds Retry-After and the give-up.
             outcome = await self.heavy_pool.run(_plan_in_worker, request.model_dump_json().encode(), self.limits,
                                                 None, self.profiles, job, cost_limits,
-                                                expected_s=2 * at_least * _SECONDS_PER_CELL)
+                                                expected_s=2 * at_least * _SECONDS_PER_CELL, watch=watch)
             batch = self._batch_of(outcome)
         self._keep_job(job)
         summary = batch.summary
@@ -760,8 +763,8 @@ class PlanningService:
         assert outcome.batch is not None
         return outcome.batch
 
-    async def _plan_cpsat(self, request: PlanRequest, job: JobFeedback | None,
-                          cost_limits: CostLimits) -> PlannedBatch:
+    async def _plan_cpsat(self, request: PlanRequest, job: JobFeedback | None, cost_limits: CostLimits,
+                          watch: ClientWatch | None) -> PlannedBatch:
         """Validated here first (a cpsat batch is small): bad input never takes a solver slot. The solver process
         builds its own problem (it cannot share this one)."""
         settings = self.settings
@@ -776,5 +779,6 @@ class PlanningService:
         requested_s = request.time_limit_s or settings.cpsat_default_time_limit_s
         time_limit_s = min(float(requested_s), settings.cpsat_max_time_limit_s)
         outcome = await self.cpsat_pool.run(_plan_in_worker, request.model_dump_json().encode(), self.limits,
-                                            time_limit_s, self.profiles, job, cost_limits, expected_s=time_limit_s)
+                                            time_limit_s, self.profiles, job, cost_limits, expected_s=time_limit_s,
+                                            watch=watch)
         return self._batch_of(outcome)
