@@ -5,10 +5,10 @@ A plan's work and its answer grow with its *cells*: every micro-batch carries
 every sequence is placed once. The deepspeed baseline every answer is compared
 with has one micro-batch per sequence, so every plan costs at least
 ``sequences × cp_size`` cells of simulation; the plan itself adds its own
-micro-batches × ``cp_size`` (as many as sequences for the deepspeed and
-one-per-micro-batch shapes; for packing schedulers about twice the bin-packing
-bound plus one per DP rank). Measured on the 2-core development machine, one
-cell costs 4–15 µs of planning and about 3 bytes of JSON (a 1024-sequence
+micro-batches × ``cp_size``: for the packing schedulers at most twice the
+bin-packing bound plus one per DP rank (measured); for the paper-style GDS,
+which measured up to 4x that bound, one per sequence. On the 2-core
+development machine one cell costs 4–15 µs of planning and about 3 bytes of JSON (a 1024-sequence
 ``cp_size`` 1024 batch with ``bucket_size`` 1 is 2.1 M cells: 33 s and 3.2 MB);
 with ``breakdown`` every plan cell also carries its CP rank's estimate, about
 180 bytes more (measured 177).
@@ -26,14 +26,15 @@ from dataclasses import dataclass
 
 from scheduler_service.core.plan import PlanningProblem, SchedulerName
 
-__all__ = ["PlanCost", "feedback_cells", "plan_cost"]
+__all__ = ["PlanCost", "baseline_cells", "feedback_cells", "plan_cost"]
 
 # Micro-batch JSON beside its local lists ('{"local":[…],"distributed":[…],"estimated_time_ms":12.345678},').
 _MICRO_BATCH_JSON_BYTES = 64
 # A CP rank's estimate in a breakdown ('{"tokens":…,"local_tokens":…,"local_ms":…, … "time_ms":…},').
 _BREAKDOWN_JSON_BYTES = 180
-# Schedulers whose plans may hold one micro-batch per sequence.
-_ONE_PER_SEQUENCE = frozenset({SchedulerName.DEEPSPEED})
+# Schedulers whose micro-batch count only the sequences bound: deepspeed's one per sequence, and the paper-style
+# GDS, measured at up to 4x the bin-packing bound.
+_UNPACKED = frozenset({SchedulerName.DEEPSPEED, SchedulerName.SKRULL_PAPER, SchedulerName.ROUND_ROBIN})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,18 +46,26 @@ class PlanCost:
     answer_bytes: int
 
 
+def baseline_cells(num_sequences: int, cp_size: int) -> int:
+    """Cells every plan costs at least: the deepspeed baseline's one micro-batch of ``cp_size`` local lists per
+    sequence, and the sequences. Known from the request's shape alone, before validating it."""
+    return num_sequences * (cp_size + 1)
+
+
 def plan_cost(problem: PlanningProblem, scheduler: SchedulerName, *, breakdown: bool = False) -> PlanCost:
-    """The estimate for ``problem`` planned by ``scheduler`` (an upper estimate: about 2x at worst);
-    ``breakdown``: the answer carries every CP rank's estimate of every micro-batch."""
+    """The estimate for ``problem`` planned by ``scheduler``: an upper bound on its micro-batches (for the packing
+    schedulers a measured one, not a proven one: ``tests/test_cost.py``); ``breakdown``: the answer carries
+    every CP rank's estimate of every micro-batch."""
     num_sequences, cp_size = problem.num_sequences, problem.cp_size
-    if scheduler in _ONE_PER_SEQUENCE:
+    if scheduler in _UNPACKED:
         num_micro_batches = num_sequences
-        plan_cells = 0  # the plan is the baseline
+        # deepspeed's plan is the baseline itself
+        plan_cells = 0 if scheduler is SchedulerName.DEEPSPEED else num_micro_batches * cp_size
     else:
         by_tokens = math.ceil(sum(problem.sequence_lengths) / problem.micro_batch_capacity)
         num_micro_batches = min(num_sequences, 2 * by_tokens + problem.dp_size)
         plan_cells = num_micro_batches * cp_size
-    cells = num_sequences * cp_size + plan_cells + num_sequences
+    cells = baseline_cells(num_sequences, cp_size) + plan_cells
     index_bytes = len(str(num_sequences)) + 1
     per_micro_batch = (3 + (_BREAKDOWN_JSON_BYTES if breakdown else 0)) * cp_size + _MICRO_BATCH_JSON_BYTES
     answer_bytes = num_micro_batches * per_micro_batch + num_sequences * index_bytes

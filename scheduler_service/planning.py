@@ -91,7 +91,7 @@ from scheduler_service.core.plan import Plan, PlanLimits, PlanningProblem, block
 from scheduler_service.core.plan import SchedulerName as CoreSchedulerName
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.profile import Profile, builtin_profiles, load_profile_dir
-from scheduler_service.cost import feedback_cells, plan_cost
+from scheduler_service.cost import baseline_cells, feedback_cells, plan_cost
 from scheduler_service.disconnect import ClientWatch
 from scheduler_service.job_store import StoredJob, job_key, open_job_store
 from scheduler_service.metrics import Placement, ServiceMetrics
@@ -182,12 +182,6 @@ class CostLimits:
             raise RequestLimitError(f"{shape}; the service answers at most {self.max_answer_bytes} bytes: "
                                     f"{advice}, or leave out the breakdown", field="sequence_lengths",
                                     limit=self.max_answer_bytes)
-
-
-def shape_cells(request: PlanRequest, limits: PlanLimits) -> int:
-    """Cells every plan of ``request`` costs at least (the deepspeed baseline's sequences × cp_size local lists,
-    and the sequences), from its shape alone: known before validating it, which costs ~3 µs per sequence."""
-    return len(request.sequence_lengths) * (min(request.cp_size, limits.max_cp_size) + 1)
 
 
 def plan_request(
@@ -726,7 +720,8 @@ class PlanningService:
         self._refresh_profiles_for(request)
         settings = self.settings
         cost_limits = CostLimits(max_cells=settings.max_plan_cells, max_answer_bytes=settings.max_answer_bytes)
-        at_least = shape_cells(request, self.limits)
+        # A cp_size over its limit is left to validation, which names that limit.
+        at_least = baseline_cells(len(request.sequence_lengths), min(request.cp_size, self.limits.max_cp_size))
         if at_least > settings.max_plan_cells:  # over the limit whatever the micro-batches: refused at once
             raise RequestLimitError(
                 f"every plan of {len(request.sequence_lengths)} sequences on cp_size {request.cp_size} holds at "
