@@ -112,8 +112,9 @@ class ServiceMetrics:
         self.feedback_micro_batches = Counter(
             "skrull_feedback_micro_batches", "Measured micro-batches accepted by POST /feedback.", registry=r
         )
+        # Every worker sets the shared job store's count: the latest is the answer, a sum would count it per worker.
         self.feedback_jobs = Gauge("skrull_feedback_jobs", "Jobs whose refit profile the service keeps.",
-                                   registry=r, multiprocess_mode="livesum")
+                                   registry=r, multiprocess_mode="mostrecent")
         self.feedback_bucket_lowered = Counter(
             "skrull_feedback_bucket_lowered", "Plans whose bucket_size a job's memory feedback lowered.", registry=r
         )

@@ -8,6 +8,8 @@ every uvicorn worker process sees one configuration.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from functools import cache
 from pathlib import Path
 from typing import Literal
@@ -17,9 +19,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler_service.core.plan import PlanLimits
 
-__all__ = ["ENV_PREFIX", "Settings", "get_settings"]
+__all__ = ["ENV_PREFIX", "Settings", "default_state_url", "get_settings"]
 
 ENV_PREFIX = "SKRULL_"
+
+
+def default_state_url() -> str:
+    """A SQLite file in a per-user folder of the temporary directory: the one place the shipped containers may
+    write, and a Kubernetes ``emptyDir`` there survives a restart of the service's container."""
+    return f"sqlite://{Path(tempfile.gettempdir()) / f'skrull-{os.getuid()}' / 'jobs.sqlite3'}"
 
 
 class Settings(BaseSettings):
@@ -89,6 +97,9 @@ class Settings(BaseSettings):
     feedback_window: int = Field(default=256, ge=2, le=65536, description="Observations each job's refit keeps.")
     feedback_memory_headroom: float = Field(default=0.9, gt=0, le=1, description="Fraction of the memory budget "
                                             "a job's plans may use before its bucket_size is lowered.")
+    state_url: str = Field(default_factory=default_state_url, description="Where jobs' feedback state "
+                           "is kept (``job_store``): a SQLite file path (or sqlite://PATH), or redis://… to share "
+                           "it between workers and replicas.")
 
     @model_validator(mode="after")
     def _time_limits_are_ordered(self) -> Settings:

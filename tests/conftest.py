@@ -1,12 +1,18 @@
-"""Shared fixtures: small planning problems built from the core's own validation path, and a live service."""
+"""Shared fixtures: small planning problems built from the core's own validation path, a live service, job state
+of each test's own, and a real Redis server."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import pytest
+import redis
 import uvicorn
 
 from scheduler_service.app import create_app
@@ -14,6 +20,73 @@ from scheduler_service.core.plan import PlanningProblem, make_problem
 from scheduler_service.settings import Settings
 
 ProblemFactory = Callable[..., PlanningProblem]
+
+
+@contextlib.contextmanager
+def _own_job_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SKRULL_STATE_URL", str(tmp_path_factory.mktemp("state") / "jobs.sqlite3"))
+        yield
+
+
+# Every app and server a test starts keeps its jobs in a file of its own (Settings read SKRULL_STATE_URL), never
+# in the user's default file: one per test, and one per module and session for the apps their fixtures start.
+@pytest.fixture(scope="session", autouse=True)
+def _session_job_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with _own_job_state(tmp_path_factory):
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_job_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with _own_job_state(tmp_path_factory):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _job_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with _own_job_state(tmp_path_factory):
+        yield
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real ``redis-server`` (Debian's ``redis-server`` package) on a free loopback port, in a folder of its own;
+    its URL. Skips where the binary is absent (CI's clean clone installs no system packages)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server): Redis job-store tests skipped")
+    folder = tmp_path_factory.mktemp("redis")
+    with socket.socket() as probe:  # a port free now; redis-server cannot pick one itself (--port 0 disables TCP)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
+                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while not _accepts(port):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"redis-server did not start on port {port}")
+        time.sleep(0.05)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> str:
+    """The Redis server, emptied for this test."""
+    with redis.Redis.from_url(redis_server) as client:
+        client.flushdb()
+    return redis_server
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture

@@ -187,6 +187,7 @@ class StepMetrics:
     scheduler: str
     estimated_time_ms: float | None
     num_micro_batches: int
+    micro_batch_time_s: float  # the slowest rank's time in its micro-batches: what the plan's estimate predicts
     num_padding_micro_batches: int  # zero-loss micro-batches run so that FSDP collectives match, all ranks
     plan_fallbacks: int
     lr: float
@@ -279,6 +280,7 @@ class Trainer:
                                                   total_steps=config.steps, min_lr_ratio=config.min_lr_ratio)
         self.first_step = 0
         self.num_padding_micro_batches = 0  # of the latest step, summed over all ranks
+        self.micro_batch_time_s = 0.0  # of the latest step, the slowest rank's
         if config.resume:
             assert config.checkpoint_dir is not None
             self._resume(config.checkpoint_dir)
@@ -397,6 +399,7 @@ class Trainer:
         self.micro_batch_timings = []
         # On CUDA the timing waits for the device, so only a run that reports it pays for the waits.
         timed = self.device.type != "cuda" or self.config.feedback
+        loop_started = time.perf_counter()
         # Replicated: an idle micro-batch (no tokens, no collective) is skipped, no peer waits for this rank.
         last = max((index for index, pack in enumerate(packs) if not pack.is_idle), default=-1)
         for index, pack in enumerate(packs):
@@ -419,6 +422,11 @@ class Trainer:
                 self.micro_batch_timings.append(MicroBatchTiming(
                     dp_rank=self.parallel.dp_rank, index=index, time_s=time.perf_counter() - started,
                     peak_memory_bytes=peak))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        slowest = torch.tensor([time.perf_counter() - loop_started], dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
+        self.micro_batch_time_s = float(slowest.item())
         totals = [loss_sum.float().reshape(1), torch.tensor([float(sum(p.is_padding for p in packs))],
                                                              device=self.device)]
         if self.sharding is Sharding.NONE:
@@ -465,7 +473,7 @@ class Trainer:
             step=step, loss=loss, tokens=batch.num_tokens, loss_tokens=num_loss_tokens, step_time_s=step_time_s,
             tokens_per_s=batch.num_tokens / step_time_s, plan_source=decision.origin.value,
             scheduler=decision.scheduler, estimated_time_ms=decision.estimated_time_ms,
-            num_micro_batches=decision.plan.num_micro_batches,
+            num_micro_batches=decision.plan.num_micro_batches, micro_batch_time_s=self.micro_batch_time_s,
             num_padding_micro_batches=self.num_padding_micro_batches,
             plan_fallbacks=self.plans.num_fallbacks if self.plans is not None else 0, lr=lr, grad_norm=grad_norm,
             peak_memory_bytes=peak, memory_kind=memory_kind,

@@ -56,9 +56,11 @@ from scheduler_service.core.profile import MemoryProfile, Profile
 from scheduler_service.core.simulate import rank_loads
 
 __all__ = [
+    "ComputeObservation",
     "FeedbackConfig",
     "GroupLengths",
     "JobFeedback",
+    "MemoryObservation",
     "MicroBatchMeasurement",
     "effective_bucket_size",
     "observe",
@@ -139,14 +141,18 @@ class MicroBatchMeasurement:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _ComputeObservation:
+class ComputeObservation:
+    """One micro-batch's time split into what the compute refit's two coefficients multiply."""
+
     work_s: float  # the variable compute time under the base profile (u multiplies it)
     num_fixed: int  # fixed costs on the critical path, each β·L (b multiplies it): 1 per micro-batch
     time_s: float  # measured time minus the communication predicted to be exposed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _MemoryObservation:
+class MemoryObservation:
+    """One micro-batch's peak memory against its tokens per CP rank."""
+
     tokens: float
     peak_bytes: float
 
@@ -179,8 +185,8 @@ class JobFeedback:
     fit_median_relative_error: float | None = None  # of the compute refit on its window
     num_observations: int = 0
     num_downweighted: int = 0  # observations of the window the robust fit treated as outliers
-    compute_window: tuple[_ComputeObservation, ...] = field(default=(), repr=False)
-    memory_window: tuple[_MemoryObservation, ...] = field(default=(), repr=False)
+    compute_window: tuple[ComputeObservation, ...] = field(default=(), repr=False)
+    memory_window: tuple[MemoryObservation, ...] = field(default=(), repr=False)
 
 
 def start_job(
@@ -216,7 +222,7 @@ def _as_micro_batch(perf: PerformanceModel, measurement: MicroBatchMeasurement) 
 
 
 def _compute_observation(job: JobFeedback, perf: PerformanceModel,
-                         measurement: MicroBatchMeasurement) -> _ComputeObservation | None:
+                         measurement: MicroBatchMeasurement) -> ComputeObservation | None:
     """The critical CP rank's time under the current refit, split into what ``u`` and ``b`` multiply."""
     problem, micro_batch = _as_micro_batch(perf, measurement)
     alpha, u, b = problem.alpha_s_per_flop, job.compute_scale, job.fixed_s
@@ -231,7 +237,7 @@ def _compute_observation(job: JobFeedback, perf: PerformanceModel,
     remaining_s = measurement.time_s - exposed_s(critical)
     if remaining_s <= 0:
         return None  # all communication: the time says nothing about compute
-    return _ComputeObservation(work_s=alpha * ranks[critical].work_flops, num_fixed=1, time_s=remaining_s)
+    return ComputeObservation(work_s=alpha * ranks[critical].work_flops, num_fixed=1, time_s=remaining_s)
 
 
 # ---- robust fitting -------------------------------------------------------------------------------------------
@@ -340,7 +346,7 @@ def observe(
     config = job.config
     base_perf = PerformanceModel(model=job.model, profile=job.base)
     new_compute = [obs for m in measurements if (obs := _compute_observation(job, base_perf, m)) is not None]
-    new_memory = [_MemoryObservation(tokens=m.tokens_per_rank, peak_bytes=float(m.peak_memory_bytes))
+    new_memory = [MemoryObservation(tokens=m.tokens_per_rank, peak_bytes=float(m.peak_memory_bytes))
                   for m in measurements if m.peak_memory_bytes is not None]
     compute_window = (*job.compute_window, *new_compute)[-config.window:]
     memory_window = (*job.memory_window, *new_memory)[-config.window:]
