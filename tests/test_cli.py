@@ -11,6 +11,8 @@ import pytest
 from skrull_proto import PlanResponse
 
 from scheduler_service.cli import main
+from scheduler_service.core.check import find_violations
+from scheduler_service.wire import response_to_plan
 
 REQUEST = {
     "sequence_lengths": [812, 30311, 97, 4000, 150, 22000, 64, 900, 12000, 300],
@@ -46,8 +48,11 @@ def test_every_scheduler_answers_the_design_request_shape(scheduler: str, tmp_pa
     request_file.write_text(json.dumps({**REQUEST, "scheduler": scheduler}))
     assert main(["plan", str(request_file)]) == 0
     response = PlanResponse.model_validate_json(capsys.readouterr().out)
-    assert response.scheduler == scheduler
-    assert all(len(mb.local) == 4 for dp in response.dp_ranks for mb in dp.micro_batches)
+    assert response.scheduler == scheduler and response.bucket_size == REQUEST["bucket_size"]
+    # a valid plan of this request: 2 DP ranks, micro-batches of 4 local lists, no empty micro-batch, every
+    # sequence exactly once, no CP rank over the bucket
+    assert find_violations(response_to_plan(response), sequence_lengths=REQUEST["sequence_lengths"], dp_size=2,
+                           cp_size=4, bucket_size=26000) == []
 
 
 def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

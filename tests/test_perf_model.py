@@ -22,10 +22,12 @@ def test_flops_follow_eq13_summed_over_layers(qwen_half: PerformanceModel) -> No
 
 
 def test_quadratic_term_dominates_past_a_few_thousand_tokens_for_qwen_half(qwen_half: PerformanceModel) -> None:
-    # Appendix C.2: for Qwen2.5-0.5B the quadratic term takes over around 4K tokens.
-    h = 896
-    crossover = (20 * h * h + 4 * h * 128) / (4 * h)
-    assert 4000 < crossover < 5000
+    # Appendix C.2: for Qwen2.5-0.5B the quadratic term takes over around 4K tokens. The model's FLOPs are
+    # a·S + b·S²: two evaluations give a and b, and the crossover S = a / b.
+    s = 1000.0
+    quadratic = (qwen_half.flops(2 * s) - 2 * qwen_half.flops(s)) / (2 * s * s)
+    linear = qwen_half.flops(s) / s - quadratic * s
+    assert 4000 < linear / quadratic < 5000
     # "when S = 32K the workload is about 30x that of S = 4K while memory grows 4x" (order of magnitude)
     assert 20 < qwen_half.flops(32 * 1024) / qwen_half.flops(4 * 1024) < 40
 

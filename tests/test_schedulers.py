@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from scheduler_service.core import baselines, dacp, gds
 from scheduler_service.core.check import find_violations
-from scheduler_service.core.partition import karmarkar_karp
+from scheduler_service.core.partition import MAX_KARMARKAR_KARP_CELLS, karmarkar_karp, lpt_partition
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, SchedulerName, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.simulate import simulate
@@ -185,7 +185,12 @@ def test_search_starts_at_one_micro_batch_per_sequence_over_half_the_capacity(pr
 
 
 def test_karmarkar_karp_hands_over_to_lpt_for_many_parts() -> None:
-    weights = list(range(1, 2001))
-    parts = karmarkar_karp(list(range(2000)), weights, 1024)  # 2M cells: over the KK memory cap
-    assert sorted(i for part in parts for i in part) == list(range(2000))
-    assert len(parts) == 1024
+    indices, weights = list(range(2000)), list(range(1, 2001))
+    assert len(indices) * 1024 > MAX_KARMARKAR_KARP_CELLS  # 2M cells: over the KK memory cap
+    parts = karmarkar_karp(indices, weights, 1024)
+    assert parts == [sorted(part) for part in lpt_partition(indices, weights, 1024)]
+    assert sorted(i for part in parts for i in part) == indices
+    # and LPT balances it: no part above the heaviest item (2000, a lower bound on the largest part, since it
+    # exceeds the mean 1954.1), none more than 47 below it
+    loads = [sum(weights[i] for i in part) for part in parts]
+    assert max(loads) == 2000 and min(loads) == 1953
