@@ -3,6 +3,7 @@ memory for recomputation without changing gradients, the LR schedule and clippin
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -84,7 +85,7 @@ def test_lr_warms_up_linearly_then_follows_a_cosine_to_the_floor_at_the_last_ste
     factors = [lr_factor(step, warmup_steps=4, total_steps=20, min_lr_ratio=0.1) for step in range(20)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
     assert factors[4] == 1.0 and factors[-1] == pytest.approx(0.1)
-    assert all(a > b for a, b in zip(factors[4:], factors[5:], strict=False))
+    assert all(a > b for a, b in itertools.pairwise(factors[4:]))
     assert factors[12] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 15)))
     assert lr_factor(0, warmup_steps=0, total_steps=1, min_lr_ratio=0.1) == 1.0
 
