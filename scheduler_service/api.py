@@ -118,6 +118,9 @@ async def models(settings: SettingsDep, planner: PlannerDep) -> ModelsResponse:
             cpsat_max_sequences=settings.cpsat_max_sequences,
             cpsat_default_time_limit_s=settings.cpsat_default_time_limit_s,
             cpsat_max_time_limit_s=settings.cpsat_max_time_limit_s,
+            max_plan_cells=settings.max_plan_cells,
+            max_answer_bytes=settings.max_answer_bytes,
+            max_feedback_cells=settings.max_feedback_cells,
         ),
     )
 

@@ -375,6 +375,8 @@ def test_models_lists_catalogue_profiles_schedulers_and_limits(client: TestClien
     assert body["schedulers"] == [s.value for s in SchedulerName]
     assert body["limits"]["max_sequences"] == 1000
     assert body["limits"]["max_body_bytes"] == 64 << 10
+    assert body["limits"]["max_plan_cells"] == Settings().max_plan_cells
+    assert body["limits"]["max_feedback_cells"] == Settings().max_feedback_cells
 
 
 def test_metrics_count_requests_by_scheduler_and_status() -> None:

@@ -372,6 +372,11 @@ class ServiceLimits(_Strict):
     cpsat_max_sequences: int
     cpsat_default_time_limit_s: float
     cpsat_max_time_limit_s: float
+    # Optional, so that clients of an older service parse its answers too.
+    max_plan_cells: int | None = Field(default=None, description="Largest estimated plan: micro-batches × cp_size "
+                                       "local lists, plus sequences (the deepspeed baseline's included).")
+    max_answer_bytes: int | None = Field(default=None, description="Largest estimated /plan answer.")
+    max_feedback_cells: int | None = Field(default=None, description="Most lists and lengths in one report.")
 
 
 class ModelsResponse(_Strict):
