@@ -2,7 +2,7 @@
 
     python -m benchmarks.load                      # 4000 requests, 32 clients, 256 sequences, DP=4, CP=8
     python -m benchmarks.load --requests 500       # a quick run
-    python -m benchmarks.load --env SKRULL_WORKERS=2 --env SKRULL_INLINE_MAX_SEQUENCES=0
+    python -m benchmarks.load --env SKRULL_WORKERS=2 --env SKRULL_INLINE_MAX_CELLS=0
 
 Starts ``python -m scheduler_service serve`` on a free loopback port with the
 default settings (plus any ``--env``), waits for ``/readyz``, sends warm-up
