@@ -19,8 +19,9 @@ bounded by its refit windows (``FeedbackConfig.window``).
 Concurrency: every job carries a *revision*, a random token renewed on every
 write. A refit is adopted only if the job still has the revision it was refit
 from (``replace``: a compare-and-set, in a SQLite transaction or a Redis Lua
-script), so two workers refitting the same job never lose a report: the loser
-refits again on the winner's state. A record written by another format version
+script), so two workers refitting the same job never overwrite each other:
+the later refit is refused (the service answers 429, and the report can be
+sent again onto the newer state). A record written by another format version
 reads as absent (the job starts again). Store failures (a locked or full file,
 an unreachable server) answer 503. The stores are called from the event loop;
 measured on the 2-core development machine with full windows (256), a plan of
