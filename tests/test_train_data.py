@@ -89,7 +89,7 @@ def test_a_source_moved_to_a_saved_position_continues_with_the_same_batches(tmp_
 
 def test_rejects_record_longer_than_max_length_naming_it(tmp_path: Path) -> None:
     path = _write(tmp_path / "d.jsonl", [{"input_ids": [1, 2]}, {"input_ids": list(range(20))}])
-    with pytest.raises(RecordTooLongError, match=r"d\.jsonl@\d+ has 20 tokens; the maximum is 8.*--truncate"):
+    with pytest.raises(RecordTooLongError, match=r"d\.jsonl:2 has 20 tokens; the maximum is 8.*--truncate"):
         _source(path, max_length=8).batch(0)
     assert _source(path, max_length=8, truncate=True).batch(0).sequence_lengths == (2, 8)
 

@@ -279,10 +279,13 @@ class RecordEncoder:
         ids.extend(rendered[len(ids):])
 
 
-class RecordReader(Protocol):
-    """Records in order from a position; wraps around at the end."""
+Position = dict[str, int]  # where a reader resumes: JSONL {"offset": byte, "line": number}, datasets {"row": index}
 
-    def read(self, position: int) -> tuple[object, str, int]:
+
+class RecordReader(Protocol):
+    """Records in order from a position (empty: the start); wraps around at the end."""
+
+    def read(self, position: Position) -> tuple[object, str, Position]:
         """The record at ``position``, where it is (for errors), and the position of the next one."""
         ...
 
@@ -293,9 +296,10 @@ class JsonlRecords:
 
     path: Path
 
-    def read(self, position: int) -> tuple[object, str, int]:
+    def read(self, position: Position) -> tuple[object, str, Position]:
+        offset, line_number = position.get("offset", 0), position.get("line", 1)
         with self.path.open("rb") as lines:
-            lines.seek(position)
+            lines.seek(offset)
             wrapped = False
             while True:
                 line = lines.readline()
@@ -304,15 +308,16 @@ class JsonlRecords:
                         raise ValueError(f"{self.path} holds no records")
                     wrapped = True
                     lines.seek(0)
-                    position = 0
+                    line_number = 1
                     continue
                 if line.strip():
+                    where = f"{self.path}:{line_number}"
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as error:
-                        raise ValueError(f"record {self.path}@{position} is not JSON: {error}") from None
-                    return record, f"{self.path}@{position}", lines.tell()
-                position = lines.tell()
+                        raise ValueError(f"record {where} is not JSON: {error}") from None
+                    return record, where, {"offset": lines.tell(), "line": line_number + 1}
+                line_number += 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -335,9 +340,9 @@ class DatasetRecords:
             raise ValueError(f"{self.path} holds no records")
         object.__setattr__(self, "dataset", dataset)
 
-    def read(self, position: int) -> tuple[object, str, int]:
-        row = position % self.dataset.num_rows
-        return self.dataset[row], f"{self.path}[{row}]", row + 1
+    def read(self, position: Position) -> tuple[object, str, Position]:
+        row = position.get("row", 0) % self.dataset.num_rows
+        return self.dataset[row], f"{self.path}[{row}]", {"row": row + 1}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -347,7 +352,7 @@ class RecordSource:
     records: RecordReader
     encoder: RecordEncoder
     global_batch_size: int
-    position: int = 0
+    position: Position = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
@@ -358,10 +363,10 @@ class RecordSource:
         for _ in range(self.global_batch_size):
             record, where, self.position = self.records.read(self.position)
             samples.append(self.encoder.encode(record, where))
-        return GlobalBatch(step=step, samples=tuple(samples), next_position={"position": self.position})
+        return GlobalBatch(step=step, samples=tuple(samples), next_position=dict(self.position))
 
     def seek(self, position: Mapping[str, int]) -> None:
-        self.position = int(position["position"])
+        self.position = dict(position)
 
 
 DataSource = SyntheticSource | RecordSource
