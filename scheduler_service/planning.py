@@ -65,7 +65,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import Counter, Gauge
@@ -80,10 +80,7 @@ from skrull_proto import (
 
 from scheduler_service.core import feedback as core_feedback
 from scheduler_service.core.errors import (
-    InfeasiblePlanError,
     InvalidRequestError,
-    PlanCheckError,
-    PlanningError,
 )
 from scheduler_service.core.feedback import FeedbackConfig, GroupLengths, JobFeedback, MicroBatchMeasurement
 from scheduler_service.core.perf_model import PerformanceModel
@@ -214,21 +211,6 @@ def plan_request(
 
 # ---- the pool process side -----------------------------------------------------------------------------------
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _WorkerOutcome:
-    """What a pool process sends back; errors travel as data (core errors do not all pickle)."""
-
-    batch: PlannedBatch | None = None
-    job: JobFeedback | None = None  # /feedback: the refit job (the job id alone after the first phase)
-    job_id: str | None = None
-    error_kind: str | None = None
-    message: str = ""
-    field: str | None = None
-    limit: int | float | None = None
-    violations: tuple[str, ...] = ()
-    validation_errors: tuple[dict[str, Any], ...] = ()
-
-
 def _init_worker() -> None:
     os.nice(_POOL_NICE)
     parent = multiprocessing.parent_process()
@@ -245,59 +227,32 @@ def _exit_with_parent(parent_sentinel: int) -> None:
     os._exit(1)
 
 
-def _outcome_of(error: Exception) -> _WorkerOutcome:
-    if isinstance(error, RequestValidationError):
-        # The first few hundred say all there is to say (and pickling a million would not be cheap).
-        return _WorkerOutcome(error_kind="validation", validation_errors=tuple(error.errors()[:256]))
-    if isinstance(error, PlanCheckError):
-        return _WorkerOutcome(error_kind="check", message=error.message, violations=tuple(error.violations))
-    if isinstance(error, InfeasiblePlanError):
-        return _WorkerOutcome(error_kind="infeasible", message=error.message, field=error.field)
-    if isinstance(error, RequestLimitError):
-        return _WorkerOutcome(error_kind="limit", message=error.message, field=error.field, limit=error.limit)
-    assert isinstance(error, PlanningError)
-    return _WorkerOutcome(error_kind="invalid", message=error.message, field=error.field)
-
-
-def _raise_worker_error(outcome: _WorkerOutcome) -> None:
-    if outcome.error_kind == "validation":
-        raise RequestValidationError(list(outcome.validation_errors))
-    if outcome.error_kind == "check":
-        raise PlanCheckError(list(outcome.violations))
-    if outcome.error_kind == "infeasible":
-        raise InfeasiblePlanError(outcome.message, field=outcome.field)
-    if outcome.error_kind == "limit":
-        assert outcome.field is not None and outcome.limit is not None
-        raise RequestLimitError(outcome.message, field=outcome.field, limit=outcome.limit)
-    raise InvalidRequestError(outcome.message, field=outcome.field)
-
-
 def _plan_in_worker(
     request_json: bytes, limits: PlanLimits, time_limit_s: float | None, extra_profiles: dict[str, Profile],
     job: JobFeedback | None, cost_limits: CostLimits,
-) -> _WorkerOutcome:
+) -> PlannedBatch:
+    """``plan_request`` in a pool process; a planning error is raised to the caller as it is (errors pickle)."""
     request = PlanRequest.model_validate_json(request_json)
-    try:
-        return _WorkerOutcome(batch=plan_request(request, limits, time_limit_s, extra_profiles=extra_profiles,
-                                                 job=job, cost_limits=cost_limits))
-    except PlanningError as error:
-        return _outcome_of(error)
+    return plan_request(request, limits, time_limit_s, extra_profiles=extra_profiles, job=job,
+                        cost_limits=cost_limits)
 
 
-def _feedback_job_id_in_worker(body: bytes) -> _WorkerOutcome:
-    """First phase of a heavy report: parse it (seconds for a few MB), so the event loop learns its job."""
+def _parse_feedback_in_worker(body: bytes) -> FeedbackRequest:
+    # The first few hundred errors say all there is to say (and pickling a million would not be cheap).
     try:
-        return _WorkerOutcome(job_id=parse_feedback_request(body, None).job_id)
+        return parse_feedback_request(body, None)
     except RequestValidationError as error:
-        return _outcome_of(error)
+        raise RequestValidationError(error.errors()[:256]) from None
 
 
-def _refit_in_worker(body: bytes, job: JobFeedback, max_sequence_length: int) -> _WorkerOutcome:
+def _feedback_job_id_in_worker(body: bytes) -> str:
+    """First phase of a heavy report: parse it (seconds for a few MB), so the event loop learns its job."""
+    return _parse_feedback_in_worker(body).job_id
+
+
+def _refit_in_worker(body: bytes, job: JobFeedback, max_sequence_length: int) -> JobFeedback:
     """Second phase: parse again (cheaper than sending a million parsed lists back and forth) and refit."""
-    try:
-        return _WorkerOutcome(job=refit_job(job, parse_feedback_request(body, None), max_sequence_length))
-    except (RequestValidationError, PlanningError) as error:
-        return _outcome_of(error)
+    return refit_job(job, _parse_feedback_in_worker(body), max_sequence_length)
 
 
 def _warm_planner() -> None:
@@ -673,22 +628,16 @@ class PlanningService:
             return self._adopt_refit(stored, updated, len(request.micro_batches), request.step)
         check_json_media_type(content_type)  # here: the pool processes parse the JSON only
         expected_s = cells * _SECONDS_PER_CELL
-        parsed = await self.heavy_pool.run(_feedback_job_id_in_worker, body, expected_s=expected_s, watch=watch)
-        if parsed.job_id is None:
-            _raise_worker_error(parsed)
-        assert parsed.job_id is not None
-        stored = self._admit_refit(parsed.job_id)
+        job_id = await self.heavy_pool.run(_feedback_job_id_in_worker, body, expected_s=expected_s, watch=watch)
+        stored = self._admit_refit(job_id)
         job = stored.job
         self._refitting.add(job.job_id)
         try:
-            outcome = await self.heavy_pool.run(_refit_in_worker, body, job, self.settings.max_sequence_length,
+            updated = await self.heavy_pool.run(_refit_in_worker, body, job, self.settings.max_sequence_length,
                                                 expected_s=expected_s, watch=watch)
         finally:
             self._refitting.discard(job.job_id)
-        if outcome.job is None:
-            _raise_worker_error(outcome)
-        assert outcome.job is not None
-        return self._adopt_refit(stored, outcome.job, outcome.job.num_observations - job.num_observations, None)
+        return self._adopt_refit(stored, updated, updated.num_observations - job.num_observations, None)
 
     def _admit_refit(self, job_id: str) -> StoredJob:
         stored = self._stored_job(job_id)
@@ -736,10 +685,9 @@ class PlanningService:
                                  cost_limits=cost_limits)
         else:
             # Planning costs about twice the baseline's cells; the estimate only feeds Retry-After and the give-up.
-            outcome = await self.heavy_pool.run(_plan_in_worker, request.model_dump_json().encode(), self.limits,
-                                                None, self.profiles, job, cost_limits,
-                                                expected_s=2 * at_least * _SECONDS_PER_CELL, watch=watch)
-            batch = self._batch_of(outcome)
+            batch = await self.heavy_pool.run(_plan_in_worker, request.model_dump_json().encode(), self.limits,
+                                              None, self.profiles, job, cost_limits,
+                                              expected_s=2 * at_least * _SECONDS_PER_CELL, watch=watch)
         self._keep_job(job)
         summary = batch.summary
         if summary.bucket_lowered:
@@ -750,13 +698,6 @@ class PlanningService:
             placements=summary.placements, group_degrees=summary.group_degrees,
         )
         return batch
-
-    @staticmethod
-    def _batch_of(outcome: _WorkerOutcome) -> PlannedBatch:
-        if outcome.batch is None:
-            _raise_worker_error(outcome)
-        assert outcome.batch is not None
-        return outcome.batch
 
     async def _plan_cpsat(self, request: PlanRequest, job: JobFeedback | None, cost_limits: CostLimits,
                           watch: ClientWatch | None) -> PlannedBatch:
@@ -773,7 +714,6 @@ class PlanningService:
         cost_limits.check(job_problem(problem, job), request)
         requested_s = request.time_limit_s or settings.cpsat_default_time_limit_s
         time_limit_s = min(float(requested_s), settings.cpsat_max_time_limit_s)
-        outcome = await self.cpsat_pool.run(_plan_in_worker, request.model_dump_json().encode(), self.limits,
-                                            time_limit_s, self.profiles, job, cost_limits, expected_s=time_limit_s,
-                                            watch=watch)
-        return self._batch_of(outcome)
+        return await self.cpsat_pool.run(_plan_in_worker, request.model_dump_json().encode(), self.limits,
+                                         time_limit_s, self.profiles, job, cost_limits, expected_s=time_limit_s,
+                                         watch=watch)

@@ -4,6 +4,8 @@ Every error a caller can fix names the offending request field (a JSON-pointer
 style path such as ``sequence_lengths[17]``) and carries the numbers involved,
 so the web layer and the CLI can report it verbatim. The edges map these to
 HTTP problem+json or to a non-zero exit; the core never knows about either.
+Every error pickles with its message and fields (``PlanningError.__reduce__``),
+so one raised in a pool process is raised again, unchanged, by the caller.
 
     PlanningError (ValueError)
     ├── InvalidRequestError        a field is malformed or out of range
@@ -16,6 +18,8 @@ HTTP problem+json or to a non-zero exit; the core never knows about either.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "InfeasiblePlanError",
@@ -46,6 +50,18 @@ class PlanningError(ValueError):
         super().__init__(message)
         self.message = message
         self.field = field
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception pickles as ``cls(*args)``, which subclasses with their own ``__init__`` arguments cannot
+        # take: rebuild from the message and the fields instead.
+        return _restore, (type(self), dict(vars(self)))
+
+
+def _restore(cls: type[PlanningError], state: dict[str, Any]) -> PlanningError:
+    """A pickled error rebuilt without its ``__init__``: ``args`` is the message, the fields as they were."""
+    error = cls.__new__(cls, state["message"])
+    vars(error).update(state)
+    return error
 
 
 class InvalidRequestError(PlanningError):
