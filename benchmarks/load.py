@@ -39,7 +39,7 @@ from skrull_proto import PlanRequest, SchedulerName
 from scheduler_service.core.plan import PlanLimits
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.samplers import sample_lengths
-from scheduler_service.planning import plan_request
+from scheduler_service.sync_planning import plan_request
 from scheduler_service.wire import request_to_problem
 
 __all__ = ["free_port", "main", "process_tree", "start_server", "wait_ready"]

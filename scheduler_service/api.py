@@ -31,7 +31,8 @@ from scheduler_service.disconnect import ClientWatch
 from scheduler_service.metrics import CONTENT_TYPE_LATEST, ServiceMetrics
 from scheduler_service.middleware import SCHEDULER_SCOPE_KEY
 from scheduler_service.parsing import parse_plan_request
-from scheduler_service.planning import PlanningService, feedback_response
+from scheduler_service.planning import PlanningService
+from scheduler_service.sync_planning import feedback_response
 from scheduler_service.problems import FEEDBACK_PROBLEM_RESPONSES, PROBLEM_RESPONSES, ServiceUnavailableError
 from scheduler_service.settings import Settings
 

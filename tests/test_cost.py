@@ -11,7 +11,7 @@ from skrull_proto import PlanRequest
 from scheduler_service.core.plan import PlanLimits, SchedulerName
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.cost import baseline_cells, feedback_cells, plan_cost
-from scheduler_service.planning import plan_request
+from scheduler_service.sync_planning import plan_request
 from scheduler_service.wire import request_to_problem
 
 # Schedulers the estimate bounds by one micro-batch per sequence: their answer may be far smaller than estimated.

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import ModelsResponse, PlanResponse
 
-from scheduler_service import planning
+from scheduler_service import profile_folder
 from scheduler_service.app import create_app
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.profile import builtin_profiles
@@ -128,13 +128,13 @@ def test_an_unknown_profile_rereads_the_folder_only_when_it_changed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reads: list[Path] = []
-    load = planning.load_profile_dir
+    load = profile_folder.load_profile_dir
 
     def counting_load(directory: Path) -> dict[str, Any]:
         reads.append(directory)
         return load(directory)
 
-    monkeypatch.setattr(planning, "load_profile_dir", counting_load)
+    monkeypatch.setattr(profile_folder, "load_profile_dir", counting_load)
     with TestClient(create_app(settings(tmp_path))) as client:
         assert len(reads) == 1  # the start-up
         for _ in range(3):  # unchanged folder: no re-read per request

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import FeedbackRequest, PlanResponse, Problem
 
-from scheduler_service import planning
+from scheduler_service import sync_planning
 from scheduler_service.app import create_app
 from scheduler_service.cli import cp_rank_shares, format_table, plot_gantt
 from scheduler_service.core.check import check_plan
@@ -182,7 +182,7 @@ def settings(**overrides: Any) -> Settings:
 @pytest.fixture
 def grouped_service(monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
     """The app, with the planner answering GROUPED_PLAN for the request's own problem."""
-    monkeypatch.setattr(planning, "make_plan",
+    monkeypatch.setattr(sync_planning, "make_plan",
                         lambda planning_problem, scheduler, **_: result_of(GROUPED_PLAN, planning_problem))
     with TestClient(create_app(settings())) as client:
         yield client

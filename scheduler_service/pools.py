@@ -1,0 +1,206 @@
+"""The process pools heavy work runs in, and the tasks they run.
+
+A ``WorkerPool`` is a bounded ``ProcessPoolExecutor`` (spawned, niced
+processes) with admission control: at most ``workers + queue`` tasks are
+admitted at once, and the next is refused at once with ``ServiceBusyError``
+(429) and the seconds until the soonest admitted one should end
+(Retry-After). Its tasks call ``sync_planning`` in the pool process and send
+back a plan's bytes, a job id or a refit job; a planning error is raised in
+the caller as it was raised in the process (core errors pickle).
+
+Pool processes exit when the server process is gone, even after a SIGKILL
+(``_exit_with_parent``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import TypeVar
+
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import Counter, Gauge
+from skrull_proto import FeedbackRequest, PlanRequest, SchedulerName
+
+from scheduler_service.core.feedback import JobFeedback
+from scheduler_service.core.plan import PlanLimits
+from scheduler_service.core.profile import Profile
+from scheduler_service.disconnect import ClientWatch
+from scheduler_service.parsing import parse_feedback_request
+from scheduler_service.problems import ServiceBusyError, ServiceUnavailableError
+from scheduler_service.sync_planning import CostLimits, PlannedBatch, plan_request, refit_job
+
+__all__ = ["WorkerPool", "feedback_job_id_in_worker", "plan_in_worker", "refit_in_worker", "warm_cpsat_worker"]
+
+logger = logging.getLogger("scheduler_service.pools")
+
+# Pool processes yield the CPU to the event loop (probes, small plans).
+_POOL_NICE = 10
+# A task is given up (503) only long after it should have ended: its expected time several times over (niced
+# pool processes on a busy machine run slower than the calibration) plus a grace (spawn, imports, model building).
+_POOL_PATIENCE = 4.0
+_POOL_GRACE_S = 60.0
+T = TypeVar("T")
+
+
+class WorkerPool:
+    """A process pool with admission control: at most ``workers + queue`` tasks admitted at once; the next is
+    refused with ``ServiceBusyError`` (429) and the seconds until the soonest admitted task should end."""
+
+    def __init__(self, name: str, *, workers: int, queue: int, in_flight: Gauge, rejected: Counter,
+                 alternative: str) -> None:
+        self.name = name
+        self.workers = workers
+        self.capacity = workers + queue
+        self._in_flight_gauge = in_flight
+        self._rejected = rejected
+        self._alternative = alternative  # what the 429 suggests instead of waiting
+        self._executor: ProcessPoolExecutor | None = None
+        self._deadlines: dict[int, float] = {}  # admitted task -> when it should end
+        self._next_ticket = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Tasks admitted and not yet finished (running or waiting for a process)."""
+        return len(self._deadlines)
+
+    def start(self) -> None:
+        self._executor = self._new_executor()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            # Queued tasks are dropped; running ones end by their own bounds (the time limit, the cost limit),
+            # and waiting for them lets the processes exit cleanly.
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def submit_unadmitted(self, fn: Callable[[], T]) -> Future[T]:
+        """Start-up work (a warm-up) that bypasses admission."""
+        assert self._executor is not None
+        return self._executor.submit(fn)
+
+    def _new_executor(self) -> ProcessPoolExecutor:
+        # spawn, not fork: the server process has threads (event loop, anyio workers) that fork would copy mid-state.
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker)
+
+    async def run(self, fn: Callable[..., T], *args: object, expected_s: float, watch: ClientWatch | None) -> T:
+        """``fn(*args)`` in a pool process, admitted or refused at once. The slot is held until the task really
+        ends, even if its request stops waiting (``watch``: the client hung up): the process is busy until then.
+        A task still queued when its request stops waiting is dropped."""
+        now = time.monotonic()
+        if self.in_flight >= self.capacity:
+            self._rejected.inc()
+            soonest_s = min(self._deadlines.values()) - now
+            raise ServiceBusyError(
+                f"the {self.name} pool is full ({self.workers} working + {self.capacity - self.workers} waiting); "
+                f"retry later{self._alternative}", retry_after_s=max(1, math.ceil(soonest_s)), limit=self.capacity)
+        executor = self._executor
+        if executor is None:
+            raise ServiceUnavailableError(f"the {self.name} pool is not running")
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        # A waiting task ends one expected time after the running ones; the estimate only feeds Retry-After.
+        queued_behind = max(0, self.in_flight - self.workers + 1)
+        self._deadlines[ticket] = now + expected_s * (1 + queued_behind)
+        self._in_flight_gauge.inc()
+        try:
+            future = executor.submit(fn, *args)
+        except (BrokenProcessPool, RuntimeError) as error:
+            self._release(ticket)
+            self._replace_broken(executor)
+            raise ServiceUnavailableError(f"the {self.name} pool is unavailable; retry") from error
+        loop = asyncio.get_running_loop()
+
+        def release_on_loop(_: Future[T]) -> None:
+            # Runs on the pool's manager thread; the bookkeeping stays on the event loop. A closed loop means the
+            # app is gone, and its bookkeeping with it.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._release, ticket)
+
+        future.add_done_callback(release_on_loop)
+        try:
+            result = asyncio.wrap_future(future)
+            return await asyncio.wait_for(result if watch is None else watch.until_gone(result),
+                                          timeout=_POOL_PATIENCE * expected_s * (1 + queued_behind) + _POOL_GRACE_S)
+        except BrokenProcessPool as error:
+            self._replace_broken(executor)
+            raise ServiceUnavailableError(f"a {self.name} pool process died; retry") from error
+        except TimeoutError as error:
+            raise ServiceUnavailableError(f"the {self.name} pool did not finish within {_POOL_PATIENCE:g} × "
+                                          f"{expected_s:g} s plus grace") from error
+
+    def _release(self, ticket: int) -> None:
+        if self._deadlines.pop(ticket, None) is not None:
+            self._in_flight_gauge.dec()
+
+    def _replace_broken(self, broken: ProcessPoolExecutor) -> None:
+        if self._executor is broken:
+            broken.shutdown(wait=False, cancel_futures=True)
+            self._executor = self._new_executor()
+            logger.error("a pool broke; started a new one", extra={"pool": self.name})
+
+
+# ---- the pool process side -----------------------------------------------------------------------------------
+
+def _init_worker() -> None:
+    os.nice(_POOL_NICE)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent.sentinel,), name="exit-with-parent",
+                         daemon=True).start()
+
+
+def _exit_with_parent(parent_sentinel: int) -> None:
+    """Exit as soon as the server process is gone. A pool process otherwise outlives a server killed with
+    SIGKILL: it holds both ends of its task queue, so it never reads an end of file. The parent's sentinel
+    becomes readable when the parent dies, however it dies."""
+    multiprocessing.connection.wait([parent_sentinel])
+    os._exit(1)
+
+
+def plan_in_worker(
+    request_json: bytes, limits: PlanLimits, time_limit_s: float | None, extra_profiles: dict[str, Profile],
+    job: JobFeedback | None, cost_limits: CostLimits,
+) -> PlannedBatch:
+    """``plan_request`` in a pool process; a planning error is raised to the caller as it is (errors pickle)."""
+    request = PlanRequest.model_validate_json(request_json)
+    return plan_request(request, limits, time_limit_s, extra_profiles=extra_profiles, job=job,
+                        cost_limits=cost_limits)
+
+
+def _parse_feedback_in_worker(body: bytes) -> FeedbackRequest:
+    # The first few hundred errors say all there is to say (and pickling a million would not be cheap).
+    try:
+        return parse_feedback_request(body, None)
+    except RequestValidationError as error:
+        raise RequestValidationError(error.errors()[:256]) from None
+
+
+def feedback_job_id_in_worker(body: bytes) -> str:
+    """First phase of a heavy report: parse it (seconds for a few MB), so the event loop learns its job."""
+    return _parse_feedback_in_worker(body).job_id
+
+
+def refit_in_worker(body: bytes, job: JobFeedback, max_sequence_length: int) -> JobFeedback:
+    """Second phase: parse again (cheaper than sending a million parsed lists back and forth) and refit."""
+    return refit_job(job, _parse_feedback_in_worker(body), max_sequence_length)
+
+
+def warm_cpsat_worker() -> str:
+    """Import the planner and CP-SAT and solve a tiny batch, so the first real request pays no start-up."""
+    request = PlanRequest(sequence_lengths=[4000, 3000, 2000, 1000, 500, 200], dp_size=2, cp_size=2,
+                          bucket_size=4096, scheduler=SchedulerName.CPSAT)
+    batch = plan_request(request, PlanLimits(), time_limit_s=0.5)
+    assert batch.summary.solver_status is not None
+    return batch.summary.solver_status

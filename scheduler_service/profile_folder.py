@@ -1,0 +1,78 @@
+"""The profiles measured by the profiler, read from ``profile_dir``.
+
+Read at start-up (a bad file stops the start, naming it), again on
+``POST /profiles/reload``, and when a request names a profile not loaded yet
+and the folder changed since it was last read; a folder is taken whole or not
+at all. Errors name the file within the folder, never the server's path to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+from scheduler_service.core.errors import InvalidRequestError
+from scheduler_service.core.profile import Profile, builtin_profiles, load_profile_dir
+
+__all__ = ["ProfileFolder"]
+
+logger = logging.getLogger("scheduler_service.profile_folder")
+
+
+class ProfileFolder:
+    """The profiles of one folder (none when ``directory`` is None), as last read whole."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self.profiles: dict[str, Profile] = {}
+        self._seen: object = None  # the folder's state at the last (re)load, successful or not
+
+    def reload(self) -> list[str]:
+        """Read the folder again (whole or not at all); the names it holds."""
+        directory = self.directory
+        if directory is None:
+            return []
+        self._seen = self._state()
+        try:
+            profiles = load_profile_dir(directory)
+        except InvalidRequestError as error:
+            # The log keeps the paths; the answer names files within the folder only.
+            logger.warning("profile folder refused", extra={"profile_dir": str(directory), "error": error.message})
+            raise InvalidRequestError(_without_folder(error.message, directory), field=error.field) from None
+        clashes = sorted(set(profiles) & set(builtin_profiles()))
+        if clashes:
+            raise InvalidRequestError(f"profiles in the profile folder reuse shipped names: "
+                                      f"{', '.join(clashes)}; rename them", field="profile_dir")
+        self.profiles = profiles
+        logger.info("profiles loaded", extra={"profile_dir": str(directory), "profiles": sorted(profiles)})
+        return sorted(profiles)
+
+    def refresh_for(self, name: str | None) -> None:
+        """A request names a profile not loaded yet: it may have been added to the folder since. The folder is read
+        again only if it changed since the last (re)load, so unknown names cost no reading (nor a bad file's
+        re-parse) per request."""
+        if name is None or name in self.profiles or name in builtin_profiles() or self.directory is None:
+            return
+        if self._state() == self._seen:
+            return
+        with contextlib.suppress(InvalidRequestError):  # the request then fails as an unknown profile
+            self.reload()
+
+    def _state(self) -> object:
+        """What changes when a profile file is added, removed, renamed or rewritten (cheap: no file is read)."""
+        directory = self.directory
+        if directory is None:
+            return None
+        try:
+            files = sorted((path.name, stat.st_mtime_ns, stat.st_size)
+                           for path in Path(directory).glob("*.json") for stat in (path.stat(),))
+            return Path(directory).stat().st_mtime_ns, tuple(files)
+        except OSError as error:
+            return repr(error)
+
+
+def _without_folder(message: str, directory: Path) -> str:
+    """``message`` with the folder's path left out: answers never carry a server's file-system paths."""
+    folder = str(directory).rstrip("/")
+    return message.replace(folder + "/", "").replace(folder, "the profile folder")

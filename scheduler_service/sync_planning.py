@@ -1,0 +1,230 @@
+"""Planning and refitting one request, synchronously: the work itself, wherever it runs.
+
+``plan_request`` validates, estimates, plans, checks and simulates one
+``/plan`` request; ``refit_job`` refits a job from one ``/feedback`` report.
+Both are pure functions of their arguments, so ``planning.PlanningService``
+calls them inline on the event loop for small requests and ``pools`` runs them
+in pool processes for large ones, with the same results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from skrull_proto import (
+    ComputeCoefficients,
+    FeedbackRequest,
+    FeedbackResponse,
+    MemoryCoefficients,
+    PlanRequest,
+    SchedulerName,
+)
+
+from scheduler_service.core import feedback as core_feedback
+from scheduler_service.core.errors import InvalidRequestError
+from scheduler_service.core.feedback import GroupLengths, JobFeedback, MicroBatchMeasurement
+from scheduler_service.core.perf_model import PerformanceModel
+from scheduler_service.core.plan import Plan, PlanLimits, PlanningProblem, block_degrees, cp_blocks
+from scheduler_service.core.plan import SchedulerName as CoreSchedulerName
+from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
+from scheduler_service.core.profile import Profile
+from scheduler_service.cost import plan_cost
+from scheduler_service.metrics import Placement
+from scheduler_service.problems import RequestLimitError
+from scheduler_service.wire import request_to_problem, result_to_response
+
+__all__ = [
+    "CostLimits",
+    "PlanSummary",
+    "PlannedBatch",
+    "feedback_response",
+    "job_problem",
+    "plan_request",
+    "refit_job",
+    "warm_planner",
+]
+
+# A small mixed batch that touches every heuristic code path (local, distributed, roll-back); over 4 CP ranks,
+# so hybrid groups (blocks of 2) are candidates too.
+_WARMUP_LENGTHS = [128, 512, 2048, 8192, 30000, 300, 1000, 4000, 96, 16000, 700, 64] * 4
+_WARMUP_BUCKET_SIZE = 16384
+_WARMUP_CP_SIZE = 4
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanSummary:
+    """What the service records of a plan (metrics, feedback): small, so it crosses processes cheaply."""
+
+    scheduler: str
+    bucket_size: int
+    bucket_lowered: bool  # the job's memory feedback lowered the bucket_size (requested or derived)
+    solve_time_s: float
+    speedup: float
+    solver_status: str | None
+    placements: dict[Placement, int]
+    group_degrees: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannedBatch:
+    body: bytes  # the response's JSON, serialized where it was planned: never parsed again on the event loop
+    summary: PlanSummary
+
+
+def job_problem(problem: PlanningProblem, job: JobFeedback | None) -> PlanningProblem:
+    """The request's problem (validated with its base profile) as the job's feedback plans it: the refit profile
+    replaces the base one, and the memory cap lowers the BucketSize (the request's, or the one the base profile
+    derives), never below what the longest sequence needs over the whole CP group."""
+    if job is None:
+        return problem
+    if job.num_observations:
+        problem = replace(problem, perf=PerformanceModel(model=problem.perf.model, profile=job.profile))
+    bucket_size = core_feedback.effective_bucket_size(job, problem.bucket_size, max(problem.sequence_lengths))
+    if bucket_size < problem.bucket_size:
+        problem = replace(problem, bucket_size=bucket_size)
+    return problem
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostLimits:
+    """The most a plan may cost (``Settings.max_plan_cells``, ``max_answer_bytes``), checked where it is planned."""
+
+    max_cells: int
+    max_answer_bytes: int
+
+    def check(self, problem: PlanningProblem, request: PlanRequest) -> None:
+        """Refuse ``problem`` (as the job plans it) when its estimate is over a limit, naming limit and estimate."""
+        cost = plan_cost(problem, CoreSchedulerName(request.scheduler.value), breakdown=request.breakdown)
+        shape = (f"this plan would hold about {cost.num_micro_batches} micro-batches × cp_size {problem.cp_size} "
+                 f"local lists for {problem.num_sequences} sequences, beside the deepspeed baseline's "
+                 f"{problem.num_sequences} × {problem.cp_size}: an estimated {cost.cells} cells and a "
+                 f"{cost.answer_bytes / 1e6:.1f} MB answer")
+        advice = "use a larger bucket_size, a smaller cp_size or a smaller batch"
+        if cost.cells > self.max_cells:
+            raise RequestLimitError(f"{shape}; the service plans at most {self.max_cells} cells: {advice}",
+                                    field="sequence_lengths", limit=self.max_cells)
+        if cost.answer_bytes > self.max_answer_bytes:
+            raise RequestLimitError(f"{shape}; the service answers at most {self.max_answer_bytes} bytes: "
+                                    f"{advice}, or leave out the breakdown", field="sequence_lengths",
+                                    limit=self.max_answer_bytes)
+
+
+def plan_request(
+    request: PlanRequest, limits: PlanLimits, time_limit_s: float | None = None,
+    extra_profiles: dict[str, Profile] | None = None, job: JobFeedback | None = None,
+    cost_limits: CostLimits | None = None,
+) -> PlannedBatch:
+    """Validate, estimate, plan, check and simulate one request (any scheduler), synchronously.
+
+    ``job``: the request's feedback state; its refit profile replaces the named one and its memory cap lowers
+    the BucketSize. ``cost_limits``: refuse the request before planning when its estimate is over them.
+    """
+    base = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
+    problem = job_problem(base, job)
+    if cost_limits is not None:
+        cost_limits.check(problem, request)
+    if time_limit_s is None:
+        result = make_plan(problem, request.scheduler)
+    else:
+        result = make_plan(problem, request.scheduler, time_limit_s=time_limit_s)
+    response = result_to_response(result, breakdown=request.breakdown)
+    placements, group_degrees = _placements(result.plan)
+    summary = PlanSummary(scheduler=response.scheduler.value, bucket_size=response.bucket_size,
+                          bucket_lowered=problem.bucket_size < base.bucket_size,
+                          solve_time_s=result.solve_time_s, speedup=response.speedup_vs_deepspeed,
+                          solver_status=response.solver.status if response.solver else None,
+                          placements=placements, group_degrees=tuple(group_degrees))
+    return PlannedBatch(body=response.model_dump_json().encode(), summary=summary)
+
+
+def warm_planner() -> None:
+    """Plan a small mixed batch with every heuristic: the first plans pay imports and caches."""
+    for scheduler in HEURISTIC_SCHEDULERS:
+        plan_request(PlanRequest(sequence_lengths=_WARMUP_LENGTHS, dp_size=2, cp_size=_WARMUP_CP_SIZE,
+                                 bucket_size=_WARMUP_BUCKET_SIZE, scheduler=SchedulerName(scheduler.value)),
+                     PlanLimits())
+
+
+def _placements(plan: Plan) -> tuple[dict[Placement, int], list[int]]:
+    """Sequences per placement, and the size of every hybrid group, of one plan (for the metrics)."""
+    counts = dict.fromkeys(Placement, 0)
+    group_degrees = []
+    for dp_rank in plan.dp_ranks:
+        for micro_batch in dp_rank.micro_batches:
+            counts[Placement.LOCAL] += sum(len(rank_local) for rank_local in micro_batch.local)
+            counts[Placement.DISTRIBUTED] += len(micro_batch.distributed)
+            for group in micro_batch.sharded:
+                counts[Placement.SHARDED] += len(group.sequences)
+                group_degrees.append(len(group.cp_ranks))
+    return counts, group_degrees
+
+
+def _check_group_blocks(request: FeedbackRequest, cp_size: int) -> None:
+    """Every reported hybrid group is an aligned block of the job's CP group (the plan checker's rule). A
+    micro-batch with the wrong number of local lists is left to ``observe``, which names that first."""
+    degrees = block_degrees(cp_size)
+    for index, item in enumerate(request.micro_batches):
+        if len(item.local_lengths) != cp_size:
+            continue
+        for group_index, group in enumerate(item.sharded_lengths):
+            cp_ranks, degree = tuple(group.cp_ranks), len(group.cp_ranks)
+            if not degrees:
+                reason = f"is a hybrid group, but cp_size {cp_size} has none (no size 2 <= s < cp_size divides it)"
+            elif degree not in degrees:
+                reason = f"has {degree} CP ranks; a group of cp_size {cp_size} has a size in {list(degrees)}"
+            elif cp_ranks not in cp_blocks(cp_size, degree):
+                reason = (f"CP ranks {list(cp_ranks)} are not an aligned block (consecutive, ascending, starting "
+                          f"at a multiple of {degree})")
+            else:
+                continue
+            where = f"micro_batches[{index}].sharded_lengths[{group_index}]"
+            raise InvalidRequestError(f"{where} {reason}", field=f"{where}.cp_ranks")
+
+
+def _measurements(request: FeedbackRequest) -> list[MicroBatchMeasurement]:
+    measurements = []
+    for index, item in enumerate(request.micro_batches):
+        try:
+            measurements.append(MicroBatchMeasurement(
+                local_lengths=tuple(tuple(rank) for rank in item.local_lengths),
+                distributed_lengths=tuple(item.distributed_lengths), time_s=item.time_ms / 1e3,
+                peak_memory_bytes=item.peak_memory_bytes,
+                sharded_lengths=tuple(GroupLengths(cp_ranks=tuple(group.cp_ranks), lengths=tuple(group.lengths))
+                                      for group in item.sharded_lengths),
+            ))
+        except InvalidRequestError as error:
+            raise InvalidRequestError(f"micro_batches[{index}]: {error.message}",
+                                      field=f"micro_batches[{index}].{error.field}") from None
+    return measurements
+
+
+def refit_job(job: JobFeedback, request: FeedbackRequest, max_sequence_length: int) -> JobFeedback:
+    """The job refit from one report (pure: inline or in a pool process); a bad report raises."""
+    for index, item in enumerate(request.micro_batches):
+        longest = max([*item.distributed_lengths, *(n for rank in item.local_lengths for n in rank),
+                       *(n for group in item.sharded_lengths for n in group.lengths)], default=0)
+        if longest > max_sequence_length:
+            raise RequestLimitError(f"micro_batches[{index}] holds a sequence of {longest} tokens; the service "
+                                    f"accepts at most {max_sequence_length}", field=f"micro_batches[{index}]",
+                                    limit=max_sequence_length)
+    _check_group_blocks(request, job.cp_size)
+    return core_feedback.observe(job, _measurements(request), memory_budget_bytes=request.memory_budget_bytes)
+
+
+def feedback_response(job: JobFeedback) -> FeedbackResponse:
+    compute = job.profile.compute
+    memory = None
+    if job.memory_slope is not None and job.memory_intercept is not None:
+        memory = MemoryCoefficients(bytes_per_token=job.memory_slope, fixed_bytes=job.memory_intercept)
+    return FeedbackResponse(
+        job_id=job.job_id, model=job.model.name, base_profile=job.base.name, profile=job.profile.name,
+        num_observations=job.num_observations, num_in_window=len(job.compute_window),
+        num_downweighted=job.num_downweighted, compute_scale=job.compute_scale,
+        compute=ComputeCoefficients(alpha_s_per_flop=compute.alpha_s_per_flop,
+                                    alpha_s_per_token=compute.alpha_s_per_token,
+                                    alpha_s_per_sequence=compute.alpha_s_per_sequence,
+                                    beta_s_per_layer=compute.beta_s_per_layer),
+        fit_median_relative_error=job.fit_median_relative_error, memory=memory,
+        memory_budget_bytes=job.memory_budget_bytes, bucket_size_cap=job.bucket_cap,
+    )
+
