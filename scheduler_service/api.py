@@ -7,7 +7,7 @@ errors are raised, never formatted here (``problems`` maps them to HTTP).
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Request
@@ -15,26 +15,24 @@ from fastapi.responses import Response
 from skrull_proto import (
     FeedbackResponse,
     HealthStatus,
-    ModelSpec,
     ModelsResponse,
     PlanRequest,
     PlanResponse,
     ProfilesReloaded,
-    ProfileSummary,
     SchedulerName,
     ServiceLimits,
 )
 
 from scheduler_service.core.models import MODEL_CATALOGUE
-from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, builtin_profiles
+from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles
 from scheduler_service.disconnect import ClientWatch
 from scheduler_service.metrics import CONTENT_TYPE_LATEST, ServiceMetrics
 from scheduler_service.middleware import SCHEDULER_SCOPE_KEY
 from scheduler_service.parsing import parse_plan_request
 from scheduler_service.planning import PlanningService
-from scheduler_service.sync_planning import feedback_response
 from scheduler_service.problems import FEEDBACK_PROBLEM_RESPONSES, PROBLEM_RESPONSES, ServiceUnavailableError
 from scheduler_service.settings import Settings
+from scheduler_service.wire import job_to_feedback_response, profile_to_summary, shape_to_model_spec
 
 __all__ = ["router"]
 
@@ -102,10 +100,10 @@ async def plan(request: Request, planner: PlannerDep, settings: SettingsDep) -> 
 @router.get("/models", response_model=ModelsResponse, summary="Known models, profiles, schedulers and limits")
 async def models(settings: SettingsDep, planner: PlannerDep) -> ModelsResponse:
     return ModelsResponse(
-        models=[ModelSpec.model_validate(_shape_fields(shape)) for shape in MODEL_CATALOGUE.values()],
+        models=[shape_to_model_spec(shape) for shape in MODEL_CATALOGUE.values()],
         profiles=[
-            *(_profile_summary(profile, "builtin") for profile in builtin_profiles().values()),
-            *(_profile_summary(profile, "directory") for profile in planner.profiles.values()),
+            *(profile_to_summary(profile, "builtin") for profile in builtin_profiles().values()),
+            *(profile_to_summary(profile, "directory") for profile in planner.profiles.values()),
         ],
         schedulers=list(SchedulerName),
         default_model=PlanRequest.model_fields["model"].default,
@@ -124,17 +122,6 @@ async def models(settings: SettingsDep, planner: PlannerDep) -> ModelsResponse:
             max_feedback_cells=settings.max_feedback_cells,
         ),
     )
-
-
-def _shape_fields(shape: object) -> dict[str, object]:
-    return {name: getattr(shape, name) for name in ModelSpec.model_fields}
-
-
-def _profile_summary(profile: Profile, origin: Literal["builtin", "directory"]) -> ProfileSummary:
-    date = profile.provenance.get("date")
-    return ProfileSummary(name=profile.name, description=profile.description, device=profile.device,
-                          device_memory_bytes=profile.device_memory_bytes, model=profile.model,
-                          origin=origin, measured_at=date if isinstance(date, str) else None)
 
 
 @router.post(
@@ -177,7 +164,7 @@ async def feedback(request: Request, planner: PlannerDep) -> FeedbackResponse:
     summary="A job's refit state",
 )
 async def job_feedback(job_id: str, planner: PlannerDep) -> FeedbackResponse:
-    return feedback_response(planner.job(job_id))
+    return job_to_feedback_response(planner.job(job_id))
 
 
 @router.get("/healthz", response_model=HealthStatus, summary="Liveness: the process answers")

@@ -83,13 +83,12 @@ from scheduler_service.settings import Settings
 from scheduler_service.sync_planning import (
     CostLimits,
     PlannedBatch,
-    feedback_response,
     job_problem,
     plan_request,
     refit_job,
     warm_planner,
 )
-from scheduler_service.wire import request_model_and_profile, request_to_problem
+from scheduler_service.wire import job_to_feedback_response, request_model_and_profile, request_to_problem
 
 __all__ = ["PlanningService"]
 
@@ -252,7 +251,7 @@ class PlanningService:
         logger.info("feedback", extra={"job_id": job_id, "step": step, "micro_batches": num_micro_batches,
                                        "compute_scale": round(updated.compute_scale, 6),
                                        "bucket_size_cap": updated.bucket_cap})
-        return feedback_response(updated)
+        return job_to_feedback_response(updated)
 
     # -- planning
 

@@ -11,18 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from skrull_proto import (
-    ComputeCoefficients,
-    FeedbackRequest,
-    FeedbackResponse,
-    MemoryCoefficients,
-    PlanRequest,
-    SchedulerName,
-)
+from skrull_proto import FeedbackRequest, PlanRequest, SchedulerName
 
 from scheduler_service.core import feedback as core_feedback
 from scheduler_service.core.errors import InvalidRequestError
-from scheduler_service.core.feedback import GroupLengths, JobFeedback, MicroBatchMeasurement
+from scheduler_service.core.feedback import JobFeedback
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import Plan, PlanLimits, PlanningProblem, block_degrees, cp_blocks
 from scheduler_service.core.plan import SchedulerName as CoreSchedulerName
@@ -31,13 +24,12 @@ from scheduler_service.core.profile import Profile
 from scheduler_service.cost import plan_cost
 from scheduler_service.metrics import Placement
 from scheduler_service.problems import RequestLimitError
-from scheduler_service.wire import request_to_problem, result_to_response
+from scheduler_service.wire import feedback_to_measurements, request_to_problem, result_to_response
 
 __all__ = [
     "CostLimits",
     "PlanSummary",
     "PlannedBatch",
-    "feedback_response",
     "job_problem",
     "plan_request",
     "refit_job",
@@ -181,23 +173,6 @@ def _check_group_blocks(request: FeedbackRequest, cp_size: int) -> None:
             raise InvalidRequestError(f"{where} {reason}", field=f"{where}.cp_ranks")
 
 
-def _measurements(request: FeedbackRequest) -> list[MicroBatchMeasurement]:
-    measurements = []
-    for index, item in enumerate(request.micro_batches):
-        try:
-            measurements.append(MicroBatchMeasurement(
-                local_lengths=tuple(tuple(rank) for rank in item.local_lengths),
-                distributed_lengths=tuple(item.distributed_lengths), time_s=item.time_ms / 1e3,
-                peak_memory_bytes=item.peak_memory_bytes,
-                sharded_lengths=tuple(GroupLengths(cp_ranks=tuple(group.cp_ranks), lengths=tuple(group.lengths))
-                                      for group in item.sharded_lengths),
-            ))
-        except InvalidRequestError as error:
-            raise InvalidRequestError(f"micro_batches[{index}]: {error.message}",
-                                      field=f"micro_batches[{index}].{error.field}") from None
-    return measurements
-
-
 def refit_job(job: JobFeedback, request: FeedbackRequest, max_sequence_length: int) -> JobFeedback:
     """The job refit from one report (pure: inline or in a pool process); a bad report raises."""
     for index, item in enumerate(request.micro_batches):
@@ -208,23 +183,5 @@ def refit_job(job: JobFeedback, request: FeedbackRequest, max_sequence_length: i
                                     f"accepts at most {max_sequence_length}", field=f"micro_batches[{index}]",
                                     limit=max_sequence_length)
     _check_group_blocks(request, job.cp_size)
-    return core_feedback.observe(job, _measurements(request), memory_budget_bytes=request.memory_budget_bytes)
-
-
-def feedback_response(job: JobFeedback) -> FeedbackResponse:
-    compute = job.profile.compute
-    memory = None
-    if job.memory_slope is not None and job.memory_intercept is not None:
-        memory = MemoryCoefficients(bytes_per_token=job.memory_slope, fixed_bytes=job.memory_intercept)
-    return FeedbackResponse(
-        job_id=job.job_id, model=job.model.name, base_profile=job.base.name, profile=job.profile.name,
-        num_observations=job.num_observations, num_in_window=len(job.compute_window),
-        num_downweighted=job.num_downweighted, compute_scale=job.compute_scale,
-        compute=ComputeCoefficients(alpha_s_per_flop=compute.alpha_s_per_flop,
-                                    alpha_s_per_token=compute.alpha_s_per_token,
-                                    alpha_s_per_sequence=compute.alpha_s_per_sequence,
-                                    beta_s_per_layer=compute.beta_s_per_layer),
-        fit_median_relative_error=job.fit_median_relative_error, memory=memory,
-        memory_budget_bytes=job.memory_budget_bytes, bucket_size_cap=job.bucket_cap,
-    )
-
+    return core_feedback.observe(job, feedback_to_measurements(request),
+                                 memory_budget_bytes=request.memory_budget_bytes)

@@ -15,12 +15,13 @@ import numpy as np
 from fastapi import APIRouter, FastAPI, Query
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
-from skrull_proto import SampledBatch, SamplerSpec, SamplersResponse
+from skrull_proto import SampledBatch, SamplersResponse
 
 from scheduler_service.api import SettingsDep
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.samplers import DATASETS, sample_lengths
 from scheduler_service.problems import PROBLEM_RESPONSES, RequestLimitError
+from scheduler_service.wire import sampler_to_spec
 
 __all__ = ["STATIC_DIR", "install_viewer"]
 
@@ -36,10 +37,7 @@ async def viewer_page() -> FileResponse:
 
 @router.get("/samplers", response_model=SamplersResponse, summary="Named sequence-length samplers")
 async def samplers() -> SamplersResponse:
-    return SamplersResponse(samplers=[
-        SamplerSpec(name=name, thresholds=list(d.thresholds), cumulative=list(d.cumulative), longest=d.longest)
-        for name, d in DATASETS.items()
-    ])
+    return SamplersResponse(samplers=[sampler_to_spec(name, distribution) for name, distribution in DATASETS.items()])
 
 
 @router.get(

@@ -6,18 +6,31 @@ FastAPI, so the CLI and the trainer use it too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Literal
+
 from skrull_proto import (
+    ComputeCoefficients,
     CPRankEstimateModel,
     DPRankPlanModel,
+    FeedbackRequest,
+    FeedbackResponse,
+    MemoryCoefficients,
+    MicroBatchMeasurement,
     MicroBatchModel,
     ModelSpec,
     PlanRequest,
     PlanResponse,
+    ProfileSummary,
+    SamplerSpec,
+    ShardedGroupLengths,
     ShardedGroupModel,
     SolverReport,
 )
 from skrull_proto import SchedulerName as WireSchedulerName
 
+from scheduler_service.core import feedback as core_feedback
+from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.plan import (
     DEFAULT_LIMITS,
@@ -31,13 +44,42 @@ from scheduler_service.core.plan import (
 )
 from scheduler_service.core.planner import PlanResult
 from scheduler_service.core.profile import Profile, resolve_profile
+from scheduler_service.core.samplers import LengthDistribution
 from scheduler_service.core.simulate import CPRankEstimate
 
-__all__ = ["request_model_and_profile", "request_to_problem", "response_to_plan", "result_to_response"]
+__all__ = [
+    "feedback_to_measurements",
+    "job_to_feedback_response",
+    "micro_batch_to_measurement",
+    "profile_to_summary",
+    "request_model_and_profile",
+    "request_to_problem",
+    "response_to_plan",
+    "result_to_response",
+    "sampler_to_spec",
+    "shape_to_model_spec",
+]
 
 
 def _model_shape(model: str | ModelSpec) -> str | ModelShape:
     return model if isinstance(model, str) else ModelShape(**model.model_dump())
+
+
+def shape_to_model_spec(shape: ModelShape) -> ModelSpec:
+    """A core model shape as the contract spells it (a request's custom model, ``GET /models``)."""
+    return ModelSpec.model_validate({name: getattr(shape, name) for name in ModelSpec.model_fields})
+
+
+def profile_to_summary(profile: Profile, origin: Literal["builtin", "directory"]) -> ProfileSummary:
+    date = profile.provenance.get("date")
+    return ProfileSummary(name=profile.name, description=profile.description, device=profile.device,
+                          device_memory_bytes=profile.device_memory_bytes, model=profile.model,
+                          origin=origin, measured_at=date if isinstance(date, str) else None)
+
+
+def sampler_to_spec(name: str, distribution: LengthDistribution) -> SamplerSpec:
+    return SamplerSpec(name=name, thresholds=list(distribution.thresholds), cumulative=list(distribution.cumulative),
+                       longest=distribution.longest)
 
 
 def request_to_problem(
@@ -136,4 +178,57 @@ def response_to_plan(response: PlanResponse) -> Plan:
             DPRankPlan(micro_batches=tuple(_micro_batch(mb) for mb in dp_rank.micro_batches))
             for dp_rank in response.dp_ranks
         )
+    )
+
+
+def micro_batch_to_measurement(
+    micro_batch: MicroBatch, sequence_lengths: Sequence[int], *, time_s: float, peak_memory_bytes: float | None,
+) -> MicroBatchMeasurement:
+    """What the trainer reports of one planned micro-batch: its lengths as planned, its time and peak memory."""
+    return MicroBatchMeasurement(
+        local_lengths=[[int(sequence_lengths[i]) for i in rank_local] for rank_local in micro_batch.local],
+        distributed_lengths=[int(sequence_lengths[i]) for i in micro_batch.distributed],
+        sharded_lengths=[ShardedGroupLengths(cp_ranks=list(group.cp_ranks),
+                                             lengths=[int(sequence_lengths[i]) for i in group.sequences])
+                         for group in micro_batch.sharded],
+        time_ms=time_s * 1e3,
+        peak_memory_bytes=None if peak_memory_bytes is None else float(peak_memory_bytes),  # strict float
+    )
+
+
+def feedback_to_measurements(request: FeedbackRequest) -> list[core_feedback.MicroBatchMeasurement]:
+    """A report's micro-batches as the core refits them; an error names the micro-batch it is in."""
+    measurements = []
+    for index, item in enumerate(request.micro_batches):
+        try:
+            measurements.append(core_feedback.MicroBatchMeasurement(
+                local_lengths=tuple(tuple(rank) for rank in item.local_lengths),
+                distributed_lengths=tuple(item.distributed_lengths), time_s=item.time_ms / 1e3,
+                peak_memory_bytes=item.peak_memory_bytes,
+                sharded_lengths=tuple(core_feedback.GroupLengths(cp_ranks=tuple(group.cp_ranks),
+                                                                 lengths=tuple(group.lengths))
+                                      for group in item.sharded_lengths),
+            ))
+        except InvalidRequestError as error:
+            raise InvalidRequestError(f"micro_batches[{index}]: {error.message}",
+                                      field=f"micro_batches[{index}].{error.field}") from None
+    return measurements
+
+
+def job_to_feedback_response(job: core_feedback.JobFeedback) -> FeedbackResponse:
+    """A job's refit state: ``POST /feedback``'s answer and ``GET /feedback/{job_id}``."""
+    compute = job.profile.compute
+    memory = None
+    if job.memory_slope is not None and job.memory_intercept is not None:
+        memory = MemoryCoefficients(bytes_per_token=job.memory_slope, fixed_bytes=job.memory_intercept)
+    return FeedbackResponse(
+        job_id=job.job_id, model=job.model.name, base_profile=job.base.name, profile=job.profile.name,
+        num_observations=job.num_observations, num_in_window=len(job.compute_window),
+        num_downweighted=job.num_downweighted, compute_scale=job.compute_scale,
+        compute=ComputeCoefficients(alpha_s_per_flop=compute.alpha_s_per_flop,
+                                    alpha_s_per_token=compute.alpha_s_per_token,
+                                    alpha_s_per_sequence=compute.alpha_s_per_sequence,
+                                    beta_s_per_layer=compute.beta_s_per_layer),
+        fit_median_relative_error=job.fit_median_relative_error, memory=memory,
+        memory_budget_bytes=job.memory_budget_bytes, bucket_size_cap=job.bucket_cap,
     )

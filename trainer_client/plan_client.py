@@ -61,11 +61,9 @@ from skrull_proto import (
     FeedbackRequest,
     FeedbackResponse,
     MicroBatchMeasurement,
-    ModelSpec,
     PlanRequest,
     PlanResponse,
     SchedulerName,
-    ShardedGroupLengths,
 )
 
 from scheduler_service.core.check import check_plan
@@ -74,7 +72,7 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import Plan, make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import Profile
-from scheduler_service.wire import response_to_plan
+from scheduler_service.wire import micro_batch_to_measurement, response_to_plan, shape_to_model_spec
 
 __all__ = [
     "MicroBatchTiming",
@@ -320,19 +318,9 @@ def measurements_of(
             slowest[key] = timing
         if timing.peak_memory_bytes is not None:
             peaks[key] = max(peaks.get(key, 0), timing.peak_memory_bytes)
-    measurements = []
-    for (dp_rank, index), timing in sorted(slowest.items()):
-        micro_batch = plan.dp_ranks[dp_rank].micro_batches[index]
-        measurements.append(MicroBatchMeasurement(
-            local_lengths=[[int(sequence_lengths[i]) for i in rank_local] for rank_local in micro_batch.local],
-            distributed_lengths=[int(sequence_lengths[i]) for i in micro_batch.distributed],
-            sharded_lengths=[ShardedGroupLengths(cp_ranks=list(group.cp_ranks),
-                                                 lengths=[int(sequence_lengths[i]) for i in group.sequences])
-                             for group in micro_batch.sharded],
-            time_ms=timing.time_s * 1e3,
-            peak_memory_bytes=float(peaks[(dp_rank, index)]) if (dp_rank, index) in peaks else None,
-        ))
-    return measurements
+    return [micro_batch_to_measurement(plan.dp_ranks[dp_rank].micro_batches[index], sequence_lengths,
+                                       time_s=timing.time_s, peak_memory_bytes=peaks.get((dp_rank, index)))
+            for (dp_rank, index), timing in sorted(slowest.items())]
 
 
 class PlanSource:
@@ -413,10 +401,7 @@ class PlanSource:
                            "(plan_fallbacks), this warning is shown once", reason)
 
     def _request(self, sequence_lengths: Sequence[int]) -> PlanRequest:
-        model: str | ModelSpec = (
-            self.model if isinstance(self.model, str)
-            else ModelSpec(**{name: getattr(self.model, name) for name in ModelSpec.model_fields})
-        )
+        model = self.model if isinstance(self.model, str) else shape_to_model_spec(self.model)
         return PlanRequest(sequence_lengths=[int(n) for n in sequence_lengths], dp_size=self.dp_size,
                            cp_size=self.cp_size, model=model, bucket_size=self.bucket_size,
                            scheduler=SchedulerName(self.scheduler),
