@@ -20,7 +20,7 @@ from skrull_proto import PlanRequest, PlanResponse
 from scheduler_service.core.baselines import deepspeed
 from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.plan import MicroBatch
-from scheduler_service.core.planner import PlanResult, make_plan
+from scheduler_service.core.planner import DEFAULT_CPSAT_TIME_LIMIT_S, PlanResult, make_plan
 from scheduler_service.core.profile import load_profile
 from scheduler_service.core.simulate import CPRankEstimate, PlanEstimate, simulate
 from scheduler_service.wire import request_to_problem, result_to_response
@@ -39,7 +39,8 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--table", action="store_true", help="print a per-rank summary instead of JSON")
     parser.add_argument("--plot", metavar="FILE.png", type=Path, help="draw per-rank micro-batch times vs deepspeed")
     parser.add_argument("--profile-file", type=Path, help="a profile JSON file to plan with (overrides 'profile')")
-    parser.add_argument("--time-limit", type=float, default=10.0, help="cpsat time limit in seconds (default 10)")
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_CPSAT_TIME_LIMIT_S,
+                        help=f"cpsat time limit in seconds (default {DEFAULT_CPSAT_TIME_LIMIT_S:g})")
     parser.set_defaults(handler=_run_plan)
 
 

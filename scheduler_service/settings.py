@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler_service.core.plan import PlanLimits
+from scheduler_service.core.planner import DEFAULT_CPSAT_TIME_LIMIT_S
 
 __all__ = ["ENV_PREFIX", "Settings", "default_state_url", "get_settings"]
 
@@ -77,7 +78,8 @@ class Settings(BaseSettings):
     # CP-SAT's model grows with sequences² × DP ranks and building it is not bounded by the time limit:
     # measured on 2 cores with a 0.5 s limit, 40 sequences take ~1-2 s in all, 64 take 3-20 s, 120 take 16-34 s.
     cpsat_max_sequences: int = Field(default=48, ge=1, description="Most sequences a cpsat request may hold.")
-    cpsat_default_time_limit_s: float = Field(default=2.0, gt=0, description="Solver time limit when none is given.")
+    cpsat_default_time_limit_s: float = Field(default=DEFAULT_CPSAT_TIME_LIMIT_S, gt=0, description="Solver time "
+                                              "limit when none is given (the core's, as the CLI's).")
     cpsat_max_time_limit_s: float = Field(default=10.0, gt=0, description="Cap on a request's time_limit_s.")
     cpsat_warmup: bool = Field(default=True, description="Start the pools at startup: CP-SAT imported, "
                                  "the heavy pool's planner warmed.")

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from scheduler_service import cli, server
+from scheduler_service.core.planner import DEFAULT_CPSAT_TIME_LIMIT_S
 from scheduler_service.settings import ENV_PREFIX, Settings, get_settings
 
 
@@ -45,6 +46,11 @@ def test_bad_environment_fails_at_startup(monkeypatch: pytest.MonkeyPatch) -> No
 def test_default_time_limit_may_not_exceed_the_cap() -> None:
     with pytest.raises(ValidationError, match="exceeds"):
         Settings(cpsat_default_time_limit_s=20, cpsat_max_time_limit_s=10)
+
+
+def test_the_service_and_the_cli_default_to_the_cores_cpsat_time_limit() -> None:
+    assert Settings().cpsat_default_time_limit_s == DEFAULT_CPSAT_TIME_LIMIT_S
+    assert cli.build_parser().parse_args(["plan"]).time_limit == DEFAULT_CPSAT_TIME_LIMIT_S
 
 
 def test_serve_flags_override_environment_for_every_worker(monkeypatch: pytest.MonkeyPatch) -> None:
