@@ -94,6 +94,22 @@ def test_hybrid_dacp_keeps_the_exact_bound_and_is_never_slower_than_binary(probl
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=hybrid_problems())
+def test_a_batched_search_decides_each_micro_batch_as_alone_and_times_it_as_the_simulator(
+        problem: PlanningProblem) -> None:
+    count = -(-sum(problem.sequence_lengths) // problem.micro_batch_capacity) * 2
+    groups = [group for group in gds._spread_by_tokens(problem, range(problem.num_sequences), count) or [] if group]
+    for search in (dacp.hybrid_candidates, dacp.balanced_candidates, dacp.static_candidates):
+        for group, together in zip(groups, search(problem, groups), strict=True):
+            alone = search(problem, [group])[0]
+            assert together is not None and alone is not None
+            assert together.time_s == pytest.approx(alone.time_s, rel=1e-9)
+            micro_batch = together.decide(refine=False).micro_batch
+            assert sorted(micro_batch.indices()) == sorted(group)
+            assert together.time_s == pytest.approx(micro_batch_time_s(problem, micro_batch), rel=1e-9)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=hybrid_problems())
 def test_no_scheduler_beats_the_iteration_lower_bound(problem: PlanningProblem) -> None:
     lower_bound_s = iteration_lower_bound_s(problem)
     for scheduler in HEURISTIC_SCHEDULERS.values():
@@ -121,8 +137,8 @@ def test_binary_and_paper_schedulers_never_form_groups(problem_of: ProblemFactor
 
 def test_hybrid_packs_a_mix_of_mid_length_sequences_close_to_the_balanced_bound() -> None:
     # A ChatQA2-like micro-batch on cp 16 with 13K-token buckets: pieces of whole-block shares are coarse, so
-    # placing each on the least-loaded block left ranks idle (18% over the bound); bisecting on a load cap
-    # forces finer pieces exactly where they are needed.
+    # placing each on the least-loaded block left ranks idle (18% over the bound); packing under a cap on every
+    # rank's load forces finer pieces exactly where they are needed.
     lengths = [26_294, 23_781, 20_462, 18_471, 14_688, 12_643, 11_696, 10_493, 9_537, 3_241, 1_139, 928, 117, 46]
     problem = make_problem(sequence_lengths=lengths, dp_size=1, cp_size=16, model="qwen2.5-7b", bucket_size=13_000)
     indices = range(len(lengths))

@@ -17,17 +17,17 @@ memory bound, by construction, in every algorithm here.
   candidate, so a micro-batch never does worse than sharding everything under
   the cost model), place the rest largest-first on the least-loaded rank with
   room (LPT under the memory bound), keep the cheapest k under the cost model,
-  then improve it with bounded move/swap steps. Cost: O(k_max · K · N) for the
-  candidates plus at most 16 refinement steps of O(K² / N) each.
-* ``dacp_hybrid`` — Skrull's default: a dual approximation over degrees. It
-  bisects on a cap on every rank's load; under a cap, each sequence takes the
-  smallest degree (1, a hybrid block size, or the whole group) whose share of
-  its work fits the cap and whose share of its tokens fits a bucket, and widest
-  first, it goes to the best-fitting aligned block where it stays under the cap
-  (a sequence that fits nowhere takes the next larger degree). The binary
-  decision is a candidate too, and the cheapest under the cost model wins,
-  then it is refined like the binary one. Cost: at most 8 packings of
-  O(K · N) on top of ``dacp_balanced``.
+  then improve it with bounded move/swap steps (at most 16, O(K² / N) each).
+* ``dacp_hybrid`` — Skrull's default: a dual approximation over degrees. Under
+  a grid of caps on every rank's load, each sequence takes the smallest degree
+  (1, a hybrid block size, or the whole group) that fits the cap and a bucket,
+  and goes to the best-fitting aligned block; the binary decision is a
+  candidate too, the cheapest under the cost model wins, and it is refined
+  like the binary one.
+
+Both search their candidates for many micro-batches at once, vectorised
+(``dacp_search``); ``balanced_candidates`` and ``hybrid_candidates`` are that
+batched form, which GDS uses for a whole global batch.
 
 Memory units in the hybrid case: a sequence sharded over a block of ``s``
 ranks costs ``S·N/s`` on each of them (``s`` divides ``N``), so the bound stays
@@ -36,20 +36,30 @@ exact in integers.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
+import numpy.typing as npt
+
+from scheduler_service.core.dacp_search import (
+    LOCAL,
+    Rows,
+    SearchArrays,
+    binary_rows,
+    hybrid_rows,
+    row_times_s,
+    static_rows,
+)
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, ShardedGroup
 from scheduler_service.core.simulate import rank_time_s
 
-__all__ = ["dacp_balanced", "dacp_hybrid", "dacp_paper", "dacp_round_robin"]
+__all__ = ["Candidate", "Decided", "balanced_candidates", "dacp_balanced", "dacp_hybrid", "dacp_paper",
+           "dacp_round_robin", "hybrid_candidates", "static_candidates"]
 
 DISTRIBUTED = -1
-EXTRA_DISTRIBUTION_CANDIDATES = 2  # k values tried beyond the sequences too heavy to place locally
-CAP_TOLERANCE = 1.005  # stop bisecting the load cap once its bracket is within 0.5%
-GOOD_ENOUGH = 1.005  # stop searching within 0.5% of the perfectly balanced lower bound
-MAX_CAP_BISECTIONS = 8
 MAX_REFINEMENT_STEPS = 16
 MIN_REFINEMENT_GAIN = 1e-3  # a move must cut the busiest rank's load by at least 0.1%
 
@@ -172,11 +182,6 @@ class _Placement:
         self.shared_reduce_scatter = 0.0
         self.time_s = math.inf
 
-    def fits(self, block: Block, tokens: int) -> bool:
-        first, degree = block
-        need = tokens * (self.cp_size // degree) + self.shared_units
-        return min(self.remaining[first:first + degree]) >= need
-
     def place(self, problem: PlanningProblem, index: int, rank: int) -> None:
         self.placement[index] = rank
         self.remaining[rank] -= problem.sequence_lengths[index] * self.cp_size
@@ -213,20 +218,6 @@ class _Placement:
             self.all_gather[r] += all_gather
             self.reduce_scatter[r] += reduce_scatter
 
-    def shard_over_group(self, problem: PlanningProblem, indices: Sequence[int], tokens: int, flops: float) -> None:
-        """``shard`` over the whole CP group for many sequences at once, given their summed tokens and costs."""
-        if not indices:
-            return
-        collective = problem.perf.collective_cost(self.cp_size)
-        is_new = (0, self.cp_size) not in self.groups
-        self.groups.setdefault((0, self.cp_size), []).extend(indices)
-        self.shared_units += tokens
-        self.shared_load += flops
-        self.shared_all_gather += collective.all_gather_s_per_token * tokens + (
-            collective.all_gather_fixed_s if is_new else 0.0)
-        self.shared_reduce_scatter += collective.reduce_scatter_s_per_token * tokens + (
-            collective.reduce_scatter_fixed_s if is_new else 0.0)
-
     def evaluate(self, problem: PlanningProblem) -> float:
         load, all_gather, reduce_scatter = self.shared_load, self.shared_all_gather, self.shared_reduce_scatter
         self.time_s = max(
@@ -246,39 +237,6 @@ class _Placement:
             for (first, degree), members in sorted(self.groups.items()) if degree < self.cp_size
         )
         return MicroBatch(local=tuple(map(tuple, local)), distributed=tuple(distributed), sharded=sharded)
-
-
-def _least_loaded_with_room(candidate: _Placement, units: int) -> int:
-    best_rank, best_load = -1, math.inf
-    loads, remaining, need = candidate.loads, candidate.remaining, units + candidate.shared_units
-    for rank in range(candidate.cp_size):
-        if remaining[rank] >= need and loads[rank] < best_load:
-            best_rank, best_load = rank, loads[rank]
-    return best_rank
-
-
-def _largest_first(
-    problem: PlanningProblem, order: Sequence[int], num_distributed: int, prefix_tokens: Sequence[int],
-    prefix_flops: Sequence[float],
-) -> _Placement | None:
-    """Shard ``order[:num_distributed]`` over the whole CP group (their sums from the prefix sums), then LPT-place
-    the rest under the memory bound; a sequence that fits on no rank is sharded too."""
-    cp_size, lengths = problem.cp_size, problem.sequence_lengths
-    if prefix_tokens[num_distributed] > problem.bucket_size * cp_size:
-        return None
-    candidate = _Placement(cp_size, problem.bucket_size * cp_size)
-    candidate.shard_over_group(problem, order[:num_distributed], prefix_tokens[num_distributed],
-                               prefix_flops[num_distributed])
-    whole_group = (0, cp_size)
-    for index in order[num_distributed:]:
-        rank = _least_loaded_with_room(candidate, lengths[index] * cp_size)
-        if rank >= 0:
-            candidate.place(problem, index, rank)
-        elif candidate.fits(whole_group, lengths[index]):
-            candidate.shard(problem, index, whole_group)
-        else:
-            return None
-    return candidate
 
 
 def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
@@ -322,128 +280,108 @@ def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
         candidate.place(problem, moved, other)
 
 
-def _lower_bound_s(problem: PlanningProblem, indices: Sequence[int]) -> float:
-    """No decision beats every sequence at its cheapest placement, spread evenly, no communication exposed."""
-    return rank_time_s(problem, sum(problem.area[k] for k in indices) / problem.cp_size, 0.0, 0.0, 0.0)
+class Decided(NamedTuple):
+    """A micro-batch's DACP decision and its time under the cost model."""
+
+    micro_batch: MicroBatch
+    time_s: float
 
 
-def _binary_candidates(problem: PlanningProblem, order: Sequence[int], lower_bound_s: float) -> _Placement | None:
-    """The cheapest of "shard the k longest over the whole group" for the few k worth trying."""
-    lengths, costs = problem.sequence_lengths, problem.placement[1]
-    fair_share = sum(costs[k] for k in order) / problem.cp_size
-    # Sequences that cannot be local, or that alone exceed a rank's fair share, are the ones worth sharding.
-    num_forced = sum(1 for k in order if lengths[k] > problem.bucket_size)  # can never be local
-    num_heavy = sum(1 for k in order if lengths[k] > problem.bucket_size or costs[k] > fair_share)
-    # k = number of longest sequences sharded up front; sharding all of them is always a candidate,
-    # and it fits whenever the micro-batch's tokens do.
-    candidates = [*range(num_forced, min(num_heavy + EXTRA_DISTRIBUTION_CANDIDATES, len(order)) + 1), len(order)]
-    shard_costs = problem.placement[problem.cp_size]
-    prefix_tokens = [0, *itertools.accumulate(lengths[k] for k in order)]
-    prefix_flops = [0.0, *itertools.accumulate(shard_costs[k] for k in order)]
-    best: _Placement | None = None
-    for num_distributed in dict.fromkeys(candidates):  # ordered and without repeats
-        candidate = _largest_first(problem, order, num_distributed, prefix_tokens, prefix_flops)
-        if candidate is None:
-            continue
-        if best is None or candidate.evaluate(problem) < best.time_s:
-            best = candidate
-            if best.time_s <= lower_bound_s * GOOD_ENOUGH:
-                break
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A micro-batch's cheapest decision found by the search and its time under the cost model. GDS compares
+    micro-batchings by these times and builds (and refines) only the micro-batches of the ones it keeps."""
+
+    problem: PlanningProblem
+    rows: Rows
+    row: int
+    time_s: float
+
+    def decide(self, *, refine: bool = True) -> Decided:
+        placement = _replay(self.problem, self.rows, self.row)
+        if refine:
+            _refine(self.problem, placement)
+        return Decided(placement.micro_batch(), placement.evaluate(self.problem))
+
+
+def _best_row_per_micro_batch(rows: Rows, times_s: npt.NDArray[np.float64], num_micro_batches: int,
+                              ) -> npt.NDArray[np.int64]:
+    """Each micro-batch's cheapest row (the first on ties), or -1 where every row failed."""
+    by_time = np.lexsort((np.arange(len(times_s)), times_s, rows.micro_batch))
+    micro_batches, first = np.unique(rows.micro_batch[by_time], return_index=True)
+    best = np.full(num_micro_batches, -1, dtype=np.int64)
+    chosen = by_time[first]
+    best[micro_batches] = np.where(np.isfinite(times_s[chosen]), chosen, -1)
     return best
 
 
-def _finish(problem: PlanningProblem, best: _Placement | None, refine: bool) -> MicroBatch | None:
-    if best is None:
-        return None
-    if refine:
-        _refine(problem, best)
-    return best.micro_batch()
+def _replay(problem: PlanningProblem, rows: Rows, row: int) -> _Placement:
+    """The row's decision as a ``_Placement``, for the refinement and the micro-batch."""
+    placement = _Placement(problem.cp_size, problem.bucket_size * problem.cp_size)
+    for index, degree, first in zip(rows.order[row].tolist(), rows.degree[row].tolist(), rows.first[row].tolist(),
+                                    strict=True):
+        if index == problem.num_sequences:  # padding
+            continue
+        if degree == LOCAL:
+            placement.place(problem, index, first)
+        else:
+            placement.shard(problem, index, (first, degree))
+    return placement
+
+
+def _candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]], *, hybrid: bool,
+                ) -> list[Candidate | None]:
+    if not groups:
+        return []
+    arrays = SearchArrays.of(problem)
+    rows = binary_rows(problem, arrays, groups)
+    times_s = row_times_s(problem, rows)
+    best = _best_row_per_micro_batch(rows, times_s, len(groups))
+    chosen: list[tuple[Rows, int, float] | None] = [
+        None if row < 0 else (rows, row, float(times_s[row])) for row in best.tolist()]
+    if hybrid and len(problem.degrees) > 2 and (best >= 0).all():  # some block between a rank and the group
+        packed = hybrid_rows(problem, arrays, groups, rows.take(best))
+        packed_times_s = row_times_s(problem, packed)
+        for micro_batch, row in enumerate(_best_row_per_micro_batch(packed, packed_times_s, len(groups)).tolist()):
+            if row >= 0 and packed_times_s[row] < times_s[best[micro_batch]]:
+                chosen[micro_batch] = (packed, row, float(packed_times_s[row]))
+    return [None if choice is None else Candidate(problem, *choice) for choice in chosen]
+
+
+def balanced_candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]]) -> list[Candidate | None]:
+    """Binary Skrull's DACP for many micro-batches at once: the cheapest of a few "shard the k longest"
+    decisions, LPT-placed; ``None`` for a micro-batch whose tokens do not fit."""
+    return _candidates(problem, groups, hybrid=False)
+
+
+def hybrid_candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]]) -> list[Candidate | None]:
+    """Hybrid Skrull's DACP for many micro-batches at once: each sequence at the degree that suits it, groups side
+    by side; never worse than the binary decision under the cost model (that is a candidate too).
+
+    A dual approximation, as for moldable tasks: pack under caps on every rank's load between the balanced load
+    and the best binary decision's busiest rank (``dacp_search.hybrid_rows``). A lower cap forces finer pieces,
+    which pack memory and load better but pay more communication and shorter, less efficient attention chunks;
+    every packing is evaluated under the cost model and the cheapest decision wins."""
+    return _candidates(problem, groups, hybrid=True)
+
+
+def static_candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]]) -> list[Candidate | None]:
+    """Every sequence sharded over the whole CP group (static CP), for many micro-batches: GDS's ablation."""
+    if not groups:
+        return []
+    rows = static_rows(problem, SearchArrays.of(problem), groups)
+    times_s = row_times_s(problem, rows)
+    return [Candidate(problem, rows, row, float(time_s)) if math.isfinite(time_s) else None
+            for row, time_s in enumerate(times_s.tolist())]
 
 
 def dacp_balanced(problem: PlanningProblem, indices: Sequence[int], *, refine: bool = True) -> MicroBatch | None:
-    """Binary Skrull's DACP: the cheapest of a few "shard the k longest" decisions, LPT-placed and refined."""
-    order = sorted(indices, key=lambda k: (-problem.sequence_lengths[k], k))  # longest (= most FLOPs) first
-    return _finish(problem, _binary_candidates(problem, order, _lower_bound_s(problem, order)), refine)
-
-
-def _best_fit_block(problem: PlanningProblem, candidate: _Placement, index: int, degree: int,
-                    cap_flops: float) -> int:
-    """The first rank of the aligned block of ``degree`` ranks where the sequence's tokens fit and its share keeps
-    every rank under the cap, and whose busiest rank is the most loaded such (best fit); -1 when there is none."""
-    share, tokens = problem.placement[degree][index], problem.sequence_lengths[index]
-    loads, remaining = candidate.loads, candidate.remaining
-    need = tokens * (problem.cp_size // degree) + candidate.shared_units
-    room = cap_flops - candidate.shared_load - share  # the busiest rank of the block may carry at most this
-    best_first, best_load = -1, -math.inf
-    if degree == 1:  # the common case, without slices
-        for rank, load in enumerate(loads):
-            if best_load < load <= room and remaining[rank] >= need:
-                best_first, best_load = rank, load
-        return best_first
-    for first in range(0, problem.cp_size, degree):  # the aligned blocks (plan.cp_blocks)
-        last = first + degree
-        load = max(loads[first:last])
-        if best_load < load <= room and min(remaining[first:last]) >= need:
-            best_first, best_load = first, load
-    return best_first
-
-
-def _pack_under_cap(problem: PlanningProblem, order: Sequence[int], cap_flops: float) -> _Placement | None:
-    """Place every sequence so that no rank's load exceeds ``cap_flops``, or ``None``.
-
-    Each sequence starts at the smallest degree whose per-rank share fits the cap and whose tokens fit a bucket
-    per rank. Widest first (aligned blocks then never fragment: a block is free or holds wider groups' shares),
-    heaviest share first within a degree, each goes to its best-fit block; one that fits nowhere takes the next
-    larger degree."""
-    lengths, degrees, bucket_size = problem.sequence_lengths, problem.degrees, problem.bucket_size
-    chosen: dict[int, int] = {}
-    for index in order:
-        degree = next((degree for degree in degrees if lengths[index] <= degree * bucket_size
-                       and problem.placement[degree][index] <= cap_flops), 0)
-        if not degree:
-            return None
-        chosen[index] = degree
-    candidate = _Placement(problem.cp_size, bucket_size * problem.cp_size)
-    for index in sorted(order, key=lambda k: (-chosen[k], -problem.placement[chosen[k]][k], k)):
-        for degree in degrees[degrees.index(chosen[index]):]:
-            first = _best_fit_block(problem, candidate, index, degree, cap_flops)
-            if first < 0:
-                continue
-            if degree == 1:
-                candidate.place(problem, index, first)
-            else:
-                candidate.shard(problem, index, (first, degree))
-            break
-        else:
-            return None
-    return candidate
+    """``balanced_candidates`` for one micro-batch, refined."""
+    candidate = balanced_candidates(problem, [indices])[0]
+    return None if candidate is None else candidate.decide(refine=refine).micro_batch
 
 
 def dacp_hybrid(problem: PlanningProblem, indices: Sequence[int], *, refine: bool = True) -> MicroBatch | None:
-    """Hybrid Skrull's DACP: each sequence at the degree that suits it, groups side by side; never worse than the
-    binary decision under the cost model (that is a candidate too).
-
-    A dual approximation, as for moldable tasks: bisect on a cap on every rank's load between the balanced load
-    (every sequence at its cheapest placement, spread evenly: no placement does better) and the best binary
-    decision's busiest rank, packing under each cap (``_pack_under_cap``). A lower cap forces finer pieces, which
-    pack memory and load better but pay more communication and shorter, less efficient attention chunks; every
-    packing found is evaluated under the cost model and the cheapest decision wins."""
-    order = sorted(indices, key=lambda k: (-problem.sequence_lengths[k], k))
-    lower_bound_s = _lower_bound_s(problem, order)
-    best = _binary_candidates(problem, order, lower_bound_s)
-    if best is None or len(problem.degrees) <= 2:  # no room for tokens, or no block between a rank and the group
-        return _finish(problem, best, refine)
-    low = sum(problem.area[k] for k in order) / problem.cp_size
-    high = max(best.loads) + best.shared_load
-    for _ in range(MAX_CAP_BISECTIONS):
-        if high <= low * CAP_TOLERANCE or best.time_s <= lower_bound_s * GOOD_ENOUGH:
-            break
-        cap = (low + high) / 2
-        packed = _pack_under_cap(problem, order, cap)
-        if packed is None:
-            low = cap
-            continue
-        high = cap
-        if packed.evaluate(problem) < best.time_s:
-            best = packed
-    return _finish(problem, best, refine)
+    """``hybrid_candidates`` for one micro-batch, refined."""
+    candidate = hybrid_candidates(problem, [indices])[0]
+    return None if candidate is None else candidate.decide(refine=refine).micro_batch

@@ -10,37 +10,44 @@
 * ``skrull`` — the default, hybrid. DP balancing by LPT on each sequence's
   cheapest placement cost (its rank-FLOP-equivalents at the degree that costs
   least, ``PlanningProblem.area``; largest first onto the least-loaded rank).
-  For each DP share it tries the memory-minimal micro-batch count and one more
-  (stopping early within 5% of a lower bound), each cut by spreading tokens
-  (longest first onto the micro-batch with the fewest tokens, which pairs long
-  with short and keeps each under C·N; it matched or beat the strided cut in
-  our measurements at half the cost); every cut is scheduled with
-  ``dacp_hybrid`` (refined) and the cheapest under the cost model wins.
+  For each DP share it tries the memory-minimal micro-batch count and one more,
+  each cut by spreading tokens (longest first onto the micro-batch with the
+  fewest tokens, which pairs long with short and keeps each under C·N; it
+  matched or beat the strided cut in our measurements at half the cost); every
+  micro-batch of every share and cut is scheduled in one batched
+  ``decide_hybrid`` call (refined) and each share's cheapest cut under the
+  cost model wins.
   Binary Skrull's plan is a candidate too (its DP split and cuts differ), so
   ``skrull`` is never slower than ``skrull_binary`` under the cost model.
   Measured cost: see the README's planning-latency table.
 * ``skrull_binary`` — the same GDS with LPT on FLOPs and binary DACP
-  (``dacp_balanced``): whole, or sharded over the whole CP group.
+  (``decide_balanced``): whole, or sharded over the whole CP group.
 """
 
 from __future__ import annotations
 
-import functools
 import heapq
 from collections.abc import Callable, Sequence
 
-from scheduler_service.core.baselines import contiguous_slices, min_micro_batches, pack_in_order, shard_all
-from scheduler_service.core.dacp import dacp_balanced, dacp_hybrid, dacp_paper, dacp_round_robin
+from scheduler_service.core.baselines import contiguous_slices, min_micro_batches, pack_in_order
+from scheduler_service.core.dacp import (
+    Candidate,
+    balanced_candidates,
+    dacp_balanced,
+    dacp_paper,
+    dacp_round_robin,
+    hybrid_candidates,
+    static_candidates,
+)
 from scheduler_service.core.errors import InfeasiblePlanError
 from scheduler_service.core.partition import lpt_partition
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
-from scheduler_service.core.simulate import iteration_time_s, micro_batches_time_s
 
 __all__ = ["dacp_only", "gds_only", "gds_paper", "round_robin", "skrull", "skrull_binary", "skrull_paper"]
 
 Dacp = Callable[[PlanningProblem, Sequence[int]], MicroBatch | None]
+Search = Callable[[PlanningProblem, Sequence[Sequence[int]]], list[Candidate | None]]
 EXTRA_MICRO_BATCH_COUNTS = 1  # counts tried beyond the first feasible one
-GOOD_ENOUGH = 1.05  # stop searching within 5% of the share's lower bound
 
 
 def _greedy_in_order(indices: Sequence[int], weights: Sequence[float], num_parts: int) -> list[list[int]]:
@@ -122,53 +129,57 @@ def round_robin(problem: PlanningProblem) -> Plan:
     return _paper_style(problem, dacp_round_robin)
 
 
-def _share_lower_bound_s(problem: PlanningProblem, subset: Sequence[int], num_micro_batches: int) -> float:
-    """No plan of ``subset`` beats every sequence at its cheapest placement spread evenly over the CP group, one
-    fixed cost per micro-batch."""
-    total = sum(problem.area[k] for k in subset)
-    return problem.alpha_s_per_flop * total / problem.cp_size + num_micro_batches * problem.beta_s
-
-
-def _skrull_share(problem: PlanningProblem, subset: Sequence[int], dacp: Dacp) -> list[MicroBatch]:
-    best: tuple[float, list[MicroBatch]] | None = None
-    min_count = min_micro_batches(problem, subset)
-    lower_bound_s = _share_lower_bound_s(problem, subset, min_count)
-    count, last_count = min_count, len(subset)
+def _cuts(problem: PlanningProblem, subset: Sequence[int]) -> list[list[list[int]]]:
+    """The micro-batchings of one DP share worth comparing: the fewest micro-batches whose token spread fits,
+    and ``EXTRA_MICRO_BATCH_COUNTS`` more."""
+    cuts: list[list[list[int]]] = []
+    count, last_count = min_micro_batches(problem, subset), len(subset)
     while count <= last_count:
-        if best is not None and best[0] <= lower_bound_s * GOOD_ENOUGH:
-            break
         groups = _spread_by_tokens(problem, subset, count)
-        micro_batches = None if groups is None else _schedule_groups(problem, groups, dacp)
-        if micro_batches is not None:
-            cost = micro_batches_time_s(problem, micro_batches)
-            if best is None or cost < best[0]:
-                best = (cost, micro_batches)
+        if groups is not None:
+            cuts.append([group for group in groups if group])
             last_count = min(last_count, count + EXTRA_MICRO_BATCH_COUNTS)
             count += 1
         else:  # until one fits, grow geometrically: O(log n) cuts even for adversarial lengths
             count = count + 1 if count == last_count else min(last_count, count + max(1, count // 8))
-    if best is None:
+    if not cuts:
         raise _no_plan(problem, subset)
-    return best[1]
+    return cuts
 
 
-def _lpt_gds(problem: PlanningProblem, weights: Sequence[float], dacp: Dacp) -> Plan:
+def _lpt_gds(problem: PlanningProblem, weights: Sequence[float], search: Search) -> tuple[Plan, float]:
+    """LPT over DP ranks; per share, the cheapest of its micro-batchings under the cost model, with every
+    micro-batch of every share and cut searched in one batched call. The plan and its iteration time."""
     shares = lpt_partition(range(problem.num_sequences), weights, problem.dp_size)
-    return Plan(dp_ranks=tuple(
-        DPRankPlan(micro_batches=tuple(_skrull_share(problem, share, dacp)) if share else ()) for share in shares
-    ))
+    cuts = [_cuts(problem, share) if share else [] for share in shares]
+    candidates = iter(search(problem, [group for share_cuts in cuts for cut in share_cuts for group in cut]))
+    dp_ranks, times_s = [], []
+    for share, share_cuts in zip(shares, cuts, strict=True):
+        best: tuple[float, list[Candidate]] | None = None
+        for cut in share_cuts:
+            found = [candidate for candidate in (next(candidates) for _ in cut) if candidate is not None]
+            time_s = sum(candidate.time_s for candidate in found)
+            if len(found) == len(cut) and (best is None or time_s < best[0]):
+                best = (time_s, found)
+        if share and best is None:
+            raise _no_plan(problem, share)
+        decided = [candidate.decide() for candidate in best[1]] if best else []
+        dp_ranks.append(DPRankPlan(micro_batches=tuple(decision.micro_batch for decision in decided)))
+        times_s.append(sum(decision.time_s for decision in decided))
+    return Plan(dp_ranks=tuple(dp_ranks)), max(times_s)
 
 
 def skrull(problem: PlanningProblem) -> Plan:
     """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, hybrid DACP; binary Skrull's
     plan where that is cheaper under the cost model (its DP split and cuts can differ), so never slower than it."""
-    hybrid = _lpt_gds(problem, problem.area, dacp_hybrid)
-    return min(hybrid, skrull_binary(problem), key=functools.partial(iteration_time_s, problem))
+    hybrid, hybrid_time_s = _lpt_gds(problem, problem.area, hybrid_candidates)
+    binary, binary_time_s = _lpt_gds(problem, problem.flops_list, balanced_candidates)
+    return hybrid if hybrid_time_s <= binary_time_s else binary
 
 
 def skrull_binary(problem: PlanningProblem) -> Plan:
     """Binary Skrull: the same GDS, each sequence whole or sharded over the whole CP group."""
-    return _lpt_gds(problem, problem.flops_list, dacp_balanced)
+    return _lpt_gds(problem, problem.flops_list, balanced_candidates)[0]
 
 
 def dacp_only(problem: PlanningProblem) -> Plan:
@@ -184,4 +195,4 @@ def dacp_only(problem: PlanningProblem) -> Plan:
 
 def gds_only(problem: PlanningProblem) -> Plan:
     """Ablation: Skrull's GDS with static context parallelism (every sequence sharded)."""
-    return _lpt_gds(problem, problem.flops_list, shard_all)
+    return _lpt_gds(problem, problem.flops_list, static_candidates)[0]

@@ -47,6 +47,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -60,6 +61,7 @@ __all__ = [
     "CollectiveCost",
     "ComputeFit",
     "ComputePoint",
+    "FloatOrArray",
     "LinearFit",
     "MemoryFit",
     "PerformanceModel",
@@ -86,6 +88,12 @@ _NO_COST = LinearFit(slope=0.0, intercept=0.0)
 # Forward share of attention's forward + backward time: backward does twice the forward's matrix products
 # (dQ, dK, dV against the forward's Q·Kᵀ and P·V), the convention "fwd + bwd = 3 × fwd" the profiles use.
 ATTENTION_FORWARD_SHARE = 1.0 / 3.0
+FloatOrArray = TypeVar("FloatOrArray", float, npt.NDArray[np.float64])  # one rank, or many candidates at once
+
+
+def _positive_part(value: FloatOrArray) -> FloatOrArray:
+    """``max(0, value)`` for a float or elementwise for an array, exactly (x + |x| is 2x or 0)."""
+    return (value + abs(value)) * 0.5
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -247,12 +255,14 @@ class PerformanceModel:
         cost = self.collective_cost(group_size or self.profile.communication.world_size or 2)
         return cost.all_gather_s(num_tokens) + cost.reduce_scatter_s(num_tokens)
 
-    def exposed_comm_s(self, all_gather_s: float, reduce_scatter_s: float, local_attention_flops: float) -> float:
+    def exposed_comm_s(self, all_gather_s: FloatOrArray, reduce_scatter_s: FloatOrArray,
+                       local_attention_flops: FloatOrArray) -> FloatOrArray:
         """Communication left visible: the all-gathers hide behind the local attention forward, the
-        reduce-scatters behind its backward (the trainer's two overlaps, and no other)."""
+        reduce-scatters behind its backward (the trainer's two overlaps, and no other). Floats or numpy arrays
+        alike: the vectorised DACP search costs many candidates at once with this same function."""
         attention_s = self.profile.compute.alpha_s_per_flop * local_attention_flops
         forward_s = attention_s * ATTENTION_FORWARD_SHARE
-        return max(0.0, all_gather_s - forward_s) + max(0.0, reduce_scatter_s - (attention_s - forward_s))
+        return _positive_part(all_gather_s - forward_s) + _positive_part(reduce_scatter_s - (attention_s - forward_s))
 
     # -- memory -------------------------------------------------------------------
     @property

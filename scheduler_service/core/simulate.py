@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from scheduler_service.core.perf_model import FloatOrArray
 from scheduler_service.core.plan import MicroBatch, Plan, PlanningProblem
 
 __all__ = [
@@ -78,14 +79,13 @@ class PlanEstimate:
     dp_ranks: tuple[DPRankEstimate, ...]
 
 
-def rank_time_s(problem: PlanningProblem, work_flops: float, local_attention_flops: float, all_gather_s: float,
-                reduce_scatter_s: float) -> float:
-    """``T_r`` above: the one cost function every scheduler and the simulator use."""
-    if work_flops <= 0:
-        return 0.0
-    perf = problem.perf
-    return (problem.alpha_s_per_flop * work_flops + problem.beta_s
-            + perf.exposed_comm_s(all_gather_s, reduce_scatter_s, local_attention_flops))
+def rank_time_s(problem: PlanningProblem, work_flops: FloatOrArray, local_attention_flops: FloatOrArray,
+                all_gather_s: FloatOrArray, reduce_scatter_s: FloatOrArray) -> FloatOrArray:
+    """``T_r`` above: the one cost function every scheduler and the simulator use; a rank without work costs
+    nothing. Floats, or arrays of many ranks and candidates at once (the vectorised DACP search)."""
+    busy = work_flops > 0
+    return busy * (problem.alpha_s_per_flop * work_flops + problem.beta_s
+                   + problem.perf.exposed_comm_s(all_gather_s, reduce_scatter_s, local_attention_flops))
 
 
 @dataclass(slots=True)

@@ -1,0 +1,295 @@
+"""The candidate search behind binary and hybrid DACP, vectorised over micro-batches and candidates.
+
+Each row of the arrays here is one candidate decision for one micro-batch. Both greedy placements are sequential
+in a micro-batch's sequences but independent across rows, so one step places the j-th sequence of every row of a
+whole global batch in a few dozen numpy operations, where a Python loop would visit every rank of every candidate
+of every micro-batch (README, "Planning latency").
+
+* ``binary_rows`` — "shard the k longest over the whole CP group, place the rest largest-first on the least-loaded
+  rank with room (LPT under the memory bound), shard a sequence that fits on no rank", for the few k worth trying.
+* ``hybrid_rows`` — the dual approximation over degrees: under a cap on every rank's load, each sequence takes
+  the smallest degree (1, an aligned block, the whole group) whose per-rank share fits the cap and whose tokens
+  fit a bucket per rank; widest first, heaviest first within a degree, each goes to the best-fitting aligned
+  block where it stays under the cap, escalating its degree when no block has room. A grid of caps between the
+  balanced load and the best binary decision's busiest rank, one row each.
+
+Memory is in exact integer units of 1/N token: a CP rank holds ``C·N``, a sequence sharded over ``s`` ranks
+costs ``S·N/s`` on each (``s`` divides ``N``), so the memory bound holds by construction in every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from scheduler_service.core.plan import PlanningProblem
+from scheduler_service.core.simulate import rank_time_s
+
+__all__ = ["LOCAL", "Rows", "SearchArrays", "binary_rows", "hybrid_rows", "row_times_s", "static_rows"]
+
+EXTRA_DISTRIBUTION_CANDIDATES = 2  # k values tried beyond the sequences too heavy to place locally
+CAP_CANDIDATES = 8  # caps tried per micro-batch, evenly spaced strictly between the balanced load and the binary one
+CAP_TOLERANCE = 1.005  # no hybrid search where the binary decision is within 0.5% of the balanced load
+
+LOCAL = 0  # ``Rows.degree`` of a sequence kept whole on one rank
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True, slots=True)
+class SearchArrays:
+    """The problem's per-sequence figures as arrays, with one zero-cost padding sequence at index ``n`` so that
+    micro-batches of different sizes share one rectangular array."""
+
+    lengths: IntArray
+    placement: dict[int, FloatArray]  # degree -> per-rank share of each sequence sharded over that many ranks
+    local_attention: FloatArray
+    area: FloatArray
+    padding: int
+
+    @classmethod
+    def of(cls, problem: PlanningProblem) -> SearchArrays:
+        def padded(values: Sequence[float]) -> FloatArray:
+            return np.append(np.asarray(values, dtype=np.float64), 0.0)
+
+        return cls(lengths=np.append(problem.lengths, 0), local_attention=padded(problem.local_attention),
+                   placement={degree: padded(costs) for degree, costs in problem.placement.items()},
+                   area=padded(problem.area), padding=problem.num_sequences)
+
+
+@dataclass(slots=True)
+class Rows:
+    """Candidate decisions, one per row, and the per-rank sums the cost model and the memory bound need.
+
+    ``degree[r, j]`` and ``first[r, j]`` say where the row's j-th sequence ``order[r, j]`` went: ``LOCAL``, whole
+    on rank ``first``; a degree, sharded over the aligned block of that many ranks starting at ``first`` (with
+    ``cp_size`` 1, a whole-group shard has degree 1 too)."""
+
+    micro_batch: IntArray  # (R,) which micro-batch each row decides
+    order: IntArray  # (R, K) the sequences in placement order; ``padding`` past a micro-batch's size
+    loads: FloatArray  # (R, N) FLOP-equivalents per rank
+    attention: FloatArray  # (R, N) local attention FLOP-equivalents per rank: what hides the collectives
+    all_gather: FloatArray  # (R, N) seconds of collectives per rank, forward
+    reduce_scatter: FloatArray  # (R, N) and backward
+    remaining: IntArray  # (R, N) memory units left per rank
+    has_group: BoolArray  # (R, G) whether the row already pays a block's fixed collective cost
+    degree: IntArray  # (R, K)
+    first: IntArray  # (R, K)
+    valid: BoolArray  # (R,) False once a sequence found no room
+
+    @classmethod
+    def empty(cls, problem: PlanningProblem, micro_batch: IntArray, order: IntArray) -> Rows:
+        num_rows, cp_size = len(micro_batch), problem.cp_size
+        return cls(micro_batch=micro_batch, order=order,
+                   loads=np.zeros((num_rows, cp_size)), attention=np.zeros((num_rows, cp_size)),
+                   all_gather=np.zeros((num_rows, cp_size)), reduce_scatter=np.zeros((num_rows, cp_size)),
+                   remaining=np.full((num_rows, cp_size), problem.bucket_size * cp_size, dtype=np.int64),
+                   has_group=np.zeros((num_rows, _num_groups(problem)), dtype=np.bool_),
+                   degree=np.zeros(order.shape, dtype=np.int64), first=np.zeros(order.shape, dtype=np.int64),
+                   valid=np.ones(num_rows, dtype=np.bool_))
+
+    def take(self, rows: IntArray) -> Rows:
+        return Rows(*(getattr(self, name)[rows] for name in self.__slots__))
+
+    def place(self, arrays: SearchArrays, rows: IntArray, step: int, ranks: IntArray) -> None:
+        """Put each row's ``step``-th sequence whole on its rank."""
+        if not len(rows):
+            return
+        sequences = self.order[rows, step]
+        self.loads[rows, ranks] += arrays.placement[1][sequences]
+        self.attention[rows, ranks] += arrays.local_attention[sequences]
+        self.remaining[rows, ranks] -= arrays.lengths[sequences] * self.loads.shape[1]
+        self.degree[rows, step], self.first[rows, step] = LOCAL, ranks
+
+    def shard(self, problem: PlanningProblem, arrays: SearchArrays, rows: IntArray, step: int, degree: int,
+              blocks: IntArray) -> None:
+        """Shard each row's ``step``-th sequence over its aligned block of ``degree`` ranks (index ``blocks``)."""
+        if not len(rows):
+            return
+        cp_size = problem.cp_size
+        sequences = self.order[rows, step]
+        tokens = arrays.lengths[sequences]
+        in_block = (np.arange(cp_size) // degree)[None, :] == blocks[:, None]
+        group = _group_offsets(problem)[degree] + blocks
+        is_new = ~self.has_group[rows, group]
+        self.has_group[rows, group] = True
+        collective = problem.perf.collective_cost(degree)
+        all_gather = collective.all_gather_s_per_token * tokens + collective.all_gather_fixed_s * is_new
+        reduce_scatter = collective.reduce_scatter_s_per_token * tokens + collective.reduce_scatter_fixed_s * is_new
+        self.loads[rows] += in_block * arrays.placement[degree][sequences][:, None]
+        self.remaining[rows] -= in_block * (tokens * (cp_size // degree))[:, None]
+        self.all_gather[rows] += in_block * all_gather[:, None]
+        self.reduce_scatter[rows] += in_block * reduce_scatter[:, None]
+        self.degree[rows, step], self.first[rows, step] = degree, blocks * degree
+
+
+    def shard_prefix_over_group(self, problem: PlanningProblem, arrays: SearchArrays, counts: IntArray) -> None:
+        """Shard each row's first ``counts`` sequences over the whole CP group at once (from prefix sums); a row
+        whose prefix does not fit in memory is invalid."""
+        cp_size = problem.cp_size
+        width = self.order.shape[1]
+        prefix = np.arange(width)[None, :] < counts[:, None]
+        tokens = (arrays.lengths[self.order] * prefix).sum(axis=1)
+        shares = (arrays.placement[cp_size][self.order] * prefix).sum(axis=1)
+        collective = problem.perf.collective_cost(cp_size)
+        any_sharded = counts > 0
+        self.loads += shares[:, None]
+        self.remaining -= tokens[:, None]
+        self.all_gather += np.where(any_sharded, collective.all_gather_s_per_token * tokens
+                                    + collective.all_gather_fixed_s, 0.0)[:, None]
+        self.reduce_scatter += np.where(any_sharded, collective.reduce_scatter_s_per_token * tokens
+                                        + collective.reduce_scatter_fixed_s, 0.0)[:, None]
+        self.has_group[:, _group_offsets(problem)[cp_size]] = any_sharded
+        self.degree[prefix] = cp_size
+        self.valid &= self.remaining.min(axis=1) >= 0
+
+
+def _group_degrees(problem: PlanningProblem) -> list[int]:
+    """The degrees sequences are sharded over: every block size and the whole group (of 1 rank when cp_size is 1)."""
+    return sorted({*problem.degrees[1:], problem.cp_size})
+
+
+def _group_offsets(problem: PlanningProblem) -> dict[int, int]:
+    """Column of each sharding degree's first aligned block in ``Rows.has_group``."""
+    offsets, column = {}, 0
+    for degree in _group_degrees(problem):
+        offsets[degree] = column
+        column += problem.cp_size // degree
+    return offsets
+
+
+def _num_groups(problem: PlanningProblem) -> int:
+    return sum(problem.cp_size // degree for degree in _group_degrees(problem))
+
+
+def row_times_s(problem: PlanningProblem, rows: Rows) -> FloatArray:
+    """Each row's micro-batch time under the cost model (the slowest rank's ``rank_time_s``); inf if invalid."""
+    times = rank_time_s(problem, rows.loads, rows.attention, rows.all_gather, rows.reduce_scatter).max(axis=1)
+    return np.where(rows.valid, times, np.inf)
+
+
+def _padded_orders(groups: Sequence[Sequence[int]], padding: int, lengths: IntArray) -> IntArray:
+    """One row per micro-batch: its sequences longest first (ties by index), then padding."""
+    width = max(len(group) for group in groups)
+    orders = np.full((len(groups), width), padding, dtype=np.int64)
+    for row, group in enumerate(groups):
+        members = np.asarray(group, dtype=np.int64)
+        orders[row, :len(group)] = members[np.lexsort((members, -lengths[members]))]
+    return orders
+
+
+def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence[Sequence[int]]) -> Rows:
+    """Every micro-batch's binary candidates: for each k worth trying, the k longest sharded over the whole group,
+    the rest LPT-placed under the memory bound (sharded when no rank has room)."""
+    cp_size, bucket_size = problem.cp_size, problem.bucket_size
+    orders = _padded_orders(groups, arrays.padding, arrays.lengths)
+    lengths = arrays.lengths[orders]
+    local_costs = arrays.placement[1][orders]
+    fair_share = local_costs.sum(axis=1, keepdims=True) / cp_size
+    num_forced = (lengths > bucket_size).sum(axis=1)  # can never be local
+    num_heavy = ((lengths > bucket_size) | (local_costs > fair_share)).sum(axis=1)
+    sizes = np.array([len(group) for group in groups])
+    micro_batch: list[int] = []
+    num_sharded: list[int] = []
+    for index, size in enumerate(sizes.tolist()):
+        # sharding all of them is always a candidate, and it fits whenever the micro-batch's tokens do
+        ks = dict.fromkeys([*range(num_forced[index], min(num_heavy[index] + EXTRA_DISTRIBUTION_CANDIDATES, size) + 1),
+                            size])
+        micro_batch += [index] * len(ks)
+        num_sharded += ks
+    rows = Rows.empty(problem, np.array(micro_batch, dtype=np.int64), orders[micro_batch])
+    forced = np.asarray(num_sharded, dtype=np.int64)
+    rows.shard_prefix_over_group(problem, arrays, forced)
+    active = np.arange(orders.shape[1])[None, :] < sizes[rows.micro_batch][:, None]
+    whole_group = np.zeros(1, dtype=np.int64)
+    for step in range(orders.shape[1]):
+        pending = rows.valid & active[:, step] & (step >= forced)
+        if not pending.any():
+            continue
+        tokens = arrays.lengths[rows.order[:, step]]
+        has_room = rows.remaining >= (tokens * cp_size)[:, None]
+        ranks = np.where(has_room, rows.loads, np.inf).argmin(axis=1)
+        local = pending & has_room[np.arange(len(ranks)), ranks]
+        sharded = pending & ~local & (rows.remaining.min(axis=1) >= tokens)
+        rows.valid &= ~(pending & ~local & ~sharded)
+        placed = np.flatnonzero(local)
+        rows.place(arrays, placed, step, ranks[placed])
+        spread = np.flatnonzero(sharded)
+        rows.shard(problem, arrays, spread, step, cp_size, np.broadcast_to(whole_group, spread.shape))
+    return rows
+
+
+def static_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence[Sequence[int]]) -> Rows:
+    """One row per micro-batch with every sequence sharded over the whole CP group (static CP)."""
+    orders = _padded_orders(groups, arrays.padding, arrays.lengths)
+    rows = Rows.empty(problem, np.arange(len(groups), dtype=np.int64), orders)
+    rows.shard_prefix_over_group(problem, arrays, np.array([len(group) for group in groups], dtype=np.int64))
+    return rows
+
+
+def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence[Sequence[int]],
+                binary_best: Rows) -> Rows:
+    """Every micro-batch's packings under a grid of caps between its balanced load (every sequence at its
+    cheapest placement, spread evenly: no decision does better) and the busiest rank of its best binary decision
+    (``binary_best``, one row per micro-batch in the order of ``groups``); none where those already agree."""
+    cp_size, bucket_size, degrees = problem.cp_size, problem.bucket_size, problem.degrees
+    orders = _padded_orders(groups, arrays.padding, arrays.lengths)
+    low = arrays.area[orders].sum(axis=1) / cp_size
+    high = binary_best.loads.max(axis=1)
+    searched = np.flatnonzero(high > low * CAP_TOLERANCE)
+    steps = np.arange(1, CAP_CANDIDATES + 1) / (CAP_CANDIDATES + 1)
+    micro_batch = np.repeat(searched, CAP_CANDIDATES)
+    caps = (low[searched, None] + (high - low)[searched, None] * steps[None, :]).ravel()
+    sequences = orders[micro_batch]
+    lengths = arrays.lengths[sequences]
+    # the smallest degree whose tokens fit a bucket per rank and whose share fits the cap (0: none)
+    chosen = np.zeros(sequences.shape, dtype=np.int64)
+    for degree in reversed(degrees):
+        fits = (lengths <= degree * bucket_size) & (arrays.placement[degree][sequences] <= caps[:, None])
+        chosen = np.where(fits, degree, chosen)
+    is_padding = sequences == arrays.padding
+    chosen_share = np.zeros(sequences.shape)
+    for degree in degrees:
+        chosen_share = np.where(chosen == degree, arrays.placement[degree][sequences], chosen_share)
+    # widest first, heaviest share first within a degree, padding last
+    placement_order = np.lexsort((sequences, -chosen_share, -chosen, is_padding), axis=-1)
+    ordered = np.take_along_axis(sequences, placement_order, axis=1)
+    rows = Rows.empty(problem, micro_batch, ordered)
+    rows.valid &= ~((chosen == 0) & ~is_padding).any(axis=1)
+    ordered_chosen = np.take_along_axis(chosen, placement_order, axis=1)
+    for step in range(ordered.shape[1]):
+        pending = rows.valid & (ordered[:, step] != arrays.padding)
+        for degree in degrees:
+            candidates = np.flatnonzero(pending & (ordered_chosen[:, step] <= degree))
+            if not len(candidates):
+                continue
+            blocks, found = _best_fit_blocks(problem, arrays, rows, candidates, step, degree, caps[candidates])
+            fitted, blocks = candidates[found], blocks[found]
+            if degree == 1:
+                rows.place(arrays, fitted, step, blocks)
+            else:
+                rows.shard(problem, arrays, fitted, step, degree, blocks)
+            pending[fitted] = False
+        rows.valid &= ~pending
+    return rows
+
+
+def _best_fit_blocks(problem: PlanningProblem, arrays: SearchArrays, rows: Rows, candidates: IntArray, step: int,
+                     degree: int, caps: FloatArray) -> tuple[IntArray, BoolArray]:
+    """For each candidate row, the aligned block of ``degree`` ranks where its ``step``-th sequence's tokens fit
+    and its share keeps every rank under the cap, and whose busiest rank is the most loaded such (best fit; the
+    first on ties), with whether there is one."""
+    cp_size = problem.cp_size
+    sequences = rows.order[candidates, step]
+    shape = (len(candidates), cp_size // degree, degree)
+    block_loads = rows.loads[candidates].reshape(shape).max(axis=2)
+    block_room = rows.remaining[candidates].reshape(shape).min(axis=2)
+    need = arrays.lengths[sequences] * (cp_size // degree)
+    fits = ((block_loads <= (caps - arrays.placement[degree][sequences])[:, None])
+            & (block_room >= need[:, None]))
+    blocks = np.where(fits, block_loads, -np.inf).argmax(axis=1)
+    return blocks, fits[np.arange(len(blocks)), blocks]
