@@ -126,7 +126,6 @@ class Rows:
         self.reduce_scatter[rows] += in_block * reduce_scatter[:, None]
         self.degree[rows, step], self.first[rows, step] = degree, blocks * degree
 
-
     def shard_prefix_over_group(self, problem: PlanningProblem, arrays: SearchArrays, counts: IntArray) -> None:
         """Shard each row's first ``counts`` sequences over the whole CP group at once (from prefix sums); a row
         whose prefix does not fit in memory is invalid."""
@@ -240,11 +239,15 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     orders = _padded_orders(groups, arrays.padding, arrays.lengths)
     low = arrays.area[orders].sum(axis=1) / cp_size
     high = binary_best.loads.max(axis=1)
-    searched = np.flatnonzero(high > low * CAP_TOLERANCE)
+    # a cap above the balanced load leaves every sequence whose whole cost is under it at degree 1: where that is
+    # all of them, a packing is a local best fit, which the binary decision's refinement already matches
+    needs_blocks = arrays.placement[1][orders].max(axis=1) > low
+    searched = np.flatnonzero((high > low * CAP_TOLERANCE) & needs_blocks)
     steps = np.arange(1, CAP_CANDIDATES + 1) / (CAP_CANDIDATES + 1)
     micro_batch = np.repeat(searched, CAP_CANDIDATES)
     caps = (low[searched, None] + (high - low)[searched, None] * steps[None, :]).ravel()
-    sequences = orders[micro_batch]
+    width = max((len(groups[index]) for index in searched.tolist()), default=0)
+    sequences = orders[micro_batch, :width]
     lengths = arrays.lengths[sequences]
     # the smallest degree whose tokens fit a bucket per rank and whose share fits the cap (0: none)
     chosen = np.zeros(sequences.shape, dtype=np.int64)
@@ -263,6 +266,8 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     ordered_chosen = np.take_along_axis(chosen, placement_order, axis=1)
     for step in range(ordered.shape[1]):
         pending = rows.valid & (ordered[:, step] != arrays.padding)
+        if not pending.any():
+            continue
         for degree in degrees:
             candidates = np.flatnonzero(pending & (ordered_chosen[:, step] <= degree))
             if not len(candidates):
