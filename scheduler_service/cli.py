@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args, get_origin
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 from skrull_proto import PlanRequest, PlanResponse
 
 from scheduler_service.core.baselines import deepspeed
@@ -44,30 +46,24 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_run_plan)
 
 
-# serve flag → Settings field; every flag defaults to None so SKRULL_* variables apply unless a flag is given.
-_SERVE_FLAGS: dict[str, tuple[type, str]] = {
-    "host": (str, "interface to bind (SKRULL_HOST, default 127.0.0.1)"),
-    "port": (int, "TCP port (SKRULL_PORT, default 8000)"),
-    "workers": (int, "uvicorn worker processes (SKRULL_WORKERS, default 1)"),
-    "log_level": (str, "debug | info | warning | error (SKRULL_LOG_LEVEL)"),
-    "max_body_bytes": (int, "largest request body, else 413 (SKRULL_MAX_BODY_BYTES)"),
-    "max_sequences": (int, "most sequences per batch (SKRULL_MAX_SEQUENCES)"),
-    "max_sequence_length": (int, "most tokens per sequence (SKRULL_MAX_SEQUENCE_LENGTH)"),
-    "max_dp_size": (int, "largest dp_size (SKRULL_MAX_DP_SIZE)"),
-    "max_cp_size": (int, "largest cp_size (SKRULL_MAX_CP_SIZE)"),
-    "cpsat_workers": (int, "CP-SAT solver processes (SKRULL_CPSAT_WORKERS)"),
-    "cpsat_queue": (int, "cpsat requests that may wait for a busy pool, else 429 (SKRULL_CPSAT_QUEUE)"),
-    "cpsat_max_time_limit_s": (float, "cap on a request's time_limit_s (SKRULL_CPSAT_MAX_TIME_LIMIT_S)"),
-    "profile_dir": (str, "folder of measured profile files (SKRULL_PROFILE_DIR)"),
-    "max_plan_cells": (int, "largest estimated plan, micro-batches x cp_size + sequences, else 422 "
-                            "(SKRULL_MAX_PLAN_CELLS)"),
-    "inline_max_cells": (int, "larger requests run in the heavy pool (SKRULL_INLINE_MAX_CELLS)"),
-    "heavy_workers": (int, "processes planning heavy requests (SKRULL_HEAVY_WORKERS)"),
-    "heavy_queue": (int, "heavy requests that may wait for a busy pool, else 429 (SKRULL_HEAVY_QUEUE)"),
-    "header_timeout_s": (float, "a request's headers must arrive within, else closed (SKRULL_HEADER_TIMEOUT_S)"),
-    "body_timeout_s": (float, "a request's body must arrive within, else 408 (SKRULL_BODY_TIMEOUT_S)"),
-    "timeout_keep_alive_s": (int, "idle keep-alive connections closed after (SKRULL_TIMEOUT_KEEP_ALIVE_S)"),
-}
+def _serve_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo) -> None:
+    """One ``serve`` flag for a ``Settings`` field, typed and described by the field itself. Every flag defaults
+    to None, so the field's SKRULL_* variable applies unless the flag is given; pydantic validates the value."""
+    from scheduler_service.settings import ENV_PREFIX
+
+    env = ENV_PREFIX + name.upper()
+    default = "" if field.default in (PydanticUndefined, None) else f", default {field.default}"
+    description = (field.description or name.replace("_", " ")).rstrip(".")
+    help_text = f"{description} ({env}{default})".replace("%", "%%")
+    flag = "--" + name.replace("_", "-")
+    annotation = field.annotation
+    if annotation is bool:
+        parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    elif get_origin(annotation) is Literal:
+        parser.add_argument(flag, dest=name, choices=get_args(annotation), default=None, help=help_text)
+    else:
+        kind: Callable[[str], object] = float if annotation is float else int if annotation is int else str
+        parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -75,20 +71,23 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="run the planning service (FastAPI under uvicorn)",
         description="Run the planning service. Every flag overrides its SKRULL_* environment variable.",
     )
-    for name, (kind, help_text) in _SERVE_FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
-    parser.add_argument("--no-access-log", dest="access_log", action="store_const", const=False, default=None,
-                        help="no JSON line per request (SKRULL_ACCESS_LOG=false)")
     parser.set_defaults(handler=_run_serve)
+    try:
+        from scheduler_service.settings import Settings
+    except ImportError:  # no service extra (pydantic-settings): `plan` still works, `serve` cannot run anyway
+        return
+    for name, field in Settings.model_fields.items():
+        _serve_flag(parser, name, field)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError as SettingsError
 
     from scheduler_service.server import apply_overrides, serve  # uvicorn is only needed to serve
+    from scheduler_service.settings import Settings
 
     try:
-        settings = apply_overrides({name: getattr(args, name) for name in [*_SERVE_FLAGS, "access_log"]})
+        settings = apply_overrides({name: getattr(args, name) for name in Settings.model_fields})
     except SettingsError as error:
         print(_format_validation_error(error).replace("invalid request", "invalid setting"), file=sys.stderr)
         return EXIT_BAD_INPUT

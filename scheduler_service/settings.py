@@ -38,15 +38,15 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="Interface uvicorn binds.")
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port uvicorn binds (0: any free port).")
     workers: int = Field(default=1, ge=1, le=64, description="uvicorn worker processes (one is the k8s pattern).")
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Log level.")
     access_log: bool = Field(default=True, description="One JSON log line per request.")
 
     # Request limits: every one is reported in the 4xx that enforces it.
     max_body_bytes: int = Field(default=4 << 20, ge=1024, description="Largest request body accepted (else 413).")
     max_sequences: int = Field(default=65536, ge=1, description="Most sequences in one global batch.")
     max_sequence_length: int = Field(default=1 << 24, ge=1, description="Most tokens in one sequence.")
-    max_dp_size: int = Field(default=4096, ge=1)
-    max_cp_size: int = Field(default=1024, ge=1)
+    max_dp_size: int = Field(default=4096, ge=1, description="Largest dp_size accepted.")
+    max_cp_size: int = Field(default=1024, ge=1, description="Largest cp_size accepted.")
 
     # Cost of a request, in cells (``cost``: micro-batches × cp_size local lists, plus sequences), estimated
     # from its shape before any work. Measured on 2 cores: 4-15 µs and about 3 bytes of answer per cell.
@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     # measured on 2 cores with a 0.5 s limit, 40 sequences take ~1-2 s in all, 64 take 3-20 s, 120 take 16-34 s.
     cpsat_max_sequences: int = Field(default=48, ge=1, description="Most sequences a cpsat request may hold.")
     cpsat_default_time_limit_s: float = Field(default=DEFAULT_CPSAT_TIME_LIMIT_S, gt=0, description="Solver time "
-                                              "limit when none is given (the core's, as the CLI's).")
+                                              "limit when a request gives none (the core's default).")
     cpsat_max_time_limit_s: float = Field(default=10.0, gt=0, description="Cap on a request's time_limit_s.")
     cpsat_warmup: bool = Field(default=True, description="Start the pools at startup: CP-SAT imported, "
                                  "the heavy pool's planner warmed.")
@@ -100,8 +100,8 @@ class Settings(BaseSettings):
     feedback_memory_headroom: float = Field(default=0.9, gt=0, le=1, description="Fraction of the memory budget "
                                             "a job's plans may use before its bucket_size is lowered.")
     state_url: str = Field(default_factory=default_state_url, description="Where jobs' feedback state "
-                           "is kept (``job_store``): a SQLite file path (or sqlite://PATH), or redis://… to share "
-                           "it between workers and replicas.")
+                           "is kept: a SQLite file path (or sqlite://PATH; default a file in the temporary "
+                           "directory), or redis://… to share it between workers and replicas.")
 
     @model_validator(mode="after")
     def _time_limits_are_ordered(self) -> Settings:

@@ -69,6 +69,26 @@ def test_serve_flags_override_environment_for_every_worker(monkeypatch: pytest.M
     assert os.environ["SKRULL_ACCESS_LOG"] == "false"
 
 
+def test_every_setting_has_a_serve_flag_typed_and_described_by_its_field(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parsed = vars(cli.build_parser().parse_args(["serve"]))
+    assert {name: parsed.get(name, "missing") for name in Settings.model_fields} == dict.fromkeys(Settings.model_fields)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for name, field in Settings.model_fields.items():
+        assert field.description, f"{name} needs a description: it is its flag's help"
+        assert f"--{name.replace('_', '-')}" in help_text and f"SKRULL_{name.upper()}" in help_text
+    served: list[Settings] = []
+    monkeypatch.setattr(server, "serve", served.append)
+    assert cli.main(["serve", "--no-feedback", "--feedback-memory-headroom", "0.5", "--state-url", "sqlite://x.db",
+                     "--log-level", "debug"]) == 0
+    [settings] = served
+    assert (settings.feedback, settings.feedback_memory_headroom) == (False, 0.5)
+    assert (settings.state_url, settings.log_level) == ("sqlite://x.db", "debug")
+
+
 def test_serve_rejects_bad_flag_value(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(server, "serve", lambda settings: pytest.fail("must not start"))
     assert cli.main(["serve", "--workers", "0"]) == cli.EXIT_BAD_INPUT
