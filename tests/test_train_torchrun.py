@@ -2,10 +2,12 @@
 
 The runs are the issue's command (dp 2 × cp 2, tiny model, synthetic:lmsys, global batch 16, bucket 4096)
 with fewer steps. The skrull run loses its service mid-run and must go on with embedded plans, same losses.
+A run in which one rank fails must end at once, every rank naming it.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from trainer_client.demo import (
 from trainer_client.distributed import free_port
 
 STEPS = 8
+COLLECTIVE_TIMEOUT_S = 120
 
 
 @pytest.mark.slow
@@ -66,3 +69,37 @@ def test_skrull_matches_deepspeed_step_for_step_and_survives_the_service_stoppin
     assert [line.split()[1] for line in stdout.splitlines() if line.startswith("step ")] == [
         str(step) for step in range(STEPS)
     ]
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_the_job_at_once_and_every_rank_names_it(tmp_path: Path) -> None:
+    metrics_out = tmp_path / "metrics.jsonl"
+    job = subprocess.run(
+        trainer_command(scheduler="skrull", metrics_out=metrics_out, scheduler_url=None, steps=4, global_batch=8,
+                        bucket_size=1024, extra=["--collective-timeout", str(COLLECTIVE_TIMEOUT_S),
+                                                 "--fail-rank", "2", "--fail-at-step", "2"]),
+        env=trainer_env(), capture_output=True, text=True, timeout=300, check=False,
+    )
+    ended, stderr = time.time(), job.stderr
+    assert job.returncode != 0, stderr[-3000:]
+    # Rank 0 logged steps 0 and 1, then waited for global rank 2 in step 2: it and the job ended long before
+    # a collective could time out (seconds, here; the bound leaves room for a loaded machine).
+    assert [m["step"] for m in read_metrics(metrics_out)] == [0, 1]
+    assert ended - metrics_out.stat().st_mtime < COLLECTIVE_TIMEOUT_S / 4
+    reason = "InjectedFault: injected fault at step 2 (--fail-rank 2 --fail-at-step 2)"
+    final_errors = _final_errors(stderr)
+    assert final_errors.pop(2) == f"trainer_client.trainer.{reason}"
+    # Each other rank that got to print before torchrun stopped it (all, so far) stops with rank 2's reason, not
+    # its broken collective's.
+    assert final_errors
+    assert set(final_errors.values()) == {f"trainer_client.distributed.PeerFailed: global rank 2 failed: {reason}"}
+    root_cause = stderr.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 2 (local_rank: 2)" in root_cause and reason in root_cause  # torchrun's summary
+
+
+def _final_errors(stderr: str) -> dict[int, str]:
+    """Global rank → the last line of the traceback it printed (torchrun prefixes a rank's lines "[rankN]: ")."""
+    final: dict[int, str] = {}
+    for match in re.finditer(r"^\[rank(\d+)\]: (\S.*)$", stderr, flags=re.MULTILINE):
+        final[int(match[1])] = match[2]
+    return final

@@ -17,13 +17,24 @@ Every process group (the world, the mesh's, the flattened DP × CP mesh FSDP
 shards over, the block groups, the gloo object group) is created with the same
 collective timeout: a rank that stops answering fails its peers' next
 collective after that long, whichever group it is on (``new_group`` would
-otherwise give each new group the 30-minute default). Under torchrun a rank that
-raises ends the job at once (the agent stops the other workers and reports the
-failing rank's error; ``train.py``).
+otherwise give each new group the 30-minute default).
+
+A rank that raises does not leave the others waiting for that timeout: before it
+tears its process groups down it reports its reason in the default group's store
+(``report_failure``; under torchrun the agent's store, which outlives every
+worker). Its peers' next collective then fails at once (gloo: the connection
+closes; torchrun also stops every worker as soon as one exits), and each of them
+finds the first report there and stops with ``PeerFailed`` naming that rank and
+its reason instead of its own broken collective (``train.py``). The first report
+wins, so a peer's consequential error never takes the blame. A rank killed
+outright (a signal, the OOM killer) reports nothing: the first peer whose
+collective breaks reports that, and torchrun's summary names the killed rank by
+its exit signal.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -39,10 +50,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scheduler_service.core.plan import block_degrees, cp_blocks
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "ParallelContext", "ParallelDims", "free_port", "init_parallel",
-           "spawn_gloo"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "FirstFailure", "ParallelContext", "ParallelDims", "PeerFailed",
+           "free_port", "init_parallel", "report_failure", "spawn_gloo"]
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+_FIRST_FAILURE_KEY = "skrull/first_failure"  # in the default group's store: per job, and per torchrun restart
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -185,6 +197,41 @@ def _new_cp_block_groups(
             assert group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
             groups[(block[0], len(block))] = group
     return groups
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FirstFailure:
+    """The first rank of the job to fail, and why."""
+
+    global_rank: int
+    reason: str  # "ExceptionType: message"
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed first; this rank stops with its reason (its own error, a collective cut short by that
+    failure, is chained as the cause)."""
+
+    def __init__(self, first: FirstFailure) -> None:
+        super().__init__(f"global rank {first.global_rank} failed: {first.reason}")
+        self.first = first
+
+
+def report_failure(error: Exception) -> FirstFailure | None:
+    """Report ``error`` as this rank's failure unless a rank reported first; returns the first report.
+
+    Every rank calls this on failure, before it destroys its process groups, so that a peer woken by the torn-down
+    connection finds the report. None without a process group, or when the store is gone (outside torchrun it
+    lives in global rank 0, which may have exited).
+    """
+    if not dist.is_initialized():
+        return None
+    mine = json.dumps({"global_rank": dist.get_rank(), "reason": f"{type(error).__name__}: {error}"})
+    try:
+        # compare_set with expected "" sets the key only if it is absent, atomically; it returns the stored value.
+        first = dist.distributed_c10d._get_default_store().compare_set(_FIRST_FAILURE_KEY, "", mine)
+    except (RuntimeError, dist.DistError):
+        return None
+    return FirstFailure(**json.loads(first))
 
 
 def free_port() -> int:

@@ -10,7 +10,10 @@ Exit status 2 with one message on stderr for a user error (bad flags, world
 size ≠ dp × cp, a record too long, a batch no planner can plan). Any other
 failure of a rank is recorded for torchrun (``@record``): the agent stops the
 other ranks at once and names the failing rank and its traceback; with
-``--max-restarts N --resume`` the job restarts from the latest checkpoint.
+``--max-restarts N --resume`` the job restarts from the latest checkpoint. The
+first rank to fail reports its reason (``distributed.report_failure``), and every
+other rank stops with ``PeerFailed`` naming that rank and reason rather than with
+the broken collective it was left in.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from scheduler_service.core.plan import SchedulerName
 from trainer_client.attention import AttentionBackend
-from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, init_parallel
+from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, PeerFailed, init_parallel, report_failure
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS
 from trainer_client.parallelize import ActivationCheckpointing, Sharding
 from trainer_client.trainer import TrainConfig, Trainer
@@ -88,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "refits this job's profile (POST /feedback; needs --scheduler-url)")
     parser.add_argument("--job-id", help="the job name the service keys feedback by: 1-128 letters, digits, "
                                          ". _ : -, starting with a letter or digit (default: random)")
+    fault = parser.add_argument_group("fault injection", "for tests of failure handling; never in real runs")
+    fault.add_argument("--fail-rank", type=int, help="the global rank that raises InjectedFault")
+    fault.add_argument("--fail-at-step", type=int, help="the step at whose start it raises")
     return parser
 
 
@@ -103,7 +109,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         max_length=args.max_length, truncate=args.truncate, tokenizer=args.tokenizer, metrics_out=args.metrics_out,
         plan_timeout_s=args.plan_timeout, plan_attempts=args.plan_attempts,
         attention_backend=args.attention_backend, dtype=args.dtype, progress=not args.no_progress,
-        feedback=args.feedback, job_id=args.job_id,
+        feedback=args.feedback, job_id=args.job_id, fail_rank=args.fail_rank, fail_at_step=args.fail_at_step,
     )
 
 
@@ -122,8 +128,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if is_main:
             for metrics in history:
                 print(f"step {metrics.step:>4} loss {metrics.loss:.6f} plan {metrics.plan_source}", flush=True)
-    except ValueError as error:  # user errors; every rank reaches the same one, rank 0 reports it
-        if is_main:
+    except Exception as error:
+        first = report_failure(error)
+        if first is not None and first.global_rank != dist.get_rank():
+            if isinstance(error, ValueError) and first.reason == f"{type(error).__name__}: {error}":
+                return EXIT_USER_ERROR  # the same user error on every rank: the first reports it
+            raise PeerFailed(first) from error
+        if not isinstance(error, ValueError):
+            raise
+        # A user error: the first rank to fail reports it (rank 0 before there is a process group to tell).
+        if first is not None or is_main:
             print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     finally:

@@ -78,7 +78,8 @@ from trainer_client.parallelize import (
 )
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanOrigin, PlanSource
 
-__all__ = ["PlanningFailed", "StepMetrics", "TrainConfig", "Trainer", "memory_profile", "run_micro_batch"]
+__all__ = ["InjectedFault", "PlanningFailed", "StepMetrics", "TrainConfig", "Trainer", "memory_profile",
+           "run_micro_batch"]
 
 logger = logging.getLogger("trainer_client.trainer")
 
@@ -87,6 +88,10 @@ _JOB_ID: TypeAdapter[str] = TypeAdapter(JobId)
 
 class PlanningFailed(ValueError):
     """Rank 0 could not plan a global batch; every rank raises this with rank 0's message."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by ``--fail-rank``/``--fail-at-step``: one rank failing alone, as a crash or a bad record would."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,6 +130,9 @@ class TrainConfig:
     progress: bool = True
     feedback: bool = False  # report measured micro-batch times and peak memory to the service
     job_id: str | None = None  # names this run for the service's feedback; random when absent
+    # Fault injection (tests of failure handling): this global rank raises InjectedFault at the start of this step.
+    fail_rank: int | None = None
+    fail_at_step: int | None = None
 
     def __post_init__(self) -> None:
         ParallelDims(dp_size=self.dp, cp_size=self.cp)
@@ -169,6 +177,10 @@ class TrainConfig:
             except ValidationError:
                 raise ValueError(f"--job-id {self.job_id!r} is not a valid job id: 1 to 128 characters, letters, "
                                  "digits and . _ : - only, starting with a letter or digit") from None
+        if (self.fail_rank is None) != (self.fail_at_step is None):
+            raise ValueError("--fail-rank and --fail-at-step go together")
+        if self.fail_rank is not None and not 0 <= self.fail_rank < self.dp * self.cp:
+            raise ValueError(f"--fail-rank {self.fail_rank} is not a global rank of dp {self.dp} × cp {self.cp}")
 
     @property
     def dims(self) -> ParallelDims:
@@ -506,6 +518,9 @@ class Trainer:
         every = self.config.checkpoint_every
         with bar:
             for step in range(self.first_step, self.config.steps):
+                if (step, self.parallel.global_rank) == (self.config.fail_at_step, self.config.fail_rank):
+                    raise InjectedFault(f"injected fault at step {step} (--fail-rank {self.config.fail_rank} "
+                                        f"--fail-at-step {step})")
                 batch = self.batch(step)
                 metrics = self.train_step(step, batch)
                 self.lengths.add(batch)
