@@ -73,6 +73,7 @@ def _request_body(schema: str) -> dict[str, Any]:
 
 @router.post(
     "/plan",
+    operation_id="plan",
     response_model=PlanResponse,
     responses=PROBLEM_RESPONSES,
     summary="Plan one global batch",
@@ -97,7 +98,8 @@ async def plan(request: Request, planner: PlannerDep, settings: SettingsDep) -> 
     return Response(batch.body, media_type=_JSON)
 
 
-@router.get("/models", response_model=ModelsResponse, summary="Known models, profiles, schedulers and limits")
+@router.get("/models", operation_id="listModels", response_model=ModelsResponse,
+            summary="Known models, profiles, schedulers and limits")
 async def models(settings: SettingsDep, planner: PlannerDep) -> ModelsResponse:
     return ModelsResponse(
         models=[shape_to_model_spec(shape) for shape in MODEL_CATALOGUE.values()],
@@ -126,6 +128,7 @@ async def models(settings: SettingsDep, planner: PlannerDep) -> ModelsResponse:
 
 @router.post(
     "/profiles/reload",
+    operation_id="reloadProfiles",
     response_model=ProfilesReloaded,
     responses={422: PROBLEM_RESPONSES[422]},
     summary="Read the profile folder again",
@@ -141,6 +144,7 @@ async def reload_profiles(planner: PlannerDep, settings: SettingsDep) -> Profile
 
 @router.post(
     "/feedback",
+    operation_id="postFeedback",
     response_model=FeedbackResponse,
     responses=FEEDBACK_PROBLEM_RESPONSES,
     summary="Report measured micro-batches of a job (opt-in)",
@@ -159,6 +163,7 @@ async def feedback(request: Request, planner: PlannerDep) -> FeedbackResponse:
 
 @router.get(
     "/feedback/{job_id}",
+    operation_id="getJobFeedback",
     response_model=FeedbackResponse,
     responses={404: FEEDBACK_PROBLEM_RESPONSES[404]},
     summary="A job's refit state",
@@ -167,13 +172,15 @@ async def job_feedback(job_id: str, planner: PlannerDep) -> FeedbackResponse:
     return job_to_feedback_response(planner.job(job_id))
 
 
-@router.get("/healthz", response_model=HealthStatus, summary="Liveness: the process answers")
+@router.get("/healthz", operation_id="healthz", response_model=HealthStatus,
+            summary="Liveness: the process answers")
 async def healthz() -> HealthStatus:
     return HealthStatus(status="ok")
 
 
 @router.get(
     "/readyz",
+    operation_id="readyz",
     response_model=HealthStatus,
     responses={503: PROBLEM_RESPONSES[503]},
     summary="Readiness: the planner is warmed up",
@@ -186,6 +193,7 @@ async def readyz(planner: PlannerDep) -> HealthStatus:
 
 @router.get(
     "/metrics",
+    operation_id="metrics",
     response_class=Response,
     responses={200: {"description": "Prometheus text exposition.",
                      "content": {"text/plain": {"schema": {"type": "string"}}}}},

@@ -35,13 +35,15 @@ async def viewer_page() -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
 
 
-@router.get("/samplers", response_model=SamplersResponse, summary="Named sequence-length samplers")
+@router.get("/samplers", operation_id="listSamplers", response_model=SamplersResponse,
+            summary="Named sequence-length samplers")
 async def samplers() -> SamplersResponse:
     return SamplersResponse(samplers=[sampler_to_spec(name, distribution) for name, distribution in DATASETS.items()])
 
 
 @router.get(
     "/samplers/{name}",
+    operation_id="drawSamples",
     response_model=SampledBatch,
     responses={422: PROBLEM_RESPONSES[422]},
     summary="Draw a batch of sequence lengths from a sampler",

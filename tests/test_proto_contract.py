@@ -41,6 +41,19 @@ def test_openapi_documents_every_endpoint_and_problem_responses() -> None:
             "ShardedGroupLengths", "CPRankEstimateModel", "SampledBatch"} <= set(document["components"]["schemas"])
 
 
+def test_openapi_operation_ids_are_readable() -> None:
+    """Generated clients name their methods after these (FastAPI's default would be ``plan_plan_post``)."""
+    document = json.loads((CONTRACT_DIR / "openapi.json").read_text())
+    operation_ids = {(method.upper(), path): operation["operationId"]
+                     for path, item in document["paths"].items() for method, operation in item.items()}
+    assert operation_ids == {
+        ("POST", "/plan"): "plan", ("GET", "/models"): "listModels", ("POST", "/profiles/reload"): "reloadProfiles",
+        ("POST", "/feedback"): "postFeedback", ("GET", "/feedback/{job_id}"): "getJobFeedback",
+        ("GET", "/healthz"): "healthz", ("GET", "/readyz"): "readyz", ("GET", "/metrics"): "metrics",
+        ("GET", "/samplers"): "listSamplers", ("GET", "/samplers/{name}"): "drawSamples",
+    }
+
+
 def test_json_schemas_describe_the_models() -> None:
     documents = contract_documents()
     request_schema = json.loads(documents["plan_request.schema.json"])
