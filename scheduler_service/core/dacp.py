@@ -57,7 +57,7 @@ from scheduler_service.core.plan import MicroBatch, PlanningProblem, ShardedGrou
 from scheduler_service.core.simulate import rank_time_s
 
 __all__ = ["Candidate", "Decided", "balanced_candidates", "dacp_balanced", "dacp_hybrid", "dacp_paper",
-           "dacp_round_robin", "hybrid_candidates", "static_candidates"]
+           "dacp_round_robin", "hybrid_and_balanced_candidates", "hybrid_candidates", "static_candidates"]
 
 DISTRIBUTED = -1
 MAX_REFINEMENT_STEPS = 16
@@ -329,8 +329,9 @@ def _replay(problem: PlanningProblem, rows: Rows, row: int) -> _Placement:
     return placement
 
 
-def _candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]], *, hybrid: bool,
+def _candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]], *, num_hybrid: int,
                 ) -> list[Candidate | None]:
+    """The binary search for every group, and the hybrid one for the first ``num_hybrid``."""
     if not groups:
         return []
     arrays = SearchArrays.of(problem)
@@ -339,10 +340,11 @@ def _candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]], *, hy
     best = _best_row_per_micro_batch(rows, times_s, len(groups))
     chosen: list[tuple[Rows, int, float] | None] = [
         None if row < 0 else (rows, row, float(times_s[row])) for row in best.tolist()]
-    if hybrid and len(problem.degrees) > 2 and (best >= 0).all():  # some block between a rank and the group
-        packed = hybrid_rows(problem, arrays, groups, rows.take(best))
+    hybrid_best = best[:num_hybrid]
+    if num_hybrid and len(problem.degrees) > 2 and (hybrid_best >= 0).all():  # a block between a rank and the group
+        packed = hybrid_rows(problem, arrays, groups[:num_hybrid], rows.take(hybrid_best))
         packed_times_s = row_times_s(problem, packed)
-        for micro_batch, row in enumerate(_best_row_per_micro_batch(packed, packed_times_s, len(groups)).tolist()):
+        for micro_batch, row in enumerate(_best_row_per_micro_batch(packed, packed_times_s, num_hybrid).tolist()):
             if row >= 0 and packed_times_s[row] < times_s[best[micro_batch]]:
                 chosen[micro_batch] = (packed, row, float(packed_times_s[row]))
     return [None if choice is None else Candidate(problem, *choice) for choice in chosen]
@@ -351,7 +353,7 @@ def _candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]], *, hy
 def balanced_candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]]) -> list[Candidate | None]:
     """Binary Skrull's DACP for many micro-batches at once: the cheapest of a few "shard the k longest"
     decisions, LPT-placed; ``None`` for a micro-batch whose tokens do not fit."""
-    return _candidates(problem, groups, hybrid=False)
+    return _candidates(problem, groups, num_hybrid=0)
 
 
 def hybrid_candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]]) -> list[Candidate | None]:
@@ -362,7 +364,16 @@ def hybrid_candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]])
     and the best binary decision's busiest rank (``dacp_search.hybrid_rows``). A lower cap forces finer pieces,
     which pack memory and load better but pay more communication and shorter, less efficient attention chunks;
     every packing is evaluated under the cost model and the cheapest decision wins."""
-    return _candidates(problem, groups, hybrid=True)
+    return _candidates(problem, groups, num_hybrid=len(groups))
+
+
+def hybrid_and_balanced_candidates(problem: PlanningProblem, hybrid_groups: Sequence[Sequence[int]],
+                                   balanced_groups: Sequence[Sequence[int]],
+                                   ) -> tuple[list[Candidate | None], list[Candidate | None]]:
+    """``hybrid_candidates`` and ``balanced_candidates`` in one batched pass over the sequences (``skrull`` plans
+    both and keeps the cheaper plan)."""
+    found = _candidates(problem, [*hybrid_groups, *balanced_groups], num_hybrid=len(hybrid_groups))
+    return found[:len(hybrid_groups)], found[len(hybrid_groups):]
 
 
 def static_candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]]) -> list[Candidate | None]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from scheduler_service.core.baselines import contiguous_slices, min_micro_batches, pack_in_order
 from scheduler_service.core.dacp import (
@@ -36,7 +37,7 @@ from scheduler_service.core.dacp import (
     dacp_balanced,
     dacp_paper,
     dacp_round_robin,
-    hybrid_candidates,
+    hybrid_and_balanced_candidates,
     static_candidates,
 )
 from scheduler_service.core.errors import InfeasiblePlanError
@@ -147,20 +148,35 @@ def _cuts(problem: PlanningProblem, subset: Sequence[int]) -> list[list[list[int
     return cuts
 
 
-def _lpt_gds(problem: PlanningProblem, weights: Sequence[float], search: Search) -> tuple[Plan, float]:
-    """LPT over DP ranks; per share, the cheapest of its micro-batchings under the cost model, with every
-    micro-batch of every share and cut searched in one batched call. The plan and its iteration time."""
+@dataclass(frozen=True, slots=True)
+class _Split:
+    """One global batch split for GDS: LPT shares over DP ranks, and each share's micro-batchings worth comparing."""
+
+    shares: list[list[int]]
+    cuts: list[list[list[list[int]]]]
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """Every micro-batch of every share and cut, in order: what one batched search decides."""
+        return [group for share_cuts in self.cuts for cut in share_cuts for group in cut]
+
+
+def _split(problem: PlanningProblem, weights: Sequence[float]) -> _Split:
     shares = lpt_partition(range(problem.num_sequences), weights, problem.dp_size)
-    cuts = [_cuts(problem, share) if share else [] for share in shares]
-    candidates = iter(search(problem, [group for share_cuts in cuts for cut in share_cuts for group in cut]))
+    return _Split(shares=shares, cuts=[_cuts(problem, share) if share else [] for share in shares])
+
+
+def _assemble(problem: PlanningProblem, split: _Split, found: list[Candidate | None]) -> tuple[Plan, float]:
+    """Per share, the cheapest micro-batching under the cost model, built; the plan and its iteration time."""
+    candidates = iter(found)
     dp_ranks, times_s = [], []
-    for share, share_cuts in zip(shares, cuts, strict=True):
+    for share, share_cuts in zip(split.shares, split.cuts, strict=True):
         best: tuple[float, list[Candidate]] | None = None
         for cut in share_cuts:
-            found = [candidate for candidate in (next(candidates) for _ in cut) if candidate is not None]
-            time_s = sum(candidate.time_s for candidate in found)
-            if len(found) == len(cut) and (best is None or time_s < best[0]):
-                best = (time_s, found)
+            kept = [candidate for candidate in (next(candidates) for _ in cut) if candidate is not None]
+            time_s = sum(candidate.time_s for candidate in kept)
+            if len(kept) == len(cut) and (best is None or time_s < best[0]):
+                best = (time_s, kept)
         if share and best is None:
             raise _no_plan(problem, share)
         decided = [candidate.decide() for candidate in best[1]] if best else []
@@ -169,11 +185,21 @@ def _lpt_gds(problem: PlanningProblem, weights: Sequence[float], search: Search)
     return Plan(dp_ranks=tuple(dp_ranks)), max(times_s)
 
 
+def _lpt_gds(problem: PlanningProblem, weights: Sequence[float], search: Search) -> tuple[Plan, float]:
+    """LPT over DP ranks; per share, the cheapest of its micro-batchings, every micro-batch of every share and cut
+    searched in one batched call."""
+    split = _split(problem, weights)
+    return _assemble(problem, split, search(problem, split.groups))
+
+
 def skrull(problem: PlanningProblem) -> Plan:
     """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, hybrid DACP; binary Skrull's
-    plan where that is cheaper under the cost model (its DP split and cuts can differ), so never slower than it."""
-    hybrid, hybrid_time_s = _lpt_gds(problem, problem.area, hybrid_candidates)
-    binary, binary_time_s = _lpt_gds(problem, problem.flops_list, balanced_candidates)
+    plan where that is cheaper under the cost model (its DP split and cuts can differ), so never slower than it.
+    Both are searched in one batched pass."""
+    hybrid_split, binary_split = _split(problem, problem.area), _split(problem, problem.flops_list)
+    hybrid_found, binary_found = hybrid_and_balanced_candidates(problem, hybrid_split.groups, binary_split.groups)
+    hybrid, hybrid_time_s = _assemble(problem, hybrid_split, hybrid_found)
+    binary, binary_time_s = _assemble(problem, binary_split, binary_found)
     return hybrid if hybrid_time_s <= binary_time_s else binary
 
 
