@@ -99,6 +99,13 @@ def test_deepspeed_gives_contiguous_slices_of_single_sharded_sequences(problem_o
     assert all(not any(mb.local) for rank in plan.dp_ranks for mb in rank.micro_batches)
 
 
+@settings(max_examples=60, deadline=None)
+@given(problem=problems())
+def test_the_vectorised_deepspeed_time_is_the_simulated_one(problem: PlanningProblem) -> None:
+    assert baselines.deepspeed_time_s(problem) == pytest.approx(
+        simulate(problem, baselines.deepspeed(problem)).iteration_time_s, rel=1e-9)
+
+
 def test_sorted_batching_gives_the_shortest_sequences_to_the_first_rank(problem_of: ProblemFactory) -> None:
     problem = problem_of([900, 10, 500, 20], dp_size=2, cp_size=1, bucket_size=1000)
     plan = baselines.sorted_batching(problem)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from scheduler_service.core.dacp_search import SearchArrays, row_times_s, static_rows
 from scheduler_service.core.partition import karmarkar_karp
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
 
@@ -25,6 +26,7 @@ __all__ = [
     "balanced",
     "contiguous_slices",
     "deepspeed",
+    "deepspeed_time_s",
     "min_micro_batches",
     "pack_in_order",
     "shard_all",
@@ -49,9 +51,23 @@ def contiguous_slices(indices: Sequence[int], num_parts: int) -> list[list[int]]
     return [list(map(int, part)) for part in np.array_split(np.asarray(indices, dtype=np.int64), num_parts)]
 
 
+def _deepspeed_micro_batches(problem: PlanningProblem) -> list[list[list[int]]]:
+    return [[[index] for index in share] for share in contiguous_slices(range(problem.num_sequences),
+                                                                        problem.dp_size)]
+
+
 def deepspeed(problem: PlanningProblem) -> Plan:
-    slices = contiguous_slices(range(problem.num_sequences), problem.dp_size)
-    return _plan([[[index] for index in share] for share in slices], problem)
+    return _plan(_deepspeed_micro_batches(problem), problem)
+
+
+def deepspeed_time_s(problem: PlanningProblem) -> float:
+    """``iteration_time_s(problem, deepspeed(problem))``, vectorised: every answer reports its speedup over this
+    baseline, whose one-sequence micro-batches cost more to simulate one by one than Skrull costs to plan."""
+    per_rank = _deepspeed_micro_batches(problem)
+    groups = [group for groups in per_rank for group in groups]
+    times_s = row_times_s(problem, static_rows(problem, SearchArrays.of(problem), groups))
+    ends = np.cumsum([len(groups) for groups in per_rank])
+    return max(float(np.sum(times_s[end - len(groups):end])) for end, groups in zip(ends, per_rank, strict=True))
 
 
 def pack_in_order(problem: PlanningProblem, share: Sequence[int]) -> list[list[int]]:

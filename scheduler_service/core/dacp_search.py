@@ -19,6 +19,7 @@ costs ``S·N/s`` on each (``s`` divides ``N``), so the memory bound holds by con
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -173,11 +174,13 @@ def row_times_s(problem: PlanningProblem, rows: Rows) -> FloatArray:
 
 def _padded_orders(groups: Sequence[Sequence[int]], padding: int, lengths: IntArray) -> IntArray:
     """One row per micro-batch: its sequences longest first (ties by index), then padding."""
-    width = max(len(group) for group in groups)
-    orders = np.full((len(groups), width), padding, dtype=np.int64)
-    for row, group in enumerate(groups):
-        members = np.asarray(group, dtype=np.int64)
-        orders[row, :len(group)] = members[np.lexsort((members, -lengths[members]))]
+    sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
+    members = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=int(sizes.sum()))
+    owner = np.repeat(np.arange(len(groups)), sizes)
+    by_owner_then_length = np.lexsort((members, -lengths[members], owner))
+    members, owner = members[by_owner_then_length], owner[by_owner_then_length]
+    orders = np.full((len(groups), int(sizes.max())), padding, dtype=np.int64)
+    orders[owner, np.arange(len(members)) - (np.cumsum(sizes) - sizes)[owner]] = members
     return orders
 
 

@@ -14,7 +14,7 @@ from scheduler_service.core import baselines, gds
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import UnknownSchedulerError
 from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport
-from scheduler_service.core.simulate import PlanEstimate, iteration_time_s, simulate
+from scheduler_service.core.simulate import PlanEstimate, simulate
 
 __all__ = ["HEURISTIC_SCHEDULERS", "PlanResult", "make_plan", "parse_scheduler", "schedule"]
 
@@ -80,6 +80,6 @@ def make_plan(
                bucket_size=problem.bucket_size)
     estimate = simulate(problem, plan)
     baseline_time_s = (estimate.iteration_time_s if name is SchedulerName.DEEPSPEED
-                       else iteration_time_s(problem, baselines.deepspeed(problem)))
+                       else baselines.deepspeed_time_s(problem))
     return PlanResult(scheduler=name, problem=problem, plan=plan, estimate=estimate, baseline_time_s=baseline_time_s,
                       solve_time_s=solve_time_s, solver=report)
