@@ -43,9 +43,10 @@ import torch.distributed as dist
 
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
-from scheduler_service.core.profile import ComputeProfile, Profile, load_profile, parse_profile
+from scheduler_service.core.profile import ComputeProfile, Profile, parse_profile
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import simulate
+from scheduler_service.profile_files import load_profile
 from trainer_client.distributed import spawn_gloo
 from trainer_client.loss import CausalLMLoss
 from trainer_client.measure import random_samples, timed_runs

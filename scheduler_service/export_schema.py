@@ -19,7 +19,15 @@ from typing import Any
 
 import skrull_proto
 from pydantic import BaseModel
-from skrull_proto import FeedbackRequest, FeedbackResponse, ModelsResponse, PlanRequest, PlanResponse, Problem
+from skrull_proto import (
+    FeedbackRequest,
+    FeedbackResponse,
+    ModelsResponse,
+    PlanRequest,
+    PlanResponse,
+    Problem,
+    ProfileDocument,
+)
 
 __all__ = ["CONTRACT_DIR", "contract_documents", "main", "stale_documents"]
 
@@ -32,6 +40,7 @@ _SCHEMA_MODELS: dict[str, type[BaseModel]] = {
     "models_response.schema.json": ModelsResponse,
     "feedback_request.schema.json": FeedbackRequest,
     "feedback_response.schema.json": FeedbackResponse,
+    "profile.schema.json": ProfileDocument,  # the profile file format
 }
 
 

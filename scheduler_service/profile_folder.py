@@ -13,7 +13,8 @@ import logging
 from pathlib import Path
 
 from scheduler_service.core.errors import InvalidRequestError
-from scheduler_service.core.profile import Profile, builtin_profiles, load_profile_dir
+from scheduler_service.core.profile import Profile, builtin_profiles
+from scheduler_service.profile_files import load_profile_dir
 
 __all__ = ["ProfileFolder"]
 

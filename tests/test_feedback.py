@@ -23,6 +23,7 @@ from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import Profile, builtin_profiles, parse_profile
 from scheduler_service.core.samplers import sample_lengths
+from scheduler_service.profile_files import profile_from_document
 
 TINY = MODEL_CATALOGUE["tiny"]
 PAPER = builtin_profiles()["h100-paper"]
@@ -190,7 +191,7 @@ def test_refit_profile_is_itself_a_valid_profile_document() -> None:
     for report in step_reports(np.random.default_rng(5), 3):
         job = observe(job, [dataclasses.replace(m, peak_memory_bytes=1e8 + 3e4 * sum(m.local_lengths[0]))
                             for m in report])
-    reparsed = parse_profile(job.profile.raw)
+    reparsed = profile_from_document(job.profile.raw)
     assert reparsed.compute == job.profile.compute
     assert reparsed.memory.activation_fixed_bytes_per_token == pytest.approx(job.memory_slope)
     assert reparsed.model == "tiny"
@@ -209,7 +210,7 @@ def test_any_valid_report_keeps_the_refit_profile_valid(
     compute = job.profile.compute
     assert compute.alpha_s_per_flop > 0 and compute.beta_s_per_layer >= 0
     assert job.bucket_cap is None or job.bucket_cap >= 1
-    parse_profile(job.profile.raw)
+    profile_from_document(job.profile.raw)
 
 
 def test_extreme_measurements_never_make_a_coefficient_non_finite_or_non_positive() -> None:
@@ -225,4 +226,4 @@ def test_extreme_measurements_never_make_a_coefficient_non_finite_or_non_positiv
         assert job.memory_slope is not None and math.isfinite(job.memory_slope) and job.memory_slope > 0
         assert job.memory_intercept is not None and math.isfinite(job.memory_intercept)
         assert job.bucket_cap is None or job.bucket_cap >= 1
-        parse_profile(job.profile.raw)
+        profile_from_document(job.profile.raw)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from skrull_proto import ProfileDocument
 
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.models import MODEL_CATALOGUE
@@ -21,7 +22,8 @@ from scheduler_service.core.perf_model import (
     fit_memory,
 )
 from scheduler_service.core.plan import make_problem
-from scheduler_service.core.profile import builtin_profiles, load_profile, load_profile_dir, parse_profile
+from scheduler_service.core.profile import builtin_profiles, parse_profile
+from scheduler_service.profile_files import load_profile, load_profile_dir, profile_from_document
 
 TINY = MODEL_CATALOGUE["tiny"]
 
@@ -50,6 +52,12 @@ def test_shipped_profiles_load_and_the_paper_profile_keeps_eq13_flops() -> None:
         model = profile.model or "qwen2.5-0.5b"
         assert make_problem(sequence_lengths=[100, 200], dp_size=1, cp_size=1, model=model,
                             bucket_size=1024, profile=profile).perf.profile is profile
+
+
+def test_shipped_profiles_are_valid_profile_documents() -> None:
+    for name, profile in builtin_profiles().items():
+        assert ProfileDocument.model_validate(profile.raw).name == name
+        assert profile_from_document(profile.raw) == profile
 
 
 def test_per_token_and_per_sequence_costs_enter_as_flop_equivalents() -> None:
@@ -96,15 +104,15 @@ def test_provenance_is_carried() -> None:
                      id="one-point-table"),
         pytest.param(lambda d: d["communication"].update(fit="cubic"), "communication.fit", id="unknown-fit"),
         # a section that is not a JSON object is a named 4xx, not an AttributeError (500)
-        pytest.param(lambda d: d.update(hardware=[]), "hardware must be a JSON object", id="hardware-list"),
-        pytest.param(lambda d: d.update(compute=3), "compute must be a JSON object", id="compute-number"),
-        pytest.param(lambda d: d.update(memory="big"), "memory must be a JSON object", id="memory-string"),
-        pytest.param(lambda d: d.update(communication=None), "communication must be a JSON object",
+        pytest.param(lambda d: d.update(hardware=[]), "hardware: must be a JSON object", id="hardware-list"),
+        pytest.param(lambda d: d.update(compute=3), "compute: must be a JSON object", id="compute-number"),
+        pytest.param(lambda d: d.update(memory="big"), "memory: must be a JSON object", id="memory-string"),
+        pytest.param(lambda d: d.update(communication=None), "communication: must be a JSON object",
                      id="communication-null"),
-        pytest.param(lambda d: d["communication"].update(tables=[]), "communication.tables must be a JSON object",
+        pytest.param(lambda d: d["communication"].update(tables=[]), "communication.tables: must be a JSON object",
                      id="tables-list"),
         pytest.param(lambda d: d["memory"].update(activation_bytes_per_token=[1, 2]),
-                     "memory.activation_bytes_per_token must be a JSON object", id="activation-list"),
+                     "memory.activation_bytes_per_token: must be a JSON object", id="activation-list"),
         pytest.param(lambda d: d["communication"].update(tables={"all_gather": 5}), "tables.all_gather",
                      id="table-not-a-list"),
         pytest.param(lambda d: d["communication"].update(tables={"all_gather": [[1, 2, 3]]}), "tables.all_gather",
@@ -121,7 +129,7 @@ def test_bad_profile_fields_are_named(mutate: Any, message: str) -> None:
     document = measured_document()
     mutate(document)
     with pytest.raises(InvalidRequestError, match=message) as caught:
-        parse_profile(document)
+        profile_from_document(document)
     assert caught.value.field == "profile"
 
 

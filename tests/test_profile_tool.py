@@ -22,7 +22,8 @@ from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel, fit_line
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGroup, make_problem
 from scheduler_service.core.planner import make_plan
-from scheduler_service.core.profile import builtin_profiles, load_profile, parse_profile
+from scheduler_service.core.profile import builtin_profiles, parse_profile
+from scheduler_service.profile_files import load_profile, profile_from_document
 from scheduler_service.settings import Settings
 from trainer_client import profile as profiler
 from trainer_client.distributed import spawn_gloo
@@ -255,7 +256,7 @@ def test_efficiency_is_omitted_when_fewer_than_two_lengths_are_determined() -> N
     profiler._add_shard_effect(document["compute"], flat, rows, options)
     assert "attention_efficiency" not in document["compute"]
     assert "attention_efficiency: omitted: 1 usable" in document["compute"]["shard_effect_note"]
-    parse_profile(document)
+    profile_from_document(document)
 
 
 def test_efficiency_drops_lengths_whose_candidates_disagree_or_beat_the_reference() -> None:

@@ -118,6 +118,7 @@ def test_a_section_of_the_wrong_type_is_a_4xx_naming_the_file_not_a_500(
         assert response.status_code == 422, response.text
         assert response.headers["content-type"] == "application/problem+json"
         assert "zz-bad.json" in response.json()["detail"] and field in response.json()["detail"]
+        assert str(tmp_path) not in response.text  # the file within the folder, never the server's path
         # while the bad file stays, plans naming a loaded profile or a not-yet-loaded one are not 500s
         assert client.post("/plan", json=plan_body(profile="good")).status_code == 200
         unknown = client.post("/plan", json=plan_body(profile="not-there-yet"))

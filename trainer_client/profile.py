@@ -72,13 +72,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from skrull_proto import PROFILE_SCHEMA_VERSION
 from tqdm import tqdm
 
 from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import ComputePoint, PerformanceModel, eq13_flops, fit_compute, fit_memory
 from scheduler_service.core.plan import MicroBatch, ShardedGroup, block_degrees, cp_blocks
-from scheduler_service.core.profile import PROFILE_SCHEMA_VERSION, parse_profile
+from scheduler_service.core.profile import parse_profile
+from scheduler_service.profile_files import profile_from_document
 from trainer_client.attention import AttentionBackend, resolve_backend
 from trainer_client.loss import CausalLMLoss
 from trainer_client.measure import (
@@ -512,7 +514,7 @@ def _document(
     if shards:
         _add_shard_effect(document["compute"], PerformanceModel(model=shape, profile=parse_profile(document)), shards,
                           options)
-    parse_profile(document)  # the file must load where it is used
+    profile_from_document(document)  # the file must load where it is used: the format's model, then the core's
     return document
 
 

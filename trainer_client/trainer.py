@@ -59,7 +59,8 @@ from tqdm import tqdm
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import SchedulerName, make_problem
-from scheduler_service.core.profile import Profile, load_profile, resolve_profile
+from scheduler_service.core.profile import Profile, resolve_profile
+from scheduler_service.profile_files import load_profile
 from trainer_client.attention import AttentionBackend
 from trainer_client.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_client.data import DataSource, GlobalBatch, LengthStats, make_source

@@ -1,4 +1,4 @@
-"""The Skrull wire contract: request, response and error models (pydantic v2 only).
+"""The Skrull wire contract: request, response and error models, and the profile file format (pydantic v2 only).
 
 The JSON Schemas of the main models and the service's OpenAPI document are
 exported beside these modules (``*.schema.json``, ``openapi.json``).
@@ -37,6 +37,7 @@ from skrull_proto.models import (
     ShardedGroupModel,
     SolverReport,
 )
+from skrull_proto.profile import PROFILE_SCHEMA_VERSION, ProfileDocument
 
 __all__ = [
     "MAX_FEEDBACK_MICRO_BATCHES",
@@ -44,6 +45,7 @@ __all__ = [
     "MAX_MICRO_BATCH_TIME_MS",
     "MIN_MEMORY_BYTES",
     "MIN_MICRO_BATCH_TIME_MS",
+    "PROFILE_SCHEMA_VERSION",
     "SCHEMA_VERSION",
     "CPRankEstimateModel",
     "ComputeCoefficients",
@@ -60,6 +62,7 @@ __all__ = [
     "PlanRequest",
     "PlanResponse",
     "Problem",
+    "ProfileDocument",
     "ProfileSummary",
     "ProfilesReloaded",
     "SampledBatch",

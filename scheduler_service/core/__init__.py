@@ -41,7 +41,7 @@ from scheduler_service.core.plan import (
     make_problem,
 )
 from scheduler_service.core.planner import PlanResult, make_plan, schedule
-from scheduler_service.core.profile import Profile, builtin_profiles, load_profile, load_profile_dir, resolve_profile
+from scheduler_service.core.profile import Profile, builtin_profiles, resolve_profile
 from scheduler_service.core.samplers import DATASETS, sample_lengths
 from scheduler_service.core.simulate import PlanEstimate, simulate
 
@@ -79,8 +79,6 @@ __all__ = [
     "cp_blocks",
     "effective_bucket_size",
     "find_violations",
-    "load_profile",
-    "load_profile_dir",
     "make_plan",
     "make_problem",
     "observe",

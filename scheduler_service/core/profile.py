@@ -1,6 +1,8 @@
 """Hardware profiles: the fitted coefficients of the performance model.
 
-A profile is a versioned JSON file (see ``profiles/h100-paper.json``): compute
+A profile is a versioned JSON file (see ``profiles/h100-paper.json``; its
+shape is the model ``skrull_proto.ProfileDocument``, checked where files are
+read, ``scheduler_service.profile_files``; the ranges are checked here): compute
 ``T_comp = α·FLOPs + β``, activation memory ``M(S) = α·S + β`` and the
 collective latency tables ``T_comm`` is fitted from. Numbers live in data, each
 with its source, never in code. The shipped ``h100-paper`` profile holds
@@ -39,33 +41,26 @@ paper's model:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from scheduler_service.core.errors import InvalidRequestError, UnknownProfileError
 
 __all__ = [
     "DEFAULT_PROFILE",
-    "PROFILE_SCHEMA_VERSION",
     "CommunicationProfile",
     "ComputeProfile",
     "MemoryProfile",
     "Profile",
     "builtin_profiles",
-    "load_profile",
-    "load_profile_dir",
     "parse_profile",
     "resolve_profile",
 ]
 
-PROFILE_SCHEMA_VERSION = 1
 DEFAULT_PROFILE = "h100-paper"
 COLLECTIVES = ("all_gather", "reduce_scatter")
-_MAX_PROFILE_BYTES = 1 << 20  # a profile is a few KiB; anything larger in a profile folder is not one
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,161 +164,54 @@ def _check_tables(tables: dict[str, tuple[tuple[float, float], ...]], path: str)
             )
 
 
-def _number(data: dict[str, Any], key: str, path: str, default: float | None = None) -> float:
-    value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidRequestError(f"profile field {path}.{key} must be a finite number, got {value!r}",
-                                  field="profile")
-    return float(value)
+def _points(points: Any) -> tuple[tuple[float, float], ...]:
+    return tuple(sorted((float(x), float(y)) for x, y in points))
 
 
-def _section(data: Any, key: str, path: str) -> dict[str, Any]:
-    value = data.get(key) if isinstance(data, dict) else None
-    if not isinstance(value, dict):
-        where = f"{path}.{key}" if path else key
-        raise InvalidRequestError(f"profile field {where} must be a JSON object, got {value!r}", field="profile")
-    return value
-
-
-def _table(path: str, points: Any, what: str = "[bytes, seconds]") -> tuple[tuple[float, float], ...]:
-    if not isinstance(points, list | tuple):
-        raise InvalidRequestError(f"profile {path} must be a list of {what} points", field="profile")
-    try:
-        parsed = tuple(sorted((float(x), float(y)) for x, y in points))
-    except (TypeError, ValueError) as error:
-        raise InvalidRequestError(f"profile {path} must hold {what} number pairs: {error}",
-                                  field="profile") from error
-    if any(not (math.isfinite(x) and math.isfinite(y)) or x <= 0 or y < 0 for x, y in parsed):
-        raise InvalidRequestError(f"profile {path} needs positive {what} values", field="profile")
-    return parsed
-
-
-def _tables(section: dict[str, Any], path: str) -> dict[str, tuple[tuple[float, float], ...]]:
-    return {str(name): _table(f"{path}.{name}", points) for name, points in section.items()}
-
-
-def _efficiency(compute: dict[str, Any]) -> tuple[tuple[float, float], ...]:
-    if "attention_efficiency" not in compute:
-        return ()
-    section = _section(compute, "attention_efficiency", "compute")
-    return _table("compute.attention_efficiency.points", section.get("points"), what="[query_tokens, throughput]")
-
-
-def _group_tables(communication: dict[str, Any]) -> dict[int, dict[str, tuple[tuple[float, float], ...]]]:
-    if "tables_by_group_size" not in communication:
-        return {}
-    groups = _section(communication, "tables_by_group_size", "communication")
-    parsed = {}
-    for key, section in groups.items():
-        path = f"communication.tables_by_group_size.{key}"
-        if not (isinstance(key, str) and key.isdigit() and int(key) >= 2):
-            raise InvalidRequestError(f"profile field {path}: group sizes are integers >= 2", field="profile")
-        if not isinstance(section, dict):
-            raise InvalidRequestError(f"profile field {path} must be a JSON object of tables", field="profile")
-        parsed[int(key)] = _tables(section, path)
-    return parsed
-
-
-def _world_size(communication: dict[str, Any]) -> int | None:
-    value = communication.get("world_size")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"profile field communication.world_size must be an integer, got {value!r}",
-                                  field="profile")
-    return value
+def _tables(section: dict[str, Any]) -> dict[str, tuple[tuple[float, float], ...]]:
+    return {str(name): _points(points) for name, points in section.items()}
 
 
 def parse_profile(data: dict[str, Any]) -> Profile:
-    """Build a ``Profile`` from its JSON document, naming the first bad field."""
-    if data.get("schema_version") != PROFILE_SCHEMA_VERSION:
-        raise InvalidRequestError(
-            f"profile schema_version must be {PROFILE_SCHEMA_VERSION}, got {data.get('schema_version')!r}",
-            field="profile",
-        )
-    hardware = _section(data, "hardware", "")
-    compute = _section(data, "compute", "")
-    memory = _section(data, "memory", "")
-    communication = _section(data, "communication", "")
-    activation = _section(memory, "activation_bytes_per_token", "memory")
-    static = _section(memory, "static_bytes_per_parameter", "memory")
-    raw_tables = _section(communication, "tables", "communication")
-    tables = _tables(raw_tables, "communication.tables")
-    comm_fit = communication.get("fit", "absolute")
-    if comm_fit not in ("absolute", "relative"):
-        raise InvalidRequestError(f"profile field communication.fit must be 'absolute' or 'relative', got "
-                                  f"{comm_fit!r}", field="profile")
-    model = data.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequestError(f"profile field model must be a model name or null, got {model!r}",
-                                  field="profile")
+    """Build a ``Profile`` from its JSON document. The document's shape is checked before (``ProfileDocument``
+    where a file is read; the shipped files and the documents the core writes itself are trusted), its values'
+    ranges by ``Profile`` itself."""
+    hardware, compute, memory, communication = (data["hardware"], data["compute"], data["memory"],
+                                                data["communication"])
+    activation, static = memory["activation_bytes_per_token"], memory["static_bytes_per_parameter"]
+    efficiency = compute.get("attention_efficiency") or {}
     return Profile(
         name=str(data.get("name", "unnamed")),
         description=str(data.get("description", "")),
-        model=model,
+        model=data.get("model"),
         device=str(hardware.get("device", "unknown")),
-        device_memory_bytes=_number(hardware, "device_memory_bytes", "hardware"),
+        device_memory_bytes=float(hardware["device_memory_bytes"]),
         compute=ComputeProfile(
-            alpha_s_per_flop=_number(compute, "alpha_s_per_flop", "compute"),
-            beta_s_per_layer=_number(compute, "beta_s_per_layer", "compute"),
-            alpha_s_per_token=_number(compute, "alpha_s_per_token", "compute", default=0.0),
-            alpha_s_per_sequence=_number(compute, "alpha_s_per_sequence", "compute", default=0.0),
-            attention_efficiency=_efficiency(compute),
+            alpha_s_per_flop=float(compute["alpha_s_per_flop"]),
+            beta_s_per_layer=float(compute["beta_s_per_layer"]),
+            alpha_s_per_token=float(compute.get("alpha_s_per_token", 0.0)),
+            alpha_s_per_sequence=float(compute.get("alpha_s_per_sequence", 0.0)),
+            attention_efficiency=_points(efficiency.get("points", ())),
         ),
         memory=MemoryProfile(
-            activation_fixed_bytes_per_token=_number(activation, "fixed", "memory.activation_bytes_per_token"),
-            activation_per_layer_hidden=_number(activation, "per_layer_hidden", "memory.activation_bytes_per_token"),
-            activation_per_vocab=_number(activation, "per_vocab", "memory.activation_bytes_per_token"),
-            beta_bytes=_number(memory, "beta_bytes", "memory"),
-            reserved_bytes=_number(memory, "reserved_bytes", "memory"),
-            replicated_bytes_per_parameter=_number(static, "replicated", "memory.static_bytes_per_parameter"),
-            sharded_bytes_per_parameter=_number(static, "sharded", "memory.static_bytes_per_parameter"),
+            activation_fixed_bytes_per_token=float(activation["fixed"]),
+            activation_per_layer_hidden=float(activation["per_layer_hidden"]),
+            activation_per_vocab=float(activation["per_vocab"]),
+            beta_bytes=float(memory["beta_bytes"]),
+            reserved_bytes=float(memory["reserved_bytes"]),
+            replicated_bytes_per_parameter=float(static["replicated"]),
+            sharded_bytes_per_parameter=float(static["sharded"]),
         ),
         communication=CommunicationProfile(
-            kv_bytes_per_element=int(_number(communication, "kv_bytes_per_element", "communication")),
-            tables=tables,
-            relative_fit=comm_fit == "relative",
-            world_size=_world_size(communication),
-            tables_by_group_size=_group_tables(communication),
+            kv_bytes_per_element=int(communication["kv_bytes_per_element"]),
+            tables=_tables(communication["tables"]),
+            relative_fit=communication.get("fit", "absolute") == "relative",
+            world_size=communication.get("world_size"),
+            tables_by_group_size={int(size): _tables(tables)
+                                  for size, tables in communication.get("tables_by_group_size", {}).items()},
         ),
         raw=data,
     )
-
-
-def load_profile(path: str | Path) -> Profile:
-    """Read a profile file; errors name the file."""
-    path = Path(path)
-    try:
-        if path.stat().st_size > _MAX_PROFILE_BYTES:
-            raise InvalidRequestError(f"profile {path} is larger than {_MAX_PROFILE_BYTES} bytes", field="profile")
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise InvalidRequestError(f"cannot read profile {path}: {error}", field="profile") from error
-    if not isinstance(data, dict):
-        raise InvalidRequestError(f"profile {path} must hold a JSON object", field="profile")
-    try:
-        return parse_profile(data)
-    except InvalidRequestError as error:
-        raise InvalidRequestError(f"profile {path}: {error.message}", field="profile") from error
-
-
-def load_profile_dir(directory: str | Path) -> dict[str, Profile]:
-    """Every ``*.json`` profile in ``directory`` by name; the first bad file (or a duplicate name) is an error
-    naming it, so a folder is accepted whole or not at all."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise InvalidRequestError(f"profile directory {directory} does not exist or is not a directory",
-                                  field="profile_dir")
-    profiles: dict[str, Profile] = {}
-    origins: dict[str, Path] = {}
-    for path in sorted(directory.glob("*.json")):
-        profile = load_profile(path)
-        if profile.name in profiles:
-            raise InvalidRequestError(f"profiles {origins[profile.name]} and {path} are both named {profile.name!r}",
-                                      field="profile_dir")
-        profiles[profile.name] = profile
-        origins[profile.name] = path
-    return profiles
 
 
 @cache

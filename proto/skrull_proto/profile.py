@@ -1,0 +1,106 @@
+"""The profile file format: a hardware profile as the profiler writes it and the service reads it.
+
+A profile is a versioned JSON document (the shipped ``h100-paper.json`` is
+the reference; ``python -m trainer_client.profile`` writes measured ones). This
+model checks its shape: sections are objects, coefficients finite numbers,
+latency tables ``[bytes, seconds]`` pairs, ``fit`` one of two names. The
+ranges that make a profile usable (a positive ``alpha_s_per_flop``, two
+distinct sizes per table, …) are the planning core's, checked when it builds
+its ``Profile`` from the document. Members not declared here (each section's
+``source``, the profiler's raw points and fit reports, ``provenance``) are
+carried, not checked.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "PROFILE_SCHEMA_VERSION",
+    "ActivationBytesPerToken",
+    "AttentionEfficiency",
+    "CommunicationSection",
+    "ComputeSection",
+    "HardwareSection",
+    "MemorySection",
+    "ProfileDocument",
+    "StaticBytesPerParameter",
+]
+
+PROFILE_SCHEMA_VERSION: Final = 1
+
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+# [x, y] with x > 0 and y >= 0: [message bytes, seconds] or [query tokens, relative throughput]
+Point = tuple[Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)],
+              Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]]
+# collective name ("all_gather", "reduce_scatter", …) -> its latency table
+Tables = dict[str, list[Point]]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class HardwareSection(_Section):
+    device: str = "unknown"
+    device_memory_bytes: Number = Field(description="Memory of one device, the plans' per-rank budget.")
+
+
+class AttentionEfficiency(_Section):
+    points: list[Point] = Field(description="[query_tokens, relative_throughput] of the attention kernel.")
+
+
+class ComputeSection(_Section):
+    """``T_comp = α·FLOPs + α_token·tokens + α_sequence·sequences + β·layers`` of one packed group."""
+
+    alpha_s_per_flop: Number
+    beta_s_per_layer: Number
+    alpha_s_per_token: Number = 0.0
+    alpha_s_per_sequence: Number = 0.0
+    attention_efficiency: AttentionEfficiency | None = None
+
+
+class ActivationBytesPerToken(_Section):
+    fixed: Number
+    per_layer_hidden: Number
+    per_vocab: Number
+
+
+class StaticBytesPerParameter(_Section):
+    replicated: Number
+    sharded: Number
+
+
+class MemorySection(_Section):
+    activation_bytes_per_token: ActivationBytesPerToken
+    beta_bytes: Number
+    reserved_bytes: Number
+    static_bytes_per_parameter: StaticBytesPerParameter
+
+
+class CommunicationSection(_Section):
+    kv_bytes_per_element: Annotated[int, Field(strict=True)]
+    tables: Tables = Field(description="Collective latency tables; empty when none was measured (one process).")
+    fit: Literal["absolute", "relative"] = Field(
+        default="absolute", description="Fit T_comm on absolute seconds or on relative error.")
+    world_size: Annotated[int, Field(strict=True)] | None = Field(
+        default=None, description="Ranks the tables were measured over; null: no scaling by group size.")
+    tables_by_group_size: dict[Annotated[int, Field(ge=2)], Tables] = Field(
+        default_factory=dict, description="The same tables measured over groups of other sizes, by size.")
+
+
+class ProfileDocument(_Section):
+    """A profile file, schema version 1."""
+
+    schema_version: Literal[1]
+    name: str = "unnamed"
+    description: str = ""
+    model: str | None = Field(default=None, description="The model it was measured for; null fits any model.")
+    hardware: HardwareSection
+    compute: ComputeSection
+    memory: MemorySection
+    communication: CommunicationSection
+    provenance: dict[str, Any] | None = Field(
+        default=None, description="Where, when and with what the numbers were measured.")
