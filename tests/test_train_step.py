@@ -32,7 +32,8 @@ def _one_step_on_every_plan(out_dir: Path) -> None:
         trainer = Trainer(config, parallel)
         batch = trainer.source.batch(0)
         decision = trainer.decide(0, batch)
-        loss, num_loss_tokens = trainer.forward_backward(trainer.pack(batch, decision))
+        packs = [pack() for pack in trainer.packers(batch, decision)]
+        loss, num_loss_tokens = trainer.forward_backward(batch, packs)
         grads = trainer.gradients()  # collective under FSDP
         if parallel.is_main:
             micro_batches = [len(d.micro_batches) for d in decision.plan.dp_ranks]

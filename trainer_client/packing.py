@@ -35,7 +35,8 @@ tokens (all chunks of this rank in one collective).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,12 +76,9 @@ class ShardedSpec:
     def group_size(self) -> int:
         return len(self.cp_ranks)
 
-    def to(self, device: torch.device) -> ShardedSpec:
-        return ShardedSpec(
-            cp_ranks=self.cp_ranks, group=self.group, group_rank=self.group_rank, num_tokens=self.num_tokens,
-            cu_seqlens_q=self.cu_seqlens_q.to(device), cu_seqlens_k=self.cu_seqlens_k.to(device),
-            max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k, kv_index=self.kv_index.to(device),
-        )
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ShardedSpec:
+        return dataclasses.replace(self, cu_seqlens_q=fn(self.cu_seqlens_q), cu_seqlens_k=fn(self.cu_seqlens_k),
+                                   kv_index=fn(self.kv_index))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,12 +100,9 @@ class DacpMetadata:
     def num_tokens(self) -> int:
         return self.num_local_tokens + self.num_sharded_tokens
 
-    def to(self, device: torch.device) -> DacpMetadata:
-        return DacpMetadata(
-            cp_size=self.cp_size, cp_rank=self.cp_rank, num_local_tokens=self.num_local_tokens,
-            cu_seqlens_local=self.cu_seqlens_local.to(device), max_seqlen_local=self.max_seqlen_local,
-            sharded=tuple(spec.to(device) for spec in self.sharded),
-        )
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> DacpMetadata:
+        return dataclasses.replace(self, cu_seqlens_local=fn(self.cu_seqlens_local),
+                                   sharded=tuple(spec.map_tensors(fn) for spec in self.sharded))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,10 +126,26 @@ class PackedMicroBatch:
         """No tokens and no collective: the rank may skip this micro-batch without leaving any peer waiting."""
         return self.num_tokens == 0 and not self.metadata.sharded
 
-    def to(self, device: torch.device) -> PackedMicroBatch:
-        return PackedMicroBatch(input_ids_T=self.input_ids_T.to(device), position_ids_T=self.position_ids_T.to(device),
-                                targets_T=self.targets_T.to(device), metadata=self.metadata.to(device),
-                                is_padding=self.is_padding)
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedMicroBatch:
+        """The same micro-batch with ``fn`` applied to every tensor, the metadata's included."""
+        return dataclasses.replace(self, input_ids_T=fn(self.input_ids_T), position_ids_T=fn(self.position_ids_T),
+                                   targets_T=fn(self.targets_T), metadata=self.metadata.map_tensors(fn))
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> PackedMicroBatch:
+        return self.map_tensors(lambda tensor: tensor.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> PackedMicroBatch:
+        """In page-locked host memory, so that a ``non_blocking`` copy to CUDA is asynchronous."""
+        return self.map_tensors(torch.Tensor.pin_memory)
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Mark every (CUDA) tensor as used by ``stream`` (``torch.Tensor.record_stream``)."""
+
+        def record(tensor: torch.Tensor) -> torch.Tensor:
+            tensor.record_stream(stream)
+            return tensor
+
+        self.map_tensors(record)
 
 
 def _cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:

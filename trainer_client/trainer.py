@@ -8,7 +8,9 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
 2. DP rank ``i``, CP rank ``j`` packs each of its micro-batches
    (``plan.dp_ranks[i]``, column ``j``; sequences sharded over the whole CP
    group or over a hybrid group's block of it) and runs forward + backward on
-   them in order (gradient accumulation). Sharded (``--sharding zero2|zero3``,
+   them in order (gradient accumulation). A background thread packs (and on
+   CUDA copies to the device) micro-batch ``m + 1`` while ``m`` computes
+   (``prefetch.py``). Sharded (``--sharding zero2|zero3``,
    FSDP2, ``parallelize.py``): a micro-batch where the rank holds no token and
    is a member of no collective runs as a zero-loss padding micro-batch, and
    ranks add padding micro-batches so that their FSDP collectives match (zero3:
@@ -18,10 +20,12 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
    skipped, and the gradients of all ranks are summed by one flat all-reduce
    afterwards (DDP would need the same number of micro-batches on every DP rank,
    which Skrull's plans do not give).
-3. Loss normalisation over the *whole* global batch (paper appendix A): the
-   number of loss tokens is all-reduced, every micro-batch's summed token loss
-   (``loss.py``: LM head and cross-entropy chunked over tokens) is divided by
-   it, and gradients are summed over all DP × CP ranks. Every scheduler and
+3. Loss normalisation over the *whole* global batch (paper appendix A): every
+   micro-batch's summed token loss (``loss.py``: LM head and cross-entropy
+   chunked over tokens) is divided by the global batch's number of loss tokens
+   (every rank holds the batch; the tokens the ranks packed are all-reduced
+   after the micro-batches and checked against it), and gradients are summed
+   over all DP × CP ranks. Every scheduler and
    every sharding mode therefore yields the gradients of the unscheduled batch,
    up to floating-point summation order.
 4. The gradients are clipped to a global norm, AdamW steps once, the learning
@@ -39,15 +43,17 @@ Shape legend: T tokens of one packed row, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import resource
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import torch
 import torch.distributed as dist
@@ -58,7 +64,7 @@ from tqdm import tqdm
 
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.models import ModelShape
-from scheduler_service.core.plan import SchedulerName, make_problem
+from scheduler_service.core.plan import MicroBatch, SchedulerName, make_problem
 from scheduler_service.core.profile import Profile, resolve_profile
 from scheduler_service.profile_files import load_profile
 from trainer_client.attention import AttentionBackend
@@ -78,13 +84,22 @@ from trainer_client.parallelize import (
     static_bytes_per_parameter,
 )
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanOrigin, PlanSource
+from trainer_client.prefetch import PrefetchedMicroBatches
 
-__all__ = ["InjectedFault", "PlanningFailed", "StepMetrics", "TrainConfig", "Trainer", "memory_profile",
-           "run_micro_batch"]
+__all__ = ["InjectedFault", "MicroBatches", "PlanningFailed", "StepMetrics", "TrainConfig", "Trainer",
+           "memory_profile", "run_micro_batch"]
 
 logger = logging.getLogger("trainer_client.trainer")
 
 _JOB_ID: TypeAdapter[str] = TypeAdapter(JobId)
+
+
+class MicroBatches(Protocol):
+    """A step's packed micro-batches, iterated once in plan order: a list, or ``PrefetchedMicroBatches``."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[PackedMicroBatch]: ...
 
 
 class PlanningFailed(ValueError):
@@ -384,41 +399,49 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ compute
 
-    def pack(self, batch: GlobalBatch, decision: PlanDecision) -> list[PackedMicroBatch]:
-        """This rank's micro-batches in plan order; under FSDP the idle ones are padding and padding follows them."""
+    def packers(self, batch: GlobalBatch, decision: PlanDecision) -> list[Callable[[], PackedMicroBatch]]:
+        """This rank's micro-batches in plan order, each packed and put on the device when called (by a prefetch
+        thread, ``prefetch.py``); under FSDP the idle ones are padding and padding follows them."""
         assert decision.plan is not None
         micro_batches = decision.plan.dp_ranks[self.parallel.dp_rank].micro_batches
         padding = padding_micro_batch(cp_size=self.config.cp, cp_rank=self.parallel.cp_rank,
                                       pad_token_id=self.pad_token_id)
-        packs = []
-        for micro_batch in micro_batches:
-            pack = pack_micro_batch(batch.samples, micro_batch, cp_size=self.config.cp, cp_rank=self.parallel.cp_rank,
-                                    cp_group=self.parallel.cp_group, cp_block_groups=self.parallel.cp_block_groups,
-                                    pad_token_id=self.pad_token_id)
-            packs.append(padding if pack.is_idle and self.sharding is not Sharding.NONE else pack)
-        max_planned = max(len(dp_rank.micro_batches) for dp_rank in decision.plan.dp_ranks)
-        packs += [padding] * num_padding_micro_batches(self.sharding, num_planned=len(micro_batches),
-                                                       max_planned=max_planned)
-        return [pack.to(self.device) for pack in packs]
 
-    def forward_backward(self, packs: list[PackedMicroBatch]) -> tuple[float, int]:
-        """Accumulate this rank's gradients and reduce them over all ranks; returns (global loss, loss tokens)."""
+        def pack(micro_batch: MicroBatch) -> PackedMicroBatch:
+            packed = pack_micro_batch(batch.samples, micro_batch, cp_size=self.config.cp,
+                                      cp_rank=self.parallel.cp_rank, cp_group=self.parallel.cp_group,
+                                      cp_block_groups=self.parallel.cp_block_groups, pad_token_id=self.pad_token_id)
+            return padding if packed.is_idle and self.sharding is not Sharding.NONE else packed
+
+        max_planned = max(len(dp_rank.micro_batches) for dp_rank in decision.plan.dp_ranks)
+        num_padding = num_padding_micro_batches(self.sharding, num_planned=len(micro_batches),
+                                                max_planned=max_planned)
+        return [functools.partial(pack, micro_batch) for micro_batch in micro_batches] + [lambda: padding] * num_padding
+
+    def forward_backward(self, batch: GlobalBatch, packs: MicroBatches) -> tuple[float, int]:
+        """Accumulate this rank's gradients over ``packs`` (iterated once, in order) and reduce them over all ranks;
+        returns (global loss, loss tokens packed by all ranks).
+
+        Every rank holds the same global batch, so each divides by its loss-token count without a collective first
+        (appendix A); what the ranks actually packed is summed afterwards, for the caller to check against it.
+        """
         world = dist.group.WORLD
-        counts = torch.tensor([sum(p.num_loss_tokens for p in packs)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(counts, group=world)
-        num_loss_tokens = int(counts.item())
+        num_loss_tokens = batch.num_loss_tokens
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.micro_batch_timings = []
         # On CUDA the timing waits for the device, so only a run that reports it pays for the waits.
         timed = self.device.type != "cuda" or self.config.feedback
+        num_packed_loss_tokens = num_padding = 0
         loop_started = time.perf_counter()
-        # Replicated: an idle micro-batch (no tokens, no collective) is skipped, no peer waits for this rank.
-        last = max((index for index, pack in enumerate(packs) if not pack.is_idle), default=-1)
         for index, pack in enumerate(packs):
+            num_packed_loss_tokens += pack.num_loss_tokens
+            num_padding += pack.is_padding
+            # Replicated: an idle micro-batch (no tokens, no collective) is skipped, no peer waits for this rank.
+            # Under FSDP none is idle (padding stands in), so the last one is the last in the list.
             if pack.is_idle:
                 continue
-            prepare_micro_batch(self.module, sharding=self.sharding, is_last=index == last)
+            prepare_micro_batch(self.module, sharding=self.sharding, is_last=index == len(packs) - 1)
             if timed and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -440,8 +463,9 @@ class Trainer:
         slowest = torch.tensor([time.perf_counter() - loop_started], dtype=torch.float64, device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
         self.micro_batch_time_s = float(slowest.item())
-        totals = [loss_sum.float().reshape(1), torch.tensor([float(sum(p.is_padding for p in packs))],
-                                                             device=self.device)]
+        packed = torch.tensor([num_packed_loss_tokens], dtype=torch.float64, device=self.device)
+        dist.all_reduce(packed, group=world)
+        totals = [loss_sum.float().reshape(1), torch.tensor([float(num_padding)], device=self.device)]
         if self.sharding is Sharding.NONE:
             # One collective for every gradient and the loss; ranks that ran nothing contribute zeros.
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -457,7 +481,7 @@ class Trainer:
             dist.all_reduce(reduced, group=world)
         self.num_padding_micro_batches = int(reduced[1].item())
         global_loss = float(reduced[0].item()) / max(num_loss_tokens, 1)
-        return global_loss, num_loss_tokens
+        return global_loss, int(packed.item())
 
     # ------------------------------------------------------------------------------------------------ loop
 
@@ -467,8 +491,8 @@ class Trainer:
         if self.plans is not None and step + 1 < self.config.steps:
             self._next_batch = self.source.batch(step + 1)
             self.plans.prefetch(step + 1, self._next_batch.sequence_lengths)
-        packs = self.pack(batch, decision)
-        loss, num_loss_tokens = self.forward_backward(packs)
+        with PrefetchedMicroBatches(self.packers(batch, decision), self.device) as packs:
+            loss, num_loss_tokens = self.forward_backward(batch, packs)
         assert num_loss_tokens == batch.num_loss_tokens, "packing lost or repeated loss tokens"
         grad_norm = clip_gradients(self.params, max_norm=self.config.max_grad_norm)
         lr = float(self.lr_schedule.get_last_lr()[0])
