@@ -159,28 +159,30 @@ Block = tuple[int, int]  # (first CP rank, degree) of a group of ranks; (0, cp_s
 
 
 class _Placement:
-    """A candidate DACP decision with the per-rank sums the cost model and the memory bound need.
-
-    Whole-group shards add the same to every rank, so they are kept as one shared offset (``shared_*``): sharding
-    over the whole group is O(1), and per-rank comparisons of loads are unchanged by it."""
+    """One micro-batch's chosen DACP decision, as Python lists for the refinement's scalar moves: where each
+    sequence went, and the per-rank sums the cost model and the memory bound need."""
 
     __slots__ = ("all_gather", "attention", "cp_size", "groups", "loads", "placement", "reduce_scatter",
-                 "remaining", "shared_all_gather", "shared_load", "shared_reduce_scatter", "shared_units", "time_s")
+                 "remaining")
 
-    def __init__(self, cp_size: int, capacity: int) -> None:
-        self.cp_size = cp_size
+    def __init__(self, problem: PlanningProblem, rows: Rows, row: int) -> None:
+        """The search's row ``row``: its sums as they are, its sequences' places from its degree and first rank."""
+        self.cp_size = problem.cp_size
         self.placement: dict[int, int] = {}  # local sequences: index -> CP rank
         self.groups: dict[Block, list[int]] = {}  # sharded sequences by block (distributed: (0, cp_size))
-        self.loads = [0.0] * cp_size  # FLOP-equivalents per rank (placement costs), besides the shared load
-        self.attention = [0.0] * cp_size  # local attention FLOP-equivalents per rank: what hides collectives
-        self.all_gather = [0.0] * cp_size  # seconds of collectives per rank, forward, besides the shared ones
-        self.reduce_scatter = [0.0] * cp_size  # and backward
-        self.remaining = [capacity] * cp_size  # memory units (1/N token) before the shared units
-        self.shared_units = 0
-        self.shared_load = 0.0
-        self.shared_all_gather = 0.0
-        self.shared_reduce_scatter = 0.0
-        self.time_s = math.inf
+        for index, degree, first in zip(rows.order[row].tolist(), rows.degree[row].tolist(),
+                                        rows.first[row].tolist(), strict=True):
+            if index == problem.num_sequences:  # padding
+                continue
+            if degree == LOCAL:
+                self.placement[index] = first
+            else:
+                self.groups.setdefault((first, degree), []).append(index)
+        self.loads: list[float] = rows.loads[row].tolist()  # FLOP-equivalents per rank
+        self.attention: list[float] = rows.attention[row].tolist()  # local attention: what hides collectives
+        self.all_gather: list[float] = rows.all_gather[row].tolist()  # seconds of collectives per rank, forward
+        self.reduce_scatter: list[float] = rows.reduce_scatter[row].tolist()  # and backward
+        self.remaining: list[int] = rows.remaining[row].tolist()  # memory units (1/N token) left per rank
 
     def place(self, problem: PlanningProblem, index: int, rank: int) -> None:
         self.placement[index] = rank
@@ -195,37 +197,9 @@ class _Placement:
         self.attention[rank] -= problem.local_attention[index]
         return rank
 
-    def shard(self, problem: PlanningProblem, index: int, block: Block) -> None:
-        first, degree = block
-        tokens = problem.sequence_lengths[index]
-        collective = problem.perf.collective_cost(degree)
-        is_new = block not in self.groups
-        self.groups.setdefault(block, []).append(index)
-        flops = problem.placement[degree][index]
-        all_gather = collective.all_gather_s_per_token * tokens + (collective.all_gather_fixed_s if is_new else 0.0)
-        reduce_scatter = (collective.reduce_scatter_s_per_token * tokens
-                          + (collective.reduce_scatter_fixed_s if is_new else 0.0))
-        if degree == self.cp_size:
-            self.shared_units += tokens
-            self.shared_load += flops
-            self.shared_all_gather += all_gather
-            self.shared_reduce_scatter += reduce_scatter
-            return
-        units = tokens * (self.cp_size // degree)
-        for r in range(first, first + degree):
-            self.remaining[r] -= units
-            self.loads[r] += flops
-            self.all_gather[r] += all_gather
-            self.reduce_scatter[r] += reduce_scatter
-
     def evaluate(self, problem: PlanningProblem) -> float:
-        load, all_gather, reduce_scatter = self.shared_load, self.shared_all_gather, self.shared_reduce_scatter
-        self.time_s = max(
-            rank_time_s(problem, self.loads[r] + load, self.attention[r], self.all_gather[r] + all_gather,
-                        self.reduce_scatter[r] + reduce_scatter)
-            for r in range(self.cp_size)
-        )
-        return self.time_s
+        return max(rank_time_s(problem, self.loads[r], self.attention[r], self.all_gather[r], self.reduce_scatter[r])
+                   for r in range(self.cp_size))
 
     def micro_batch(self) -> MicroBatch:
         local: list[list[int]] = [[] for _ in range(self.cp_size)]
@@ -243,8 +217,7 @@ def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
     """Bounded local search: move or swap local sequences off the most loaded rank while that lowers its load."""
     cp_size, lengths, costs = problem.cp_size, problem.sequence_lengths, problem.placement[1]
     for _ in range(MAX_REFINEMENT_STEPS):
-        loads, shared = candidate.loads, candidate.shared_units
-        remaining = [units - shared for units in candidate.remaining]
+        loads, remaining = candidate.loads, candidate.remaining
         busiest = max(range(cp_size), key=loads.__getitem__)
         members: list[list[int]] = [[] for _ in range(cp_size)]
         for index, rank in candidate.placement.items():
@@ -298,7 +271,7 @@ class Candidate:
     time_s: float
 
     def decide(self, *, refine: bool = True) -> Decided:
-        placement = _replay(self.problem, self.rows, self.row)
+        placement = _Placement(self.problem, self.rows, self.row)
         if refine:
             _refine(self.problem, placement)
         return Decided(placement.micro_batch(), placement.evaluate(self.problem))
@@ -313,20 +286,6 @@ def _best_row_per_micro_batch(rows: Rows, times_s: npt.NDArray[np.float64], num_
     chosen = by_time[first]
     best[micro_batches] = np.where(np.isfinite(times_s[chosen]), chosen, -1)
     return best
-
-
-def _replay(problem: PlanningProblem, rows: Rows, row: int) -> _Placement:
-    """The row's decision as a ``_Placement``, for the refinement and the micro-batch."""
-    placement = _Placement(problem.cp_size, problem.bucket_size * problem.cp_size)
-    for index, degree, first in zip(rows.order[row].tolist(), rows.degree[row].tolist(), rows.first[row].tolist(),
-                                    strict=True):
-        if index == problem.num_sequences:  # padding
-            continue
-        if degree == LOCAL:
-            placement.place(problem, index, first)
-        else:
-            placement.shard(problem, index, (first, degree))
-    return placement
 
 
 def _candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]], *, num_hybrid: int,

@@ -70,16 +70,16 @@ def _strided(problem: PlanningProblem, subset: Sequence[int], count: int) -> lis
 
 def _spread_by_tokens(problem: PlanningProblem, subset: Sequence[int], count: int) -> list[list[int]] | None:
     """Longest first onto the micro-batch with the fewest tokens; ``None`` if one would exceed C·N."""
-    capacity = problem.micro_batch_capacity
+    capacity, lengths = problem.micro_batch_capacity, problem.sequence_lengths
     groups: list[list[int]] = [[] for _ in range(count)]
     heap = [(0, j) for j in range(count)]
-    for index in sorted(subset, key=lambda k: (-problem.lengths[k], k)):
-        tokens, j = heapq.heappop(heap)
-        tokens += int(problem.lengths[index])
+    for index in sorted(subset, key=lambda k: (-lengths[k], k)):
+        tokens, j = heap[0]
+        tokens += lengths[index]
         if tokens > capacity:
             return None
         groups[j].append(index)
-        heapq.heappush(heap, (tokens, j))
+        heapq.heapreplace(heap, (tokens, j))
     return groups
 
 

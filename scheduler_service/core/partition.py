@@ -22,9 +22,9 @@ def lpt_partition(indices: Sequence[int], weights: Sequence[float], num_parts: i
     parts: list[list[int]] = [[] for _ in range(num_parts)]
     heap = [(0.0, part) for part in range(num_parts)]
     for index in sorted(indices, key=lambda k: (-weights[k], k)):
-        load, part = heapq.heappop(heap)
+        load, part = heap[0]
         parts[part].append(index)
-        heapq.heappush(heap, (load + weights[index], part))
+        heapq.heapreplace(heap, (load + weights[index], part))
     return parts
 
 
