@@ -178,11 +178,11 @@ class _Placement:
                 self.placement[index] = first
             else:
                 self.groups.setdefault((first, degree), []).append(index)
-        self.loads: list[float] = rows.loads[row].tolist()  # FLOP-equivalents per rank
-        self.attention: list[float] = rows.attention[row].tolist()  # local attention: what hides collectives
-        self.all_gather: list[float] = rows.all_gather[row].tolist()  # seconds of collectives per rank, forward
-        self.reduce_scatter: list[float] = rows.reduce_scatter[row].tolist()  # and backward
-        self.remaining: list[int] = rows.remaining[row].tolist()  # memory units (1/N token) left per rank
+        self.loads: list[float] = rows.loads[:, row].tolist()  # FLOP-equivalents per rank
+        self.attention: list[float] = rows.attention[:, row].tolist()  # local attention: what hides collectives
+        self.all_gather: list[float] = rows.all_gather[:, row].tolist()  # seconds of collectives per rank, forward
+        self.reduce_scatter: list[float] = rows.reduce_scatter[:, row].tolist()  # and backward
+        self.remaining: list[int] = rows.remaining[:, row].tolist()  # memory units (1/N token) left per rank
 
     def place(self, problem: PlanningProblem, index: int, rank: int) -> None:
         self.placement[index] = rank

@@ -19,6 +19,7 @@ costs ``S·N/s`` on each (``s`` divides ``N``), so the memory bound holds by con
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,109 +67,119 @@ class SearchArrays:
 class Rows:
     """Candidate decisions, one per row, and the per-rank sums the cost model and the memory bound need.
 
+    Per-rank sums are rank-major, ``(N, R)``: every step reduces over a handful of ranks for hundreds of rows, which
+    numpy does as a few contiguous vector operations, and updates use whole-array masks rather than gathers.
     ``degree[r, j]`` and ``first[r, j]`` say where the row's j-th sequence ``order[r, j]`` went: ``LOCAL``, whole
     on rank ``first``; a degree, sharded over the aligned block of that many ranks starting at ``first`` (with
     ``cp_size`` 1, a whole-group shard has degree 1 too)."""
 
     micro_batch: IntArray  # (R,) which micro-batch each row decides
     order: IntArray  # (R, K) the sequences in placement order; ``padding`` past a micro-batch's size
-    loads: FloatArray  # (R, N) FLOP-equivalents per rank
-    attention: FloatArray  # (R, N) local attention FLOP-equivalents per rank: what hides the collectives
-    all_gather: FloatArray  # (R, N) seconds of collectives per rank, forward
-    reduce_scatter: FloatArray  # (R, N) and backward
-    remaining: IntArray  # (R, N) memory units left per rank
-    has_group: BoolArray  # (R, G) whether the row already pays a block's fixed collective cost
+    loads: FloatArray  # (N, R) FLOP-equivalents per rank
+    attention: FloatArray  # (N, R) local attention FLOP-equivalents per rank: what hides the collectives
+    all_gather: FloatArray  # (N, R) seconds of collectives per rank, forward
+    reduce_scatter: FloatArray  # (N, R) and backward
+    remaining: IntArray  # (N, R) memory units left per rank
+    has_group: BoolArray  # (G, R) whether the row already pays a block's fixed collective cost
     degree: IntArray  # (R, K)
     first: IntArray  # (R, K)
     valid: BoolArray  # (R,) False once a sequence found no room
 
     @classmethod
     def empty(cls, problem: PlanningProblem, micro_batch: IntArray, order: IntArray) -> Rows:
-        num_rows, cp_size = len(micro_batch), problem.cp_size
-        return cls(micro_batch=micro_batch, order=order,
-                   loads=np.zeros((num_rows, cp_size)), attention=np.zeros((num_rows, cp_size)),
-                   all_gather=np.zeros((num_rows, cp_size)), reduce_scatter=np.zeros((num_rows, cp_size)),
-                   remaining=np.full((num_rows, cp_size), problem.bucket_size * cp_size, dtype=np.int64),
-                   has_group=np.zeros((num_rows, _num_groups(problem)), dtype=np.bool_),
+        shape = (problem.cp_size, len(micro_batch))
+        return cls(micro_batch=micro_batch, order=order, loads=np.zeros(shape), attention=np.zeros(shape),
+                   all_gather=np.zeros(shape), reduce_scatter=np.zeros(shape),
+                   remaining=np.full(shape, problem.bucket_size * problem.cp_size, dtype=np.int64),
+                   has_group=np.zeros((_num_groups(problem), len(micro_batch)), dtype=np.bool_),
                    degree=np.zeros(order.shape, dtype=np.int64), first=np.zeros(order.shape, dtype=np.int64),
-                   valid=np.ones(num_rows, dtype=np.bool_))
+                   valid=np.ones(len(micro_batch), dtype=np.bool_))
 
     def take(self, rows: IntArray) -> Rows:
-        return Rows(*(getattr(self, name)[rows] for name in self.__slots__))
+        return Rows(micro_batch=self.micro_batch[rows], order=self.order[rows], loads=self.loads[:, rows],
+                    attention=self.attention[:, rows], all_gather=self.all_gather[:, rows],
+                    reduce_scatter=self.reduce_scatter[:, rows], remaining=self.remaining[:, rows],
+                    has_group=self.has_group[:, rows], degree=self.degree[rows], first=self.first[rows],
+                    valid=self.valid[rows])
 
-    def place(self, arrays: SearchArrays, rows: IntArray, step: int, ranks: IntArray) -> None:
-        """Put each row's ``step``-th sequence whole on its rank."""
-        if not len(rows):
-            return
-        sequences = self.order[rows, step]
-        self.loads[rows, ranks] += arrays.placement[1][sequences]
-        self.attention[rows, ranks] += arrays.local_attention[sequences]
-        self.remaining[rows, ranks] -= arrays.lengths[sequences] * self.loads.shape[1]
-        self.degree[rows, step], self.first[rows, step] = LOCAL, ranks
+    def place(self, arrays: SearchArrays, selected: BoolArray, step: int, ranks: IntArray) -> None:
+        """Put the ``step``-th sequence of each selected row whole on its rank."""
+        sequences = self.order[:, step]
+        on_rank = (np.arange(self.loads.shape[0])[:, None] == ranks) & selected
+        self.loads += on_rank * arrays.placement[1][sequences]
+        self.attention += on_rank * arrays.local_attention[sequences]
+        self.remaining -= on_rank * (arrays.lengths[sequences] * self.loads.shape[0])
+        self.degree[selected, step] = LOCAL
+        self.first[selected, step] = ranks[selected]
 
-    def shard(self, problem: PlanningProblem, arrays: SearchArrays, rows: IntArray, step: int, degree: int,
+    def shard(self, problem: PlanningProblem, arrays: SearchArrays, selected: BoolArray, step: int, degree: int,
               blocks: IntArray) -> None:
-        """Shard each row's ``step``-th sequence over its aligned block of ``degree`` ranks (index ``blocks``)."""
-        if not len(rows):
-            return
+        """Shard the ``step``-th sequence of each selected row over its aligned block of ``degree`` ranks (index
+        ``blocks``), paying the block's fixed collective cost once per row."""
         cp_size = problem.cp_size
-        sequences = self.order[rows, step]
+        sequences = self.order[:, step]
         tokens = arrays.lengths[sequences]
-        in_block = (np.arange(cp_size) // degree)[None, :] == blocks[:, None]
+        in_block = ((np.arange(cp_size) // degree)[:, None] == blocks) & selected
         group = _group_offsets(problem)[degree] + blocks
-        is_new = ~self.has_group[rows, group]
-        self.has_group[rows, group] = True
+        every_row = np.arange(len(blocks))
+        is_new = selected & ~self.has_group[group, every_row]
+        self.has_group[group, every_row] |= selected
         collective = problem.perf.collective_cost(degree)
-        all_gather = collective.all_gather_s_per_token * tokens + collective.all_gather_fixed_s * is_new
-        reduce_scatter = collective.reduce_scatter_s_per_token * tokens + collective.reduce_scatter_fixed_s * is_new
-        self.loads[rows] += in_block * arrays.placement[degree][sequences][:, None]
-        self.remaining[rows] -= in_block * (tokens * (cp_size // degree))[:, None]
-        self.all_gather[rows] += in_block * all_gather[:, None]
-        self.reduce_scatter[rows] += in_block * reduce_scatter[:, None]
-        self.degree[rows, step], self.first[rows, step] = degree, blocks * degree
+        self.loads += in_block * arrays.placement[degree][sequences]
+        self.remaining -= in_block * (tokens * (cp_size // degree))
+        self.all_gather += in_block * (collective.all_gather_s_per_token * tokens
+                                       + collective.all_gather_fixed_s * is_new)
+        self.reduce_scatter += in_block * (collective.reduce_scatter_s_per_token * tokens
+                                           + collective.reduce_scatter_fixed_s * is_new)
+        self.degree[selected, step] = degree
+        self.first[selected, step] = blocks[selected] * degree
 
     def shard_prefix_over_group(self, problem: PlanningProblem, arrays: SearchArrays, counts: IntArray) -> None:
         """Shard each row's first ``counts`` sequences over the whole CP group at once (from prefix sums); a row
         whose prefix does not fit in memory is invalid."""
         cp_size = problem.cp_size
-        width = self.order.shape[1]
-        prefix = np.arange(width)[None, :] < counts[:, None]
+        prefix = np.arange(self.order.shape[1])[None, :] < counts[:, None]
         tokens = (arrays.lengths[self.order] * prefix).sum(axis=1)
         shares = (arrays.placement[cp_size][self.order] * prefix).sum(axis=1)
         collective = problem.perf.collective_cost(cp_size)
         any_sharded = counts > 0
-        self.loads += shares[:, None]
-        self.remaining -= tokens[:, None]
+        self.loads += shares
+        self.remaining -= tokens
         self.all_gather += np.where(any_sharded, collective.all_gather_s_per_token * tokens
-                                    + collective.all_gather_fixed_s, 0.0)[:, None]
+                                    + collective.all_gather_fixed_s, 0.0)
         self.reduce_scatter += np.where(any_sharded, collective.reduce_scatter_s_per_token * tokens
-                                        + collective.reduce_scatter_fixed_s, 0.0)[:, None]
-        self.has_group[:, _group_offsets(problem)[cp_size]] = any_sharded
+                                        + collective.reduce_scatter_fixed_s, 0.0)
+        self.has_group[_group_offsets(problem)[cp_size]] = any_sharded
         self.degree[prefix] = cp_size
-        self.valid &= self.remaining.min(axis=1) >= 0
+        self.valid &= self.remaining.min(axis=0) >= 0
 
 
-def _group_degrees(problem: PlanningProblem) -> list[int]:
+@functools.cache
+def _group_layout(cp_size: int, group_degrees: tuple[int, ...]) -> tuple[dict[int, int], int]:
+    offsets, row = {}, 0
+    for degree in group_degrees:
+        offsets[degree] = row
+        row += cp_size // degree
+    return offsets, row
+
+
+def _group_degrees(problem: PlanningProblem) -> tuple[int, ...]:
     """The degrees sequences are sharded over: every block size and the whole group (of 1 rank when cp_size is 1)."""
-    return sorted({*problem.degrees[1:], problem.cp_size})
+    return tuple(sorted({*problem.degrees[1:], problem.cp_size}))
 
 
 def _group_offsets(problem: PlanningProblem) -> dict[int, int]:
-    """Column of each sharding degree's first aligned block in ``Rows.has_group``."""
-    offsets, column = {}, 0
-    for degree in _group_degrees(problem):
-        offsets[degree] = column
-        column += problem.cp_size // degree
-    return offsets
+    """Row of each sharding degree's first aligned block in ``Rows.has_group``."""
+    return _group_layout(problem.cp_size, _group_degrees(problem))[0]
 
 
 def _num_groups(problem: PlanningProblem) -> int:
-    return sum(problem.cp_size // degree for degree in _group_degrees(problem))
+    return _group_layout(problem.cp_size, _group_degrees(problem))[1]
 
 
 def row_times_s(problem: PlanningProblem, rows: Rows) -> FloatArray:
     """Each row's micro-batch time under the cost model (the slowest rank's ``rank_time_s``); inf if invalid."""
-    times = rank_time_s(problem, rows.loads, rows.attention, rows.all_gather, rows.reduce_scatter).max(axis=1)
+    times = rank_time_s(problem, rows.loads, rows.attention, rows.all_gather, rows.reduce_scatter).max(axis=0)
     return np.where(rows.valid, times, np.inf)
 
 
@@ -207,21 +218,21 @@ def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     forced = np.asarray(num_sharded, dtype=np.int64)
     rows.shard_prefix_over_group(problem, arrays, forced)
     active = np.arange(orders.shape[1])[None, :] < sizes[rows.micro_batch][:, None]
-    whole_group = np.zeros(1, dtype=np.int64)
+    whole_group = np.zeros(len(forced), dtype=np.int64)
+    every_row = np.arange(len(forced))
     for step in range(orders.shape[1]):
         pending = rows.valid & active[:, step] & (step >= forced)
         if not pending.any():
             continue
         tokens = arrays.lengths[rows.order[:, step]]
-        has_room = rows.remaining >= (tokens * cp_size)[:, None]
-        ranks = np.where(has_room, rows.loads, np.inf).argmin(axis=1)
-        local = pending & has_room[np.arange(len(ranks)), ranks]
-        sharded = pending & ~local & (rows.remaining.min(axis=1) >= tokens)
+        has_room = rows.remaining >= tokens * cp_size
+        ranks = np.where(has_room, rows.loads, np.inf).argmin(axis=0)
+        local = pending & has_room[ranks, every_row]
+        sharded = pending & ~local & (rows.remaining.min(axis=0) >= tokens)
         rows.valid &= ~(pending & ~local & ~sharded)
-        placed = np.flatnonzero(local)
-        rows.place(arrays, placed, step, ranks[placed])
-        spread = np.flatnonzero(sharded)
-        rows.shard(problem, arrays, spread, step, cp_size, np.broadcast_to(whole_group, spread.shape))
+        rows.place(arrays, local, step, ranks)
+        if sharded.any():
+            rows.shard(problem, arrays, sharded, step, cp_size, whole_group)
     return rows
 
 
@@ -241,7 +252,7 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     cp_size, bucket_size, degrees = problem.cp_size, problem.bucket_size, problem.degrees
     orders = _padded_orders(groups, arrays.padding, arrays.lengths)
     low = arrays.area[orders].sum(axis=1) / cp_size
-    high = binary_best.loads.max(axis=1)
+    high = binary_best.loads.max(axis=0)
     # a cap above the balanced load leaves every sequence whose whole cost is under it at degree 1: where that is
     # all of them, a packing is a local best fit, which the binary decision's refinement already matches
     needs_blocks = arrays.placement[1][orders].max(axis=1) > low
@@ -272,32 +283,30 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
         if not pending.any():
             continue
         for degree in degrees:
-            candidates = np.flatnonzero(pending & (ordered_chosen[:, step] <= degree))
-            if not len(candidates):
+            candidates = pending & (ordered_chosen[:, step] <= degree)
+            if not candidates.any():
                 continue
-            blocks, found = _best_fit_blocks(problem, arrays, rows, candidates, step, degree, caps[candidates])
-            fitted, blocks = candidates[found], blocks[found]
+            blocks, found = _best_fit_blocks(problem, arrays, rows, candidates, step, degree, caps)
             if degree == 1:
-                rows.place(arrays, fitted, step, blocks)
+                rows.place(arrays, found, step, blocks)
             else:
-                rows.shard(problem, arrays, fitted, step, degree, blocks)
-            pending[fitted] = False
+                rows.shard(problem, arrays, found, step, degree, blocks)
+            pending &= ~found
         rows.valid &= ~pending
     return rows
 
 
-def _best_fit_blocks(problem: PlanningProblem, arrays: SearchArrays, rows: Rows, candidates: IntArray, step: int,
+def _best_fit_blocks(problem: PlanningProblem, arrays: SearchArrays, rows: Rows, candidates: BoolArray, step: int,
                      degree: int, caps: FloatArray) -> tuple[IntArray, BoolArray]:
     """For each candidate row, the aligned block of ``degree`` ranks where its ``step``-th sequence's tokens fit
     and its share keeps every rank under the cap, and whose busiest rank is the most loaded such (best fit; the
     first on ties), with whether there is one."""
-    cp_size = problem.cp_size
-    sequences = rows.order[candidates, step]
-    shape = (len(candidates), cp_size // degree, degree)
-    block_loads = rows.loads[candidates].reshape(shape).max(axis=2)
-    block_room = rows.remaining[candidates].reshape(shape).min(axis=2)
-    need = arrays.lengths[sequences] * (cp_size // degree)
-    fits = ((block_loads <= (caps - arrays.placement[degree][sequences])[:, None])
-            & (block_room >= need[:, None]))
-    blocks = np.where(fits, block_loads, -np.inf).argmax(axis=1)
-    return blocks, fits[np.arange(len(blocks)), blocks]
+    cp_size, num_rows = problem.cp_size, len(caps)
+    sequences = rows.order[:, step]
+    shape = (cp_size // degree, degree, num_rows)
+    block_loads = rows.loads.reshape(shape).max(axis=1)
+    block_room = rows.remaining.reshape(shape).min(axis=1)
+    fits = ((block_loads <= caps - arrays.placement[degree][sequences])
+            & (block_room >= arrays.lengths[sequences] * (cp_size // degree)) & candidates)
+    blocks = np.where(fits, block_loads, -np.inf).argmax(axis=0)
+    return blocks, fits[blocks, np.arange(num_rows)]
