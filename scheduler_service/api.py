@@ -23,6 +23,7 @@ from skrull_proto import (
     ServiceLimits,
 )
 
+from scheduler_service.auth import require_api_token
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles
 from scheduler_service.disconnect import ClientWatch
@@ -30,7 +31,12 @@ from scheduler_service.metrics import CONTENT_TYPE_LATEST, ServiceMetrics
 from scheduler_service.middleware import SCHEDULER_SCOPE_KEY
 from scheduler_service.parsing import parse_plan_request
 from scheduler_service.planning import PlanningService
-from scheduler_service.problems import FEEDBACK_PROBLEM_RESPONSES, PROBLEM_RESPONSES, ServiceUnavailableError
+from scheduler_service.problems import (
+    FEEDBACK_PROBLEM_RESPONSES,
+    PROBLEM_RESPONSES,
+    UNAUTHORIZED_RESPONSE,
+    ServiceUnavailableError,
+)
 from scheduler_service.settings import Settings
 from scheduler_service.wire import job_to_feedback_response, profile_to_summary, shape_to_model_spec
 
@@ -129,8 +135,9 @@ async def models(settings: SettingsDep, planner: PlannerDep) -> ModelsResponse:
 @router.post(
     "/profiles/reload",
     operation_id="reloadProfiles",
+    dependencies=[Depends(require_api_token)],
     response_model=ProfilesReloaded,
-    responses={422: PROBLEM_RESPONSES[422]},
+    responses={401: UNAUTHORIZED_RESPONSE, 422: PROBLEM_RESPONSES[422]},
     summary="Read the profile folder again",
     description="Reads SKRULL_PROFILE_DIR again, whole or not at all: a bad file is a 422 naming it, and the "
     "profiles loaded before stay in use.",
@@ -145,6 +152,7 @@ async def reload_profiles(planner: PlannerDep, settings: SettingsDep) -> Profile
 @router.post(
     "/feedback",
     operation_id="postFeedback",
+    dependencies=[Depends(require_api_token)],
     response_model=FeedbackResponse,
     responses=FEEDBACK_PROBLEM_RESPONSES,
     summary="Report measured micro-batches of a job (opt-in)",

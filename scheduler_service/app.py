@@ -74,7 +74,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's document plus the schemas the routes refer to by hand: PlanRequest and FeedbackRequest (POST
-    /plan and /feedback parse their own bodies, see ``parsing``) and Problem (the problem+json responses)."""
+    /plan and /feedback parse their own bodies, see ``parsing``) and Problem (the problem+json responses); the
+    bearer token marked optional where it is asked for (``auth``)."""
     if app.openapi_schema is None:
         document = get_openapi(title=app.title, version=app.version, description=app.description,
                                routes=app.routes)
@@ -84,6 +85,10 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
         document["components"]["schemas"] = dict(sorted(schemas.items()))
+        for item in document["paths"].values():  # the bearer token is optional: off unless SKRULL_API_TOKEN is set
+            for operation in item.values():
+                if "security" in operation:
+                    operation["security"].append({})
         app.openapi_schema = document
     return app.openapi_schema
 

@@ -1,6 +1,8 @@
 """Errors → HTTP: the one module that maps failures to RFC 9457 problem+json.
 
     400 malformed-json          the body is not JSON (or is empty)
+    401 unauthorized            UnauthorizedError: SKRULL_API_TOKEN is set and POST /feedback or
+                                /profiles/reload came without it (WWW-Authenticate: Bearer)
     413 body-too-large          the body exceeds ``max_body_bytes`` (BodySizeLimitMiddleware)
     415 unsupported-media-type  a Content-Type other than JSON
     422 invalid-request         wrong types, missing or extra fields, out-of-range values
@@ -58,11 +60,13 @@ __all__ = [
     "MAX_DETAIL_CHARS",
     "PROBLEM_MEDIA_TYPE",
     "PROBLEM_RESPONSES",
+    "UNAUTHORIZED_RESPONSE",
     "ClientDisconnectedError",
     "FeedbackDisabledError",
     "RequestLimitError",
     "ServiceBusyError",
     "ServiceUnavailableError",
+    "UnauthorizedError",
     "UnknownJobError",
     "UnsupportedMediaTypeError",
     "install_problem_handlers",
@@ -116,6 +120,15 @@ class ServiceUnavailableError(Exception):
         self.retry_after_s = retry_after_s
 
 
+class UnauthorizedError(Exception):
+    """A state-changing request without the service's bearer token (``auth``)."""
+
+    def __init__(self, message: str, *, token_given: bool) -> None:
+        super().__init__(message)
+        self.message = message
+        self.token_given = token_given
+
+
 class UnknownJobError(Exception):
     """Feedback for a job the service does not know (never planned with its job_id, or forgotten)."""
 
@@ -151,8 +164,12 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+UNAUTHORIZED_RESPONSE = _problem_schema("The service sets SKRULL_API_TOKEN and the request did not send it as "
+                                        "Authorization: Bearer <token> (WWW-Authenticate: Bearer).")
+
 FEEDBACK_PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: PROBLEM_RESPONSES[400],
+    401: UNAUTHORIZED_RESPONSE,
     404: _problem_schema("Unknown job (no POST /plan named it, or it was forgotten), or feedback disabled."),
     413: PROBLEM_RESPONSES[413],
     422: _problem_schema("Invalid report (negative or absurd times or memory, wrong cp lists, a hybrid group that "
@@ -309,6 +326,14 @@ async def _on_client_disconnected(request: Request, error: Exception) -> Respons
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
+async def _on_unauthorized(request: Request, error: Exception) -> Response:
+    assert isinstance(error, UnauthorizedError)
+    # RFC 6750: a request without credentials gets the bare challenge; a wrong token, the error code too.
+    challenge = 'Bearer error="invalid_token"' if error.token_given else "Bearer"
+    return problem_response(401, error.message, problem_type="unauthorized", title="Unauthorized",
+                            headers={"WWW-Authenticate": challenge})
+
+
 async def _on_unknown_job(request: Request, error: Exception) -> Response:
     assert isinstance(error, UnknownJobError)
     return problem_response(404, error.message, problem_type="unknown-job", title="Unknown job", field="job_id",
@@ -355,6 +380,7 @@ def install_problem_handlers(app: FastAPI) -> None:
     app.add_exception_handler(UnsupportedMediaTypeError, _on_unsupported_media_type)
     app.add_exception_handler(ServiceBusyError, _on_busy)
     app.add_exception_handler(ServiceUnavailableError, _on_unavailable)
+    app.add_exception_handler(UnauthorizedError, _on_unauthorized)
     app.add_exception_handler(UnknownJobError, _on_unknown_job)
     app.add_exception_handler(ClientDisconnectedError, _on_client_disconnected)
     app.add_exception_handler(FeedbackDisabledError, _on_feedback_disabled)

@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler_service.core.plan import PlanLimits
@@ -102,6 +102,10 @@ class Settings(BaseSettings):
     state_url: str = Field(default_factory=default_state_url, description="Where jobs' feedback state "
                            "is kept: a SQLite file path (or sqlite://PATH; default a file in the temporary "
                            "directory), or redis://… to share it between workers and replicas.")
+
+    # Security: off for the sidecar on localhost; set it (from a Secret) for a shared Deployment.
+    api_token: SecretStr | None = Field(default=None, min_length=1, description="Bearer token that POST "
+                                        "/feedback and POST /profiles/reload require when set (off when unset).")
 
     @model_validator(mode="after")
     def _time_limits_are_ordered(self) -> Settings:

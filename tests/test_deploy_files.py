@@ -209,8 +209,8 @@ def assert_scheduler_container(container: dict[str, Any]) -> None:
 
 def test_k8s_files_parse_and_name_their_kinds() -> None:
     kinds = {name: [d["kind"] for d in documents] for name, documents in k8s_documents().items()}
-    assert kinds == {"pytorchjob.yaml": ["PyTorchJob"], "scheduler-deployment.yaml": ["Deployment", "Service"],
-                     "trainer-job.yaml": ["Job"]}
+    assert kinds == {"pytorchjob.yaml": ["PyTorchJob"], "redis.yaml": ["Deployment", "Service"],
+                     "scheduler-deployment.yaml": ["Deployment", "Service"], "trainer-job.yaml": ["Job"]}
     for documents in k8s_documents().values():
         for document in documents:
             assert document["apiVersion"] and document["metadata"]["name"]
@@ -240,8 +240,15 @@ def test_k8s_shared_scheduler_is_a_deployment_behind_a_service() -> None:
     assert_scheduler_container(container)
     assert service["spec"]["ports"] == [{"name": "http", "port": PORT, "targetPort": "http"}]
     grace_s = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    env = {item["name"]: item["value"] for item in container["env"]}
+    env = {item["name"]: item.get("value", item.get("valueFrom")) for item in container["env"]}
     assert grace_s > float(env["SKRULL_CPSAT_MAX_TIME_LIMIT_S"])
+    # replicas share jobs through the Redis of redis.yaml; the token comes from a Secret that may not exist
+    redis_deployment, redis_service = k8s_documents()["redis.yaml"]
+    assert env["SKRULL_STATE_URL"] == f"redis://{redis_service['metadata']['name']}:6379/0"
+    redis_labels = redis_deployment["spec"]["template"]["metadata"]["labels"]
+    assert redis_service["spec"]["selector"].items() <= redis_labels.items()
+    assert env["SKRULL_API_TOKEN"] == {"secretKeyRef": {"name": "skrull-scheduler", "key": "api-token",
+                                                        "optional": True}}
 
 
 # Kubernetes versions the manifests must be valid for: the first with native sidecars on by default, and the newest
@@ -266,7 +273,7 @@ def k8s_resources() -> Iterator[tuple[str, dict[str, Any]]]:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_k8s_manifests_validate_against_the_kubernetes_api_schemas(version: str) -> None:
     resources = dict(k8s_resources())
-    assert len(resources) == 5
+    assert len(resources) == 7
     for where, resource in resources.items():
         try:  # strict: an unknown (misspelt) field fails too
             kubernetes_validate.validate(resource, version, strict=True)

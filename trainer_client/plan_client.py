@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -170,9 +171,11 @@ class PlanClient:
         backoff_s: float = 0.1,
         deadline_s: float | None = None,
         client: httpx.Client | None = None,
+        api_token: str | None = None,
     ) -> None:
         """``deadline_s``: the most one fetch (every attempt and backoff) may take; ``timeout_s`` × attempts when
-        absent."""
+        absent. ``api_token``: sent as ``Authorization: Bearer`` (a shared service asks for it on /feedback);
+        ``SKRULL_API_TOKEN`` from the environment when absent, as the service reads it."""
         if timeout_s <= 0:
             raise ValueError(f"plan timeout must be positive, got {timeout_s}")
         if deadline_s is not None and deadline_s <= 0:
@@ -185,6 +188,8 @@ class PlanClient:
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
         self.deadline_s = deadline_s if deadline_s is not None else timeout_s * max_attempts
+        token = api_token if api_token is not None else os.environ.get("SKRULL_API_TOKEN")
+        self._headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
         self._owns_client = client is None
         # No idle connection is kept: every request opens its own, so the deadline learns its socket.
         self._client = client or httpx.Client(base_url=base_url, timeout=timeout_s,
@@ -211,8 +216,7 @@ class PlanClient:
         timer.daemon = True
         timer.start()
         try:
-            return self._client.post(path, content=body, headers={"content-type": "application/json"},
-                                     extensions={"trace": watch.trace})
+            return self._client.post(path, content=body, headers=self._headers, extensions={"trace": watch.trace})
         except httpx.HTTPError:
             if watch.expired:
                 raise PlanTimeout(f"POST {self.base_url}{path} timed out: it passed its deadline of "
