@@ -102,6 +102,15 @@ class Rows:
                     has_group=self.has_group[:, rows], degree=self.degree[rows], first=self.first[rows],
                     valid=self.valid[rows])
 
+    def prefix(self, count: int) -> Rows:
+        """The first ``count`` rows as views: updating them updates these rows. Rows are ordered by decreasing
+        micro-batch size, so the rows that still have a sequence to place at a step are a prefix."""
+        return Rows(micro_batch=self.micro_batch[:count], order=self.order[:count], loads=self.loads[:, :count],
+                    attention=self.attention[:, :count], all_gather=self.all_gather[:, :count],
+                    reduce_scatter=self.reduce_scatter[:, :count], remaining=self.remaining[:, :count],
+                    has_group=self.has_group[:, :count], degree=self.degree[:count], first=self.first[:count],
+                    valid=self.valid[:count])
+
     def place(self, arrays: SearchArrays, selected: BoolArray, step: int, ranks: IntArray) -> None:
         """Put the ``step``-th sequence of each selected row whole on its rank."""
         sequences = self.order[:, step]
@@ -208,7 +217,8 @@ def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     sizes = np.array([len(group) for group in groups])
     micro_batch: list[int] = []
     num_sharded: list[int] = []
-    for index, size in enumerate(sizes.tolist()):
+    for index in np.argsort(-sizes, kind="stable").tolist():  # largest micro-batches first: see Rows.prefix
+        size = int(sizes[index])
         # sharding all of them is always a candidate, and it fits whenever the micro-batch's tokens do
         ks = dict.fromkeys([*range(num_forced[index], min(num_heavy[index] + EXTRA_DISTRIBUTION_CANDIDATES, size) + 1),
                             size])
@@ -217,22 +227,21 @@ def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     rows = Rows.empty(problem, np.array(micro_batch, dtype=np.int64), orders[micro_batch])
     forced = np.asarray(num_sharded, dtype=np.int64)
     rows.shard_prefix_over_group(problem, arrays, forced)
-    active = np.arange(orders.shape[1])[None, :] < sizes[rows.micro_batch][:, None]
-    whole_group = np.zeros(len(forced), dtype=np.int64)
-    every_row = np.arange(len(forced))
+    row_sizes = sizes[rows.micro_batch]
     for step in range(orders.shape[1]):
-        pending = rows.valid & active[:, step] & (step >= forced)
+        active = rows.prefix(int(np.count_nonzero(row_sizes > step)))
+        pending = active.valid & (step >= forced[:len(active.valid)])
         if not pending.any():
             continue
-        tokens = arrays.lengths[rows.order[:, step]]
-        has_room = rows.remaining >= tokens * cp_size
-        ranks = np.where(has_room, rows.loads, np.inf).argmin(axis=0)
-        local = pending & has_room[ranks, every_row]
-        sharded = pending & ~local & (rows.remaining.min(axis=0) >= tokens)
-        rows.valid &= ~(pending & ~local & ~sharded)
-        rows.place(arrays, local, step, ranks)
+        tokens = arrays.lengths[active.order[:, step]]
+        has_room = active.remaining >= tokens * cp_size
+        ranks = np.where(has_room, active.loads, np.inf).argmin(axis=0)
+        local = pending & has_room[ranks, np.arange(len(ranks))]
+        sharded = pending & ~local & (active.remaining.min(axis=0) >= tokens)
+        active.valid &= ~(pending & ~local & ~sharded)
+        active.place(arrays, local, step, ranks)
         if sharded.any():
-            rows.shard(problem, arrays, sharded, step, cp_size, whole_group)
+            active.shard(problem, arrays, sharded, step, cp_size, np.zeros(len(ranks), dtype=np.int64))
     return rows
 
 
@@ -257,11 +266,12 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     # all of them, a packing is a local best fit, which the binary decision's refinement already matches
     needs_blocks = arrays.placement[1][orders].max(axis=1) > low
     searched = np.flatnonzero((high > low * CAP_TOLERANCE) & needs_blocks)
+    sizes = np.array([len(group) for group in groups])
+    searched = searched[np.argsort(-sizes[searched], kind="stable")]  # largest micro-batches first: Rows.prefix
     steps = np.arange(1, CAP_CANDIDATES + 1) / (CAP_CANDIDATES + 1)
     micro_batch = np.repeat(searched, CAP_CANDIDATES)
     caps = (low[searched, None] + (high - low)[searched, None] * steps[None, :]).ravel()
-    width = max((len(groups[index]) for index in searched.tolist()), default=0)
-    sequences = orders[micro_batch, :width]
+    sequences = orders[micro_batch, :int(sizes[searched].max(initial=0))]
     lengths = arrays.lengths[sequences]
     # the smallest degree whose tokens fit a bucket per rank and whose share fits the cap (0: none)
     chosen = np.zeros(sequences.shape, dtype=np.int64)
@@ -278,21 +288,22 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     rows = Rows.empty(problem, micro_batch, ordered)
     rows.valid &= ~((chosen == 0) & ~is_padding).any(axis=1)
     ordered_chosen = np.take_along_axis(chosen, placement_order, axis=1)
+    row_sizes = sizes[micro_batch]
     for step in range(ordered.shape[1]):
-        pending = rows.valid & (ordered[:, step] != arrays.padding)
-        if not pending.any():
-            continue
+        count = int(np.count_nonzero(row_sizes > step))
+        active, active_caps, active_chosen = rows.prefix(count), caps[:count], ordered_chosen[:count, step]
+        pending = active.valid.copy()
         for degree in degrees:
-            candidates = pending & (ordered_chosen[:, step] <= degree)
+            candidates = pending & (active_chosen <= degree)
             if not candidates.any():
                 continue
-            blocks, found = _best_fit_blocks(problem, arrays, rows, candidates, step, degree, caps)
+            blocks, found = _best_fit_blocks(problem, arrays, active, candidates, step, degree, active_caps)
             if degree == 1:
-                rows.place(arrays, found, step, blocks)
+                active.place(arrays, found, step, blocks)
             else:
-                rows.shard(problem, arrays, found, step, degree, blocks)
+                active.shard(problem, arrays, found, step, degree, blocks)
             pending &= ~found
-        rows.valid &= ~pending
+        active.valid &= ~pending
     return rows
 
 
