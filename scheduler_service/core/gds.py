@@ -30,6 +30,8 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from scheduler_service.core.baselines import contiguous_slices, min_micro_batches, pack_in_order
 from scheduler_service.core.dacp import (
     Candidate,
@@ -68,12 +70,22 @@ def _strided(problem: PlanningProblem, subset: Sequence[int], count: int) -> lis
     return [ascending[j::count] for j in range(count)]
 
 
+def _longest_first(problem: PlanningProblem, subset: Sequence[int]) -> list[int]:
+    indices = np.asarray(subset, dtype=np.int64)
+    return indices[np.lexsort((indices, -problem.lengths[indices]))].tolist()
+
+
 def _spread_by_tokens(problem: PlanningProblem, subset: Sequence[int], count: int) -> list[list[int]] | None:
     """Longest first onto the micro-batch with the fewest tokens; ``None`` if one would exceed C·N."""
+    return _spread_longest_first(problem, _longest_first(problem, subset), count)
+
+
+def _spread_longest_first(problem: PlanningProblem, longest_first: Sequence[int], count: int,
+                          ) -> list[list[int]] | None:
     capacity, lengths = problem.micro_batch_capacity, problem.sequence_lengths
     groups: list[list[int]] = [[] for _ in range(count)]
     heap = [(0, j) for j in range(count)]
-    for index in sorted(subset, key=lambda k: (-lengths[k], k)):
+    for index in longest_first:
         tokens, j = heap[0]
         tokens += lengths[index]
         if tokens > capacity:
@@ -135,8 +147,9 @@ def _cuts(problem: PlanningProblem, subset: Sequence[int]) -> list[list[list[int
     and ``EXTRA_MICRO_BATCH_COUNTS`` more."""
     cuts: list[list[list[int]]] = []
     count, last_count = min_micro_batches(problem, subset), len(subset)
+    longest_first = _longest_first(problem, subset)
     while count <= last_count:
-        groups = _spread_by_tokens(problem, subset, count)
+        groups = _spread_longest_first(problem, longest_first, count)
         if groups is not None:
             cuts.append([group for group in groups if group])
             last_count = min(last_count, count + EXTRA_MICRO_BATCH_COUNTS)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+import numpy as np
+
 __all__ = ["MAX_KARMARKAR_KARP_CELLS", "karmarkar_karp", "lpt_partition"]
 
 MAX_KARMARKAR_KARP_CELLS = 1 << 18  # items × parts above which KK's memory and time are not worth it
@@ -21,7 +23,8 @@ def lpt_partition(indices: Sequence[int], weights: Sequence[float], num_parts: i
     """Heaviest item onto the lightest part (ties by part index); parts keep that order of arrival."""
     parts: list[list[int]] = [[] for _ in range(num_parts)]
     heap = [(0.0, part) for part in range(num_parts)]
-    for index in sorted(indices, key=lambda k: (-weights[k], k)):
+    items = np.asarray(indices, dtype=np.int64)
+    for index in items[np.lexsort((items, -np.asarray(weights, dtype=np.float64)[items]))].tolist():
         load, part = heap[0]
         parts[part].append(index)
         heapq.heapreplace(heap, (load + weights[index], part))
