@@ -119,6 +119,38 @@ def test_service_errors_are_retried_then_succeed(service: TestClient) -> None:
     assert decision.origin is PlanOrigin.SERVICE and calls == ["/plan", "/plan"]
 
 
+def _busy_then(service: TestClient, retry_after: str, calls: list[float]) -> httpx.Client:
+    """A service whose first answer is a 429 with ``retry_after``; the real service's answers after that."""
+    def busy_once(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            return httpx.Response(429, json={"title": "Too Many Requests", "detail": "the pool is full"},
+                                  headers={"Retry-After": retry_after})
+        real = service.post("/plan", content=request.content, headers={"content-type": "application/json"})
+        return httpx.Response(real.status_code, content=real.content)
+
+    return httpx.Client(base_url="http://planner", transport=httpx.MockTransport(busy_once))
+
+
+def test_a_retry_waits_the_answers_retry_after_with_jitter(service: TestClient) -> None:
+    calls: list[float] = []
+    client = PlanClient("http://planner", client=_busy_then(service, "1", calls), max_attempts=3, backoff_s=0.01,
+                        deadline_s=10.0)
+    assert client.plan(_source(None)._request(LENGTHS)).scheduler == "skrull"
+    assert len(calls) == 2
+    assert 1.0 <= calls[1] - calls[0] <= 1.25 + 0.5  # Retry-After, up to a quarter more, and scheduling slack
+
+
+def test_a_retry_after_beyond_the_deadline_gives_up_at_once(service: TestClient) -> None:
+    calls: list[float] = []
+    client = PlanClient("http://planner", client=_busy_then(service, "60", calls), max_attempts=3, backoff_s=0.01,
+                        deadline_s=5.0)
+    started = time.monotonic()
+    with pytest.raises(PlanUnavailable, match=r"429.*the pool is full.*after 1 attempts"):
+        client.plan(_source(None)._request(LENGTHS))
+    assert len(calls) == 1 and time.monotonic() - started < 1.0  # the step plans embedded now, not in 5 s
+
+
 def test_rejected_request_is_not_retried(service: TestClient) -> None:
     calls = []
 

@@ -1,8 +1,9 @@
 """Plans for the trainer: the scheduler service over HTTP, the embedded planning core as fallback.
 
 ``PlanClient`` speaks the wire contract (``skrull_proto``) with httpx: a timeout
-per read, bounded retries with exponential backoff on transport errors,
-timeouts, 429 and 5xx; a 4xx is final; and a total deadline per fetch (all
+per read, bounded retries (tenacity) on transport errors, timeouts, 429 and
+5xx, waiting the answer's Retry-After where it has one and exponential backoff
+otherwise, both with jitter; a 4xx is final; and a total deadline per fetch (all
 attempts together), which httpx's timeouts alone do not give: they bound each
 read, so a server that trickles its answer a few bytes at a time would hold
 rank 0 forever. At the deadline the connection's socket is shut down and the
@@ -46,7 +47,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import random
 import socket
 import threading
 import time
@@ -65,6 +68,14 @@ from skrull_proto import (
     PlanRequest,
     PlanResponse,
     SchedulerName,
+)
+from tenacity import (
+    RetryCallState,
+    RetryError,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_before_delay,
 )
 
 from scheduler_service.core.check import check_plan
@@ -90,6 +101,16 @@ __all__ = [
 logger = logging.getLogger("trainer_client.plan_client")
 
 _RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
+_JITTER = 0.25  # a retry waits up to this fraction longer than its delay, at random
+
+
+def _retry_after_s(response: httpx.Response) -> float | None:
+    """The Retry-After header in seconds (the service sends seconds; an HTTP date is ignored: backoff applies)."""
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 class PlanClientError(Exception):
@@ -98,6 +119,10 @@ class PlanClientError(Exception):
 
 class PlanUnavailable(PlanClientError):
     """The service could not be reached or kept failing (connection errors, 5xx, 429)."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # the answer's Retry-After, where it had one
 
 
 class PlanTimeout(PlanUnavailable):
@@ -226,39 +251,51 @@ class PlanClient:
             timer.cancel()
 
     def plan(self, request: PlanRequest) -> PlanResponse:
+        """POST /plan, retried (tenacity) on a transport error, a timeout, 429 and 5xx until ``max_attempts`` or
+        until the next wait would pass the fetch's deadline; a 4xx is final."""
         body = request.model_dump_json(exclude_none=True)
         deadline = time.monotonic() + self.deadline_s
-        failure: PlanUnavailable | None = None
-        for attempt in range(self.max_attempts):
-            if attempt:
-                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), max(0.0, deadline - time.monotonic())))
-            try:
-                response = self._post("/plan", body, deadline)
-            except PlanTimeout as error:
-                failure = error
-                break  # the deadline covers every attempt
-            except httpx.TimeoutException as error:
-                failure = PlanTimeout(f"POST {self.base_url}/plan timed out ({type(error).__name__})")
-                continue
-            except httpx.HTTPError as error:
-                failure = PlanUnavailable(f"POST {self.base_url}/plan failed: {error!r}")
-                continue
-            if response.status_code in _RETRIED_STATUS:
-                failure = PlanUnavailable(
-                    f"POST {self.base_url}/plan answered {response.status_code}: {_problem_detail(response)}"
-                )
-                continue
-            if response.status_code != 200:
-                raise PlanRejected(
-                    f"POST {self.base_url}/plan answered {response.status_code}: {_problem_detail(response)}"
-                )
-            try:
-                return PlanResponse.model_validate_json(response.content)
-            except ValidationError as error:
-                raise PlanRejected(f"POST {self.base_url}/plan answered a body that is not a PlanResponse: "
-                                   f"{error.error_count()} errors, first: {error.errors()[0]['msg']}") from None
-        assert failure is not None
-        raise type(failure)(f"{failure} (after {attempt + 1} attempts)")
+        retrying = Retrying(
+            retry=retry_if_exception_type(PlanUnavailable),
+            stop=stop_after_attempt(self.max_attempts) | stop_before_delay(self.deadline_s),
+            wait=self._wait_s,
+            reraise=False,
+        )
+        try:
+            return retrying(self._plan_once, body, deadline)
+        except RetryError as error:
+            failure = error.last_attempt.exception()
+            assert isinstance(failure, PlanUnavailable)
+            raise type(failure)(f"{failure} (after {error.last_attempt.attempt_number} attempts)") from None
+
+    def _wait_s(self, state: RetryCallState) -> float:
+        """The service's Retry-After where it sent one, else exponential backoff; either with up to a quarter more
+        at random, so that trainers refused together do not all come back together."""
+        assert state.outcome is not None
+        failure = state.outcome.exception()
+        retry_after_s = failure.retry_after_s if isinstance(failure, PlanUnavailable) else None
+        delay_s = retry_after_s if retry_after_s is not None else self.backoff_s * 2 ** (state.attempt_number - 1)
+        return delay_s * (1 + _JITTER * random.random())
+
+    def _plan_once(self, body: str, deadline: float) -> PlanResponse:
+        """One attempt: the plan, ``PlanUnavailable`` (retried) or ``PlanRejected`` (final)."""
+        try:
+            response = self._post("/plan", body, deadline)
+        except httpx.TimeoutException as error:
+            raise PlanTimeout(f"POST {self.base_url}/plan timed out ({type(error).__name__})") from None
+        except httpx.HTTPError as error:
+            raise PlanUnavailable(f"POST {self.base_url}/plan failed: {error!r}") from None
+        if response.status_code in _RETRIED_STATUS:
+            raise PlanUnavailable(f"POST {self.base_url}/plan answered {response.status_code}: "
+                                  f"{_problem_detail(response)}", retry_after_s=_retry_after_s(response))
+        if response.status_code != 200:
+            raise PlanRejected(f"POST {self.base_url}/plan answered {response.status_code}: "
+                               f"{_problem_detail(response)}")
+        try:
+            return PlanResponse.model_validate_json(response.content)
+        except ValidationError as error:
+            raise PlanRejected(f"POST {self.base_url}/plan answered a body that is not a PlanResponse: "
+                               f"{error.error_count()} errors, first: {error.errors()[0]['msg']}") from None
 
     def feedback(self, request: FeedbackRequest) -> FeedbackResponse:
         """POST /feedback once (a report is not worth retrying: the next step sends a fresh one)."""
