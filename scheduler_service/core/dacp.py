@@ -170,10 +170,11 @@ class _Placement:
         self.cp_size = problem.cp_size
         self.placement: dict[int, int] = {}  # local sequences: index -> CP rank
         self.groups: dict[Block, list[int]] = {}  # sharded sequences by block (distributed: (0, cp_size))
+        padding = problem.num_sequences
         for index, degree, first in zip(rows.order[row].tolist(), rows.degree[row].tolist(),
                                         rows.first[row].tolist(), strict=True):
-            if index == problem.num_sequences:  # padding
-                continue
+            if index == padding:  # the rest of the row is padding
+                break
             if degree == LOCAL:
                 self.placement[index] = first
             else:
@@ -213,10 +214,11 @@ class _Placement:
         return MicroBatch(local=tuple(map(tuple, local)), distributed=tuple(distributed), sharded=sharded)
 
 
-def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
-    """Bounded local search: move or swap local sequences off the most loaded rank while that lowers its load."""
+def _refine(problem: PlanningProblem, candidate: _Placement) -> bool:
+    """Bounded local search: move or swap local sequences off the most loaded rank while that lowers its load;
+    whether anything moved."""
     cp_size, lengths, costs = problem.cp_size, problem.sequence_lengths, problem.placement[1]
-    for _ in range(MAX_REFINEMENT_STEPS):
+    for step in range(MAX_REFINEMENT_STEPS):
         loads, remaining = candidate.loads, candidate.remaining
         busiest = max(range(cp_size), key=loads.__getitem__)
         members: list[list[int]] = [[] for _ in range(cp_size)]
@@ -244,13 +246,14 @@ def _refine(problem: PlanningProblem, candidate: _Placement) -> None:
                         if gain > best_gain:
                             best_gain, best_move = gain, (a, b, other)
         if best_move is None or best_gain < loads[busiest] * MIN_REFINEMENT_GAIN:
-            return
+            return step > 0
         moved, swapped, other = best_move
         candidate.unplace(problem, moved)
         if swapped is not None:
             candidate.unplace(problem, swapped)
             candidate.place(problem, swapped, busiest)
         candidate.place(problem, moved, other)
+    return True
 
 
 class Decided(NamedTuple):
@@ -272,9 +275,8 @@ class Candidate:
 
     def decide(self, *, refine: bool = True) -> Decided:
         placement = _Placement(self.problem, self.rows, self.row)
-        if refine:
-            _refine(self.problem, placement)
-        return Decided(placement.micro_batch(), placement.evaluate(self.problem))
+        moved = refine and _refine(self.problem, placement)
+        return Decided(placement.micro_batch(), placement.evaluate(self.problem) if moved else self.time_s)
 
 
 def _best_row_per_micro_batch(rows: Rows, times_s: npt.NDArray[np.float64], num_micro_batches: int,
