@@ -8,11 +8,12 @@ every uvicorn worker process sees one configuration.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -106,6 +107,17 @@ class Settings(BaseSettings):
     # Security: off for the sidecar on localhost; set it (from a Secret) for a shared Deployment.
     api_token: SecretStr | None = Field(default=None, min_length=1, description="Bearer token that POST "
                                         "/feedback and POST /profiles/reload require when set (off when unset).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_time_limit_within_the_cap(cls, data: Any) -> Any:
+        """Left unset, the default time limit is the core's, or the cap where that is lower: a lower cap alone
+        must not stop the start."""
+        if isinstance(data, dict) and "cpsat_default_time_limit_s" not in data and "cpsat_max_time_limit_s" in data:
+            with contextlib.suppress(TypeError, ValueError):  # a bad cap is reported by its own field
+                cap_s = float(data["cpsat_max_time_limit_s"])
+                data = {**data, "cpsat_default_time_limit_s": min(DEFAULT_CPSAT_TIME_LIMIT_S, cap_s)}
+        return data
 
     @model_validator(mode="after")
     def _time_limits_are_ordered(self) -> Settings:

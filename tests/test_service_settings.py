@@ -53,6 +53,15 @@ def test_the_service_and_the_cli_default_to_the_cores_cpsat_time_limit() -> None
     assert cli.build_parser().parse_args(["plan"]).time_limit == DEFAULT_CPSAT_TIME_LIMIT_S
 
 
+def test_a_lower_cap_alone_lowers_the_default_time_limit_instead_of_stopping_the_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert Settings(cpsat_max_time_limit_s=3).cpsat_default_time_limit_s == 3
+    monkeypatch.setenv("SKRULL_CPSAT_MAX_TIME_LIMIT_S", "5")
+    assert (get_settings().cpsat_default_time_limit_s, get_settings().cpsat_max_time_limit_s) == (5, 5)
+    assert Settings(cpsat_max_time_limit_s=60).cpsat_default_time_limit_s == DEFAULT_CPSAT_TIME_LIMIT_S
+
+
 def test_serve_flags_override_environment_for_every_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SKRULL_MAX_SEQUENCES", "10")
     monkeypatch.setenv("SKRULL_MAX_CP_SIZE", "16")
