@@ -32,13 +32,15 @@ def current_request_id() -> str | None:
 
 
 class JsonFormatter(logging.Formatter):
-    """``{"ts": ..., "level": ..., "logger": ..., "msg": ..., "request_id": ..., **extra}``."""
+    """``{"ts": ..., "level": ..., "logger": ..., "pid": ..., "msg": ..., "request_id": ..., **extra}``; the process
+    id tells the lines of several uvicorn workers apart."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
+            "pid": record.process,
             "msg": record.getMessage(),
         }
         request_id = request_id_var.get()

@@ -34,7 +34,8 @@ The work itself is ``sync_planning``'s, wherever it runs; the pools are
 Profiles and feedback (state this service keeps):
 
 * profiles measured by the profiler are read from ``profile_dir``
-  (``profile_folder``).
+  (``profile_folder``), and read again when the folder changed, so every
+  uvicorn worker follows a reload that one of them answered.
 * a ``/plan`` request with a ``job_id`` registers the job (its base profile,
   model, DP and CP sizes). ``POST /feedback`` refits that job's profile
   (``core.feedback``, bounded per job) and its later plans use the refit and
@@ -128,7 +129,9 @@ class PlanningService:
 
     @property
     def profiles(self) -> dict[str, Profile]:
-        """The profiles read from ``settings.profile_dir``."""
+        """The profiles read from ``settings.profile_dir``, read again first if the folder changed (another
+        worker's reload, or files changed): every worker serves the folder as last read whole."""
+        self.profile_folder.refresh()
         return self.profile_folder.profiles
 
     # -- lifecycle
@@ -174,13 +177,13 @@ class PlanningService:
 
     # -- feedback
 
-    def _job_for(self, request: PlanRequest) -> JobFeedback | None:
+    def _job_for(self, request: PlanRequest, profiles: dict[str, Profile]) -> JobFeedback | None:
         """The request's job as its plan will use it: the one kept, or a new one when its model, profile or sizes
         changed (or it is new). Kept only once the plan succeeds (``_keep_job``): a refused request changes no
         job. Model and profile are resolved without validating the batch, so this is cheap for any batch."""
         if request.job_id is None or not self.settings.feedback:
             return None
-        model, profile = request_model_and_profile(request, extra_profiles=self.profiles)
+        model, profile = request_model_and_profile(request, extra_profiles=profiles)
         stored = self.jobs.get(request.job_id)
         if stored is not None and job_key(stored.job) == (profile.name, model, request.dp_size, request.cp_size):
             return stored.job
@@ -261,7 +264,7 @@ class PlanningService:
         for a pool when the client hangs up."""
         if not self.ready:
             raise ServiceUnavailableError("the planner is still warming up")
-        self.profile_folder.refresh_for(request.profile)
+        profiles = self.profiles  # once: one request sees one version of the folder
         settings = self.settings
         cost_limits = CostLimits(max_cells=settings.max_plan_cells, max_answer_bytes=settings.max_answer_bytes)
         # A cp_size over its limit is left to validation, which names that limit.
@@ -272,16 +275,16 @@ class PlanningService:
                 f"least {at_least} cells (the deepspeed baseline's sequences × cp_size local lists); the service "
                 f"plans at most {settings.max_plan_cells}: use a smaller cp_size or a smaller batch",
                 field="sequence_lengths", limit=settings.max_plan_cells)
-        job = self._job_for(request)
+        job = self._job_for(request, profiles)
         if request.scheduler is SchedulerName.CPSAT:
-            batch = await self._plan_cpsat(request, job, cost_limits, watch)
+            batch = await self._plan_cpsat(request, profiles, job, cost_limits, watch)
         elif at_least <= settings.inline_max_cells:
-            batch = plan_request(request, self.limits, extra_profiles=self.profiles, job=job,
+            batch = plan_request(request, self.limits, extra_profiles=profiles, job=job,
                                  cost_limits=cost_limits)
         else:
             # Planning costs about twice the baseline's cells; the estimate only feeds Retry-After and the give-up.
             batch = await self.heavy_pool.run(plan_in_worker, request.model_dump_json().encode(), self.limits,
-                                              None, self.profiles, job, cost_limits,
+                                              None, profiles, job, cost_limits,
                                               expected_s=2 * at_least * _SECONDS_PER_CELL, watch=watch)
         self._keep_job(job)
         summary = batch.summary
@@ -294,8 +297,8 @@ class PlanningService:
         )
         return batch
 
-    async def _plan_cpsat(self, request: PlanRequest, job: JobFeedback | None, cost_limits: CostLimits,
-                          watch: ClientWatch | None) -> PlannedBatch:
+    async def _plan_cpsat(self, request: PlanRequest, profiles: dict[str, Profile], job: JobFeedback | None,
+                          cost_limits: CostLimits, watch: ClientWatch | None) -> PlannedBatch:
         """Validated here first (a cpsat batch is small): bad input never takes a solver slot. The solver process
         builds its own problem (it cannot share this one)."""
         settings = self.settings
@@ -305,10 +308,10 @@ class PlanningService:
                 f"{len(request.sequence_lengths)}; use a heuristic scheduler for larger batches",
                 field="sequence_lengths",
             )
-        problem = request_to_problem(request, limits=self.limits, extra_profiles=self.profiles)
+        problem = request_to_problem(request, limits=self.limits, extra_profiles=profiles)
         cost_limits.check(job_problem(problem, job), request)
         requested_s = request.time_limit_s or settings.cpsat_default_time_limit_s
         time_limit_s = min(float(requested_s), settings.cpsat_max_time_limit_s)
         return await self.cpsat_pool.run(plan_in_worker, request.model_dump_json().encode(), self.limits,
-                                         time_limit_s, self.profiles, job, cost_limits, expected_s=time_limit_s,
+                                         time_limit_s, profiles, job, cost_limits, expected_s=time_limit_s,
                                          watch=watch)

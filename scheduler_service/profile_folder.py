@@ -1,9 +1,11 @@
 """The profiles measured by the profiler, read from ``profile_dir``.
 
 Read at start-up (a bad file stops the start, naming it), again on
-``POST /profiles/reload``, and when a request names a profile not loaded yet
-and the folder changed since it was last read; a folder is taken whole or not
-at all. Errors name the file within the folder, never the server's path to it.
+``POST /profiles/reload``, and before a request uses them when the folder
+changed since this process last read it: with several uvicorn workers a reload
+reaches the one worker that answers it, and the others follow at their next
+request. A folder is taken whole or not at all. Errors name the file within the
+folder, never the server's path to it.
 """
 
 from __future__ import annotations
@@ -49,15 +51,13 @@ class ProfileFolder:
         logger.info("profiles loaded", extra={"profile_dir": str(directory), "profiles": sorted(profiles)})
         return sorted(profiles)
 
-    def refresh_for(self, name: str | None) -> None:
-        """A request names a profile not loaded yet: it may have been added to the folder since. The folder is read
-        again only if it changed since the last (re)load, so unknown names cost no reading (nor a bad file's
-        re-parse) per request."""
-        if name is None or name in self.profiles or name in builtin_profiles() or self.directory is None:
+    def refresh(self) -> None:
+        """Read the folder again if it changed (files added, removed, renamed or rewritten) since this process last
+        read it, so every worker serves what another worker's reload read. The check is a few ``stat`` calls; a
+        folder that fails to read is not read again until it changes (the profiles loaded before stay)."""
+        if self.directory is None or self._state() == self._seen:
             return
-        if self._state() == self._seen:
-            return
-        with contextlib.suppress(InvalidRequestError):  # the request then fails as an unknown profile
+        with contextlib.suppress(InvalidRequestError):  # logged by reload; requests then see the old profiles
             self.reload()
 
     def _state(self) -> object:

@@ -2,9 +2,13 @@
 
 uvicorn imports ``scheduler_service.app:app_factory`` in every worker process,
 and the factory reads the ``SKRULL_*`` environment, so ``serve`` passes its
-flags on as environment variables: one configuration for every worker. One
-worker per container is the deployment pattern (scale with replicas); more
-workers suit a shared scheduler on a larger host.
+flags on as environment variables: one configuration for every worker. By
+default there is one worker per available core (``settings.default_workers``);
+the Kubernetes manifests and compose file set one per container and scale with
+replicas. Several workers share job state through the job store and follow each
+other's profile reloads (``profile_folder``); their metrics are summed through
+``PROMETHEUS_MULTIPROC_DIR``, a fresh folder for the server's lifetime unless
+the environment names one.
 
 Connections: uvicorn closes a keep-alive connection idle for
 ``timeout_keep_alive_s``, but never one that sent part of a request's headers
@@ -17,8 +21,10 @@ deadline (``body_timeout_s``, ``BodySizeLimitMiddleware``: 408).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import h11
@@ -31,6 +37,7 @@ from scheduler_service.settings import ENV_PREFIX, Settings, get_settings
 __all__ = ["HeaderDeadlineProtocol", "apply_overrides", "serve"]
 
 APP_FACTORY = "scheduler_service.app:app_factory"
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class HeaderDeadlineProtocol(H11Protocol):
@@ -87,20 +94,37 @@ def apply_overrides(overrides: Mapping[str, object]) -> Settings:
     return get_settings()  # validates: a bad flag or variable fails here, before uvicorn starts
 
 
+@contextlib.contextmanager
+def _shared_metrics_folder(workers: int) -> Iterator[None]:
+    """With several workers, each one's samples go to a fresh folder that ``/metrics`` sums (prometheus_client's
+    multiprocess mode), removed when the server stops; one worker, or a folder the environment names, is left as
+    it is. Set before uvicorn spawns the workers, which read it when they import prometheus_client."""
+    if workers == 1 or os.environ.get(MULTIPROC_DIR_ENV):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="skrull-metrics-") as folder:
+        os.environ[MULTIPROC_DIR_ENV] = folder
+        try:
+            yield
+        finally:
+            del os.environ[MULTIPROC_DIR_ENV]
+
+
 def serve(settings: Settings) -> None:
     configure_logging(settings.log_level)
-    uvicorn.run(
-        APP_FACTORY,
-        factory=True,
-        host=settings.host,
-        port=settings.port,
-        workers=settings.workers,
-        log_config=None,  # keep our JSON handler; uvicorn's loggers propagate to it
-        log_level=settings.log_level,
-        access_log=False,  # RequestContextMiddleware writes the access line, with the request id
-        proxy_headers=False,
-        server_header=False,
-        http=f"{__name__}:HeaderDeadlineProtocol",
-        timeout_keep_alive=settings.timeout_keep_alive_s,
-        timeout_graceful_shutdown=15,
-    )
+    with _shared_metrics_folder(settings.workers):
+        uvicorn.run(
+            APP_FACTORY,
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_config=None,  # keep our JSON handler; uvicorn's loggers propagate to it
+            log_level=settings.log_level,
+            access_log=False,  # RequestContextMiddleware writes the access line, with the request id
+            proxy_headers=False,
+            server_header=False,
+            http=f"{__name__}:HeaderDeadlineProtocol",
+            timeout_keep_alive=settings.timeout_keep_alive_s,
+            timeout_graceful_shutdown=15,
+        )

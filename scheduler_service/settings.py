@@ -21,9 +21,30 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from scheduler_service.core.plan import PlanLimits
 from scheduler_service.core.planner import DEFAULT_CPSAT_TIME_LIMIT_S
 
-__all__ = ["ENV_PREFIX", "Settings", "default_state_url", "get_settings"]
+__all__ = ["ENV_PREFIX", "MAX_DEFAULT_WORKERS", "Settings", "available_cores", "default_state_url",
+           "default_workers", "get_settings"]
 
 ENV_PREFIX = "SKRULL_"
+# Each worker is an event loop and its own pools (about 75 MB plus 60-190 MB per pool process): past a few, a
+# larger scheduler is better served by replicas.
+MAX_DEFAULT_WORKERS = 4
+_CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def available_cores() -> int:
+    """Cores this process may keep busy: its CPU affinity, lowered by a cgroup v2 CPU quota (a container's CPU
+    limit, which neither the affinity nor ``os.cpu_count()`` shows), whole cores only and at least one."""
+    cores = len(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError, ValueError):  # no cgroup v2 file, or no quota ("max")
+        quota_us, period_us = _CGROUP_CPU_MAX.read_text().split()
+        cores = min(cores, max(1, int(quota_us) // int(period_us)))
+    return cores
+
+
+def default_workers() -> int:
+    """One uvicorn worker per available core, at most ``MAX_DEFAULT_WORKERS``: a busy worker keeps one core busy
+    planning on its event loop, and more workers than cores would only queue behind each other."""
+    return min(available_cores(), MAX_DEFAULT_WORKERS)
 
 
 def default_state_url() -> str:
@@ -38,7 +59,8 @@ class Settings(BaseSettings):
     # Server (used by `serve`; the app itself ignores them).
     host: str = Field(default="127.0.0.1", description="Interface uvicorn binds.")
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port uvicorn binds (0: any free port).")
-    workers: int = Field(default=1, ge=1, le=64, description="uvicorn worker processes (one is the k8s pattern).")
+    workers: int = Field(default_factory=default_workers, ge=1, le=64, description="uvicorn worker processes; "
+                         f"default one per available core, at most {MAX_DEFAULT_WORKERS} (the k8s manifests set 1).")
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="Log level.")
     access_log: bool = Field(default=True, description="One JSON log line per request.")
 

@@ -151,6 +151,10 @@ def test_compose_builds_both_targets_of_the_dockerfile() -> None:
         assert services[name]["image"] == image
 
 
+def test_compose_runs_one_scheduler_worker() -> None:
+    assert compose()["services"]["scheduler"]["environment"]["SKRULL_WORKERS"] == "1"
+
+
 def test_compose_trainer_waits_for_healthy_scheduler_and_uses_its_name() -> None:
     services = compose()["services"]
     trainer = services["trainer"]
@@ -205,6 +209,8 @@ def assert_scheduler_container(container: dict[str, Any]) -> None:
     assert_http_probe(container["readinessProbe"], "/readyz")
     assert_http_probe(container["livenessProbe"], "/healthz")
     assert container["securityContext"]["runAsNonRoot"] is True
+    # One worker per container (the default follows the host's cores): scale with replicas.
+    assert {"name": "SKRULL_WORKERS", "value": "1"} in container["env"]
 
 
 def test_k8s_files_parse_and_name_their_kinds() -> None:

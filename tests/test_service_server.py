@@ -47,8 +47,10 @@ def _read_lines(stream: object, lines: queue.Queue[str]) -> None:
 @contextlib.contextmanager
 def serve(env: Mapping[str, str] | None = None) -> Iterator[Served]:
     """``python -m scheduler_service serve`` on port 0 (uvicorn binds a free port and logs it, so there is no race
-    for a port number), stopped with SIGTERM (graceful: the lifespan's exit runs)."""
-    env = {**os.environ, "SKRULL_CPSAT_WARMUP": "false", "SKRULL_CPSAT_DEFAULT_TIME_LIMIT_S": "0.3", **(env or {})}
+    for a port number), stopped with SIGTERM (graceful: the lifespan's exit runs). One worker unless ``env`` asks
+    for more: the tests count the server's child processes and kill it."""
+    env = {**os.environ, "SKRULL_WORKERS": "1", "SKRULL_CPSAT_WARMUP": "false",
+           "SKRULL_CPSAT_DEFAULT_TIME_LIMIT_S": "0.3", **(env or {})}
     process = subprocess.Popen(
         [sys.executable, "-m", "scheduler_service", "serve", "--host", "127.0.0.1", "--port", "0"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

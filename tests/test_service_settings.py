@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from scheduler_service import cli, server
+from scheduler_service import settings as settings_module
 from scheduler_service.core.planner import DEFAULT_CPSAT_TIME_LIMIT_S
-from scheduler_service.settings import ENV_PREFIX, Settings, get_settings
+from scheduler_service.settings import ENV_PREFIX, MAX_DEFAULT_WORKERS, Settings, get_settings
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +37,30 @@ def test_settings_read_skrull_environment(monkeypatch: pytest.MonkeyPatch) -> No
     assert (settings.max_sequences, settings.cpsat_workers, settings.access_log) == (77, 3, False)
     assert settings.plan_limits.max_sequences == 77
     assert get_settings() is settings  # cached: one configuration per process
+
+
+@pytest.mark.parametrize(
+    ("num_cores", "cpu_max", "workers"),
+    [
+        pytest.param(2, None, 2, id="one-per-core"),
+        pytest.param(64, None, MAX_DEFAULT_WORKERS, id="capped"),
+        pytest.param(1, None, 1, id="one-core"),
+        pytest.param(16, "150000 100000", 1, id="cgroup-quota-whole-cores"),
+        pytest.param(16, "300000 100000", 3, id="cgroup-quota"),
+        pytest.param(2, "max 100000", 2, id="no-quota"),
+    ],
+)
+def test_default_workers_follow_the_available_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, num_cores: int, cpu_max: str | None, workers: int
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(num_cores)))
+    cgroup_file = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        cgroup_file.write_text(cpu_max + "\n")
+    monkeypatch.setattr(settings_module, "_CGROUP_CPU_MAX", cgroup_file)
+    assert Settings().workers == workers
+    monkeypatch.setenv("SKRULL_WORKERS", "5")  # the variable (and so the flag) overrides the default
+    assert Settings().workers == 5
 
 
 def test_bad_environment_fails_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
