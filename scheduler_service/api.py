@@ -89,7 +89,11 @@ def _request_body(schema: str) -> dict[str, Any]:
     "the same plan. `cpsat` runs in a bounded process pool (429 with Retry-After when full).",
     openapi_extra=_request_body("PlanRequest"),
 )
-async def plan(request: Request, planner: PlannerDep, settings: SettingsDep) -> Response:
+async def plan(request: Request) -> Response:
+    # The app's state read directly rather than through Depends: resolving dependencies costs more than the
+    # rest of the route's own work, on the one route called once per training step.
+    planner: PlanningService = request.app.state.planner
+    settings: Settings = request.app.state.settings
     raw = await request.body()
     content_type = request.headers.get("content-type")
     if len(raw) <= _INLINE_MAX_BODY_BYTES:

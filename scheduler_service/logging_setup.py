@@ -10,12 +10,13 @@ its own handlers); ``serve`` and the uvicorn app factory do.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 from contextvars import ContextVar
 from typing import Any
+
+import orjson
 
 __all__ = ["JsonFormatter", "configure_logging", "current_request_id", "request_id_var"]
 
@@ -51,7 +52,8 @@ class JsonFormatter(logging.Formatter):
                 entry[key] = value
         if record.exc_info:
             entry["exc_info"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str, ensure_ascii=False)
+        # A line per request: orjson takes a tenth of json's time (non-string keys allowed, as json allows them).
+        return orjson.dumps(entry, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 def configure_logging(level: str = "info") -> None:

@@ -7,12 +7,11 @@ FastAPI, so the CLI and the trainer use it too.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from skrull_proto import (
+    SCHEMA_VERSION,
     ComputeCoefficients,
-    CPRankEstimateModel,
-    DPRankPlanModel,
     FeedbackRequest,
     FeedbackResponse,
     MemoryCoefficients,
@@ -24,10 +23,7 @@ from skrull_proto import (
     ProfileSummary,
     SamplerSpec,
     ShardedGroupLengths,
-    ShardedGroupModel,
-    SolverReport,
 )
-from skrull_proto import SchedulerName as WireSchedulerName
 
 from scheduler_service.core import feedback as core_feedback
 from scheduler_service.core.errors import InvalidRequestError
@@ -45,7 +41,7 @@ from scheduler_service.core.plan import (
 from scheduler_service.core.planner import PlanResult
 from scheduler_service.core.profile import Profile, resolve_profile
 from scheduler_service.core.samplers import LengthDistribution
-from scheduler_service.core.simulate import CPRankEstimate
+from scheduler_service.core.simulate import CPRankEstimate, MicroBatchEstimate
 
 __all__ = [
     "feedback_to_measurements",
@@ -56,6 +52,7 @@ __all__ = [
     "request_to_problem",
     "response_to_plan",
     "result_to_response",
+    "result_to_response_data",
     "sampler_to_spec",
     "shape_to_model_spec",
 ]
@@ -107,59 +104,66 @@ def request_model_and_profile(
 
 
 def _ms(seconds: float) -> float:
-    return round(seconds * 1e3, 6)
+    return round(float(seconds) * 1e3, 6)  # a plain float, whatever numpy type the core computed it in
 
 
-def _cp_rank_model(rank: CPRankEstimate) -> CPRankEstimateModel:
-    return CPRankEstimateModel(
-        tokens=round(rank.tokens, 6), local_tokens=rank.local_tokens, local_ms=_ms(rank.local_compute_s),
-        distributed_ms=_ms(rank.distributed_compute_s), sharded_ms=_ms(rank.sharded_compute_s),
-        fixed_ms=_ms(rank.fixed_s), comm_ms=_ms(rank.comm_s), exposed_comm_ms=_ms(rank.exposed_comm_s),
-        time_ms=_ms(rank.time_s),
-    )
+def _cp_rank_data(rank: CPRankEstimate) -> dict[str, Any]:
+    return {
+        "tokens": round(float(rank.tokens), 6), "local_tokens": int(rank.local_tokens),
+        "local_ms": _ms(rank.local_compute_s), "distributed_ms": _ms(rank.distributed_compute_s),
+        "sharded_ms": _ms(rank.sharded_compute_s), "fixed_ms": _ms(rank.fixed_s), "comm_ms": _ms(rank.comm_s),
+        "exposed_comm_ms": _ms(rank.exposed_comm_s), "time_ms": _ms(rank.time_s),
+    }
 
 
-def result_to_response(result: PlanResult, *, breakdown: bool = False) -> PlanResponse:
-    """The response to a plan; ``breakdown`` (the request's) adds every CP rank's estimate per micro-batch."""
+def _micro_batch_data(micro_batch: MicroBatch, estimate: MicroBatchEstimate, breakdown: bool) -> dict[str, Any]:
+    data: dict[str, Any] = {"local": [list(rank_local) for rank_local in micro_batch.local],
+                            "distributed": list(micro_batch.distributed)}
+    if micro_batch.sharded:  # empty optional lists are left out, as ``MicroBatchModel`` serialises them
+        data["sharded"] = [{"cp_ranks": list(group.cp_ranks), "sequences": list(group.sequences)}
+                           for group in micro_batch.sharded]
+    data["estimated_time_ms"] = _ms(estimate.time_s)
+    if breakdown:
+        data["cp_ranks"] = [_cp_rank_data(rank) for rank in estimate.cp_ranks]
+    return data
+
+
+def result_to_response_data(result: PlanResult, *, breakdown: bool = False) -> dict[str, Any]:
+    """A plan's response as JSON-ready data, spelt as ``PlanResponse`` serialises it (every field, empty optional
+    lists left out): the one description of the response. ``result_to_response`` validates it; the service writes
+    it as it is (``sync_planning``), which costs a third of building the models (a test checks they agree)."""
     problem, estimate = result.problem, result.estimate
     dp_ranks = [
-        DPRankPlanModel(
-            micro_batches=[
-                MicroBatchModel(
-                    local=[list(rank_local) for rank_local in micro_batch.local],
-                    distributed=list(micro_batch.distributed),
-                    sharded=[ShardedGroupModel(cp_ranks=list(group.cp_ranks), sequences=list(group.sequences))
-                             for group in micro_batch.sharded],
-                    estimated_time_ms=_ms(mb_estimate.time_s),
-                    cp_ranks=[_cp_rank_model(rank) for rank in mb_estimate.cp_ranks] if breakdown else [],
-                )
-                for micro_batch, mb_estimate in zip(dp_plan.micro_batches, dp_estimate.micro_batches, strict=True)
-            ],
-            estimated_time_ms=_ms(dp_estimate.time_s),
-        )
+        {"micro_batches": [_micro_batch_data(micro_batch, mb_estimate, breakdown) for micro_batch, mb_estimate
+                           in zip(dp_plan.micro_batches, dp_estimate.micro_batches, strict=True)],
+         "estimated_time_ms": _ms(dp_estimate.time_s)}
         for dp_plan, dp_estimate in zip(result.plan.dp_ranks, estimate.dp_ranks, strict=True)
     ]
     solver = None
-    if result.solver is not None:
-        report = result.solver
-        solver = SolverReport.model_validate({  # validates the core's status string against the contract
-            "status": report.status,
-            "objective_ms": None if report.objective_s is None else _ms(report.objective_s),
-            "bound_ms": None if report.bound_s is None else _ms(report.bound_s),
-            "wall_time_ms": _ms(report.wall_time_s),
-        })
-    return PlanResponse(
-        scheduler=WireSchedulerName(result.scheduler.value),
-        model=problem.perf.model.name,
-        profile=problem.perf.profile.name,
-        bucket_size=problem.bucket_size,
-        dp_ranks=dp_ranks,
-        estimated_iteration_time_ms=_ms(estimate.iteration_time_s),
-        solve_time_ms=_ms(result.solve_time_s),
-        deepspeed_estimated_iteration_time_ms=_ms(result.baseline_time_s),
-        speedup_vs_deepspeed=round(result.speedup_vs_deepspeed, 6),
-        solver=solver,
-    )
+    if (report := result.solver) is not None:
+        solver = {"status": report.status,
+                  "objective_ms": None if report.objective_s is None else _ms(report.objective_s),
+                  "bound_ms": None if report.bound_s is None else _ms(report.bound_s),
+                  "wall_time_ms": _ms(report.wall_time_s)}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "scheduler": result.scheduler.value,
+        "model": problem.perf.model.name,
+        "profile": problem.perf.profile.name,
+        "bucket_size": int(problem.bucket_size),
+        "dp_ranks": dp_ranks,
+        "estimated_iteration_time_ms": _ms(estimate.iteration_time_s),
+        "solve_time_ms": _ms(result.solve_time_s),
+        "deepspeed_estimated_iteration_time_ms": _ms(result.baseline_time_s),
+        "speedup_vs_deepspeed": round(float(result.speedup_vs_deepspeed), 6),
+        "solver": solver,
+    }
+
+
+def result_to_response(result: PlanResult, *, breakdown: bool = False) -> PlanResponse:
+    """The response to a plan, validated; ``breakdown`` (the request's) adds every CP rank's estimate per
+    micro-batch."""
+    return PlanResponse.model_validate(result_to_response_data(result, breakdown=breakdown))
 
 
 def _micro_batch(model: MicroBatchModel) -> MicroBatch:

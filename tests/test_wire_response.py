@@ -1,0 +1,40 @@
+"""The service writes a plan's answer from plain data with orjson (``wire.result_to_response_data``), not through
+the pydantic models: it must be byte for byte what ``PlanResponse`` would serialise, for every scheduler, with
+hybrid groups, a per-CP-rank breakdown and a CP-SAT report."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import orjson
+import pytest
+from skrull_proto import PlanResponse
+from test_wire_groups import GROUPED_PLAN, result_of
+
+from scheduler_service.core.plan import SolverReport, make_problem
+from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, PlanResult, make_plan
+from scheduler_service.core.samplers import sample_lengths
+from scheduler_service.wire import result_to_response, result_to_response_data
+
+
+def assert_written_as_the_model(result: PlanResult, breakdown: bool) -> None:
+    written = orjson.dumps(result_to_response_data(result, breakdown=breakdown))
+    assert written == result_to_response(result, breakdown=breakdown).model_dump_json().encode()
+    assert PlanResponse.model_validate_json(written) == result_to_response(result, breakdown=breakdown)
+
+
+@pytest.mark.parametrize("breakdown", [False, True])
+@pytest.mark.parametrize("scheduler", list(HEURISTIC_SCHEDULERS))
+def test_every_scheduler_answer_is_written_as_the_model_would(scheduler: str, breakdown: bool) -> None:
+    lengths = sample_lengths("lmsys", 256, np.random.default_rng(7), max_length=60000)
+    problem = make_problem(sequence_lengths=[int(n) for n in lengths], dp_size=4, cp_size=8, model="qwen2.5-0.5b")
+    assert_written_as_the_model(make_plan(problem, scheduler), breakdown)
+
+
+@pytest.mark.parametrize("breakdown", [False, True])
+def test_hybrid_groups_and_a_solver_report_are_written_as_the_model_would(breakdown: bool) -> None:
+    grouped = result_of(GROUPED_PLAN)
+    assert_written_as_the_model(grouped, breakdown)
+    report = SolverReport(status="FEASIBLE", objective_s=0.0123, bound_s=None, wall_time_s=0.5)
+    assert_written_as_the_model(dataclasses.replace(grouped, solver=report), breakdown)
