@@ -113,7 +113,7 @@ class Settings(BaseSettings):
     # Profiles measured by `python -m trainer_client.profile`, beside the shipped ones.
     profile_dir: Path | None = Field(
         default=None, description="Folder of profile JSON files, read at start-up (a bad file stops the start) "
-        "and again by POST /profiles/reload or when a request names a profile not loaded yet.")
+        "and again by POST /profiles/reload or, in every worker, once the folder has changed.")
 
     # Feedback: per-job online refit of the profile from measured micro-batches (POST /feedback).
     feedback: bool = Field(default=True, description="Accept POST /feedback from trainers that opt in.")
