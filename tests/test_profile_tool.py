@@ -19,7 +19,7 @@ from scheduler_service import cli
 from scheduler_service.app import create_app
 from scheduler_service.core.check import find_violations
 from scheduler_service.core.models import MODEL_CATALOGUE
-from scheduler_service.core.perf_model import PerformanceModel, fit_line
+from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, fit_line
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGroup, make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles, parse_profile
@@ -179,6 +179,24 @@ def test_four_ranks_measure_every_degree_and_the_tables_of_blocks_of_two(tmp_pat
     assert any(line.split()[:2] == ["64", "2"] for line in table) and any(
         line.split()[:2] == ["64", "4"] for line in table)
     assert any(line.startswith("communication over 2 ranks: all_gather") for line in table)
+
+
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_collective_lead_is_a_static_cp_micro_batchs_compute_per_collective(group_size: int) -> None:
+    """A collective is timed after the compute that precedes it in training: the micro-batch's per-rank time
+    under the model (one sequence zigzag-sharded over the group) over its 2 · num_layers collectives."""
+    shape = MODEL_CATALOGUE["tiny"]
+    profile = builtin_profiles()["cpu-tiny"]
+    perf = PerformanceModel(model=shape, profile=profile)
+    compute = profile.compute
+    fit = ComputeFit(alpha_s_per_flop=compute.alpha_s_per_flop, alpha_s_per_token=compute.alpha_s_per_token,
+                     alpha_s_per_sequence=compute.alpha_s_per_sequence, beta_s_per_layer=compute.beta_s_per_layer,
+                     median_relative_error=0.0, max_relative_error=0.0, num_points=0)
+    num_tokens = 1024
+    num_bytes = perf.comm_bytes_per_layer(num_tokens)
+    per_rank_s = perf.compute_time_s(float(perf.placement_flops([num_tokens], group_size)[0]))
+    assert profiler.collective_lead_s(fit, shape, num_bytes, group_size, 4) == pytest.approx(
+        per_rank_s / (2 * shape.num_layers))
 
 
 def test_shard_micro_batch_puts_one_sequence_on_every_aligned_block() -> None:

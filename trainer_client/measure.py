@@ -7,8 +7,9 @@ where no allocator keeps one, PyTorch's ``MemTracker`` (a dispatch mode that
 follows every tensor storage's life) counts the bytes live at the peak —
 exact for tensors, blind to the allocator's own slack. Collectives time the
 exact calls DACP attention makes (``all_gather_single``, ``reduce_scatter_single``;
-``all_to_all_single`` for the Ulysses comparison) and take, per repetition, the
-slowest rank.
+``all_to_all_single`` for the Ulysses comparison), launched and waited as it
+does, after a lead of compute where the caller gives one (the collectives of
+a micro-batch follow its compute), and take, per repetition, the ranks' mean.
 """
 
 from __future__ import annotations
@@ -107,10 +108,17 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 def collective_latency_s(
     collective: str, num_bytes: int, *, group: dist.ProcessGroup | None, device: torch.device,
-    dtype: torch.dtype, warmup: int, repeats: int,
+    dtype: torch.dtype, warmup: int, repeats: int, lead: Callable[[], object] | None = None,
 ) -> float:
-    """Median over repetitions of the slowest rank's time for one collective moving ``num_bytes`` in all
-    (the gathered output of an all-gather, the input of a reduce-scatter or an all-to-all)."""
+    """Median over repetitions of the ranks' mean time in one collective moving ``num_bytes`` in all (the
+    gathered output of an all-gather, the input of a reduce-scatter or an all-to-all), from its launch to the
+    end of its ``wait``, as DACP attention launches and waits it.
+
+    With ``lead`` (the compute a rank runs before the collective in a micro-batch), every rank runs ``lead`` and
+    then the collective, so ranks reach it from compute, apart, as in training: on a machine whose cores the
+    ranks share, a collective then waits for the last rank to arrive, and a collective that starts from a
+    barrier misses that. Every rank of a micro-batch finishes it together, so its time is its ranks' mean
+    compute (what the compute fit measures) plus their mean time in the collectives (this)."""
     world_size = dist.get_world_size(group)
     element_size = torch.empty((), dtype=dtype).element_size()
     numel = max(num_bytes // element_size // world_size, 1) * world_size
@@ -119,24 +127,28 @@ def collective_latency_s(
 
     def run() -> None:
         if collective == "all_gather":
-            dist.all_gather_single(full, shard, group=group)
+            work = dist.all_gather_single(full, shard, group=group, async_op=True)
         elif collective == "reduce_scatter":
-            dist.reduce_scatter_single(shard, full, group=group)
+            work = dist.reduce_scatter_single(shard, full, group=group, async_op=True)
         elif collective == "all_to_all":
-            dist.all_to_all_single(full, full.clone(), group=group)
+            work = dist.all_to_all_single(full, full.clone(), group=group, async_op=True)
         else:
             raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
+        assert work is not None
+        work.wait()
 
     for _ in range(warmup):
         run()
-    slowest_s = []
+    mean_s = []
     for _ in range(repeats):
         dist.barrier(group=group)
+        if lead is not None:
+            lead()
         elapsed = timed_runs(run, device=device, warmup=0, repeats=1)[0]
-        measured = torch.tensor([elapsed], dtype=torch.float64, device=device)
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
-        slowest_s.append(float(measured.item()))
-    return statistics.median(slowest_s)
+        measured = torch.tensor([elapsed / world_size], dtype=torch.float64, device=device)
+        dist.all_reduce(measured, group=group)
+        mean_s.append(float(measured.item()))
+    return statistics.median(mean_s)
 
 
 def random_samples(lengths: Sequence[int], *, vocab_size: int, seed: int) -> list[Sample]:

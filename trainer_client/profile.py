@@ -19,7 +19,14 @@ median (CUDA events on CUDA), running exactly the trainer's micro-batch code
   all-to-all latency vs message size over all ranks → the tables ``T_comm`` is
   fitted from; the same all-gather / reduce-scatter sizes over every aligned
   block of ``s`` ranks at once (``s`` each hybrid group size: the divisors of
-  the world size between 2 and it) → ``communication.tables_by_group_size``;
+  the world size between 2 and it) → ``communication.tables_by_group_size``.
+  Each collective is timed as a micro-batch pays it: every rank first computes
+  for as long as a static-CP micro-batch whose K/V the message is computes
+  before each of its collectives (``collective_lead_s``, from the compute fit
+  just measured), then launches and waits the collective; the ranks' mean time
+  in it is the latency. Timed from a barrier instead, with the other ranks
+  idle, the collectives of 4 ranks sharing 2 cores measured a quarter of what
+  the trainer waits in them (dp 1 × cp 4, deepspeed's micro-batches);
 * **the shard-size effect** of the paper's Figure 1(b) (world size > 1): one
   sequence computed whole on every rank vs as zigzag shards over every aligned
   block of ``d`` ranks at once (each block its own copy, so every rank works),
@@ -77,7 +84,14 @@ from tqdm import tqdm
 
 from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.models import ModelShape
-from scheduler_service.core.perf_model import ComputePoint, PerformanceModel, eq13_flops, fit_compute, fit_memory
+from scheduler_service.core.perf_model import (
+    ComputeFit,
+    ComputePoint,
+    PerformanceModel,
+    eq13_flops,
+    fit_compute,
+    fit_memory,
+)
 from scheduler_service.core.plan import MicroBatch, ShardedGroup, block_degrees, cp_blocks
 from scheduler_service.core.profile import parse_profile
 from scheduler_service.profile_files import profile_from_document
@@ -111,6 +125,7 @@ __all__ = [
     "EfficiencyFit",
     "ProfileOptions",
     "build_parser",
+    "collective_lead_s",
     "compute_cases",
     "derive_attention_efficiency",
     "main",
@@ -312,28 +327,70 @@ def _slowest_over_ranks(value: float, device: torch.device) -> float:
     return float(slowest.item())
 
 
-def _collective_table(bench: _Bench, collective: str, group: dist.ProcessGroup | None) -> list[list[float]]:
+class _Lead:
+    """CPU-bound torch work of a given duration, timed with every rank busy at once: it stands for the compute a
+    micro-batch runs before each collective. Its unit is a matmul; its size only sets the lead's granularity."""
+
+    UNIT_ROWS = 256
+    CALIBRATION_UNITS = 32
+
+    def __init__(self, bench: _Bench, world_size: int) -> None:
+        self.matrix = torch.randn(self.UNIT_ROWS, self.UNIT_ROWS, device=bench.device)
+        dist.barrier()
+        times_s = timed_runs(self.of_units(self.CALIBRATION_UNITS), device=bench.device, warmup=1,
+                             repeats=max(bench.options.repeats, 3))
+        self.unit_s = _mean_over_ranks(statistics.median(times_s) / self.CALIBRATION_UNITS, world_size)
+
+    def of_units(self, num_units: int) -> functools.partial[None]:
+        return functools.partial(self._run, num_units)
+
+    def of_seconds(self, seconds: float) -> functools.partial[None]:
+        return self.of_units(max(round(seconds / self.unit_s), 1))
+
+    def _run(self, num_units: int) -> None:
+        for _ in range(num_units):
+            torch.mm(self.matrix, self.matrix)
+
+
+def collective_lead_s(fit: ComputeFit, shape: ModelShape, num_bytes: float, group_size: int,
+                      kv_bytes_per_element: int) -> float:
+    """The compute a rank runs before each collective of a static-CP micro-batch (one sequence sharded over
+    ``group_size`` ranks) whose K/V per layer is ``num_bytes``: its share of the forward and backward (as
+    ``PerformanceModel.placement_flops``: 1/group_size of the work, two zigzag chunks, β) spread over its
+    2 · num_layers collectives (an all-gather per layer forward, a reduce-scatter per layer backward)."""
+    num_tokens = num_bytes / (2 * shape.kv_hidden_size * kv_bytes_per_element)
+    shared_s = fit.alpha_s_per_flop * float(eq13_flops(shape, [num_tokens])[0]) + fit.alpha_s_per_token * num_tokens
+    rank_s = shared_s / group_size + 2 * fit.alpha_s_per_sequence + fit.beta_s_per_layer * shape.num_layers
+    return rank_s / (2 * shape.num_layers)
+
+
+def _collective_table(bench: _Bench, collective: str, group: dist.ProcessGroup | None, fit: ComputeFit,
+                      lead: _Lead) -> list[list[float]]:
     dtype = torch.bfloat16 if bench.autocast_dtype is not None else torch.float32
+    group_size = dist.get_world_size(group)
     table = []
     for num_bytes in bench.options.comm_sizes:
+        lead_s = collective_lead_s(fit, bench.shape, num_bytes, group_size, bench.kv_bytes_per_element())
         latency_s = collective_latency_s(collective, num_bytes, group=group, device=bench.device, dtype=dtype,
-                                         warmup=max(bench.options.warmup, 1), repeats=max(bench.options.repeats, 3))
+                                         warmup=max(bench.options.warmup, 1), repeats=max(bench.options.repeats, 3),
+                                         lead=lead.of_seconds(lead_s))
         if group is not None:  # every block measured at once; a micro-batch waits for the slowest
             latency_s = _slowest_over_ranks(latency_s, bench.device)
         table.append([float(num_bytes), latency_s])
     return table
 
 
-def _measure_collectives(bench: _Bench, bar: tqdm) -> dict[str, list[list[float]]]:
+def _measure_collectives(bench: _Bench, bar: tqdm, fit: ComputeFit, lead: _Lead) -> dict[str, list[list[float]]]:
     tables = {}
     for collective in COLLECTIVES:
-        tables[collective] = _collective_table(bench, collective, group=None)
+        tables[collective] = _collective_table(bench, collective, None, fit, lead)
         bar.update(len(bench.options.comm_sizes))
     return tables
 
 
 def _measure_group_collectives(
-    bench: _Bench, bar: tqdm, world_size: int, block_groups: Mapping[tuple[int, int], dist.ProcessGroup]
+    bench: _Bench, bar: tqdm, world_size: int, block_groups: Mapping[tuple[int, int], dist.ProcessGroup],
+    fit: ComputeFit, lead: _Lead,
 ) -> dict[str, dict[str, list[list[float]]]]:
     """All-gather and reduce-scatter over every aligned block of each hybrid group size, all blocks at once."""
     rank = dist.get_rank()
@@ -342,7 +399,7 @@ def _measure_group_collectives(
         group = block_groups[(rank // degree * degree, degree)]
         by_size[str(degree)] = {}
         for collective in GROUP_COLLECTIVES:
-            by_size[str(degree)][collective] = _collective_table(bench, collective, group)
+            by_size[str(degree)][collective] = _collective_table(bench, collective, group, fit, lead)
             bar.update(len(bench.options.comm_sizes))
     return by_size
 
@@ -401,8 +458,11 @@ def measure_profile(options: ProfileOptions, *, command: str | None = None) -> d
         compute_points = _measure_compute(bench, bar, world_size)
         if world_size > 1:
             block_groups = _new_block_groups(world_size)
-            tables = _measure_collectives(bench, bar)
-            group_tables = _measure_group_collectives(bench, bar, world_size, block_groups)
+            # The collectives follow compute as in a micro-batch, sized by the compute just measured.
+            fit = fit_compute(_compute_points(compute_points), num_layers=shape.num_layers)
+            lead = _Lead(bench, world_size)
+            tables = _measure_collectives(bench, bar, fit, lead)
+            group_tables = _measure_group_collectives(bench, bar, world_size, block_groups, fit, lead)
             shards = _measure_shards(bench, bar, world_size, block_groups)
         memory_points = _measure_memory(bench, bar) if is_main else []
     if not is_main:
@@ -418,8 +478,7 @@ def _document(
     group_tables: dict[str, dict[str, list[list[float]]]], shards: list[dict[str, Any]], command: str,
 ) -> dict[str, Any]:
     shape, device = bench.shape, bench.device
-    points = [ComputePoint(flops=p["flops"], num_tokens=p["num_tokens"], num_sequences=p["num_sequences"],
-                           time_s=p["time_s"]) for p in compute_points]
+    points = _compute_points(compute_points)
     extended = fit_compute(points, num_layers=shape.num_layers, extended=True)
     paper = fit_compute(points, num_layers=shape.num_layers, extended=False)
     memory = fit_memory(memory_points)
@@ -493,9 +552,11 @@ def _document(
             "tables_by_group_size": group_tables,
             "fit": "relative",
             "world_size": world_size,
-            "source": f"collective latency (slowest rank, median) vs bytes moved in all: {comm_note}."
+            "source": f"collective latency vs bytes moved in all (median over repetitions of the ranks' mean "
+                      f"time from launch to the end of wait, each rank first computing for collective_lead_s: "
+                      f"what a static-CP micro-batch computes before each collective): {comm_note}."
                       + (f" tables_by_group_size: all_gather and reduce_scatter of the same sizes over every aligned "
-                         f"block of s ranks at once (dist.new_group per block), slowest rank of any block, for s in "
+                         f"block of s ranks at once (dist.new_group per block), slowest block, for s in "
                          f"{', '.join(group_tables)}." if group_tables else ""),
         },
         "provenance": {
@@ -516,6 +577,11 @@ def _document(
                           options)
     profile_from_document(document)  # the file must load where it is used: the format's model, then the core's
     return document
+
+
+def _compute_points(compute_points: list[dict[str, Any]]) -> list[ComputePoint]:
+    return [ComputePoint(flops=p["flops"], num_tokens=p["num_tokens"], num_sequences=p["num_sequences"],
+                         time_s=p["time_s"]) for p in compute_points]
 
 
 def _fit_summary(fit: Any) -> dict[str, float]:
