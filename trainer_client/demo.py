@@ -19,7 +19,9 @@
 
 Nothing is tuned per scheduler. CPU step times of a tiny model reflect
 per-micro-batch overheads and 4 ranks sharing the machine's cores, not GPU
-kernels; that is why the profile is measured here, with 4 ranks.
+kernels; that is why the profile is measured here, with 4 ranks, its
+collectives up to the largest message the demo sends (a whole CP group's
+bucket of K/V in one layer).
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ from pathlib import Path
 import httpx
 
 from trainer_client.distributed import free_port
+from trainer_client.model import model_shape
+from trainer_client.profile import ProfileOptions
 
-__all__ = ["RunSummary", "main", "run_trainer", "start_service", "stop_service", "summarize"]
+__all__ = ["RunSummary", "demo_comm_sizes", "main", "run_trainer", "start_service", "stop_service", "summarize"]
 
 
 def start_service(port: int, *, ready_timeout_s: float = 120.0,
@@ -110,11 +114,24 @@ def read_metrics(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def profile_command(*, name: str, out: Path, nproc: int = 4, repeats: int = 3) -> list[str]:
+def profile_command(*, name: str, out: Path, nproc: int = 4, repeats: int = 3,
+                    comm_sizes: Sequence[int] | None = None) -> list[str]:
     """The profiler under torchrun with as many ranks as the demo trains with: they share the cores as they will."""
+    extra = ["--comm-sizes", ",".join(map(str, comm_sizes))] if comm_sizes else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "trainer_client.profile", "--model", "tiny", "--device", "cpu", "--name", name, "--out", str(out),
-            "--repeats", str(repeats), "--no-progress"]
+            "--repeats", str(repeats), "--no-progress", *extra]
+
+
+def demo_comm_sizes(*, bucket_size: int, cp: int) -> list[int]:
+    """Collective sizes to profile, from the profiler's smallest by factors of 4 up to the largest the demo sends:
+    one layer's fp32 K and V of a sequence filling the CP group's buckets. Each collective is timed after the
+    compute that precedes it in such a micro-batch, so sizes larger than the run sends only lengthen the profile."""
+    largest_bytes = 2 * bucket_size * cp * model_shape("tiny").kv_hidden_size * 4
+    sizes = [ProfileOptions(model="tiny").comm_sizes[0]]
+    while sizes[-1] * 4 < largest_bytes:
+        sizes.append(sizes[-1] * 4)
+    return [*sizes, largest_bytes]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -199,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--data", default="synthetic:lmsys")
     parser.add_argument("--profile", default="measure",
-                        help="'measure': profile this machine first, with the demo's 4 processes (about 75 s); "
+                        help="'measure': profile this machine first, with the demo's 4 processes (about 80-150 s); "
                              "or a shipped profile name (cpu-tiny)")
     args = parser.parse_args(argv)
     nproc = args.dp * args.cp
@@ -210,7 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if profile == "measure":
             profile, profile_dir = "cpu-tiny-demo", Path(work) / "profiles"
             print(f"measuring a CPU profile of this machine ({nproc} processes) …", flush=True)
-            result = run_trainer(profile_command(name=profile, out=profile_dir / f"{profile}.json", nproc=nproc))
+            comm_sizes = demo_comm_sizes(bucket_size=args.bucket_size, cp=args.cp)
+            result = run_trainer(profile_command(name=profile, out=profile_dir / f"{profile}.json", nproc=nproc,
+                                                 comm_sizes=comm_sizes))
             if result.returncode != 0:
                 print(result.stderr[-4000:], file=sys.stderr)
                 print(f"error: profiling failed with exit code {result.returncode}", file=sys.stderr)
