@@ -95,7 +95,8 @@ class Rows:
                    degree=np.zeros(order.shape, dtype=np.int64), first=np.zeros(order.shape, dtype=np.int64),
                    valid=np.ones(len(micro_batch), dtype=np.bool_))
 
-    def take(self, rows: IntArray) -> Rows:
+    def take(self, rows: IntArray | slice) -> Rows:
+        """These rows; a slice gives views, so updating them updates these rows (see ``prefix``)."""
         return Rows(micro_batch=self.micro_batch[rows], order=self.order[rows], loads=self.loads[:, rows],
                     attention=self.attention[:, rows], all_gather=self.all_gather[:, rows],
                     reduce_scatter=self.reduce_scatter[:, rows], remaining=self.remaining[:, rows],
@@ -103,13 +104,9 @@ class Rows:
                     valid=self.valid[rows])
 
     def prefix(self, count: int) -> Rows:
-        """The first ``count`` rows as views: updating them updates these rows. Rows are ordered by decreasing
-        micro-batch size, so the rows that still have a sequence to place at a step are a prefix."""
-        return Rows(micro_batch=self.micro_batch[:count], order=self.order[:count], loads=self.loads[:, :count],
-                    attention=self.attention[:, :count], all_gather=self.all_gather[:, :count],
-                    reduce_scatter=self.reduce_scatter[:, :count], remaining=self.remaining[:, :count],
-                    has_group=self.has_group[:, :count], degree=self.degree[:count], first=self.first[:count],
-                    valid=self.valid[:count])
+        """The first ``count`` rows, as views. Rows are ordered by decreasing micro-batch size, so the rows that
+        still have a sequence to place at a step are a prefix."""
+        return self.take(slice(count))
 
     def place(self, arrays: SearchArrays, selected: BoolArray, step: int, ranks: IntArray) -> None:
         """Put the ``step``-th sequence of each selected row whole on its rank."""
