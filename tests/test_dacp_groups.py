@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.core import dacp, gds
+from scheduler_service.core import dacp, dacp_search, gds
 from scheduler_service.core.check import find_violations
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, ShardedGroup, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
@@ -156,3 +157,60 @@ def test_hybrid_packs_a_mix_of_mid_length_sequences_close_to_the_balanced_bound(
 def test_skrull_is_never_slower_than_binary_skrull(problem: PlanningProblem) -> None:
     hybrid_s = simulate(problem, gds.skrull(problem)).iteration_time_s
     assert hybrid_s <= simulate(problem, gds.skrull_binary(problem)).iteration_time_s * (1 + 1e-12)
+
+
+def brute_force_best_gain(problem: PlanningProblem, placement: dacp._Placement, busiest: int) -> float:
+    """The refinement's specification: the largest drop of the busiest rank's pair maximum over every move and
+    swap of local sequences that keeps both ranks within the memory bound."""
+    lengths, costs, cp_size = problem.sequence_lengths, problem.placement[1], problem.cp_size
+    loads, remaining = placement.loads, placement.remaining
+    ours = [a for a, rank in placement.placement.items() if rank == busiest]
+    best = 0.0
+    for other in range(cp_size):
+        gap = loads[busiest] - loads[other]
+        theirs = [None, *(b for b, rank in placement.placement.items() if rank == other)]
+        for a in ours:
+            for b in theirs:
+                delta = costs[a] - (0.0 if b is None else costs[b])
+                units_b = 0 if b is None else lengths[b] * cp_size
+                fits = (remaining[other] + units_b >= lengths[a] * cp_size
+                        and remaining[busiest] + lengths[a] * cp_size >= units_b)
+                if other != busiest and fits and 0 < delta < gap:
+                    best = max(best, min(delta, gap - delta))
+    return best
+
+
+@st.composite
+def crowded_placements(draw: st.DrawFn) -> tuple[PlanningProblem, dacp._Placement]:
+    """Sequences placed whole on drawn CP ranks, every rank then topped up with short ones until the next would not
+    fit: memory decides which swaps are possible (a rank has room for a token count, not for a long sequence)."""
+    cp_size = draw(st.sampled_from([2, 4, 8]))
+    lengths = draw(st.lists(st.one_of(st.integers(1, 256), st.integers(1_024, 4_096)), min_size=1, max_size=40))
+    ranks = draw(st.lists(st.integers(0, cp_size - 1), min_size=len(lengths), max_size=len(lengths)))
+    bucket_size = max(sum(n for n, r in zip(lengths, ranks, strict=True) if r == rank) for rank in range(cp_size))
+    bucket_size += draw(st.integers(0, 4_096))
+    filler = draw(st.integers(16, 512))
+    for rank in range(cp_size):
+        free = bucket_size - sum(n for n, r in zip(lengths, ranks, strict=True) if r == rank)
+        lengths += [filler] * (free // filler)
+        ranks += [rank] * (free // filler)
+    problem = make_problem(sequence_lengths=lengths, dp_size=1, cp_size=cp_size, bucket_size=bucket_size,
+                           model=draw(st.sampled_from(["tiny", "qwen2.5-7b"])))
+    rows = dacp_search.Rows.empty(problem, np.zeros(1, dtype=np.int64), np.arange(len(lengths))[None, :])
+    arrays = dacp_search.SearchArrays.of(problem)
+    for step, rank in enumerate(ranks):
+        rows.place(arrays, np.ones(1, dtype=np.bool_), step, np.array([rank]))
+    return problem, dacp._Placement(problem, rows, 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(crowded=crowded_placements())
+def test_the_refinement_finds_the_best_move_or_swap_of_every_pair(
+        crowded: tuple[PlanningProblem, dacp._Placement]) -> None:
+    problem, placement = crowded
+    members = [sorted((problem.placement[1][k], k) for k, r in placement.placement.items() if r == rank)
+               for rank in range(problem.cp_size)]
+    for busiest in range(problem.cp_size):
+        move = dacp._best_move(problem, placement, members, busiest)
+        expected = brute_force_best_gain(problem, placement, busiest)
+        assert (0.0 if move is None else move[0]) == pytest.approx(expected, rel=1e-12, abs=0.0)

@@ -36,6 +36,7 @@ exact in integers.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -214,46 +215,81 @@ class _Placement:
         return MicroBatch(local=tuple(map(tuple, local)), distributed=tuple(distributed), sharded=sharded)
 
 
+Move = tuple[float, int, int | None, int]  # (gain, sequence off the busiest rank, its swap partner or None, rank)
+
+
 def _refine(problem: PlanningProblem, candidate: _Placement) -> bool:
     """Bounded local search: move or swap local sequences off the most loaded rank while that lowers its load;
     whether anything moved."""
-    cp_size, lengths, costs = problem.cp_size, problem.sequence_lengths, problem.placement[1]
+    costs = problem.placement[1]
+    members: list[list[tuple[float, int]]] = [[] for _ in range(problem.cp_size)]  # per rank, (cost, index) ascending
+    for index, rank in candidate.placement.items():
+        members[rank].append((costs[index], index))
+    for ranked in members:
+        ranked.sort()
     for step in range(MAX_REFINEMENT_STEPS):
-        loads, remaining = candidate.loads, candidate.remaining
-        busiest = max(range(cp_size), key=loads.__getitem__)
-        members: list[list[int]] = [[] for _ in range(cp_size)]
-        for index, rank in candidate.placement.items():
-            members[rank].append(index)
-        best_gain = 0.0
-        best_move: tuple[int, int | None, int] | None = None
-        for other in range(cp_size):
-            if other == busiest:
-                continue
-            gap = loads[busiest] - loads[other]
-            for a in members[busiest]:
-                units_a = lengths[a] * cp_size
-                # move a: the pair's max load drops by min(F_a, gap - F_a) when F_a < gap
-                if costs[a] < gap and remaining[other] >= units_a:
-                    gain = min(costs[a], gap - costs[a])
-                    if gain > best_gain:
-                        best_gain, best_move = gain, (a, None, other)
-                for b in members[other]:
-                    delta = costs[a] - costs[b]
-                    units_b = lengths[b] * cp_size
-                    if 0 < delta < gap and remaining[other] + units_b >= units_a \
-                            and remaining[busiest] + units_a >= units_b:
-                        gain = min(delta, gap - delta)
-                        if gain > best_gain:
-                            best_gain, best_move = gain, (a, b, other)
-        if best_move is None or best_gain < loads[busiest] * MIN_REFINEMENT_GAIN:
+        busiest = max(range(problem.cp_size), key=candidate.loads.__getitem__)
+        move = _best_move(problem, candidate, members, busiest)
+        if move is None or move[0] < candidate.loads[busiest] * MIN_REFINEMENT_GAIN:
             return step > 0
-        moved, swapped, other = best_move
-        candidate.unplace(problem, moved)
+        _, moved, swapped, other = move
+        _relocate(problem, candidate, members, moved, other)
         if swapped is not None:
-            candidate.unplace(problem, swapped)
-            candidate.place(problem, swapped, busiest)
-        candidate.place(problem, moved, other)
+            _relocate(problem, candidate, members, swapped, busiest)
     return True
+
+
+def _best_move(problem: PlanningProblem, candidate: _Placement, members: list[list[tuple[float, int]]],
+               busiest: int) -> Move | None:
+    """The move or swap of local sequences that lowers the busiest rank's load the most within the memory bound.
+
+    Moving ``a`` to a rank ``gap`` below the busiest lowers the pair's max load by ``min(F_a, gap - F_a)``,
+    swapping it with ``b`` by ``min(δ, gap - δ)`` with ``δ = F_a - F_b`` (a move is a swap with a partner of cost
+    0): both peak at ``δ = gap / 2``. Each rank's sequences are sorted by cost, so the best partner of ``a`` is
+    found by bisecting for that target and walking outwards, nearest first, until one fits the memory bound or
+    none can beat the best gain so far: O(K log K) per step where comparing every pair was O(K² / N)."""
+    cp_size, lengths = problem.cp_size, problem.sequence_lengths
+    loads, remaining = candidate.loads, candidate.remaining
+    best: Move | None = None
+    for other in range(cp_size):
+        gap = loads[busiest] - loads[other]
+        if other == busiest or gap / 2 <= (best[0] if best else 0.0):
+            continue
+        partners: list[tuple[float, int | None]] = [(0.0, None), *members[other]]
+        for cost_a, a in members[busiest]:
+            units_a = lengths[a] * cp_size
+            right = bisect.bisect_left(partners, (cost_a - gap / 2,))
+            left = right - 1
+            while True:
+                gain_left = _swap_gain(cost_a - partners[left][0], gap) if left >= 0 else 0.0
+                gain_right = _swap_gain(cost_a - partners[right][0], gap) if right < len(partners) else 0.0
+                gain = max(gain_left, gain_right)
+                if gain <= (best[0] if best else 0.0):
+                    break
+                side = left if gain_left >= gain_right else right
+                b = partners[side][1]
+                units_b = 0 if b is None else lengths[b] * cp_size
+                if remaining[other] + units_b >= units_a and remaining[busiest] + units_a >= units_b:
+                    best = (gain, a, b, other)
+                    break
+                if side == left:
+                    left -= 1
+                else:
+                    right += 1
+    return best
+
+
+def _swap_gain(delta: float, gap: float) -> float:
+    """How much handing ``delta`` FLOP-equivalents to a rank ``gap`` below lowers the pair's max load."""
+    return min(delta, gap - delta) if 0 < delta < gap else 0.0
+
+
+def _relocate(problem: PlanningProblem, candidate: _Placement, members: list[list[tuple[float, int]]], index: int,
+              rank: int) -> None:
+    entry = (problem.placement[1][index], index)
+    members[candidate.unplace(problem, index)].remove(entry)
+    candidate.place(problem, index, rank)
+    bisect.insort(members[rank], entry)
 
 
 class Decided(NamedTuple):
