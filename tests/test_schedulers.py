@@ -201,3 +201,18 @@ def test_karmarkar_karp_hands_over_to_lpt_for_many_parts() -> None:
     # exceeds the mean 1954.1), none more than 47 below it
     loads = [sum(weights[i] for i in part) for part in parts]
     assert max(loads) == 2000 and min(loads) == 1953
+
+
+def test_gds_cuts_a_share_into_the_fewest_micro_batches_that_fit_and_one_more() -> None:
+    # two 34-token sequences fill a 100-token micro-batch: 24 of them; growing the count geometrically past 16
+    # overshot to 25 and never came back
+    problem = make_problem(sequence_lengths=[34] * 48, dp_size=1, cp_size=1, model="qwen2.5-0.5b", bucket_size=100)
+    assert [len(cut) for cut in gds._cuts(problem, range(48))] == [24, 25]
+
+
+def test_a_sequence_sharded_over_a_single_rank_costs_what_it_costs_whole() -> None:
+    # the trainer skips a one-rank group's collectives, so cp_size 1 "distributed" is local (and so is deepspeed)
+    problem = make_problem(sequence_lengths=[4000] * 8, dp_size=2, cp_size=1, model="qwen2.5-0.5b", bucket_size=4096)
+    local = simulate(problem, make_plan(problem, "skrull").plan).iteration_time_s
+    sharded = baselines.deepspeed_time_s(problem)
+    assert sharded == pytest.approx(local, rel=1e-12)

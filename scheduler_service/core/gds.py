@@ -14,14 +14,14 @@
   each cut by spreading tokens (longest first onto the micro-batch with the
   fewest tokens, which pairs long with short and keeps each under C·N; it
   matched or beat the strided cut in our measurements at half the cost); every
-  micro-batch of every share and cut is scheduled in one batched
-  ``decide_hybrid`` call (refined) and each share's cheapest cut under the
-  cost model wins.
+  micro-batch of every share and cut is searched in one batched
+  ``hybrid_and_balanced_candidates`` call, and each share's cheapest cut under
+  the cost model is built (and refined).
   Binary Skrull's plan is a candidate too (its DP split and cuts differ), so
   ``skrull`` is never slower than ``skrull_binary`` under the cost model.
   Measured cost: see the README's planning-latency table.
 * ``skrull_binary`` — the same GDS with LPT on FLOPs and binary DACP
-  (``decide_balanced``): whole, or sharded over the whole CP group.
+  (``balanced_candidates``): whole, or sharded over the whole CP group.
 """
 
 from __future__ import annotations
@@ -75,13 +75,9 @@ def _longest_first(problem: PlanningProblem, subset: Sequence[int]) -> list[int]
     return indices[np.lexsort((indices, -problem.lengths[indices]))].tolist()
 
 
-def _spread_by_tokens(problem: PlanningProblem, subset: Sequence[int], count: int) -> list[list[int]] | None:
-    """Longest first onto the micro-batch with the fewest tokens; ``None`` if one would exceed C·N."""
-    return _spread_longest_first(problem, _longest_first(problem, subset), count)
-
-
 def _spread_longest_first(problem: PlanningProblem, longest_first: Sequence[int], count: int,
                           ) -> list[list[int]] | None:
+    """Longest first onto the micro-batch with the fewest tokens; ``None`` if one would exceed C·N."""
     capacity, lengths = problem.micro_batch_capacity, problem.sequence_lengths
     groups: list[list[int]] = [[] for _ in range(count)]
     heap = [(0, j) for j in range(count)]
@@ -144,21 +140,29 @@ def round_robin(problem: PlanningProblem) -> Plan:
 
 def _cuts(problem: PlanningProblem, subset: Sequence[int]) -> list[list[list[int]]]:
     """The micro-batchings of one DP share worth comparing: the fewest micro-batches whose token spread fits,
-    and ``EXTRA_MICRO_BATCH_COUNTS`` more."""
-    cuts: list[list[list[int]]] = []
-    count, last_count = min_micro_batches(problem, subset), len(subset)
+    and ``EXTRA_MICRO_BATCH_COUNTS`` more (each where its spread fits)."""
     longest_first = _longest_first(problem, subset)
-    while count <= last_count:
-        groups = _spread_longest_first(problem, longest_first, count)
-        if groups is not None:
-            cuts.append([group for group in groups if group])
-            last_count = min(last_count, count + EXTRA_MICRO_BATCH_COUNTS)
-            count += 1
-        else:  # until one fits, grow geometrically: O(log n) cuts even for adversarial lengths
-            count = count + 1 if count == last_count else min(last_count, count + max(1, count // 8))
-    if not cuts:
-        raise _no_plan(problem, subset)
-    return cuts
+
+    def spread(count: int) -> list[list[int]] | None:
+        return _spread_longest_first(problem, longest_first, count)
+
+    count = min_micro_batches(problem, subset)
+    failed, fitting = count - 1, spread(count)
+    while fitting is None:  # grow geometrically until one fits: O(log n) spreads even for adversarial lengths ...
+        if count == len(subset):
+            raise _no_plan(problem, subset)
+        failed, count = count, min(len(subset), count + max(1, count // 8))
+        fitting = spread(count)
+    while count - failed > 1:  # ... then bisect back down to the fewest that fits
+        middle = (failed + count) // 2
+        groups = spread(middle)
+        if groups is None:
+            failed = middle
+        else:
+            count, fitting = middle, groups
+    cuts = [fitting, *(spread(extra) for extra in range(count + 1, min(count + EXTRA_MICRO_BATCH_COUNTS,
+                                                                       len(subset)) + 1))]
+    return [[group for group in groups if group] for groups in cuts if groups is not None]
 
 
 @dataclass(frozen=True, slots=True)

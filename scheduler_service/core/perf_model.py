@@ -232,6 +232,9 @@ class PerformanceModel:
         return cost
 
     def _collective_cost(self, group_size: int) -> CollectiveCost:
+        if group_size == 1:  # nothing to gather: the trainer skips the collectives of a one-rank group
+            return CollectiveCost(all_gather_s_per_token=0.0, all_gather_fixed_s=0.0, reduce_scatter_s_per_token=0.0,
+                                  reduce_scatter_fixed_s=0.0)
         communication = self.profile.communication
         measured = communication.tables_by_group_size.get(group_size)
         if measured is not None:
