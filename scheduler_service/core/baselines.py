@@ -61,8 +61,8 @@ def deepspeed(problem: PlanningProblem) -> Plan:
 
 
 def deepspeed_time_s(problem: PlanningProblem) -> float:
-    """``iteration_time_s(problem, deepspeed(problem))``, vectorised: every answer reports its speedup over this
-    baseline, whose one-sequence micro-batches cost more to simulate one by one than Skrull costs to plan."""
+    """``simulate(problem, deepspeed(problem)).iteration_time_s``, vectorised: every answer reports its speedup over
+    this baseline, whose one-sequence micro-batches cost more to simulate one by one than Skrull costs to plan."""
     per_rank = _deepspeed_micro_batches(problem)
     groups = [group for groups in per_rank for group in groups]
     times_s = row_times_s(problem, static_rows(problem, SearchArrays.of(problem), groups))

@@ -17,7 +17,8 @@ memory bound, by construction, in every algorithm here.
   candidate, so a micro-batch never does worse than sharding everything under
   the cost model), place the rest largest-first on the least-loaded rank with
   room (LPT under the memory bound), keep the cheapest k under the cost model,
-  then improve it with bounded move/swap steps (at most 16, O(K² / N) each).
+  then improve it with bounded move/swap steps off the slowest rank (at most
+  16, O(K log K) each, each kept only if the time falls).
 * ``dacp_hybrid`` — Skrull's default: a dual approximation over degrees. Under
   a grid of caps on every rank's load, each sequence takes the smallest degree
   (1, a hybrid block size, or the whole group) that fits the cap and a bucket,
@@ -199,9 +200,12 @@ class _Placement:
         self.attention[rank] -= problem.local_attention[index]
         return rank
 
+    def rank_times_s(self, problem: PlanningProblem) -> list[float]:
+        return [rank_time_s(problem, self.loads[r], self.attention[r], self.all_gather[r], self.reduce_scatter[r])
+                for r in range(self.cp_size)]
+
     def evaluate(self, problem: PlanningProblem) -> float:
-        return max(rank_time_s(problem, self.loads[r], self.attention[r], self.all_gather[r], self.reduce_scatter[r])
-                   for r in range(self.cp_size))
+        return max(self.rank_times_s(problem))
 
     def micro_batch(self) -> MicroBatch:
         local: list[list[int]] = [[] for _ in range(self.cp_size)]
@@ -219,29 +223,39 @@ Move = tuple[float, int, int | None, int]  # (gain, sequence off the busiest ran
 
 
 def _refine(problem: PlanningProblem, candidate: _Placement) -> bool:
-    """Bounded local search: move or swap local sequences off the most loaded rank while that lowers its load;
-    whether anything moved."""
+    """Bounded local search: move or swap local sequences off the slowest rank while that lowers the micro-batch's
+    time; whether anything moved. Moves are chosen by load, and a load moved can still cost time (the receiving
+    rank's collectives may be less hidden), so each is kept only if the time falls."""
     costs = problem.placement[1]
     members: list[list[tuple[float, int]]] = [[] for _ in range(problem.cp_size)]  # per rank, (cost, index) ascending
     for index, rank in candidate.placement.items():
         members[rank].append((costs[index], index))
     for ranked in members:
         ranked.sort()
+    times_s = candidate.rank_times_s(problem)
     for step in range(MAX_REFINEMENT_STEPS):
-        busiest = max(range(problem.cp_size), key=candidate.loads.__getitem__)
-        move = _best_move(problem, candidate, members, busiest)
-        if move is None or move[0] < candidate.loads[busiest] * MIN_REFINEMENT_GAIN:
+        slowest = max(range(problem.cp_size), key=times_s.__getitem__)
+        move = _best_move(problem, candidate, members, slowest)
+        if move is None or move[0] < candidate.loads[slowest] * MIN_REFINEMENT_GAIN:
             return step > 0
         _, moved, swapped, other = move
         _relocate(problem, candidate, members, moved, other)
         if swapped is not None:
-            _relocate(problem, candidate, members, swapped, busiest)
+            _relocate(problem, candidate, members, swapped, slowest)
+        moved_times_s = candidate.rank_times_s(problem)
+        if max(moved_times_s) >= max(times_s):
+            if swapped is not None:
+                _relocate(problem, candidate, members, swapped, other)
+            _relocate(problem, candidate, members, moved, slowest)
+            return step > 0
+        times_s = moved_times_s
     return True
 
 
 def _best_move(problem: PlanningProblem, candidate: _Placement, members: list[list[tuple[float, int]]],
                busiest: int) -> Move | None:
-    """The move or swap of local sequences that lowers the busiest rank's load the most within the memory bound.
+    """The move or swap of local sequences that lowers the load of rank ``busiest`` the most within the memory
+    bound.
 
     Moving ``a`` to a rank ``gap`` below the busiest lowers the pair's max load by ``min(F_a, gap - F_a)``,
     swapping it with ``b`` by ``min(δ, gap - δ)`` with ``δ = F_a - F_b`` (a move is a swap with a partner of cost
@@ -337,11 +351,12 @@ def _candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]], *, nu
     best = _best_row_per_micro_batch(rows, times_s, len(groups))
     chosen: list[tuple[Rows, int, float] | None] = [
         None if row < 0 else (rows, row, float(times_s[row])) for row in best.tolist()]
-    hybrid_best = best[:num_hybrid]
-    if num_hybrid and len(problem.degrees) > 2 and (hybrid_best >= 0).all():  # a block between a rank and the group
-        packed = hybrid_rows(problem, arrays, groups[:num_hybrid], rows.take(hybrid_best))
+    searched = np.flatnonzero(best[:num_hybrid] >= 0)  # the tokens of the others do not fit
+    if searched.size and len(problem.degrees) > 2:  # a block between a rank and the group
+        packed = hybrid_rows(problem, arrays, [groups[i] for i in searched.tolist()], rows.take(best[searched]))
         packed_times_s = row_times_s(problem, packed)
-        for micro_batch, row in enumerate(_best_row_per_micro_batch(packed, packed_times_s, num_hybrid).tolist()):
+        packed_best = _best_row_per_micro_batch(packed, packed_times_s, len(searched))
+        for micro_batch, row in zip(searched.tolist(), packed_best.tolist(), strict=True):
             if row >= 0 and packed_times_s[row] < times_s[best[micro_batch]]:
                 chosen[micro_batch] = (packed, row, float(packed_times_s[row]))
     return [None if choice is None else Candidate(problem, *choice) for choice in chosen]

@@ -6,10 +6,13 @@ sequences whole, its ``1/N`` zigzag share of the distributed ones and its
 (``PerformanceModel.placement_flops``), paying the fixed cost ``β`` once. It
 takes part in one collective per group it belongs to (the whole CP group when
 there are distributed sequences): an all-gather of K/V forward, a
-reduce-scatter of dK/dV backward. The trainer overlaps exactly two things: the
-all-gathers with the local attention forward, the reduce-scatters with the local
-attention backward (``PerformanceModel.exposed_comm_s``). So, with ``W_r`` the
-rank's FLOP-equivalents:
+reduce-scatter of dK/dV backward. The model lets local attention alone hide
+them: the all-gathers behind the local attention forward, the reduce-scatters
+behind its backward (``PerformanceModel.exposed_comm_s``), which is what the
+trainer overlaps for a rank in one collective. A rank in several waits for each
+gather just before its group's attention, so a later gather also hides behind an
+earlier group's attention: for such ranks the model is pessimistic. So, with
+``W_r`` the rank's FLOP-equivalents:
 
     T_r = α·W_r + β + max(0, ΣAG − T_attn,fwd(local_r)) + max(0, ΣRS − T_attn,bwd(local_r))
 
@@ -19,7 +22,6 @@ micro-batches; an iteration the max over DP ranks (eq. 8).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler_service.core.perf_model import FloatOrArray
@@ -32,9 +34,7 @@ __all__ = [
     "PlanEstimate",
     "RankLoad",
     "iteration_lower_bound_s",
-    "iteration_time_s",
     "micro_batch_time_s",
-    "micro_batches_time_s",
     "rank_loads",
     "rank_time_s",
     "simulate",
@@ -162,16 +162,6 @@ def _estimate_micro_batch(problem: PlanningProblem, micro_batch: MicroBatch) -> 
         ))
     critical = max(range(cp_size), key=lambda r: cp_ranks[r].time_s)
     return MicroBatchEstimate(time_s=cp_ranks[critical].time_s, critical_cp_rank=critical, cp_ranks=tuple(cp_ranks))
-
-
-def micro_batches_time_s(problem: PlanningProblem, micro_batches: Iterable[MicroBatch]) -> float:
-    """Estimated time of micro-batches run one after another (a DP rank's gradient accumulation)."""
-    return sum(micro_batch_time_s(problem, micro_batch) for micro_batch in micro_batches)
-
-
-def iteration_time_s(problem: PlanningProblem, plan: Plan) -> float:
-    """``simulate(...).iteration_time_s`` without the breakdown: the cheap path for baselines and searches."""
-    return max(micro_batches_time_s(problem, dp_plan.micro_batches) for dp_plan in plan.dp_ranks)
 
 
 def iteration_lower_bound_s(problem: PlanningProblem) -> float:
