@@ -201,8 +201,9 @@ class _Placement:
         return rank
 
     def rank_times_s(self, problem: PlanningProblem) -> list[float]:
-        return [rank_time_s(problem, self.loads[r], self.attention[r], self.all_gather[r], self.reduce_scatter[r])
-                for r in range(self.cp_size)]
+        times_s = rank_time_s(problem, np.array(self.loads), np.array(self.attention), np.array(self.all_gather),
+                              np.array(self.reduce_scatter))
+        return times_s.tolist()
 
     def evaluate(self, problem: PlanningProblem) -> float:
         return max(self.rank_times_s(problem))

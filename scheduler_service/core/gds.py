@@ -16,7 +16,10 @@
   matched or beat the strided cut in our measurements at half the cost); every
   micro-batch of every share and cut is searched in one batched
   ``hybrid_and_balanced_candidates`` call, and each share's cheapest cut under
-  the cost model is built (and refined).
+  the cost model is built (and refined). The assembled plan is then refined
+  across micro-batches and DP ranks (``plan_refine``: bounded swaps and moves of
+  single sequences off the slowest DP rank's critical CP ranks into other
+  micro-batches' slack).
   Binary Skrull's plan is a candidate too (its DP split and cuts differ), so
   ``skrull`` is never slower than ``skrull_binary`` under the cost model.
   Measured cost: see the README's planning-latency table.
@@ -45,6 +48,7 @@ from scheduler_service.core.dacp import (
 from scheduler_service.core.errors import InfeasiblePlanError
 from scheduler_service.core.partition import lpt_partition
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
+from scheduler_service.core.plan_refine import refine_plan
 
 __all__ = ["dacp_only", "gds_only", "gds_paper", "round_robin", "skrull", "skrull_binary", "skrull_paper"]
 
@@ -210,12 +214,15 @@ def _lpt_gds(problem: PlanningProblem, weights: Sequence[float], search: Search)
 
 
 def skrull(problem: PlanningProblem) -> Plan:
-    """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, hybrid DACP; binary Skrull's
+    """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, hybrid DACP, refined across
+    micro-batches and DP ranks (``refine_plan``); binary Skrull's
     plan where that is cheaper under the cost model (its DP split and cuts can differ), so never slower than it.
     Both are searched in one batched pass."""
     hybrid_split, binary_split = _split(problem, problem.area), _split(problem, problem.flops_list)
     hybrid_found, binary_found = hybrid_and_balanced_candidates(problem, hybrid_split.groups, binary_split.groups)
-    hybrid, hybrid_time_s = _assemble(problem, hybrid_split, hybrid_found)
+    hybrid = _assemble(problem, hybrid_split, hybrid_found)[0]
+    refined, hybrid_time_s = refine_plan(problem, [dp_rank.micro_batches for dp_rank in hybrid.dp_ranks])
+    hybrid = Plan(dp_ranks=tuple(DPRankPlan(micro_batches=tuple(micro_batches)) for micro_batches in refined))
     binary, binary_time_s = _assemble(problem, binary_split, binary_found)
     return hybrid if hybrid_time_s <= binary_time_s else binary
 
