@@ -94,10 +94,10 @@ class _State:
         def per_degree(cost: str) -> FloatArray:  # a single rank's "collective" costs nothing
             return np.array([getattr(problem.perf.collective_cost(degree), cost) for degree in degrees])
 
-        self.all_gather_per_token, self.all_gather_fixed = per_degree("all_gather_s_per_token"), \
-            per_degree("all_gather_fixed_s")
-        self.reduce_scatter_per_token, self.reduce_scatter_fixed = per_degree("reduce_scatter_s_per_token"), \
-            per_degree("reduce_scatter_fixed_s")
+        self.all_gather_per_token = per_degree("all_gather_s_per_token")
+        self.all_gather_fixed = per_degree("all_gather_fixed_s")
+        self.reduce_scatter_per_token = per_degree("reduce_scatter_s_per_token")
+        self.reduce_scatter_fixed = per_degree("reduce_scatter_fixed_s")
         ranks = np.arange(cp_size)
         # block_mask[degree index, first rank]: the CP ranks of the block of that degree starting there
         self.block_mask = np.array([[(ranks >= first) & (ranks < first + degree) for first in range(cp_size)]
@@ -113,31 +113,36 @@ class _State:
         self.micro_batch_of = np.full(problem.num_sequences, -1, dtype=np.int64)
         self.first_of = np.zeros(problem.num_sequences, dtype=np.int64)
         self.degree_index_of = np.zeros(problem.num_sequences, dtype=np.int64)
-        places = [(row, index, first, self.degree_index[degree])
-                  for row, micro_batch in enumerate(mb for micro_batches in dp_ranks for mb in micro_batches)
-                  for index, first, degree in _places(micro_batch, cp_size)]
-        if places:
-            rows, indices, firsts, degree_indices = np.array(places, dtype=np.int64).T
-            self.micro_batch_of[indices], self.first_of[indices] = rows, firsts
-            self.degree_index_of[indices] = degree_indices
-            in_block = self.block_mask[degree_indices, firsts]
-            for sums, alone in zip(self.sums, self.scalars(indices, degree_indices), strict=True):
-                np.add.at(sums, rows, in_block * alone[:, None])
-            sharded = self.degrees[degree_indices] > 1
-            np.add.at(self.counts, (rows[sharded], self.group_of(firsts, degree_indices)[sharded]), 1)
-            # each block's fixed collective costs, once per micro-batch where it has a sequence
-            fixed = np.zeros((2, self.counts.shape[1], cp_size))
-            for degree_index, degree in enumerate(degrees):
-                for first in range(0, cp_size, degree) if degree > 1 else ():
-                    group = self.group_offset[degree_index] + first // degree
-                    fixed[:, group] = np.outer((self.all_gather_fixed[degree_index],
-                                                self.reduce_scatter_fixed[degree_index]),
-                                               self.block_mask[degree_index, first])
-            self.sums.all_gather[:] += (self.counts > 0) @ fixed[0]
-            self.sums.reduce_scatter[:] += (self.counts > 0) @ fixed[1]
+        self._place_all([(row, index, first, self.degree_index[degree])
+                         for row, micro_batch in enumerate(mb for micro_batches in dp_ranks for mb in micro_batches)
+                         for index, first, degree in _places(micro_batch, cp_size)])
         self.times = self.sums.times_s(problem)
         self.micro_batch_times = self.times.max(axis=1, initial=0.0)
         self.dp_times = np.bincount(self.owner, weights=self.micro_batch_times, minlength=self.num_dp)
+
+    def _place_all(self, places: list[tuple[int, int, int, int]]) -> None:
+        """Put every (micro-batch row, sequence, first rank, degree index) at once."""
+        cp_size = self.problem.cp_size
+        if not places:
+            return
+        rows, indices, firsts, degree_indices = np.array(places, dtype=np.int64).T
+        self.micro_batch_of[indices], self.first_of[indices] = rows, firsts
+        self.degree_index_of[indices] = degree_indices
+        in_block = self.block_mask[degree_indices, firsts]
+        for sums, alone in zip(self.sums, self.scalars(indices, degree_indices), strict=True):
+            np.add.at(sums, rows, in_block * alone[:, None])
+        sharded = self.degrees[degree_indices] > 1
+        np.add.at(self.counts, (rows[sharded], self.group_of(firsts, degree_indices)[sharded]), 1)
+        # each block's fixed collective costs, once per micro-batch where it has a sequence
+        fixed = np.zeros((2, self.counts.shape[1], cp_size))
+        for degree_index, degree in enumerate(self.problem.degrees):
+            for first in range(0, cp_size, degree) if degree > 1 else ():
+                group = self.group_offset[degree_index] + first // degree
+                fixed[:, group] = np.outer((self.all_gather_fixed[degree_index],
+                                            self.reduce_scatter_fixed[degree_index]),
+                                           self.block_mask[degree_index, first])
+        self.sums.all_gather[:] += (self.counts > 0) @ fixed[0]
+        self.sums.reduce_scatter[:] += (self.counts > 0) @ fixed[1]
 
     def scalars(self, indices: IntArray, degree_indices: IntArray) -> _Sums:
         """What each sequence adds on every rank of its block at that degree, fixed collective costs left out."""
