@@ -99,6 +99,9 @@ class _State:
         self.reduce_scatter_per_token = per_degree("reduce_scatter_s_per_token")
         self.reduce_scatter_fixed = per_degree("reduce_scatter_fixed_s")
         ranks = np.arange(cp_size)
+        # rank_group[degree index, rank]: the row in ``counts`` of the rank's block of that degree (0 for single ranks)
+        self.rank_group = np.array([self.group_offset[index] + ranks // degree if degree > 1 else 0 * ranks
+                                    for index, degree in enumerate(degrees)])
         # block_mask[degree index, first rank]: the CP ranks of the block of that degree starting there
         self.block_mask = np.array([[(ranks >= first) & (ranks < first + degree) for first in range(cp_size)]
                                     for degree in degrees])
@@ -325,6 +328,18 @@ def _best_move(state: _State, index: int, source_group: int, slowest: int, thres
     dp_times = state.dp_times.copy()
     dp_times[slowest] -= cut_s
     owner = state.owner
+    # every degree at once, (degrees, micro-batches, CP ranks): the sequence added to the block of each rank
+    first_in_block = (counts == 0)[:, state.rank_group].transpose(1, 0, 2)
+    local = state.degrees == 1
+    per_rank = _Sums(
+        base.loads + state.share_of[:, index][:, None, None],
+        base.attention + (local * state.attention_of[index])[:, None, None],
+        base.all_gather + ((state.all_gather_per_token * length)[:, None, None]
+                           + state.all_gather_fixed[:, None, None] * first_in_block),
+        base.reduce_scatter + ((state.reduce_scatter_per_token * length)[:, None, None]
+                               + state.reduce_scatter_fixed[:, None, None] * first_in_block),
+        base.units + (length * state.units_per_token)[:, None, None])
+    times_s = per_rank.times_s(problem)
     best: _Move | None = None
     best_score_s = threshold_s
     for degree_index, degree in enumerate(problem.degrees):
@@ -332,20 +347,8 @@ def _best_move(state: _State, index: int, source_group: int, slowest: int, thres
             continue
         num_blocks = cp_size // degree
         shape = (len(owner), num_blocks, degree)
-        loads = base.loads + state.share_of[degree_index, index]
-        if degree == 1:
-            attention, all_gather, reduce_scatter = base.attention + state.attention_of[index], base.all_gather, \
-                base.reduce_scatter
-        else:
-            offset = state.group_offset[degree_index]
-            is_new = np.repeat(counts[:, offset:offset + num_blocks] == 0, degree, axis=1)
-            attention = base.attention
-            all_gather = base.all_gather + (state.all_gather_per_token[degree_index] * length
-                                            + state.all_gather_fixed[degree_index] * is_new)
-            reduce_scatter = base.reduce_scatter + (state.reduce_scatter_per_token[degree_index] * length
-                                                    + state.reduce_scatter_fixed[degree_index] * is_new)
-        room = (base.units + length * (cp_size // degree)).reshape(shape).max(axis=2) <= bucket_size * cp_size
-        block_time_s = rank_time_s(problem, loads, attention, all_gather, reduce_scatter).reshape(shape).max(axis=2)
+        room = per_rank.units[degree_index].reshape(shape).max(axis=2) <= bucket_size * cp_size
+        block_time_s = times_s[degree_index].reshape(shape).max(axis=2)
         if num_blocks > 1:  # the micro-batch's new time: the block's new time, or the busiest other block's
             block_before_s = base_times.reshape(shape).max(axis=2)
             ordered = np.sort(block_before_s, axis=1)
