@@ -242,19 +242,56 @@ def refine_plan(problem: PlanningProblem, dp_ranks: Sequence[Sequence[MicroBatch
     while budget > 0:
         slowest = int(state.dp_times.argmax())
         threshold_s = float(state.dp_times[slowest]) * (1 - MIN_PLAN_GAIN)
+        critical = _Critical.of(state, slowest)
+        action: _Move | _Swap | None = None
+        partners: _Partners | None = None
+        for i in np.argsort(-critical.cuts_s, kind="stable").tolist():
+            index = int(critical.indices[i])
+            if critical.cuts_s[i] <= 0 or budget <= 0:
+                break
+            if settled[index]:
+                continue
+            budget -= 1
+            if partners is None:
+                partners = _Partners(state, slowest)
+            found = [found for found in (
+                _best_swap(state, index, threshold_s, partners),
+                _best_move(state, index, int(critical.groups[i]), slowest, threshold_s, float(critical.cuts_s[i]),
+                           _Sums(*(sums[i] for sums in critical.without)), critical.without_times_s[i]),
+            ) if found is not None]
+            if found:
+                action = min(found, key=lambda found: found.score_s)
+                break
+            settled[index] = True
+        if action is None:
+            break
+        changed = _apply(state, action)
+        settled[np.isin(state.micro_batch_of, list(changed))] = False
+    return state.micro_batches(), float(state.dp_times.max())
+
+
+class _Critical(NamedTuple):
+    """The sequences on the critical CP rank of a micro-batch of the slowest DP rank: what a step may take off."""
+
+    indices: IntArray
+    groups: IntArray  # each one's block row in ``_State.counts``
+    without: _Sums  # each one's micro-batch without it, (sequences, CP ranks)
+    without_times_s: FloatArray
+    cuts_s: FloatArray  # how much faster its micro-batch is without it
+
+    @classmethod
+    def of(cls, state: _State, slowest: int) -> _Critical:
         critical = state.times.argmax(axis=1)
         micro_batch_of = state.micro_batch_of
-        placed = micro_batch_of >= 0
-        on_critical = placed & (state.owner[micro_batch_of] == slowest) & (state.first_of <= critical[micro_batch_of]) \
+        on_critical = (micro_batch_of >= 0) & (state.owner[micro_batch_of] == slowest) \
+            & (state.first_of <= critical[micro_batch_of]) \
             & (critical[micro_batch_of] < state.first_of + state.degrees[state.degree_index_of])
-        candidates = np.flatnonzero(on_critical)
-        if not len(candidates):
-            break
-        sources = micro_batch_of[candidates]
-        firsts, degree_indices = state.first_of[candidates], state.degree_index_of[candidates]
+        indices = np.flatnonzero(on_critical)
+        sources = micro_batch_of[indices]
+        firsts, degree_indices = state.first_of[indices], state.degree_index_of[indices]
         groups = state.group_of(firsts, degree_indices)
-        # each candidate's own contribution to its micro-batch, its block's fixed collective cost if it is the last
-        alone = state.scalars(candidates, degree_indices)
+        # each one's share of its micro-batch's sums, with its block's fixed collective cost if it is the last
+        alone = state.scalars(indices, degree_indices)
         in_block = state.block_mask[degree_indices, firsts]
         last = (state.degrees[degree_indices] > 1) & (state.counts[sources, groups] == 1)
         own = _Sums(in_block * alone.loads[:, None], in_block * alone.attention[:, None],
@@ -262,31 +299,9 @@ def refine_plan(problem: PlanningProblem, dp_ranks: Sequence[Sequence[MicroBatch
                     in_block * (alone.reduce_scatter + last * state.reduce_scatter_fixed[degree_indices])[:, None],
                     in_block * alone.units[:, None])
         without = _Sums(*(sums[sources] - mine for sums, mine in zip(state.sums, own, strict=True)))
-        without_times = without.times_s(problem)
-        cuts = state.micro_batch_times[sources] - without_times.max(axis=1)
-        action: _Move | _Swap | None = None
-        partners: _Partners | None = None
-        for i in np.argsort(-cuts, kind="stable").tolist():
-            if cuts[i] <= 0 or budget <= 0:
-                break
-            if settled[candidates[i]]:
-                continue
-            budget -= 1
-            if partners is None:
-                partners = _Partners(state, slowest)
-            found = [found for found in (
-                _best_swap(state, int(candidates[i]), threshold_s, partners),
-                _best_move(state, int(candidates[i]), int(groups[i]), slowest, threshold_s, float(cuts[i]),
-                           _Sums(*(sums[i] for sums in without)), without_times[i])) if found is not None]
-            if found:
-                action = min(found, key=lambda found: found.score_s)
-                break
-            settled[candidates[i]] = True
-        if action is None:
-            break
-        changed = _apply(state, action)
-        settled[np.isin(state.micro_batch_of, list(changed))] = False
-    return state.micro_batches(), float(state.dp_times.max())
+        without_times_s = without.times_s(state.problem)
+        return cls(indices=indices, groups=groups, without=without, without_times_s=without_times_s,
+                   cuts_s=state.micro_batch_times[sources] - without_times_s.max(axis=1, initial=0.0))
 
 
 def _apply(state: _State, action: _Move | _Swap) -> set[int]:
