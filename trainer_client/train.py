@@ -22,6 +22,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,6 +39,9 @@ from trainer_client.trainer import TrainConfig, Trainer
 __all__ = ["build_parser", "main"]
 
 EXIT_USER_ERROR = 2
+# Before there is a process group, rank 0 reports a user error; the others wait this long for it (torchrun stops every
+# rank as soon as one exits, and rank 0 could be stopped before it prints), and report it themselves if not stopped.
+REPORT_GRACE_S = 30.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,8 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(error, ValueError):
             raise
         # A user error: the first rank to fail reports it (rank 0 before there is a process group to tell).
-        if first is not None or is_main:
-            print(f"error: {error}", file=sys.stderr)
+        if first is None and not is_main:
+            time.sleep(REPORT_GRACE_S)  # rank 0 has the same error, reports it and exits: torchrun stops us here
+        print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     finally:
         if trainer is not None:
