@@ -220,7 +220,7 @@ class _Placement:
         return MicroBatch(local=tuple(map(tuple, local)), distributed=tuple(distributed), sharded=sharded)
 
 
-Move = tuple[float, int, int | None, int]  # (gain, sequence off the busiest rank, its swap partner or None, rank)
+_Exchange = tuple[float, int, int | None, int]  # (gain, sequence off the busiest rank, its swap partner or None, rank)
 
 
 def _refine(problem: PlanningProblem, candidate: _Placement) -> bool:
@@ -254,7 +254,7 @@ def _refine(problem: PlanningProblem, candidate: _Placement) -> bool:
 
 
 def _best_move(problem: PlanningProblem, candidate: _Placement, members: list[list[tuple[float, int]]],
-               busiest: int) -> Move | None:
+               busiest: int) -> _Exchange | None:
     """The move or swap of local sequences that lowers the load of rank ``busiest`` the most within the memory
     bound.
 
@@ -265,7 +265,7 @@ def _best_move(problem: PlanningProblem, candidate: _Placement, members: list[li
     none can beat the best gain so far: O(K log K) per step where comparing every pair was O(K² / N)."""
     cp_size, lengths = problem.cp_size, problem.sequence_lengths
     loads, remaining = candidate.loads, candidate.remaining
-    best: Move | None = None
+    best: _Exchange | None = None
     for other in range(cp_size):
         gap = loads[busiest] - loads[other]
         if other == busiest or gap / 2 <= (best[0] if best else 0.0):

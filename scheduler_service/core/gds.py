@@ -215,9 +215,8 @@ def _lpt_gds(problem: PlanningProblem, weights: Sequence[float], search: Search)
 
 def skrull(problem: PlanningProblem) -> Plan:
     """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, hybrid DACP, refined across
-    micro-batches and DP ranks (``refine_plan``); binary Skrull's
-    plan where that is cheaper under the cost model (its DP split and cuts can differ), so never slower than it.
-    Both are searched in one batched pass."""
+    micro-batches and DP ranks (``refine_plan``); binary Skrull's plan where that is cheaper under the cost model
+    (its DP split and cuts can differ), so never slower than it. Both are searched in one batched pass."""
     hybrid_split, binary_split = _split(problem, problem.area), _split(problem, problem.flops_list)
     hybrid_found, binary_found = hybrid_and_balanced_candidates(problem, hybrid_split.groups, binary_split.groups)
     hybrid = _assemble(problem, hybrid_split, hybrid_found)[0]
