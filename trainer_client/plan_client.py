@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import ValidationError
@@ -136,6 +136,18 @@ class PlanRejected(PlanClientError):
 class PlanOrigin(StrEnum):
     SERVICE = "service"
     EMBEDDED = "embedded"
+
+
+Answer = TypeVar("Answer", PlanResponse, FeedbackResponse)
+
+
+def _parsed(response: httpx.Response, answer: type[Answer], request: str) -> Answer:
+    """The service's answer to ``request`` as its model; ``PlanRejected`` (final) for a body that is not one."""
+    try:
+        return answer.model_validate_json(response.content)
+    except ValidationError as error:
+        raise PlanRejected(f"{request} answered a body that is not a {answer.__name__}: "
+                           f"{error.error_count()} errors, first: {error.errors()[0]['msg']}") from None
 
 
 def _problem_detail(response: httpx.Response) -> str:
@@ -291,11 +303,7 @@ class PlanClient:
         if response.status_code != 200:
             raise PlanRejected(f"POST {self.base_url}/plan answered {response.status_code}: "
                                f"{_problem_detail(response)}")
-        try:
-            return PlanResponse.model_validate_json(response.content)
-        except ValidationError as error:
-            raise PlanRejected(f"POST {self.base_url}/plan answered a body that is not a PlanResponse: "
-                               f"{error.error_count()} errors, first: {error.errors()[0]['msg']}") from None
+        return _parsed(response, PlanResponse, f"POST {self.base_url}/plan")
 
     def feedback(self, request: FeedbackRequest) -> FeedbackResponse:
         """POST /feedback once (a report is not worth retrying: the next step sends a fresh one)."""
@@ -309,11 +317,7 @@ class PlanClient:
             error_type = PlanUnavailable if response.status_code in _RETRIED_STATUS else PlanRejected
             raise error_type(f"POST {self.base_url}/feedback answered {response.status_code}: "
                              f"{_problem_detail(response)}")
-        try:
-            return FeedbackResponse.model_validate_json(response.content)
-        except ValidationError as error:
-            raise PlanRejected(f"POST {self.base_url}/feedback answered a body that is not a FeedbackResponse: "
-                               f"{error.error_count()} errors") from None
+        return _parsed(response, FeedbackResponse, f"POST {self.base_url}/feedback")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
