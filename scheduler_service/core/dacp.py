@@ -262,16 +262,21 @@ def _best_move(problem: PlanningProblem, candidate: _Placement, members: list[li
     swapping it with ``b`` by ``min(δ, gap - δ)`` with ``δ = F_a - F_b`` (a move is a swap with a partner of cost
     0): both peak at ``δ = gap / 2``. Each rank's sequences are sorted by cost, so the best partner of ``a`` is
     found by bisecting for that target and walking outwards, nearest first, until one fits the memory bound or
-    none can beat the best gain so far: O(K log K) per step where comparing every pair was O(K² / N)."""
+    none can beat the best gain so far: O(K log K) per step where comparing every pair was O(K² / N). A gain is at
+    most ``gap / 2`` and at most ``F_a``, so ranks are visited by decreasing gap and the busiest rank's sequences by
+    decreasing cost, and each loop stops where no later one can beat the best gain found."""
     cp_size, lengths = problem.cp_size, problem.sequence_lengths
     loads, remaining = candidate.loads, candidate.remaining
     best: _Exchange | None = None
-    for other in range(cp_size):
+    best_gain = 0.0
+    for other in sorted(range(cp_size), key=loads.__getitem__):
         gap = loads[busiest] - loads[other]
-        if other == busiest or gap / 2 <= (best[0] if best else 0.0):
-            continue
+        if gap / 2 <= best_gain:  # ``busiest`` itself, and every rank after it, too
+            break
         partners: list[tuple[float, int | None]] = [(0.0, None), *members[other]]
-        for cost_a, a in members[busiest]:
+        for cost_a, a in reversed(members[busiest]):
+            if cost_a <= best_gain:
+                break
             units_a = lengths[a] * cp_size
             right = bisect.bisect_left(partners, (cost_a - gap / 2,))
             left = right - 1
@@ -279,13 +284,13 @@ def _best_move(problem: PlanningProblem, candidate: _Placement, members: list[li
                 gain_left = _swap_gain(cost_a - partners[left][0], gap) if left >= 0 else 0.0
                 gain_right = _swap_gain(cost_a - partners[right][0], gap) if right < len(partners) else 0.0
                 gain = max(gain_left, gain_right)
-                if gain <= (best[0] if best else 0.0):
+                if gain <= best_gain:
                     break
                 side = left if gain_left >= gain_right else right
                 b = partners[side][1]
                 units_b = 0 if b is None else lengths[b] * cp_size
                 if remaining[other] + units_b >= units_a and remaining[busiest] + units_a >= units_b:
-                    best = (gain, a, b, other)
+                    best, best_gain = (gain, a, b, other), gain
                     break
                 if side == left:
                     left -= 1

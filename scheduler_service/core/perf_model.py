@@ -92,8 +92,8 @@ FloatOrArray = TypeVar("FloatOrArray", float, npt.NDArray[np.float64])  # one ra
 
 
 def _positive_part(value: FloatOrArray) -> FloatOrArray:
-    """``max(0, value)`` for a float or elementwise for an array, exactly (x + |x| is 2x or 0)."""
-    return (value + abs(value)) * 0.5
+    """``max(0, value)`` for a float, or elementwise for an array."""
+    return np.maximum(value, 0.0) if isinstance(value, np.ndarray) else max(value, 0.0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

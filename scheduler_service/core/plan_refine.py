@@ -265,8 +265,8 @@ def refine_plan(problem: PlanningProblem, dp_ranks: Sequence[Sequence[MicroBatch
             settled[index] = True
         if action is None:
             break
-        changed = _apply(state, action)
-        settled[np.isin(state.micro_batch_of, list(changed))] = False
+        for micro_batch in _apply(state, action):
+            settled[state.micro_batch_of == micro_batch] = False
     return state.micro_batches(), float(state.dp_times.max())
 
 
@@ -426,13 +426,17 @@ def _best_swap(state: _State, x: int, threshold_s: float, partners: _Partners) -
     if not feasible.any():
         return None
     x_at_partner = state.scalars(np.full(len(partners.indices), x), partners.degree_index)
-    mask_x = state.block_mask[degree_index_x, first_x]
-    rows_a = _Sums(*(sums[a] + mask_x * (gained - lost)[:, None]
+    # only the ranks of x's block change in its micro-batch: its other ranks keep their times (and their memory,
+    # which is within the bound)
+    block_x = slice(first_x, first_x + int(state.degrees[degree_index_x]))
+    rows_a = _Sums(*(sums[a, block_x] + (gained - lost)[:, None]
                      for sums, gained, lost in zip(state.sums, partner_at_x, x_at_x, strict=True)))
+    times_a = state.times[a]
+    others_a_s = max(times_a[:block_x.start].max(initial=0.0), times_a[block_x.stop:].max(initial=0.0))
     rows_b = _Sums(*(sums + partners.mask * (gained - lost)[:, None]
                      for sums, gained, lost in zip(partners.sums, x_at_partner, partners.at_own_place, strict=True)))
     fits = feasible & (rows_a.units.max(axis=1) <= capacity) & (rows_b.units.max(axis=1) <= capacity)
-    change_a = rows_a.times_s(problem).max(axis=1) - state.micro_batch_times[a]
+    change_a = np.maximum(rows_a.times_s(problem).max(axis=1), others_a_s) - state.micro_batch_times[a]
     change_b = rows_b.times_s(problem).max(axis=1) - partners.micro_batch_times
     slowest_s = state.dp_times.max() + change_a + partners.in_slowest * change_b
     other_s = np.where(partners.in_slowest, -np.inf, partners.dp_times + change_b)
