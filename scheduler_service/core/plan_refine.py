@@ -47,7 +47,8 @@ Array = npt.NDArray[Any]  # float64, or int64 for memory units
 
 class _Sums(NamedTuple):
     """Per-rank sums: the inputs of ``rank_time_s`` (floats) and the memory units (1/N token, integers), as arrays
-    of any shape."""
+    with the CP ranks on the first axis (numpy reduces over a leading axis of 8 rows several times faster than over
+    a trailing one of 8 columns)."""
 
     loads: Array
     attention: Array
@@ -74,7 +75,8 @@ class _Swap(NamedTuple):
 
 
 class _State:
-    """Every micro-batch's per-rank sums (rows: the micro-batches of every DP rank), and where each sequence is."""
+    """Every micro-batch's per-rank sums (CP ranks × the micro-batches of every DP rank), and where each sequence
+    is."""
 
     def __init__(self, problem: PlanningProblem, dp_ranks: Sequence[Sequence[MicroBatch]]) -> None:
         cp_size, degrees = problem.cp_size, problem.degrees
@@ -102,17 +104,17 @@ class _State:
         # rank_group[degree index, rank]: the row in ``counts`` of the rank's block of that degree (0 for single ranks)
         self.rank_group = np.array([self.group_offset[index] + ranks // degree if degree > 1 else 0 * ranks
                                     for index, degree in enumerate(degrees)])
-        # block_mask[degree index, first rank]: the CP ranks of the block of that degree starting there
+        # block_mask[:, degree index, first rank]: the CP ranks of the block of that degree starting there
         self.block_mask = np.array([[(ranks >= first) & (ranks < first + degree) for first in range(cp_size)]
-                                    for degree in degrees])
+                                    for degree in degrees]).transpose(2, 0, 1).copy()
         self.units_per_token = cp_size // self.degrees
         self.share_of = np.array([problem.placement[degree] for degree in degrees])  # (degrees, sequences)
         self.lengths = problem.lengths
         self.attention_of = np.asarray(problem.local_attention)
-        shape = (num_micro_batches, cp_size)
+        shape = (cp_size, num_micro_batches)
         self.sums = _Sums(np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape),
                           np.zeros(shape, dtype=np.int64))
-        self.counts = np.zeros((num_micro_batches, max(num_groups, 1)), dtype=np.int64)  # sequences per block
+        self.counts = np.zeros((max(num_groups, 1), num_micro_batches), dtype=np.int64)  # sequences per block
         self.micro_batch_of = np.full(problem.num_sequences, -1, dtype=np.int64)
         self.first_of = np.zeros(problem.num_sequences, dtype=np.int64)
         self.degree_index_of = np.zeros(problem.num_sequences, dtype=np.int64)
@@ -120,7 +122,7 @@ class _State:
                          for row, micro_batch in enumerate(mb for micro_batches in dp_ranks for mb in micro_batches)
                          for index, first, degree in _places(micro_batch, cp_size)])
         self.times = self.sums.times_s(problem)
-        self.micro_batch_times = self.times.max(axis=1, initial=0.0)
+        self.micro_batch_times = self.times.max(axis=0, initial=0.0)
         self.dp_times = np.bincount(self.owner, weights=self.micro_batch_times, minlength=self.num_dp)
 
     def _place_all(self, places: list[tuple[int, int, int, int]]) -> None:
@@ -131,21 +133,21 @@ class _State:
         rows, indices, firsts, degree_indices = np.array(places, dtype=np.int64).T
         self.micro_batch_of[indices], self.first_of[indices] = rows, firsts
         self.degree_index_of[indices] = degree_indices
-        in_block = self.block_mask[degree_indices, firsts]
+        in_block = self.block_mask[:, degree_indices, firsts]
         for sums, alone in zip(self.sums, self.scalars(indices, degree_indices), strict=True):
-            np.add.at(sums, rows, in_block * alone[:, None])
+            np.add.at(sums.T, rows, (in_block * alone).T)  # into the micro-batches' columns, through a view
         sharded = self.degrees[degree_indices] > 1
-        np.add.at(self.counts, (rows[sharded], self.group_of(firsts, degree_indices)[sharded]), 1)
+        np.add.at(self.counts, (self.group_of(firsts, degree_indices)[sharded], rows[sharded]), 1)
         # each block's fixed collective costs, once per micro-batch where it has a sequence
-        fixed = np.zeros((2, self.counts.shape[1], cp_size))
+        fixed = np.zeros((2, cp_size, self.counts.shape[0]))
         for degree_index, degree in enumerate(self.problem.degrees):
             for first in range(0, cp_size, degree) if degree > 1 else ():
                 group = self.group_offset[degree_index] + first // degree
-                fixed[:, group] = np.outer((self.all_gather_fixed[degree_index],
-                                            self.reduce_scatter_fixed[degree_index]),
-                                           self.block_mask[degree_index, first])
-        self.sums.all_gather[:] += (self.counts > 0) @ fixed[0]
-        self.sums.reduce_scatter[:] += (self.counts > 0) @ fixed[1]
+                fixed[:, :, group] = np.outer((self.all_gather_fixed[degree_index],
+                                               self.reduce_scatter_fixed[degree_index]),
+                                              self.block_mask[:, degree_index, first])
+        self.sums.all_gather[:] += fixed[0] @ (self.counts > 0)
+        self.sums.reduce_scatter[:] += fixed[1] @ (self.counts > 0)
 
     def scalars(self, indices: IntArray, degree_indices: IntArray) -> _Sums:
         """What each sequence adds on every rank of its block at that degree, fixed collective costs left out."""
@@ -174,26 +176,26 @@ class _State:
         degree = int(self.degrees[degree_index])
         block = slice(first, first + degree)
         length = int(self.lengths[index])
-        self.sums.loads[micro_batch, block] += sign * self.share_of[degree_index, index]
+        self.sums.loads[block, micro_batch] += sign * self.share_of[degree_index, index]
         if degree == 1:
-            self.sums.attention[micro_batch, first] += sign * self.attention_of[index]
+            self.sums.attention[first, micro_batch] += sign * self.attention_of[index]
         else:
             group = self.group_offset[degree_index] + first // degree
-            fixed = self.counts[micro_batch, group] == (0 if sign > 0 else 1)  # the block's first or last sequence
-            self.sums.all_gather[micro_batch, block] += sign * (self.all_gather_per_token[degree_index] * length
+            fixed = self.counts[group, micro_batch] == (0 if sign > 0 else 1)  # the block's first or last sequence
+            self.sums.all_gather[block, micro_batch] += sign * (self.all_gather_per_token[degree_index] * length
                                                                 + fixed * self.all_gather_fixed[degree_index])
-            self.sums.reduce_scatter[micro_batch, block] += sign * (self.reduce_scatter_per_token[degree_index] * length
+            self.sums.reduce_scatter[block, micro_batch] += sign * (self.reduce_scatter_per_token[degree_index] * length
                                                                     + fixed * self.reduce_scatter_fixed[degree_index])
-            self.counts[micro_batch, group] += sign
-        self.sums.units[micro_batch, block] += sign * length * int(self.units_per_token[degree_index])
+            self.counts[group, micro_batch] += sign
+        self.sums.units[block, micro_batch] += sign * length * int(self.units_per_token[degree_index])
 
     def retime(self, micro_batches: set[int]) -> None:
         for micro_batch in micro_batches:
             if not (self.micro_batch_of == micro_batch).any():  # exact zeros for an emptied micro-batch
                 for sums in self.sums:
-                    sums[micro_batch] = 0
-            self.times[micro_batch] = _Sums(*(sums[micro_batch] for sums in self.sums)).times_s(self.problem)
-            self.micro_batch_times[micro_batch] = self.times[micro_batch].max()
+                    sums[:, micro_batch] = 0
+            self.times[:, micro_batch] = _Sums(*(sums[:, micro_batch] for sums in self.sums)).times_s(self.problem)
+            self.micro_batch_times[micro_batch] = self.times[:, micro_batch].max()
         self.dp_times = np.bincount(self.owner, weights=self.micro_batch_times, minlength=self.num_dp)
 
     def micro_batches(self) -> list[list[MicroBatch]]:
@@ -257,7 +259,7 @@ def refine_plan(problem: PlanningProblem, dp_ranks: Sequence[Sequence[MicroBatch
             found = [found for found in (
                 _best_swap(state, index, threshold_s, partners),
                 _best_move(state, index, int(critical.groups[i]), slowest, threshold_s, float(critical.cuts_s[i]),
-                           _Sums(*(sums[i] for sums in critical.without)), critical.without_times_s[i]),
+                           _Sums(*(sums[:, i] for sums in critical.without)), critical.without_times_s[:, i]),
             ) if found is not None]
             if found:
                 action = min(found, key=lambda found: found.score_s)
@@ -275,13 +277,13 @@ class _Critical(NamedTuple):
 
     indices: IntArray
     groups: IntArray  # each one's block row in ``_State.counts``
-    without: _Sums  # each one's micro-batch without it, (sequences, CP ranks)
+    without: _Sums  # each one's micro-batch without it, (CP ranks, sequences)
     without_times_s: FloatArray
     cuts_s: FloatArray  # how much faster its micro-batch is without it
 
     @classmethod
     def of(cls, state: _State, slowest: int) -> _Critical:
-        critical = state.times.argmax(axis=1)
+        critical = state.times.argmax(axis=0)
         micro_batch_of = state.micro_batch_of
         on_critical = (micro_batch_of >= 0) & (state.owner[micro_batch_of] == slowest) \
             & (state.first_of <= critical[micro_batch_of]) \
@@ -292,16 +294,16 @@ class _Critical(NamedTuple):
         groups = state.group_of(firsts, degree_indices)
         # each one's share of its micro-batch's sums, with its block's fixed collective cost if it is the last
         alone = state.scalars(indices, degree_indices)
-        in_block = state.block_mask[degree_indices, firsts]
-        last = (state.degrees[degree_indices] > 1) & (state.counts[sources, groups] == 1)
-        own = _Sums(in_block * alone.loads[:, None], in_block * alone.attention[:, None],
-                    in_block * (alone.all_gather + last * state.all_gather_fixed[degree_indices])[:, None],
-                    in_block * (alone.reduce_scatter + last * state.reduce_scatter_fixed[degree_indices])[:, None],
-                    in_block * alone.units[:, None])
-        without = _Sums(*(sums[sources] - mine for sums, mine in zip(state.sums, own, strict=True)))
+        in_block = state.block_mask[:, degree_indices, firsts]
+        last = (state.degrees[degree_indices] > 1) & (state.counts[groups, sources] == 1)
+        own = _Sums(in_block * alone.loads, in_block * alone.attention,
+                    in_block * (alone.all_gather + last * state.all_gather_fixed[degree_indices]),
+                    in_block * (alone.reduce_scatter + last * state.reduce_scatter_fixed[degree_indices]),
+                    in_block * alone.units)
+        without = _Sums(*(sums[:, sources] - mine for sums, mine in zip(state.sums, own, strict=True)))
         without_times_s = without.times_s(state.problem)
         return cls(indices=indices, groups=groups, without=without, without_times_s=without_times_s,
-                   cuts_s=state.micro_batch_times[sources] - without_times_s.max(axis=1, initial=0.0))
+                   cuts_s=state.micro_batch_times[sources] - without_times_s.max(axis=0, initial=0.0))
 
 
 def _apply(state: _State, action: _Move | _Swap) -> set[int]:
@@ -332,19 +334,19 @@ def _best_move(state: _State, index: int, source_group: int, slowest: int, thres
     length = int(state.lengths[index])
     base = _Sums(*(sums.copy() for sums in state.sums))
     for sums, row in zip(base, without, strict=True):
-        sums[source] = row
+        sums[:, source] = row
     base_times = state.times.copy()
-    base_times[source] = without_times
+    base_times[:, source] = without_times
     counts = state.counts
     if state.degrees[state.degree_index_of[index]] > 1:
         counts = state.counts.copy()
-        counts[source, source_group] -= 1
-    base_micro_batch_times = base_times.max(axis=1)
+        counts[source_group, source] -= 1
+    base_micro_batch_times = base_times.max(axis=0)
     dp_times = state.dp_times.copy()
     dp_times[slowest] -= cut_s
     owner = state.owner
-    # every degree at once, (degrees, micro-batches, CP ranks): the sequence added to the block of each rank
-    first_in_block = (counts == 0)[:, state.rank_group].transpose(1, 0, 2)
+    # every degree at once, (degrees, CP ranks, micro-batches): the sequence added to the block of each rank
+    first_in_block = (counts == 0)[state.rank_group]
     local = state.degrees == 1
     per_rank = _Sums(
         base.loads + state.share_of[:, index][:, None, None],
@@ -361,18 +363,19 @@ def _best_move(state: _State, index: int, source_group: int, slowest: int, thres
         if length > degree * bucket_size:
             continue
         num_blocks = cp_size // degree
-        shape = (len(owner), num_blocks, degree)
-        room = per_rank.units[degree_index].reshape(shape).max(axis=2) <= bucket_size * cp_size
-        block_time_s = times_s[degree_index].reshape(shape).max(axis=2)
+        shape = (num_blocks, degree, len(owner))
+        room = per_rank.units[degree_index].reshape(shape).max(axis=1) <= bucket_size * cp_size
+        block_time_s = times_s[degree_index].reshape(shape).max(axis=1)
         if num_blocks > 1:  # the micro-batch's new time: the block's new time, or the busiest other block's
-            block_before_s = base_times.reshape(shape).max(axis=2)
-            ordered = np.sort(block_before_s, axis=1)
-            busiest, second = ordered[:, -1:], ordered[:, -2:-1]
+            block_before_s = base_times.reshape(shape).max(axis=1)
+            ordered = np.sort(block_before_s, axis=0)
+            busiest, second = ordered[-1:], ordered[-2:-1]
             micro_batch_time_s = np.maximum(block_time_s, np.where(block_before_s >= busiest, second, busiest))
         else:
             micro_batch_time_s = block_time_s
-        receiver_s = (dp_times[owner] - base_micro_batch_times)[:, None] + micro_batch_time_s  # its DP rank's time
-        score_s = np.where(room, np.maximum(receiver_s, dp_times[slowest]), np.inf)
+        receiver_s = (dp_times[owner] - base_micro_batch_times) + micro_batch_time_s  # its DP rank's time
+        # (micro-batches, blocks), so that ties go to the first micro-batch, then the first block
+        score_s = np.where(room, np.maximum(receiver_s, dp_times[slowest]), np.inf).T
         flat = int(score_s.argmin())
         if score_s.flat[flat] < best_score_s:
             target, block = divmod(flat, num_blocks)
@@ -389,11 +392,11 @@ class _Partners:
         self.indices = np.flatnonzero(state.micro_batch_of >= 0)
         self.micro_batch = state.micro_batch_of[self.indices]
         self.degree_index = state.degree_index_of[self.indices]
-        self.mask = state.block_mask[self.degree_index, state.first_of[self.indices]]  # (partners, N)
+        self.mask = state.block_mask[:, self.degree_index, state.first_of[self.indices]]  # (N, partners)
         self.lengths = state.lengths[self.indices]
         self.at_own_place = state.scalars(self.indices, self.degree_index)
         self.room = state.degrees[self.degree_index] * state.problem.bucket_size  # the longest their place holds
-        self.sums = _Sums(*(sums[self.micro_batch] for sums in state.sums))
+        self.sums = _Sums(*(sums[:, self.micro_batch] for sums in state.sums))
         self.micro_batch_times = state.micro_batch_times[self.micro_batch]
         owner = state.owner[self.micro_batch]
         self.in_slowest = owner == slowest
@@ -429,15 +432,15 @@ def _best_swap(state: _State, x: int, threshold_s: float, partners: _Partners) -
     # only the ranks of x's block change in its micro-batch: its other ranks keep their times (and their memory,
     # which is within the bound)
     block_x = slice(first_x, first_x + int(state.degrees[degree_index_x]))
-    rows_a = _Sums(*(sums[a, block_x] + (gained - lost)[:, None]
+    rows_a = _Sums(*(sums[block_x, a, None] + (gained - lost)
                      for sums, gained, lost in zip(state.sums, partner_at_x, x_at_x, strict=True)))
-    times_a = state.times[a]
+    times_a = state.times[:, a]
     others_a_s = max(times_a[:block_x.start].max(initial=0.0), times_a[block_x.stop:].max(initial=0.0))
-    rows_b = _Sums(*(sums + partners.mask * (gained - lost)[:, None]
+    rows_b = _Sums(*(sums + partners.mask * (gained - lost)
                      for sums, gained, lost in zip(partners.sums, x_at_partner, partners.at_own_place, strict=True)))
-    fits = feasible & (rows_a.units.max(axis=1) <= capacity) & (rows_b.units.max(axis=1) <= capacity)
-    change_a = np.maximum(rows_a.times_s(problem).max(axis=1), others_a_s) - state.micro_batch_times[a]
-    change_b = rows_b.times_s(problem).max(axis=1) - partners.micro_batch_times
+    fits = feasible & (rows_a.units.max(axis=0) <= capacity) & (rows_b.units.max(axis=0) <= capacity)
+    change_a = np.maximum(rows_a.times_s(problem).max(axis=0), others_a_s) - state.micro_batch_times[a]
+    change_b = rows_b.times_s(problem).max(axis=0) - partners.micro_batch_times
     slowest_s = state.dp_times.max() + change_a + partners.in_slowest * change_b
     other_s = np.where(partners.in_slowest, -np.inf, partners.dp_times + change_b)
     score_s = np.where(fits, np.maximum(slowest_s, other_s), np.inf)
