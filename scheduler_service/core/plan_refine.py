@@ -15,7 +15,7 @@ the first sequence with a swap or move that makes the slower of the (one or two)
 slowest DP rank was, by at least ``MIN_PLAN_GAIN``, takes its best one. A sequence with none is not costed again
 until its micro-batch changes (a don't-look bit); a work budget bounds the sequences costed. The candidates of a
 sequence are costed at once, exactly under the cost model (``rank_time_s``, collectives' fixed costs included), as
-arrays over sequences × CP ranks (swaps) or micro-batches × CP ranks (moves). Swaps do most of the work: a long
+arrays over CP ranks × sequences (swaps) or CP ranks × micro-batches (moves). Swaps do most of the work: a long
 sequence on a critical rank trades places with a shorter one elsewhere, which fine-tunes both micro-batches.
 """
 
