@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench load stress serve schema profile accuracy feedback lint clean images docker-smoke
+.PHONY: install system-deps demo test bench load stress serve schema profile accuracy feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -16,6 +16,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
+
+# The Debian packages behind the suite's real-engine tests (the Redis job store, the plan viewer in headless
+# Chromium); without them those tests skip and name what is missing. Needs root and apt-get; CI runs it.
+SYSTEM_PACKAGES := redis-server chromium chromium-driver
+
+system-deps:
+	@missing="$$(for package in $(SYSTEM_PACKAGES); do dpkg -s $$package >/dev/null 2>&1 || echo $$package; done)"; \
+	if [ -n "$$missing" ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
 
 demo: install
 	$(PY) -m trainer_client.demo
