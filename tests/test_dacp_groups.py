@@ -218,7 +218,7 @@ def crowded_placements(draw: st.DrawFn) -> tuple[PlanningProblem, dacp._Placemen
     rows = dacp_search.Rows.empty(problem, np.zeros(1, dtype=np.int64), np.arange(len(lengths))[None, :])
     arrays = dacp_search.SearchArrays.of(problem)
     for step, rank in enumerate(ranks):
-        rows.place(arrays, np.ones(1, dtype=np.bool_), step, np.array([rank]))
+        rows.put(arrays, np.ones(1, dtype=np.bool_), step, dacp_search.LOCAL, np.array([rank]))
     return problem, dacp._Placement(problem, rows, 0)
 
 

@@ -45,22 +45,46 @@ BoolArray = npt.NDArray[np.bool_]
 @dataclass(frozen=True, slots=True)
 class SearchArrays:
     """The problem's per-sequence figures as arrays, with one zero-cost padding sequence at index ``n`` so that
-    micro-batches of different sizes share one rectangular array."""
+    micro-batches of different sizes share one rectangular array; and, per place a sequence can take (``LOCAL``,
+    then each sharding degree: ``slot[degree]`` is its row), what it costs there, so one update can put each row's
+    sequence at a place of its own."""
 
     lengths: IntArray
     placement: dict[int, FloatArray]  # degree -> per-rank share of each sequence sharded over that many ranks
     local_attention: FloatArray
     area: FloatArray
     padding: int
+    slot: IntArray  # (cp_size + 1,) row of ``LOCAL`` and of each sharding degree in the arrays below
+    shares: FloatArray  # (places, n + 1) per-rank share of each sequence at that place
+    all_gather_per_token: FloatArray  # (places,) collectives' costs: none for ``LOCAL``
+    all_gather_fixed: FloatArray
+    reduce_scatter_per_token: FloatArray
+    reduce_scatter_fixed: FloatArray
+    group_offset: IntArray  # (places,) row of the place's first aligned block in ``Rows.has_group``
 
     @classmethod
     def of(cls, problem: PlanningProblem) -> SearchArrays:
         def padded(values: Sequence[float]) -> FloatArray:
             return np.append(np.asarray(values, dtype=np.float64), 0.0)
 
+        placement = {degree: padded(costs) for degree, costs in problem.placement.items()}
+        sharding = _group_degrees(problem)
+        slot = np.zeros(problem.cp_size + 1, dtype=np.int64)
+        slot[list(sharding)] = np.arange(1, len(sharding) + 1)
+        collectives = [problem.perf.collective_cost(degree) for degree in sharding]
+
+        def per_place(cost: str) -> FloatArray:
+            return np.array([0.0, *(getattr(collective, cost) for collective in collectives)])
+
+        offsets = _group_offsets(problem)
         return cls(lengths=np.append(problem.lengths, 0), local_attention=padded(problem.local_attention),
-                   placement={degree: padded(costs) for degree, costs in problem.placement.items()},
-                   area=padded(problem.area), padding=problem.num_sequences)
+                   placement=placement, area=padded(problem.area), padding=problem.num_sequences, slot=slot,
+                   shares=np.array([placement[1], *(placement[degree] for degree in sharding)]),
+                   all_gather_per_token=per_place("all_gather_s_per_token"),
+                   all_gather_fixed=per_place("all_gather_fixed_s"),
+                   reduce_scatter_per_token=per_place("reduce_scatter_s_per_token"),
+                   reduce_scatter_fixed=per_place("reduce_scatter_fixed_s"),
+                   group_offset=np.array([0, *(offsets[degree] for degree in sharding)], dtype=np.int64))
 
 
 @dataclass(slots=True)
@@ -108,37 +132,40 @@ class Rows:
         still have a sequence to place at a step are a prefix."""
         return self.take(slice(count))
 
-    def place(self, arrays: SearchArrays, selected: BoolArray, step: int, ranks: IntArray) -> None:
-        """Put the ``step``-th sequence of each selected row whole on its rank."""
-        sequences = self.order[:, step]
-        on_rank = (np.arange(self.loads.shape[0])[:, None] == ranks) & selected
-        self.loads += on_rank * arrays.placement[1][sequences]
-        self.attention += on_rank * arrays.local_attention[sequences]
-        self.remaining -= on_rank * (arrays.lengths[sequences] * self.loads.shape[0])
-        self.degree[selected, step] = LOCAL
-        self.first[selected, step] = ranks[selected]
-
-    def shard(self, problem: PlanningProblem, arrays: SearchArrays, selected: BoolArray, step: int, degree: int,
-              blocks: IntArray) -> None:
-        """Shard the ``step``-th sequence of each selected row over its aligned block of ``degree`` ranks (index
-        ``blocks``), paying the block's fixed collective cost once per row."""
-        cp_size = problem.cp_size
-        sequences = self.order[:, step]
+    def put(self, arrays: SearchArrays, selected: BoolArray, step: int, degree: int | IntArray,
+            blocks: IntArray) -> None:
+        """Put the ``step``-th sequence of each selected row at ``degree`` (one for every row, or one per row):
+        ``LOCAL``, whole on rank ``blocks``; else sharded over the aligned block of that many ranks with index
+        ``blocks``, paying the block's fixed collective cost once per row. Rows of other places add exact zeros."""
+        cp_size = self.loads.shape[0]
+        chosen = np.flatnonzero(selected)
+        if not chosen.size:
+            return
+        # a sparse selection (shards, late steps) updates its columns only; a dense one every column, masked
+        columns, mask = (chosen, True) if chosen.size * 4 < selected.size else (slice(None), selected)
+        every_column = np.arange(selected.size)[columns]
+        sequences, blocks, degree = self.order[columns, step], blocks[columns], np.asarray(degree)
+        if degree.ndim:
+            degree = degree[columns]
         tokens = arrays.lengths[sequences]
-        in_block = ((np.arange(cp_size) // degree)[:, None] == blocks) & selected
-        group = _group_offsets(problem)[degree] + blocks
-        every_row = np.arange(len(blocks))
-        is_new = selected & ~self.has_group[group, every_row]
-        self.has_group[group, every_row] |= selected
-        collective = problem.perf.collective_cost(degree)
-        self.loads += in_block * arrays.placement[degree][sequences]
-        self.remaining -= in_block * (tokens * (cp_size // degree))
-        self.all_gather += in_block * (collective.all_gather_s_per_token * tokens
-                                       + collective.all_gather_fixed_s * is_new)
-        self.reduce_scatter += in_block * (collective.reduce_scatter_s_per_token * tokens
-                                           + collective.reduce_scatter_fixed_s * is_new)
-        self.degree[selected, step] = degree
-        self.first[selected, step] = blocks[selected] * degree
+        slot, width = arrays.slot[degree], np.maximum(degree, 1)
+        in_block = ((np.arange(cp_size)[:, None] // width) == blocks) & mask
+        self.loads[:, columns] += in_block * arrays.shares[slot, sequences]
+        self.remaining[:, columns] -= in_block * (tokens * (cp_size // width))
+        local = mask & np.equal(degree, LOCAL)
+        if local.any():
+            self.attention[:, columns] += (in_block & local) * arrays.local_attention[sequences]
+        sharded = mask & ~local
+        if sharded.any():
+            group = np.where(sharded, arrays.group_offset[slot] + blocks, 0)  # a row not sharded changes no block
+            is_new = sharded & ~self.has_group[group, every_column]
+            self.has_group[group, every_column] |= sharded
+            self.all_gather[:, columns] += in_block * (arrays.all_gather_per_token[slot] * tokens
+                                                       + arrays.all_gather_fixed[slot] * is_new)
+            self.reduce_scatter[:, columns] += in_block * (arrays.reduce_scatter_per_token[slot] * tokens
+                                                           + arrays.reduce_scatter_fixed[slot] * is_new)
+        self.degree[chosen, step] = np.broadcast_to(degree, every_column.shape)[mask]
+        self.first[chosen, step] = np.broadcast_to(blocks * width, every_column.shape)[mask]
 
     def shard_prefix_over_group(self, problem: PlanningProblem, arrays: SearchArrays, counts: IntArray) -> None:
         """Shard each row's first ``counts`` sequences over the whole CP group at once (from prefix sums); a row
@@ -236,9 +263,9 @@ def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
         local = pending & has_room[ranks, np.arange(len(ranks))]
         sharded = pending & ~local & (active.remaining.min(axis=0) >= tokens)
         active.valid &= ~(pending & ~local & ~sharded)
-        active.place(arrays, local, step, ranks)
+        active.put(arrays, local, step, LOCAL, ranks)
         if sharded.any():
-            active.shard(problem, arrays, sharded, step, cp_size, np.zeros(len(ranks), dtype=np.int64))
+            active.put(arrays, sharded, step, cp_size, np.zeros(len(ranks), dtype=np.int64))
     return rows
 
 
@@ -289,18 +316,18 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     for step in range(ordered.shape[1]):
         count = int(np.count_nonzero(row_sizes > step))
         active, active_caps, active_chosen = rows.prefix(count), caps[:count], ordered_chosen[:count, step]
-        pending = active.valid.copy()
-        for degree in degrees:
-            candidates = pending & (active_chosen <= degree)
+        place = np.full(count, -1, dtype=np.int64)  # LOCAL or a sharding degree, -1 while none is found
+        blocks = np.zeros(count, dtype=np.int64)
+        for degree in degrees:  # each row's rows of sums stay as they are until its place is found: one update
+            candidates = active.valid & (place < 0) & (active_chosen <= degree)
             if not candidates.any():
                 continue
-            blocks, found = _best_fit_blocks(problem, arrays, active, candidates, step, degree, active_caps)
-            if degree == 1:
-                active.place(arrays, found, step, blocks)
-            else:
-                active.shard(problem, arrays, found, step, degree, blocks)
-            pending &= ~found
-        active.valid &= ~pending
+            best, found = _best_fit_blocks(problem, arrays, active, candidates, step, degree, active_caps)
+            place[found] = LOCAL if degree == 1 else degree
+            blocks[found] = best[found]
+        found = place >= 0
+        active.valid &= found
+        active.put(arrays, found, step, np.maximum(place, LOCAL), blocks)
     return rows
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, ShardedGroup
-from scheduler_service.core.simulate import rank_time_s
+from scheduler_service.core.simulate import rank_compute_time_s, rank_time_s
 
 __all__ = ["refine_plan"]
 
@@ -389,14 +389,20 @@ class _Partners:
     per step (the state changes only between steps)."""
 
     def __init__(self, state: _State, slowest: int) -> None:
+        problem = state.problem
         self.indices = np.flatnonzero(state.micro_batch_of >= 0)
         self.micro_batch = state.micro_batch_of[self.indices]
         self.degree_index = state.degree_index_of[self.indices]
-        self.mask = state.block_mask[:, self.degree_index, state.first_of[self.indices]]  # (N, partners)
+        self.first = state.first_of[self.indices]
         self.lengths = state.lengths[self.indices]
-        self.at_own_place = state.scalars(self.indices, self.degree_index)
-        self.room = state.degrees[self.degree_index] * state.problem.bucket_size  # the longest their place holds
-        self.sums = _Sums(*(sums[:, self.micro_batch] for sums in state.sums))
+        self.own_loads = state.share_of[self.degree_index, self.indices]
+        self.room = state.degrees[self.degree_index] * problem.bucket_size  # the longest their place holds
+        # the heaviest rank of each partner's block: with x in the partner's place, it bounds that micro-batch's time
+        block_heaviest = np.concatenate([state.sums.loads.reshape(problem.cp_size // degree, degree, -1).max(axis=1)
+                                         for degree in problem.degrees])  # (every block of every degree, micro-batches)
+        first_block = np.cumsum([0, *(problem.cp_size // degree for degree in problem.degrees[:-1])])
+        self.heaviest = block_heaviest[first_block[self.degree_index] + self.first // state.degrees[self.degree_index],
+                                       self.micro_batch]
         self.micro_batch_times = state.micro_batch_times[self.micro_batch]
         owner = state.owner[self.micro_batch]
         self.in_slowest = owner == slowest
@@ -416,7 +422,12 @@ class _Partners:
 def _best_swap(state: _State, x: int, threshold_s: float, partners: _Partners) -> _Swap | None:
     """Sequence ``x`` (in a micro-batch of the slowest DP rank) swaps places with the best sequence of another
     micro-batch, scored by the time of the slowest DP rank the swap changes; ``None`` if no swap beats
-    ``threshold_s``. A swap keeps every block's member count, so no collective's fixed cost changes."""
+    ``threshold_s``. A swap keeps every block's member count, so no collective's fixed cost changes.
+
+    Both micro-batches' new times are first bounded from below by the heaviest rank of each changed block with no
+    communication exposed (``rank_compute_time_s``), one number per partner; only the partners whose bound beats
+    ``threshold_s`` are costed exactly over their CP ranks. The bound never exceeds the exact score, so the choice
+    is the one costing every partner would make."""
     problem = state.problem
     capacity = problem.bucket_size * problem.cp_size
     a, first_x, degree_index_x = int(state.micro_batch_of[x]), int(state.first_of[x]), int(state.degree_index_of[x])
@@ -426,25 +437,40 @@ def _best_swap(state: _State, x: int, threshold_s: float, partners: _Partners) -
     # the partner must cost less than x at x's place, or x's micro-batch cannot get faster
     feasible = partner_fits_x & (length_x <= partners.room) & (partners.micro_batch != a) \
         & (partner_at_x.loads < x_at_x.loads)
-    if not feasible.any():
-        return None
-    x_at_partner = state.scalars(np.full(len(partners.indices), x), partners.degree_index)
+    x_at_partner_loads = state.share_of[partners.degree_index, x]
     # only the ranks of x's block change in its micro-batch: its other ranks keep their times (and their memory,
     # which is within the bound)
     block_x = slice(first_x, first_x + int(state.degrees[degree_index_x]))
-    rows_a = _Sums(*(sums[block_x, a, None] + (gained - lost)
-                     for sums, gained, lost in zip(state.sums, partner_at_x, x_at_x, strict=True)))
     times_a = state.times[:, a]
     others_a_s = max(times_a[:block_x.start].max(initial=0.0), times_a[block_x.stop:].max(initial=0.0))
-    rows_b = _Sums(*(sums + partners.mask * (gained - lost)
-                     for sums, gained, lost in zip(partners.sums, x_at_partner, partners.at_own_place, strict=True)))
-    fits = feasible & (rows_a.units.max(axis=0) <= capacity) & (rows_b.units.max(axis=0) <= capacity)
+    dp_max_s = state.dp_times.max()
+    lower_a = np.maximum(rank_compute_time_s(problem, state.sums.loads[block_x, a].max()
+                                             + (partner_at_x.loads - x_at_x.loads)), others_a_s)
+    lower_b = rank_compute_time_s(problem, partners.heaviest + (x_at_partner_loads - partners.own_loads))
+    lower_change_a = lower_a - state.micro_batch_times[a]
+    lower_change_b = lower_b - partners.micro_batch_times
+    lower_s = np.where(partners.in_slowest, dp_max_s + lower_change_a + lower_change_b,
+                       np.maximum(dp_max_s + lower_change_a, partners.dp_times + lower_change_b))
+    costed = np.flatnonzero(feasible & (lower_s < threshold_s))
+    if not costed.size:
+        return None
+    indices, micro_batches, degree_indices = (partners.indices[costed], partners.micro_batch[costed],
+                                              partners.degree_index[costed])
+    rows_a = _Sums(*(sums[block_x, a, None] + (gained[costed] - lost)
+                     for sums, gained, lost in zip(state.sums, partner_at_x, x_at_x, strict=True)))
+    mask = state.block_mask[:, degree_indices, partners.first[costed]]
+    x_at_partner = state.scalars(np.full(len(costed), x), degree_indices)
+    partner_at_own = state.scalars(indices, degree_indices)
+    rows_b = _Sums(*(sums[:, micro_batches] + mask * (gained - lost)
+                     for sums, gained, lost in zip(state.sums, x_at_partner, partner_at_own, strict=True)))
+    fits = (rows_a.units.max(axis=0) <= capacity) & (rows_b.units.max(axis=0) <= capacity)
     change_a = np.maximum(rows_a.times_s(problem).max(axis=0), others_a_s) - state.micro_batch_times[a]
-    change_b = rows_b.times_s(problem).max(axis=0) - partners.micro_batch_times
-    slowest_s = state.dp_times.max() + change_a + partners.in_slowest * change_b
-    other_s = np.where(partners.in_slowest, -np.inf, partners.dp_times + change_b)
+    change_b = rows_b.times_s(problem).max(axis=0) - partners.micro_batch_times[costed]
+    in_slowest = partners.in_slowest[costed]
+    slowest_s = dp_max_s + change_a + in_slowest * change_b
+    other_s = np.where(in_slowest, -np.inf, partners.dp_times[costed] + change_b)
     score_s = np.where(fits, np.maximum(slowest_s, other_s), np.inf)
     best = int(score_s.argmin())
     if score_s[best] >= threshold_s:
         return None
-    return _Swap(float(score_s[best]), x, int(partners.indices[best]))
+    return _Swap(float(score_s[best]), x, int(indices[best]))

@@ -35,6 +35,7 @@ __all__ = [
     "RankLoad",
     "iteration_lower_bound_s",
     "micro_batch_time_s",
+    "rank_compute_time_s",
     "rank_loads",
     "rank_time_s",
     "simulate",
@@ -86,6 +87,13 @@ def rank_time_s(problem: PlanningProblem, work_flops: FloatOrArray, local_attent
     busy = work_flops > 0
     return busy * (problem.alpha_s_per_flop * work_flops + problem.beta_s
                    + problem.perf.exposed_comm_s(all_gather_s, reduce_scatter_s, local_attention_flops))
+
+
+def rank_compute_time_s(problem: PlanningProblem, work_flops: FloatOrArray) -> FloatOrArray:
+    """``rank_time_s`` without its exposed communication: never above it (what is exposed is never negative, and
+    floating-point addition is monotone), and monotone in the work, so a search can bound a block of ranks by its
+    heaviest one and skip the candidates whose bound already loses."""
+    return (work_flops > 0) * (problem.alpha_s_per_flop * work_flops + problem.beta_s)
 
 
 @dataclass(slots=True)
