@@ -173,8 +173,8 @@ class _Placement:
         self.placement: dict[int, int] = {}  # local sequences: index -> CP rank
         self.groups: dict[Block, list[int]] = {}  # sharded sequences by block (distributed: (0, cp_size))
         padding = problem.num_sequences
-        for index, degree, first in zip(rows.order[row].tolist(), rows.degree[row].tolist(),
-                                        rows.first[row].tolist(), strict=True):
+        for index, degree, first in zip(rows.order[row].tolist(), rows.degree[:, row].tolist(),
+                                        rows.first[:, row].tolist(), strict=True):
             if index == padding:  # the rest of the row is padding
                 break
             if degree == LOCAL:

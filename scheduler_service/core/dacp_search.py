@@ -54,6 +54,7 @@ class SearchArrays:
     local_attention: FloatArray
     area: FloatArray
     padding: int
+    longest_first_rank: IntArray  # each sequence's position in the batch sorted longest first, ties by index
     slot: IntArray  # (cp_size + 1,) row of ``LOCAL`` and of each sharding degree in the arrays below
     shares: FloatArray  # (places, n + 1) per-rank share of each sequence at that place
     all_gather_per_token: FloatArray  # (places,) collectives' costs: none for ``LOCAL``
@@ -61,6 +62,10 @@ class SearchArrays:
     reduce_scatter_per_token: FloatArray
     reduce_scatter_fixed: FloatArray
     group_offset: IntArray  # (places,) row of the place's first aligned block in ``Rows.has_group``
+    degree: IntArray  # (places,) ``LOCAL`` or the degree
+    width: IntArray  # (places,) ranks of one of its blocks
+    units_per_token: IntArray  # (places,) memory units a token costs on each rank of its block
+    block_mask: BoolArray  # (cp_size, places, cp_size) the CP ranks of its block of each index
 
     @classmethod
     def of(cls, problem: PlanningProblem) -> SearchArrays:
@@ -76,15 +81,22 @@ class SearchArrays:
         def per_place(cost: str) -> FloatArray:
             return np.array([0.0, *(getattr(collective, cost) for collective in collectives)])
 
+        widths, ranks = np.array([1, *sharding], dtype=np.int64), np.arange(problem.cp_size)
         offsets = _group_offsets(problem)
-        return cls(lengths=np.append(problem.lengths, 0), local_attention=padded(problem.local_attention),
-                   placement=placement, area=padded(problem.area), padding=problem.num_sequences, slot=slot,
-                   shares=np.array([placement[1], *(placement[degree] for degree in sharding)]),
-                   all_gather_per_token=per_place("all_gather_s_per_token"),
-                   all_gather_fixed=per_place("all_gather_fixed_s"),
-                   reduce_scatter_per_token=per_place("reduce_scatter_s_per_token"),
-                   reduce_scatter_fixed=per_place("reduce_scatter_fixed_s"),
-                   group_offset=np.array([0, *(offsets[degree] for degree in sharding)], dtype=np.int64))
+        longest_first = np.lexsort((np.arange(problem.num_sequences), -problem.lengths))
+        longest_first_rank = np.empty(problem.num_sequences, dtype=np.int64)
+        longest_first_rank[longest_first] = np.arange(problem.num_sequences)
+        return cls(
+            lengths=np.append(problem.lengths, 0), placement=placement, local_attention=padded(problem.local_attention),
+            area=padded(problem.area), padding=problem.num_sequences, longest_first_rank=longest_first_rank, slot=slot,
+            shares=np.array([placement[1], *(placement[degree] for degree in sharding)]),
+            all_gather_per_token=per_place("all_gather_s_per_token"), all_gather_fixed=per_place("all_gather_fixed_s"),
+            reduce_scatter_per_token=per_place("reduce_scatter_s_per_token"),
+            reduce_scatter_fixed=per_place("reduce_scatter_fixed_s"),
+            group_offset=np.array([0, *(offsets[degree] for degree in sharding)], dtype=np.int64),
+            degree=np.array([LOCAL, *sharding], dtype=np.int64), width=widths,
+            units_per_token=problem.cp_size // widths,
+            block_mask=(ranks[:, None, None] // widths[None, :, None]) == ranks[None, None, :])
 
 
 @dataclass(slots=True)
@@ -92,8 +104,9 @@ class Rows:
     """Candidate decisions, one per row, and the per-rank sums the cost model and the memory bound need.
 
     Per-rank sums are rank-major, ``(N, R)``: every step reduces over a handful of ranks for hundreds of rows, which
-    numpy does as a few contiguous vector operations, and updates use whole-array masks rather than gathers.
-    ``degree[r, j]`` and ``first[r, j]`` say where the row's j-th sequence ``order[r, j]`` went: ``LOCAL``, whole
+    numpy does as a few contiguous vector operations, and a dense update uses whole-array masks rather than gathers.
+    ``degree[j, r]`` and ``first[j, r]`` (step-major, so a step writes one contiguous row) say where the row's j-th
+    sequence ``order[r, j]`` went: ``LOCAL``, whole
     on rank ``first``; a degree, sharded over the aligned block of that many ranks starting at ``first`` (with
     ``cp_size`` 1, a whole-group shard has degree 1 too)."""
 
@@ -105,8 +118,8 @@ class Rows:
     reduce_scatter: FloatArray  # (N, R) and backward
     remaining: IntArray  # (N, R) memory units left per rank
     has_group: BoolArray  # (G, R) whether the row already pays a block's fixed collective cost
-    degree: IntArray  # (R, K)
-    first: IntArray  # (R, K)
+    degree: IntArray  # (K, R)
+    first: IntArray  # (K, R)
     valid: BoolArray  # (R,) False once a sequence found no room
 
     @classmethod
@@ -116,7 +129,8 @@ class Rows:
                    all_gather=np.zeros(shape), reduce_scatter=np.zeros(shape),
                    remaining=np.full(shape, problem.bucket_size * problem.cp_size, dtype=np.int64),
                    has_group=np.zeros((_num_groups(problem), len(micro_batch)), dtype=np.bool_),
-                   degree=np.zeros(order.shape, dtype=np.int64), first=np.zeros(order.shape, dtype=np.int64),
+                   degree=np.zeros(order.shape[::-1], dtype=np.int64),
+                   first=np.zeros(order.shape[::-1], dtype=np.int64),
                    valid=np.ones(len(micro_batch), dtype=np.bool_))
 
     def take(self, rows: IntArray | slice) -> Rows:
@@ -124,7 +138,7 @@ class Rows:
         return Rows(micro_batch=self.micro_batch[rows], order=self.order[rows], loads=self.loads[:, rows],
                     attention=self.attention[:, rows], all_gather=self.all_gather[:, rows],
                     reduce_scatter=self.reduce_scatter[:, rows], remaining=self.remaining[:, rows],
-                    has_group=self.has_group[:, rows], degree=self.degree[rows], first=self.first[rows],
+                    has_group=self.has_group[:, rows], degree=self.degree[:, rows], first=self.first[:, rows],
                     valid=self.valid[rows])
 
     def prefix(self, count: int) -> Rows:
@@ -137,26 +151,23 @@ class Rows:
         """Put the ``step``-th sequence of each selected row at ``degree`` (one for every row, or one per row):
         ``LOCAL``, whole on rank ``blocks``; else sharded over the aligned block of that many ranks with index
         ``blocks``, paying the block's fixed collective cost once per row. Rows of other places add exact zeros."""
-        cp_size = self.loads.shape[0]
         chosen = np.flatnonzero(selected)
         if not chosen.size:
             return
         # a sparse selection (shards, late steps) updates its columns only; a dense one every column, masked
         columns, mask = (chosen, True) if chosen.size * 4 < selected.size else (slice(None), selected)
-        every_column = np.arange(selected.size)[columns]
-        sequences, blocks, degree = self.order[columns, step], blocks[columns], np.asarray(degree)
-        if degree.ndim:
-            degree = degree[columns]
+        slot = arrays.slot[np.asarray(degree)[columns] if np.ndim(degree) else degree]
+        sequences, blocks = self.order[columns, step], blocks[columns]
         tokens = arrays.lengths[sequences]
-        slot, width = arrays.slot[degree], np.maximum(degree, 1)
-        in_block = ((np.arange(cp_size)[:, None] // width) == blocks) & mask
+        in_block = arrays.block_mask[:, slot, blocks] & mask
         self.loads[:, columns] += in_block * arrays.shares[slot, sequences]
-        self.remaining[:, columns] -= in_block * (tokens * (cp_size // width))
-        local = mask & np.equal(degree, LOCAL)
+        self.remaining[:, columns] -= in_block * (tokens * arrays.units_per_token[slot])
+        local = mask & (slot == 0)
         if local.any():
             self.attention[:, columns] += (in_block & local) * arrays.local_attention[sequences]
         sharded = mask & ~local
         if sharded.any():
+            every_column = np.arange(selected.size)[columns]
             group = np.where(sharded, arrays.group_offset[slot] + blocks, 0)  # a row not sharded changes no block
             is_new = sharded & ~self.has_group[group, every_column]
             self.has_group[group, every_column] |= sharded
@@ -164,8 +175,8 @@ class Rows:
                                                        + arrays.all_gather_fixed[slot] * is_new)
             self.reduce_scatter[:, columns] += in_block * (arrays.reduce_scatter_per_token[slot] * tokens
                                                            + arrays.reduce_scatter_fixed[slot] * is_new)
-        self.degree[chosen, step] = np.broadcast_to(degree, every_column.shape)[mask]
-        self.first[chosen, step] = np.broadcast_to(blocks * width, every_column.shape)[mask]
+        self.degree[step, columns] = np.where(mask, arrays.degree[slot], self.degree[step, columns])
+        self.first[step, columns] = np.where(mask, blocks * arrays.width[slot], self.first[step, columns])
 
     def shard_prefix_over_group(self, problem: PlanningProblem, arrays: SearchArrays, counts: IntArray) -> None:
         """Shard each row's first ``counts`` sequences over the whole CP group at once (from prefix sums); a row
@@ -183,7 +194,7 @@ class Rows:
         self.reduce_scatter += np.where(any_sharded, collective.reduce_scatter_s_per_token * tokens
                                         + collective.reduce_scatter_fixed_s, 0.0)
         self.has_group[_group_offsets(problem)[cp_size]] = any_sharded
-        self.degree[prefix] = cp_size
+        self.degree[prefix.T] = cp_size
         self.valid &= self.remaining.min(axis=0) >= 0
 
 
@@ -216,14 +227,14 @@ def row_times_s(problem: PlanningProblem, rows: Rows) -> FloatArray:
     return np.where(rows.valid, times, np.inf)
 
 
-def _padded_orders(groups: Sequence[Sequence[int]], padding: int, lengths: IntArray) -> IntArray:
+def _padded_orders(groups: Sequence[Sequence[int]], arrays: SearchArrays) -> IntArray:
     """One row per micro-batch: its sequences longest first (ties by index), then padding."""
     sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
     members = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=int(sizes.sum()))
     owner = np.repeat(np.arange(len(groups)), sizes)
-    by_owner_then_length = np.lexsort((members, -lengths[members], owner))
+    by_owner_then_length = np.argsort(owner * (arrays.padding + 1) + arrays.longest_first_rank[members])
     members, owner = members[by_owner_then_length], owner[by_owner_then_length]
-    orders = np.full((len(groups), int(sizes.max())), padding, dtype=np.int64)
+    orders = np.full((len(groups), int(sizes.max())), arrays.padding, dtype=np.int64)
     orders[owner, np.arange(len(members)) - (np.cumsum(sizes) - sizes)[owner]] = members
     return orders
 
@@ -232,24 +243,26 @@ def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     """Every micro-batch's binary candidates: for each k worth trying, the k longest sharded over the whole group,
     the rest LPT-placed under the memory bound (sharded when no rank has room)."""
     cp_size, bucket_size = problem.cp_size, problem.bucket_size
-    orders = _padded_orders(groups, arrays.padding, arrays.lengths)
+    orders = _padded_orders(groups, arrays)
     lengths = arrays.lengths[orders]
     local_costs = arrays.placement[1][orders]
     fair_share = local_costs.sum(axis=1, keepdims=True) / cp_size
     num_forced = (lengths > bucket_size).sum(axis=1)  # can never be local
     num_heavy = ((lengths > bucket_size) | (local_costs > fair_share)).sum(axis=1)
     sizes = np.array([len(group) for group in groups])
-    micro_batch: list[int] = []
-    num_sharded: list[int] = []
-    for index in np.argsort(-sizes, kind="stable").tolist():  # largest micro-batches first: see Rows.prefix
-        size = int(sizes[index])
-        # sharding all of them is always a candidate, and it fits whenever the micro-batch's tokens do
-        ks = dict.fromkeys([*range(num_forced[index], min(num_heavy[index] + EXTRA_DISTRIBUTION_CANDIDATES, size) + 1),
-                            size])
-        micro_batch += [index] * len(ks)
-        num_sharded += ks
-    rows = Rows.empty(problem, np.array(micro_batch, dtype=np.int64), orders[micro_batch])
-    forced = np.asarray(num_sharded, dtype=np.int64)
+    by_size = np.argsort(-sizes, kind="stable")  # largest micro-batches first: see Rows.prefix
+    # k from the sequences too long to be local up to the heavy ones and a few more, then all of them (static CP
+    # is always a candidate, and it fits whenever the micro-batch's tokens do)
+    lowest = num_forced[by_size]
+    highest = np.minimum(num_heavy[by_size] + EXTRA_DISTRIBUTION_CANDIDATES, sizes[by_size])
+    with_all = sizes[by_size] > highest
+    counts = highest - lowest + 1 + with_all
+    micro_batch = np.repeat(by_size, counts)
+    ends = np.cumsum(counts)
+    position = np.arange(ends[-1]) - np.repeat(ends - counts, counts)
+    forced = np.where(np.repeat(with_all, counts) & (position == np.repeat(counts - 1, counts)),
+                      np.repeat(sizes[by_size], counts), np.repeat(lowest, counts) + position)
+    rows = Rows.empty(problem, micro_batch, orders[micro_batch])
     rows.shard_prefix_over_group(problem, arrays, forced)
     row_sizes = sizes[rows.micro_batch]
     for step in range(orders.shape[1]):
@@ -263,15 +276,13 @@ def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
         local = pending & has_room[ranks, np.arange(len(ranks))]
         sharded = pending & ~local & (active.remaining.min(axis=0) >= tokens)
         active.valid &= ~(pending & ~local & ~sharded)
-        active.put(arrays, local, step, LOCAL, ranks)
-        if sharded.any():
-            active.put(arrays, sharded, step, cp_size, np.zeros(len(ranks), dtype=np.int64))
+        active.put(arrays, local | sharded, step, np.where(local, LOCAL, cp_size), np.where(local, ranks, 0))
     return rows
 
 
 def static_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence[Sequence[int]]) -> Rows:
     """One row per micro-batch with every sequence sharded over the whole CP group (static CP)."""
-    orders = _padded_orders(groups, arrays.padding, arrays.lengths)
+    orders = _padded_orders(groups, arrays)
     rows = Rows.empty(problem, np.arange(len(groups), dtype=np.int64), orders)
     rows.shard_prefix_over_group(problem, arrays, np.array([len(group) for group in groups], dtype=np.int64))
     return rows
@@ -283,7 +294,7 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     cheapest placement, spread evenly: no decision does better) and the busiest rank of its best binary decision
     (``binary_best``, one row per micro-batch in the order of ``groups``); none where those already agree."""
     cp_size, bucket_size, degrees = problem.cp_size, problem.bucket_size, problem.degrees
-    orders = _padded_orders(groups, arrays.padding, arrays.lengths)
+    orders = _padded_orders(groups, arrays)
     low = arrays.area[orders].sum(axis=1) / cp_size
     high = binary_best.loads.max(axis=0)
     # a cap above the balanced load leaves every sequence whose whole cost is under it at degree 1: where that is
@@ -338,10 +349,15 @@ def _best_fit_blocks(problem: PlanningProblem, arrays: SearchArrays, rows: Rows,
     first on ties), with whether there is one."""
     cp_size, num_rows = problem.cp_size, len(caps)
     sequences = rows.order[:, step]
-    shape = (cp_size // degree, degree, num_rows)
-    block_loads = rows.loads.reshape(shape).max(axis=1)
-    block_room = rows.remaining.reshape(shape).min(axis=1)
+    num_blocks = cp_size // degree
+    if degree == 1:  # each rank is a block
+        block_loads, block_room = rows.loads, rows.remaining
+    else:
+        shape = (num_blocks, degree, num_rows)
+        block_loads = rows.loads.reshape(shape).max(axis=1)
+        block_room = rows.remaining.reshape(shape).min(axis=1)
     fits = ((block_loads <= caps - arrays.placement[degree][sequences])
-            & (block_room >= arrays.lengths[sequences] * (cp_size // degree)) & candidates)
-    blocks = np.where(fits, block_loads, -np.inf).argmax(axis=0)
-    return blocks, fits[blocks, np.arange(num_rows)]
+            & (block_room >= arrays.lengths[sequences] * num_blocks) & candidates)
+    if num_blocks == 1:
+        return np.zeros(num_rows, dtype=np.int64), fits[0]
+    return np.where(fits, block_loads, -np.inf).argmax(axis=0), fits.any(axis=0)
