@@ -360,5 +360,4 @@ def _best_fit_blocks(problem: PlanningProblem, arrays: SearchArrays, rows: Rows,
             & (block_room >= arrays.lengths[sequences] * num_blocks) & candidates)
     if num_blocks == 1:
         return np.zeros(num_rows, dtype=np.int64), fits[0]
-    found: BoolArray = fits.any(axis=0)
-    return np.where(fits, block_loads, -np.inf).argmax(axis=0), found
+    return np.where(fits, block_loads, -np.inf).argmax(axis=0), np.logical_or.reduce(fits, axis=0)
