@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from scheduler_service.core import gds
+from scheduler_service.core import gds, plan_refine
 from scheduler_service.core.check import find_violations
-from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, make_problem
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, ShardedGroup, make_problem
 from scheduler_service.core.plan_refine import refine_plan
 from scheduler_service.core.simulate import simulate
 from tests.test_dacp_groups import hybrid_problems
@@ -53,3 +53,61 @@ def test_a_move_takes_work_off_the_slowest_dp_rank() -> None:
     refined, time_s = refine_plan(problem, lopsided)
     assert time_s < simulate(problem, as_plan(lopsided)).iteration_time_s
     assert sorted(len(micro_batch.indices()) for dp_rank in refined for micro_batch in dp_rank) == [2, 2]
+
+
+def swapped(plan: Plan, x: int, y: int) -> Plan:
+    """``plan`` with sequences ``x`` and ``y`` in each other's places."""
+    def places(indices: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted({x: y, y: x}.get(index, index) for index in indices))
+
+    return Plan(dp_ranks=tuple(DPRankPlan(micro_batches=tuple(
+        MicroBatch(local=tuple(map(places, micro_batch.local)), distributed=places(micro_batch.distributed),
+                   sharded=tuple(ShardedGroup(cp_ranks=group.cp_ranks, sequences=places(group.sequences))
+                                 for group in micro_batch.sharded))
+        for micro_batch in dp_rank.micro_batches)) for dp_rank in plan.dp_ranks))
+
+
+def brute_force_best_swap_s(problem: PlanningProblem, plan: Plan, x: int) -> float:
+    """Every swap of ``x`` with a sequence of another micro-batch that costs less than ``x`` at its place and keeps
+    both micro-batches in memory, simulated whole: the least time of the slowest DP rank it changes (inf if none)."""
+    where = {index: (dp_rank, number, micro_batch) for dp_rank, dp_plan in enumerate(plan.dp_ranks)
+             for number, micro_batch in enumerate(dp_plan.micro_batches) for index in micro_batch.indices()}
+
+    def degree_of(index: int) -> int:
+        micro_batch = where[index][2]
+        if index in micro_batch.distributed:
+            return problem.cp_size
+        return next((group.degree for group in micro_batch.sharded if index in group.sequences), 1)
+
+    best_s = float("inf")
+    for y in range(problem.num_sequences):
+        if where[y][:2] == where[x][:2] or problem.placement[degree_of(x)][y] >= problem.placement[degree_of(x)][x]:
+            continue
+        candidate = swapped(plan, x, y)
+        if find_violations(candidate, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
+                           cp_size=problem.cp_size, bucket_size=problem.bucket_size):
+            continue
+        dp_times_s = [dp_rank.time_s for dp_rank in simulate(problem, candidate).dp_ranks]
+        best_s = min(best_s, max(dp_times_s[where[x][0]], dp_times_s[where[y][0]]))
+    return best_s
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=hybrid_problems(max_sequences=20))
+def test_the_bounded_swap_search_finds_the_swap_costing_every_partner_finds(problem: PlanningProblem) -> None:
+    # With the threshold just above the best swap's time, a bound that ever exceeded a partner's exact time could
+    # skip the best partner; just below it, nothing may be found.
+    plan = unrefined_hybrid_plan(problem)
+    state = plan_refine._State(problem, [list(dp_rank.micro_batches) for dp_rank in plan.dp_ranks])
+    if len(state.owner) == 0 or len(problem.degrees) < 2:
+        return
+    slowest = int(state.dp_times.argmax())
+    partners = plan_refine._Partners(state, slowest)
+    for x in (index for micro_batch in plan.dp_ranks[slowest].micro_batches for index in micro_batch.indices()):
+        best_s = brute_force_best_swap_s(problem, plan, x)
+        if best_s == float("inf"):
+            assert plan_refine._best_swap(state, x, float("inf"), partners) is None
+            continue
+        found = plan_refine._best_swap(state, x, best_s * (1 + 1e-9), partners)
+        assert found is not None and found.score_s == pytest.approx(best_s, rel=1e-9)
+        assert plan_refine._best_swap(state, x, best_s * (1 - 1e-9), partners) is None

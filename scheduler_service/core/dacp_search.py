@@ -65,7 +65,7 @@ class SearchArrays:
     degree: IntArray  # (places,) ``LOCAL`` or the degree
     width: IntArray  # (places,) ranks of one of its blocks
     units_per_token: IntArray  # (places,) memory units a token costs on each rank of its block
-    block_mask: BoolArray  # (cp_size, places, cp_size) the CP ranks of its block of each index
+    block_mask: BoolArray  # (cp_size, places, blocks) whether a CP rank is in the place's block of that index
 
     @classmethod
     def of(cls, problem: PlanningProblem) -> SearchArrays:
@@ -106,9 +106,8 @@ class Rows:
     Per-rank sums are rank-major, ``(N, R)``: every step reduces over a handful of ranks for hundreds of rows, which
     numpy does as a few contiguous vector operations, and a dense update uses whole-array masks rather than gathers.
     ``degree[j, r]`` and ``first[j, r]`` (step-major, so a step writes one contiguous row) say where the row's j-th
-    sequence ``order[r, j]`` went: ``LOCAL``, whole
-    on rank ``first``; a degree, sharded over the aligned block of that many ranks starting at ``first`` (with
-    ``cp_size`` 1, a whole-group shard has degree 1 too)."""
+    sequence ``order[r, j]`` went: ``LOCAL``, whole on rank ``first``; a degree, sharded over the aligned block of
+    that many ranks starting at ``first`` (with ``cp_size`` 1, a whole-group shard has degree 1 too)."""
 
     micro_batch: IntArray  # (R,) which micro-batch each row decides
     order: IntArray  # (R, K) the sequences in placement order; ``padding`` past a micro-batch's size
