@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,7 +65,7 @@ class SearchArrays:
     degree: IntArray  # (places,) ``LOCAL`` or the degree
     width: IntArray  # (places,) ranks of one of its blocks
     units_per_token: IntArray  # (places,) memory units a token costs on each rank of its block
-    block_mask: BoolArray  # (cp_size, places, blocks) whether a CP rank is in the place's block of that index
+    block_of_rank: IntArray  # (cp_size, places) the index of the place's block each CP rank is in
 
     @classmethod
     def of(cls, problem: PlanningProblem) -> SearchArrays:
@@ -96,7 +96,7 @@ class SearchArrays:
             group_offset=np.array([0, *(offsets[degree] for degree in sharding)], dtype=np.int64),
             degree=np.array([LOCAL, *sharding], dtype=np.int64), width=widths,
             units_per_token=problem.cp_size // widths,
-            block_mask=(ranks[:, None, None] // widths[None, :, None]) == ranks[None, None, :])
+            block_of_rank=ranks[:, None] // widths[None, :])
 
 
 @dataclass(slots=True)
@@ -133,39 +133,56 @@ class Rows:
                    valid=np.ones(len(micro_batch), dtype=np.bool_))
 
     def take(self, rows: IntArray | slice) -> Rows:
-        """These rows; a slice gives views, so updating them updates these rows (see ``prefix``)."""
+        """These rows; a slice gives views, so updating them updates these rows (see ``steps``)."""
         return Rows(micro_batch=self.micro_batch[rows], order=self.order[rows], loads=self.loads[:, rows],
                     attention=self.attention[:, rows], all_gather=self.all_gather[:, rows],
                     reduce_scatter=self.reduce_scatter[:, rows], remaining=self.remaining[:, rows],
                     has_group=self.has_group[:, rows], degree=self.degree[:, rows], first=self.first[:, rows],
                     valid=self.valid[rows])
 
-    def prefix(self, count: int) -> Rows:
-        """The first ``count`` rows, as views. Rows are ordered by decreasing micro-batch size, so the rows that
-        still have a sequence to place at a step are a prefix."""
-        return self.take(slice(count))
+    def steps(self, row_sizes: IntArray, num_steps: int) -> Iterator[tuple[int, int, Rows]]:
+        """Each step, with how many rows still have a sequence to place at it and those rows as views (updating them
+        updates these rows). Rows are ordered by decreasing micro-batch size (``row_sizes``), so those are a prefix,
+        and steps with the same prefix share one view."""
+        counts = np.searchsorted(-row_sizes, -np.arange(num_steps), side="left")  # rows longer than each step
+        active, previous = self, -1
+        for step, count in enumerate(counts.tolist()):
+            if count != previous:
+                active, previous = self.take(slice(count)), count
+            yield step, count, active
 
     def put(self, arrays: SearchArrays, selected: BoolArray, step: int, degree: int | IntArray,
             blocks: IntArray) -> None:
         """Put the ``step``-th sequence of each selected row at ``degree`` (one for every row, or one per row):
         ``LOCAL``, whole on rank ``blocks``; else sharded over the aligned block of that many ranks with index
         ``blocks``, paying the block's fixed collective cost once per row. Rows of other places add exact zeros."""
-        chosen = np.flatnonzero(selected)
-        if not chosen.size:
+        num_selected = np.count_nonzero(selected)
+        if not num_selected:
             return
         # a sparse selection (shards, late steps) updates its columns only; a dense one every column, masked
-        columns, mask = (chosen, True) if chosen.size * 4 < selected.size else (slice(None), selected)
-        slot = arrays.slot[np.asarray(degree)[columns] if np.ndim(degree) else degree]
+        sparse = num_selected * 4 < selected.size
+        columns, mask = (np.flatnonzero(selected), True) if sparse else (slice(None), selected)
+        local: bool | BoolArray
+        if np.ndim(degree):
+            slot = arrays.slot[np.asarray(degree)[columns]]
+            block_of_rank = arrays.block_of_rank[:, slot]
+            is_local = slot == 0
+            local = mask & is_local
+            any_local, any_sharded = bool(np.any(local)), bool(np.any(mask & ~is_local))
+        else:  # one place: no per-row choice to mask
+            slot = arrays.slot[degree]
+            block_of_rank = arrays.block_of_rank[:, slot, None]
+            any_local = local = bool(slot == 0)
+            any_sharded = not any_local
         sequences, blocks = self.order[columns, step], blocks[columns]
         tokens = arrays.lengths[sequences]
-        in_block = arrays.block_mask[:, slot, blocks] & mask
+        in_block = (block_of_rank == blocks) & mask
         self.loads[:, columns] += in_block * arrays.shares[slot, sequences]
         self.remaining[:, columns] -= in_block * (tokens * arrays.units_per_token[slot])
-        local = mask & (slot == 0)
-        if local.any():
+        if any_local:
             self.attention[:, columns] += (in_block & local) * arrays.local_attention[sequences]
-        sharded = mask & ~local
-        if sharded.any():
+        if any_sharded:
+            sharded = mask & np.logical_not(local)
             every_column = np.arange(selected.size)[columns]
             group = np.where(sharded, arrays.group_offset[slot] + blocks, 0)  # a row not sharded changes no block
             is_new = sharded & ~self.has_group[group, every_column]
@@ -174,8 +191,12 @@ class Rows:
                                                        + arrays.all_gather_fixed[slot] * is_new)
             self.reduce_scatter[:, columns] += in_block * (arrays.reduce_scatter_per_token[slot] * tokens
                                                            + arrays.reduce_scatter_fixed[slot] * is_new)
-        self.degree[step, columns] = np.where(mask, arrays.degree[slot], self.degree[step, columns])
-        self.first[step, columns] = np.where(mask, blocks * arrays.width[slot], self.first[step, columns])
+        if sparse:
+            self.degree[step, columns] = arrays.degree[slot]
+            self.first[step, columns] = blocks * arrays.width[slot]
+        else:
+            np.copyto(self.degree[step], arrays.degree[slot], where=mask)
+            np.copyto(self.first[step], blocks * arrays.width[slot], where=mask)
 
     def shard_prefix_over_group(self, problem: PlanningProblem, arrays: SearchArrays, counts: IntArray) -> None:
         """Shard each row's first ``counts`` sequences over the whole CP group at once (from prefix sums); a row
@@ -249,7 +270,7 @@ def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     num_forced = (lengths > bucket_size).sum(axis=1)  # can never be local
     num_heavy = ((lengths > bucket_size) | (local_costs > fair_share)).sum(axis=1)
     sizes = np.array([len(group) for group in groups])
-    by_size = np.argsort(-sizes, kind="stable")  # largest micro-batches first: see Rows.prefix
+    by_size = np.argsort(-sizes, kind="stable")  # largest micro-batches first: see Rows.steps
     # k from the sequences too long to be local up to the heavy ones and a few more, then all of them (static CP
     # is always a candidate, and it fits whenever the micro-batch's tokens do)
     lowest = num_forced[by_size]
@@ -263,10 +284,8 @@ def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
                       np.repeat(sizes[by_size], counts), np.repeat(lowest, counts) + position)
     rows = Rows.empty(problem, micro_batch, orders[micro_batch])
     rows.shard_prefix_over_group(problem, arrays, forced)
-    row_sizes = sizes[rows.micro_batch]
-    for step in range(orders.shape[1]):
-        active = rows.prefix(int(np.count_nonzero(row_sizes > step)))
-        pending = active.valid & (step >= forced[:len(active.valid)])
+    for step, count, active in rows.steps(sizes[rows.micro_batch], orders.shape[1]):
+        pending = active.valid & (step >= forced[:count])
         if not pending.any():
             continue
         tokens = arrays.lengths[active.order[:, step]]
@@ -275,7 +294,9 @@ def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
         local = pending & has_room[ranks, np.arange(len(ranks))]
         sharded = pending & ~local & (active.remaining.min(axis=0) >= tokens)
         active.valid &= ~(pending & ~local & ~sharded)
-        active.put(arrays, local | sharded, step, np.where(local, LOCAL, cp_size), np.where(local, ranks, 0))
+        active.put(arrays, local, step, LOCAL, ranks)
+        if sharded.any():
+            active.put(arrays, sharded, step, cp_size, np.zeros(len(ranks), dtype=np.int64))
     return rows
 
 
@@ -301,7 +322,7 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     needs_blocks = arrays.placement[1][orders].max(axis=1) > low
     searched = np.flatnonzero((high > low * CAP_TOLERANCE) & needs_blocks)
     sizes = np.array([len(group) for group in groups])
-    searched = searched[np.argsort(-sizes[searched], kind="stable")]  # largest micro-batches first: Rows.prefix
+    searched = searched[np.argsort(-sizes[searched], kind="stable")]  # largest micro-batches first: Rows.steps
     steps = np.arange(1, CAP_CANDIDATES + 1) / (CAP_CANDIDATES + 1)
     micro_batch = np.repeat(searched, CAP_CANDIDATES)
     caps = (low[searched, None] + (high - low)[searched, None] * steps[None, :]).ravel()
@@ -322,10 +343,8 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     rows = Rows.empty(problem, micro_batch, ordered)
     rows.valid &= ~((chosen == 0) & ~is_padding).any(axis=1)
     ordered_chosen = np.take_along_axis(chosen, placement_order, axis=1)
-    row_sizes = sizes[micro_batch]
-    for step in range(ordered.shape[1]):
-        count = int(np.count_nonzero(row_sizes > step))
-        active, active_caps, active_chosen = rows.prefix(count), caps[:count], ordered_chosen[:count, step]
+    for step, count, active in rows.steps(sizes[micro_batch], ordered.shape[1]):
+        active_caps, active_chosen = caps[:count], ordered_chosen[:count, step]
         place = np.full(count, -1, dtype=np.int64)  # LOCAL or a sharding degree, -1 while none is found
         blocks = np.zeros(count, dtype=np.int64)
         for degree in degrees:  # each row's rows of sums stay as they are until its place is found: one update
