@@ -50,7 +50,6 @@ class SearchArrays:
     sequence at a place of its own."""
 
     lengths: IntArray
-    placement: dict[int, FloatArray]  # degree -> per-rank share of each sequence sharded over that many ranks
     local_attention: FloatArray
     area: FloatArray
     padding: int
@@ -72,7 +71,6 @@ class SearchArrays:
         def padded(values: Sequence[float]) -> FloatArray:
             return np.append(np.asarray(values, dtype=np.float64), 0.0)
 
-        placement = {degree: padded(costs) for degree, costs in problem.placement.items()}
         sharding = _group_degrees(problem)
         slot = np.zeros(problem.cp_size + 1, dtype=np.int64)
         slot[list(sharding)] = np.arange(1, len(sharding) + 1)
@@ -87,9 +85,9 @@ class SearchArrays:
         longest_first_rank = np.empty(problem.num_sequences, dtype=np.int64)
         longest_first_rank[longest_first] = np.arange(problem.num_sequences)
         return cls(
-            lengths=np.append(problem.lengths, 0), placement=placement, local_attention=padded(problem.local_attention),
+            lengths=np.append(problem.lengths, 0), local_attention=padded(problem.local_attention),
             area=padded(problem.area), padding=problem.num_sequences, longest_first_rank=longest_first_rank, slot=slot,
-            shares=np.array([placement[1], *(placement[degree] for degree in sharding)]),
+            shares=np.array([padded(problem.placement[degree]) for degree in (1, *sharding)]),
             all_gather_per_token=per_place("all_gather_s_per_token"), all_gather_fixed=per_place("all_gather_fixed_s"),
             reduce_scatter_per_token=per_place("reduce_scatter_s_per_token"),
             reduce_scatter_fixed=per_place("reduce_scatter_fixed_s"),
@@ -97,6 +95,10 @@ class SearchArrays:
             degree=np.array([LOCAL, *sharding], dtype=np.int64), width=widths,
             units_per_token=problem.cp_size // widths,
             block_of_rank=ranks[:, None] // widths[None, :])
+
+    def share(self, degree: int) -> FloatArray:
+        """Each sequence's cost on each rank when kept whole (degree 1) or sharded over ``degree`` ranks."""
+        return self.shares[self.slot[degree]]
 
 
 @dataclass(slots=True)
@@ -204,7 +206,7 @@ class Rows:
         cp_size = problem.cp_size
         prefix = np.arange(self.order.shape[1])[None, :] < counts[:, None]
         tokens = (arrays.lengths[self.order] * prefix).sum(axis=1)
-        shares = (arrays.placement[cp_size][self.order] * prefix).sum(axis=1)
+        shares = (arrays.share(cp_size)[self.order] * prefix).sum(axis=1)
         collective = problem.perf.collective_cost(cp_size)
         any_sharded = counts > 0
         self.loads += shares
@@ -265,7 +267,7 @@ def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     cp_size, bucket_size = problem.cp_size, problem.bucket_size
     orders = _padded_orders(groups, arrays)
     lengths = arrays.lengths[orders]
-    local_costs = arrays.placement[1][orders]
+    local_costs = arrays.share(1)[orders]
     fair_share = local_costs.sum(axis=1, keepdims=True) / cp_size
     num_forced = (lengths > bucket_size).sum(axis=1)  # can never be local
     num_heavy = ((lengths > bucket_size) | (local_costs > fair_share)).sum(axis=1)
@@ -319,7 +321,7 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     high = binary_best.loads.max(axis=0)
     # a cap above the balanced load leaves every sequence whose whole cost is under it at degree 1: where that is
     # all of them, a packing is a local best fit, which the binary decision's refinement already matches
-    needs_blocks = arrays.placement[1][orders].max(axis=1) > low
+    needs_blocks = arrays.share(1)[orders].max(axis=1) > low
     searched = np.flatnonzero((high > low * CAP_TOLERANCE) & needs_blocks)
     sizes = np.array([len(group) for group in groups])
     searched = searched[np.argsort(-sizes[searched], kind="stable")]  # largest micro-batches first: Rows.steps
@@ -331,12 +333,12 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
     # the smallest degree whose tokens fit a bucket per rank and whose share fits the cap (0: none)
     chosen = np.zeros(sequences.shape, dtype=np.int64)
     for degree in reversed(degrees):
-        fits = (lengths <= degree * bucket_size) & (arrays.placement[degree][sequences] <= caps[:, None])
+        fits = (lengths <= degree * bucket_size) & (arrays.share(degree)[sequences] <= caps[:, None])
         chosen = np.where(fits, degree, chosen)
     is_padding = sequences == arrays.padding
     chosen_share = np.zeros(sequences.shape)
     for degree in degrees:
-        chosen_share = np.where(chosen == degree, arrays.placement[degree][sequences], chosen_share)
+        chosen_share = np.where(chosen == degree, arrays.share(degree)[sequences], chosen_share)
     # widest first, heaviest share first within a degree, padding last
     placement_order = np.lexsort((sequences, -chosen_share, -chosen, is_padding), axis=-1)
     ordered = np.take_along_axis(sequences, placement_order, axis=1)
@@ -374,7 +376,7 @@ def _best_fit_blocks(problem: PlanningProblem, arrays: SearchArrays, rows: Rows,
         shape = (num_blocks, degree, num_rows)
         block_loads = rows.loads.reshape(shape).max(axis=1)
         block_room = rows.remaining.reshape(shape).min(axis=1)
-    fits = ((block_loads <= caps - arrays.placement[degree][sequences])
+    fits = ((block_loads <= caps - arrays.share(degree)[sequences])
             & (block_room >= arrays.lengths[sequences] * num_blocks) & candidates)
     if num_blocks == 1:
         return np.zeros(num_rows, dtype=np.int64), fits[0]
