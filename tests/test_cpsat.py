@@ -13,7 +13,17 @@ from hypothesis import strategies as st
 from scheduler_service.core import cpsat
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import InvalidRequestError, PlanCheckError
-from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, make_problem
+from scheduler_service.core.gds import skrull, skrull_binary
+from scheduler_service.core.plan import (
+    DPRankPlan,
+    MicroBatch,
+    Plan,
+    PlanningProblem,
+    ShardedGroup,
+    block_degrees,
+    cp_blocks,
+    make_problem,
+)
 from scheduler_service.core.simulate import simulate
 
 pytestmark = pytest.mark.cpsat
@@ -63,21 +73,38 @@ def _set_partitions(items: list[int]) -> Iterator[list[list[int]]]:
 
 
 def _fits(problem: PlanningProblem, micro_batch: MicroBatch) -> bool:
+    """The memory bound of DESIGN.md on every CP rank, in tokens × N."""
     lengths, cp_size = problem.sequence_lengths, problem.cp_size
     distributed_tokens = sum(lengths[index] for index in micro_batch.distributed)
-    return all(cp_size * sum(lengths[index] for index in rank_local) + distributed_tokens
-               <= cp_size * problem.bucket_size for rank_local in micro_batch.local)
+    return all(
+        cp_size * sum(lengths[index] for index in rank_local) + distributed_tokens + sum(
+            cp_size // group.degree * sum(lengths[index] for index in group.sequences)
+            for group in micro_batch.sharded if cp_rank in group.cp_ranks)
+        <= cp_size * problem.bucket_size
+        for cp_rank, rank_local in enumerate(micro_batch.local))
 
 
-def _best_micro_batch(problem: PlanningProblem, members: tuple[int, ...]) -> MicroBatch | None:
+def _places(cp_size: int, *, hybrid: bool) -> list[tuple[int, ...]]:
+    """Where a sequence can go in a micro-batch, as the CP ranks it runs on: each rank whole, each aligned block
+    (hybrid only), and the whole group (listed last)."""
+    blocks = [block for degree in block_degrees(cp_size) for block in cp_blocks(cp_size, degree)] if hybrid else []
+    return [*((rank,) for rank in range(cp_size)), *blocks, tuple(range(cp_size))]
+
+
+def _best_micro_batch(problem: PlanningProblem, members: tuple[int, ...], *, hybrid: bool = False,
+                      ) -> MicroBatch | None:
     """The fastest feasible placement of ``members`` as one micro-batch, by trying every placement."""
     best, best_time_s = None, float("inf")
-    distributed_slot = problem.cp_size
-    for placement in itertools.product(range(problem.cp_size + 1), repeat=len(members)):
+    places = _places(problem.cp_size, hybrid=hybrid)
+    whole_group = len(places) - 1
+    for placement in itertools.product(range(len(places)), repeat=len(members)):
+        at = [tuple(m for m, chosen in zip(members, placement, strict=True) if chosen == place)
+              for place in range(len(places))]
         micro_batch = MicroBatch(
-            local=tuple(tuple(m for m, slot in zip(members, placement, strict=True) if slot == cp_rank)
-                        for cp_rank in range(problem.cp_size)),
-            distributed=tuple(m for m, slot in zip(members, placement, strict=True) if slot == distributed_slot),
+            local=tuple(at[:problem.cp_size]),
+            distributed=at[whole_group],
+            sharded=tuple(ShardedGroup(cp_ranks=places[place], sequences=at[place])
+                          for place in range(problem.cp_size, whole_group) if at[place]),
         )
         if not _fits(problem, micro_batch):
             continue
@@ -87,7 +114,7 @@ def _best_micro_batch(problem: PlanningProblem, members: tuple[int, ...]) -> Mic
     return best
 
 
-def _brute_force(problem: PlanningProblem) -> tuple[float, Plan]:
+def _brute_force(problem: PlanningProblem, *, hybrid: bool = False) -> tuple[float, Plan]:
     """Every split of the batch into micro-batches, every DP rank for each, every placement inside each."""
     best_micro_batch: dict[tuple[int, ...], MicroBatch | None] = {}
     best_time_s, best_plan = float("inf"), None
@@ -96,7 +123,7 @@ def _brute_force(problem: PlanningProblem) -> tuple[float, Plan]:
         for block in partition:
             members = tuple(sorted(block))
             if members not in best_micro_batch:
-                best_micro_batch[members] = _best_micro_batch(problem, members)
+                best_micro_batch[members] = _best_micro_batch(problem, members, hybrid=hybrid)
             best = best_micro_batch[members]
             if best is None:  # these sequences do not fit in one micro-batch
                 break
@@ -246,3 +273,75 @@ def test_same_problem_gives_the_same_plan_when_stopped_before_optimality() -> No
     assert first.report.status == "FEASIBLE"  # stopped by the limit: the case a wall-clock limit made random
     assert second.plan == first.plan
     assert second.report.objective_s == first.report.objective_s
+
+
+# -- the hybrid space ------------------------------------------------------------------------------------------------
+
+HYBRID_TINY_BATCHES = [
+    # (lengths, dp_size, cp_size, bucket_size): mid-length sequences that fit a block of 2 but not one rank.
+    ([12000, 7000, 6000, 900], 1, 4, 4096),
+    ([9000, 5000, 4000, 1500, 700], 1, 4, 3000),
+    ([7000, 6500, 3000, 2500, 800], 2, 4, 4096),
+]
+
+
+@pytest.mark.parametrize(("lengths", "dp_size", "cp_size", "bucket_size"), HYBRID_TINY_BATCHES)
+def test_hybrid_cpsat_matches_brute_force_over_every_block_on_tiny_batches(
+    lengths: list[int], dp_size: int, cp_size: int, bucket_size: int
+) -> None:
+    problem = _problem(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size)
+    optimum_s, optimal_plan = _brute_force(problem, hybrid=True)
+    _assert_valid(problem, optimal_plan)
+
+    solution = cpsat.solve(problem, time_limit_s=30.0, hint=_one_sequence_per_micro_batch(problem), hybrid=True)
+
+    _assert_valid(problem, solution.plan)
+    assert solution.report.status == "OPTIMAL"
+    assert solution.report.objective_s == pytest.approx(optimum_s, abs=QUANTISATION_TOLERANCE_S)
+    assert solution.report.objective_s == simulate(problem, solution.plan).iteration_time_s
+    # proven optimal, the model's time is the simulator's: a cost the model missed would show here
+    assert solution.report.bound_s == pytest.approx(optimum_s, abs=QUANTISATION_TOLERANCE_S)
+    binary_s = cpsat.solve(problem, time_limit_s=30.0).report.objective_s
+    assert binary_s is not None and optimum_s <= binary_s + QUANTISATION_TOLERANCE_S
+
+
+def test_the_hybrid_optimum_of_a_batch_uses_a_block_and_beats_the_binary_one() -> None:
+    """The precondition that gives the brute-force test above its teeth: blocks matter on these batches."""
+    problem = _problem(*HYBRID_TINY_BATCHES[0][:1], dp_size=1, cp_size=4, bucket_size=4096)
+    hybrid = cpsat.solve(problem, time_limit_s=30.0, hint=skrull(problem), hybrid=True)
+    binary = cpsat.solve(problem, time_limit_s=30.0, hint=skrull_binary(problem))
+    assert hybrid.report.status == binary.report.status == "OPTIMAL"
+    assert any(mb.sharded for dp_rank in hybrid.plan.dp_ranks for mb in dp_rank.micro_batches)
+    assert hybrid.report.objective_s is not None and binary.report.objective_s is not None
+    assert hybrid.report.objective_s < binary.report.objective_s
+
+
+def test_the_binary_space_rejects_a_hint_with_hybrid_groups() -> None:
+    problem = _problem(*HYBRID_TINY_BATCHES[0][:1], dp_size=1, cp_size=4, bucket_size=4096)
+    hint = cpsat.solve(problem, time_limit_s=30.0, hybrid=True).plan
+    assert any(mb.sharded for dp_rank in hint.dp_ranks for mb in dp_rank.micro_batches)
+
+    with pytest.raises(ValueError, match="hybrid groups"):
+        cpsat.solve(problem, time_limit_s=1.0, hint=hint)
+
+
+@st.composite
+def _small_hybrid_problems(draw: st.DrawFn) -> PlanningProblem:
+    dp_size = draw(st.integers(min_value=1, max_value=2))
+    cp_size = draw(st.sampled_from([4, 6, 8]))
+    bucket_size = draw(st.integers(min_value=500, max_value=3000))
+    lengths = draw(st.lists(st.integers(min_value=1, max_value=bucket_size * cp_size), min_size=1, max_size=7))
+    return _problem(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size)
+
+
+@settings(max_examples=12, deadline=None)
+@given(problem=_small_hybrid_problems())
+def test_hybrid_plans_pass_the_checker_and_never_lose_to_skrull(problem: PlanningProblem) -> None:
+    hint = skrull(problem)
+
+    solution = cpsat.solve(problem, time_limit_s=1.0, hint=hint, hybrid=True)
+
+    _assert_valid(problem, solution.plan)
+    assert solution.report.objective_s is not None and solution.report.bound_s is not None
+    assert solution.report.objective_s == simulate(problem, solution.plan).iteration_time_s
+    assert solution.report.bound_s <= solution.report.objective_s <= simulate(problem, hint).iteration_time_s

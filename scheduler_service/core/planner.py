@@ -62,7 +62,8 @@ def schedule(
     if name is SchedulerName.CPSAT:
         from scheduler_service.core import cpsat  # ortools is only needed for offline comparison
 
-        solution = cpsat.solve(problem, time_limit_s=time_limit_s, hint=gds.skrull_binary(problem))
+        # the hybrid space, warm-started from the default scheduler's plan: never worse than skrull
+        solution = cpsat.solve(problem, time_limit_s=time_limit_s, hint=gds.skrull(problem), hybrid=True)
         return solution.plan, solution.report
     return HEURISTIC_SCHEDULERS[name](problem), None
 
