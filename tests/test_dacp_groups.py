@@ -148,6 +148,24 @@ def test_hybrid_shards_mid_length_sequences_over_blocks_where_that_is_cheaper(pr
     assert all(not mb.sharded for mb in binary.plan.dp_ranks[0].micro_batches)
 
 
+def test_hybrid_tries_caps_above_the_binary_decisions_busiest_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 7000 and 6000 tokens on cp 4 with 4096-token buckets: side by side on blocks of 2 they beat sharding both over
+    # all 4 ranks (the hybrid CP-SAT optimum of test_cpsat's batch is exactly this), but that packing's busiest
+    # rank lies between the highest cap below binary's busiest load and that load, so the caps below it never
+    # try it; a cap above it, bounded by the binary decision's time, does.
+    problem = make_problem(sequence_lengths=[12_000, 7_000, 6_000, 900], dp_size=1, cp_size=4,
+                           model="qwen2.5-0.5b", bucket_size=4096)
+    indices = [1, 2]
+    binary = dacp.dacp_balanced(problem, indices)
+    hybrid = dacp.dacp_hybrid(problem, indices)
+    assert binary is not None and hybrid is not None
+    assert sorted(group.degree for group in hybrid.sharded) == [2, 2]
+    assert micro_batch_time_s(problem, hybrid) < micro_batch_time_s(problem, binary)
+    monkeypatch.setattr(dacp_search, "CAP_CANDIDATES_ABOVE", 0)
+    only_below = dacp.dacp_hybrid(problem, indices)
+    assert only_below is not None and not only_below.sharded
+
+
 def test_binary_and_paper_schedulers_never_form_groups(problem_of: ProblemFactory) -> None:
     problem = problem_of([16_384] * 8 + [300] * 20, dp_size=2, cp_size=8, bucket_size=16_384)
     for name in ("skrull_binary", "skrull_paper", "round_robin", "deepspeed", "sorted", "balanced"):

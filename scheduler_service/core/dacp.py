@@ -379,7 +379,8 @@ def hybrid_candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]])
     by side; never worse than the binary decision under the cost model (that is a candidate too).
 
     A dual approximation, as for moldable tasks: pack under caps on every rank's load between the balanced load
-    and the best binary decision's busiest rank (``dacp_search.hybrid_rows``). A lower cap forces finer pieces,
+    and the best binary decision's busiest rank, and one above it bounded by the binary decision's time
+    (``dacp_search.hybrid_rows``). A lower cap forces finer pieces,
     which pack memory and load better but pay more communication and shorter, less efficient attention chunks;
     every packing is evaluated under the cost model and the cheapest decision wins."""
     return _candidates(problem, groups, num_hybrid=len(groups))

@@ -11,7 +11,8 @@ of every micro-batch (README, "Planning latency").
   the smallest degree (1, an aligned block, the whole group) whose per-rank share fits the cap and whose tokens
   fit a bucket per rank; widest first, heaviest first within a degree, each goes to the best-fitting aligned
   block where it stays under the cap, escalating its degree when no block has room. A grid of caps between the
-  balanced load and the best binary decision's busiest rank, one row each.
+  balanced load and the best binary decision's busiest rank, and one above it (below the binary decision's time
+  as a load), one row each.
 
 Memory is in exact integer units of 1/N token: a CP rank holds ``C·N``, a sequence sharded over ``s`` ranks
 costs ``S·N/s`` on each (``s`` divides ``N``), so the memory bound holds by construction in every row.
@@ -34,6 +35,7 @@ __all__ = ["LOCAL", "Rows", "SearchArrays", "binary_rows", "hybrid_rows", "row_t
 
 EXTRA_DISTRIBUTION_CANDIDATES = 2  # k values tried beyond the sequences too heavy to place locally
 CAP_CANDIDATES = 8  # caps tried per micro-batch, evenly spaced strictly between the balanced load and the binary one
+CAP_CANDIDATES_ABOVE = 1  # and between the binary decision's busiest load and its time as a load
 CAP_TOLERANCE = 1.005  # no hybrid search where the binary decision is within 0.5% of the balanced load
 
 LOCAL = 0  # ``Rows.degree`` of a sequence kept whole on one rank
@@ -314,21 +316,29 @@ def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
                 binary_best: Rows) -> Rows:
     """Every micro-batch's packings under a grid of caps between its balanced load (every sequence at its
     cheapest placement, spread evenly: no decision does better) and the busiest rank of its best binary decision
-    (``binary_best``, one row per micro-batch in the order of ``groups``); none where those already agree."""
+    (``binary_best``, one row per micro-batch in the order of ``groups``), and above that busiest rank, up to the
+    binary decision's time as a load: a packing whose busiest rank computes more can still be faster where its
+    smaller groups expose less communication, and the grid below stops a step short of the binary load, but a
+    rank whose compute alone outlasts the binary decision cannot win. No rows where those bounds already agree."""
     cp_size, bucket_size, degrees = problem.cp_size, problem.bucket_size, problem.degrees
     orders = _padded_orders(groups, arrays)
     low = arrays.area[orders].sum(axis=1) / cp_size
     high = binary_best.loads.max(axis=0)
+    ceiling = (row_times_s(problem, binary_best) - problem.beta_s) / problem.alpha_s_per_flop
     # a cap above the balanced load leaves every sequence whose whole cost is under it at degree 1: where that is
     # all of them, a packing is a local best fit, which the binary decision's refinement already matches
     needs_blocks = arrays.share(1)[orders].max(axis=1) > low
-    searched = np.flatnonzero((high > low * CAP_TOLERANCE) & needs_blocks)
+    below = np.flatnonzero((high > low * CAP_TOLERANCE) & needs_blocks)
+    above = np.flatnonzero((ceiling > high * CAP_TOLERANCE) & needs_blocks)
+    inner = np.arange(1, CAP_CANDIDATES + 1) / (CAP_CANDIDATES + 1)
+    outer = np.arange(1, CAP_CANDIDATES_ABOVE + 1) / (CAP_CANDIDATES_ABOVE + 1)
+    micro_batch = np.concatenate([np.repeat(below, CAP_CANDIDATES), np.repeat(above, CAP_CANDIDATES_ABOVE)])
+    caps = np.concatenate([(low[below, None] + (high - low)[below, None] * inner).ravel(),
+                           (high[above, None] + (ceiling - high)[above, None] * outer).ravel()])
     sizes = np.array([len(group) for group in groups])
-    searched = searched[np.argsort(-sizes[searched], kind="stable")]  # largest micro-batches first: Rows.steps
-    steps = np.arange(1, CAP_CANDIDATES + 1) / (CAP_CANDIDATES + 1)
-    micro_batch = np.repeat(searched, CAP_CANDIDATES)
-    caps = (low[searched, None] + (high - low)[searched, None] * steps[None, :]).ravel()
-    sequences = orders[micro_batch, :int(sizes[searched].max(initial=0))]
+    by_size = np.lexsort((caps, micro_batch, -sizes[micro_batch]))  # largest micro-batches first: Rows.steps
+    micro_batch, caps = micro_batch[by_size], caps[by_size]
+    sequences = orders[micro_batch, :int(sizes[micro_batch].max(initial=0))]
     lengths = arrays.lengths[sequences]
     # the smallest degree whose tokens fit a bucket per rank and whose share fits the cap (0: none)
     chosen = np.zeros(sequences.shape, dtype=np.int64)
