@@ -1,6 +1,6 @@
 """Planning benchmark: simulated iteration time of every scheduler on the paper's Figure 3 settings and on
 long-heavy shapes, hybrid vs binary Skrull, each scheduler's ratio to a lower bound, the gap to CP-SAT on
-small batches, and planning latency.
+small batches, how often each Skrull plans the proven optimum of tiny batches, and planning latency.
 
 Run ``python -m benchmarks.planning`` (``--full`` for more batches). Lengths come from the Table-1-shaped
 samplers (an approximation of the real data sets) and are capped at ``bucket_size × cp_size``, as a
@@ -152,6 +152,39 @@ def cpsat_gap(num_batches: int, seed: int, time_limit_s: float) -> None:
             print(f"| {case.dataset} #{batch} DP=2 CP=4 | {' | '.join(cells)} |")
 
 
+def tiny_batch_optimality(num_batches: int, seed: int) -> None:
+    """How often each Skrull plans the proven optimum of its space, on batches small enough for CP-SAT to prove it:
+    3–6 sequences of log-normal lengths around the bucket size, DP 1–2, CP 4 or 8, 0.5B or 7B."""
+    try:
+        from scheduler_service.core import cpsat
+    except ImportError as error:  # ortools missing: the service extra is not installed
+        print(f"\n(tiny-batch optimality skipped: {error})")
+        return
+    rng = np.random.default_rng(seed)
+    found: dict[str, list[float]] = {"skrull": [], "skrull_binary": []}
+    unproven = 0
+    for _ in range(num_batches):
+        cp_size, bucket_size = int(rng.choice([4, 8])), int(rng.choice([2048, 4096, 8192]))
+        lengths = np.exp(rng.normal(np.log(1.2 * bucket_size), 1.0, int(rng.integers(3, 7)))) + 50
+        problem = make_problem(sequence_lengths=np.minimum(lengths, bucket_size * cp_size).astype(int).tolist(),
+                               dp_size=int(rng.integers(1, 3)), cp_size=cp_size,
+                               model=str(rng.choice(["qwen2.5-0.5b", "qwen2.5-7b"])), bucket_size=bucket_size)
+        for name, hybrid in (("skrull", True), ("skrull_binary", False)):
+            plan = VARIANTS[name](problem)
+            solution = cpsat.solve(problem, time_limit_s=20.0, hint=plan, hybrid=hybrid)
+            unproven += solution.report.status != "OPTIMAL"
+            optimum_s = simulate(problem, solution.plan).iteration_time_s
+            found[name].append(simulate(problem, plan).iteration_time_s / optimum_s - 1)
+    print(f"\n## Tiny batches: each Skrull against the proven optimum of its space ({num_batches} batches)\n")
+    print(f"Random 3–6-sequence batches, DP 1–2, CP 4 or 8 (CP-SAT left {unproven} of {2 * num_batches} unproven).\n")
+    print("| scheduler | space | optimal | mean gap | 90th percentile gap | worst gap |")
+    print("|---|---|---|---|---|---|")
+    for name, space in (("skrull", "hybrid"), ("skrull_binary", "binary")):
+        gaps = np.array(found[name])
+        print(f"| {name} | {space} | {int((gaps < 1e-6).sum())} of {gaps.size} | {gaps.mean():+.2%} | "
+              f"{np.percentile(gaps, 90):+.2%} | {gaps.max():+.2%} |")
+
+
 def latency_table(seed: int, repeats: int) -> None:
     print(f"\n## Planning latency (DP=4, CP=8, qwen2.5-0.5b, bucket 26K; {repeats} calls each)\n")
     print("Wall-clock percentiles, and the median of the process's CPU time (what a shared machine cannot "
@@ -190,6 +223,7 @@ def main() -> None:
     speedup_table("Long-heavy shapes", LONG_HEAVY, ["skrull", "skrull_binary", "skrull_paper", "balanced"],
                   num_batches, args.seed)
     cpsat_gap(3 if args.full else 2, args.seed, time_limit_s=20.0 if args.full else 5.0)
+    tiny_batch_optimality(120 if args.full else 40, args.seed)
     latency_table(args.seed, repeats=400 if args.full else 100)
 
 
