@@ -241,10 +241,14 @@ def test_rejects_an_invalid_hint() -> None:
         cpsat.solve(problem, time_limit_s=1.0, hint=missing_a_sequence)
 
 
+SMALL_CP_SIZES = st.integers(min_value=1, max_value=4)
+
+
 @st.composite
-def _small_problems(draw: st.DrawFn) -> PlanningProblem:
-    dp_size = draw(st.integers(min_value=1, max_value=3))
-    cp_size = draw(st.integers(min_value=1, max_value=4))
+def _small_problems(draw: st.DrawFn, cp_sizes: st.SearchStrategy[int] = SMALL_CP_SIZES,
+                    max_dp_size: int = 3) -> PlanningProblem:
+    dp_size = draw(st.integers(min_value=1, max_value=max_dp_size))
+    cp_size = draw(cp_sizes)
     bucket_size = draw(st.integers(min_value=500, max_value=3000))
     lengths = draw(st.lists(st.integers(min_value=1, max_value=bucket_size * cp_size), min_size=1, max_size=7))
     return _problem(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size)
@@ -325,17 +329,8 @@ def test_the_binary_space_rejects_a_hint_with_hybrid_groups() -> None:
         cpsat.solve(problem, time_limit_s=1.0, hint=hint)
 
 
-@st.composite
-def _small_hybrid_problems(draw: st.DrawFn) -> PlanningProblem:
-    dp_size = draw(st.integers(min_value=1, max_value=2))
-    cp_size = draw(st.sampled_from([4, 6, 8]))
-    bucket_size = draw(st.integers(min_value=500, max_value=3000))
-    lengths = draw(st.lists(st.integers(min_value=1, max_value=bucket_size * cp_size), min_size=1, max_size=7))
-    return _problem(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size)
-
-
 @settings(max_examples=12, deadline=None)
-@given(problem=_small_hybrid_problems())
+@given(problem=_small_problems(cp_sizes=st.sampled_from([4, 6, 8]), max_dp_size=2))
 def test_hybrid_plans_pass_the_checker_and_never_lose_to_skrull(problem: PlanningProblem) -> None:
     hint = skrull(problem)
 
