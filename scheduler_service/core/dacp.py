@@ -359,7 +359,8 @@ def _candidates(problem: PlanningProblem, groups: Sequence[Sequence[int]], *, nu
         None if row < 0 else (rows, row, float(times_s[row])) for row in best.tolist()]
     searched = np.flatnonzero(best[:num_hybrid] >= 0)  # the tokens of the others do not fit
     if searched.size and len(problem.degrees) > 2:  # a block between a rank and the group
-        packed = hybrid_rows(problem, arrays, [groups[i] for i in searched.tolist()], rows.take(best[searched]))
+        packed = hybrid_rows(problem, arrays, [groups[i] for i in searched.tolist()], rows.take(best[searched]),
+                             times_s[best[searched]])
         packed_times_s = row_times_s(problem, packed)
         packed_best = _best_row_per_micro_batch(packed, packed_times_s, len(searched))
         for micro_batch, row in zip(searched.tolist(), packed_best.tolist(), strict=True):

@@ -313,18 +313,19 @@ def static_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence
 
 
 def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence[Sequence[int]],
-                binary_best: Rows) -> Rows:
+                binary_best: Rows, binary_best_times_s: FloatArray) -> Rows:
     """Every micro-batch's packings under a grid of caps between its balanced load (every sequence at its
     cheapest placement, spread evenly: no decision does better) and the busiest rank of its best binary decision
-    (``binary_best``, one row per micro-batch in the order of ``groups``), and above that busiest rank, up to the
-    binary decision's time as a load: a packing whose busiest rank computes more can still be faster where its
-    smaller groups expose less communication, and the grid below stops a step short of the binary load, but a
-    rank whose compute alone outlasts the binary decision cannot win. No rows where those bounds already agree."""
+    (``binary_best``, one row per micro-batch in the order of ``groups``, timed ``binary_best_times_s``), and above
+    that busiest rank, up to the binary decision's time as a load: a packing whose busiest rank computes more can
+    still be faster where its smaller groups expose less communication, and the grid below stops a step short of
+    the binary load, but a rank whose compute alone outlasts the binary decision cannot win. No rows where those
+    bounds already agree."""
     cp_size, bucket_size, degrees = problem.cp_size, problem.bucket_size, problem.degrees
     orders = _padded_orders(groups, arrays)
     low = arrays.area[orders].sum(axis=1) / cp_size
     high = binary_best.loads.max(axis=0)
-    ceiling = (row_times_s(problem, binary_best) - problem.beta_s) / problem.alpha_s_per_flop
+    ceiling = (binary_best_times_s - problem.beta_s) / problem.alpha_s_per_flop
     # a cap above the balanced load leaves every sequence whose whole cost is under it at degree 1: where that is
     # all of them, a packing is a local best fit, which the binary decision's refinement already matches
     needs_blocks = arrays.share(1)[orders].max(axis=1) > low
