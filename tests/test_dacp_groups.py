@@ -9,9 +9,12 @@ from hypothesis import strategies as st
 
 from scheduler_service.core import dacp, dacp_search, gds
 from scheduler_service.core.check import find_violations
+from scheduler_service.core.costing import empty_sums, rank_time_s
+from scheduler_service.core.dacp_search import BINARY, CAP_CANDIDATES, HYBRID, STATIC
+from scheduler_service.core.gds_search import spread_longest_first
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, ShardedGroup, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
-from scheduler_service.core.simulate import iteration_lower_bound_s, micro_batch_time_s, rank_time_s, simulate
+from scheduler_service.core.simulate import iteration_lower_bound_s, micro_batch_sums, micro_batch_time_s, simulate
 from tests.conftest import ProblemFactory
 
 LENGTHS = [9000, 7000, 5000, 3000]
@@ -64,8 +67,12 @@ def test_checker_finds_a_sequence_both_local_and_in_a_group() -> None:
 
 def spread(problem: PlanningProblem, count: int) -> list[list[int]]:
     """GDS's cut of all the problem's sequences into ``count`` micro-batches (none if the tokens do not fit)."""
-    longest_first = gds._longest_first(problem, range(problem.num_sequences))
-    return [group for group in gds._spread_longest_first(problem, longest_first, count) or [] if group]
+    longest_first = np.lexsort((np.arange(problem.num_sequences), -problem.lengths))
+    group_of = np.empty(problem.num_sequences, dtype=np.int64)
+    if not spread_longest_first(problem.lengths, longest_first, count, problem.micro_batch_capacity, group_of):
+        return []
+    groups = [longest_first[group_of == group].tolist() for group in range(count)]
+    return [group for group in groups if group]
 
 
 @st.composite
@@ -97,21 +104,15 @@ def test_hybrid_dacp_keeps_the_exact_bound_and_is_never_slower_than_binary(probl
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=hybrid_problems())
-def test_a_batched_search_decides_each_micro_batch_as_alone_and_times_it_as_the_simulator(
-        problem: PlanningProblem) -> None:
-    groups = spread(problem, -(-sum(problem.sequence_lengths) // problem.micro_batch_capacity) * 2)
-    for search in (dacp.hybrid_candidates, dacp.balanced_candidates, dacp.static_candidates):
-        for group, together in zip(groups, search(problem, groups), strict=True):
-            alone = search(problem, [group])[0]
-            assert together is not None and alone is not None
-            assert together.time_s == pytest.approx(alone.time_s, rel=1e-9)
-            micro_batch = together.decide(refine=False).micro_batch
-            assert sorted(micro_batch.indices()) == sorted(group)
-            assert together.time_s == pytest.approx(micro_batch_time_s(problem, micro_batch), rel=1e-9)
-            refined = together.decide()
-            assert sorted(refined.micro_batch.indices()) == sorted(group)
-            assert refined.time_s == pytest.approx(micro_batch_time_s(problem, refined.micro_batch), rel=1e-9)
-            assert refined.time_s <= together.time_s
+def test_a_decision_is_timed_as_the_simulator_times_it_and_refining_never_slows_it(problem: PlanningProblem) -> None:
+    for group in spread(problem, -(-sum(problem.sequence_lengths) // problem.micro_batch_capacity) * 2):
+        for space in (HYBRID, BINARY, STATIC):
+            decided, refined = dacp.decide(problem, group, space, refine=False), dacp.decide(problem, group, space)
+            assert decided is not None and refined is not None
+            for micro_batch, time_s in (decided, refined):
+                assert sorted(micro_batch.indices()) == sorted(group)
+                assert time_s == pytest.approx(micro_batch_time_s(problem, micro_batch), rel=1e-9)
+            assert refined[1] <= decided[1] * (1 + 1e-12)
 
 
 @pytest.mark.parametrize(("lengths", "bucket_size"), [
@@ -123,9 +124,9 @@ def test_the_refinement_keeps_a_move_only_if_the_time_falls(lengths: list[int], 
     # ranks) may be hidden less: its time can rise above the old maximum.
     problem = make_problem(sequence_lengths=lengths, dp_size=1, cp_size=4, model="qwen2.5-0.5b",
                            bucket_size=bucket_size)
-    candidate = dacp.hybrid_candidates(problem, [range(len(lengths))])[0]
-    assert candidate is not None
-    assert micro_batch_time_s(problem, candidate.decide().micro_batch) <= candidate.time_s
+    decided, refined = (dacp.decide(problem, range(len(lengths)), HYBRID, refine=refine) for refine in (False, True))
+    assert decided is not None and refined is not None
+    assert micro_batch_time_s(problem, refined[0]) <= decided[1] * (1 + 1e-12)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -148,11 +149,11 @@ def test_hybrid_shards_mid_length_sequences_over_blocks_where_that_is_cheaper(pr
     assert all(not mb.sharded for mb in binary.plan.dp_ranks[0].micro_batches)
 
 
-def test_hybrid_tries_caps_above_the_binary_decisions_busiest_load(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hybrid_tries_caps_above_the_binary_decisions_busiest_load() -> None:
     # 7000 and 6000 tokens on cp 4 with 4096-token buckets: side by side on blocks of 2 they beat sharding both over
     # all 4 ranks (the hybrid CP-SAT optimum of test_cpsat's batch is exactly this), but that packing's busiest
-    # rank lies between the highest cap below binary's busiest load and that load, so the caps below it never
-    # try it; a cap above it, bounded by the binary decision's time, does.
+    # rank computes more than the highest cap below the binary decision's busiest rank allows: only a cap above
+    # that rank, bounded by the binary decision's time, finds it.
     problem = make_problem(sequence_lengths=[12_000, 7_000, 6_000, 900], dp_size=1, cp_size=4,
                            model="qwen2.5-0.5b", bucket_size=4096)
     indices = [1, 2]
@@ -161,9 +162,11 @@ def test_hybrid_tries_caps_above_the_binary_decisions_busiest_load(monkeypatch: 
     assert binary is not None and hybrid is not None
     assert sorted(group.degree for group in hybrid.sharded) == [2, 2]
     assert micro_batch_time_s(problem, hybrid) < micro_batch_time_s(problem, binary)
-    monkeypatch.setattr(dacp_search, "CAP_CANDIDATES_ABOVE", 0)
-    only_below = dacp.dacp_hybrid(problem, indices)
-    assert only_below is not None and not only_below.sharded
+    hybrid_busiest, binary_busiest = (micro_batch_sums(problem, micro_batch).work_flops.max()
+                                      for micro_batch in (hybrid, binary))
+    balanced = problem.area[indices].sum() / problem.cp_size
+    highest_cap_below = balanced + (binary_busiest - balanced) * CAP_CANDIDATES / (CAP_CANDIDATES + 1)
+    assert hybrid_busiest > highest_cap_below
 
 
 def test_binary_and_paper_schedulers_never_form_groups(problem_of: ProblemFactory) -> None:
@@ -180,7 +183,7 @@ def test_hybrid_packs_a_mix_of_mid_length_sequences_close_to_the_balanced_bound(
     lengths = [26_294, 23_781, 20_462, 18_471, 14_688, 12_643, 11_696, 10_493, 9_537, 3_241, 1_139, 928, 117, 46]
     problem = make_problem(sequence_lengths=lengths, dp_size=1, cp_size=16, model="qwen2.5-7b", bucket_size=13_000)
     indices = range(len(lengths))
-    balanced_s = rank_time_s(problem, sum(problem.area) / problem.cp_size, 0.0, 0.0, 0.0)
+    balanced_s = rank_time_s(problem.tables, float(problem.area.sum()) / problem.cp_size, 0.0, 0.0, 0.0)
     hybrid = dacp.dacp_hybrid(problem, indices)
     binary = dacp.dacp_balanced(problem, indices)
     assert hybrid is not None and binary is not None
@@ -196,16 +199,19 @@ def test_skrull_is_never_slower_than_binary_skrull(problem: PlanningProblem) -> 
     assert hybrid_s <= simulate(problem, gds.skrull_binary(problem)).iteration_time_s * (1 + 1e-12)
 
 
-def brute_force_best_gain(problem: PlanningProblem, placement: dacp._Placement, busiest: int) -> float:
+def brute_force_best_gain(problem: PlanningProblem, ranks: list[int], busiest: int) -> float:
     """The refinement's specification: the largest drop of the busiest rank's pair maximum over every move and
-    swap of local sequences that keeps both ranks within the memory bound."""
-    lengths, costs, cp_size = problem.sequence_lengths, problem.placement[1], problem.cp_size
-    loads, remaining = placement.loads, placement.remaining
-    ours = [a for a, rank in placement.placement.items() if rank == busiest]
+    swap of whole sequences (sequence k on CP rank ``ranks[k]``) that keeps both ranks within the memory bound."""
+    lengths, costs, cp_size = problem.sequence_lengths, problem.rank_flops_at(1), problem.cp_size
+    capacity = problem.bucket_size * cp_size
+    loads = [sum(float(costs[k]) for k, rank in enumerate(ranks) if rank == r) for r in range(cp_size)]
+    remaining = [capacity - sum(lengths[k] * cp_size for k, rank in enumerate(ranks) if rank == r)
+                 for r in range(cp_size)]
+    ours = [a for a, rank in enumerate(ranks) if rank == busiest]
     best = 0.0
     for other in range(cp_size):
         gap = loads[busiest] - loads[other]
-        theirs = [None, *(b for b, rank in placement.placement.items() if rank == other)]
+        theirs = [None, *(b for b, rank in enumerate(ranks) if rank == other)]
         for a in ours:
             for b in theirs:
                 delta = costs[a] - (0.0 if b is None else costs[b])
@@ -218,7 +224,7 @@ def brute_force_best_gain(problem: PlanningProblem, placement: dacp._Placement, 
 
 
 @st.composite
-def crowded_placements(draw: st.DrawFn) -> tuple[PlanningProblem, dacp._Placement]:
+def crowded_placements(draw: st.DrawFn) -> tuple[PlanningProblem, list[int]]:
     """Sequences placed whole on drawn CP ranks, every rank then topped up with short ones until the next would not
     fit: memory decides which swaps are possible (a rank has room for a token count, not for a long sequence)."""
     cp_size = draw(st.sampled_from([2, 4, 8]))
@@ -233,21 +239,19 @@ def crowded_placements(draw: st.DrawFn) -> tuple[PlanningProblem, dacp._Placemen
         ranks += [rank] * (free // filler)
     problem = make_problem(sequence_lengths=lengths, dp_size=1, cp_size=cp_size, bucket_size=bucket_size,
                            model=draw(st.sampled_from(["tiny", "qwen2.5-7b"])))
-    rows = dacp_search.Rows.empty(problem, np.zeros(1, dtype=np.int64), np.arange(len(lengths))[None, :])
-    arrays = dacp_search.SearchArrays.of(problem)
-    for step, rank in enumerate(ranks):
-        rows.put(arrays, np.ones(1, dtype=np.bool_), step, dacp_search.LOCAL, np.array([rank]))
-    return problem, dacp._Placement(problem, rows, 0)
+    return problem, ranks
 
 
 @settings(max_examples=100, deadline=None)
 @given(crowded=crowded_placements())
-def test_the_refinement_finds_the_best_move_or_swap_of_every_pair(
-        crowded: tuple[PlanningProblem, dacp._Placement]) -> None:
-    problem, placement = crowded
-    members = [sorted((problem.placement[1][k], k) for k, r in placement.placement.items() if r == rank)
-               for rank in range(problem.cp_size)]
+def test_the_refinement_finds_the_best_move_or_swap_of_every_pair(crowded: tuple[PlanningProblem, list[int]]) -> None:
+    problem, ranks = crowded
+    members = np.arange(problem.num_sequences, dtype=np.int64)
+    degree = np.ones(problem.num_sequences, dtype=np.int64)
+    first_rank = np.array(ranks, dtype=np.int64)
+    sums = empty_sums(problem.tables, 1)
+    dacp_search.replay_decision(problem.tables, members, degree, first_rank, sums)
     for busiest in range(problem.cp_size):
-        move = dacp._best_move(problem, placement, members, busiest)
-        expected = brute_force_best_gain(problem, placement, busiest)
-        assert (0.0 if move is None else move[0]) == pytest.approx(expected, rel=1e-12, abs=0.0)
+        gain, moved, _, _ = dacp_search.best_exchange(problem.tables, members, degree, first_rank, sums, busiest)
+        expected = brute_force_best_gain(problem, ranks, busiest)
+        assert (0.0 if moved < 0 else gain) == pytest.approx(expected, rel=1e-12, abs=0.0)

@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 
 from scheduler_service.core import gds, plan_refine
 from scheduler_service.core.check import find_violations
-from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, ShardedGroup, make_problem
+from scheduler_service.core.dacp_search import HYBRID
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem, ShardedGroup, make_problem
 from scheduler_service.core.plan_refine import refine_plan
 from scheduler_service.core.simulate import simulate
 from tests.test_dacp_groups import hybrid_problems
@@ -17,18 +18,22 @@ def as_plan(dp_ranks: list[list[MicroBatch]]) -> Plan:
     return Plan(dp_ranks=tuple(DPRankPlan(micro_batches=tuple(micro_batches)) for micro_batches in dp_ranks))
 
 
+def refined(problem: PlanningProblem, plan: Plan, budget: int = 128) -> tuple[Plan, float]:
+    places, time_s = refine_plan(problem, plan.places(problem.num_sequences), budget=budget)
+    return Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size), time_s
+
+
 def unrefined_hybrid_plan(problem: PlanningProblem) -> Plan:
     """What ``skrull`` refines: GDS's hybrid plan, each micro-batch decided on its own."""
-    split = gds._split(problem, problem.area)
-    return gds._assemble(problem, split, gds.hybrid_and_balanced_candidates(problem, split.groups, [])[0])[0]
+    places, _ = gds.gds_places(problem, problem.area, HYBRID)
+    return Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=hybrid_problems(max_sequences=32))
 def test_a_refined_plan_is_valid_timed_as_the_simulator_and_never_slower(problem: PlanningProblem) -> None:
     plan = unrefined_hybrid_plan(problem)
-    refined, time_s = refine_plan(problem, [list(dp_rank.micro_batches) for dp_rank in plan.dp_ranks])
-    refined_plan = as_plan(refined)
+    refined_plan, time_s = refined(problem, plan)
     assert find_violations(refined_plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
                            cp_size=problem.cp_size, bucket_size=problem.bucket_size) == []
     assert time_s == pytest.approx(simulate(problem, refined_plan).iteration_time_s, rel=1e-9)
@@ -40,19 +45,22 @@ def test_a_swap_across_micro_batches_pairs_the_long_sequences() -> None:
     # into the other micro-batch makes one micro-batch long and the other short.
     problem = make_problem(sequence_lengths=[16_000, 16_000, 500, 500], dp_size=1, cp_size=2,
                            model="qwen2.5-0.5b", bucket_size=20_000)
-    paired = [[MicroBatch(local=((0,), (2,)), distributed=()), MicroBatch(local=((1,), (3,)), distributed=())]]
-    refined, time_s = refine_plan(problem, paired)
-    assert time_s < 0.6 * simulate(problem, as_plan(paired)).iteration_time_s
-    assert sorted(sorted(micro_batch.indices()) for micro_batch in refined[0]) == [[0, 1], [2, 3]]
+    paired = as_plan([[MicroBatch(local=((0,), (2,)), distributed=()), MicroBatch(local=((1,), (3,)), distributed=())]])
+    refined_plan, time_s = refined(problem, paired)
+    assert time_s < 0.6 * simulate(problem, paired).iteration_time_s
+    assert sorted(sorted(micro_batch.indices()) for micro_batch in refined_plan.dp_ranks[0].micro_batches) == [
+        [0, 1], [2, 3]]
 
 
 def test_a_move_takes_work_off_the_slowest_dp_rank() -> None:
     problem = make_problem(sequence_lengths=[8_000, 8_000, 8_000, 8_000], dp_size=2, cp_size=2,
                            model="qwen2.5-0.5b", bucket_size=20_000)
-    lopsided = [[MicroBatch(local=((0, 1), (2,)), distributed=())], [MicroBatch(local=((3,), ()), distributed=())]]
-    refined, time_s = refine_plan(problem, lopsided)
-    assert time_s < simulate(problem, as_plan(lopsided)).iteration_time_s
-    assert sorted(len(micro_batch.indices()) for dp_rank in refined for micro_batch in dp_rank) == [2, 2]
+    lopsided = as_plan([[MicroBatch(local=((0, 1), (2,)), distributed=())],
+                        [MicroBatch(local=((3,), ()), distributed=())]])
+    refined_plan, time_s = refined(problem, lopsided)
+    assert time_s < simulate(problem, lopsided).iteration_time_s
+    assert sorted(len(micro_batch.indices()) for dp_rank in refined_plan.dp_ranks
+                  for micro_batch in dp_rank.micro_batches) == [2, 2]
 
 
 def swapped(plan: Plan, x: int, y: int) -> Plan:
@@ -81,7 +89,8 @@ def brute_force_best_swap_s(problem: PlanningProblem, plan: Plan, x: int) -> flo
 
     best_s = float("inf")
     for y in range(problem.num_sequences):
-        if where[y][:2] == where[x][:2] or problem.placement[degree_of(x)][y] >= problem.placement[degree_of(x)][x]:
+        costs_at_x = problem.rank_flops_at(degree_of(x))
+        if where[y][:2] == where[x][:2] or costs_at_x[y] >= costs_at_x[x]:
             continue
         candidate = swapped(plan, x, y)
         if find_violations(candidate, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
@@ -98,16 +107,18 @@ def test_the_bounded_swap_search_finds_the_swap_costing_every_partner_finds(prob
     # With the threshold just above the best swap's time, a bound that ever exceeded a partner's exact time could
     # skip the best partner; just below it, nothing may be found.
     plan = unrefined_hybrid_plan(problem)
-    state = plan_refine._State(problem, [list(dp_rank.micro_batches) for dp_rank in plan.dp_ranks])
-    if len(state.owner) == 0 or len(problem.degrees) < 2:
+    places = plan.places(problem.num_sequences)
+    if places.num_micro_batches == 0 or len(problem.degrees) < 2:
         return
-    slowest = int(state.dp_times.argmax())
-    partners = plan_refine._Partners(state, slowest)
+    state = plan_refine._new_state(problem.tables, places.micro_batch, places.degree, places.first_rank,
+                                   places.dp_rank, problem.dp_size)
+    slowest = int(state.dp_times_s.argmax())
+    block_heaviest = plan_refine._block_heaviest(state)
     for x in (index for micro_batch in plan.dp_ranks[slowest].micro_batches for index in micro_batch.indices()):
         best_s = brute_force_best_swap_s(problem, plan, x)
         if best_s == float("inf"):
-            assert plan_refine._best_swap(state, x, float("inf"), partners) is None
+            assert plan_refine._best_swap(state, x, slowest, float("inf"), block_heaviest)[1] == -1
             continue
-        found = plan_refine._best_swap(state, x, best_s * (1 + 1e-9), partners)
-        assert found is not None and found.score_s == pytest.approx(best_s, rel=1e-9)
-        assert plan_refine._best_swap(state, x, best_s * (1 - 1e-9), partners) is None
+        found_s, partner = plan_refine._best_swap(state, x, slowest, best_s * (1 + 1e-9), block_heaviest)
+        assert partner >= 0 and found_s == pytest.approx(best_s, rel=1e-9)
+        assert plan_refine._best_swap(state, x, slowest, best_s * (1 - 1e-9), block_heaviest)[1] == -1

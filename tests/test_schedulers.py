@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler_service.core import baselines, dacp, gds
 from scheduler_service.core.check import find_violations
+from scheduler_service.core.gds_search import fewest_that_spread
 from scheduler_service.core.partition import MAX_KARMARKAR_KARP_CELLS, karmarkar_karp, lpt_partition
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, SchedulerName, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
@@ -203,11 +205,12 @@ def test_karmarkar_karp_hands_over_to_lpt_for_many_parts() -> None:
     assert max(loads) == 2000 and min(loads) == 1953
 
 
-def test_gds_cuts_a_share_into_the_fewest_micro_batches_that_fit_and_one_more() -> None:
+def test_gds_cuts_a_share_into_the_fewest_micro_batches_that_spread() -> None:
     # two 34-token sequences fill a 100-token micro-batch: 24 of them; growing the count geometrically past 16
     # overshot to 25 and never came back
     problem = make_problem(sequence_lengths=[34] * 48, dp_size=1, cp_size=1, model="qwen2.5-0.5b", bucket_size=100)
-    assert [len(cut) for cut in gds._cuts(problem, range(48))] == [24, 25]
+    group_of = np.empty(48, dtype=np.int64)
+    assert fewest_that_spread(problem.lengths, np.arange(48), problem.micro_batch_capacity, group_of) == 24
 
 
 def test_a_sequence_sharded_over_a_single_rank_costs_what_it_costs_whole() -> None:

@@ -592,10 +592,10 @@ def _fit_summary(fit: Any) -> dict[str, float]:
 
 def _predicted_shard_s(perf: PerformanceModel, num_tokens: int, degree: int) -> float:
     """The model's time of a rank holding only its shard of one sequence sharded over ``degree`` ranks: no local
-    attention hides the collectives (``simulate.rank_time_s``)."""
+    attention hides the collectives, so all of them are exposed (``costing.rank_time_s``)."""
     cost = perf.collective_cost(degree)
     return (perf.compute_time_s(float(perf.placement_flops([num_tokens], degree)[0]))
-            + perf.exposed_comm_s(cost.all_gather_s(num_tokens), cost.reduce_scatter_s(num_tokens), 0.0))
+            + cost.all_gather_s(num_tokens) + cost.reduce_scatter_s(num_tokens))
 
 
 def shard_effect_rows(perf: PerformanceModel, shards: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

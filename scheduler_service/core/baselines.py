@@ -13,12 +13,14 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
+from numba import types
 
-from scheduler_service.core.dacp_search import SearchArrays, row_times_s, static_rows
+from scheduler_service.core.costing import TABLES, CostTables, clear_row, empty_sums, micro_batch_time_s, place
+from scheduler_service.core.gds_search import min_micro_batches
+from scheduler_service.core.jit import kernel
 from scheduler_service.core.partition import karmarkar_karp
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
 
@@ -27,7 +29,6 @@ __all__ = [
     "contiguous_slices",
     "deepspeed",
     "deepspeed_time_s",
-    "min_micro_batches",
     "pack_in_order",
     "shard_all",
     "sorted_batching",
@@ -60,14 +61,28 @@ def deepspeed(problem: PlanningProblem) -> Plan:
     return _plan(_deepspeed_micro_batches(problem), problem)
 
 
+@kernel(types.float64(TABLES, types.int64))
+def _deepspeed_time_s(tables: CostTables, dp_size: int) -> float:
+    """The deepspeed plan's iteration time: contiguous DP slices (``contiguous_slices``), each sequence its own
+    micro-batch sharded over the whole CP group."""
+    num_sequences = tables.lengths.shape[0]
+    sums = empty_sums(tables, 1)
+    slowest_s, start = 0.0, 0
+    for dp_rank in range(dp_size):
+        end = start + num_sequences // dp_size + (dp_rank < num_sequences % dp_size)
+        dp_rank_s = 0.0
+        for k in range(start, end):
+            clear_row(sums, 0)
+            place(tables, sums, 0, k, tables.cp_size, 0, 1)
+            dp_rank_s += micro_batch_time_s(tables, sums, 0)
+        slowest_s, start = max(slowest_s, dp_rank_s), end
+    return slowest_s
+
+
 def deepspeed_time_s(problem: PlanningProblem) -> float:
-    """``simulate(problem, deepspeed(problem)).iteration_time_s``, vectorised: every answer reports its speedup over
+    """``simulate(problem, deepspeed(problem)).iteration_time_s``, compiled: every answer reports its speedup over
     this baseline, whose one-sequence micro-batches cost more to simulate one by one than Skrull costs to plan."""
-    per_rank = _deepspeed_micro_batches(problem)
-    groups = [group for groups in per_rank for group in groups]
-    times_s = row_times_s(problem, static_rows(problem, SearchArrays.of(problem), groups))
-    ends = np.cumsum([len(groups) for groups in per_rank])
-    return max(float(np.sum(times_s[end - len(groups):end])) for end, groups in zip(ends, per_rank, strict=True))
+    return _deepspeed_time_s(problem.tables, problem.dp_size)
 
 
 def pack_in_order(problem: PlanningProblem, share: Sequence[int]) -> list[list[int]]:
@@ -75,7 +90,7 @@ def pack_in_order(problem: PlanningProblem, share: Sequence[int]) -> list[list[i
     groups: list[list[int]] = []
     tokens = 0
     for index in share:
-        length = int(problem.lengths[index])
+        length = problem.sequence_lengths[index]
         if not groups or tokens + length > problem.micro_batch_capacity:
             groups.append([])
             tokens = 0
@@ -85,18 +100,8 @@ def pack_in_order(problem: PlanningProblem, share: Sequence[int]) -> list[list[i
 
 
 def sorted_batching(problem: PlanningProblem) -> Plan:
-    ascending = sorted(range(problem.num_sequences), key=lambda k: (problem.lengths[k], k))
+    ascending = sorted(range(problem.num_sequences), key=lambda k: (problem.sequence_lengths[k], k))
     return _plan([pack_in_order(problem, share) for share in contiguous_slices(ascending, problem.dp_size)], problem)
-
-
-def min_micro_batches(problem: PlanningProblem, subset: Sequence[int]) -> int:
-    """No fewer micro-batches can hold ``subset``: its tokens over C·N, and one each for the sequences
-    longer than C·N/2 (no two of them fit together)."""
-    if not subset:
-        return 0
-    lengths, capacity = problem.sequence_lengths, problem.micro_batch_capacity
-    by_tokens = math.ceil(sum(lengths[k] for k in subset) / capacity)
-    return max(1, by_tokens, sum(1 for k in subset if 2 * lengths[k] > capacity))
 
 
 def balanced(problem: PlanningProblem) -> Plan:
@@ -105,7 +110,7 @@ def balanced(problem: PlanningProblem) -> Plan:
     per_rank = []
     for share in shares:
         groups: list[list[int]] = []
-        count = min_micro_batches(problem, share)
+        count = min_micro_batches(problem.lengths[np.asarray(share, dtype=np.int64)], problem.micro_batch_capacity)
         while share:
             groups = karmarkar_karp(share, lengths, count)
             if max(sum(lengths[k] for k in group) for group in groups) <= problem.micro_batch_capacity:

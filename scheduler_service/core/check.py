@@ -32,23 +32,30 @@ def _block_violation(cp_ranks: tuple[int, ...], cp_size: int) -> str | None:
 def _memory_violations(
     micro_batch: MicroBatch, sequence_lengths: Sequence[int], cp_size: int, bucket_size: int, where: str
 ) -> list[str]:
-    """The bound per CP rank in 1/cp_size-token units: local × N, distributed × 1, a group of size s × N/s."""
+    """The bound per CP rank in 1/cp_size-token units: local × N, distributed × 1, a group of size s × N/s; the
+    sums are spelt out only for the ranks over it."""
     num_sequences = len(sequence_lengths)
 
     def tokens(indices: Sequence[int]) -> int:
         return sum(sequence_lengths[i] for i in indices if 0 <= i < num_sequences)
 
     distributed = tokens(micro_batch.distributed)
-    units = [tokens(rank_local) * cp_size + distributed for rank_local in micro_batch.local]
-    terms = [[f"{tokens(rank_local)} local", f"{distributed}/{cp_size} distributed"]
-             for rank_local in micro_batch.local]
-    for group in micro_batch.sharded:
-        group_tokens = tokens(group.sequences)
+    local = [tokens(rank_local) for rank_local in micro_batch.local]
+    units = [rank_tokens * cp_size + distributed for rank_tokens in local]
+    group_tokens = [tokens(group.sequences) for group in micro_batch.sharded]
+    for group, sharded_tokens in zip(micro_batch.sharded, group_tokens, strict=True):
         for cp_rank in group.cp_ranks:
-            units[cp_rank] += group_tokens * (cp_size // len(group.cp_ranks))
-            terms[cp_rank].append(f"{group_tokens}/{len(group.cp_ranks)} sharded over {list(group.cp_ranks)}")
-    return [f"{where} CP rank {cp_rank} holds {' + '.join(terms[cp_rank])} tokens > bucket_size {bucket_size}"
-            for cp_rank in range(cp_size) if units[cp_rank] > bucket_size * cp_size]
+            units[cp_rank] += sharded_tokens * (cp_size // group.degree)
+    violations = []
+    for cp_rank in range(cp_size):
+        if units[cp_rank] > bucket_size * cp_size:
+            terms = [f"{local[cp_rank]} local", f"{distributed}/{cp_size} distributed"] + [
+                f"{sharded_tokens}/{group.degree} sharded over {list(group.cp_ranks)}"
+                for group, sharded_tokens in zip(micro_batch.sharded, group_tokens, strict=True)
+                if cp_rank in group.cp_ranks]
+            violations.append(f"{where} CP rank {cp_rank} holds {' + '.join(terms)} tokens > bucket_size "
+                              f"{bucket_size}")
+    return violations
 
 
 def find_violations(
@@ -59,18 +66,19 @@ def find_violations(
     num_sequences = len(sequence_lengths)
     if len(plan.dp_ranks) != dp_size:
         violations.append(f"plan has {len(plan.dp_ranks)} DP entries; dp_size is {dp_size}")
-    seen: dict[int, str] = {}
+    seen: list[str | None] = [None] * num_sequences  # where each sequence was scheduled first
     for dp_rank, dp_plan in enumerate(plan.dp_ranks):
         for micro_batch_index, micro_batch in enumerate(dp_plan.micro_batches):
             where = f"dp_ranks[{dp_rank}].micro_batches[{micro_batch_index}]"
             if len(micro_batch.local) != cp_size:
                 violations.append(f"{where} has {len(micro_batch.local)} local lists; cp_size is {cp_size}")
-            if not micro_batch.indices():
+            indices = micro_batch.indices()
+            if not indices:
                 violations.append(f"{where} is empty")
-            for index in micro_batch.indices():
+            for index in indices:
                 if not 0 <= index < num_sequences:
                     violations.append(f"{where} names index {index}; the batch has {num_sequences} sequences")
-                elif index in seen:
+                elif seen[index] is not None:
                     violations.append(f"sequence {index} is scheduled twice: in {seen[index]} and {where}")
                 else:
                     seen[index] = where
@@ -85,7 +93,7 @@ def find_violations(
             if not blocks_valid:
                 continue  # the memory bound is only defined over cp_size ranks and valid blocks
             violations += _memory_violations(micro_batch, sequence_lengths, cp_size, bucket_size, where)
-    missing = [index for index in range(num_sequences) if index not in seen]
+    missing = [index for index in range(num_sequences) if seen[index] is None]
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" …" if len(missing) > 10 else "")
         violations.append(f"{len(missing)} sequences are not scheduled: {shown}")

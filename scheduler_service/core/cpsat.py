@@ -85,7 +85,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,13 +94,14 @@ from ortools.sat.python import cp_model
 
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import InvalidRequestError
+from scheduler_service.core.gds_search import min_micro_batches
 from scheduler_service.core.perf_model import ATTENTION_FORWARD_SHARE
 from scheduler_service.core.plan import (
     DPRankPlan,
     MicroBatch,
+    Place,
     Plan,
     PlanningProblem,
-    ShardedGroup,
     SolverReport,
     block_degrees,
 )
@@ -160,7 +161,7 @@ def _quantise(problem: PlanningProblem, *, hybrid: bool) -> _Costs:
     """The one place seconds become integers."""
     alpha, collective = problem.alpha_s_per_flop, problem.perf.collective_cost(problem.cp_size)
     tokens = problem.lengths.astype(np.float64)
-    attention_s = alpha * np.asarray(problem.local_attention)
+    attention_s = alpha * problem.tables.local_attention_flops
 
     def ticks(seconds: npt.ArrayLike, rounding: Callable[[npt.ArrayLike], npt.NDArray[np.float64]] = np.floor,
               ) -> list[int]:
@@ -168,15 +169,15 @@ def _quantise(problem: PlanningProblem, *, hybrid: bool) -> _Costs:
 
     def block_costs(degree: int) -> _BlockCosts:
         cost = problem.perf.collective_cost(degree)
-        return _BlockCosts(compute=ticks(alpha * np.asarray(problem.placement[degree])),
+        return _BlockCosts(compute=ticks(alpha * problem.rank_flops_at(degree)),
                            all_gather=ticks(cost.all_gather_s_per_token * tokens),
                            reduce_scatter=ticks(cost.reduce_scatter_s_per_token * tokens),
                            all_gather_fixed=ticks(cost.all_gather_fixed_s)[0],
                            reduce_scatter_fixed=ticks(cost.reduce_scatter_fixed_s)[0])
 
     return _Costs(
-        local=ticks(alpha * np.asarray(problem.placement[1])),
-        distributed=ticks(alpha * np.asarray(problem.placement[problem.cp_size])),
+        local=ticks(alpha * problem.rank_flops_at(1)),
+        distributed=ticks(alpha * problem.rank_flops_at(problem.cp_size)),
         attention_forward=ticks(attention_s * ATTENTION_FORWARD_SHARE, np.ceil),
         attention_backward=ticks(attention_s * (1 - ATTENTION_FORWARD_SHARE), np.ceil),
         all_gather=ticks(collective.all_gather_s_per_token * tokens),
@@ -206,13 +207,6 @@ def _num_placement_booleans(problem: PlanningProblem, *, hybrid: bool) -> int:
             else:
                 count += sum(int(fits_after[s]) for s in range(r, min(r + cp_size, num_sequences)))
     return count
-
-
-def _min_micro_batches(token_counts: Sequence[int], capacity: int) -> int:
-    """Bin-packing lower bound: the total volume, and that sequences over half a micro-batch never share one."""
-    by_volume = -(-sum(token_counts) // capacity)
-    by_size = sum(1 for tokens in token_counts if 2 * tokens > capacity)
-    return max(by_volume, by_size)
 
 
 # A plan as the model labels it: DP ranks → micro-batches, each list sorted by smallest index, nothing empty.
@@ -419,9 +413,10 @@ class _JointModel:
         # Redundant counts, for the bound: the memory bound summed over micro-batches needs at least this many
         # micro-batches, and (binary space, where a sequence longer than C can only be distributed) at least this
         # many with distributed work.
-        model.add(sum(opens.values()) >= _min_micro_batches(lengths, capacity))
+        model.add(sum(opens.values()) >= min_micro_batches(problem.lengths, capacity))
         if ordered:
-            model.add(sum(sharded.values()) >= _min_micro_batches([n for n in lengths if n > bucket_size], capacity))
+            model.add(sum(sharded.values()) >= min_micro_batches(problem.lengths[problem.lengths > bucket_size],
+                                                                 capacity))
 
         # Iteration time: the slowest DP rank's sum over its micro-batches (eq. 8).
         for i in range(num_dp_ranks):
@@ -489,24 +484,22 @@ class _JointModel:
 
     def plan(self, solver: cp_model.CpSolver) -> Plan:
         """The solver's current solution as a plan; empty micro-batch slots are dropped."""
-        problem = self.problem
+        problem, cp_size = self.problem, self.problem.cp_size
+        places: dict[tuple[int, int], list[Place]] = {slot: [] for slot in self.slots}  # per slot (i, r)
+        for (k, i, r, j), variable in self.local.items():
+            if solver.boolean_value(variable):
+                places[i, r].append((k, 1, j))
+        for (k, i, r), variable in self.dist.items():
+            if solver.boolean_value(variable):
+                places[i, r].append((k, cp_size, 0))
+        for (k, i, r, b), variable in self.group.items():
+            if solver.boolean_value(variable):
+                first, degree = self.blocks[b]
+                places[i, r].append((k, degree, first))
         dp_ranks: list[list[MicroBatch]] = [[] for _ in range(problem.dp_size)]
-        for i, r in self.slots:
-            if not solver.boolean_value(self.opens[i, r]):
-                continue
-            local = tuple(
-                tuple(k for k in self.members[i, r, j] if (k, i, r, j) in self.local
-                      and solver.boolean_value(self.local[k, i, r, j]))
-                for j in range(problem.cp_size)
-            )
-            distributed = tuple(k for k in self.distributable[i, r] if solver.boolean_value(self.dist[k, i, r]))
-            sharded = []
-            for b, (first, degree) in enumerate(self.blocks):
-                sequences = tuple(k for k in self.shardable[i, r, b] if solver.boolean_value(self.group[k, i, r, b]))
-                if sequences:
-                    sharded.append(ShardedGroup(cp_ranks=tuple(range(first, first + degree)), sequences=sequences))
-            dp_ranks[i].append(MicroBatch(local=local, distributed=distributed,
-                                          sharded=tuple(sorted(sharded, key=lambda group: group.cp_ranks))))
+        for (i, _), slot_places in places.items():
+            if slot_places:
+                dp_ranks[i].append(MicroBatch.from_places(slot_places, cp_size))
         return Plan(dp_ranks=tuple(DPRankPlan(micro_batches=tuple(micro_batches)) for micro_batches in dp_ranks))
 
 

@@ -1,394 +1,376 @@
-"""The candidate search behind binary and hybrid DACP, vectorised over micro-batches and candidates.
+"""DACP's search for Skrull, as compiled kernels: where each sequence of one micro-batch runs.
 
-Each row of the arrays here is one candidate decision for one micro-batch. Both greedy placements are sequential
-in a micro-batch's sequences but independent across rows, so one step places the j-th sequence of every row of a
-whole global batch in a few dozen numpy operations, where a Python loop would visit every rank of every candidate
-of every micro-batch (README, "Planning latency").
+A micro-batch's sequences come longest first (ties by index); each kernel writes every sequence's place (degree and
+first CP rank, ``costing``) into the arrays beside them and returns the micro-batch's time under the cost model,
+``inf`` where it found no decision within the memory bound. Axes as in ``costing`` (K: the micro-batch's sequences,
+C: CP ranks, D: degrees). Every placement checks memory first, in exact units, so every decision is within the
+bound by construction.
 
-* ``binary_rows`` — "shard the k longest over the whole CP group, place the rest largest-first on the least-loaded
-  rank with room (LPT under the memory bound), shard a sequence that fits on no rank", for the few k worth trying.
-* ``hybrid_rows`` — the dual approximation over degrees: under a cap on every rank's load, each sequence takes
-  the smallest degree (1, an aligned block, the whole group) whose per-rank share fits the cap and whose tokens
-  fit a bucket per rank; widest first, heaviest first within a degree, each goes to the best-fitting aligned
-  block where it stays under the cap, escalating its degree when no block has room. A grid of caps between the
-  balanced load and the best binary decision's busiest rank, and one above it (below the binary decision's time
-  as a load), one row each.
+* ``binary_decision`` (binary Skrull) — for each k worth trying, shard the k longest over the whole CP group and
+  place the rest largest first on the least-loaded rank with room (LPT under the memory bound), sharding one that
+  fits on no rank; the cheapest k wins. k runs from the sequences too long to be kept whole to those heavier than an
+  even share and ``EXTRA_DISTRIBUTION_CANDIDATES`` more, then all of them: static CP is always a candidate, so a
+  micro-batch is never slower than sharding everything, and it fits whenever its tokens do.
+* ``hybrid_decision`` (Skrull's default) — a dual approximation over degrees, as for scheduling moldable tasks:
+  under a cap on every rank's load, each sequence takes the smallest degree (1, a hybrid block size, the whole
+  group) whose tokens fit a bucket per rank and whose share fits the cap; widest first, heaviest share first within
+  a degree, each goes to the best-fitting aligned block (the most loaded one where it stays under the cap and fits
+  in memory), escalating its degree where no block has room.
+* ``best_decision`` — the binary decision, then (hybrid search) packings under ``CAP_CANDIDATES`` caps evenly
+  spaced between the balanced load (every sequence at its cheapest placement, spread evenly: nothing does better)
+  and the binary decision's busiest rank, and ``CAP_CANDIDATES_ABOVE`` between that rank and the binary decision's
+  time as a load (a packing whose busiest rank computes more can still be faster where its smaller groups expose
+  less communication; a rank whose compute alone outlasts the binary decision cannot win). The cheapest wins; the
+  binary decision on ties, so hybrid is never slower.
+* ``refine_micro_batch`` — a bounded local search: move or swap whole sequences off the slowest rank while that
+  lowers the micro-batch's time (at most ``MAX_REFINEMENT_STEPS`` steps; a move is kept only if the time falls,
+  since the receiving rank's collectives may be hidden less).
 
-Memory is in exact integer units of 1/N token: a CP rank holds ``C·N``, a sequence sharded over ``s`` ranks
-costs ``S·N/s`` on each (``s`` divides ``N``), so the memory bound holds by construction in every row.
+Each kernel works in row 0 of a one-micro-batch ``RankSums`` its caller provides (``replay_decision`` rebuilds it
+from a decision), so a whole global batch is searched without allocating per micro-batch.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-
 import numpy as np
 import numpy.typing as npt
+from numba import types
 
-from scheduler_service.core.plan import PlanningProblem
-from scheduler_service.core.simulate import rank_time_s
+from scheduler_service.core.costing import (
+    SUMS,
+    TABLES,
+    CostTables,
+    RankSums,
+    block_max,
+    clear_row,
+    micro_batch_time_s,
+    place,
+    rank_time_s,
+)
+from scheduler_service.core.jit import FLOAT_1D, INT_1D, kernel
 
-__all__ = ["LOCAL", "Rows", "SearchArrays", "binary_rows", "hybrid_rows", "row_times_s", "static_rows"]
+__all__ = [
+    "BINARY",
+    "CAP_CANDIDATES",
+    "CAP_CANDIDATES_ABOVE",
+    "HYBRID",
+    "STATIC",
+    "best_decision",
+    "best_exchange",
+    "binary_decision",
+    "hybrid_decision",
+    "refine_micro_batch",
+    "replay_decision",
+]
+
+# Search spaces of ``best_decision``
+STATIC = 0  # every sequence sharded over the whole CP group (static CP; GDS's ablation)
+BINARY = 1  # whole on one CP rank, or sharded over the whole group
+HYBRID = 2  # whole, sharded over an aligned block of CP ranks, or over the whole group
 
 EXTRA_DISTRIBUTION_CANDIDATES = 2  # k values tried beyond the sequences too heavy to place locally
-CAP_CANDIDATES = 8  # caps tried per micro-batch, evenly spaced strictly between the balanced load and the binary one
-CAP_CANDIDATES_ABOVE = 1  # and between the binary decision's busiest load and its time as a load
-CAP_TOLERANCE = 1.005  # no hybrid search where the binary decision is within 0.5% of the balanced load
+CAP_CANDIDATES = 8  # caps evenly spaced strictly between the balanced load and the binary decision's busiest rank
+CAP_CANDIDATES_ABOVE = 1  # caps between that rank and the binary decision's time as a load
+CAP_TOLERANCE = 1.005  # no caps where the bounds they lie between are within 0.5 % of each other
+MAX_REFINEMENT_STEPS = 16
+MIN_REFINEMENT_GAIN = 1e-3  # a move must cut the busiest rank's load by at least 0.1 %
 
-LOCAL = 0  # ``Rows.degree`` of a sequence kept whole on one rank
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
-BoolArray = npt.NDArray[np.bool_]
 
 
-@dataclass(frozen=True, slots=True)
-class SearchArrays:
-    """The problem's per-sequence figures as arrays, with one zero-cost padding sequence at index ``n`` so that
-    micro-batches of different sizes share one rectangular array; and, per place a sequence can take (``LOCAL``,
-    then each sharding degree: ``slot[degree]`` is its row), what it costs there, so one update can put each row's
-    sequence at a place of its own."""
-
-    lengths: IntArray
-    local_attention: FloatArray
-    area: FloatArray
-    padding: int
-    longest_first_rank: IntArray  # each sequence's position in the batch sorted longest first, ties by index
-    slot: IntArray  # (cp_size + 1,) row of ``LOCAL`` and of each sharding degree in the arrays below
-    shares: FloatArray  # (places, n + 1) per-rank share of each sequence at that place
-    all_gather_per_token: FloatArray  # (places,) collectives' costs: none for ``LOCAL``
-    all_gather_fixed: FloatArray
-    reduce_scatter_per_token: FloatArray
-    reduce_scatter_fixed: FloatArray
-    group_offset: IntArray  # (places,) row of the place's first aligned block in ``Rows.has_group``
-    degree: IntArray  # (places,) ``LOCAL`` or the degree
-    width: IntArray  # (places,) ranks of one of its blocks
-    units_per_token: IntArray  # (places,) memory units a token costs on each rank of its block
-    block_of_rank: IntArray  # (cp_size, places) the index of the place's block each CP rank is in
-
-    @classmethod
-    def of(cls, problem: PlanningProblem) -> SearchArrays:
-        def padded(values: Sequence[float]) -> FloatArray:
-            return np.append(np.asarray(values, dtype=np.float64), 0.0)
-
-        sharding = _group_degrees(problem)
-        slot = np.zeros(problem.cp_size + 1, dtype=np.int64)
-        slot[list(sharding)] = np.arange(1, len(sharding) + 1)
-        collectives = [problem.perf.collective_cost(degree) for degree in sharding]
-
-        def per_place(cost: str) -> FloatArray:
-            return np.array([0.0, *(getattr(collective, cost) for collective in collectives)])
-
-        widths, ranks = np.array([1, *sharding], dtype=np.int64), np.arange(problem.cp_size)
-        offsets = _group_offsets(problem)
-        longest_first = np.lexsort((np.arange(problem.num_sequences), -problem.lengths))
-        longest_first_rank = np.empty(problem.num_sequences, dtype=np.int64)
-        longest_first_rank[longest_first] = np.arange(problem.num_sequences)
-        return cls(
-            lengths=np.append(problem.lengths, 0), local_attention=padded(problem.local_attention),
-            area=padded(problem.area), padding=problem.num_sequences, longest_first_rank=longest_first_rank, slot=slot,
-            shares=np.array([padded(problem.placement[degree]) for degree in (1, *sharding)]),
-            all_gather_per_token=per_place("all_gather_s_per_token"), all_gather_fixed=per_place("all_gather_fixed_s"),
-            reduce_scatter_per_token=per_place("reduce_scatter_s_per_token"),
-            reduce_scatter_fixed=per_place("reduce_scatter_fixed_s"),
-            group_offset=np.array([0, *(offsets[degree] for degree in sharding)], dtype=np.int64),
-            degree=np.array([LOCAL, *sharding], dtype=np.int64), width=widths,
-            units_per_token=problem.cp_size // widths,
-            block_of_rank=ranks[:, None] // widths[None, :])
-
-    def share(self, degree: int) -> FloatArray:
-        """Each sequence's cost on each rank when kept whole (degree 1) or sharded over ``degree`` ranks."""
-        return self.shares[self.slot[degree]]
+@kernel(types.boolean(INT_1D, types.int64, types.int64, types.int64, types.int64))
+def _fits_block(units: IntArray, first_rank: int, degree: int, more_units: int, capacity: int) -> bool:
+    """Whether ``more_units`` fit on every rank of the block, whose ranks hold ``units``."""
+    for r in range(first_rank, first_rank + degree):  # noqa: SIM110 (a kernel loops; numba compiles no generator)
+        if units[r] + more_units > capacity:
+            return False
+    return True
 
 
-@dataclass(slots=True)
-class Rows:
-    """Candidate decisions, one per row, and the per-rank sums the cost model and the memory bound need.
+@kernel(types.void(INT_1D, INT_1D))
+def _copy(source: IntArray, destination: IntArray) -> None:
+    for j in range(source.shape[0]):
+        destination[j] = source[j]
 
-    Per-rank sums are rank-major, ``(N, R)``: every step reduces over a handful of ranks for hundreds of rows, which
-    numpy does as a few contiguous vector operations, and a dense update uses whole-array masks rather than gathers.
-    ``degree[j, r]`` and ``first[j, r]`` (step-major, so a step writes one contiguous row) say where the row's j-th
-    sequence ``order[r, j]`` went: ``LOCAL``, whole on rank ``first``; a degree, sharded over the aligned block of
-    that many ranks starting at ``first`` (with ``cp_size`` 1, a whole-group shard has degree 1 too)."""
 
-    micro_batch: IntArray  # (R,) which micro-batch each row decides
-    order: IntArray  # (R, K) the sequences in placement order; ``padding`` past a micro-batch's size
-    loads: FloatArray  # (N, R) FLOP-equivalents per rank
-    attention: FloatArray  # (N, R) local attention FLOP-equivalents per rank: what hides the collectives
-    all_gather: FloatArray  # (N, R) seconds of collectives per rank, forward
-    reduce_scatter: FloatArray  # (N, R) and backward
-    remaining: IntArray  # (N, R) memory units left per rank
-    has_group: BoolArray  # (G, R) whether the row already pays a block's fixed collective cost
-    degree: IntArray  # (K, R)
-    first: IntArray  # (K, R)
-    valid: BoolArray  # (R,) False once a sequence found no room
-
-    @classmethod
-    def empty(cls, problem: PlanningProblem, micro_batch: IntArray, order: IntArray) -> Rows:
-        shape = (problem.cp_size, len(micro_batch))
-        return cls(micro_batch=micro_batch, order=order, loads=np.zeros(shape), attention=np.zeros(shape),
-                   all_gather=np.zeros(shape), reduce_scatter=np.zeros(shape),
-                   remaining=np.full(shape, problem.bucket_size * problem.cp_size, dtype=np.int64),
-                   has_group=np.zeros((_num_groups(problem), len(micro_batch)), dtype=np.bool_),
-                   degree=np.zeros(order.shape[::-1], dtype=np.int64),
-                   first=np.zeros(order.shape[::-1], dtype=np.int64),
-                   valid=np.ones(len(micro_batch), dtype=np.bool_))
-
-    def take(self, rows: IntArray | slice) -> Rows:
-        """These rows; a slice gives views, so updating them updates these rows (see ``steps``)."""
-        return Rows(micro_batch=self.micro_batch[rows], order=self.order[rows], loads=self.loads[:, rows],
-                    attention=self.attention[:, rows], all_gather=self.all_gather[:, rows],
-                    reduce_scatter=self.reduce_scatter[:, rows], remaining=self.remaining[:, rows],
-                    has_group=self.has_group[:, rows], degree=self.degree[:, rows], first=self.first[:, rows],
-                    valid=self.valid[rows])
-
-    def steps(self, row_sizes: IntArray, num_steps: int) -> Iterator[tuple[int, int, Rows]]:
-        """Each step, with how many rows still have a sequence to place at it and those rows as views (updating them
-        updates these rows). Rows are ordered by decreasing micro-batch size (``row_sizes``), so those are a prefix,
-        and steps with the same prefix share one view."""
-        counts = np.searchsorted(-row_sizes, -np.arange(num_steps), side="left")  # rows longer than each step
-        active, previous = self, -1
-        for step, count in enumerate(counts.tolist()):
-            if count != previous:
-                active, previous = self.take(slice(count)), count
-            yield step, count, active
-
-    def put(self, arrays: SearchArrays, selected: BoolArray, step: int, degree: int | IntArray,
-            blocks: IntArray) -> None:
-        """Put the ``step``-th sequence of each selected row at ``degree`` (one for every row, or one per row):
-        ``LOCAL``, whole on rank ``blocks``; else sharded over the aligned block of that many ranks with index
-        ``blocks``, paying the block's fixed collective cost once per row. Rows of other places add exact zeros."""
-        num_selected = np.count_nonzero(selected)
-        if not num_selected:
-            return
-        # a sparse selection (shards, late steps) updates its columns only; a dense one every column, masked
-        sparse = num_selected * 4 < selected.size
-        columns, mask = (np.flatnonzero(selected), True) if sparse else (slice(None), selected)
-        local: bool | BoolArray
-        if np.ndim(degree):
-            slot = arrays.slot[np.asarray(degree)[columns]]
-            block_of_rank = arrays.block_of_rank[:, slot]
-            is_local = slot == 0
-            local = mask & is_local
-            any_local, any_sharded = bool(np.any(local)), bool(np.any(mask & ~is_local))
-        else:  # one place: no per-row choice to mask
-            slot = arrays.slot[degree]
-            block_of_rank = arrays.block_of_rank[:, slot, None]
-            any_local = local = bool(slot == 0)
-            any_sharded = not any_local
-        sequences, blocks = self.order[columns, step], blocks[columns]
-        tokens = arrays.lengths[sequences]
-        in_block = (block_of_rank == blocks) & mask
-        self.loads[:, columns] += in_block * arrays.shares[slot, sequences]
-        self.remaining[:, columns] -= in_block * (tokens * arrays.units_per_token[slot])
-        if any_local:
-            self.attention[:, columns] += (in_block & local) * arrays.local_attention[sequences]
-        if any_sharded:
-            sharded = mask & np.logical_not(local)
-            every_column = np.arange(selected.size)[columns]
-            group = np.where(sharded, arrays.group_offset[slot] + blocks, 0)  # a row not sharded changes no block
-            is_new = sharded & ~self.has_group[group, every_column]
-            self.has_group[group, every_column] |= sharded
-            self.all_gather[:, columns] += in_block * (arrays.all_gather_per_token[slot] * tokens
-                                                       + arrays.all_gather_fixed[slot] * is_new)
-            self.reduce_scatter[:, columns] += in_block * (arrays.reduce_scatter_per_token[slot] * tokens
-                                                           + arrays.reduce_scatter_fixed[slot] * is_new)
-        if sparse:
-            self.degree[step, columns] = arrays.degree[slot]
-            self.first[step, columns] = blocks * arrays.width[slot]
+@kernel(types.float64(TABLES, INT_1D, types.int64, SUMS, INT_1D, INT_1D))
+def _shard_longest_then_lpt(tables: CostTables, members: IntArray, num_sharded: int, sums: RankSums,
+                            degree: IntArray, first_rank: IntArray) -> float:
+    """One binary candidate: the ``num_sharded`` longest over the whole group, the rest LPT under the memory bound;
+    its time, ``inf`` where a sequence fits nowhere."""
+    cp_size, lengths = tables.cp_size, tables.lengths
+    capacity = tables.bucket_size * cp_size
+    work, units = sums.work_flops[0], sums.units[0]
+    clear_row(sums, 0)
+    for j in range(members.shape[0]):
+        k = members[j]
+        rank = -1
+        if j >= num_sharded:  # the least-loaded rank with room for the whole sequence (the first on ties)
+            for r in range(cp_size):
+                if units[r] + lengths[k] * cp_size <= capacity and (rank < 0 or work[r] < work[rank]):
+                    rank = r
+        if rank >= 0:
+            degree[j], first_rank[j] = 1, rank
+        elif _fits_block(units, 0, cp_size, lengths[k], capacity):
+            degree[j], first_rank[j] = cp_size, 0
         else:
-            np.copyto(self.degree[step], arrays.degree[slot], where=mask)
-            np.copyto(self.first[step], blocks * arrays.width[slot], where=mask)
-
-    def shard_prefix_over_group(self, problem: PlanningProblem, arrays: SearchArrays, counts: IntArray) -> None:
-        """Shard each row's first ``counts`` sequences over the whole CP group at once (from prefix sums); a row
-        whose prefix does not fit in memory is invalid."""
-        cp_size = problem.cp_size
-        prefix = np.arange(self.order.shape[1])[None, :] < counts[:, None]
-        tokens = (arrays.lengths[self.order] * prefix).sum(axis=1)
-        shares = (arrays.share(cp_size)[self.order] * prefix).sum(axis=1)
-        collective = problem.perf.collective_cost(cp_size)
-        any_sharded = counts > 0
-        self.loads += shares
-        self.remaining -= tokens
-        self.all_gather += np.where(any_sharded, collective.all_gather_s_per_token * tokens
-                                    + collective.all_gather_fixed_s, 0.0)
-        self.reduce_scatter += np.where(any_sharded, collective.reduce_scatter_s_per_token * tokens
-                                        + collective.reduce_scatter_fixed_s, 0.0)
-        self.has_group[_group_offsets(problem)[cp_size]] = any_sharded
-        self.degree[prefix.T] = cp_size
-        self.valid &= self.remaining.min(axis=0) >= 0
+            return np.inf
+        place(tables, sums, 0, k, degree[j], first_rank[j], 1)
+    return micro_batch_time_s(tables, sums, 0)
 
 
-@functools.cache
-def _group_layout(cp_size: int, group_degrees: tuple[int, ...]) -> tuple[dict[int, int], int]:
-    offsets, row = {}, 0
-    for degree in group_degrees:
-        offsets[degree] = row
-        row += cp_size // degree
-    return offsets, row
+@kernel(types.float64(TABLES, INT_1D, SUMS, INT_1D, INT_1D))
+def binary_decision(tables: CostTables, members: IntArray, sums: RankSums, degree: IntArray,
+                    first_rank: IntArray) -> float:
+    """The cheapest "shard the k longest, LPT the rest" decision (module docstring); its time."""
+    lengths, whole_flops = tables.lengths, tables.rank_flops[0]
+    num_members = members.shape[0]
+    total_flops = 0.0
+    for j in range(num_members):
+        total_flops += whole_flops[members[j]]
+    fair_share = total_flops / tables.cp_size
+    num_forced = 0  # too long to be kept whole: they come first
+    num_heavy = 0
+    for j in range(num_members):
+        k = members[j]
+        too_long = lengths[k] > tables.bucket_size
+        num_forced += too_long
+        num_heavy += too_long or whole_flops[k] > fair_share
+    highest = min(num_heavy + EXTRA_DISTRIBUTION_CANDIDATES, num_members)
+    num_sharded_candidates = list(range(num_forced, highest + 1))
+    if highest < num_members:
+        num_sharded_candidates.append(num_members)  # static CP
+    trial_degree = np.empty(num_members, dtype=np.int64)
+    trial_first_rank = np.empty(num_members, dtype=np.int64)
+    best_s = np.inf
+    for num_sharded in num_sharded_candidates:
+        time_s = _shard_longest_then_lpt(tables, members, num_sharded, sums, trial_degree, trial_first_rank)
+        if time_s < best_s:
+            best_s = time_s
+            _copy(trial_degree, degree)
+            _copy(trial_first_rank, first_rank)
+    return best_s
 
 
-def _group_degrees(problem: PlanningProblem) -> tuple[int, ...]:
-    """The degrees sequences are sharded over: every block size and the whole group (of 1 rank when cp_size is 1)."""
-    return tuple(sorted({*problem.degrees[1:], problem.cp_size}))
+@kernel(types.int64(FLOAT_1D, INT_1D, types.int64, types.float64, types.int64, types.float64, types.int64))
+def _best_fit_block(work: FloatArray, units: IntArray, degree: int, share: float, more_units: int, cap: float,
+                    capacity: int) -> int:
+    """The first rank of the aligned block of ``degree`` ranks (whose ranks hold ``work`` and ``units``) where a
+    piece of ``share`` and ``more_units`` fits in memory and keeps every rank under ``cap``, and whose busiest rank
+    is the most loaded such (the first on ties); -1 if none."""
+    best_first_rank = -1
+    best_load = -np.inf
+    for first_rank in range(0, work.shape[0], degree):
+        block_load = block_max(work, first_rank, degree)
+        if (block_load <= cap - share and block_load > best_load
+                and _fits_block(units, first_rank, degree, more_units, capacity)):
+            best_first_rank, best_load = first_rank, block_load
+    return best_first_rank
 
 
-def _group_offsets(problem: PlanningProblem) -> dict[int, int]:
-    """Row of each sharding degree's first aligned block in ``Rows.has_group``."""
-    return _group_layout(problem.cp_size, _group_degrees(problem))[0]
+@kernel(types.float64(TABLES, INT_1D, types.float64, SUMS, INT_1D, INT_1D))
+def hybrid_decision(tables: CostTables, members: IntArray, cap: float, sums: RankSums, degree: IntArray,
+                    first_rank: IntArray) -> float:
+    """The packing under ``cap`` (module docstring); its time, ``inf`` where a sequence fits nowhere."""
+    lengths, rank_flops, degrees, cp_size = tables.lengths, tables.rank_flops, tables.degrees, tables.cp_size
+    capacity = tables.bucket_size * cp_size
+    num_members = members.shape[0]
+    num_degrees = degrees.shape[0]
+    smallest = np.empty(num_members, dtype=np.int64)  # d of the smallest degree that fits the bucket and the cap
+    share = np.empty(num_members)
+    for j in range(num_members):
+        k = members[j]
+        smallest[j] = -1
+        for d in range(num_degrees):
+            if lengths[k] <= degrees[d] * tables.bucket_size and rank_flops[d, k] <= cap:
+                smallest[j] = d
+                share[j] = rank_flops[d, k]
+                break
+        if smallest[j] < 0:
+            return np.inf
+    # widest first, heaviest share first within a degree, ties by index: stable sorts, the last key first
+    order = np.argsort(members, kind="mergesort")
+    order = order[np.argsort(-share[order], kind="mergesort")]
+    order = order[np.argsort(-smallest[order], kind="mergesort")]
+    work, units = sums.work_flops[0], sums.units[0]
+    clear_row(sums, 0)
+    for j in order:
+        k = members[j]
+        degree[j] = 0
+        for d in range(smallest[j], num_degrees):
+            block_first_rank = _best_fit_block(work, units, degrees[d], rank_flops[d, k],
+                                               lengths[k] * (cp_size // degrees[d]), cap, capacity)
+            if block_first_rank >= 0:
+                degree[j], first_rank[j] = degrees[d], block_first_rank
+                break
+        if degree[j] == 0:
+            return np.inf
+        place(tables, sums, 0, k, degree[j], first_rank[j], 1)
+    return micro_batch_time_s(tables, sums, 0)
 
 
-def _num_groups(problem: PlanningProblem) -> int:
-    return _group_layout(problem.cp_size, _group_degrees(problem))[1]
+@kernel(types.void(TABLES, INT_1D, INT_1D, INT_1D, SUMS))
+def replay_decision(tables: CostTables, members: IntArray, degree: IntArray, first_rank: IntArray,
+                    sums: RankSums) -> None:
+    """Row 0 of ``sums`` for the decision ``degree``, ``first_rank``."""
+    clear_row(sums, 0)
+    for j in range(members.shape[0]):
+        place(tables, sums, 0, members[j], degree[j], first_rank[j], 1)
 
 
-def row_times_s(problem: PlanningProblem, rows: Rows) -> FloatArray:
-    """Each row's micro-batch time under the cost model (the slowest rank's ``rank_time_s``); inf if invalid."""
-    times = rank_time_s(problem, rows.loads, rows.attention, rows.all_gather, rows.reduce_scatter).max(axis=0)
-    return np.where(rows.valid, times, np.inf)
+@kernel(types.float64(TABLES, INT_1D, SUMS, INT_1D, INT_1D))
+def _static_decision(tables: CostTables, members: IntArray, sums: RankSums, degree: IntArray,
+                     first_rank: IntArray) -> float:
+    """Every sequence sharded over the whole CP group; its time, ``inf`` where the tokens do not fit."""
+    clear_row(sums, 0)
+    for j in range(members.shape[0]):
+        degree[j], first_rank[j] = tables.cp_size, 0
+        if not _fits_block(sums.units[0], 0, tables.cp_size, tables.lengths[members[j]],
+                           tables.bucket_size * tables.cp_size):
+            return np.inf
+        place(tables, sums, 0, members[j], tables.cp_size, 0, 1)
+    return micro_batch_time_s(tables, sums, 0)
 
 
-def _padded_orders(groups: Sequence[Sequence[int]], arrays: SearchArrays) -> IntArray:
-    """One row per micro-batch: its sequences longest first (ties by index), then padding."""
-    sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
-    members = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=int(sizes.sum()))
-    owner = np.repeat(np.arange(len(groups)), sizes)
-    by_owner_then_length = np.argsort(owner * (arrays.padding + 1) + arrays.longest_first_rank[members])
-    members, owner = members[by_owner_then_length], owner[by_owner_then_length]
-    orders = np.full((len(groups), int(sizes.max())), arrays.padding, dtype=np.int64)
-    orders[owner, np.arange(len(members)) - (np.cumsum(sizes) - sizes)[owner]] = members
-    return orders
-
-
-def binary_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence[Sequence[int]]) -> Rows:
-    """Every micro-batch's binary candidates: for each k worth trying, the k longest sharded over the whole group,
-    the rest LPT-placed under the memory bound (sharded when no rank has room)."""
-    cp_size, bucket_size = problem.cp_size, problem.bucket_size
-    orders = _padded_orders(groups, arrays)
-    lengths = arrays.lengths[orders]
-    local_costs = arrays.share(1)[orders]
-    fair_share = local_costs.sum(axis=1, keepdims=True) / cp_size
-    num_forced = (lengths > bucket_size).sum(axis=1)  # can never be local
-    num_heavy = ((lengths > bucket_size) | (local_costs > fair_share)).sum(axis=1)
-    sizes = np.array([len(group) for group in groups])
-    by_size = np.argsort(-sizes, kind="stable")  # largest micro-batches first: see Rows.steps
-    # k from the sequences too long to be local up to the heavy ones and a few more, then all of them (static CP
-    # is always a candidate, and it fits whenever the micro-batch's tokens do)
-    lowest = num_forced[by_size]
-    highest = np.minimum(num_heavy[by_size] + EXTRA_DISTRIBUTION_CANDIDATES, sizes[by_size])
-    with_all = sizes[by_size] > highest
-    counts = highest - lowest + 1 + with_all
-    micro_batch = np.repeat(by_size, counts)
-    ends = np.cumsum(counts)
-    position = np.arange(ends[-1]) - np.repeat(ends - counts, counts)
-    forced = np.where(np.repeat(with_all, counts) & (position == np.repeat(counts - 1, counts)),
-                      np.repeat(sizes[by_size], counts), np.repeat(lowest, counts) + position)
-    rows = Rows.empty(problem, micro_batch, orders[micro_batch])
-    rows.shard_prefix_over_group(problem, arrays, forced)
-    for step, count, active in rows.steps(sizes[rows.micro_batch], orders.shape[1]):
-        pending = active.valid & (step >= forced[:count])
-        if not pending.any():
-            continue
-        tokens = arrays.lengths[active.order[:, step]]
-        has_room = active.remaining >= tokens * cp_size
-        ranks = np.where(has_room, active.loads, np.inf).argmin(axis=0)
-        local = pending & has_room[ranks, np.arange(len(ranks))]
-        sharded = pending & ~local & (active.remaining.min(axis=0) >= tokens)
-        active.valid &= ~(pending & ~local & ~sharded)
-        active.put(arrays, local, step, LOCAL, ranks)
-        if sharded.any():
-            active.put(arrays, sharded, step, cp_size, np.zeros(len(ranks), dtype=np.int64))
-    return rows
-
-
-def static_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence[Sequence[int]]) -> Rows:
-    """One row per micro-batch with every sequence sharded over the whole CP group (static CP)."""
-    orders = _padded_orders(groups, arrays)
-    rows = Rows.empty(problem, np.arange(len(groups), dtype=np.int64), orders)
-    rows.shard_prefix_over_group(problem, arrays, np.array([len(group) for group in groups], dtype=np.int64))
-    return rows
-
-
-def hybrid_rows(problem: PlanningProblem, arrays: SearchArrays, groups: Sequence[Sequence[int]],
-                binary_best: Rows, binary_best_times_s: FloatArray) -> Rows:
-    """Every micro-batch's packings under a grid of caps between its balanced load (every sequence at its
-    cheapest placement, spread evenly: no decision does better) and the busiest rank of its best binary decision
-    (``binary_best``, one row per micro-batch in the order of ``groups``, timed ``binary_best_times_s``), and above
-    that busiest rank, up to the binary decision's time as a load: a packing whose busiest rank computes more can
-    still be faster where its smaller groups expose less communication, and the grid below stops a step short of
-    the binary load, but a rank whose compute alone outlasts the binary decision cannot win. No rows where those
-    bounds already agree."""
-    cp_size, bucket_size, degrees = problem.cp_size, problem.bucket_size, problem.degrees
-    orders = _padded_orders(groups, arrays)
-    low = arrays.area[orders].sum(axis=1) / cp_size
-    high = binary_best.loads.max(axis=0)
-    ceiling = (binary_best_times_s - problem.beta_s) / problem.alpha_s_per_flop
-    # a cap above the balanced load leaves every sequence whose whole cost is under it at degree 1: where that is
-    # all of them, a packing is a local best fit, which the binary decision's refinement already matches
-    needs_blocks = arrays.share(1)[orders].max(axis=1) > low
-    below = np.flatnonzero((high > low * CAP_TOLERANCE) & needs_blocks)
-    above = np.flatnonzero((ceiling > high * CAP_TOLERANCE) & needs_blocks)
-    inner = np.arange(1, CAP_CANDIDATES + 1) / (CAP_CANDIDATES + 1)
-    outer = np.arange(1, CAP_CANDIDATES_ABOVE + 1) / (CAP_CANDIDATES_ABOVE + 1)
-    micro_batch = np.concatenate([np.repeat(below, CAP_CANDIDATES), np.repeat(above, CAP_CANDIDATES_ABOVE)])
-    caps = np.concatenate([(low[below, None] + (high - low)[below, None] * inner).ravel(),
-                           (high[above, None] + (ceiling - high)[above, None] * outer).ravel()])
-    sizes = np.array([len(group) for group in groups])
-    by_size = np.lexsort((caps, micro_batch, -sizes[micro_batch]))  # largest micro-batches first: Rows.steps
-    micro_batch, caps = micro_batch[by_size], caps[by_size]
-    sequences = orders[micro_batch, :int(sizes[micro_batch].max(initial=0))]
-    lengths = arrays.lengths[sequences]
-    # the smallest degree whose tokens fit a bucket per rank and whose share fits the cap (0: none)
-    chosen = np.zeros(sequences.shape, dtype=np.int64)
-    for degree in reversed(degrees):
-        fits = (lengths <= degree * bucket_size) & (arrays.share(degree)[sequences] <= caps[:, None])
-        chosen = np.where(fits, degree, chosen)
-    is_padding = sequences == arrays.padding
-    chosen_share = np.zeros(sequences.shape)
-    for degree in degrees:
-        chosen_share = np.where(chosen == degree, arrays.share(degree)[sequences], chosen_share)
-    # widest first, heaviest share first within a degree, padding last
-    placement_order = np.lexsort((sequences, -chosen_share, -chosen, is_padding), axis=-1)
-    ordered = np.take_along_axis(sequences, placement_order, axis=1)
-    rows = Rows.empty(problem, micro_batch, ordered)
-    rows.valid &= ~((chosen == 0) & ~is_padding).any(axis=1)
-    ordered_chosen = np.take_along_axis(chosen, placement_order, axis=1)
-    for step, count, active in rows.steps(sizes[micro_batch], ordered.shape[1]):
-        active_caps, active_chosen = caps[:count], ordered_chosen[:count, step]
-        place = np.full(count, -1, dtype=np.int64)  # LOCAL or a sharding degree, -1 while none is found
-        blocks = np.zeros(count, dtype=np.int64)
-        for degree in degrees:  # each row's rows of sums stay as they are until its place is found: one update
-            candidates = active.valid & (place < 0) & (active_chosen <= degree)
-            if not candidates.any():
+@kernel(types.float64(TABLES, INT_1D, types.int64, SUMS, INT_1D, INT_1D))
+def best_decision(tables: CostTables, members: IntArray, space: int, sums: RankSums, degree: IntArray,
+                  first_rank: IntArray) -> float:
+    """The cheapest decision of the search ``space`` (module docstring) into ``degree``, ``first_rank``; its
+    time."""
+    if space == STATIC:
+        return _static_decision(tables, members, sums, degree, first_rank)
+    best_s = binary_decision(tables, members, sums, degree, first_rank)
+    if space == BINARY or best_s == np.inf or tables.degrees.shape[0] <= 2:
+        return best_s
+    # the caps' bounds: the balanced load, the binary decision's busiest rank, its time as a load
+    num_members = members.shape[0]
+    low = 0.0
+    heaviest_whole = 0.0
+    for j in range(num_members):
+        low += tables.area[members[j]]
+        heaviest_whole = max(heaviest_whole, tables.rank_flops[0, members[j]])
+    low /= tables.cp_size
+    if heaviest_whole <= low:  # every cap above the balanced load keeps every sequence whole: LPT does as well
+        return best_s
+    replay_decision(tables, members, degree, first_rank, sums)
+    high = sums.work_flops[0].max()
+    ceiling = (best_s - tables.beta_s) / tables.alpha_s_per_flop
+    trial_degree = np.empty(num_members, dtype=np.int64)
+    trial_first_rank = np.empty(num_members, dtype=np.int64)
+    for i in range(CAP_CANDIDATES + CAP_CANDIDATES_ABOVE):
+        if i < CAP_CANDIDATES:
+            if high <= low * CAP_TOLERANCE:
                 continue
-            best, found = _best_fit_blocks(problem, arrays, active, candidates, step, degree, active_caps)
-            place[found] = LOCAL if degree == 1 else degree
-            blocks[found] = best[found]
-        found = place >= 0
-        active.valid &= found
-        active.put(arrays, found, step, np.maximum(place, LOCAL), blocks)
-    return rows
+            cap = low + (high - low) * ((i + 1) / (CAP_CANDIDATES + 1))
+        else:
+            if ceiling <= high * CAP_TOLERANCE:
+                continue
+            cap = high + (ceiling - high) * ((i - CAP_CANDIDATES + 1) / (CAP_CANDIDATES_ABOVE + 1))
+        time_s = hybrid_decision(tables, members, cap, sums, trial_degree, trial_first_rank)
+        if time_s < best_s:
+            best_s = time_s
+            _copy(trial_degree, degree)
+            _copy(trial_first_rank, first_rank)
+    return best_s
 
 
-def _best_fit_blocks(problem: PlanningProblem, arrays: SearchArrays, rows: Rows, candidates: BoolArray, step: int,
-                     degree: int, caps: FloatArray) -> tuple[IntArray, BoolArray]:
-    """For each candidate row, the aligned block of ``degree`` ranks where its ``step``-th sequence's tokens fit
-    and its share keeps every rank under the cap, and whose busiest rank is the most loaded such (best fit; the
-    first on ties), with whether there is one."""
-    cp_size, num_rows = problem.cp_size, len(caps)
-    sequences = rows.order[:, step]
-    num_blocks = cp_size // degree
-    if degree == 1:  # each rank is a block
-        block_loads, block_room = rows.loads, rows.remaining
-    else:
-        shape = (num_blocks, degree, num_rows)
-        block_loads = rows.loads.reshape(shape).max(axis=1)
-        block_room = rows.remaining.reshape(shape).min(axis=1)
-    fits = ((block_loads <= caps - arrays.share(degree)[sequences])
-            & (block_room >= arrays.lengths[sequences] * num_blocks) & candidates)
-    if num_blocks == 1:
-        return np.zeros(num_rows, dtype=np.int64), fits[0]
-    return np.where(fits, block_loads, -np.inf).argmax(axis=0), np.logical_or.reduce(fits, axis=0)
+@kernel(types.float64(types.float64, types.float64))
+def _swap_gain(delta: float, gap: float) -> float:
+    """How much handing ``delta`` FLOP-equivalents to a rank ``gap`` below lowers the pair's max load."""
+    return min(delta, gap - delta) if 0.0 < delta < gap else 0.0
+
+
+@kernel(types.Tuple((types.float64, types.int64, types.int64, types.int64))(
+    TABLES, INT_1D, INT_1D, INT_1D, SUMS, types.int64))
+def best_exchange(tables: CostTables, members: IntArray, degree: IntArray, first_rank: IntArray, sums: RankSums,
+                   busiest: int) -> tuple[float, int, int, int]:
+    """The move or swap of whole sequences that lowers rank ``busiest``'s pair maximum the most within the memory
+    bound: (gain, position of the sequence taken off ``busiest``, position of its swap partner or -1, the other
+    rank); position -1 when nothing gains.
+
+    Moving ``a`` to a rank ``gap`` below lowers the pair's max load by ``min(F_a, gap - F_a)``, swapping it with
+    ``b`` by ``min(δ, gap - δ)`` with ``δ = F_a - F_b`` (a move is a swap with a partner of cost 0). A gain is at
+    most ``gap / 2`` and at most ``F_a``, so a rank or a sequence that cannot beat the best gain so far is
+    skipped."""
+    cp_size, lengths, whole_flops = tables.cp_size, tables.lengths, tables.rank_flops[0]
+    work, units = sums.work_flops[0], sums.units[0]
+    capacity = tables.bucket_size * cp_size
+    # the whole sequences of each rank (positions in ``members``), by a counting sort
+    rank_start = np.zeros(cp_size + 1, dtype=np.int64)
+    for j in range(members.shape[0]):
+        if degree[j] == 1:
+            rank_start[first_rank[j] + 1] += 1
+    rank_start = np.cumsum(rank_start)
+    filled = rank_start[:-1].copy()
+    on_rank = np.empty(rank_start[-1], dtype=np.int64)
+    for j in range(members.shape[0]):
+        if degree[j] == 1:
+            on_rank[filled[first_rank[j]]] = j
+            filled[first_rank[j]] += 1
+    best_gain, best_a, best_b, best_other = 0.0, -1, -1, -1
+    for other in range(cp_size):
+        gap = work[busiest] - work[other]
+        if other == busiest or gap / 2 <= best_gain:
+            continue
+        room_other, room_busiest = capacity - units[other], capacity - units[busiest]
+        for a in on_rank[rank_start[busiest]:rank_start[busiest + 1]]:
+            cost_a = whole_flops[members[a]]
+            if cost_a <= best_gain:
+                continue
+            units_a = lengths[members[a]] * cp_size
+            gain = _swap_gain(cost_a, gap)
+            if gain > best_gain and room_other >= units_a:
+                best_gain, best_a, best_b, best_other = gain, a, -1, other
+            for b in on_rank[rank_start[other]:rank_start[other + 1]]:
+                gain = _swap_gain(cost_a - whole_flops[members[b]], gap)
+                units_b = lengths[members[b]] * cp_size
+                if gain > best_gain and room_other + units_b >= units_a and room_busiest + units_a >= units_b:
+                    best_gain, best_a, best_b, best_other = gain, a, b, other
+    return best_gain, best_a, best_b, best_other
+
+
+@kernel(types.void(TABLES, INT_1D, INT_1D, SUMS, types.int64, types.int64))
+def _relocate(tables: CostTables, members: IntArray, first_rank: IntArray, sums: RankSums, j: int,
+              rank: int) -> None:
+    """Move the whole sequence at position ``j`` onto CP rank ``rank``."""
+    place(tables, sums, 0, members[j], 1, first_rank[j], -1)
+    first_rank[j] = rank
+    place(tables, sums, 0, members[j], 1, rank, 1)
+
+
+@kernel(types.Tuple((types.int64, types.float64))(TABLES, SUMS))
+def _slowest_rank(tables: CostTables, sums: RankSums) -> tuple[int, float]:
+    """The slowest CP rank of the micro-batch in row 0 (the first on ties), and its time."""
+    work, attention, all_gather, reduce_scatter = (sums.work_flops[0], sums.attention_flops[0], sums.all_gather_s[0],
+                                                   sums.reduce_scatter_s[0])
+    slowest, slowest_s = 0, -1.0
+    for r in range(tables.cp_size):
+        time_s = rank_time_s(tables, work[r], attention[r], all_gather[r], reduce_scatter[r])
+        if time_s > slowest_s:
+            slowest, slowest_s = r, time_s
+    return slowest, slowest_s
+
+
+@kernel(types.float64(TABLES, INT_1D, INT_1D, INT_1D, SUMS))
+def refine_micro_batch(tables: CostTables, members: IntArray, degree: IntArray, first_rank: IntArray,
+                       sums: RankSums) -> float:
+    """The refinement of DACP (module docstring) on the decision ``degree``, ``first_rank``, which it updates; the
+    micro-batch's time."""
+    replay_decision(tables, members, degree, first_rank, sums)
+    slowest, slowest_s = _slowest_rank(tables, sums)
+    for _ in range(MAX_REFINEMENT_STEPS):
+        gain, a, b, other = best_exchange(tables, members, degree, first_rank, sums, slowest)
+        if a < 0 or gain < sums.work_flops[0, slowest] * MIN_REFINEMENT_GAIN:
+            break
+        _relocate(tables, members, first_rank, sums, a, other)
+        if b >= 0:
+            _relocate(tables, members, first_rank, sums, b, slowest)
+        moved_slowest, moved_s = _slowest_rank(tables, sums)
+        if moved_s >= slowest_s:  # the receiving rank got slower than the busiest was: undo, stop
+            if b >= 0:
+                _relocate(tables, members, first_rank, sums, b, other)
+            _relocate(tables, members, first_rank, sums, a, slowest)
+            break
+        slowest, slowest_s = moved_slowest, moved_s
+    return max(slowest_s, 0.0)

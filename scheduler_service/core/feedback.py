@@ -7,7 +7,7 @@ the device can say, the peak memory. ``observe`` turns each report into
 observations and refits two things, robustly and in bounded memory:
 
 * **compute**: the micro-batch time of the critical CP rank under the base
-  profile (``simulate.rank_time_s``) splits into a variable part ``W``
+  profile (``costing.rank_time_s``) splits into a variable part ``W``
   (``α·FLOPs`` at each sequence's placement, with the profile's per-token and
   per-sequence terms) and the fixed part ``β·L`` paid once per micro-batch. The
   refit keeps the base profile's ratios inside ``W`` and fits ``t ≈ u·W + b``:
@@ -48,12 +48,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from scheduler_service.core.costing import exposed_comm_s
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, ShardedGroup, cp_blocks
 from scheduler_service.core.profile import MemoryProfile, Profile
-from scheduler_service.core.simulate import rank_loads
+from scheduler_service.core.simulate import micro_batch_sums
 
 __all__ = [
     "ComputeObservation",
@@ -226,18 +227,19 @@ def _compute_observation(job: JobFeedback, perf: PerformanceModel,
     """The critical CP rank's time under the current refit, split into what ``u`` and ``b`` multiply."""
     problem, micro_batch = _as_micro_batch(perf, measurement)
     alpha, u, b = problem.alpha_s_per_flop, job.compute_scale, job.fixed_s
+    sums = micro_batch_sums(problem, micro_batch)
 
-    def exposed_s(rank_index: int) -> float:
-        rank = ranks[rank_index]
-        return perf.exposed_comm_s(rank.all_gather_s, rank.reduce_scatter_s, u * rank.local_attention_flops)
+    def exposed_s(cp_rank: int) -> float:
+        return exposed_comm_s(problem.tables, u * float(sums.attention_flops[0, cp_rank]),
+                              float(sums.all_gather_s[0, cp_rank]), float(sums.reduce_scatter_s[0, cp_rank]))
 
-    ranks = rank_loads(problem, micro_batch)
-    working = [r for r in range(len(ranks)) if ranks[r].work_flops > 0]
-    critical = max(working, key=lambda r: u * alpha * ranks[r].work_flops + b + exposed_s(r))
+    work_flops = sums.work_flops[0].tolist()
+    working = [r for r in range(problem.cp_size) if work_flops[r] > 0]
+    critical = max(working, key=lambda r: u * alpha * work_flops[r] + b + exposed_s(r))
     remaining_s = measurement.time_s - exposed_s(critical)
     if remaining_s <= 0:
         return None  # all communication: the time says nothing about compute
-    return ComputeObservation(work_s=alpha * ranks[critical].work_flops, num_fixed=1, time_s=remaining_s)
+    return ComputeObservation(work_s=alpha * work_flops[critical], num_fixed=1, time_s=remaining_s)
 
 
 # ---- robust fitting -------------------------------------------------------------------------------------------

@@ -7,54 +7,53 @@
   ``m = ⌈tokens / (C·N)⌉`` and growing ``m`` until every micro-batch fits and
   Algorithm 1 (``dacp_paper``) succeeds on each.
 * ``round_robin`` — the same GDS with the RR DACP of appendix B.2.
-* ``skrull`` — the default, hybrid. DP balancing by LPT on each sequence's
-  cheapest placement cost (its rank-FLOP-equivalents at the degree that costs
-  least, ``PlanningProblem.area``; largest first onto the least-loaded rank).
-  For each DP share it tries the memory-minimal micro-batch count and one more,
-  each cut by spreading tokens (longest first onto the micro-batch with the
-  fewest tokens, which pairs long with short and keeps each under C·N; it
-  matched or beat the strided cut in our measurements at half the cost); every
-  micro-batch of every share and cut is searched in one batched
-  ``hybrid_and_balanced_candidates`` call, and each share's cheapest cut under
-  the cost model is built (and refined). The assembled plan is then refined
-  across micro-batches and DP ranks (``plan_refine``: bounded swaps and moves of
-  single sequences off the slowest DP rank's critical CP ranks into other
-  micro-batches' slack).
+* ``skrull`` — the default, hybrid: LPT over DP ranks on each sequence's
+  cheapest-placement cost, the best of a few micro-batchings per share, hybrid
+  DACP in each micro-batch (``gds_search``, ``dacp_search``), then a local search
+  across micro-batches and DP ranks (``plan_refine``) within a search budget.
   Binary Skrull's plan is a candidate too (its DP split and cuts differ), so
   ``skrull`` is never slower than ``skrull_binary`` under the cost model.
-  Measured cost: see the README's planning-latency table.
-* ``skrull_binary`` — the same GDS with LPT on FLOPs and binary DACP
-  (``balanced_candidates``): whole, or sharded over the whole CP group.
+* ``skrull_binary`` — the same GDS with LPT on FLOPs and binary DACP (whole, or
+  sharded over the whole CP group).
+
+The Skrull schedulers run as compiled kernels: the Python here hands them the
+batch's cost tables and turns the ``Places`` they return into a ``Plan``.
+Measured cost: see the README's planning-latency table.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
-from scheduler_service.core.baselines import contiguous_slices, min_micro_batches, pack_in_order
-from scheduler_service.core.dacp import (
-    Candidate,
-    balanced_candidates,
-    dacp_balanced,
-    dacp_paper,
-    dacp_round_robin,
-    hybrid_and_balanced_candidates,
-    static_candidates,
-)
+from scheduler_service.core.baselines import contiguous_slices, pack_in_order
+from scheduler_service.core.dacp import dacp_balanced, dacp_paper, dacp_round_robin
+from scheduler_service.core.dacp_search import BINARY, HYBRID, STATIC
 from scheduler_service.core.errors import InfeasiblePlanError
-from scheduler_service.core.partition import lpt_partition
-from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
+from scheduler_service.core.gds_search import min_micro_batches, plan_gds
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem
 from scheduler_service.core.plan_refine import refine_plan
 
-__all__ = ["dacp_only", "gds_only", "gds_paper", "round_robin", "skrull", "skrull_binary", "skrull_paper"]
+__all__ = ["DEFAULT_SEARCH_BUDGET", "dacp_only", "gds_only", "gds_paper", "gds_places", "round_robin", "search_budget",
+           "skrull", "skrull_binary", "skrull_paper"]
 
 Dacp = Callable[[PlanningProblem, Sequence[int]], MicroBatch | None]
-Search = Callable[[PlanningProblem, Sequence[Sequence[int]]], list[Candidate | None]]
-EXTRA_MICRO_BATCH_COUNTS = 1  # counts tried beyond the first feasible one
+
+# The plan-level refinement costs at most this many sequences (each against every swap and move) on a
+# 256-sequence batch, and at most their work on larger ones (a costing is O(sequences + micro-batches), about 320
+# there): larger batches cost fewer sequences, so the refinement's time stays about the same.
+DEFAULT_SEARCH_BUDGET = 128
+_WORK_PER_BUDGET_UNIT = 320
+
+
+def search_budget(problem: PlanningProblem, num_micro_batches: int, budget: int | None) -> int:
+    """The refinement's budget in costings: ``budget`` as given, or the default for this batch's size."""
+    if budget is not None:
+        return budget
+    return max(1, min(DEFAULT_SEARCH_BUDGET, DEFAULT_SEARCH_BUDGET * _WORK_PER_BUDGET_UNIT
+                      // (problem.num_sequences + num_micro_batches)))
 
 
 def _greedy_in_order(indices: Sequence[int], weights: Sequence[float], num_parts: int) -> list[list[int]]:
@@ -70,29 +69,8 @@ def _greedy_in_order(indices: Sequence[int], weights: Sequence[float], num_parts
 
 def _strided(problem: PlanningProblem, subset: Sequence[int], count: int) -> list[list[int]]:
     """Alg. 2 line 7: sort ascending, take every ``count``-th sequence."""
-    ascending = sorted(subset, key=lambda k: (problem.lengths[k], k))
+    ascending = sorted(subset, key=lambda k: (problem.sequence_lengths[k], k))
     return [ascending[j::count] for j in range(count)]
-
-
-def _longest_first(problem: PlanningProblem, subset: Sequence[int]) -> list[int]:
-    indices = np.asarray(subset, dtype=np.int64)
-    return indices[np.lexsort((indices, -problem.lengths[indices]))].tolist()
-
-
-def _spread_longest_first(problem: PlanningProblem, longest_first: Sequence[int], count: int,
-                          ) -> list[list[int]] | None:
-    """Longest first onto the micro-batch with the fewest tokens; ``None`` if one would exceed C·N."""
-    capacity, lengths = problem.micro_batch_capacity, problem.sequence_lengths
-    groups: list[list[int]] = [[] for _ in range(count)]
-    heap = [(0, j) for j in range(count)]
-    for index in longest_first:
-        tokens, j = heap[0]
-        tokens += lengths[index]
-        if tokens > capacity:
-            return None
-        groups[j].append(index)
-        heapq.heapreplace(heap, (tokens, j))
-    return groups
 
 
 def _schedule_groups(problem: PlanningProblem, groups: list[list[int]], dacp: Dacp) -> list[MicroBatch] | None:
@@ -100,7 +78,7 @@ def _schedule_groups(problem: PlanningProblem, groups: list[list[int]], dacp: Da
     for group in groups:
         if not group:
             continue
-        if sum(int(problem.lengths[k]) for k in group) > problem.micro_batch_capacity:
+        if sum(problem.sequence_lengths[k] for k in group) > problem.micro_batch_capacity:
             return None  # Alg. 2 line 8: overloaded
         micro_batch = dacp(problem, group)
         if micro_batch is None:
@@ -117,7 +95,8 @@ def _no_plan(problem: PlanningProblem, subset: Sequence[int]) -> InfeasiblePlanE
 
 def gds_paper(problem: PlanningProblem, subset: Sequence[int], dacp: Dacp) -> list[MicroBatch]:
     """Alg. 2 lines 2–12 for one DP rank's share."""
-    for count in range(min_micro_batches(problem, subset), len(subset) + 1):
+    fewest = min_micro_batches(problem.lengths[np.asarray(subset, dtype=np.int64)], problem.micro_batch_capacity)
+    for count in range(fewest, len(subset) + 1):
         micro_batches = _schedule_groups(problem, _strided(problem, subset, count), dacp)
         if micro_batches is not None:
             return micro_batches
@@ -126,7 +105,7 @@ def gds_paper(problem: PlanningProblem, subset: Sequence[int], dacp: Dacp) -> li
 
 def _paper_style(problem: PlanningProblem, dacp: Dacp) -> Plan:
     indices = range(problem.num_sequences)
-    shares = _greedy_in_order(indices, problem.flops_list, problem.dp_size)  # Alg. 2 line 1
+    shares = _greedy_in_order(indices, problem.flops.tolist(), problem.dp_size)  # Alg. 2 line 1
     return Plan(dp_ranks=tuple(
         DPRankPlan(micro_batches=tuple(gds_paper(problem, share, dacp)) if share else ()) for share in shares
     ))
@@ -142,93 +121,35 @@ def round_robin(problem: PlanningProblem) -> Plan:
     return _paper_style(problem, dacp_round_robin)
 
 
-def _cuts(problem: PlanningProblem, subset: Sequence[int]) -> list[list[list[int]]]:
-    """The micro-batchings of one DP share worth comparing: the fewest micro-batches whose token spread fits,
-    and ``EXTRA_MICRO_BATCH_COUNTS`` more (each where its spread fits)."""
-    longest_first = _longest_first(problem, subset)
-
-    def spread(count: int) -> list[list[int]] | None:
-        return _spread_longest_first(problem, longest_first, count)
-
-    count = min_micro_batches(problem, subset)
-    failed, fitting = count - 1, spread(count)
-    while fitting is None:  # grow geometrically until one fits: O(log n) spreads even for adversarial lengths ...
-        if count == len(subset):
-            raise _no_plan(problem, subset)
-        failed, count = count, min(len(subset), count + max(1, count // 8))
-        fitting = spread(count)
-    while count - failed > 1:  # ... then bisect back down to the fewest that fits
-        middle = (failed + count) // 2
-        groups = spread(middle)
-        if groups is None:
-            failed = middle
-        else:
-            count, fitting = middle, groups
-    cuts = [fitting, *(spread(extra) for extra in range(count + 1, min(count + EXTRA_MICRO_BATCH_COUNTS,
-                                                                       len(subset)) + 1))]
-    return [[group for group in groups if group] for groups in cuts if groups is not None]
+def gds_places(problem: PlanningProblem, weights: npt.NDArray[np.float64], space: int) -> tuple[Places, float]:
+    """GDS in a DACP search space (``gds_search.plan_gds``): the plan, and its iteration time under the cost
+    model."""
+    micro_batch, degree, first_rank, dp_rank, time_s, failed_dp_rank = plan_gds(
+        problem.tables, np.ascontiguousarray(weights, dtype=np.float64), problem.dp_size, space)
+    if failed_dp_rank >= 0:
+        raise InfeasiblePlanError(
+            f"no micro-batching of DP rank {failed_dp_rank}'s sequences fits bucket_size {problem.bucket_size} × "
+            f"cp_size {problem.cp_size}", field="bucket_size")
+    return Places(micro_batch, degree, first_rank, dp_rank), time_s
 
 
-@dataclass(frozen=True, slots=True)
-class _Split:
-    """One global batch split for GDS: LPT shares over DP ranks, and each share's micro-batchings worth comparing."""
-
-    shares: list[list[int]]
-    cuts: list[list[list[list[int]]]]
-
-    @property
-    def groups(self) -> list[list[int]]:
-        """Every micro-batch of every share and cut, in order: what one batched search decides."""
-        return [group for share_cuts in self.cuts for cut in share_cuts for group in cut]
+def _plan(problem: PlanningProblem, places: Places) -> Plan:
+    return Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
 
 
-def _split(problem: PlanningProblem, weights: Sequence[float]) -> _Split:
-    shares = lpt_partition(range(problem.num_sequences), weights, problem.dp_size)
-    return _Split(shares=shares, cuts=[_cuts(problem, share) if share else [] for share in shares])
-
-
-def _assemble(problem: PlanningProblem, split: _Split, found: list[Candidate | None]) -> tuple[Plan, float]:
-    """Per share, the cheapest micro-batching under the cost model, built; the plan and its iteration time."""
-    candidates = iter(found)
-    dp_ranks, times_s = [], []
-    for share, share_cuts in zip(split.shares, split.cuts, strict=True):
-        best: tuple[float, list[Candidate]] | None = None
-        for cut in share_cuts:
-            kept = [candidate for candidate in (next(candidates) for _ in cut) if candidate is not None]
-            time_s = sum(candidate.time_s for candidate in kept)
-            if len(kept) == len(cut) and (best is None or time_s < best[0]):
-                best = (time_s, kept)
-        if share and best is None:
-            raise _no_plan(problem, share)
-        decided = [candidate.decide() for candidate in best[1]] if best else []
-        dp_ranks.append(DPRankPlan(micro_batches=tuple(decision.micro_batch for decision in decided)))
-        times_s.append(sum(decision.time_s for decision in decided))
-    return Plan(dp_ranks=tuple(dp_ranks)), max(times_s)
-
-
-def _lpt_gds(problem: PlanningProblem, weights: Sequence[float], search: Search) -> tuple[Plan, float]:
-    """LPT over DP ranks; per share, the cheapest of its micro-batchings, every micro-batch of every share and cut
-    searched in one batched call."""
-    split = _split(problem, weights)
-    return _assemble(problem, split, search(problem, split.groups))
-
-
-def skrull(problem: PlanningProblem) -> Plan:
-    """Skrull's default scheduler: LPT over DP ranks, best of several micro-batchings, hybrid DACP, refined across
-    micro-batches and DP ranks (``refine_plan``); binary Skrull's plan where that is cheaper under the cost model
-    (its DP split and cuts can differ), so never slower than it. Both are searched in one batched pass."""
-    hybrid_split, binary_split = _split(problem, problem.area), _split(problem, problem.flops_list)
-    hybrid_found, binary_found = hybrid_and_balanced_candidates(problem, hybrid_split.groups, binary_split.groups)
-    hybrid = _assemble(problem, hybrid_split, hybrid_found)[0]
-    refined, hybrid_time_s = refine_plan(problem, [dp_rank.micro_batches for dp_rank in hybrid.dp_ranks])
-    hybrid = Plan(dp_ranks=tuple(DPRankPlan(micro_batches=tuple(micro_batches)) for micro_batches in refined))
-    binary, binary_time_s = _assemble(problem, binary_split, binary_found)
-    return hybrid if hybrid_time_s <= binary_time_s else binary
+def skrull(problem: PlanningProblem, *, budget: int | None = None) -> Plan:
+    """Skrull's default scheduler: GDS with hybrid DACP, refined across micro-batches and DP ranks within
+    ``budget`` costings (``search_budget``); binary Skrull's plan where that is cheaper under the cost model, so
+    never slower than it."""
+    hybrid, _ = gds_places(problem, problem.area, HYBRID)
+    hybrid, hybrid_s = refine_plan(problem, hybrid, budget=search_budget(problem, hybrid.num_micro_batches, budget))
+    binary, binary_s = gds_places(problem, problem.flops, BINARY)
+    return _plan(problem, hybrid if hybrid_s <= binary_s else binary)
 
 
 def skrull_binary(problem: PlanningProblem) -> Plan:
     """Binary Skrull: the same GDS, each sequence whole or sharded over the whole CP group."""
-    return _lpt_gds(problem, problem.flops_list, balanced_candidates)[0]
+    return _plan(problem, gds_places(problem, problem.flops, BINARY)[0])
 
 
 def dacp_only(problem: PlanningProblem) -> Plan:
@@ -244,4 +165,4 @@ def dacp_only(problem: PlanningProblem) -> Plan:
 
 def gds_only(problem: PlanningProblem) -> Plan:
     """Ablation: Skrull's GDS with static context parallelism (every sequence sharded)."""
-    return _lpt_gds(problem, problem.flops_list, static_candidates)[0]
+    return _plan(problem, gds_places(problem, problem.flops, STATIC)[0])

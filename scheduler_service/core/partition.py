@@ -1,7 +1,8 @@
 """Number partitioning: split weighted items into parts of near-equal total weight.
 
-* ``lpt_partition`` — longest processing time first: heaviest item onto the
-  lightest part; O(n log n + n log k), within 4/3 of optimal.
+* ``lpt_parts`` (a kernel; ``lpt_partition`` as lists) — longest processing
+  time first: heaviest item onto the lightest part; O(n log n + n log k),
+  within 4/3 of optimal.
 * ``karmarkar_karp`` — k-way largest differencing (KK): usually much closer to
   optimal than LPT, but it keeps k subsets per item, O(n·k) memory, so it
   hands over to LPT when n·k is large.
@@ -13,29 +14,41 @@ import heapq
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
+from numba import types
 
-__all__ = ["MAX_KARMARKAR_KARP_CELLS", "karmarkar_karp", "lpt_partition"]
+from scheduler_service.core.jit import FLOAT_1D, INT_1D, kernel
+
+__all__ = ["MAX_KARMARKAR_KARP_CELLS", "karmarkar_karp", "lpt_partition", "lpt_parts"]
 
 MAX_KARMARKAR_KARP_CELLS = 1 << 18  # items × parts above which KK's memory and time are not worth it
 
 
+@kernel(INT_1D(FLOAT_1D, types.int64))
+def lpt_parts(weights: npt.NDArray[np.float64], num_parts: int) -> npt.NDArray[np.int64]:
+    """The part of each item: heaviest first (ties by position) onto the lightest part (ties by part number)."""
+    part_of = np.empty(weights.shape[0], dtype=np.int64)
+    lightest_first = [(0.0, part) for part in range(num_parts)]  # a heap of (load, part)
+    for item in np.argsort(-weights, kind="mergesort"):
+        load, part = lightest_first[0]
+        part_of[item] = part
+        heapq.heapreplace(lightest_first, (load + weights[item], part))
+    return part_of
+
+
 def lpt_partition(indices: Sequence[int], weights: Sequence[float], num_parts: int) -> list[list[int]]:
-    """Heaviest item onto the lightest part (ties by part index); parts keep that order of arrival."""
-    parts: list[list[int]] = [[] for _ in range(num_parts)]
-    heap = [(0.0, part) for part in range(num_parts)]
-    items = np.asarray(indices, dtype=np.int64)
-    for index in items[np.lexsort((items, -np.asarray(weights, dtype=np.float64)[items]))].tolist():
-        load, part = heap[0]
-        parts[part].append(index)
-        heapq.heapreplace(heap, (load + weights[index], part))
-    return parts
+    """``lpt_parts`` of ``indices`` (weighted by ``weights[index]``, ties by index), each part's indices ascending."""
+    items = np.sort(np.asarray(indices, dtype=np.int64))
+    part_of = lpt_parts(np.ascontiguousarray(np.asarray(weights, dtype=np.float64)[items]), num_parts)
+    by_part = items[np.argsort(part_of, kind="stable")]
+    return [part.tolist() for part in np.split(by_part, np.cumsum(np.bincount(part_of, minlength=num_parts))[:-1])]
 
 
 def karmarkar_karp(indices: Sequence[int], weights: Sequence[int], num_parts: int) -> list[list[int]]:
     """Repeatedly merge the two partial partitions with the largest spread, pairing the heaviest subset of
     one with the lightest of the other; LPT when ``len(indices) × num_parts`` exceeds the memory cap."""
     if len(indices) * num_parts > MAX_KARMARKAR_KARP_CELLS:
-        return [sorted(part) for part in lpt_partition(indices, weights, num_parts)]
+        return lpt_partition(indices, weights, num_parts)
     if not indices:
         return [[] for _ in range(num_parts)]
     heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []

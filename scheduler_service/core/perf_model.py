@@ -34,7 +34,7 @@
 * Overlap (what the trainer does, ``trainer_client/attention.py``): per layer
   the all-gather of K/V runs while the rank's local attention forward runs, and
   the reduce-scatter of dK/dV while its local attention backward runs; the
-  linear layers overlap nothing. ``exposed_comm_s`` is what is left visible.
+  linear layers overlap nothing. ``costing.exposed_comm_s`` is what is left visible.
 
 Fitting (``fit_compute``, ``fit_memory``): least squares on *relative* residuals
 (micro-batch times span orders of magnitude, and a planner needs ratios right),
@@ -47,7 +47,6 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -61,7 +60,6 @@ __all__ = [
     "CollectiveCost",
     "ComputeFit",
     "ComputePoint",
-    "FloatOrArray",
     "LinearFit",
     "MemoryFit",
     "PerformanceModel",
@@ -88,14 +86,6 @@ _NO_COST = LinearFit(slope=0.0, intercept=0.0)
 # Forward share of attention's forward + backward time: backward does twice the forward's matrix products
 # (dQ, dK, dV against the forward's Q·Kᵀ and P·V), the convention "fwd + bwd = 3 × fwd" the profiles use.
 ATTENTION_FORWARD_SHARE = 1.0 / 3.0
-FloatOrArray = TypeVar("FloatOrArray", float, npt.NDArray[np.float64])  # one rank, or many candidates at once
-
-
-def _positive_part(value: FloatOrArray) -> FloatOrArray:
-    """``max(0, value)`` for a float, or elementwise for an array."""
-    return np.maximum(value, 0.0) if isinstance(value, np.ndarray) else max(value, 0.0)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveCost:
     """All layers' all-gather (forward) and reduce-scatter (backward) time of one group size, per token."""
@@ -257,15 +247,6 @@ class PerformanceModel:
         tables were measured on): an all-gather of K/V per layer forward and a reduce-scatter of dK/dV backward."""
         cost = self.collective_cost(group_size or self.profile.communication.world_size or 2)
         return cost.all_gather_s(num_tokens) + cost.reduce_scatter_s(num_tokens)
-
-    def exposed_comm_s(self, all_gather_s: FloatOrArray, reduce_scatter_s: FloatOrArray,
-                       local_attention_flops: FloatOrArray) -> FloatOrArray:
-        """Communication left visible: the all-gathers hide behind the local attention forward, the
-        reduce-scatters behind its backward (the trainer's two overlaps, and no other). Floats or numpy arrays
-        alike: the vectorised DACP search costs many candidates at once with this same function."""
-        attention_s = self.profile.compute.alpha_s_per_flop * local_attention_flops
-        forward_s = attention_s * ATTENTION_FORWARD_SHARE
-        return _positive_part(all_gather_s - forward_s) + _positive_part(reduce_scatter_s - (attention_s - forward_s))
 
     # -- memory -------------------------------------------------------------------
     @property

@@ -6,18 +6,23 @@ whole on that CP rank ("local"), one list sharded over the whole CP group
 ("distributed"), and hybrid DACP's ``sharded`` groups: sequences sharded over an
 aligned block of CP ranks (``cp_blocks``). Indices point into
 ``PlanningProblem.sequence_lengths``.
+
+The kernels read a plan as ``Places``: per sequence its micro-batch and its place, a degree and a first CP rank
+(``costing``). ``MicroBatch.from_places`` and ``MicroBatch.places`` convert one micro-batch, ``Plan.from_places``
+and ``Plan.places`` a whole plan; nothing else converts between the two forms.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
 
+from scheduler_service.core.costing import CostTables, block_degrees, cost_tables
 from scheduler_service.core.errors import InvalidRequestError, SequenceTooLongError
 from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.perf_model import PerformanceModel
@@ -27,6 +32,8 @@ __all__ = [
     "DEFAULT_LIMITS",
     "DPRankPlan",
     "MicroBatch",
+    "Place",
+    "Places",
     "Plan",
     "PlanLimits",
     "PlanningProblem",
@@ -37,6 +44,9 @@ __all__ = [
     "cp_blocks",
     "make_problem",
 ]
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
 
 
 class SchedulerName(StrEnum):
@@ -63,11 +73,6 @@ class PlanLimits:
 DEFAULT_LIMITS = PlanLimits()
 
 
-def block_degrees(cp_size: int) -> tuple[int, ...]:
-    """Sizes a hybrid group may have: the divisors ``s`` of ``cp_size`` with ``2 <= s < cp_size``, ascending."""
-    return tuple(s for s in range(2, cp_size) if cp_size % s == 0)
-
-
 def cp_blocks(cp_size: int, degree: int) -> tuple[tuple[int, ...], ...]:
     """The aligned blocks of ``degree`` CP ranks: ``[0..s)``, ``[s..2s)``, … (DESIGN.md, "Hybrid DACP")."""
     return tuple(tuple(range(start, start + degree)) for start in range(0, cp_size, degree))
@@ -85,20 +90,65 @@ class ShardedGroup:
         return len(self.cp_ranks)
 
 
+Place = tuple[int, int, int]  # (sequence index, degree, first CP rank): see ``costing``
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MicroBatch:
     local: tuple[tuple[int, ...], ...]  # one tuple per CP rank: indices kept whole there
     distributed: tuple[int, ...]  # indices sharded over the whole CP group
     sharded: tuple[ShardedGroup, ...] = ()  # hybrid DACP: indices sharded over part of the CP group
 
+    @classmethod
+    def from_places(cls, places: Sequence[Place], cp_size: int) -> MicroBatch:
+        """The micro-batch of these (index, degree, first CP rank) places; each list in index order, groups by
+        first rank, then degree."""
+        local: list[list[int]] = [[] for _ in range(cp_size)]
+        distributed: list[int] = []
+        groups: dict[tuple[int, int], list[int]] = {}
+        for index, degree, first_rank in sorted(places):
+            if degree == 1:
+                local[first_rank].append(index)
+            elif degree == cp_size:
+                distributed.append(index)
+            else:
+                groups.setdefault((first_rank, degree), []).append(index)
+        return cls(local=tuple(map(tuple, local)), distributed=tuple(distributed), sharded=tuple(
+            ShardedGroup(cp_ranks=tuple(range(first_rank, first_rank + degree)), sequences=tuple(members))
+            for (first_rank, degree), members in sorted(groups.items())))
+
+    def places(self) -> Iterator[Place]:
+        """(index, degree, first CP rank) of every sequence: local ones, distributed ones, then each group's."""
+        for cp_rank, rank_local in enumerate(self.local):
+            for index in rank_local:
+                yield index, 1, cp_rank
+        for index in self.distributed:
+            yield index, len(self.local), 0
+        for group in self.sharded:
+            for index in group.sequences:
+                yield index, group.degree, group.cp_ranks[0]
+
     def indices(self) -> list[int]:
-        return ([index for rank_local in self.local for index in rank_local] + list(self.distributed)
-                + [index for group in self.sharded for index in group.sequences])
+        return [index for index, _, _ in self.places()]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DPRankPlan:
     micro_batches: tuple[MicroBatch, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Places:
+    """A plan as arrays (axes: N sequences, M micro-batches, numbered DP rank by DP rank in their order)."""
+
+    micro_batch: IntArray  # (N,) the micro-batch of each sequence; -1 where it is in none
+    degree: IntArray  # (N,) its place: the degree ...
+    first_rank: IntArray  # (N,) ... and the first CP rank
+    dp_rank: IntArray  # (M,) the DP rank each micro-batch belongs to
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.dp_rank)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,6 +158,47 @@ class Plan:
     @property
     def num_micro_batches(self) -> int:
         return sum(len(dp_rank.micro_batches) for dp_rank in self.dp_ranks)
+
+    @classmethod
+    def from_places(cls, places: Places, *, dp_size: int, cp_size: int) -> Plan:
+        """The plan of ``places``: each DP rank's micro-batches in the order of their numbers, empty ones left out."""
+        members = np.flatnonzero(places.micro_batch >= 0)
+        members = members[np.argsort(places.micro_batch[members], kind="stable")]
+        bounds = np.searchsorted(places.micro_batch[members], np.arange(places.num_micro_batches + 1)).tolist()
+        indices, degrees = members.tolist(), places.degree[members].tolist()
+        first_ranks = places.first_rank[members].tolist()
+        dp_ranks: list[list[MicroBatch]] = [[] for _ in range(dp_size)]
+        for m, dp_rank in enumerate(places.dp_rank.tolist()):
+            start, end = bounds[m], bounds[m + 1]
+            if start < end:
+                dp_ranks[dp_rank].append(MicroBatch.from_places(
+                    list(zip(indices[start:end], degrees[start:end], first_ranks[start:end], strict=True)),
+                    cp_size))
+        return cls(dp_ranks=tuple(DPRankPlan(micro_batches=tuple(micro_batches)) for micro_batches in dp_ranks))
+
+    def places(self, num_sequences: int) -> Places:
+        """Every sequence's micro-batch and place (a sequence named twice keeps its last place: the checker counts
+        them)."""
+        scheduled: list[int] = []
+        micro_batches: list[int] = []
+        degrees: list[int] = []
+        first_ranks: list[int] = []
+        dp_ranks: list[int] = []
+        for dp_rank, dp_plan in enumerate(self.dp_ranks):
+            for micro_batch in dp_plan.micro_batches:
+                for index, degree, first_rank in micro_batch.places():
+                    scheduled.append(index)
+                    micro_batches.append(len(dp_ranks))
+                    degrees.append(degree)
+                    first_ranks.append(first_rank)
+                dp_ranks.append(dp_rank)
+        micro_batch_of = np.full(num_sequences, -1, dtype=np.int64)
+        degree_of = np.zeros(num_sequences, dtype=np.int64)
+        first_rank_of = np.zeros(num_sequences, dtype=np.int64)
+        micro_batch_of[scheduled] = micro_batches
+        degree_of[scheduled] = degrees
+        first_rank_of[scheduled] = first_ranks
+        return Places(micro_batch_of, degree_of, first_rank_of, np.array(dp_ranks, dtype=np.int64))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,45 +213,32 @@ class SolverReport:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanningProblem:
-    """One global batch to schedule, already validated."""
+    """One global batch to schedule, already validated, with the per-sequence costs every scheduler reads (axes as
+    in ``costing``: N sequences, D degrees)."""
 
     sequence_lengths: tuple[int, ...]
     dp_size: int
     cp_size: int
     bucket_size: int  # C: tokens per CP rank per micro-batch
     perf: PerformanceModel
-    lengths: npt.NDArray[np.int64] = field(init=False, repr=False)
-    flops: npt.NDArray[np.float64] = field(init=False, repr=False)
-    flops_list: tuple[float, ...] = field(init=False, repr=False)  # plain floats: fast scalar access in loops
-    # Where a sequence can run: 1 (whole on one CP rank), each hybrid block size, cp_size (the whole group).
-    degrees: tuple[int, ...] = field(init=False, repr=False)
-    # degree -> per sequence, the FLOP-equivalents each rank of a group of that size computes for it
-    placement: dict[int, tuple[float, ...]] = field(init=False, repr=False)
-    local_attention: tuple[float, ...] = field(init=False, repr=False)  # the attention part of placement[1]
-    # per sequence, the least rank-FLOP-equivalents it can cost: min over degrees d it fits (S <= d·C) of d·placement
-    area: tuple[float, ...] = field(init=False, repr=False)
-    alpha_s_per_flop: float = field(init=False, repr=False)
-    beta_s: float = field(init=False, repr=False)  # β·L, paid once per micro-batch by each CP rank with work
+    lengths: IntArray = field(init=False, repr=False)  # (N,)
+    flops: FloatArray = field(init=False, repr=False)  # (N,) eq. 13 with the profile's measured terms
+    degrees: tuple[int, ...] = field(init=False, repr=False)  # (D,) 1, each hybrid block size, cp_size
+    # (D, N) FLOP-equivalents each rank of its block computes for a sequence at each degree (costing.CostTables)
+    rank_flops: FloatArray = field(init=False, repr=False)
+    area: FloatArray = field(init=False, repr=False)  # (N,) its cheapest place's cost over its ranks (CostTables)
+    tables: CostTables = field(init=False, repr=False)  # what the kernels read
 
     def __post_init__(self) -> None:
         lengths = np.asarray(self.sequence_lengths, dtype=np.int64)
-        perf = self.perf
         set_field = functools.partial(object.__setattr__, self)
-        set_field("lengths", lengths)
-        set_field("flops", perf.flops_array(lengths))
-        set_field("flops_list", tuple(self.flops.tolist()))
-        degrees = (1, *block_degrees(self.cp_size), self.cp_size) if self.cp_size > 1 else (1,)
-        set_field("degrees", degrees)
-        per_degree = {degree: perf.placement_flops(lengths, degree) for degree in degrees}
-        set_field("placement", {degree: tuple(costs.tolist()) for degree, costs in per_degree.items()})
-        set_field("local_attention", tuple(perf.local_attention_flops(lengths).tolist()))
-        areas = np.full(len(lengths), np.inf)
-        for degree, costs in per_degree.items():
-            fits = lengths <= degree * self.bucket_size
-            areas = np.where(fits, np.minimum(areas, degree * costs), areas)
-        set_field("area", tuple(areas.tolist()))
-        set_field("alpha_s_per_flop", perf.profile.compute.alpha_s_per_flop)
-        set_field("beta_s", perf.compute_beta_s)
+        tables = cost_tables(self.perf, lengths, self.cp_size, self.bucket_size)
+        set_field("tables", tables)
+        set_field("lengths", tables.lengths)
+        set_field("flops", self.perf.flops_array(lengths))
+        set_field("degrees", tuple(tables.degrees.tolist()))
+        set_field("rank_flops", tables.rank_flops)
+        set_field("area", tables.area)
 
     @property
     def num_sequences(self) -> int:
@@ -170,6 +248,19 @@ class PlanningProblem:
     def micro_batch_capacity(self) -> int:
         """Tokens one micro-batch may hold over the whole CP group (eq. 10's C × N)."""
         return self.bucket_size * self.cp_size
+
+    @property
+    def alpha_s_per_flop(self) -> float:
+        return self.tables.alpha_s_per_flop
+
+    @property
+    def beta_s(self) -> float:
+        """β·L, paid once per micro-batch by each CP rank with work."""
+        return self.tables.beta_s
+
+    def rank_flops_at(self, degree: int) -> FloatArray:
+        """(N,) what each rank of a block of ``degree`` ranks computes for each sequence sharded over it."""
+        return self.rank_flops[self.degrees.index(degree)]
 
 
 def _validate_int(value: object, name: str, low: int, high: int) -> int:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from scheduler_service.core import baselines, gds
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import UnknownSchedulerError
-from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport
+from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
 from scheduler_service.core.simulate import PlanEstimate, simulate
 
-__all__ = ["HEURISTIC_SCHEDULERS", "PlanResult", "make_plan", "parse_scheduler", "schedule"]
+__all__ = ["HEURISTIC_SCHEDULERS", "PlanResult", "make_plan", "parse_scheduler", "schedule", "warm_up"]
 
 DEFAULT_CPSAT_TIME_LIMIT_S = 10.0
 
@@ -55,10 +55,13 @@ def parse_scheduler(name: str | SchedulerName) -> SchedulerName:
 
 
 def schedule(
-    problem: PlanningProblem, scheduler: str | SchedulerName, *, time_limit_s: float = DEFAULT_CPSAT_TIME_LIMIT_S
+    problem: PlanningProblem, scheduler: str | SchedulerName, *, time_limit_s: float = DEFAULT_CPSAT_TIME_LIMIT_S,
+    search_budget: int | None = None,
 ) -> tuple[Plan, SolverReport | None]:
     """The raw plan of one scheduler (unchecked), with the solver's report for cpsat."""
     name = parse_scheduler(scheduler)
+    if name is SchedulerName.SKRULL:
+        return gds.skrull(problem, budget=search_budget), None
     if name is SchedulerName.CPSAT:
         from scheduler_service.core import cpsat  # ortools is only needed for offline comparison
 
@@ -70,12 +73,12 @@ def schedule(
 
 def make_plan(
     problem: PlanningProblem, scheduler: str | SchedulerName = SchedulerName.SKRULL, *,
-    time_limit_s: float = DEFAULT_CPSAT_TIME_LIMIT_S,
+    time_limit_s: float = DEFAULT_CPSAT_TIME_LIMIT_S, search_budget: int | None = None,
 ) -> PlanResult:
     """Schedule, check (every plan, every scheduler) and simulate one global batch."""
     name = parse_scheduler(scheduler)
     started = time.perf_counter()
-    plan, report = schedule(problem, name, time_limit_s=time_limit_s)
+    plan, report = schedule(problem, name, time_limit_s=time_limit_s, search_budget=search_budget)
     solve_time_s = time.perf_counter() - started
     check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
                bucket_size=problem.bucket_size)
@@ -84,3 +87,14 @@ def make_plan(
                        else baselines.deepspeed_time_s(problem))
     return PlanResult(scheduler=name, problem=problem, plan=plan, estimate=estimate, baseline_time_s=baseline_time_s,
                       solve_time_s=solve_time_s, solver=report)
+
+
+def warm_up() -> float:
+    """Compile every kernel of the core (or load it from the JIT cache, ``jit``) by planning a small batch with each
+    compiled scheduler: what a service does before it reports ready and a trainer at start. The seconds it took."""
+    started = time.perf_counter()
+    problem = make_problem(sequence_lengths=[3000, 1200, 700, 90, 5000, 40], dp_size=2, cp_size=4, model="tiny",
+                           bucket_size=2048)
+    for name in (SchedulerName.SKRULL, SchedulerName.SKRULL_BINARY):
+        make_plan(problem, name)
+    return time.perf_counter() - started

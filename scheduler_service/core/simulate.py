@@ -1,45 +1,52 @@
 """The simulator: a plan's estimated time under the performance model.
 
-Each CP rank ``r`` of a micro-batch computes, as one packed row, its local
-sequences whole, its ``1/N`` zigzag share of the distributed ones and its
-``1/s`` share of every hybrid group of size ``s`` it belongs to
-(``PerformanceModel.placement_flops``), paying the fixed cost ``β`` once. It
-takes part in one collective per group it belongs to (the whole CP group when
-there are distributed sequences): an all-gather of K/V forward, a
-reduce-scatter of dK/dV backward. The model lets local attention alone hide
-them: the all-gathers behind the local attention forward, the reduce-scatters
-behind its backward (``PerformanceModel.exposed_comm_s``), which is what the
-trainer overlaps for a rank in one collective. A rank in several waits for each
-gather just before its group's attention, so a later gather also hides behind an
-earlier group's attention: for such ranks the model is pessimistic. So, with
-``W_r`` the rank's FLOP-equivalents:
+Each CP rank of a micro-batch costs ``T_r`` (``costing.rank_time_s``: its share of every sequence placed on it,
+``β`` once, and the collectives local attention does not hide). The trainer overlaps exactly what the model hides
+for a rank in one collective. A rank in several waits for each gather just before its group's attention, so a
+later gather also hides behind an earlier group's attention: for such ranks the model is pessimistic. A
+micro-batch takes the max over CP ranks (eq. 1); a DP rank the sum over its micro-batches; an iteration the max
+over DP ranks (eq. 8).
 
-    T_r = α·W_r + β + max(0, ΣAG − T_attn,fwd(local_r)) + max(0, ΣRS − T_attn,bwd(local_r))
-
-A micro-batch takes the max over CP ranks (eq. 1); a DP rank the sum over its
-micro-batches; an iteration the max over DP ranks (eq. 8).
+The per-rank sums come from the same kernels the searches use (``costing.sums_of_places``); the per-rank
+breakdown of each micro-batch (``MicroBatchEstimate.cp_ranks``) is built when it is read, since most callers only
+need the times.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_service.core.perf_model import FloatOrArray
-from scheduler_service.core.plan import MicroBatch, Plan, PlanningProblem
+import numpy as np
+import numpy.typing as npt
+from numba import types
+
+from scheduler_service.core.costing import (
+    SUMS,
+    TABLES,
+    CostTables,
+    RankSums,
+    empty_sums,
+    exposed_comm_s,
+    rank_time_s,
+    sums_of_places,
+)
+from scheduler_service.core.jit import FLOAT_2D, FLOAT_3D, INT_1D, INT_2D, kernel
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem
 
 __all__ = [
     "CPRankEstimate",
     "DPRankEstimate",
     "MicroBatchEstimate",
     "PlanEstimate",
-    "RankLoad",
+    "estimate_places",
     "iteration_lower_bound_s",
+    "micro_batch_sums",
     "micro_batch_time_s",
-    "rank_compute_time_s",
-    "rank_loads",
-    "rank_time_s",
     "simulate",
 ]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,17 +62,51 @@ class CPRankEstimate:
     time_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class _PerRank:
+    """A plan's per micro-batch and CP rank figures, (M, C) each: what the breakdowns are read from."""
+
+    tables: CostTables
+    sums: RankSums
+    times_s: FloatArray
+    compute_flops: FloatArray  # (3, M, C): local, distributed, sharded
+    local_tokens: IntArray
+
+    def cp_rank(self, m: int, r: int) -> CPRankEstimate:
+        tables, sums = self.tables, self.sums
+        alpha = tables.alpha_s_per_flop
+        all_gather_s, reduce_scatter_s = float(sums.all_gather_s[m, r]), float(sums.reduce_scatter_s[m, r])
+        comm_s = all_gather_s + reduce_scatter_s
+        time_s = float(self.times_s[m, r])
+        busy = sums.work_flops[m, r] > 0
+        fixed_s = tables.beta_s if busy else 0.0
+        return CPRankEstimate(
+            local_tokens=int(self.local_tokens[m, r]), tokens=int(sums.units[m, r]) / tables.cp_size,
+            local_compute_s=alpha * float(self.compute_flops[0, m, r]),
+            distributed_compute_s=alpha * float(self.compute_flops[1, m, r]),
+            sharded_compute_s=alpha * float(self.compute_flops[2, m, r]),
+            fixed_s=fixed_s, comm_s=comm_s,
+            exposed_comm_s=exposed_comm_s(tables, float(sums.attention_flops[m, r]), all_gather_s,
+                                          reduce_scatter_s) if comm_s else 0.0,
+            time_s=time_s)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MicroBatchEstimate:
-    """Every CP rank's breakdown; the critical rank sets ``time_s``."""
+    """A micro-batch's time, set by its critical CP rank, and every CP rank's breakdown."""
 
     time_s: float
     critical_cp_rank: int
-    cp_ranks: tuple[CPRankEstimate, ...]
+    _per_rank: _PerRank
+    _m: int
+
+    @property
+    def cp_ranks(self) -> tuple[CPRankEstimate, ...]:
+        return tuple(self._per_rank.cp_rank(self._m, r) for r in range(self._per_rank.tables.cp_size))
 
     @property
     def critical(self) -> CPRankEstimate:
-        return self.cp_ranks[self.critical_cp_rank]
+        return self._per_rank.cp_rank(self._m, self.critical_cp_rank)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,96 +121,71 @@ class PlanEstimate:
     dp_ranks: tuple[DPRankEstimate, ...]
 
 
-def rank_time_s(problem: PlanningProblem, work_flops: FloatOrArray, local_attention_flops: FloatOrArray,
-                all_gather_s: FloatOrArray, reduce_scatter_s: FloatOrArray) -> FloatOrArray:
-    """``T_r`` above: the one cost function every scheduler and the simulator use; a rank without work costs
-    nothing. Floats, or arrays of many ranks and candidates at once (the vectorised DACP search)."""
-    busy = work_flops > 0
-    return busy * (problem.alpha_s_per_flop * work_flops + problem.beta_s
-                   + problem.perf.exposed_comm_s(all_gather_s, reduce_scatter_s, local_attention_flops))
+@kernel(types.void(TABLES, SUMS, FLOAT_2D))
+def _rank_times_s(tables: CostTables, sums: RankSums, times_s: FloatArray) -> None:
+    for m in range(times_s.shape[0]):
+        for r in range(tables.cp_size):
+            times_s[m, r] = rank_time_s(tables, sums.work_flops[m, r], sums.attention_flops[m, r],
+                                        sums.all_gather_s[m, r], sums.reduce_scatter_s[m, r])
 
 
-def rank_compute_time_s(problem: PlanningProblem, work_flops: FloatOrArray) -> FloatOrArray:
-    """``rank_time_s`` without its exposed communication: never above it (what is exposed is never negative, and
-    floating-point addition is monotone), and monotone in the work, so a search can bound a block of ranks by its
-    heaviest one and skip the candidates whose bound already loses."""
-    return (work_flops > 0) * (problem.alpha_s_per_flop * work_flops + problem.beta_s)
+@kernel(types.void(TABLES, INT_1D, INT_1D, INT_1D, FLOAT_3D, INT_2D))
+def _compute_by_kind(tables: CostTables, micro_batch: IntArray, degree: IntArray, first_rank: IntArray,
+                     compute_flops: FloatArray, local_tokens: IntArray) -> None:
+    """Each rank's FLOP-equivalents of its local, distributed and sharded sequences, and its local tokens."""
+    for k in range(micro_batch.shape[0]):
+        m = micro_batch[k]
+        if m < 0:
+            continue
+        kind = 0 if degree[k] == 1 else 1 if degree[k] == tables.cp_size else 2
+        for r in range(first_rank[k], first_rank[k] + degree[k]):
+            compute_flops[kind, m, r] += tables.rank_flops[tables.degree_row[degree[k]], k]
+        if degree[k] == 1:
+            local_tokens[m, first_rank[k]] += tables.lengths[k]
 
 
-@dataclass(slots=True)
-class RankLoad:
-    """What one CP rank runs in a micro-batch, summed: the inputs of ``rank_time_s``."""
+def estimate_places(problem: PlanningProblem, places: Places) -> PlanEstimate:
+    """Estimated times of every micro-batch, DP rank and the iteration of the plan ``places``."""
+    tables = problem.tables
+    num_micro_batches = places.num_micro_batches
+    sums = empty_sums(tables, num_micro_batches)
+    sums_of_places(tables, sums, places.micro_batch, places.degree, places.first_rank)
+    times_s = np.zeros((num_micro_batches, tables.cp_size))
+    _rank_times_s(tables, sums, times_s)
+    compute_flops = np.zeros((3, num_micro_batches, tables.cp_size))
+    local_tokens = np.zeros((num_micro_batches, tables.cp_size), dtype=np.int64)
+    _compute_by_kind(tables, places.micro_batch, places.degree, places.first_rank, compute_flops, local_tokens)
+    per_rank = _PerRank(tables, sums, times_s, compute_flops, local_tokens)
+    critical = times_s.argmax(axis=1).tolist() if tables.cp_size else []
+    micro_batch_times_s = times_s.max(axis=1, initial=0.0).tolist()
+    by_dp_rank: list[list[MicroBatchEstimate]] = [[] for _ in range(problem.dp_size)]
+    for m, dp_rank in enumerate(places.dp_rank.tolist()):
+        by_dp_rank[dp_rank].append(MicroBatchEstimate(time_s=micro_batch_times_s[m], critical_cp_rank=critical[m],
+                                                      _per_rank=per_rank, _m=m))
+    dp_ranks = tuple(DPRankEstimate(time_s=sum(mb.time_s for mb in micro_batches), micro_batches=tuple(micro_batches))
+                     for micro_batches in by_dp_rank)
+    return PlanEstimate(iteration_time_s=max(rank.time_s for rank in dp_ranks), dp_ranks=dp_ranks)
 
-    work_flops: float = 0.0
-    local_flops: float = 0.0
-    distributed_flops: float = 0.0
-    sharded_flops: float = 0.0
-    local_attention_flops: float = 0.0
-    all_gather_s: float = 0.0
-    reduce_scatter_s: float = 0.0
-    local_tokens: int = 0
-    units: int = 0  # tokens × cp_size (exact)
+
+def simulate(problem: PlanningProblem, plan: Plan) -> PlanEstimate:
+    """Estimated times of every micro-batch, DP rank and the iteration."""
+    return estimate_places(problem, plan.places(problem.num_sequences))
 
 
-def rank_loads(problem: PlanningProblem, micro_batch: MicroBatch) -> list[RankLoad]:
-    """Every CP rank's sums; ``problem`` only needs the micro-batch's sequences."""
-    cp_size, lengths = problem.cp_size, problem.sequence_lengths
-    local_costs, attention = problem.placement[1], problem.local_attention
-    ranks = [RankLoad() for _ in range(cp_size)]
-    for rank, rank_local in zip(ranks, micro_batch.local, strict=True):
-        rank.local_flops = sum(local_costs[k] for k in rank_local)
-        rank.local_attention_flops = sum(attention[k] for k in rank_local)
-        rank.local_tokens = sum(lengths[k] for k in rank_local)
-        rank.units = rank.local_tokens * cp_size
-    shared = [(tuple(range(cp_size)), micro_batch.distributed)] if micro_batch.distributed else []
-    for cp_ranks, sequences in shared + [(g.cp_ranks, g.sequences) for g in micro_batch.sharded]:
-        degree = len(cp_ranks)
-        costs = problem.placement[degree]
-        flops = sum(costs[k] for k in sequences)
-        tokens = sum(lengths[k] for k in sequences)
-        collective = problem.perf.collective_cost(degree)
-        all_gather_s, reduce_scatter_s = collective.all_gather_s(tokens), collective.reduce_scatter_s(tokens)
-        for cp_rank in cp_ranks:
-            rank = ranks[cp_rank]
-            if degree == cp_size:
-                rank.distributed_flops += flops
-            else:
-                rank.sharded_flops += flops
-            rank.all_gather_s += all_gather_s
-            rank.reduce_scatter_s += reduce_scatter_s
-            rank.units += tokens * (cp_size // degree)
-    for rank in ranks:
-        rank.work_flops = rank.local_flops + rank.distributed_flops + rank.sharded_flops
-    return ranks
+def micro_batch_sums(problem: PlanningProblem, micro_batch: MicroBatch) -> RankSums:
+    """One micro-batch's per-rank sums (M = 1); ``problem`` only needs its sequences."""
+    places = Plan(dp_ranks=(DPRankPlan(micro_batches=(micro_batch,)),)).places(problem.num_sequences)
+    sums = empty_sums(problem.tables, 1)
+    sums_of_places(problem.tables, sums, places.micro_batch, places.degree, places.first_rank)
+    return sums
 
 
 def micro_batch_time_s(problem: PlanningProblem, micro_batch: MicroBatch) -> float:
     """The slowest CP rank's ``T_r``."""
-    return max(rank_time_s(problem, rank.work_flops, rank.local_attention_flops, rank.all_gather_s,
-                           rank.reduce_scatter_s) for rank in rank_loads(problem, micro_batch))
-
-
-def _estimate_micro_batch(problem: PlanningProblem, micro_batch: MicroBatch) -> MicroBatchEstimate:
-    alpha, cp_size = problem.alpha_s_per_flop, problem.cp_size
-    cp_ranks = []
-    for rank in rank_loads(problem, micro_batch):
-        time_s = rank_time_s(problem, rank.work_flops, rank.local_attention_flops, rank.all_gather_s,
-                             rank.reduce_scatter_s)
-        comm_s = rank.all_gather_s + rank.reduce_scatter_s
-        cp_ranks.append(CPRankEstimate(
-            local_tokens=rank.local_tokens,
-            tokens=rank.units / cp_size,
-            local_compute_s=alpha * rank.local_flops,
-            distributed_compute_s=alpha * rank.distributed_flops,
-            sharded_compute_s=alpha * rank.sharded_flops,
-            fixed_s=problem.beta_s if rank.work_flops > 0 else 0.0,
-            comm_s=comm_s,
-            exposed_comm_s=problem.perf.exposed_comm_s(rank.all_gather_s, rank.reduce_scatter_s,
-                                                       rank.local_attention_flops) if comm_s else 0.0,
-            time_s=time_s,
-        ))
-    critical = max(range(cp_size), key=lambda r: cp_ranks[r].time_s)
-    return MicroBatchEstimate(time_s=cp_ranks[critical].time_s, critical_cp_rank=critical, cp_ranks=tuple(cp_ranks))
+    sums = micro_batch_sums(problem, micro_batch)
+    times_s = np.zeros((1, problem.cp_size))
+    _rank_times_s(problem.tables, sums, times_s)
+    return float(times_s.max())
 
 
 def iteration_lower_bound_s(problem: PlanningProblem) -> float:
@@ -177,21 +193,10 @@ def iteration_lower_bound_s(problem: PlanningProblem) -> float:
     DP × CP ranks (the max replaced by the mean), no communication exposed, one β per micro-batch of the fewest
     micro-batches the tokens need; and no faster than the costliest sequence at its cheapest placement."""
     num_ranks = problem.dp_size * problem.cp_size
-    min_micro_batches = -(-sum(problem.sequence_lengths) // problem.micro_batch_capacity)
-    spread_s = (problem.alpha_s_per_flop * sum(problem.area) / num_ranks
+    min_micro_batches = -(-int(problem.lengths.sum()) // problem.micro_batch_capacity)
+    spread_s = (problem.alpha_s_per_flop * float(problem.area.sum()) / num_ranks
                 + problem.beta_s * min_micro_batches / problem.dp_size)
-    longest_s = max(
-        min(problem.alpha_s_per_flop * problem.placement[degree][k] + problem.beta_s for degree in problem.degrees
-            if problem.sequence_lengths[k] <= degree * problem.bucket_size)
-        for k in range(problem.num_sequences)
-    )
+    degrees = np.asarray(problem.degrees)[:, None]
+    cheapest_flops = np.where(problem.lengths <= degrees * problem.bucket_size, problem.rank_flops, np.inf).min(axis=0)
+    longest_s = problem.alpha_s_per_flop * float(cheapest_flops.max()) + problem.beta_s
     return max(spread_s, longest_s)
-
-
-def simulate(problem: PlanningProblem, plan: Plan) -> PlanEstimate:
-    """Estimated times of every micro-batch, DP rank and the iteration."""
-    dp_ranks = []
-    for dp_plan in plan.dp_ranks:
-        micro_batches = tuple(_estimate_micro_batch(problem, mb) for mb in dp_plan.micro_batches)
-        dp_ranks.append(DPRankEstimate(time_s=sum(mb.time_s for mb in micro_batches), micro_batches=micro_batches))
-    return PlanEstimate(iteration_time_s=max(rank.time_s for rank in dp_ranks), dp_ranks=tuple(dp_ranks))
