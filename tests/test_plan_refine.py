@@ -8,7 +8,14 @@ from hypothesis import HealthCheck, given, settings
 from scheduler_service.core import gds, plan_refine
 from scheduler_service.core.check import find_violations
 from scheduler_service.core.dacp_search import HYBRID
-from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem, ShardedGroup, make_problem
+from scheduler_service.core.plan import (
+    DPRankPlan,
+    MicroBatch,
+    Plan,
+    PlanningProblem,
+    ShardedGroup,
+    make_problem,
+)
 from scheduler_service.core.plan_refine import refine_plan
 from scheduler_service.core.simulate import simulate
 from tests.test_dacp_groups import hybrid_problems

@@ -8,16 +8,27 @@ multiple of ``s``), and for every micro-batch and CP rank ``r``:
 + sum over groups g containing r of sum(len of g) / size(g) <= bucket_size``
 (eq. 7, extended to groups). The bound is checked in exact integers
 (multiplied through by cp_size, which every group size divides).
+
+``find_violations`` checks a ``Plan`` as it travels (the service checks what it
+answers, the trainer what it receives) and says every violation in a sentence.
+``check_places`` checks the arrays a compiled scheduler returns, in a few numpy
+operations, before the plan is built from them; where they break the contract it
+raises with ``find_violations``'s sentences. Neither shares code with the
+schedulers it checks: a bug in the searches' own memory accounting cannot hide
+itself here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scheduler_service.core.errors import PlanCheckError
-from scheduler_service.core.plan import MicroBatch, Plan, cp_blocks
+import numpy as np
+import numpy.typing as npt
 
-__all__ = ["check_plan", "find_violations"]
+from scheduler_service.core.errors import PlanCheckError
+from scheduler_service.core.plan import MicroBatch, Places, Plan, block_degrees, cp_blocks
+
+__all__ = ["check_places", "check_plan", "find_violations"]
 
 
 def _block_violation(cp_ranks: tuple[int, ...], cp_size: int) -> str | None:
@@ -109,3 +120,32 @@ def check_plan(
     )
     if violations:
         raise PlanCheckError(violations)
+
+
+def _places_valid(places: Places, lengths: npt.NDArray[np.int64], cp_size: int, bucket_size: int) -> bool:
+    """Every sequence in a micro-batch, at a place (whole on a rank, an aligned block, or the whole group) whose
+    ranks all stay within the memory bound."""
+    degree, first_rank, micro_batch = places.degree, places.first_rank, places.micro_batch
+    if (micro_batch < 0).any() or (micro_batch >= places.num_micro_batches).any():
+        return False
+    if not np.isin(degree, (1, *block_degrees(cp_size), cp_size)).all() or (first_rank % degree).any() \
+            or (first_rank < 0).any() or (first_rank + degree > cp_size).any():
+        return False
+    # every (sequence, rank of its block): S·N/s units there (float64 sums of integers far below 2^53: exact)
+    repeated = np.repeat(np.arange(len(degree)), degree)
+    offsets = np.arange(len(repeated)) - np.repeat(np.cumsum(degree) - degree, degree)
+    ranks = micro_batch[repeated] * cp_size + first_rank[repeated] + offsets
+    units = np.bincount(ranks, weights=(lengths * (cp_size // degree))[repeated],
+                        minlength=places.num_micro_batches * cp_size)
+    return bool(units.max(initial=0) <= bucket_size * cp_size)
+
+
+def check_places(places: Places, *, sequence_lengths: npt.NDArray[np.int64], dp_size: int, cp_size: int,
+                 bucket_size: int) -> None:
+    """Raise ``PlanCheckError`` (with ``find_violations``'s sentences) unless ``places`` is a valid plan."""
+    if not _places_valid(places, sequence_lengths, cp_size, bucket_size) or \
+            (places.dp_rank >= dp_size).any() or (places.dp_rank < 0).any():
+        plan = Plan.from_places(places, dp_size=max(dp_size, int(places.dp_rank.max(initial=0)) + 1),
+                                cp_size=cp_size)
+        raise PlanCheckError(find_violations(plan, sequence_lengths=sequence_lengths.tolist(), dp_size=dp_size,
+                                             cp_size=cp_size, bucket_size=bucket_size))

@@ -156,7 +156,7 @@ class RankSums(NamedTuple):
     all_gather_s: FloatArray  # (M, C)
     reduce_scatter_s: FloatArray  # (M, C)
     units: IntArray  # (M, C) memory, in 1/C token
-    block_members: IntArray  # (M, B) sequences sharded over each block (degree 1 blocks stay 0)
+    block_members: IntArray  # (M, B) sequences placed on each block
 
 
 SUMS = numba.typeof(RankSums(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)),
@@ -205,36 +205,27 @@ def place_delta(tables: CostTables, k: int, degree: int, block_members_before: i
     """What adding (``sign`` 1) or taking away (``sign`` -1) sequence ``k`` at ``degree`` changes on each rank of
     its block, which held ``block_members_before`` sequences: (work, local attention, all-gather, reduce-scatter,
     memory units). A block's collectives pay their fixed cost with its first sequence, and get it back with its
-    last."""
+    last; a single rank's collectives cost nothing (``CostTables``), so no branch is needed for them."""
     d = tables.degree_row[degree]
     length = tables.lengths[k]
-    attention_flops = 0.0
-    all_gather_s = 0.0
-    reduce_scatter_s = 0.0
-    if degree == 1:
-        attention_flops = sign * tables.local_attention_flops[k]
-    else:
-        all_gather_s = tables.all_gather_s_per_token[d] * length
-        reduce_scatter_s = tables.reduce_scatter_s_per_token[d] * length
-        if block_members_before == (0 if sign > 0 else 1):
-            all_gather_s += tables.all_gather_fixed_s[d]
-            reduce_scatter_s += tables.reduce_scatter_fixed_s[d]
-        all_gather_s *= sign
-        reduce_scatter_s *= sign
-    return (sign * tables.rank_flops[d, k], attention_flops, all_gather_s, reduce_scatter_s,
+    pays_fixed = block_members_before == (0 if sign > 0 else 1)
+    return (sign * tables.rank_flops[d, k],
+            sign * (degree == 1) * tables.local_attention_flops[k],
+            sign * (tables.all_gather_s_per_token[d] * length + pays_fixed * tables.all_gather_fixed_s[d]),
+            sign * (tables.reduce_scatter_s_per_token[d] * length + pays_fixed * tables.reduce_scatter_fixed_s[d]),
             sign * length * (tables.cp_size // degree))
 
 
 @kernel(types.void(TABLES, SUMS, types.int64, types.int64, types.int64, types.int64, types.int64), inline=True)
 def place(tables: CostTables, sums: RankSums, m: int, k: int, degree: int, first_rank: int, sign: int) -> None:
     """Add (``sign`` 1) or take away (``sign`` -1) sequence ``k`` at its place in micro-batch ``m``'s sums."""
-    work, attention, all_gather, reduce_scatter, units = (sums.work_flops, sums.attention_flops, sums.all_gather_s,
-                                                          sums.reduce_scatter_s, sums.units)
+    work, attention, all_gather, reduce_scatter, units, block_members = (
+        sums.work_flops, sums.attention_flops, sums.all_gather_s, sums.reduce_scatter_s, sums.units,
+        sums.block_members)
     b = block_index(tables, degree, first_rank)
     work_flops, attention_flops, all_gather_s, reduce_scatter_s, unit_count = place_delta(
-        tables, k, degree, sums.block_members[m, b], sign)
-    if degree > 1:
-        sums.block_members[m, b] += sign
+        tables, k, degree, block_members[m, b], sign)
+    block_members[m, b] += sign
     for r in range(first_rank, first_rank + degree):
         work[m, r] += work_flops
         attention[m, r] += attention_flops

@@ -138,13 +138,13 @@ def binary_decision(tables: CostTables, members: IntArray, sums: RankSums, degre
         num_forced += too_long
         num_heavy += too_long or whole_flops[k] > fair_share
     highest = min(num_heavy + EXTRA_DISTRIBUTION_CANDIDATES, num_members)
-    num_sharded_candidates = list(range(num_forced, highest + 1))
-    if highest < num_members:
-        num_sharded_candidates.append(num_members)  # static CP
     trial_degree = np.empty(num_members, dtype=np.int64)
     trial_first_rank = np.empty(num_members, dtype=np.int64)
     best_s = np.inf
-    for num_sharded in num_sharded_candidates:
+    for candidate in range(num_forced, highest + 2):
+        if candidate > highest and highest == num_members:
+            break
+        num_sharded = candidate if candidate <= highest else num_members  # and last static CP, whenever distinct
         time_s = _shard_longest_then_lpt(tables, members, num_sharded, sums, trial_degree, trial_first_rank)
         if time_s < best_s:
             best_s = time_s
@@ -175,38 +175,39 @@ def hybrid_decision(tables: CostTables, members: IntArray, cap: float, sums: Ran
     """The packing under ``cap`` (module docstring); its time, ``inf`` where a sequence fits nowhere."""
     lengths, rank_flops, degrees, cp_size = tables.lengths, tables.rank_flops, tables.degrees, tables.cp_size
     capacity = tables.bucket_size * cp_size
-    num_members = members.shape[0]
-    num_degrees = degrees.shape[0]
+    num_members, num_degrees = members.shape[0], degrees.shape[0]
     smallest = np.empty(num_members, dtype=np.int64)  # d of the smallest degree that fits the bucket and the cap
-    share = np.empty(num_members)
     for j in range(num_members):
         k = members[j]
         smallest[j] = -1
         for d in range(num_degrees):
             if lengths[k] <= degrees[d] * tables.bucket_size and rank_flops[d, k] <= cap:
                 smallest[j] = d
-                share[j] = rank_flops[d, k]
                 break
         if smallest[j] < 0:
             return np.inf
-    # widest first, heaviest share first within a degree, ties by index: stable sorts, the last key first
-    order = np.argsort(members, kind="mergesort")
-    order = order[np.argsort(-share[order], kind="mergesort")]
-    order = order[np.argsort(-smallest[order], kind="mergesort")]
+    # widest first; within a degree in the members' order, longest first (heaviest first: a share grows with length)
+    order = np.empty(num_members, dtype=np.int64)
+    placed = 0
+    for d in range(num_degrees - 1, -1, -1):
+        for j in range(num_members):
+            if smallest[j] == d:
+                order[placed] = j
+                placed += 1
     work, units = sums.work_flops[0], sums.units[0]
     clear_row(sums, 0)
-    for j in order:
-        k = members[j]
-        degree[j] = 0
-        for d in range(smallest[j], num_degrees):
+    for position in order:
+        k = members[position]
+        degree[position] = 0
+        for d in range(smallest[position], num_degrees):
             block_first_rank = _best_fit_block(work, units, degrees[d], rank_flops[d, k],
                                                lengths[k] * (cp_size // degrees[d]), cap, capacity)
             if block_first_rank >= 0:
-                degree[j], first_rank[j] = degrees[d], block_first_rank
+                degree[position], first_rank[position] = degrees[d], block_first_rank
                 break
-        if degree[j] == 0:
+        if degree[position] == 0:
             return np.inf
-        place(tables, sums, 0, k, degree[j], first_rank[j], 1)
+        place(tables, sums, 0, k, degree[position], first_rank[position], 1)
     return micro_batch_time_s(tables, sums, 0)
 
 

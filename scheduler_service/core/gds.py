@@ -37,7 +37,7 @@ from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, Pl
 from scheduler_service.core.plan_refine import refine_plan
 
 __all__ = ["DEFAULT_SEARCH_BUDGET", "dacp_only", "gds_only", "gds_paper", "gds_places", "round_robin", "search_budget",
-           "skrull", "skrull_binary", "skrull_paper"]
+           "skrull", "skrull_binary", "skrull_binary_places", "skrull_paper", "skrull_places"]
 
 Dacp = Callable[[PlanningProblem, Sequence[int]], MicroBatch | None]
 
@@ -137,19 +137,29 @@ def _plan(problem: PlanningProblem, places: Places) -> Plan:
     return Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
 
 
-def skrull(problem: PlanningProblem, *, budget: int | None = None) -> Plan:
+def skrull_places(problem: PlanningProblem, *, budget: int | None = None) -> Places:
     """Skrull's default scheduler: GDS with hybrid DACP, refined across micro-batches and DP ranks within
     ``budget`` costings (``search_budget``); binary Skrull's plan where that is cheaper under the cost model, so
     never slower than it."""
     hybrid, _ = gds_places(problem, problem.area, HYBRID)
     hybrid, hybrid_s = refine_plan(problem, hybrid, budget=search_budget(problem, hybrid.num_micro_batches, budget))
     binary, binary_s = gds_places(problem, problem.flops, BINARY)
-    return _plan(problem, hybrid if hybrid_s <= binary_s else binary)
+    return hybrid if hybrid_s <= binary_s else binary
+
+
+def skrull(problem: PlanningProblem, *, budget: int | None = None) -> Plan:
+    """``skrull_places`` as a plan."""
+    return _plan(problem, skrull_places(problem, budget=budget))
+
+
+def skrull_binary_places(problem: PlanningProblem) -> Places:
+    """Binary Skrull: the same GDS, each sequence whole or sharded over the whole CP group."""
+    return gds_places(problem, problem.flops, BINARY)[0]
 
 
 def skrull_binary(problem: PlanningProblem) -> Plan:
-    """Binary Skrull: the same GDS, each sequence whole or sharded over the whole CP group."""
-    return _plan(problem, gds_places(problem, problem.flops, BINARY)[0])
+    """``skrull_binary_places`` as a plan."""
+    return _plan(problem, skrull_binary_places(problem))
 
 
 def dacp_only(problem: PlanningProblem) -> Plan:

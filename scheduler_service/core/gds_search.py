@@ -17,8 +17,6 @@ model.
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 import numpy.typing as npt
 from numba import types
@@ -26,7 +24,7 @@ from numba import types
 from scheduler_service.core.costing import TABLES, CostTables, empty_sums
 from scheduler_service.core.dacp_search import best_decision, refine_micro_batch
 from scheduler_service.core.jit import FLOAT_1D, INT_1D, kernel
-from scheduler_service.core.partition import lpt_parts
+from scheduler_service.core.partition import lpt_parts, replace_lightest
 
 __all__ = ["EXTRA_MICRO_BATCH_COUNTS", "fewest_that_spread", "min_micro_batches", "plan_gds", "spread_longest_first"]
 
@@ -53,14 +51,12 @@ def spread_longest_first(lengths: IntArray, longest_first: IntArray, count: int,
                          group_of: IntArray) -> bool:
     """Each sequence of ``longest_first`` onto the micro-batch (of ``count``) with the fewest tokens (the first on
     ties), into ``group_of`` (by position); whether every micro-batch stays within ``capacity`` tokens."""
-    fewest_tokens_first = [(0, group) for group in range(count)]  # a heap of (tokens, micro-batch)
+    tokens, groups = np.zeros(count), np.arange(count)  # a heap of (tokens, micro-batch), fewest first
     for position in range(longest_first.shape[0]):
-        tokens, group = fewest_tokens_first[0]
-        tokens += lengths[longest_first[position]]
-        if tokens > capacity:
+        if tokens[0] + lengths[longest_first[position]] > capacity:
             return False
-        group_of[position] = group
-        heapq.heapreplace(fewest_tokens_first, (tokens, group))
+        group_of[position] = groups[0]
+        replace_lightest(tokens, groups, tokens[0] + lengths[longest_first[position]])
     return True
 
 
@@ -111,12 +107,18 @@ def _refine_cut(tables: CostTables, members: IntArray, group_start: IntArray, de
 
 @kernel(types.UniTuple(INT_1D, 2)(INT_1D, INT_1D, types.int64))
 def _grouped(longest_first: IntArray, group_of: IntArray, count: int) -> tuple[IntArray, IntArray]:
-    """The sequences of each micro-batch together, longest first within it, and where each micro-batch starts."""
-    order = np.argsort(group_of, kind="mergesort")
+    """The sequences of each micro-batch together, longest first within it, and where each micro-batch starts (a
+    counting sort by micro-batch)."""
     group_start = np.zeros(count + 1, dtype=np.int64)
     for group in group_of:
         group_start[group + 1] += 1
-    return longest_first[order], np.cumsum(group_start)
+    group_start = np.cumsum(group_start)
+    filled = group_start[:-1].copy()
+    members = np.empty(longest_first.shape[0], dtype=np.int64)
+    for position in range(longest_first.shape[0]):
+        members[filled[group_of[position]]] = longest_first[position]
+        filled[group_of[position]] += 1
+    return members, group_start
 
 
 @kernel(types.Tuple((INT_1D, INT_1D, INT_1D, INT_1D, types.float64, types.int64))(

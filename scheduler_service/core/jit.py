@@ -62,8 +62,9 @@ import numba  # noqa: E402  (the cache folder must be chosen before any kernel i
 from numba import types  # noqa: E402
 from numba.core.registry import CPUDispatcher  # noqa: E402
 
-numba.config.CACHE_DIR = str(_CACHE_DIR)
-JIT_DISABLED = bool(numba.config.DISABLE_JIT)
+_numba_config: Any = numba.config  # set at import from the environment: mypy cannot see its attributes
+_numba_config.CACHE_DIR = str(_CACHE_DIR)
+JIT_DISABLED = bool(_numba_config.DISABLE_JIT)
 # The array types of kernel signatures: contiguous, as the boundary makes every array
 INT_1D = types.int64[::1]
 INT_2D = types.int64[:, ::1]
@@ -78,7 +79,7 @@ def cache_dir() -> Path:
     return _CACHE_DIR
 
 
-class _Kernel(CPUDispatcher):  # type: ignore[misc]
+class _Kernel(CPUDispatcher):
     """A numba dispatcher with one declared signature, compiled (or loaded from the cache) at its first use: called
     from Python, or typed as the callee of a kernel being compiled. Numba would otherwise compile a kernel once
     per combination of constant arguments a caller passes it (``Literal[int](1)``, ``Literal[int](-1)``, …); with
@@ -86,6 +87,7 @@ class _Kernel(CPUDispatcher):  # type: ignore[misc]
     plans with one scheduler from loading the others' code."""
 
     declared: Any  # the signature
+    _can_compile: bool  # the dispatcher's: whether a call may compile a new specialisation
 
     def _compile_declared(self) -> None:
         if self._can_compile:
@@ -103,7 +105,7 @@ class _Kernel(CPUDispatcher):  # type: ignore[misc]
         if compiled is None:
             raise TypeError(f"kernel {self.py_func.__qualname__} takes {self.declared}; called with "
                             f"({', '.join(map(str, argument_types))})")
-        return compiled.entry_point
+        return compiled.entry_point  # type: ignore[attr-defined]
 
 
 def kernel(signature: Any, *, inline: bool = False) -> Callable[[Function], Function]:

@@ -2,7 +2,9 @@
 
 * ``lpt_parts`` (a kernel; ``lpt_partition`` as lists) — longest processing
   time first: heaviest item onto the lightest part; O(n log n + n log k),
-  within 4/3 of optimal.
+  within 4/3 of optimal. The lightest part comes from a binary heap of
+  (load, part) kept in two arrays (``replace_lightest``), which GDS's spread
+  of a share over micro-batches uses too.
 * ``karmarkar_karp`` — k-way largest differencing (KK): usually much closer to
   optimal than LPT, but it keeps k subsets per item, O(n·k) memory, so it
   hands over to LPT when n·k is large.
@@ -19,20 +21,46 @@ from numba import types
 
 from scheduler_service.core.jit import FLOAT_1D, INT_1D, kernel
 
-__all__ = ["MAX_KARMARKAR_KARP_CELLS", "karmarkar_karp", "lpt_partition", "lpt_parts"]
+__all__ = ["MAX_KARMARKAR_KARP_CELLS", "karmarkar_karp", "lpt_partition", "lpt_parts", "replace_lightest"]
 
 MAX_KARMARKAR_KARP_CELLS = 1 << 18  # items × parts above which KK's memory and time are not worth it
 
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+
+@kernel(types.boolean(FLOAT_1D, INT_1D, types.int64, types.int64))
+def _lighter(loads: FloatArray, parts: IntArray, i: int, j: int) -> bool:
+    """Whether heap entry ``i`` comes before entry ``j``: a lighter load, or an equal one and a smaller part."""
+    return loads[i] < loads[j] or (loads[i] == loads[j] and parts[i] < parts[j])
+
+
+@kernel(types.void(FLOAT_1D, INT_1D, types.float64))
+def replace_lightest(loads: FloatArray, parts: IntArray, load: float) -> None:
+    """Give the lightest part (the heap's root, ``parts[0]``) the new ``load`` and sift it down to its place. The
+    heap orders (load, part) pairs, which are all distinct, so the lightest part is the same whatever the heap's
+    shape: zero loads and ascending parts are a heap to start from."""
+    loads[0] = load
+    i = 0
+    while 2 * i + 1 < loads.shape[0]:
+        child = 2 * i + 1
+        if child + 1 < loads.shape[0] and _lighter(loads, parts, child + 1, child):
+            child += 1
+        if not _lighter(loads, parts, child, i):
+            break
+        loads[i], loads[child] = loads[child], loads[i]
+        parts[i], parts[child] = parts[child], parts[i]
+        i = child
+
 
 @kernel(INT_1D(FLOAT_1D, types.int64))
-def lpt_parts(weights: npt.NDArray[np.float64], num_parts: int) -> npt.NDArray[np.int64]:
+def lpt_parts(weights: FloatArray, num_parts: int) -> IntArray:
     """The part of each item: heaviest first (ties by position) onto the lightest part (ties by part number)."""
     part_of = np.empty(weights.shape[0], dtype=np.int64)
-    lightest_first = [(0.0, part) for part in range(num_parts)]  # a heap of (load, part)
+    loads, parts = np.zeros(num_parts), np.arange(num_parts)  # a heap of (load, part), lightest first
     for item in np.argsort(-weights, kind="mergesort"):
-        load, part = lightest_first[0]
-        part_of[item] = part
-        heapq.heapreplace(lightest_first, (load + weights[item], part))
+        part_of[item] = parts[0]
+        replace_lightest(loads, parts, loads[0] + weights[item])
     return part_of
 
 

@@ -115,7 +115,7 @@ class MicroBatch:
                 groups.setdefault((first_rank, degree), []).append(index)
         return cls(local=tuple(map(tuple, local)), distributed=tuple(distributed), sharded=tuple(
             ShardedGroup(cp_ranks=tuple(range(first_rank, first_rank + degree)), sequences=tuple(members))
-            for (first_rank, degree), members in sorted(groups.items())))
+            for (first_rank, degree), members in sorted(groups.items())) if groups else ())
 
     def places(self) -> Iterator[Place]:
         """(index, degree, first CP rank) of every sequence: local ones, distributed ones, then each group's."""
@@ -162,18 +162,15 @@ class Plan:
     @classmethod
     def from_places(cls, places: Places, *, dp_size: int, cp_size: int) -> Plan:
         """The plan of ``places``: each DP rank's micro-batches in the order of their numbers, empty ones left out."""
-        members = np.flatnonzero(places.micro_batch >= 0)
-        members = members[np.argsort(places.micro_batch[members], kind="stable")]
-        bounds = np.searchsorted(places.micro_batch[members], np.arange(places.num_micro_batches + 1)).tolist()
-        indices, degrees = members.tolist(), places.degree[members].tolist()
-        first_ranks = places.first_rank[members].tolist()
+        scheduled = np.flatnonzero(places.micro_batch >= 0)
+        scheduled = scheduled[np.argsort(places.micro_batch[scheduled], kind="stable")]  # by micro-batch, then index
+        bounds = np.searchsorted(places.micro_batch[scheduled], np.arange(places.num_micro_batches + 1)).tolist()
+        all_places = list(zip(scheduled.tolist(), places.degree[scheduled].tolist(),
+                              places.first_rank[scheduled].tolist(), strict=True))
         dp_ranks: list[list[MicroBatch]] = [[] for _ in range(dp_size)]
         for m, dp_rank in enumerate(places.dp_rank.tolist()):
-            start, end = bounds[m], bounds[m + 1]
-            if start < end:
-                dp_ranks[dp_rank].append(MicroBatch.from_places(
-                    list(zip(indices[start:end], degrees[start:end], first_ranks[start:end], strict=True)),
-                    cp_size))
+            if bounds[m] < bounds[m + 1]:
+                dp_ranks[dp_rank].append(MicroBatch.from_places(all_places[bounds[m]:bounds[m + 1]], cp_size))
         return cls(dp_ranks=tuple(DPRankPlan(micro_batches=tuple(micro_batches)) for micro_batches in dp_ranks))
 
     def places(self, num_sequences: int) -> Places:

@@ -56,6 +56,7 @@ from scheduler_service.core.plan import Places, PlanningProblem
 __all__ = ["MIN_PLAN_GAIN", "refine_places", "refine_plan"]
 
 MIN_PLAN_GAIN = 1e-4  # a step must make the slowest DP rank it changes at least 0.01 % faster
+KICK_ATTEMPTS = 64  # random pairs drawn for one perturbation before it gives up
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -347,7 +348,7 @@ def _best_move(state: _State, x: int, slowest: int, threshold_s: float,
             for first_rank in range(0, cp_size, degree):
                 b = block_index(tables, degree, first_rank)
                 members_before = block_members[m, b]
-                if m == source and b == block_x and degree > 1:
+                if m == source and b == block_x:
                     members_before -= 1  # x itself leaves it
                 added = place_delta(tables, x, degree, members_before, 1)
                 block_before_s = block_max(base_times_s, first_rank, degree)
@@ -394,7 +395,7 @@ def _local_search(state: _State, budget: int) -> int:
     tables, dp_times_s = state.tables, state.dp_times_s
     settled = np.zeros(state.micro_batch.shape[0], dtype=np.bool_)  # don't-look bits
     while budget > 0:
-        slowest = np.argmax(dp_times_s)
+        slowest = int(np.argmax(dp_times_s))
         threshold_s = dp_times_s[slowest] * (1 - MIN_PLAN_GAIN)
         candidates, cuts_s = _critical_sequences(state, slowest)
         block_heaviest = np.zeros((0, tables.num_blocks))
@@ -428,15 +429,68 @@ def _local_search(state: _State, budget: int) -> int:
     return budget
 
 
+@kernel(types.int64(types.int64))
+def _next_random(seed: int) -> int:
+    """Park and Miller's minimal standard generator: the same numbers compiled and in Python (no overflow)."""
+    return seed * 48271 % 2147483647
+
+
+@kernel(types.Tuple((types.int64, types.boolean))(STATE, types.int64))
+def _kick(state: _State, seed: int) -> tuple[int, bool]:
+    """Iterated local search's step out of a local optimum: swap a random sequence of the slowest DP rank with a
+    random sequence of another micro-batch where each fits the other's place (bucket and memory), whatever that
+    does to the time. The next random state, and whether a swap was made (``KICK_ATTEMPTS`` pairs are drawn)."""
+    tables, micro_batch, degree, first_rank = state.tables, state.micro_batch, state.degree, state.first_rank
+    num_sequences = micro_batch.shape[0]
+    slowest = np.argmax(state.dp_times_s)
+    for _ in range(KICK_ATTEMPTS):
+        seed = _next_random(seed)
+        x = seed % num_sequences
+        seed = _next_random(seed)
+        y = seed % num_sequences
+        a, b = micro_batch[x], micro_batch[y]
+        if a < 0 or b < 0 or a == b or state.dp_rank_of[a] != slowest:
+            continue
+        if (tables.lengths[y] > degree[x] * tables.bucket_size
+                or tables.lengths[x] > degree[y] * tables.bucket_size
+                or _swapped_time_s(state, a, x, y, degree[x], first_rank[x], 0.0) == np.inf
+                or _swapped_time_s(state, b, y, x, degree[y], first_rank[y], 0.0) == np.inf):
+            continue
+        _apply(state, x, y, -1, 0, 0)
+        return seed, True
+    return seed, False
+
+
 @kernel(types.float64(TABLES, INT_1D, INT_1D, INT_1D, INT_1D, types.int64, types.int64))
 def refine_places(tables: CostTables, micro_batch: IntArray, degree: IntArray, first_rank: IntArray,
                   dp_rank_of: IntArray, dp_size: int, budget: int) -> float:
     """Refine the plan ``micro_batch``, ``degree``, ``first_rank`` in place (emptied micro-batches stay, empty)
-    within ``budget`` costings; its iteration time under the cost model, never higher than before."""
+    within ``budget`` units of search work (module docstring); its iteration time under the cost model, never
+    higher than before."""
     state = _new_state(tables, micro_batch, degree, first_rank, dp_rank_of, dp_size)
-    if dp_rank_of.shape[0] > 0 and tables.degrees.shape[0] > 1:
-        _local_search(state, budget)
-    return state.dp_times_s.max()
+    if dp_rank_of.shape[0] == 0 or tables.degrees.shape[0] == 1:
+        return state.dp_times_s.max()
+    budget = _local_search(state, budget)
+    best_s = state.dp_times_s.max()
+    best_micro_batch, best_degree, best_first_rank = micro_batch.copy(), degree.copy(), first_rank.copy()
+    seed = 1
+    while budget > 0:  # iterated local search: kick the best plan, search again, keep what is better
+        budget -= 1
+        seed, kicked = _kick(state, seed)
+        if kicked:
+            budget = _local_search(state, budget)
+            if state.dp_times_s.max() < best_s:
+                best_s = state.dp_times_s.max()
+                best_micro_batch[:] = state.micro_batch
+                best_degree[:] = state.degree
+                best_first_rank[:] = state.first_rank
+                continue
+        state = _new_state(tables, best_micro_batch.copy(), best_degree.copy(), best_first_rank.copy(), dp_rank_of,
+                           dp_size)
+    micro_batch[:] = best_micro_batch
+    degree[:] = best_degree
+    first_rank[:] = best_first_rank
+    return best_s
 
 
 def refine_plan(problem: PlanningProblem, places: Places, *, budget: int) -> tuple[Places, float]:

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_service.core import baselines, gds
-from scheduler_service.core.check import check_plan
+from scheduler_service.core.check import check_places, check_plan
 from scheduler_service.core.errors import UnknownSchedulerError
 from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
-from scheduler_service.core.simulate import PlanEstimate, simulate
+from scheduler_service.core.simulate import PlanEstimate, estimate_places, iteration_lower_bound_s
 
 __all__ = ["HEURISTIC_SCHEDULERS", "PlanResult", "make_plan", "parse_scheduler", "schedule", "warm_up"]
 
@@ -30,6 +30,7 @@ class PlanResult:
     baseline_time_s: float  # the deepspeed plan of the same batch
     solve_time_s: float
     solver: SolverReport | None = None
+    lower_bound_s: float  # no plan of this batch is faster under the model (simulate.iteration_lower_bound_s)
 
     @property
     def speedup_vs_deepspeed(self) -> float:
@@ -66,7 +67,8 @@ def schedule(
         from scheduler_service.core import cpsat  # ortools is only needed for offline comparison
 
         # the hybrid space, warm-started from the default scheduler's plan: never worse than skrull
-        solution = cpsat.solve(problem, time_limit_s=time_limit_s, hint=gds.skrull(problem), hybrid=True)
+        solution = cpsat.solve(problem, time_limit_s=time_limit_s, hint=gds.skrull(problem, budget=search_budget),
+                               hybrid=True)
         return solution.plan, solution.report
     return HEURISTIC_SCHEDULERS[name](problem), None
 
@@ -75,26 +77,40 @@ def make_plan(
     problem: PlanningProblem, scheduler: str | SchedulerName = SchedulerName.SKRULL, *,
     time_limit_s: float = DEFAULT_CPSAT_TIME_LIMIT_S, search_budget: int | None = None,
 ) -> PlanResult:
-    """Schedule, check (every plan, every scheduler) and simulate one global batch."""
+    """Schedule, check (every plan, every scheduler) and simulate one global batch. The compiled schedulers'
+    places are checked as arrays before the plan is built from them; any other plan is checked as it is."""
     name = parse_scheduler(scheduler)
     started = time.perf_counter()
-    plan, report = schedule(problem, name, time_limit_s=time_limit_s, search_budget=search_budget)
-    solve_time_s = time.perf_counter() - started
-    check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
-               bucket_size=problem.bucket_size)
-    estimate = simulate(problem, plan)
+    report = None
+    if name is SchedulerName.SKRULL or name is SchedulerName.SKRULL_BINARY:
+        places = (gds.skrull_places(problem, budget=search_budget) if name is SchedulerName.SKRULL
+                  else gds.skrull_binary_places(problem))
+        solve_time_s = time.perf_counter() - started
+        check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
+                     bucket_size=problem.bucket_size)
+        plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
+    else:
+        plan, report = schedule(problem, name, time_limit_s=time_limit_s, search_budget=search_budget)
+        solve_time_s = time.perf_counter() - started
+        check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
+                   cp_size=problem.cp_size, bucket_size=problem.bucket_size)
+        places = plan.places(problem.num_sequences)
+    estimate = estimate_places(problem, places)
     baseline_time_s = (estimate.iteration_time_s if name is SchedulerName.DEEPSPEED
                        else baselines.deepspeed_time_s(problem))
     return PlanResult(scheduler=name, problem=problem, plan=plan, estimate=estimate, baseline_time_s=baseline_time_s,
-                      solve_time_s=solve_time_s, solver=report)
+                      solve_time_s=solve_time_s, solver=report, lower_bound_s=iteration_lower_bound_s(problem))
 
 
 def warm_up() -> float:
     """Compile every kernel of the core (or load it from the JIT cache, ``jit``) by planning a small batch with each
-    compiled scheduler: what a service does before it reports ready and a trainer at start. The seconds it took."""
+    compiled scheduler and reading its estimate: what a service does before it reports ready and a trainer at start.
+    The seconds it took."""
     started = time.perf_counter()
     problem = make_problem(sequence_lengths=[3000, 1200, 700, 90, 5000, 40], dp_size=2, cp_size=4, model="tiny",
                            bucket_size=2048)
-    for name in (SchedulerName.SKRULL, SchedulerName.SKRULL_BINARY):
-        make_plan(problem, name)
+    for name in SchedulerName:
+        if name is not SchedulerName.CPSAT:
+            result = make_plan(problem, name)
+            result.estimate.dp_ranks[0].micro_batches[0].critical  # noqa: B018 (the breakdown's kernel too)
     return time.perf_counter() - started

@@ -1,0 +1,62 @@
+"""Batches that exercise every kernel of the planning core, and their plans as plain data.
+
+``python -m tests.planning_cases`` prints the plans as JSON: the test of the kernels runs it once compiled and once
+with ``NUMBA_DISABLE_JIT=1``, where every kernel is the Python function it is written as.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numba
+import numpy as np
+
+from scheduler_service.core import dacp
+from scheduler_service.core.dacp_search import BINARY, HYBRID, STATIC
+from scheduler_service.core.plan import PlanningProblem, SchedulerName, make_problem
+from scheduler_service.core.planner import make_plan
+from scheduler_service.core.samplers import DATASETS, sample_lengths
+
+# (dp_size, cp_size, bucket_size, model): one CP rank, binary-only (cp 2), hybrid with one and two block sizes
+SHAPES = [(2, 4, 8192, "qwen2.5-0.5b"), (1, 8, 4096, "qwen2.5-0.5b"), (3, 6, 6000, "qwen2.5-7b"),
+          (4, 2, 16384, "qwen2.5-0.5b"), (2, 1, 30000, "tiny")]
+NUM_SEQUENCES = 24
+SEARCH_BUDGETS = (None, 40)  # the default, and enough for the iterated local search to kick on these batches
+
+
+def problems() -> list[PlanningProblem]:
+    return [make_problem(sequence_lengths=sample_lengths(sampler, NUM_SEQUENCES, np.random.default_rng(seed),
+                                                         max_length=bucket_size * cp_size).tolist(),
+                         dp_size=dp_size, cp_size=cp_size, model=model, bucket_size=bucket_size)
+            for seed, sampler in enumerate(DATASETS) for dp_size, cp_size, bucket_size, model in SHAPES]
+
+
+def plans() -> list[dict[str, Any]]:
+    """Every heuristic scheduler's plan of every problem (and Skrull's with each search budget), with its estimate,
+    and DACP's decisions of the whole batch as one micro-batch in each search space."""
+    found: list[dict[str, Any]] = []
+    for problem in problems():
+        for name in SchedulerName:
+            if name is SchedulerName.CPSAT:
+                continue
+            for budget in SEARCH_BUDGETS if name is SchedulerName.SKRULL else (None,):
+                result = make_plan(problem, name, search_budget=budget)
+                places = result.plan.places(problem.num_sequences)
+                critical = result.estimate.dp_ranks[0].micro_batches[0].critical if result.plan.dp_ranks[0] \
+                    .micro_batches else None
+                found.append({"scheduler": name.value, "budget": budget,
+                              "places": [places.micro_batch.tolist(), places.degree.tolist(),
+                                         places.first_rank.tolist(), places.dp_rank.tolist()],
+                              "time_s": result.estimate.iteration_time_s, "baseline_s": result.baseline_time_s,
+                              "critical": None if critical is None else [critical.time_s, critical.exposed_comm_s]})
+        if problem.num_sequences and sum(problem.sequence_lengths) <= problem.micro_batch_capacity:
+            for space in (STATIC, BINARY, HYBRID):
+                decided = dacp.decide(problem, range(problem.num_sequences), space)
+                assert decided is not None
+                found.append({"space": space, "micro_batch": repr(decided[0]), "time_s": decided[1]})
+    return found
+
+
+if __name__ == "__main__":
+    print(json.dumps({"jit_disabled": bool(numba.config.DISABLE_JIT), "plans": plans()}))
