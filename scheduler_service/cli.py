@@ -43,6 +43,9 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile-file", type=Path, help="a profile JSON file to plan with (overrides 'profile')")
     parser.add_argument("--time-limit", type=float, default=DEFAULT_CPSAT_TIME_LIMIT_S,
                         help=f"cpsat time limit in seconds (default {DEFAULT_CPSAT_TIME_LIMIT_S:g})")
+    parser.add_argument("--search-budget", type=int, metavar="UNITS",
+                        help="skrull's plan-level search budget (overrides the request's; default: the planner's "
+                             "for the batch's size): a larger one never plans worse")
     parser.set_defaults(handler=_run_plan)
 
 
@@ -146,9 +149,10 @@ def format_table(result: PlanResult) -> str:
         lines.append(f"{dp_rank:>3} {'sum':>3} {'':>6} {'':>5} {'':>9} {'':>4} {'':<44} "
                      f"{dp_estimate.time_s * 1e3:>9.2f}")
     lines.append(
-        f"estimated iteration {result.estimate.iteration_time_s * 1e3:.2f} ms; deepspeed "
-        f"{result.baseline_time_s * 1e3:.2f} ms; speedup {result.speedup_vs_deepspeed:.2f}x; "
-        f"solved in {result.solve_time_s * 1e3:.2f} ms"
+        f"estimated iteration {result.estimate.iteration_time_s * 1e3:.2f} ms, within "
+        f"{result.estimate.iteration_time_s / result.lower_bound_s - 1:.1%} of the lower bound "
+        f"{result.lower_bound_s * 1e3:.2f} ms; deepspeed {result.baseline_time_s * 1e3:.2f} ms; speedup "
+        f"{result.speedup_vs_deepspeed:.2f}x; solved in {result.solve_time_s * 1e3:.2f} ms"
     )
     if result.solver is not None:
         bound = "none" if result.solver.bound_s is None else f"{result.solver.bound_s * 1e3:.2f} ms"
@@ -247,8 +251,12 @@ def _run_plan(args: argparse.Namespace) -> int:
         extra_profiles = {profile.name: profile}
         request = request.model_copy(update={"profile": profile.name})
     problem = request_to_problem(request, extra_profiles=extra_profiles)
+    if args.search_budget is not None:
+        request = request.model_copy(update={"search_budget": args.search_budget})
+        PlanRequest.model_validate(request.model_dump())  # a negative budget is refused like a bad request field
     time_limit_s = request.time_limit_s if request.time_limit_s is not None else args.time_limit
-    result = make_plan(problem, request.scheduler, time_limit_s=float(time_limit_s))
+    result = make_plan(problem, request.scheduler, time_limit_s=float(time_limit_s),
+                       search_budget=request.search_budget)
     if args.plot is not None:
         plot_gantt(result, args.plot)
     if args.table:

@@ -57,6 +57,7 @@ from concurrent.futures import Future
 from skrull_proto import FeedbackResponse, PlanRequest, SchedulerName
 
 from scheduler_service.core import feedback as core_feedback
+from scheduler_service.core import jit
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.feedback import FeedbackConfig, JobFeedback
 from scheduler_service.core.profile import Profile
@@ -151,7 +152,8 @@ class PlanningService:
         if self.settings.warmup:
             started = time.perf_counter()
             warm_planner()
-            logger.info("planner warmed up", extra={"warmup_ms": round((time.perf_counter() - started) * 1e3, 1)})
+            logger.info("planner warmed up", extra={"warmup_ms": round((time.perf_counter() - started) * 1e3, 1),
+                                                    "jit_cache_dir": str(jit.cache_dir())})
         self.ready = True
 
     def close(self) -> None:
@@ -266,6 +268,8 @@ class PlanningService:
             raise ServiceUnavailableError("the planner is still warming up")
         profiles = self.profiles  # once: one request sees one version of the folder
         settings = self.settings
+        if request.search_budget is None and settings.search_budget is not None:
+            request = request.model_copy(update={"search_budget": settings.search_budget})
         cost_limits = CostLimits(max_cells=settings.max_plan_cells, max_answer_bytes=settings.max_answer_bytes)
         # A cp_size over its limit is left to validation, which names that limit.
         at_least = baseline_cells(len(request.sequence_lengths), min(request.cp_size, self.limits.max_cp_size))

@@ -70,6 +70,12 @@ class Settings(BaseSettings):
     max_sequence_length: int = Field(default=1 << 24, ge=1, description="Most tokens in one sequence.")
     max_dp_size: int = Field(default=4096, ge=1, description="Largest dp_size accepted.")
     max_cp_size: int = Field(default=1024, ge=1, description="Largest cp_size accepted.")
+    max_search_budget: int = Field(default=1 << 16, ge=0, description="Largest search_budget a request may ask "
+                                   "for (else 422).")
+
+    # Plan quality: skrull's plan-level search budget (units of search work; a larger one never plans worse).
+    search_budget: int | None = Field(default=None, ge=0, description="skrull's search budget when a request "
+                                      "gives none (unset: the planner's default for the batch's size).")
 
     # Cost of a request, in cells (``cost``: micro-batches × cp_size local lists, plus sequences), estimated
     # from its shape before any work. Measured on 2 cores: 4-15 µs and about 3 bytes of answer per cell.
@@ -107,8 +113,13 @@ class Settings(BaseSettings):
     cpsat_warmup: bool = Field(default=True, description="Start the pools at startup: CP-SAT imported, "
                                  "the heavy pool's planner warmed.")
 
-    # Planner warm-up before /readyz says ready.
-    warmup: bool = Field(default=True, description="Plan a small batch at startup before reporting ready.")
+    # Planner warm-up before /readyz says ready: the planning core's kernels compiled, or loaded from their cache.
+    warmup: bool = Field(default=True, description="Compile the planner and plan a small batch at startup "
+                         "before reporting ready.")
+    jit_cache_dir: Path | None = Field(
+        default=None, description="Folder of the planner's compiled kernels, read when the planning core is "
+        "imported (serve passes it to its workers); unset: $XDG_CACHE_HOME/skrull/numba, or a folder under the "
+        "temporary directory where that cannot be written. The container image ships it warm.")
 
     # Profiles measured by `python -m trainer_client.profile`, beside the shipped ones.
     profile_dir: Path | None = Field(
@@ -157,6 +168,7 @@ class Settings(BaseSettings):
             max_sequence_length=self.max_sequence_length,
             max_dp_size=self.max_dp_size,
             max_cp_size=self.max_cp_size,
+            max_search_budget=self.max_search_budget,
         )
 
 

@@ -20,7 +20,7 @@ from scheduler_service.core.feedback import JobFeedback
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import Plan, PlanLimits, PlanningProblem, block_degrees, cp_blocks
 from scheduler_service.core.plan import SchedulerName as CoreSchedulerName
-from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
+from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan, warm_up
 from scheduler_service.core.profile import Profile
 from scheduler_service.cost import plan_cost
 from scheduler_service.metrics import Placement
@@ -114,12 +114,16 @@ def plan_request(
     """
     base = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
     problem = job_problem(base, job)
+    if request.search_budget is not None and request.search_budget > limits.max_search_budget:
+        raise RequestLimitError(f"search_budget {request.search_budget} is over the service's limit "
+                                f"{limits.max_search_budget}", field="search_budget", limit=limits.max_search_budget)
     if cost_limits is not None:
         cost_limits.check(problem, request)
     if time_limit_s is None:
-        result = make_plan(problem, request.scheduler)
+        result = make_plan(problem, request.scheduler, search_budget=request.search_budget)
     else:
-        result = make_plan(problem, request.scheduler, time_limit_s=time_limit_s)
+        result = make_plan(problem, request.scheduler, time_limit_s=time_limit_s,
+                           search_budget=request.search_budget)
     # Written by orjson from plain data, not through the pydantic models (a test checks it is the same JSON).
     response = result_to_response_data(result, breakdown=request.breakdown)
     placements, group_degrees = _placements(result.plan)
@@ -132,7 +136,9 @@ def plan_request(
 
 
 def warm_planner() -> None:
-    """Plan a small mixed batch with every heuristic: the first plans pay imports and caches."""
+    """Compile the planning core's kernels (or load them from the JIT cache) and plan a small mixed batch with every
+    heuristic through the service's own path: the first plans pay imports and caches."""
+    warm_up()
     for scheduler in HEURISTIC_SCHEDULERS:
         plan_request(PlanRequest(sequence_lengths=_WARMUP_LENGTHS, dp_size=2, cp_size=_WARMUP_CP_SIZE,
                                  bucket_size=_WARMUP_BUCKET_SIZE, scheduler=SchedulerName(scheduler.value)),

@@ -156,6 +156,7 @@ def result_to_response_data(result: PlanResult, *, breakdown: bool = False) -> d
         "solve_time_ms": _ms(result.solve_time_s),
         "deepspeed_estimated_iteration_time_ms": _ms(result.baseline_time_s),
         "speedup_vs_deepspeed": round(float(result.speedup_vs_deepspeed), 6),
+        "lower_bound_ms": _ms(result.lower_bound_s),
         "solver": solver,
     }
 

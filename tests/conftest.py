@@ -17,9 +17,17 @@ import uvicorn
 
 from scheduler_service.app import create_app
 from scheduler_service.core.plan import PlanningProblem, make_problem
+from scheduler_service.core.planner import warm_up
 from scheduler_service.settings import Settings
 
 ProblemFactory = Callable[..., PlanningProblem]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_kernels() -> None:
+    """The planning core's kernels compiled once, in this process, before any test starts a process that plans:
+    with a cold cache, servers, pools and torchrun ranks would otherwise each compile them at once."""
+    warm_up()
 
 
 @contextlib.contextmanager

@@ -1,10 +1,14 @@
 """The plan checker catches every kind of contract violation."""
 
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
 
-from scheduler_service.core.check import check_plan, find_violations
+from scheduler_service.core import baselines, gds
+from scheduler_service.core.check import check_places, check_plan, find_violations
 from scheduler_service.core.errors import PlanCheckError
-from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem, make_problem
+from tests.test_dacp_groups import hybrid_problems
 
 LENGTHS = [100, 200, 300, 400]
 
@@ -68,3 +72,30 @@ def test_check_plan_raises_with_every_violation_listed() -> None:
     with pytest.raises(PlanCheckError) as caught:
         check_plan(one_rank(), sequence_lengths=LENGTHS, dp_size=2, cp_size=2, bucket_size=500)
     assert len(caught.value.violations) == 2
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=hybrid_problems(max_sequences=24))
+def test_a_plan_and_its_places_convert_both_ways_and_check_alike(problem: PlanningProblem) -> None:
+    # a plan the compiled schedulers build from places comes back whole; any other keeps its places (on one CP
+    # rank "distributed" and "local" are the same place)
+    for scheduler in (gds.skrull, baselines.deepspeed):
+        plan = scheduler(problem)
+        places = plan.places(problem.num_sequences)
+        rebuilt = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
+        assert rebuilt == plan or scheduler is baselines.deepspeed
+        again = rebuilt.places(problem.num_sequences)
+        for field in ("micro_batch", "degree", "first_rank", "dp_rank"):
+            assert np.array_equal(getattr(places, field), getattr(again, field))
+        check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
+                     bucket_size=problem.bucket_size)
+
+
+def test_places_over_the_bucket_are_refused_with_the_checkers_sentences() -> None:
+    problem = make_problem(sequence_lengths=[3000, 2000], dp_size=1, cp_size=2, model="tiny", bucket_size=4000)
+    both_on_rank_0 = Places(np.array([0, 0]), np.array([1, 1]), np.array([0, 0]), np.array([0]))
+    with pytest.raises(PlanCheckError, match="CP rank 0 holds 5000 local"):
+        check_places(both_on_rank_0, sequence_lengths=problem.lengths, dp_size=1, cp_size=2, bucket_size=4000)
+    misaligned = Places(np.array([0, 0]), np.array([1, 2]), np.array([0, 1]), np.array([0]))
+    with pytest.raises(PlanCheckError):
+        check_places(misaligned, sequence_lengths=problem.lengths, dp_size=1, cp_size=4, bucket_size=4000)

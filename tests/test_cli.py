@@ -62,6 +62,7 @@ def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["plan", str(request_file), "--table", "--plot", str(chart)]) == 0
     table = capsys.readouterr().out
     assert "scheduler skrull" in table and "speedup" in table and "tokens per CP rank" in table
+    assert "% of the lower bound" in table
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -95,3 +96,15 @@ def test_malformed_json_and_missing_file_are_clear_errors(tmp_path: Path, capsys
     assert "invalid request" in capsys.readouterr().err
     assert main(["plan", str(tmp_path / "absent.json")]) == 2
     assert "cannot read request" in capsys.readouterr().err
+
+
+def test_search_budget_flag_trades_time_for_plan_quality(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    request_file = tmp_path / "request.json"
+    request_file.write_text(json.dumps(REQUEST))
+    times_ms = []
+    for budget in ("0", "512"):
+        assert main(["plan", str(request_file), "--search-budget", budget]) == 0
+        times_ms.append(json.loads(capsys.readouterr().out)["estimated_iteration_time_ms"])
+    assert times_ms[1] <= times_ms[0]
+    assert main(["plan", str(request_file), "--search-budget", "-1"]) == 2
+    assert "search_budget" in capsys.readouterr().err

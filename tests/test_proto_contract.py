@@ -99,7 +99,7 @@ def test_response_round_trips_through_json() -> None:
         "dp_ranks": [{"micro_batches": [{"local": [[0], []], "distributed": [1], "estimated_time_ms": 1.5}],
                       "estimated_time_ms": 1.5}],
         "estimated_iteration_time_ms": 1.5, "solve_time_ms": 0.1, "deepspeed_estimated_iteration_time_ms": 3.0,
-        "speedup_vs_deepspeed": 2.0,
+        "speedup_vs_deepspeed": 2.0, "lower_bound_ms": 1.2,
     })
     assert PlanResponse.model_validate_json(response.model_dump_json()) == response
 

@@ -67,6 +67,31 @@ def test_plan_passes_checker_for_every_heuristic_scheduler(client: TestClient, s
     assert plan.solver is None
 
 
+@pytest.mark.parametrize("scheduler", HEURISTICS)
+def test_every_plan_reports_a_lower_bound_it_does_not_beat(client: TestClient, scheduler: SchedulerName) -> None:
+    plan = PlanResponse.model_validate_json(client.post("/plan", json=plan_body(scheduler=scheduler.value)).content)
+    assert 0 < plan.lower_bound_ms <= plan.estimated_iteration_time_ms
+
+
+def test_a_larger_search_budget_never_plans_worse_and_the_cap_is_named(client: TestClient) -> None:
+    times_ms = [PlanResponse.model_validate_json(client.post("/plan", json=plan_body(search_budget=budget)).content)
+                .estimated_iteration_time_ms for budget in (0, 16, 512)]
+    assert times_ms[0] >= times_ms[1] >= times_ms[2]
+    problem = assert_problem(client.post("/plan", json=plan_body(search_budget=1 << 17)), 422, "search_budget")
+    assert str(1 << 16) in problem.detail
+    assert_problem(client.post("/plan", json=plan_body(search_budget=-1)), 422, "search_budget")
+
+
+def test_the_service_default_search_budget_applies_to_requests_without_one() -> None:
+    with TestClient(create_app(service_settings(search_budget=0))) as zero, TestClient(create_app(
+            service_settings())) as default:
+        budgetless = [PlanResponse.model_validate_json(app.post("/plan", json=plan_body()).content)
+                      for app in (zero, default)]
+        explicit = PlanResponse.model_validate_json(zero.post("/plan", json=plan_body(search_budget=0)).content)
+    assert budgetless[0].dp_ranks == explicit.dp_ranks
+    assert budgetless[1].estimated_iteration_time_ms <= budgetless[0].estimated_iteration_time_ms
+
+
 def test_plan_carries_deepspeed_baseline_and_speedup(client: TestClient) -> None:
     plan = PlanResponse.model_validate_json(client.post("/plan", json=plan_body()).content)
     assert plan.deepspeed_estimated_iteration_time_ms > 0

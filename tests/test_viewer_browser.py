@@ -85,6 +85,8 @@ def test_viewer_plans_an_uploaded_batch_and_draws_what_plan_answers(
                               json={"sequence_lengths": LENGTHS, "scheduler": scheduler, **SETUP}).json()
         assert cell(page, "iteration", scheduler) == f"{expected['estimated_iteration_time_ms']:.2f}"
         assert cell(page, "speedup", scheduler) == f"{expected['speedup_vs_deepspeed']:.2f}×"
+        within = 100 * (expected["estimated_iteration_time_ms"] / expected["lower_bound_ms"] - 1)
+        assert cell(page, "bound", scheduler) == f"{within:.1f} %"
         micro_batches = [mb for dp in expected["dp_ranks"] for mb in dp["micro_batches"]]
         assert cell(page, "micro-batches", scheduler) == str(len(micro_batches))
         gantt = page.find_element(By.CSS_SELECTOR, f'svg.gantt[data-scheduler="{scheduler}"]')

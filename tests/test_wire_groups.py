@@ -30,7 +30,7 @@ from scheduler_service.core.plan import (
     make_problem,
 )
 from scheduler_service.core.planner import PlanResult
-from scheduler_service.core.simulate import simulate
+from scheduler_service.core.simulate import iteration_lower_bound_s, simulate
 from scheduler_service.export_schema import CONTRACT_DIR
 from scheduler_service.settings import Settings
 from scheduler_service.wire import response_to_plan, result_to_response
@@ -70,7 +70,8 @@ def result_of(plan: Plan, planning_problem: PlanningProblem | None = None,
     check_plan(plan, sequence_lengths=LENGTHS, dp_size=DP, cp_size=CP, bucket_size=BUCKET_SIZE)
     estimate = simulate(planning_problem, plan)
     return PlanResult(scheduler=scheduler, problem=planning_problem, plan=plan, estimate=estimate,
-                      baseline_time_s=2 * estimate.iteration_time_s, solve_time_s=1e-3)
+                      baseline_time_s=2 * estimate.iteration_time_s, solve_time_s=1e-3,
+                      lower_bound_s=iteration_lower_bound_s(planning_problem))
 
 
 # ---- a JSON Schema reader, enough for the exported contract (no jsonschema dependency) ------------------------

@@ -78,11 +78,12 @@ from tenacity import (
     stop_before_delay,
 )
 
+from scheduler_service.core import jit
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import PlanCheckError, PlanningError
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import Plan, make_problem
-from scheduler_service.core.planner import make_plan
+from scheduler_service.core.planner import make_plan, warm_up
 from scheduler_service.core.profile import Profile
 from scheduler_service.wire import micro_batch_to_measurement, response_to_plan, shape_to_model_spec
 
@@ -407,6 +408,11 @@ class PlanSource:
             self._executor.shutdown(wait=True, cancel_futures=True)
         if self.client is not None:
             self.client.close()
+
+    def warm_up(self) -> None:
+        """Compile the embedded core's kernels now (or load them from the JIT cache), at start-up: a late plan must
+        not wait for a compiler. With a cold cache this takes tens of seconds, once per machine."""
+        logger.info("embedded planner ready in %.2f s (JIT cache %s)", warm_up(), jit.cache_dir())
 
     def check_service(self) -> bool:
         """Probe the service at start-up; warn (once for the run) when it does not answer."""

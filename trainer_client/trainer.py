@@ -323,6 +323,7 @@ class Trainer:
                                     bucket_size=self.bucket_size, profile=self.profile, client=client,
                                     job_id=(config.job_id or uuid.uuid4().hex) if config.feedback else None)
             self.plans.check_service()
+            self.plans.warm_up()
         self.micro_batch_timings: list[MicroBatchTiming] = []  # this rank's, of the latest step
         self._step_peak_bytes = 0  # CUDA: the largest per-micro-batch peak of the step (feedback resets them)
         self._next_batch: GlobalBatch | None = None  # rank 0: the batch built for the prefetch, trained next step

@@ -139,6 +139,13 @@ class PlanRequest(_Strict):
     time_limit_s: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] | None = Field(
         default=None, description="cpsat only: solver time limit in seconds (capped by the service)."
     )
+    search_budget: Annotated[StrictInt, Field(ge=0)] | None = Field(
+        default=None,
+        description="skrull (and cpsat's warm start) only: units of plan-level search work, each the costing of "
+        "one sequence against every swap and move, or one perturbation of the iterated local search. A larger "
+        "budget never gives a worse plan; the same budget always gives the same plan. Absent: the service's "
+        "default (128 on batches of a few hundred sequences, fewer on larger ones); capped by the service.",
+    )
     job_id: JobId | None = Field(
         default=None,
         description="Opt-in feedback: names the training job. Its POST /feedback reports refit the profile its "
@@ -246,6 +253,11 @@ class PlanResponse(_Strict):
         description="The deepspeed baseline's estimate for the same batch, from the same performance model."
     )
     speedup_vs_deepspeed: float = Field(description="deepspeed estimate / this plan's estimate.")
+    lower_bound_ms: float = Field(
+        description="No plan of this batch is faster under the same performance model: every sequence at its "
+        "cheapest placement, the work spread evenly over all DP x CP ranks, no communication exposed. "
+        "estimated_iteration_time_ms / lower_bound_ms - 1 is at most what a better plan could gain."
+    )
     solver: SolverReport | None = Field(default=None, description="cpsat only: status, objective and bound.")
 
 

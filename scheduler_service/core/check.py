@@ -128,6 +128,8 @@ def _places_valid(places: Places, lengths: npt.NDArray[np.int64], cp_size: int, 
     degree, first_rank, micro_batch = places.degree, places.first_rank, places.micro_batch
     if (micro_batch < 0).any() or (micro_batch >= places.num_micro_batches).any():
         return False
+    if places.num_micro_batches and np.bincount(micro_batch, minlength=places.num_micro_batches).min() == 0:
+        return False  # an empty micro-batch
     if not np.isin(degree, (1, *block_degrees(cp_size), cp_size)).all() or (first_rank % degree).any() \
             or (first_rank < 0).any() or (first_rank + degree > cp_size).any():
         return False

@@ -7,9 +7,11 @@ over typed arrays, decorated with ``kernel``:
   ``NUMBA_CACHE_DIR``, else in ``$XDG_CACHE_HOME/skrull/numba`` (``~/.cache/skrull/numba``), else, where that
   cannot be written (a read-only home in a container), under the temporary folder. Numba itself would fall back on
   ``__pycache__`` beside the source, which an installed package cannot write, and refuse at import where nothing is
-  writable; the folder is chosen before any kernel is decorated. Numba keys its cache on the source file, the CPU
-  name and its features: an image baked with ``NUMBA_CPU_NAME=generic`` serves any x86-64 machine that runs with
-  it set too.
+  writable; the folder is chosen before any kernel is decorated. Numba keys a kernel's cache on its own source
+  file only, and a kernel carries the code of the kernels it calls from other files: so the cache lives in a
+  subfolder named after a digest of every source file of the core, and a change anywhere in the core compiles
+  afresh. Numba's key also holds the CPU name and its features: an image baked with ``NUMBA_CPU_NAME=generic``
+  serves any x86-64 machine that runs with it set too.
 * **Deterministic.** No ``fastmath`` and no ``parallel``: a plan is the same bit for bit on every run, and the
   same as the plain Python's.
 * **Plain Python on request.** ``NUMBA_DISABLE_JIT=1`` (set before this module is imported) makes every kernel
@@ -22,6 +24,7 @@ warm cache); ``planner.warm_up`` makes that call at start-up, where the service 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -53,7 +56,15 @@ def _choose_cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"skrull-numba-{os.getuid()}"
 
 
-_CACHE_DIR = _choose_cache_dir()
+def _sources_digest() -> str:
+    """A digest of every source file of the planning core."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+_CACHE_DIR = _choose_cache_dir() / f"core-{_sources_digest()}"
 if not _writable(_CACHE_DIR):
     raise RuntimeError(f"the JIT cache folder {_CACHE_DIR} cannot be written: set {CACHE_DIR_VARIABLE} to a "
                        "writable folder")
@@ -75,7 +86,7 @@ BOOL_1D = types.boolean[::1]
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are cached."""
+    """Where compiled kernels are cached (a subfolder of the configured folder, named for this core's sources)."""
     return _CACHE_DIR
 
 

@@ -68,6 +68,7 @@ class PlanLimits:
     max_sequence_length: int = 1 << 24
     max_dp_size: int = 4096
     max_cp_size: int = 1024
+    max_search_budget: int = 1 << 16
 
 
 DEFAULT_LIMITS = PlanLimits()

@@ -500,4 +500,9 @@ def refine_plan(problem: PlanningProblem, places: Places, *, budget: int) -> tup
                      places.dp_rank.copy())
     time_s = refine_places(problem.tables, refined.micro_batch, refined.degree, refined.first_rank,
                            refined.dp_rank, problem.dp_size, budget)
-    return refined, time_s
+    # micro-batches a move emptied are dropped, the others renumbered in order
+    used = np.bincount(refined.micro_batch[refined.micro_batch >= 0], minlength=refined.num_micro_batches) > 0
+    number = np.cumsum(used) - 1
+    scheduled = refined.micro_batch >= 0
+    refined.micro_batch[scheduled] = number[refined.micro_batch[scheduled]]
+    return Places(refined.micro_batch, refined.degree, refined.first_rank, refined.dp_rank[used]), time_s

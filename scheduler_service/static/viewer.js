@@ -275,6 +275,7 @@ function render(plans) {
 function renderSummary(plans) {
   const rows = [
     ["iteration", "Estimated iteration (ms)", (p) => fmt(p.estimated_iteration_time_ms)],
+    ["bound", "Within the lower bound by", (p) => `${fmt(100 * (p.estimated_iteration_time_ms / p.lower_bound_ms - 1), 1)} %`],
     ["deepspeed", "deepspeed estimate (ms)", (p) => fmt(p.deepspeed_estimated_iteration_time_ms)],
     ["speedup", "Speedup vs deepspeed", (p) => `${fmt(p.speedup_vs_deepspeed)}×`],
     ["dp-balance", "DP balance (max / mean)", (p) => fmt(balances(p).dp, 3)],
@@ -327,7 +328,8 @@ function timeAxis(root, x, y, xMaxMs, scale) {
 function renderGantt(plan, xMaxMs) {
   const figure = html("figure", { class: "gantt-figure" });
   figure.append(html("figcaption", {}, `${plan.scheduler}: ${fmt(plan.estimated_iteration_time_ms)} ms per iteration `
-    + `(estimated), ${fmt(plan.speedup_vs_deepspeed)}× over deepspeed`));
+    + `(estimated; within ${fmt(100 * (plan.estimated_iteration_time_ms / plan.lower_bound_ms - 1), 1)} % of the `
+    + `lower bound), ${fmt(plan.speedup_vs_deepspeed)}× over deepspeed`));
   const cpSize = plan.dp_ranks[0].micro_batches[0].cp_ranks.length;
   const groupHeight = cpSize * GANTT.row + GANTT.gap;
   const height = GANTT.top + plan.dp_ranks.length * groupHeight + GANTT.axis;
