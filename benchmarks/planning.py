@@ -1,6 +1,7 @@
 """Planning benchmark: simulated iteration time of every scheduler on the paper's Figure 3 settings and on
 long-heavy shapes, hybrid vs binary Skrull, each scheduler's ratio to a lower bound, the gap to CP-SAT on
-small batches, how often each Skrull plans the proven optimum of tiny batches, and planning latency.
+small batches, how often each Skrull plans the proven optimum of tiny batches, what larger search budgets gain,
+how many micro-batches GDS cuts, and planning latency.
 
 Run ``python -m benchmarks.planning`` (``--full`` for more batches). Lengths come from the Table-1-shaped
 samplers (an approximation of the real data sets) and are capped at ``bucket_size × cp_size``, as a
@@ -11,6 +12,7 @@ trainer truncates what cannot fit. Times are the performance model's estimates u
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -19,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduler_service.core import gds
+from scheduler_service.core.gds_search import min_micro_batches
 from scheduler_service.core.plan import Plan, PlanningProblem, make_problem
-from scheduler_service.core.planner import HEURISTIC_SCHEDULERS
+from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan, warm_up
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import iteration_lower_bound_s, simulate
 
@@ -185,30 +188,90 @@ def tiny_batch_optimality(num_batches: int, seed: int) -> None:
               f"{np.percentile(gaps, 90):+.2%} | {gaps.max():+.2%} |")
 
 
+def budget_table(cases: list[Case], num_batches: int, seed: int, budgets: tuple[int, ...]) -> None:
+    """What a larger search budget gains: the iterated local search after the refinement stops improving."""
+    print(f"\n## Search budget: skrull's ratio to the lower bound (mean over {num_batches} batches) and its median "
+          "planning time\n")
+    print("The default budget is 128 units on batches of up to about 300 sequences and micro-batches (fewer on "
+          "larger ones); a larger budget never plans worse.\n")
+    print(f"| case | default | {' | '.join(str(budget) for budget in budgets)} |")
+    print(f"|---|---|{'---|' * len(budgets)}")
+    for case in cases:
+        rng = np.random.default_rng(seed)
+        ratios: dict[int | None, list[float]] = {budget: [] for budget in (None, *budgets)}
+        times_s: dict[int | None, list[float]] = {budget: [] for budget in (None, *budgets)}
+        for _ in range(num_batches):
+            problem = sample_problem(case, rng)
+            lower_bound_s = iteration_lower_bound_s(problem)
+            for budget in ratios:
+                started = time.process_time()
+                plan = gds.skrull(problem, budget=budget)
+                times_s[budget].append(time.process_time() - started)
+                ratios[budget].append(simulate(problem, plan).iteration_time_s / lower_bound_s)
+        cells = [f"{statistics.fmean(ratios[budget]):.4f} ({statistics.median(times_s[budget]) * 1e3:.1f} ms)"
+                 for budget in ratios]
+        print(f"| {case.label} | {' | '.join(cells)} |")
+
+
+def micro_batch_counts(cases: list[Case], num_batches: int, seed: int) -> None:
+    """How many micro-batches GDS cuts each DP rank's share into, against the fewest its tokens allow."""
+    print(f"\n## Micro-batches per DP rank: skrull's against the memory minimum ({num_batches} batches)\n")
+    print("The memory minimum of a share: its tokens over C·N, and one micro-batch per sequence over half of that. "
+          "GDS takes the fewest whose longest-first spread fits, or one more where that is cheaper.\n")
+    print("| case | skrull, mean | memory minimum, mean | shares at the minimum |")
+    print("|---|---|---|---|")
+    for case in cases:
+        rng = np.random.default_rng(seed)
+        counts, minima = [], []
+        for _ in range(num_batches):
+            problem = sample_problem(case, rng)
+            for dp_rank in gds.skrull(problem).dp_ranks:
+                indices = [index for micro_batch in dp_rank.micro_batches for index in micro_batch.indices()]
+                counts.append(len(dp_rank.micro_batches))
+                minima.append(min_micro_batches(problem.lengths[np.asarray(indices, dtype=np.int64)],
+                                                problem.micro_batch_capacity))
+        at_minimum = np.mean(np.array(counts) == np.array(minima))
+        print(f"| {case.label} | {statistics.fmean(counts):.2f} | {statistics.fmean(minima):.2f} | "
+              f"{at_minimum:.0%} |")
+
+
+def _percentiles_ms(run: Callable[[int], object], calls: int) -> tuple[float, float, float]:
+    """Wall-clock p50 and p99 and CPU-time p50 of ``calls`` runs (``run(call)``), in ms."""
+    wall, cpu = [], []
+    for call in range(calls):
+        started, started_cpu = time.perf_counter(), time.process_time()
+        run(call)
+        wall.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
+    p50, p99 = np.percentile(wall, [50, 99]) * 1e3
+    return float(p50), float(p99), float(np.median(cpu) * 1e3)
+
+
+def _plan_in_turn(problems: list[PlanningProblem], scheduler: str, call: int) -> object:
+    return make_plan(problems[call % len(problems)], scheduler)
+
+
 def latency_table(seed: int, repeats: int) -> None:
-    print(f"\n## Planning latency (DP=4, CP=8, qwen2.5-0.5b, bucket 26K; {repeats} calls each)\n")
+    print(f"\n## Planning latency (the whole make_plan: plan, check, estimate; DP=4, CP=8, qwen2.5-0.5b, bucket 26K; "
+          f"{repeats} calls each on 256 sequences or fewer)\n")
     print("Wall-clock percentiles, and the median of the process's CPU time (what a shared machine cannot "
-          "inflate).\n")
-    print("| sequences | dataset | skrull p50 ms | skrull p99 ms | skrull CPU p50 ms "
-          "| skrull_binary p50 ms | skrull_binary p99 ms | skrull_binary CPU p50 ms |")
-    print("|---|---|---|---|---|---|---|---|")
+          "inflate). skrull_paper is a plain-Python implementation of the paper's Algorithms 1-3: the last column "
+          "is skrull's p50 over its p50 in the same run (below 1: faster than the paper's heuristic).\n")
+    print("| sequences | dataset | skrull p50 ms | skrull p99 ms | skrull CPU p50 ms | skrull_binary p50 ms "
+          "| skrull_binary p99 ms | skrull_paper p50 ms | skrull / skrull_paper |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for num_sequences in (64, 256, 1024, 4096):
         for dataset in ("lmsys", "chatqa2"):
             case = Case(dataset, "qwen2.5-0.5b", 26_000, 4, 8, num_sequences // 4)
             rng = np.random.default_rng(seed)
             problems = [sample_problem(case, rng) for _ in range(8)]
             calls = repeats if num_sequences <= 256 else max(repeats // 20, 5)
-            cells = []
-            for scheduler in (gds.skrull, gds.skrull_binary):
-                wall, cpu = [], []
-                for call in range(calls):
-                    started, started_cpu = time.perf_counter(), time.process_time()
-                    scheduler(problems[call % len(problems)])
-                    wall.append(time.perf_counter() - started)
-                    cpu.append(time.process_time() - started_cpu)
-                p50, p99 = np.percentile(wall, [50, 99]) * 1e3
-                cells += [f"{p50:.2f}", f"{p99:.2f}", f"{np.median(cpu) * 1e3:.2f}"]
-            print(f"| {num_sequences} | {dataset} | {' | '.join(cells)} |")
+            found = {}
+            for scheduler in ("skrull", "skrull_binary", "skrull_paper"):
+                found[scheduler] = _percentiles_ms(functools.partial(_plan_in_turn, problems, scheduler), calls)
+            skrull, binary, paper = found["skrull"], found["skrull_binary"], found["skrull_paper"]
+            print(f"| {num_sequences} | {dataset} | {skrull[0]:.2f} | {skrull[1]:.2f} | {skrull[2]:.2f} | "
+                  f"{binary[0]:.2f} | {binary[1]:.2f} | {paper[0]:.2f} | {skrull[0] / paper[0]:.2f} |")
 
 
 def main() -> None:
@@ -224,6 +287,9 @@ def main() -> None:
                   num_batches, args.seed)
     cpsat_gap(3 if args.full else 2, args.seed, time_limit_s=20.0 if args.full else 5.0)
     tiny_batch_optimality(120 if args.full else 40, args.seed)
+    budget_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, budgets=(512, 2048))
+    micro_batch_counts(FIGURE_3 + LONG_HEAVY, num_batches, args.seed)
+    warm_up()  # the kernels compiled (or loaded) before anything is timed
     latency_table(args.seed, repeats=400 if args.full else 100)
 
 

@@ -1,0 +1,99 @@
+"""A/B of the planner against another revision: plan quality per ``make bench`` case, and planning latency with
+the two versions alternating.
+
+Run ``python -m benchmarks.ab REV`` (say ``HEAD~5``): REV is checked out in a temporary git worktree, and
+``benchmarks/ab_side.py`` of this checkout runs against each tree in turn (``PYTHONPATH``), in subprocesses.
+Quality is deterministic and measured once per side: hybrid over binary Skrull and each one's ratio to the lower
+bound per case, and each one's gap to the proven optimum of the 40 tiny batches ``make bench`` draws. Latency
+is the CPU time of whole ``make_plan`` calls, the two sides alternating over ``--rounds`` rounds, so a shared
+machine slows both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+SIDE = Path(__file__).resolve().parent / "ab_side.py"
+
+
+def run_side(tree: Path, *arguments: str) -> Any:
+    """``ab_side.py`` against the source tree ``tree``; its JSON."""
+    completed = subprocess.run([sys.executable, str(SIDE), *arguments], cwd=tree, check=True, capture_output=True,
+                               text=True, env={**os.environ, "PYTHONPATH": str(tree)})
+    return json.loads(completed.stdout)
+
+
+def quality_table(before: dict[str, Any], after: dict[str, Any], revision: str) -> None:
+    print(f"\n## Plan quality: {revision} (before) and this checkout (after)\n")
+    print("| case | hybrid / binary before | after | skrull / bound before | after "
+          "| skrull_binary / bound before | after |")
+    print("|---|---|---|---|---|---|---|")
+    for case, rows_before in before["cases"].items():
+        cells = []
+        for column in ("gain", "skrull", "binary"):
+            for rows in (rows_before, after["cases"][case]):
+                values = {"gain": [binary / skrull for skrull, binary, _ in rows],
+                          "skrull": [skrull / bound for skrull, _, bound in rows],
+                          "binary": [binary / bound for _, binary, bound in rows]}[column]
+                cells.append(f"{statistics.fmean(values):.4f}")
+        print(f"| {case} | {' | '.join(cells)} |")
+    print("\nTiny batches, each scheduler against the proven optimum of its space (optimal / mean gap / worst gap):\n")
+    for name in ("skrull", "skrull_binary"):
+        summary = []
+        for side in (before, after):
+            gaps = np.array(side["tiny_gaps"][name])
+            summary.append(f"{int((gaps < 1e-6).sum())} of {gaps.size}, {gaps.mean():+.2%}, {gaps.max():+.2%}")
+        print(f"- {name}: before {summary[0]}; after {summary[1]}")
+
+
+def latency_table(before: list[Any], after: list[Any], revision: str) -> None:
+    print(f"\n## Planning latency, CPU p50 of whole make_plan calls (ms): {revision} (before) and this checkout "
+          f"(after), {len(before)} alternating rounds\n")
+    print("| batch | skrull before | after | ratio | skrull_binary before | after | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for case in before[0]:
+        cells = []
+        for scheduler in ("skrull", "skrull_binary"):
+            medians = [statistics.median(t for run in side for t in run[case][scheduler]) * 1e3
+                       for side in (before, after)]
+            cells += [f"{medians[0]:.2f}", f"{medians[1]:.2f}", f"{medians[1] / medians[0]:.3f}"]
+        print(f"| {case} | {' | '.join(cells)} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("revision", help="the git revision to compare with (before)")
+    parser.add_argument("--batches", type=int, default=5, help="sampled global batches per case")
+    parser.add_argument("--tiny", type=int, default=40, help="tiny batches solved by CP-SAT")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating latency rounds")
+    parser.add_argument("--calls", type=int, default=50, help="make_plan calls per round on 256 sequences")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        other = Path(folder) / "before"
+        subprocess.run(["git", "worktree", "add", "--detach", str(other), args.revision], cwd=REPOSITORY,
+                       check=True, capture_output=True)
+        try:
+            quality = [run_side(tree, "quality", str(args.batches), str(args.tiny)) for tree in (other, REPOSITORY)]
+            rounds: list[list[Any]] = [[], []]
+            for _ in range(args.rounds):
+                for side, tree in enumerate((other, REPOSITORY)):
+                    rounds[side].append(run_side(tree, "latency", str(args.calls)))
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=REPOSITORY, check=True)
+    quality_table(quality[0], quality[1], args.revision)
+    latency_table(rounds[0], rounds[1], args.revision)
+
+
+if __name__ == "__main__":
+    main()
