@@ -120,12 +120,12 @@ def test_the_bounded_swap_search_finds_the_swap_costing_every_partner_finds(prob
     state = plan_refine._new_state(problem.tables, places.micro_batch, places.degree, places.first_rank,
                                    places.dp_rank, problem.dp_size)
     slowest = int(state.dp_times_s.argmax())
-    block_heaviest = plan_refine._block_heaviest(state)
+    extremes = plan_refine._block_extremes(state)
     for x in (index for micro_batch in plan.dp_ranks[slowest].micro_batches for index in micro_batch.indices()):
         best_s = brute_force_best_swap_s(problem, plan, x)
         if best_s == float("inf"):
-            assert plan_refine._best_swap(state, x, slowest, float("inf"), block_heaviest)[1] == -1
+            assert plan_refine._best_swap(state, x, slowest, float("inf"), *extremes)[1] == -1
             continue
-        found_s, partner = plan_refine._best_swap(state, x, slowest, best_s * (1 + 1e-9), block_heaviest)
+        found_s, partner = plan_refine._best_swap(state, x, slowest, best_s * (1 + 1e-9), *extremes)
         assert partner >= 0 and found_s == pytest.approx(best_s, rel=1e-9)
-        assert plan_refine._best_swap(state, x, slowest, best_s * (1 - 1e-9), block_heaviest)[1] == -1
+        assert plan_refine._best_swap(state, x, slowest, best_s * (1 - 1e-9), *extremes)[1] == -1

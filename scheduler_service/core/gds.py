@@ -36,25 +36,10 @@ from scheduler_service.core.gds_search import min_micro_batches, plan_gds
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem
 from scheduler_service.core.plan_refine import refine_plan
 
-__all__ = ["DEFAULT_SEARCH_BUDGET", "dacp_only", "gds_only", "gds_paper", "gds_places", "round_robin", "search_budget",
-           "skrull", "skrull_binary", "skrull_binary_places", "skrull_paper", "skrull_places"]
+__all__ = ["dacp_only", "gds_only", "gds_paper", "gds_places", "round_robin", "skrull", "skrull_binary",
+           "skrull_binary_places", "skrull_paper", "skrull_places"]
 
 Dacp = Callable[[PlanningProblem, Sequence[int]], MicroBatch | None]
-
-# The plan-level refinement costs at most this many sequences (each against every swap and move) on a
-# 256-sequence batch, and at most their work on larger ones (a costing is O(sequences + micro-batches), about 320
-# there): larger batches cost fewer sequences, so the refinement's time stays about the same.
-DEFAULT_SEARCH_BUDGET = 128
-_WORK_PER_BUDGET_UNIT = 320
-
-
-def search_budget(problem: PlanningProblem, num_micro_batches: int, budget: int | None) -> int:
-    """The refinement's budget in costings: ``budget`` as given, or the default for this batch's size."""
-    if budget is not None:
-        return budget
-    return max(1, min(DEFAULT_SEARCH_BUDGET, DEFAULT_SEARCH_BUDGET * _WORK_PER_BUDGET_UNIT
-                      // (problem.num_sequences + num_micro_batches)))
-
 
 def _greedy_in_order(indices: Sequence[int], weights: Sequence[float], num_parts: int) -> list[list[int]]:
     """Each item, in batch order, onto the least-loaded part: our reading of the paper's ``Binpack``."""
@@ -138,11 +123,11 @@ def _plan(problem: PlanningProblem, places: Places) -> Plan:
 
 
 def skrull_places(problem: PlanningProblem, *, budget: int | None = None) -> Places:
-    """Skrull's default scheduler: GDS with hybrid DACP, refined across micro-batches and DP ranks within
-    ``budget`` costings (``search_budget``); binary Skrull's plan where that is cheaper under the cost model, so
-    never slower than it."""
+    """Skrull's default scheduler: GDS with hybrid DACP, refined across micro-batches and DP ranks
+    (``plan_refine.refine_plan``: the local search, and with a ``budget`` the iterated local search until it is
+    spent); binary Skrull's plan where that is cheaper under the cost model, so never slower than it."""
     hybrid, _ = gds_places(problem, problem.area, HYBRID)
-    hybrid, hybrid_s = refine_plan(problem, hybrid, budget=search_budget(problem, hybrid.num_micro_batches, budget))
+    hybrid, hybrid_s = refine_plan(problem, hybrid, budget=budget)
     binary, binary_s = gds_places(problem, problem.flops, BINARY)
     return hybrid if hybrid_s <= binary_s else binary
 

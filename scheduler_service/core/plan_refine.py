@@ -50,11 +50,16 @@ from scheduler_service.core.costing import (
     rank_time_s,
     sums_of_places,
 )
-from scheduler_service.core.jit import FLOAT_1D, FLOAT_2D, INT_1D, kernel
+from scheduler_service.core.jit import FLOAT_1D, FLOAT_2D, INT_1D, INT_2D, kernel
 from scheduler_service.core.plan import Places, PlanningProblem
 
-__all__ = ["MIN_PLAN_GAIN", "refine_places", "refine_plan"]
+__all__ = ["DEFAULT_BUDGET", "MIN_PLAN_GAIN", "refine_places", "refine_plan"]
 
+# The default refinement: the local search alone, at most this many costings on a batch of 256 sequences (where its
+# gain levels off), and at most their work on larger ones (a costing is O(sequences + micro-batches), about 320
+# there), so its time stays about the same.
+DEFAULT_BUDGET = 128
+_DEFAULT_WORK_PER_COSTING = 320
 MIN_PLAN_GAIN = 1e-4  # a step must make the slowest DP rank it changes at least 0.01 % faster
 KICK_ATTEMPTS = 64  # random pairs drawn for one perturbation before it gives up
 
@@ -180,76 +185,94 @@ def _critical_sequences(state: _State, slowest: int) -> tuple[IntArray, FloatArr
     return candidates[:count][order], cuts_s[:count][order]
 
 
-@kernel(FLOAT_2D(STATE))
-def _block_heaviest(state: _State) -> FloatArray:
-    """(M, B) the heaviest rank's work of every aligned block of every micro-batch."""
-    tables, work = state.tables, state.sums.work_flops
+@kernel(types.UniTuple(FLOAT_2D, 2)(STATE))
+def _block_extremes(state: _State) -> tuple[FloatArray, FloatArray]:
+    """(M, B) each, for every aligned block of every micro-batch: its heaviest rank's work, and the slowest time of
+    the ranks outside it. Computed once per step (the plan changes only between steps) and read by every swap."""
+    tables, work, times_s = state.tables, state.sums.work_flops, state.times_s
+    cp_size = tables.cp_size
     heaviest = np.zeros((state.dp_rank_of.shape[0], tables.num_blocks))
+    others_s = np.zeros((state.dp_rank_of.shape[0], tables.num_blocks))
     for m in range(heaviest.shape[0]):
         for degree in tables.degrees:
-            for first_rank in range(0, tables.cp_size, degree):
-                heaviest[m, block_index(tables, degree, first_rank)] = block_max(work[m], first_rank, degree)
-    return heaviest
+            for first_rank in range(0, cp_size, degree):
+                b = tables.block_offset[degree] + first_rank // degree
+                for r in range(cp_size):
+                    if first_rank <= r < first_rank + degree:
+                        heaviest[m, b] = max(heaviest[m, b], work[m, r])
+                    else:
+                        others_s[m, b] = max(others_s[m, b], times_s[m, r])
+    return heaviest, others_s
 
 
-@kernel(types.float64(STATE, types.int64, types.int64, types.int64, types.int64, types.int64, types.float64),
-        inline=True)
-def _swapped_time_s(state: _State, m: int, out_k: int, in_k: int, degree: int, first_rank: int,
-                    others_s: float) -> float:
-    """Micro-batch ``m``'s time with ``in_k`` in ``out_k``'s place (``degree``, ``first_rank``), its other ranks
-    taking ``others_s`` at most; ``inf`` where the block's memory overflows. The block keeps its member count, so no
-    fixed collective cost changes."""
-    tables, sums = state.tables, state.sums
-    lengths, rank_flops, local_attention_flops = tables.lengths, tables.rank_flops, tables.local_attention_flops
-    d = tables.degree_row[degree]
-    work = rank_flops[d, in_k] - rank_flops[d, out_k]
-    attention = 0.0
-    all_gather = 0.0
-    reduce_scatter = 0.0
-    if degree == 1:
-        attention = local_attention_flops[in_k] - local_attention_flops[out_k]
-    else:
-        all_gather = (tables.all_gather_s_per_token[d] * lengths[in_k]
-                      - tables.all_gather_s_per_token[d] * lengths[out_k])
-        reduce_scatter = (tables.reduce_scatter_s_per_token[d] * lengths[in_k]
-                          - tables.reduce_scatter_s_per_token[d] * lengths[out_k])
-    units = (lengths[in_k] - lengths[out_k]) * (tables.cp_size // degree)
+@kernel(types.UniTuple(types.float64, 5)(INT_1D, FLOAT_2D, FLOAT_1D, FLOAT_1D, FLOAT_1D, types.int64, types.int64,
+                                          types.int64, types.int64, types.int64), inline=True)
+def _swap_delta(lengths: IntArray, rank_flops: FloatArray, local_attention_flops: FloatArray,
+                all_gather_s_per_token: FloatArray, reduce_scatter_s_per_token: FloatArray, cp_size: int, d: int,
+                degree: int, out_k: int, in_k: int) -> tuple[float, float, float, float, float]:
+    """What ``in_k`` taking ``out_k``'s place at ``degree`` (row ``d`` of the tables) changes on each rank of the
+    block: (work, local attention, all-gather, reduce-scatter, memory units). The block keeps its member count, so
+    no fixed collective cost changes."""
+    return (rank_flops[d, in_k] - rank_flops[d, out_k],
+            (degree == 1) * (local_attention_flops[in_k] - local_attention_flops[out_k]),
+            all_gather_s_per_token[d] * lengths[in_k] - all_gather_s_per_token[d] * lengths[out_k],
+            reduce_scatter_s_per_token[d] * lengths[in_k] - reduce_scatter_s_per_token[d] * lengths[out_k],
+            float((lengths[in_k] - lengths[out_k]) * (cp_size // degree)))
+
+
+@kernel(types.float64(TABLES, FLOAT_2D, FLOAT_2D, FLOAT_2D, FLOAT_2D, INT_2D, types.int64, types.int64, types.int64,
+                      types.UniTuple(types.float64, 5), types.float64), inline=True)
+def _swapped_time_s(tables: CostTables, work_flops: FloatArray, attention_flops: FloatArray,
+                    all_gather_s: FloatArray, reduce_scatter_s: FloatArray, units: IntArray, m: int, degree: int,
+                    first_rank: int, delta: tuple[float, float, float, float, float], others_s: float) -> float:
+    """Micro-batch ``m``'s time with the block of ``degree`` ranks from ``first_rank`` changed by ``delta``
+    (``_swap_delta``), its other ranks taking ``others_s`` at most; ``inf`` where the block's memory overflows. It
+    runs in the swap search's inner loop, so it takes the sums' arrays, read once outside the loop (reading an
+    array of a tuple inside a loop costs reference counting on every pass)."""
     capacity = tables.bucket_size * tables.cp_size
-    work_flops, attention_flops, all_gather_s, reduce_scatter_s, units_of = (
-        sums.work_flops, sums.attention_flops, sums.all_gather_s, sums.reduce_scatter_s, sums.units)
     slowest_s = others_s
     for r in range(first_rank, first_rank + degree):
-        if units_of[m, r] + units > capacity:
+        if units[m, r] + delta[4] > capacity:
             return np.inf
-        slowest_s = max(slowest_s, rank_time_s(tables, work_flops[m, r] + work, attention_flops[m, r] + attention,
-                                               all_gather_s[m, r] + all_gather,
-                                               reduce_scatter_s[m, r] + reduce_scatter))
+        slowest_s = max(slowest_s, rank_time_s(tables, work_flops[m, r] + delta[0], attention_flops[m, r] + delta[1],
+                                               all_gather_s[m, r] + delta[2], reduce_scatter_s[m, r] + delta[3]))
     return slowest_s
 
 
-@kernel(types.float64(FLOAT_1D, types.int64, types.int64))
-def _others_s(times_s: FloatArray, first_rank: int, degree: int) -> float:
-    """The slowest of the ranks (taking ``times_s``) outside the block."""
-    slowest_s = 0.0
-    for r in range(times_s.shape[0]):
-        if not first_rank <= r < first_rank + degree:
-            slowest_s = max(slowest_s, times_s[r])
-    return slowest_s
+@kernel(types.boolean(TABLES, STATE, types.int64, types.int64))
+def _swap_fits(tables: CostTables, state: _State, out_k: int, in_k: int) -> bool:
+    """Whether ``in_k`` fits ``out_k``'s place in memory."""
+    sums = state.sums
+    d, degree = tables.degree_row[state.degree[out_k]], state.degree[out_k]
+    delta = _swap_delta(tables.lengths, tables.rank_flops, tables.local_attention_flops,
+                        tables.all_gather_s_per_token, tables.reduce_scatter_s_per_token, tables.cp_size, d, degree,
+                        out_k, in_k)
+    return _swapped_time_s(tables, sums.work_flops, sums.attention_flops, sums.all_gather_s, sums.reduce_scatter_s,
+                           sums.units, state.micro_batch[out_k], degree, state.first_rank[out_k], delta,
+                           0.0) < np.inf
 
 
-@kernel(types.Tuple((types.float64, types.int64))(STATE, types.int64, types.int64, types.float64, FLOAT_2D))
-def _best_swap(state: _State, x: int, slowest: int, threshold_s: float,
-               block_heaviest: FloatArray) -> tuple[float, int]:
+@kernel(types.Tuple((types.float64, types.int64))(STATE, types.int64, types.int64, types.float64, FLOAT_2D,
+                                                    FLOAT_2D))
+def _best_swap(state: _State, x: int, slowest: int, threshold_s: float, block_heaviest: FloatArray,
+               block_others_s: FloatArray) -> tuple[float, int]:
     """The swap of ``x`` (on DP rank ``slowest``) with a sequence of another micro-batch that leaves the slowest DP
     rank it changes fastest, if under ``threshold_s``: (that time, the partner), or (inf, -1)."""
-    tables = state.tables
-    lengths, rank_flops, bucket_size = tables.lengths, tables.rank_flops, tables.bucket_size
+    tables, sums = state.tables, state.sums
+    # every array the loop reads, read here once: reading an array field inside a loop costs reference counting
+    lengths, rank_flops, local_attention_flops = tables.lengths, tables.rank_flops, tables.local_attention_flops
+    degree_row, block_offset, bucket_size, cp_size = (tables.degree_row, tables.block_offset, tables.bucket_size,
+                                                      tables.cp_size)
+    all_gather_s_per_token = tables.all_gather_s_per_token
+    reduce_scatter_s_per_token = tables.reduce_scatter_s_per_token
+    work, attention, all_gather, reduce_scatter, units = (sums.work_flops, sums.attention_flops, sums.all_gather_s,
+                                                          sums.reduce_scatter_s, sums.units)
     micro_batch, degree, first_rank, dp_rank_of = state.micro_batch, state.degree, state.first_rank, state.dp_rank_of
-    micro_batch_times_s, dp_times_s, times_s = state.micro_batch_times_s, state.dp_times_s, state.times_s
+    micro_batch_times_s, dp_times_s = state.micro_batch_times_s, state.dp_times_s
     a, degree_x, first_x = micro_batch[x], degree[x], first_rank[x]
-    d_x = tables.degree_row[degree_x]
-    others_a_s = _others_s(times_s[a], first_x, degree_x)
-    heaviest_x = block_heaviest[a, block_index(tables, degree_x, first_x)]
+    d_x = degree_row[degree_x]
+    block_x = block_offset[degree_x] + first_x // degree_x
+    heaviest_x, others_a_s = block_heaviest[a, block_x], block_others_s[a, block_x]
     slowest_dp_s = dp_times_s[slowest]
     best_s, best_y = np.inf, -1
     for y in range(micro_batch.shape[0]):
@@ -257,7 +280,7 @@ def _best_swap(state: _State, x: int, slowest: int, threshold_s: float,
         if b < 0 or b == a:
             continue
         degree_y, first_y = degree[y], first_rank[y]
-        d_y = tables.degree_row[degree_y]
+        d_y = degree_row[degree_y]
         # y must fit x's place and cost less there, and x must fit y's place
         if (lengths[y] > degree_x * bucket_size or lengths[x] > degree_y * bucket_size
                 or rank_flops[d_x, y] >= rank_flops[d_x, x]):
@@ -265,20 +288,26 @@ def _best_swap(state: _State, x: int, slowest: int, threshold_s: float,
         in_slowest = dp_rank_of[b] == slowest
         # a lower bound first: each changed block's heaviest rank, no communication exposed (the loads change by
         # the same difference _swapped_time_s adds, so the bound never exceeds its time)
-        heaviest_y = block_heaviest[b, block_index(tables, degree_y, first_y)]
+        block_y = block_offset[degree_y] + first_y // degree_y
+        heaviest_y, others_b_s = block_heaviest[b, block_y], block_others_s[b, block_y]
         change_a = max(rank_compute_time_s(tables, heaviest_x + (rank_flops[d_x, y] - rank_flops[d_x, x])),
                        others_a_s) - micro_batch_times_s[a]
-        change_b = (rank_compute_time_s(tables, heaviest_y + (rank_flops[d_y, x] - rank_flops[d_y, y]))
-                    - micro_batch_times_s[b])
+        change_b = max(rank_compute_time_s(tables, heaviest_y + (rank_flops[d_y, x] - rank_flops[d_y, y])),
+                       others_b_s) - micro_batch_times_s[b]
         if in_slowest:
             bound_s = slowest_dp_s + change_a + change_b
         else:
             bound_s = max(slowest_dp_s + change_a, dp_times_s[dp_rank_of[b]] + change_b)
         if bound_s >= min(threshold_s, best_s):
             continue
-        change_a = _swapped_time_s(state, a, x, y, degree_x, first_x, others_a_s) - micro_batch_times_s[a]
-        change_b = (_swapped_time_s(state, b, y, x, degree_y, first_y, _others_s(times_s[b], first_y, degree_y))
-                    - micro_batch_times_s[b])
+        delta_a = _swap_delta(lengths, rank_flops, local_attention_flops, all_gather_s_per_token,
+                              reduce_scatter_s_per_token, cp_size, d_x, degree_x, x, y)
+        delta_b = _swap_delta(lengths, rank_flops, local_attention_flops, all_gather_s_per_token,
+                              reduce_scatter_s_per_token, cp_size, d_y, degree_y, y, x)
+        change_a = _swapped_time_s(tables, work, attention, all_gather, reduce_scatter, units, a, degree_x,
+                                   first_x, delta_a, others_a_s) - micro_batch_times_s[a]
+        change_b = _swapped_time_s(tables, work, attention, all_gather, reduce_scatter, units, b, degree_y,
+                                   first_y, delta_b, others_b_s) - micro_batch_times_s[b]
         if in_slowest:
             score_s = slowest_dp_s + change_a + change_b
         else:
@@ -297,7 +326,11 @@ def _best_move(state: _State, x: int, slowest: int, threshold_s: float,
     """Where ``x`` (on DP rank ``slowest``, whose micro-batch it cuts by ``cut_s``) goes best, at any degree it fits
     and onto any aligned block of any micro-batch where it fits in memory, scored by the time of the slowest DP rank
     the move changes: (that time, micro-batch, degree, first rank), or (inf, -1, 0, 0) if nothing beats
-    ``threshold_s``. Ties go to the first micro-batch, then the smaller degree, then the first block."""
+    ``threshold_s``. Ties go to the first micro-batch, then the smaller degree, then the first block.
+
+    Adding work never makes a rank faster (its own attention hides at most its own communication), so a move into
+    micro-batch m scores at least its DP rank's time, and a block at least its heaviest rank's compute with x's
+    share added: micro-batches and blocks whose bound cannot beat the best so far are not costed."""
     tables, sums = state.tables, state.sums
     cp_size, degrees, capacity = tables.cp_size, tables.degrees, tables.bucket_size * tables.cp_size
     work, attention, all_gather, reduce_scatter, units, block_members = (
@@ -316,6 +349,9 @@ def _best_move(state: _State, x: int, slowest: int, threshold_s: float,
     base_units = np.empty(cp_size, dtype=np.int64)
     base_times_s = np.empty(cp_size)
     for m in range(dp_rank_of.shape[0]):
+        dp_time_s = slowest_after_s if dp_rank_of[m] == slowest else dp_times_s[dp_rank_of[m]]
+        if max(dp_time_s, slowest_after_s) >= best[0]:
+            continue
         # micro-batch m as it would be without x
         for r in range(cp_size):
             base_work[r] = work[m, r]
@@ -333,10 +369,11 @@ def _best_move(state: _State, x: int, slowest: int, threshold_s: float,
                 base_times_s[r] = rank_time_s(tables, base_work[r], base_attention[r], base_all_gather[r],
                                               base_reduce_scatter[r])
         base_micro_batch_s = base_times_s.max()
-        dp_time_s = slowest_after_s if dp_rank_of[m] == slowest else dp_times_s[dp_rank_of[m]]
         for degree in degrees:
             if tables.lengths[x] > degree * tables.bucket_size:
                 continue
+            joining = place_delta(tables, x, degree, 1, 1)  # onto a block that has sequences already
+            opening = place_delta(tables, x, degree, 0, 1)  # onto an empty one: its collectives' fixed costs too
             # the busiest and second busiest blocks of this degree, before x arrives
             busiest_s, second_s = 0.0, 0.0
             for first_rank in range(0, cp_size, degree):
@@ -346,13 +383,17 @@ def _best_move(state: _State, x: int, slowest: int, threshold_s: float,
                 elif block_s > second_s:
                     second_s = block_s
             for first_rank in range(0, cp_size, degree):
+                others_s = second_s if block_max(base_times_s, first_rank, degree) >= busiest_s else busiest_s
+                lower_s = max(others_s, rank_compute_time_s(tables, block_max(base_work, first_rank, degree)
+                                                            + joining[0]))
+                if max(dp_time_s - base_micro_batch_s + lower_s, slowest_after_s) >= best[0]:
+                    continue
                 b = block_index(tables, degree, first_rank)
                 members_before = block_members[m, b]
                 if m == source and b == block_x:
                     members_before -= 1  # x itself leaves it
-                added = place_delta(tables, x, degree, members_before, 1)
-                block_before_s = block_max(base_times_s, first_rank, degree)
-                micro_batch_s = second_s if block_before_s >= busiest_s else busiest_s
+                added = opening if members_before == 0 else joining
+                micro_batch_s = others_s
                 fits = True
                 for r in range(first_rank, first_rank + degree):
                     if base_units[r] + added[4] > capacity:
@@ -398,7 +439,7 @@ def _local_search(state: _State, budget: int) -> int:
         slowest = int(np.argmax(dp_times_s))
         threshold_s = dp_times_s[slowest] * (1 - MIN_PLAN_GAIN)
         candidates, cuts_s = _critical_sequences(state, slowest)
-        block_heaviest = np.zeros((0, tables.num_blocks))
+        block_heaviest = block_others_s = np.zeros((0, tables.num_blocks))
         found = False
         for i in range(candidates.shape[0]):
             x = candidates[i]
@@ -408,8 +449,8 @@ def _local_search(state: _State, budget: int) -> int:
                 continue
             budget -= 1
             if block_heaviest.shape[0] == 0:
-                block_heaviest = _block_heaviest(state)
-            swap_s, y = _best_swap(state, x, slowest, threshold_s, block_heaviest)
+                block_heaviest, block_others_s = _block_extremes(state)
+            swap_s, y = _best_swap(state, x, slowest, threshold_s, block_heaviest, block_others_s)
             move_s, m, degree, first_rank = _best_move(state, x, slowest, threshold_s, cuts_s[i])
             if y >= 0 and swap_s <= move_s:
                 changed = _apply(state, x, y, -1, 0, 0)
@@ -440,7 +481,8 @@ def _kick(state: _State, seed: int) -> tuple[int, bool]:
     """Iterated local search's step out of a local optimum: swap a random sequence of the slowest DP rank with a
     random sequence of another micro-batch where each fits the other's place (bucket and memory), whatever that
     does to the time. The next random state, and whether a swap was made (``KICK_ATTEMPTS`` pairs are drawn)."""
-    tables, micro_batch, degree, first_rank = state.tables, state.micro_batch, state.degree, state.first_rank
+    tables, _sums = state.tables, state.sums
+    micro_batch, degree, _first_rank = state.micro_batch, state.degree, state.first_rank
     num_sequences = micro_batch.shape[0]
     slowest = np.argmax(state.dp_times_s)
     for _ in range(KICK_ATTEMPTS):
@@ -453,24 +495,25 @@ def _kick(state: _State, seed: int) -> tuple[int, bool]:
             continue
         if (tables.lengths[y] > degree[x] * tables.bucket_size
                 or tables.lengths[x] > degree[y] * tables.bucket_size
-                or _swapped_time_s(state, a, x, y, degree[x], first_rank[x], 0.0) == np.inf
-                or _swapped_time_s(state, b, y, x, degree[y], first_rank[y], 0.0) == np.inf):
+                or not _swap_fits(tables, state, x, y) or not _swap_fits(tables, state, y, x)):
             continue
         _apply(state, x, y, -1, 0, 0)
         return seed, True
     return seed, False
 
 
-@kernel(types.float64(TABLES, INT_1D, INT_1D, INT_1D, INT_1D, types.int64, types.int64))
+@kernel(types.float64(TABLES, INT_1D, INT_1D, INT_1D, INT_1D, types.int64, types.int64, types.boolean))
 def refine_places(tables: CostTables, micro_batch: IntArray, degree: IntArray, first_rank: IntArray,
-                  dp_rank_of: IntArray, dp_size: int, budget: int) -> float:
+                  dp_rank_of: IntArray, dp_size: int, budget: int, perturb: bool) -> float:
     """Refine the plan ``micro_batch``, ``degree``, ``first_rank`` in place (emptied micro-batches stay, empty)
-    within ``budget`` units of search work (module docstring); its iteration time under the cost model, never
-    higher than before."""
+    within ``budget`` units of search work (module docstring), the iterated local search only if ``perturb``; its
+    iteration time under the cost model, never higher than before."""
     state = _new_state(tables, micro_batch, degree, first_rank, dp_rank_of, dp_size)
     if dp_rank_of.shape[0] == 0 or tables.degrees.shape[0] == 1:
         return state.dp_times_s.max()
     budget = _local_search(state, budget)
+    if not perturb:
+        return state.dp_times_s.max()
     best_s = state.dp_times_s.max()
     best_micro_batch, best_degree, best_first_rank = micro_batch.copy(), degree.copy(), first_rank.copy()
     seed = 1
@@ -493,13 +536,19 @@ def refine_places(tables: CostTables, micro_batch: IntArray, degree: IntArray, f
     return best_s
 
 
-def refine_plan(problem: PlanningProblem, places: Places, *, budget: int) -> tuple[Places, float]:
-    """``places`` refined within ``budget`` costings (module docstring), and its iteration time under the cost
-    model, never higher than before; ``places`` itself is left as it was."""
+def refine_plan(problem: PlanningProblem, places: Places, *, budget: int | None = None) -> tuple[Places, float]:
+    """``places`` refined, and its iteration time under the cost model, never higher than before; ``places`` itself
+    is left as it was. ``budget``: units of search work, spent on the local search and then on the iterated local
+    search; ``None``: the local search alone, at most ``DEFAULT_BUDGET`` costings on a batch of a few hundred
+    sequences and micro-batches, fewer on larger ones (their costings are dearer)."""
     refined = Places(places.micro_batch.copy(), places.degree.copy(), places.first_rank.copy(),
                      places.dp_rank.copy())
+    perturb = budget is not None
+    if budget is None:
+        work = problem.num_sequences + places.num_micro_batches
+        budget = max(1, min(DEFAULT_BUDGET, DEFAULT_BUDGET * _DEFAULT_WORK_PER_COSTING // work))
     time_s = refine_places(problem.tables, refined.micro_batch, refined.degree, refined.first_rank,
-                           refined.dp_rank, problem.dp_size, budget)
+                           refined.dp_rank, problem.dp_size, budget, perturb)
     # micro-batches a move emptied are dropped, the others renumbered in order
     used = np.bincount(refined.micro_batch[refined.micro_batch >= 0], minlength=refined.num_micro_batches) > 0
     number = np.cumsum(used) - 1
