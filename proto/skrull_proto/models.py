@@ -143,10 +143,9 @@ class PlanRequest(_Strict):
         default=None,
         description="skrull (and cpsat's warm start) only: units of plan-level search work, each the costing of "
         "one sequence against every swap and move, or one perturbation of the iterated local search that runs "
-        "once the local search stops improving. A larger budget never gives a worse plan, and one of 128 or more "
-        "none worse than the default; the same budget always gives the same plan. Absent: the service's default, "
-        "else the local search alone (at most 128 costings on a few hundred sequences, fewer on larger batches); "
-        "capped by the service.",
+        "once the local search stops improving. A larger budget never gives a worse plan; the same budget always "
+        "gives the same plan. Absent: the service's default, else 192 units on a few hundred sequences, fewer on "
+        "larger batches (whose costings are dearer); capped by the service.",
     )
     job_id: JobId | None = Field(
         default=None,

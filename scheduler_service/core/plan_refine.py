@@ -1,12 +1,13 @@
-"""Plan-level refinement for hybrid Skrull, as compiled kernels: a local search on the slowest DP rank, across
-micro-batches.
+"""Plan-level refinement for hybrid Skrull, as compiled kernels: an iterated local search on the slowest DP rank,
+across micro-batches.
 
 GDS decides each micro-batch on its own, and the busiest CP rank of each sets its time; a DP rank's time is the sum
 over its micro-batches and the iteration the slowest DP rank's. Every micro-batch leaves slack on its other CP
-ranks, and every other DP rank slack against the slowest, which no per-micro-batch search can use. Each step takes
-a sequence that touches the critical (slowest) CP rank of one of the slowest DP rank's micro-batches, the one whose
-removal cuts its micro-batch most first, and costs, exactly under the cost model (``costing.rank_time_s``,
-collectives' fixed costs included):
+ranks, and every other DP rank slack against the slowest, which no per-micro-batch search can use.
+
+**Local search.** Each step takes a sequence that touches the critical (slowest) CP rank of one of the slowest DP
+rank's micro-batches, the one whose removal cuts its micro-batch most first, and costs, exactly under the cost
+model (``costing.rank_time_s``, collectives' fixed costs included):
 
 * every **swap** with a sequence of another micro-batch of any DP rank, each taking the other's place (``_best_swap``),
   and
@@ -15,13 +16,20 @@ collectives' fixed costs included):
 
 The first sequence with a swap or move that makes the slower of the (one or two) DP ranks it changes faster than
 the slowest DP rank was, by at least ``MIN_PLAN_GAIN``, takes its best one (the swap on ties). A sequence with none
-is not costed again until its micro-batch changes (a don't-look bit). Each costing of a sequence spends one unit of
-the search budget; the search stops when the budget is spent or no sequence improves. Swaps do most of the work: a
-long sequence on a critical rank trades places with a shorter one elsewhere, which fine-tunes both micro-batches.
+is not costed again until its micro-batch changes (a don't-look bit). Swaps do most of the work: a long sequence on
+a critical rank trades places with a shorter one elsewhere, which fine-tunes both micro-batches. Candidates are
+bounded before they are costed (each changed block's heaviest rank with no communication exposed,
+``costing.rank_compute_time_s``, never above ``rank_time_s``), so the choice is the one costing every candidate
+would make.
 
-A swap's two micro-batches are first bounded from below by the heaviest rank of each changed block with no
-communication exposed (``costing.rank_compute_time_s``, never above ``rank_time_s``); only partners whose bound beats
-the threshold are costed exactly, so the choice is the one costing every partner would make.
+**Iterated local search.** When no sequence improves, a kick (``_kick``: a random swap of a sequence of the slowest
+DP rank with one of another micro-batch, whatever it does to the time) moves the best plan out of its local
+optimum, the local search runs again, and the better plan is kept. The random numbers come from a fixed seed.
+
+**Search budget.** Each costing of a sequence, and each kick, spends one unit; the search stops when the budget is
+spent. The same budget always gives the same plan, and since a larger budget only runs the same search longer and
+keeps the best plan seen, it never gives a worse one. The default (``DEFAULT_BUDGET``) was measured against the
+vectorised search this replaced (README, "Planning latency").
 
 State (axes as in ``costing``): the plan's ``Places`` arrays, updated in place; per micro-batch and CP rank the
 ``RankSums`` and ``T_r`` (M, C); each micro-batch's time and size (M); each DP rank's time.
@@ -55,10 +63,11 @@ from scheduler_service.core.plan import Places, PlanningProblem
 
 __all__ = ["DEFAULT_BUDGET", "MIN_PLAN_GAIN", "refine_places", "refine_plan"]
 
-# The default refinement: the local search alone, at most this many costings on a batch of 256 sequences (where its
-# gain levels off), and at most their work on larger ones (a costing is O(sequences + micro-batches), about 320
-# there), so its time stays about the same.
-DEFAULT_BUDGET = 128
+# The default search budget on a batch of 256 sequences, and at most its work on larger ones (a costing is
+# O(sequences + micro-batches), about 320 there), so the search's time stays about the same. 192 units were the
+# least at which every make bench case planned at least as well as the vectorised search before the kernels (which
+# stopped after 128 costings of the local search, and had no iterated local search).
+DEFAULT_BUDGET = 192
 _DEFAULT_WORK_PER_COSTING = 320
 MIN_PLAN_GAIN = 1e-4  # a step must make the slowest DP rank it changes at least 0.01 % faster
 KICK_ATTEMPTS = 64  # random pairs drawn for one perturbation before it gives up
@@ -502,18 +511,16 @@ def _kick(state: _State, seed: int) -> tuple[int, bool]:
     return seed, False
 
 
-@kernel(types.float64(TABLES, INT_1D, INT_1D, INT_1D, INT_1D, types.int64, types.int64, types.boolean))
+@kernel(types.float64(TABLES, INT_1D, INT_1D, INT_1D, INT_1D, types.int64, types.int64))
 def refine_places(tables: CostTables, micro_batch: IntArray, degree: IntArray, first_rank: IntArray,
-                  dp_rank_of: IntArray, dp_size: int, budget: int, perturb: bool) -> float:
+                  dp_rank_of: IntArray, dp_size: int, budget: int) -> float:
     """Refine the plan ``micro_batch``, ``degree``, ``first_rank`` in place (emptied micro-batches stay, empty)
-    within ``budget`` units of search work (module docstring), the iterated local search only if ``perturb``; its
-    iteration time under the cost model, never higher than before."""
+    within ``budget`` units of search work (module docstring); its iteration time under the cost model, never
+    higher than before."""
     state = _new_state(tables, micro_batch, degree, first_rank, dp_rank_of, dp_size)
     if dp_rank_of.shape[0] == 0 or tables.degrees.shape[0] == 1:
         return state.dp_times_s.max()
     budget = _local_search(state, budget)
-    if not perturb:
-        return state.dp_times_s.max()
     best_s = state.dp_times_s.max()
     best_micro_batch, best_degree, best_first_rank = micro_batch.copy(), degree.copy(), first_rank.copy()
     seed = 1
@@ -537,18 +544,16 @@ def refine_places(tables: CostTables, micro_batch: IntArray, degree: IntArray, f
 
 
 def refine_plan(problem: PlanningProblem, places: Places, *, budget: int | None = None) -> tuple[Places, float]:
-    """``places`` refined, and its iteration time under the cost model, never higher than before; ``places`` itself
-    is left as it was. ``budget``: units of search work, spent on the local search and then on the iterated local
-    search; ``None``: the local search alone, at most ``DEFAULT_BUDGET`` costings on a batch of a few hundred
-    sequences and micro-batches, fewer on larger ones (their costings are dearer)."""
+    """``places`` refined within ``budget`` units of search work (module docstring), and its iteration time under
+    the cost model, never higher than before; ``places`` itself is left as it was. ``None``: ``DEFAULT_BUDGET`` on a
+    batch of a few hundred sequences and micro-batches, less on larger ones, whose costings are dearer."""
     refined = Places(places.micro_batch.copy(), places.degree.copy(), places.first_rank.copy(),
                      places.dp_rank.copy())
-    perturb = budget is not None
     if budget is None:
         work = problem.num_sequences + places.num_micro_batches
         budget = max(1, min(DEFAULT_BUDGET, DEFAULT_BUDGET * _DEFAULT_WORK_PER_COSTING // work))
     time_s = refine_places(problem.tables, refined.micro_batch, refined.degree, refined.first_rank,
-                           refined.dp_rank, problem.dp_size, budget, perturb)
+                           refined.dp_rank, problem.dp_size, budget)
     # micro-batches a move emptied are dropped, the others renumbered in order
     used = np.bincount(refined.micro_batch[refined.micro_batch >= 0], minlength=refined.num_micro_batches) > 0
     number = np.cumsum(used) - 1
