@@ -23,6 +23,7 @@ import numpy as np
 from scheduler_service.core import gds
 from scheduler_service.core.gds_search import min_micro_batches
 from scheduler_service.core.plan import Plan, PlanningProblem, make_problem
+from scheduler_service.core.plan_refine import DEFAULT_BUDGET
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan, warm_up
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import iteration_lower_bound_s, simulate
@@ -192,8 +193,8 @@ def budget_table(cases: list[Case], num_batches: int, seed: int, budgets: tuple[
     """What a larger search budget gains: the iterated local search after the refinement stops improving."""
     print(f"\n## Search budget: skrull's ratio to the lower bound (mean over {num_batches} batches) and its median "
           "planning time\n")
-    print("The default budget is 128 units on batches of up to about 300 sequences and micro-batches (fewer on "
-          "larger ones); a larger budget never plans worse.\n")
+    print(f"The default budget is {DEFAULT_BUDGET} units on batches of up to about 300 sequences and micro-batches "
+          "(less on larger ones); a larger budget never plans worse.\n")
     print(f"| case | default | {' | '.join(str(budget) for budget in budgets)} |")
     print(f"|---|---|{'---|' * len(budgets)}")
     for case in cases:
