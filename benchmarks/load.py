@@ -39,9 +39,9 @@ from skrull_proto import PlanRequest, SchedulerName
 from scheduler_service.core.plan import PlanLimits
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.samplers import sample_lengths
-from scheduler_service.settings import default_workers
-from scheduler_service.sync_planning import plan_request
-from scheduler_service.wire import request_to_problem
+from scheduler_service.runtime.settings import default_workers
+from scheduler_service.runtime.wire import request_to_problem
+from scheduler_service.runtime.work import plan_request
 
 __all__ = ["free_port", "main", "process_tree", "start_server", "wait_ready"]
 

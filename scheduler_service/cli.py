@@ -25,7 +25,7 @@ from scheduler_service.core.plan import MicroBatch
 from scheduler_service.core.planner import DEFAULT_CPSAT_TIME_LIMIT_S, PlanResult, make_plan
 from scheduler_service.core.simulate import CPRankEstimate, PlanEstimate, simulate
 from scheduler_service.profile_files import load_profile
-from scheduler_service.wire import request_to_problem, result_to_response
+from scheduler_service.runtime.wire import request_to_problem, result_to_response
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -52,7 +52,7 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 def _serve_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo) -> None:
     """One ``serve`` flag for a ``Settings`` field, typed and described by the field itself. Every flag defaults
     to None, so the field's SKRULL_* variable applies unless the flag is given; pydantic validates the value."""
-    from scheduler_service.settings import ENV_PREFIX
+    from scheduler_service.runtime.settings import ENV_PREFIX
 
     env = ENV_PREFIX + name.upper()
     default = "" if field.default in (PydanticUndefined, None) else f", default {field.default}"
@@ -76,7 +76,7 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.set_defaults(handler=_run_serve)
     try:
-        from scheduler_service.settings import Settings
+        from scheduler_service.runtime.settings import Settings
     except ImportError:  # no service extra (pydantic-settings): `plan` still works, `serve` cannot run anyway
         return
     for name, field in Settings.model_fields.items():
@@ -86,8 +86,8 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError as SettingsError
 
-    from scheduler_service.server import apply_overrides, serve  # uvicorn is only needed to serve
-    from scheduler_service.settings import Settings
+    from scheduler_service.runtime.settings import Settings
+    from scheduler_service.web.server import apply_overrides, serve  # uvicorn is only needed to serve
 
     try:
         settings = apply_overrides({name: getattr(args, name) for name in Settings.model_fields})

@@ -51,8 +51,8 @@ def _json_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 def _openapi() -> dict[str, Any]:
     # Imported here: the JSON Schemas need pydantic only, the OpenAPI document needs the app.
-    from scheduler_service.app import create_app
-    from scheduler_service.settings import Settings
+    from scheduler_service.runtime.settings import Settings
+    from scheduler_service.web.app import create_app
 
     # The document does not depend on settings; defaults keep it independent of the environment.
     return create_app(Settings(warmup=False, cpsat_warmup=False)).openapi()

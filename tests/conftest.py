@@ -15,10 +15,10 @@ import pytest
 import redis
 import uvicorn
 
-from scheduler_service.app import create_app
 from scheduler_service.core.plan import PlanningProblem, make_problem
 from scheduler_service.core.planner import warm_up
-from scheduler_service.settings import Settings
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.web.app import create_app
 
 ProblemFactory = Callable[..., PlanningProblem]
 

@@ -1,4 +1,4 @@
-"""The cost estimate (``scheduler_service.cost``) against the plans and answers it estimates."""
+"""The cost estimate (``scheduler_service.runtime.cost``) against the plans and answers it estimates."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from skrull_proto import PlanRequest
 
 from scheduler_service.core.plan import PlanLimits, SchedulerName
 from scheduler_service.core.samplers import sample_lengths
-from scheduler_service.cost import baseline_cells, feedback_cells, plan_cost
-from scheduler_service.sync_planning import plan_request
-from scheduler_service.wire import request_to_problem
+from scheduler_service.runtime.cost import baseline_cells, feedback_cells, plan_cost
+from scheduler_service.runtime.wire import request_to_problem
+from scheduler_service.runtime.work import plan_request
 
 # Schedulers the estimate bounds by one micro-batch per sequence: their answer may be far smaller than estimated.
 UNPACKED = {SchedulerName.DEEPSPEED, SchedulerName.SKRULL_PAPER, SchedulerName.ROUND_ROBIN}

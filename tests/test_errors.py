@@ -17,7 +17,7 @@ from scheduler_service.core.errors import (
     UnknownProfileError,
     UnknownSchedulerError,
 )
-from scheduler_service.problems import RequestLimitError
+from scheduler_service.runtime.errors import RequestLimitError
 
 EXAMPLES: list[PlanningError] = [
     PlanningError("cannot plan", field="body"),

@@ -16,7 +16,8 @@ from scheduler_service.core import feedback
 from scheduler_service.core.feedback import JobFeedback, MicroBatchMeasurement
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.profile import builtin_profiles
-from scheduler_service.job_store import (
+from scheduler_service.runtime.errors import ServiceUnavailableError
+from scheduler_service.runtime.job_store import (
     JobStore,
     RedisJobStore,
     SQLiteJobStore,
@@ -24,7 +25,6 @@ from scheduler_service.job_store import (
     encode_job,
     open_job_store,
 )
-from scheduler_service.problems import ServiceUnavailableError
 
 StoreFactory = Callable[..., JobStore]
 

@@ -14,10 +14,10 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto.models import MAX_FEEDBACK_MICRO_BATCHES
 
-from scheduler_service.app import create_app
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
-from scheduler_service.settings import Settings
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.web.app import create_app
 from trainer_client import plan_client
 from trainer_client.distributed import free_port
 from trainer_client.plan_client import (

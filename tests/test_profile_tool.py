@@ -16,7 +16,6 @@ from fastapi.testclient import TestClient
 from skrull_proto import PlanResponse
 
 from scheduler_service import cli
-from scheduler_service.app import create_app
 from scheduler_service.core.check import find_violations
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, fit_line
@@ -24,7 +23,8 @@ from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGro
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles, parse_profile
 from scheduler_service.profile_files import load_profile, profile_from_document
-from scheduler_service.settings import Settings
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.web.app import create_app
 from trainer_client import profile as profiler
 from trainer_client.distributed import spawn_gloo
 from trainer_client.plan_client import PlanSource

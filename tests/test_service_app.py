@@ -12,13 +12,13 @@ from fastapi.testclient import TestClient
 from skrull_proto import PlanRequest, PlanResponse, Problem, SchedulerName
 
 from scheduler_service import cli
-from scheduler_service.app import create_app
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import InfeasiblePlanError, PlanCheckError
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.profile import DEFAULT_PROFILE
-from scheduler_service.settings import Settings
-from scheduler_service.wire import response_to_plan
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.runtime.wire import response_to_plan
+from scheduler_service.web.app import create_app
 
 HEURISTICS = [s for s in SchedulerName if s is not SchedulerName.CPSAT]
 
@@ -316,7 +316,7 @@ def test_infeasible_plan_is_a_422(client: TestClient, monkeypatch: pytest.Monkey
     def infeasible(*args: object, **kwargs: object) -> None:
         raise InfeasiblePlanError("no plan fits bucket_size 10", field="bucket_size")
 
-    monkeypatch.setattr("scheduler_service.sync_planning.make_plan", infeasible)
+    monkeypatch.setattr("scheduler_service.runtime.work.make_plan", infeasible)
     assert_problem(client.post("/plan", json=plan_body()), 422, "bucket_size")
 
 
@@ -324,7 +324,7 @@ def test_plan_check_failure_is_an_internal_500(client: TestClient, monkeypatch: 
     def broken(*args: object, **kwargs: object) -> None:
         raise PlanCheckError(["index 3 scheduled twice"])
 
-    monkeypatch.setattr("scheduler_service.sync_planning.make_plan", broken)
+    monkeypatch.setattr("scheduler_service.runtime.work.make_plan", broken)
     problem = assert_problem(client.post("/plan", json=plan_body()), 500)
     assert "index 3 scheduled twice" in problem.detail
 
@@ -335,7 +335,7 @@ def test_unexpected_error_is_a_logged_problem_500(
     def bug(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr("scheduler_service.sync_planning.make_plan", bug)
+    monkeypatch.setattr("scheduler_service.runtime.work.make_plan", bug)
     with caplog.at_level(logging.ERROR, logger="scheduler_service.error"):
         response = client.post("/plan", json=plan_body(), headers={"x-request-id": "bug-1"})
     problem = assert_problem(response, 500)
@@ -460,18 +460,18 @@ def test_a_capped_job_plans_with_or_without_bucket_size_alike() -> None:
 
 
 def test_a_plan_validates_its_request_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from scheduler_service import planning, sync_planning
+    from scheduler_service.runtime import service, work
 
     calls: list[PlanRequest] = []
-    build = planning.request_to_problem
+    build = service.request_to_problem
 
     def counting(request: PlanRequest, **kwargs: Any) -> Any:
         calls.append(request)
         return build(request, **kwargs)
 
     # Validated in the facade (cpsat, before taking a solver slot) or where it is planned, never in both.
-    monkeypatch.setattr(planning, "request_to_problem", counting)
-    monkeypatch.setattr(sync_planning, "request_to_problem", counting)
+    monkeypatch.setattr(service, "request_to_problem", counting)
+    monkeypatch.setattr(work, "request_to_problem", counting)
     body: dict[str, Any] = {"sequence_lengths": FEEDBACK_LENGTHS, "dp_size": 1, "cp_size": 2, "model": "tiny",
                             "job_id": "once", "bucket_size": 4096}
     with TestClient(create_app(service_settings(warmup=False, access_log=False))) as client:

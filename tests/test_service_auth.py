@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import FeedbackRequest, Problem
 
-from scheduler_service.app import create_app
-from scheduler_service.settings import Settings
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.web.app import create_app
 from trainer_client.plan_client import PlanClient, PlanRejected
 
 TOKEN = "s3cret-token-for-tests"

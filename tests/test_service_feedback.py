@@ -12,13 +12,13 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import FeedbackRequest, FeedbackResponse, PlanResponse, Problem
 
-from scheduler_service.app import create_app
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles
-from scheduler_service.settings import Settings
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.web.app import create_app
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanOrigin, PlanSource, measurements_of
 
 LENGTHS = [637, 208, 90, 138, 35, 1216, 326, 301, 270, 1742, 1014, 958, 344, 304, 347, 123]

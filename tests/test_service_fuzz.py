@@ -19,9 +19,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from scheduler_service.app import create_app
 from scheduler_service.export_schema import CONTRACT_DIR
-from scheduler_service.settings import Settings
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.web.app import create_app
 
 pytestmark = pytest.mark.slow
 

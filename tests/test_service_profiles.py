@@ -11,11 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import ModelsResponse, PlanResponse
 
-from scheduler_service import profile_folder
-from scheduler_service.app import create_app
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.profile import builtin_profiles
-from scheduler_service.settings import Settings
+from scheduler_service.runtime import profile_folder
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.web.app import create_app
 
 
 def measured_document(name: str = "lab-tiny", model: str | None = "tiny", scale: float = 1.0) -> dict[str, Any]:

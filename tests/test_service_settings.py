@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from scheduler_service import cli, server
-from scheduler_service import settings as settings_module
+from scheduler_service import cli
 from scheduler_service.core.planner import DEFAULT_CPSAT_TIME_LIMIT_S
-from scheduler_service.settings import ENV_PREFIX, MAX_DEFAULT_WORKERS, Settings, get_settings
+from scheduler_service.runtime import settings as settings_module
+from scheduler_service.runtime.settings import ENV_PREFIX, MAX_DEFAULT_WORKERS, Settings, get_settings
+from scheduler_service.web import server
 
 
 @pytest.fixture(autouse=True)

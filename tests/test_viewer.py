@@ -17,12 +17,12 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import PlanRequest, PlanResponse, SchedulerName
 
-from scheduler_service.app import create_app
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.samplers import DATASETS, sample_lengths
-from scheduler_service.settings import Settings
-from scheduler_service.viewer import STATIC_DIR
-from scheduler_service.wire import request_to_problem
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.runtime.wire import request_to_problem
+from scheduler_service.web.app import create_app
+from scheduler_service.web.routes.viewer import STATIC_DIR
 
 REQUEST = {"sequence_lengths": [812, 30311, 97, 4096, 1500, 256, 65000, 733, 12000, 2500, 31000, 640],
            "dp_size": 2, "cp_size": 4, "bucket_size": 20000}
@@ -69,7 +69,7 @@ def test_viewer_script_talks_only_to_the_public_api() -> None:
 
 def test_static_files_ship_in_the_wheel() -> None:
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    assert "static/*" in pyproject["tool"]["setuptools"]["package-data"]["scheduler_service"]
+    assert "static/*" in pyproject["tool"]["setuptools"]["package-data"]["scheduler_service.web"]
     assert {path.name for path in STATIC_DIR.iterdir()} == {"index.html", "viewer.js", "viewer.css"}
 
 

@@ -16,8 +16,6 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import FeedbackRequest, PlanResponse, Problem
 
-from scheduler_service import sync_planning
-from scheduler_service.app import create_app
 from scheduler_service.cli import cp_rank_shares, format_table, plot_gantt
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.plan import (
@@ -32,8 +30,10 @@ from scheduler_service.core.plan import (
 from scheduler_service.core.planner import PlanResult
 from scheduler_service.core.simulate import iteration_lower_bound_s, simulate
 from scheduler_service.export_schema import CONTRACT_DIR
-from scheduler_service.settings import Settings
-from scheduler_service.wire import response_to_plan, result_to_response
+from scheduler_service.runtime import work
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.runtime.wire import response_to_plan, result_to_response
+from scheduler_service.web.app import create_app
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanOrigin, PlanSource, measurements_of
 
 LENGTHS = [9000, 9432, 3000, 2000, 1000, 500, 20000, 8000, 700, 800]
@@ -183,7 +183,7 @@ def settings(**overrides: Any) -> Settings:
 @pytest.fixture
 def grouped_service(monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
     """The app, with the planner answering GROUPED_PLAN for the request's own problem."""
-    monkeypatch.setattr(sync_planning, "make_plan",
+    monkeypatch.setattr(work, "make_plan",
                         lambda planning_problem, scheduler, **_: result_of(GROUPED_PLAN, planning_problem))
     with TestClient(create_app(settings())) as client:
         yield client

@@ -15,7 +15,7 @@ from test_wire_groups import GROUPED_PLAN, result_of
 from scheduler_service.core.plan import SolverReport, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, PlanResult, make_plan
 from scheduler_service.core.samplers import sample_lengths
-from scheduler_service.wire import result_to_response, result_to_response_data
+from scheduler_service.runtime.wire import result_to_response, result_to_response_data
 
 
 def assert_written_as_the_model(result: PlanResult, breakdown: bool) -> None:

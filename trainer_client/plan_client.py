@@ -85,7 +85,7 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import Plan, make_problem
 from scheduler_service.core.planner import make_plan, warm_up
 from scheduler_service.core.profile import Profile
-from scheduler_service.wire import micro_batch_to_measurement, response_to_plan, shape_to_model_spec
+from scheduler_service.runtime.wire import micro_batch_to_measurement, response_to_plan, shape_to_model_spec
 
 __all__ = [
     "MicroBatchTiming",

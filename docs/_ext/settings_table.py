@@ -10,7 +10,7 @@ from docutils import nodes
 from docutils.parsers.rst import Directive
 from pydantic_core import PydanticUndefined
 
-from scheduler_service.settings import ENV_PREFIX, Settings
+from scheduler_service.runtime.settings import ENV_PREFIX, Settings
 
 COLUMNS = ("variable and flag", "type", "default", "description")
 

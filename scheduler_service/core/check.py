@@ -28,10 +28,12 @@ import numpy.typing as npt
 from scheduler_service.core.errors import PlanCheckError
 from scheduler_service.core.plan import MicroBatch, Places, Plan, block_degrees, cp_blocks
 
-__all__ = ["check_places", "check_plan", "find_violations"]
+__all__ = ["block_violation", "check_places", "check_plan", "find_violations"]
 
 
-def _block_violation(cp_ranks: tuple[int, ...], cp_size: int) -> str | None:
+def block_violation(cp_ranks: tuple[int, ...], cp_size: int) -> str | None:
+    """Why ``cp_ranks`` is not a hybrid group's aligned block of a CP group of ``cp_size`` (None when it is): the
+    one block rule, for plans and for what a trainer reports of them."""
     degree = len(cp_ranks)
     if not 2 <= degree < cp_size or cp_size % degree:
         return f"has {degree} CP ranks; a group needs 2 <= size < cp_size {cp_size} and a size dividing it"
@@ -95,7 +97,7 @@ def find_violations(
                     seen[index] = where
             blocks_valid = len(micro_batch.local) == cp_size
             for group_index, group in enumerate(micro_batch.sharded):
-                problem = _block_violation(group.cp_ranks, cp_size)
+                problem = block_violation(group.cp_ranks, cp_size)
                 if problem is not None:
                     violations.append(f"{where}.sharded[{group_index}] {problem}")
                     blocks_valid = False

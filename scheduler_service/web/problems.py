@@ -1,4 +1,5 @@
-"""Errors → HTTP: the one module that maps failures to RFC 9457 problem+json.
+"""Errors → HTTP: the one module that maps failures (the core's, the runtime's, the web layer's) to RFC 9457
+problem+json.
 
     400 malformed-json          the body is not JSON (or is empty)
     401 unauthorized            UnauthorizedError: SKRULL_API_TOKEN is set and POST /feedback or
@@ -6,8 +7,9 @@
     413 body-too-large          the body exceeds ``max_body_bytes`` (BodySizeLimitMiddleware)
     415 unsupported-media-type  a Content-Type other than JSON
     422 invalid-request         wrong types, missing or extra fields, out-of-range values
-                                (pydantic), RequestLimitError (a configured limit), and the
-                                core's InvalidRequestError family (Unknown{Model,Scheduler,Profile}Error)
+                                (pydantic: RequestBodyError, RequestValidationError), RequestLimitError
+                                (a configured limit), and the core's InvalidRequestError family
+                                (Unknown{Model,Scheduler,Profile}Error)
     422 sequence-too-long       SequenceTooLongError: longer than bucket_size × cp_size
     422 infeasible-plan         InfeasiblePlanError: no plan honours the memory bound
     404 unknown-job             UnknownJobError: POST /feedback for a job no POST /plan named
@@ -50,9 +52,20 @@ from scheduler_service.core.errors import (
     PlanCheckError,
     PlanningError,
     SequenceTooLongError,
-    quoted,
 )
-from scheduler_service.logging_setup import current_request_id
+from scheduler_service.runtime.errors import (
+    MAX_BODY_ERRORS,
+    ClientDisconnectedError,
+    FeedbackDisabledError,
+    RequestBodyError,
+    RequestLimitError,
+    ServiceBusyError,
+    ServiceUnavailableError,
+    UnknownJobError,
+    UnsupportedMediaTypeError,
+)
+from scheduler_service.runtime.logging_setup import current_request_id
+from scheduler_service.web.auth import UnauthorizedError
 
 __all__ = [
     "CLIENT_CLOSED_REQUEST",
@@ -61,14 +74,6 @@ __all__ = [
     "PROBLEM_MEDIA_TYPE",
     "PROBLEM_RESPONSES",
     "UNAUTHORIZED_RESPONSE",
-    "ClientDisconnectedError",
-    "FeedbackDisabledError",
-    "RequestLimitError",
-    "ServiceBusyError",
-    "ServiceUnavailableError",
-    "UnauthorizedError",
-    "UnknownJobError",
-    "UnsupportedMediaTypeError",
     "install_problem_handlers",
     "internal_error_response",
     "problem_response",
@@ -80,69 +85,7 @@ _TYPE_PREFIX = "urn:skrull:problem:"
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client that closed the connection before the answer
 MAX_DETAIL_CHARS = 2000  # every message is far shorter; a longer one echoes something it should not
 
-logger = logging.getLogger("scheduler_service.problems")
-
-
-class RequestLimitError(InvalidRequestError):
-    """A request exceeds a limit the service configures (the core's own limits say so in their message)."""
-
-    def __init__(self, message: str, *, field: str, limit: int | float) -> None:
-        super().__init__(message, field=field)
-        self.limit = limit
-
-
-class UnsupportedMediaTypeError(Exception):
-    def __init__(self, content_type: str) -> None:
-        super().__init__(f"Content-Type {quoted(content_type)} is not JSON; send application/json")
-        self.message = str(self)
-
-
-class ClientDisconnectedError(Exception):
-    """The client hung up before its answer was ready: the client's doing, not a server error."""
-
-
-class ServiceBusyError(Exception):
-    """Admission control refused the request; the client should retry after ``retry_after_s``."""
-
-    def __init__(self, message: str, *, retry_after_s: int, limit: int) -> None:
-        super().__init__(message)
-        self.message = message
-        self.retry_after_s = retry_after_s
-        self.limit = limit
-
-
-class ServiceUnavailableError(Exception):
-    """The service cannot answer now (not ready, or a worker pool broke)."""
-
-    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-
-class UnauthorizedError(Exception):
-    """A state-changing request without the service's bearer token (``auth``)."""
-
-    def __init__(self, message: str, *, token_given: bool) -> None:
-        super().__init__(message)
-        self.message = message
-        self.token_given = token_given
-
-
-class UnknownJobError(Exception):
-    """Feedback for a job the service does not know (never planned with its job_id, or forgotten)."""
-
-    def __init__(self, job_id: str, *, max_jobs: int) -> None:
-        super().__init__(f"unknown job {job_id!r}: send POST /plan with \"job_id\": {job_id!r} first (the "
-                         f"service keeps the {max_jobs} most recently planned jobs)")
-        self.message = str(self)
-        self.limit = max_jobs
-
-
-class FeedbackDisabledError(Exception):
-    def __init__(self) -> None:
-        super().__init__("feedback is disabled on this service (SKRULL_FEEDBACK=false)")
-        self.message = str(self)
+logger = logging.getLogger("scheduler_service.web.problems")
 
 
 def _problem_schema(description: str) -> dict[str, Any]:
@@ -236,21 +179,25 @@ def _limit_from_context(context: Mapping[str, Any] | None) -> int | float | None
     return None
 
 
-_MAX_ERRORS_EXAMINED = 256
 _MAX_ERRORS_LISTED = 50
 
 
 async def _on_validation_error(request: Request, error: Exception) -> Response:
-    assert isinstance(error, RequestValidationError)
-    details = error.errors()
+    """A body that is not JSON or not the wire model (``RequestBodyError``, raised by the runtime's parsing), or
+    a bad path or query parameter (FastAPI's ``RequestValidationError``)."""
+    if isinstance(error, RequestBodyError):
+        details, total = error.errors, error.total
+    else:
+        assert isinstance(error, RequestValidationError)
+        details = list(error.errors())[:MAX_BODY_ERRORS]
+        total = len(error.errors())
     for item in details:
         if item.get("type") == "json_invalid":
             reason = (item.get("ctx") or {}).get("error", item.get("msg", "JSON decode error"))
             return problem_response(400, f"request body is not valid JSON: {reason}",
                                     problem_type="malformed-json", title="Malformed JSON", field="body")
     field_errors: list[FieldError] = []
-    # A batch of bad lengths yields one error per item; the first few hundred say all there is to say.
-    for item in details[:_MAX_ERRORS_EXAMINED]:
+    for item in details:
         message = str(item.get("msg", "invalid"))
         if item.get("type") in ("model_attributes_type", "dict_type", "model_type") and tuple(item["loc"]) == ("body",):
             message = "the request body must be a JSON object sent as Content-Type: application/json"
@@ -265,7 +212,7 @@ async def _on_validation_error(request: Request, error: Exception) -> Response:
         unique.setdefault(field_error.field, field_error)
     parents = {parent for field in unique for parent in _parents(field)}
     shown = [field_error for field, field_error in unique.items() if field not in parents]
-    num_more = len(details) - len(details[:_MAX_ERRORS_EXAMINED]) + len(shown) - min(len(shown), 5)
+    num_more = total - len(details) + len(shown) - min(len(shown), 5)
     detail = "; ".join(f"{e.field}: {e.message}" for e in shown[:5])
     if num_more:
         detail += f" (and {num_more} more)"
@@ -376,6 +323,7 @@ def internal_error_response() -> Response:
 
 def install_problem_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(RequestBodyError, _on_validation_error)
     app.add_exception_handler(PlanningError, _on_planning_error)
     app.add_exception_handler(UnsupportedMediaTypeError, _on_unsupported_media_type)
     app.add_exception_handler(ServiceBusyError, _on_busy)

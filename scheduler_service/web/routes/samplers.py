@@ -1,38 +1,24 @@
-"""The plan viewer (``GET /``) and the samplers it draws batches from (``GET /samplers``).
-
-The viewer is one static page shipped in the package (``static/``: HTML, CSS and vanilla JavaScript; no build
-step, nothing from a CDN). It talks to the public API only — ``/models``, ``/samplers`` and ``/plan`` with
-``breakdown`` — so it is also a living example of the contract. ``/samplers`` serves the core's named length
-distributions, so a browser can plan a realistic batch without a copy of them.
-"""
+"""``GET /samplers`` and ``GET /samplers/{name}``: the core's named length distributions, so that a browser (the
+plan viewer) can plan a realistic batch without a copy of them."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter, FastAPI, Query
-from fastapi.responses import FileResponse
-from fastapi.staticfiles import StaticFiles
+from fastapi import APIRouter, Query
 from skrull_proto import SampledBatch, SamplersResponse
 
-from scheduler_service.api import SettingsDep
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.samplers import DATASETS, sample_lengths
-from scheduler_service.problems import PROBLEM_RESPONSES, RequestLimitError
-from scheduler_service.wire import sampler_to_spec
+from scheduler_service.runtime.errors import RequestLimitError
+from scheduler_service.runtime.wire import sampler_to_spec
+from scheduler_service.web.deps import SettingsDep
+from scheduler_service.web.problems import PROBLEM_RESPONSES
 
-__all__ = ["STATIC_DIR", "install_viewer"]
-
-STATIC_DIR = Path(__file__).resolve().parent / "static"
+__all__ = ["router"]
 
 router = APIRouter()
-
-
-@router.get("/", include_in_schema=False)
-async def viewer_page() -> FileResponse:
-    return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
 
 
 @router.get("/samplers", operation_id="listSamplers", response_model=SamplersResponse,
@@ -65,9 +51,3 @@ async def draw(
     cap = settings.max_sequence_length if max_length is None else min(max_length, settings.max_sequence_length)
     lengths = sample_lengths(name, num_sequences, np.random.default_rng(seed), max_length=cap)
     return SampledBatch(sampler=name, seed=seed, max_length=cap, sequence_lengths=lengths.tolist())
-
-
-def install_viewer(app: FastAPI) -> None:
-    """Add the page, its static files (``/static``) and the sampler routes to ``app``."""
-    app.include_router(router)
-    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

@@ -48,7 +48,7 @@ import redis
 from scheduler_service.core.feedback import ComputeObservation, FeedbackConfig, JobFeedback, MemoryObservation
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.profile import parse_profile
-from scheduler_service.problems import ServiceUnavailableError
+from scheduler_service.runtime.errors import ServiceUnavailableError
 
 __all__ = [
     "JobStore",

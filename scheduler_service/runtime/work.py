@@ -1,8 +1,8 @@
-"""Planning and refitting one request, synchronously: the work itself, wherever it runs.
+"""One request's work, synchronously, wherever it runs: planning a batch, refitting a job.
 
 ``plan_request`` validates, estimates, plans, checks and simulates one
 ``/plan`` request; ``refit_job`` refits a job from one ``/feedback`` report.
-Both are pure functions of their arguments, so ``planning.PlanningService``
+Both are pure functions of their arguments, so ``service.PlanningService``
 calls them inline on the event loop for small requests and ``pools`` runs them
 in pool processes for large ones, with the same results.
 """
@@ -10,25 +10,27 @@ in pool processes for large ones, with the same results.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 import orjson
 from skrull_proto import FeedbackRequest, PlanRequest, SchedulerName
 
 from scheduler_service.core import feedback as core_feedback
+from scheduler_service.core.check import block_violation
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.feedback import JobFeedback
 from scheduler_service.core.perf_model import PerformanceModel
-from scheduler_service.core.plan import Plan, PlanLimits, PlanningProblem, block_degrees, cp_blocks
+from scheduler_service.core.plan import Plan, PlanLimits, PlanningProblem
 from scheduler_service.core.plan import SchedulerName as CoreSchedulerName
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan, warm_up
 from scheduler_service.core.profile import Profile
-from scheduler_service.cost import plan_cost
-from scheduler_service.metrics import Placement
-from scheduler_service.problems import RequestLimitError
-from scheduler_service.wire import feedback_to_measurements, request_to_problem, result_to_response_data
+from scheduler_service.runtime.cost import plan_cost
+from scheduler_service.runtime.errors import RequestLimitError
+from scheduler_service.runtime.wire import feedback_to_measurements, request_to_problem, result_to_response_data
 
 __all__ = [
     "CostLimits",
+    "Placement",
     "PlanSummary",
     "PlannedBatch",
     "job_problem",
@@ -42,6 +44,14 @@ __all__ = [
 _WARMUP_LENGTHS = [128, 512, 2048, 8192, 30000, 300, 1000, 4000, 96, 16000, 700, 64] * 4
 _WARMUP_BUCKET_SIZE = 16384
 _WARMUP_CP_SIZE = 4
+
+
+class Placement(StrEnum):
+    """Where a plan puts a sequence (docs/design.md, "Wire contract")."""
+
+    LOCAL = "local"
+    DISTRIBUTED = "distributed"
+    SHARDED = "sharded"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,23 +172,14 @@ def _placements(plan: Plan) -> tuple[dict[Placement, int], list[int]]:
 def _check_group_blocks(request: FeedbackRequest, cp_size: int) -> None:
     """Every reported hybrid group is an aligned block of the job's CP group (the plan checker's rule). A
     micro-batch with the wrong number of local lists is left to ``observe``, which names that first."""
-    degrees = block_degrees(cp_size)
     for index, item in enumerate(request.micro_batches):
         if len(item.local_lengths) != cp_size:
             continue
         for group_index, group in enumerate(item.sharded_lengths):
-            cp_ranks, degree = tuple(group.cp_ranks), len(group.cp_ranks)
-            if not degrees:
-                reason = f"is a hybrid group, but cp_size {cp_size} has none (no size 2 <= s < cp_size divides it)"
-            elif degree not in degrees:
-                reason = f"has {degree} CP ranks; a group of cp_size {cp_size} has a size in {list(degrees)}"
-            elif cp_ranks not in cp_blocks(cp_size, degree):
-                reason = (f"CP ranks {list(cp_ranks)} are not an aligned block (consecutive, ascending, starting "
-                          f"at a multiple of {degree})")
-            else:
-                continue
-            where = f"micro_batches[{index}].sharded_lengths[{group_index}]"
-            raise InvalidRequestError(f"{where} {reason}", field=f"{where}.cp_ranks")
+            reason = block_violation(tuple(group.cp_ranks), cp_size)
+            if reason is not None:
+                where = f"micro_batches[{index}].sharded_lengths[{group_index}]"
+                raise InvalidRequestError(f"{where} {reason}", field=f"{where}.cp_ranks")
 
 
 def refit_job(job: JobFeedback, request: FeedbackRequest, max_sequence_length: int) -> JobFeedback:

@@ -16,9 +16,9 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from scheduler_service.logging_setup import request_id_var
-from scheduler_service.metrics import ServiceMetrics
-from scheduler_service.problems import CLIENT_CLOSED_REQUEST, internal_error_response, problem_response
+from scheduler_service.runtime.logging_setup import request_id_var
+from scheduler_service.web.metrics import ServiceMetrics
+from scheduler_service.web.problems import CLIENT_CLOSED_REQUEST, internal_error_response, problem_response
 
 __all__ = ["SCHEDULER_SCOPE_KEY", "BodySizeLimitMiddleware", "RequestContextMiddleware"]
 

@@ -20,7 +20,7 @@ from scheduler_service.profile_files import load_profile_dir
 
 __all__ = ["ProfileFolder"]
 
-logger = logging.getLogger("scheduler_service.profile_folder")
+logger = logging.getLogger("scheduler_service.runtime.profile_folder")
 
 
 class ProfileFolder:

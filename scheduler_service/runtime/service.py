@@ -28,8 +28,9 @@ answer's bytes):
   over ``max_feedback_cells``, and parsed and refit in the heavy pool above
   ``inline_max_cells``.
 
-The work itself is ``sync_planning``'s, wherever it runs; the pools are
-``pools.WorkerPool``s; the profile folder is a ``profile_folder.ProfileFolder``.
+The work itself is ``work``'s, wherever it runs; the pools are
+``pools.WorkerPool``s; the profile folder is a ``profile_folder.ProfileFolder``;
+what happens is reported to ``events.ServiceEvents`` (the web layer's metrics).
 
 Profiles and feedback (state this service keeps):
 
@@ -61,28 +62,28 @@ from scheduler_service.core import jit
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.feedback import FeedbackConfig, JobFeedback
 from scheduler_service.core.profile import Profile
-from scheduler_service.cost import baseline_cells, feedback_cells
-from scheduler_service.disconnect import ClientWatch
-from scheduler_service.job_store import StoredJob, job_key, open_job_store
-from scheduler_service.metrics import ServiceMetrics
-from scheduler_service.parsing import check_json_media_type, parse_feedback_request
-from scheduler_service.pools import (
-    WorkerPool,
-    feedback_job_id_in_worker,
-    plan_in_worker,
-    refit_in_worker,
-    warm_cpsat_worker,
-)
-from scheduler_service.problems import (
+from scheduler_service.runtime.cost import baseline_cells, feedback_cells
+from scheduler_service.runtime.errors import (
     FeedbackDisabledError,
     RequestLimitError,
     ServiceBusyError,
     ServiceUnavailableError,
     UnknownJobError,
 )
-from scheduler_service.profile_folder import ProfileFolder
-from scheduler_service.settings import Settings
-from scheduler_service.sync_planning import (
+from scheduler_service.runtime.events import ClientWatch, ServiceEvents
+from scheduler_service.runtime.job_store import StoredJob, job_key, open_job_store
+from scheduler_service.runtime.parsing import check_json_media_type, parse_feedback_request
+from scheduler_service.runtime.pools import (
+    WorkerPool,
+    feedback_job_id_in_worker,
+    plan_in_worker,
+    refit_in_worker,
+    warm_cpsat_worker,
+)
+from scheduler_service.runtime.profile_folder import ProfileFolder
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.runtime.wire import job_to_feedback_response, request_model_and_profile, request_to_problem
+from scheduler_service.runtime.work import (
     CostLimits,
     PlannedBatch,
     job_problem,
@@ -90,11 +91,10 @@ from scheduler_service.sync_planning import (
     refit_job,
     warm_planner,
 )
-from scheduler_service.wire import job_to_feedback_response, request_model_and_profile, request_to_problem
 
 __all__ = ["PlanningService"]
 
-logger = logging.getLogger("scheduler_service.planning")
+logger = logging.getLogger("scheduler_service.runtime.service")
 
 # Seconds per cell of the slowest measured plans (2 cores): only feeds Retry-After and the give-up time.
 _SECONDS_PER_CELL = 15e-6
@@ -103,18 +103,16 @@ _SECONDS_PER_CELL = 15e-6
 class PlanningService:
     """Owns the CP-SAT pool and the readiness state; one per app."""
 
-    def __init__(self, settings: Settings, metrics: ServiceMetrics) -> None:
+    def __init__(self, settings: Settings, events: ServiceEvents) -> None:
         self.settings = settings
-        self.metrics = metrics
+        self.events = events
         self.limits = settings.plan_limits
         self.ready = False
         self.cpsat_state = "not started"
         self.cpsat_pool = WorkerPool("cpsat", workers=settings.cpsat_workers, queue=settings.cpsat_queue,
-                                in_flight=metrics.cpsat_in_flight, rejected=metrics.cpsat_rejected,
-                                alternative=" or use a heuristic scheduler")
+                                     events=events, alternative=" or use a heuristic scheduler")
         self.heavy_pool = WorkerPool("heavy", workers=settings.heavy_workers, queue=settings.heavy_queue,
-                                in_flight=metrics.heavy_in_flight, rejected=metrics.heavy_rejected,
-                                alternative=" or send smaller requests")
+                                     events=events, alternative=" or send smaller requests")
         self.profile_folder = ProfileFolder(settings.profile_dir)
         self.feedback_config = FeedbackConfig(window=settings.feedback_window,
                                               memory_headroom=settings.feedback_memory_headroom)
@@ -195,7 +193,7 @@ class PlanningService:
     def _keep_job(self, job: JobFeedback | None) -> None:
         """Register or refresh a job after a successful plan; a refit adopted meanwhile (same key) is kept."""
         if job is not None:
-            self.metrics.feedback_jobs.set(self.jobs.keep(job))
+            self.events.jobs_kept(self.jobs.keep(job))
 
     def job(self, job_id: str) -> JobFeedback:
         return self._stored_job(job_id).job
@@ -252,7 +250,7 @@ class PlanningService:
         if not self.jobs.replace(stored, updated):
             raise ServiceBusyError(f"job {job_id!r} was refit (or restarted by a plan) by another request while "
                                    "this report was refit; send it again", retry_after_s=1, limit=1)
-        self.metrics.feedback_micro_batches.inc(num_micro_batches)
+        self.events.feedback_adopted(num_micro_batches)
         logger.info("feedback", extra={"job_id": job_id, "step": step, "micro_batches": num_micro_batches,
                                        "compute_scale": round(updated.compute_scale, 6),
                                        "bucket_size_cap": updated.bucket_cap})
@@ -291,14 +289,7 @@ class PlanningService:
                                               None, profiles, job, cost_limits,
                                               expected_s=2 * at_least * _SECONDS_PER_CELL, watch=watch)
         self._keep_job(job)
-        summary = batch.summary
-        if summary.bucket_lowered:
-            self.metrics.feedback_bucket_lowered.inc()
-        self.metrics.observe_plan(
-            scheduler=summary.scheduler, solve_time_s=summary.solve_time_s, speedup=summary.speedup,
-            num_sequences=len(request.sequence_lengths), solver_status=summary.solver_status,
-            placements=summary.placements, group_degrees=summary.group_degrees,
-        )
+        self.events.plan_made(batch.summary, num_sequences=len(request.sequence_lengths))
         return batch
 
     async def _plan_cpsat(self, request: PlanRequest, profiles: dict[str, Profile], job: JobFeedback | None,

@@ -1,6 +1,6 @@
 """Run the service under uvicorn (``python -m scheduler_service serve``).
 
-uvicorn imports ``scheduler_service.app:app_factory`` in every worker process,
+uvicorn imports ``scheduler_service.web.app:app_factory`` in every worker process,
 and the factory reads the ``SKRULL_*`` environment, so ``serve`` passes its
 flags on as environment variables: one configuration for every worker. By
 default there is one worker per available core (``settings.default_workers``);
@@ -31,12 +31,12 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from scheduler_service.logging_setup import configure_logging
-from scheduler_service.settings import ENV_PREFIX, Settings, get_settings
+from scheduler_service.runtime.logging_setup import configure_logging
+from scheduler_service.runtime.settings import ENV_PREFIX, Settings, get_settings
 
 __all__ = ["HeaderDeadlineProtocol", "apply_overrides", "serve"]
 
-APP_FACTORY = "scheduler_service.app:app_factory"
+APP_FACTORY = "scheduler_service.web.app:app_factory"
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 

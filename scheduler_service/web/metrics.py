@@ -1,4 +1,4 @@
-"""Prometheus metrics of the scheduling service.
+"""Prometheus metrics of the scheduling service: the HTTP requests, and the runtime's ``ServiceEvents``.
 
 Each app owns a ``CollectorRegistry`` (tests build many apps in one process).
 With several uvicorn workers set ``PROMETHEUS_MULTIPROC_DIR`` (an empty,
@@ -28,14 +28,14 @@ each worker reports only its own.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import multiprocess as prometheus_multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "Placement", "ServiceMetrics"]
+from scheduler_service.runtime.work import PlanSummary
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServiceMetrics"]
 
 # Latencies of a sidecar that answers in about a millisecond, up to multi-second CP-SAT solves.
 # The *_created series double the exposition for no use on a dashboard.
@@ -47,15 +47,9 @@ _SPEEDUP_BUCKETS = (0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0,
 _GROUP_DEGREE_BUCKETS = (2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512)
 
 
-class Placement(StrEnum):
-    """Where a plan puts a sequence (DESIGN.md, "Wire contract")."""
-
-    LOCAL = "local"
-    DISTRIBUTED = "distributed"
-    SHARDED = "sharded"
-
-
 class ServiceMetrics:
+    """The service's metrics; the runtime reports to them as its ``ServiceEvents``."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -118,6 +112,8 @@ class ServiceMetrics:
         self.feedback_bucket_lowered = Counter(
             "skrull_feedback_bucket_lowered", "Plans whose bucket_size a job's memory feedback lowered.", registry=r
         )
+        self._pool_in_flight = {"cpsat": self.cpsat_in_flight, "heavy": self.heavy_in_flight}
+        self._pool_rejected = {"cpsat": self.cpsat_rejected, "heavy": self.heavy_rejected}
 
     def observe_request(
         self, *, method: str, route: str, status: int, duration_s: float, scheduler: str | None
@@ -129,20 +125,36 @@ class ServiceMetrics:
             self.plan_requests.labels(scheduler, status_label).inc()
             self.plan_duration.labels(scheduler, status_label).observe(duration_s)
 
-    def observe_plan(
-        self, *, scheduler: str, solve_time_s: float, speedup: float, num_sequences: int, solver_status: str | None,
-        placements: Mapping[Placement, int] | None = None, group_degrees: Sequence[int] = (),
-    ) -> None:
-        """``placements``: sequences per placement; ``group_degrees``: the size of every hybrid group."""
-        self.solve_time.labels(scheduler).observe(solve_time_s)
-        self.speedup.labels(scheduler).observe(speedup)
+    # -- ServiceEvents
+
+    def plan_made(self, summary: PlanSummary, *, num_sequences: int) -> None:
+        scheduler = summary.scheduler
+        self.solve_time.labels(scheduler).observe(summary.solve_time_s)
+        self.speedup.labels(scheduler).observe(summary.speedup)
         self.sequences_planned.labels(scheduler).inc(num_sequences)
-        for placement, count in (placements or {}).items():
+        for placement, count in summary.placements.items():
             self.sequences_placed.labels(scheduler, placement.value).inc(count)
-        for degree in group_degrees:
+        for degree in summary.group_degrees:
             self.group_degree.labels(scheduler).observe(degree)
-        if solver_status is not None:
-            self.cpsat_status.labels(solver_status).inc()
+        if summary.solver_status is not None:
+            self.cpsat_status.labels(summary.solver_status).inc()
+        if summary.bucket_lowered:
+            self.feedback_bucket_lowered.inc()
+
+    def pool_admitted(self, pool: str) -> None:
+        self._pool_in_flight[pool].inc()
+
+    def pool_released(self, pool: str) -> None:
+        self._pool_in_flight[pool].dec()
+
+    def pool_refused(self, pool: str) -> None:
+        self._pool_rejected[pool].inc()
+
+    def feedback_adopted(self, num_micro_batches: int) -> None:
+        self.feedback_micro_batches.inc(num_micro_batches)
+
+    def jobs_kept(self, num_jobs: int) -> None:
+        self.feedback_jobs.set(num_jobs)
 
     def exposition(self) -> bytes:
         """The text exposition format; aggregated over workers in multiprocess mode."""

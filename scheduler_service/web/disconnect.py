@@ -1,10 +1,11 @@
 """Noticing a client that hangs up while its request waits for a pool.
 
 Once a request's body is read, the next ASGI ``receive`` returns only when the
-client disconnects (``http.disconnect``). ``ClientWatch`` races a wait against
-it, so a request whose client left stops waiting (a pool task still queued is
-dropped) and ends as ``ClientDisconnectedError``: logged and counted as 499,
-not as a server error. Inline work is never raced: it does not wait.
+client disconnects (``http.disconnect``). ``DisconnectWatch`` (the runtime's
+``ClientWatch`` over ASGI) races a wait against it, so a request whose client
+left stops waiting (a pool task still queued is dropped) and ends as
+``ClientDisconnectedError``: logged and counted as 499, not as a server error.
+Inline work is never raced: it does not wait.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from typing import TypeVar
 
 from starlette.types import Message
 
-from scheduler_service.problems import ClientDisconnectedError
+from scheduler_service.runtime.errors import ClientDisconnectedError
 
-__all__ = ["ClientWatch"]
+__all__ = ["DisconnectWatch"]
 
 T = TypeVar("T")
 
 
-class ClientWatch:
+class DisconnectWatch:
     def __init__(self, receive: Callable[[], Awaitable[Message]]) -> None:
         self._receive = receive
 

@@ -1,8 +1,9 @@
 """Parsing request bodies into the wire models, cheaply and with bounded error reports.
 
-Done here rather than by FastAPI's body parameter so that the service decides
-where the work runs: a large body is parsed in a pool process, never on the
-event loop (a 4 MB /feedback report takes seconds to validate).
+Done here rather than by the web framework so that the service decides where
+the work runs: a large body is parsed in a pool process, never on the event
+loop (a 4 MB /feedback report takes seconds to validate). Errors are
+``RequestBodyError``s (pydantic's items, bounded) or ``RequestLimitError``s.
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import pydantic_core
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from skrull_proto import FeedbackRequest, PlanRequest
 
-from scheduler_service.problems import RequestLimitError, UnsupportedMediaTypeError
+from scheduler_service.runtime.errors import RequestBodyError, RequestLimitError, UnsupportedMediaTypeError
 
 __all__ = ["check_json_media_type", "parse_feedback_request", "parse_plan_request"]
 
@@ -51,23 +51,16 @@ def check_json_media_type(content_type: str | None) -> None:
 def _json(body: bytes, content_type: str | None) -> Any:
     check_json_media_type(content_type)
     if not body.strip():
-        raise _json_error("the request body is empty; send a JSON object")
+        raise RequestBodyError.malformed_json("the request body is empty; send a JSON object")
     try:
         return pydantic_core.from_json(body, allow_inf_nan=False)
     except ValueError as error:
-        raise _json_error(str(error)) from None
+        raise RequestBodyError.malformed_json(str(error)) from None
 
 
 def _validate(model: type[ModelT], data: Any) -> ModelT:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise RequestValidationError(
-            [{**item, "loc": ("body", *item["loc"])} for item in error.errors(include_url=False, include_input=False)]
-        ) from None
-
-
-def _json_error(reason: str) -> RequestValidationError:
-    return RequestValidationError(
-        [{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "ctx": {"error": reason}}]
-    )
+        items = error.errors(include_url=False, include_input=False)
+        raise RequestBodyError([{**item, "loc": ("body", *item["loc"])} for item in items]) from None

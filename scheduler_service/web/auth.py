@@ -16,13 +16,21 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from scheduler_service.problems import UnauthorizedError
-from scheduler_service.settings import Settings
+from scheduler_service.runtime.settings import Settings
 
-__all__ = ["require_api_token"]
+__all__ = ["UnauthorizedError", "require_api_token"]
 
 # auto_error=False: the service decides (and answers problem+json); the scheme still appears in the OpenAPI.
 _bearer = HTTPBearer(auto_error=False, description="SKRULL_API_TOKEN, where the service sets one.")
+
+
+class UnauthorizedError(Exception):
+    """A state-changing request without the service's bearer token (401, ``problems``)."""
+
+    def __init__(self, message: str, *, token_given: bool) -> None:
+        super().__init__(message)
+        self.message = message
+        self.token_given = token_given
 
 
 async def require_api_token(

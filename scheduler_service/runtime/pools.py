@@ -4,7 +4,7 @@ A ``WorkerPool`` is a bounded ``ProcessPoolExecutor`` (spawned, niced
 processes) with admission control: at most ``workers + queue`` tasks are
 admitted at once, and the next is refused at once with ``ServiceBusyError``
 (429) and the seconds until the soonest admitted one should end
-(Retry-After). Its tasks call ``sync_planning`` in the pool process and send
+(Retry-After). Its tasks call ``work`` in the pool process and send
 back a plan's bytes, a job id or a refit job; a planning error is raised in
 the caller as it was raised in the process (core errors pickle).
 
@@ -28,21 +28,19 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
-from fastapi.exceptions import RequestValidationError
-from prometheus_client import Counter, Gauge
-from skrull_proto import FeedbackRequest, PlanRequest, SchedulerName
+from skrull_proto import PlanRequest, SchedulerName
 
 from scheduler_service.core.feedback import JobFeedback
 from scheduler_service.core.plan import PlanLimits
 from scheduler_service.core.profile import Profile
-from scheduler_service.disconnect import ClientWatch
-from scheduler_service.parsing import parse_feedback_request
-from scheduler_service.problems import ServiceBusyError, ServiceUnavailableError
-from scheduler_service.sync_planning import CostLimits, PlannedBatch, plan_request, refit_job
+from scheduler_service.runtime.errors import ServiceBusyError, ServiceUnavailableError
+from scheduler_service.runtime.events import ClientWatch, ServiceEvents
+from scheduler_service.runtime.parsing import parse_feedback_request
+from scheduler_service.runtime.work import CostLimits, PlannedBatch, plan_request, refit_job
 
 __all__ = ["WorkerPool", "feedback_job_id_in_worker", "plan_in_worker", "refit_in_worker", "warm_cpsat_worker"]
 
-logger = logging.getLogger("scheduler_service.pools")
+logger = logging.getLogger("scheduler_service.runtime.pools")
 
 # Pool processes yield the CPU to the event loop (probes, small plans).
 _POOL_NICE = 10
@@ -57,13 +55,11 @@ class WorkerPool:
     """A process pool with admission control: at most ``workers + queue`` tasks admitted at once; the next is
     refused with ``ServiceBusyError`` (429) and the seconds until the soonest admitted task should end."""
 
-    def __init__(self, name: str, *, workers: int, queue: int, in_flight: Gauge, rejected: Counter,
-                 alternative: str) -> None:
+    def __init__(self, name: str, *, workers: int, queue: int, events: ServiceEvents, alternative: str) -> None:
         self.name = name
         self.workers = workers
         self.capacity = workers + queue
-        self._in_flight_gauge = in_flight
-        self._rejected = rejected
+        self._events = events
         self._alternative = alternative  # what the 429 suggests instead of waiting
         self._executor: ProcessPoolExecutor | None = None
         self._deadlines: dict[int, float] = {}  # admitted task -> when it should end
@@ -100,7 +96,7 @@ class WorkerPool:
         A task still queued when its request stops waiting is dropped."""
         now = time.monotonic()
         if self.in_flight >= self.capacity:
-            self._rejected.inc()
+            self._events.pool_refused(self.name)
             soonest_s = min(self._deadlines.values()) - now
             raise ServiceBusyError(
                 f"the {self.name} pool is full ({self.workers} working + {self.capacity - self.workers} waiting); "
@@ -113,7 +109,7 @@ class WorkerPool:
         # A waiting task ends one expected time after the running ones; the estimate only feeds Retry-After.
         queued_behind = max(0, self.in_flight - self.workers + 1)
         self._deadlines[ticket] = now + expected_s * (1 + queued_behind)
-        self._in_flight_gauge.inc()
+        self._events.pool_admitted(self.name)
         try:
             future = executor.submit(fn, *args)
         except (BrokenProcessPool, RuntimeError) as error:
@@ -142,7 +138,7 @@ class WorkerPool:
 
     def _release(self, ticket: int) -> None:
         if self._deadlines.pop(ticket, None) is not None:
-            self._in_flight_gauge.dec()
+            self._events.pool_released(self.name)
 
     def _replace_broken(self, broken: ProcessPoolExecutor) -> None:
         if self._executor is broken:
@@ -179,22 +175,14 @@ def plan_in_worker(
                         cost_limits=cost_limits)
 
 
-def _parse_feedback_in_worker(body: bytes) -> FeedbackRequest:
-    # The first few hundred errors say all there is to say (and pickling a million would not be cheap).
-    try:
-        return parse_feedback_request(body, None)
-    except RequestValidationError as error:
-        raise RequestValidationError(error.errors()[:256]) from None
-
-
 def feedback_job_id_in_worker(body: bytes) -> str:
     """First phase of a heavy report: parse it (seconds for a few MB), so the event loop learns its job."""
-    return _parse_feedback_in_worker(body).job_id
+    return parse_feedback_request(body, None).job_id
 
 
 def refit_in_worker(body: bytes, job: JobFeedback, max_sequence_length: int) -> JobFeedback:
     """Second phase: parse again (cheaper than sending a million parsed lists back and forth) and refit."""
-    return refit_job(job, _parse_feedback_in_worker(body), max_sequence_length)
+    return refit_job(job, parse_feedback_request(body, None), max_sequence_length)
 
 
 def warm_cpsat_worker() -> str:

@@ -1,0 +1,97 @@
+"""The service's own failures, beside the core's (``core.errors``): raised by the runtime, mapped to HTTP by
+``web.problems`` alone.
+
+They know nothing of HTTP: each carries what its answer needs (the limit, the
+seconds to wait). The two a pool process can raise, ``RequestLimitError`` and
+``RequestBodyError``, pickle, so they reach the caller as they were raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from scheduler_service.core.errors import InvalidRequestError, quoted
+
+__all__ = [
+    "MAX_BODY_ERRORS",
+    "ClientDisconnectedError",
+    "FeedbackDisabledError",
+    "RequestBodyError",
+    "RequestLimitError",
+    "ServiceBusyError",
+    "ServiceUnavailableError",
+    "UnknownJobError",
+    "UnsupportedMediaTypeError",
+]
+
+# A batch of bad lengths yields one error per item; the first few hundred say all there is to say (and pickling
+# a million from a pool process would not be cheap).
+MAX_BODY_ERRORS = 256
+
+
+class RequestLimitError(InvalidRequestError):
+    """A request exceeds a limit the service configures (the core's own limits say so in their message)."""
+
+    def __init__(self, message: str, *, field: str, limit: int | float) -> None:
+        super().__init__(message, field=field)
+        self.limit = limit
+
+
+class RequestBodyError(Exception):
+    """A body that is not JSON, or not the wire model: pydantic's error items, located from the body
+    (``("body", "sequence_lengths", 3)``), at most ``MAX_BODY_ERRORS`` of them plus their total."""
+
+    def __init__(self, errors: Sequence[Mapping[str, Any]], total: int | None = None) -> None:
+        super().__init__(list(errors[:MAX_BODY_ERRORS]), len(errors) if total is None else total)
+        self.errors: list[Mapping[str, Any]] = self.args[0]
+        self.total: int = self.args[1]
+
+    @classmethod
+    def malformed_json(cls, reason: str) -> RequestBodyError:
+        return cls([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "ctx": {"error": reason}}])
+
+
+class UnsupportedMediaTypeError(Exception):
+    def __init__(self, content_type: str) -> None:
+        super().__init__(f"Content-Type {quoted(content_type)} is not JSON; send application/json")
+        self.message = str(self)
+
+
+class ClientDisconnectedError(Exception):
+    """The client hung up before its answer was ready: the client's doing, not a server error."""
+
+
+class ServiceBusyError(Exception):
+    """Admission control refused the request; the client should retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, *, retry_after_s: int, limit: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.limit = limit
+
+
+class ServiceUnavailableError(Exception):
+    """The service cannot answer now (not ready, or a worker pool broke)."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class UnknownJobError(Exception):
+    """Feedback for a job the service does not know (never planned with its job_id, or forgotten)."""
+
+    def __init__(self, job_id: str, *, max_jobs: int) -> None:
+        super().__init__(f"unknown job {job_id!r}: send POST /plan with \"job_id\": {job_id!r} first (the "
+                         f"service keeps the {max_jobs} most recently planned jobs)")
+        self.message = str(self)
+        self.limit = max_jobs
+
+
+class FeedbackDisabledError(Exception):
+    def __init__(self) -> None:
+        super().__init__("feedback is disabled on this service (SKRULL_FEEDBACK=false)")
+        self.message = str(self)
