@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo test bench load stress serve schema profile accuracy feedback lint clean images docker-smoke
+.PHONY: install system-deps demo test test-fast docs bench load stress serve schema profile accuracy feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -33,6 +33,14 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The edit-test loop: everything but the slow tests, the CP-SAT proofs and the browser (about a minute).
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not cpsat and not browser"
+
+# The docs site (Sphinx + MyST) into docs/_build/html; a warning is an error (tests/test_docs.py builds it too).
+docs: install
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 bench: install
 	$(PY) -m benchmarks.planning
@@ -71,4 +79,4 @@ docker-smoke:
 	PYTHON=$(PYTHON) $(PYTHON) deploy/docker_smoke.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .hypothesis docs/_build

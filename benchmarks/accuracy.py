@@ -46,7 +46,7 @@ from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import ComputeProfile, Profile, parse_profile
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import simulate
-from scheduler_service.profile_files import load_profile
+from scheduler_service.runtime.profiles import load_profile
 from trainer_client.distributed import spawn_gloo
 from trainer_client.loss import CausalLMLoss
 from trainer_client.measure import random_samples, timed_runs

@@ -48,10 +48,11 @@ from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import Profile, parse_profile
 from scheduler_service.core.samplers import sample_lengths
+from trainer_client.config import TrainConfig
 from trainer_client.demo import start_service, stop_service
 from trainer_client.distributed import free_port, init_parallel, spawn_gloo
 from trainer_client.profile import ProfileOptions, measure_profile
-from trainer_client.trainer import TrainConfig, Trainer
+from trainer_client.trainer import Trainer
 
 __all__ = ["main"]
 

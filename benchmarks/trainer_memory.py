@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainer_client.config import TrainConfig
 from trainer_client.distributed import init_parallel, spawn_gloo
 from trainer_client.parallelize import Sharding, static_bytes_per_parameter
-from trainer_client.trainer import TrainConfig, Trainer
+from trainer_client.trainer import Trainer
 
 DP, CP = 2, 2
 

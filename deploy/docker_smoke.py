@@ -9,7 +9,8 @@
    finite and every plan came from the service.
 
 Everything it starts (containers, the compose project, dockerd) is removed or stopped, also on failure. It
-prints the figures the README reports: build time, image sizes, start-to-ready time. Standard library only.
+prints the figures the deployment guide (docs/guides/deployment.md) reports: build time, image sizes,
+start-to-ready time. Standard library only.
 """
 
 from __future__ import annotations

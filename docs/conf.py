@@ -13,7 +13,7 @@ sys.path[:0] = [str(DOCS / "_ext"), str(DOCS.parent), str(DOCS.parent / "proto")
 
 project = "Skrull"
 author = "The Skrull developers"
-copyright = "2026, the Skrull developers"  # noqa: A001 (Sphinx's name)
+copyright = "2026, the Skrull developers"
 release = "0.1.0"
 
 extensions = [
@@ -35,4 +35,4 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "undoc-members": False}
 nitpicky = False
-suppress_warnings = ["myst.header"]
+

@@ -24,7 +24,7 @@ from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.plan import MicroBatch
 from scheduler_service.core.planner import DEFAULT_CPSAT_TIME_LIMIT_S, PlanResult, make_plan
 from scheduler_service.core.simulate import CPRankEstimate, PlanEstimate, simulate
-from scheduler_service.profile_files import load_profile
+from scheduler_service.runtime.profiles import load_profile
 from scheduler_service.runtime.wire import request_to_problem, result_to_response
 
 if TYPE_CHECKING:

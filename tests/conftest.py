@@ -7,20 +7,18 @@ import contextlib
 import shutil
 import socket
 import subprocess
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import redis
-import uvicorn
 
 from scheduler_service.core.plan import PlanningProblem, make_problem
 from scheduler_service.core.planner import warm_up
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
-
-ProblemFactory = Callable[..., PlanningProblem]
+from tests.problem_builders import ProblemFactory
+from tests.servers import uvicorn_in_thread
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -110,17 +108,5 @@ def problem_of() -> ProblemFactory:
 @pytest.fixture(scope="session")
 def live_port() -> Iterator[int]:
     """The service under a real uvicorn on a free loopback port (in a thread), for clients that need a socket."""
-    config = uvicorn.Config(create_app(Settings(cpsat_warmup=False, access_log=False)), host="127.0.0.1", port=0,
-                            log_config=None, access_log=False)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.01)
-    try:
-        yield server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with uvicorn_in_thread(create_app(Settings(cpsat_warmup=False, access_log=False))) as port:
+        yield port

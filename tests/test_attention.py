@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from scheduler_service.core.plan import MicroBatch
+from tests.attention_reference import reference_attention
 from trainer_client.attention import AttentionBackend, KVAllGather, dacp_attn_varlen_func, varlen_causal_attn_func
 from trainer_client.data import Sample
 from trainer_client.distributed import spawn_gloo
@@ -34,16 +33,6 @@ def _micro_batches(cp_size: int) -> dict[str, MicroBatch]:
     }
 
 
-def _reference_attention(q_THD: torch.Tensor, k_TGD: torch.Tensor, v_TGD: torch.Tensor) -> torch.Tensor:
-    """Textbook causal softmax attention of one sequence, GQA by repeating K/V heads."""
-    groups = q_THD.shape[1] // k_TGD.shape[1]
-    k_THD, v_THD = k_TGD.repeat_interleave(groups, dim=1), v_TGD.repeat_interleave(groups, dim=1)
-    scores_HTT = torch.einsum("thd,shd->hts", q_THD, k_THD) / math.sqrt(q_THD.shape[-1])
-    causal_TT = torch.ones(q_THD.shape[0], q_THD.shape[0], dtype=torch.bool).tril()
-    weights_HTT = scores_HTT.masked_fill(~causal_TT, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hts,shd->thd", weights_HTT, v_THD)
-
-
 def _sequence_tensors(seed: int = 0) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     tensors = []
@@ -60,7 +49,7 @@ def _reference(tensors: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.T
     results = []
     for seq in tensors:
         q, k, v = (seq[name].clone().requires_grad_() for name in "qkv")
-        out = _reference_attention(q, k, v)
+        out = reference_attention(q, k, v)
         (out * seq["grad_out"]).sum().backward()
         results.append({"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad})
     return results
@@ -129,7 +118,7 @@ def test_bottom_right_causal_alignment_when_queries_are_a_suffix() -> None:
     q_THD = torch.randn(10, 2, 4, generator=generator, dtype=torch.float64)
     k_TGD = torch.randn(10, 1, 4, generator=generator, dtype=torch.float64)
     v_TGD = torch.randn(10, 1, 4, generator=generator, dtype=torch.float64)
-    full = _reference_attention(q_THD, k_TGD, v_TGD)
+    full = reference_attention(q_THD, k_TGD, v_TGD)
     cu_q, cu_k = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 10], dtype=torch.int32)
     suffix = varlen_causal_attn_func(q_THD[7:], k_TGD, v_TGD, cu_q, cu_k, 3, 10, backend="sdpa")
     torch.testing.assert_close(suffix, full[7:])

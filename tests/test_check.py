@@ -8,7 +8,7 @@ from scheduler_service.core import baselines, gds
 from scheduler_service.core.check import check_places, check_plan, find_violations
 from scheduler_service.core.errors import PlanCheckError
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem, make_problem
-from tests.test_dacp_groups import hybrid_problems
+from tests.problem_builders import hybrid_problems
 
 LENGTHS = [100, 200, 300, 400]
 

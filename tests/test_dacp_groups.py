@@ -15,7 +15,7 @@ from scheduler_service.core.gds_search import spread_longest_first
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, ShardedGroup, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.simulate import iteration_lower_bound_s, micro_batch_sums, micro_batch_time_s, simulate
-from tests.conftest import ProblemFactory
+from tests.problem_builders import ProblemFactory, hybrid_problems
 
 LENGTHS = [9000, 7000, 5000, 3000]
 
@@ -73,17 +73,6 @@ def spread(problem: PlanningProblem, count: int) -> list[list[int]]:
         return []
     groups = [longest_first[group_of == group].tolist() for group in range(count)]
     return [group for group in groups if group]
-
-
-@st.composite
-def hybrid_problems(draw: st.DrawFn, max_sequences: int = 24) -> PlanningProblem:
-    cp_size = draw(st.sampled_from([1, 2, 4, 6, 8, 12, 16]))
-    bucket_size = draw(st.integers(256, 16_384))
-    long_lengths = st.integers(bucket_size // 4, bucket_size * cp_size)
-    lengths = draw(st.lists(st.one_of(st.integers(1, bucket_size), long_lengths), min_size=1,
-                            max_size=max_sequences))
-    return make_problem(sequence_lengths=lengths, dp_size=draw(st.integers(1, 3)), cp_size=cp_size,
-                        model=draw(st.sampled_from(["tiny", "qwen2.5-0.5b", "qwen2.5-7b"])), bucket_size=bucket_size)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -201,25 +190,29 @@ def test_skrull_is_never_slower_than_binary_skrull(problem: PlanningProblem) -> 
 
 def brute_force_best_gain(problem: PlanningProblem, ranks: list[int], busiest: int) -> float:
     """The refinement's specification: the largest drop of the busiest rank's pair maximum over every move and
-    swap of whole sequences (sequence k on CP rank ``ranks[k]``) that keeps both ranks within the memory bound."""
-    lengths, costs, cp_size = problem.sequence_lengths, problem.rank_flops_at(1), problem.cp_size
-    capacity = problem.bucket_size * cp_size
-    loads = [sum(float(costs[k]) for k, rank in enumerate(ranks) if rank == r) for r in range(cp_size)]
-    remaining = [capacity - sum(lengths[k] * cp_size for k, rank in enumerate(ranks) if rank == r)
-                 for r in range(cp_size)]
-    ours = [a for a, rank in enumerate(ranks) if rank == busiest]
+    swap of whole sequences (sequence k on CP rank ``ranks[k]``) that keeps both ranks within the memory bound.
+    Every pair is tried: a move is a swap with nothing (cost 0, no tokens)."""
+    cp_size = problem.cp_size
+    on_rank = np.asarray(ranks)
+    costs = np.asarray(problem.rank_flops_at(1), dtype=np.float64)
+    units = np.asarray(problem.sequence_lengths, dtype=np.int64) * cp_size
+    loads = np.bincount(on_rank, weights=costs, minlength=cp_size)
+    remaining = problem.bucket_size * cp_size - np.bincount(on_rank, weights=units, minlength=cp_size)
+    ours = on_rank == busiest
     best = 0.0
     for other in range(cp_size):
+        if other == busiest:
+            continue
         gap = loads[busiest] - loads[other]
-        theirs = [None, *(b for b, rank in enumerate(ranks) if rank == other)]
-        for a in ours:
-            for b in theirs:
-                delta = costs[a] - (0.0 if b is None else costs[b])
-                units_b = 0 if b is None else lengths[b] * cp_size
-                fits = (remaining[other] + units_b >= lengths[a] * cp_size
-                        and remaining[busiest] + lengths[a] * cp_size >= units_b)
-                if other != busiest and fits and 0 < delta < gap:
-                    best = max(best, min(delta, gap - delta))
+        theirs = on_rank == other
+        their_costs = np.append(0.0, costs[theirs])
+        their_units = np.append(0, units[theirs])
+        delta = costs[ours][:, None] - their_costs[None, :]
+        fits = ((remaining[other] + their_units[None, :] >= units[ours][:, None])
+                & (remaining[busiest] + units[ours][:, None] >= their_units[None, :]))
+        improving = fits & (delta > 0) & (delta < gap)
+        if improving.any():
+            best = max(best, float(np.minimum(delta, gap - delta)[improving].max()))
     return best
 
 

@@ -23,7 +23,7 @@ from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import Profile, builtin_profiles, parse_profile
 from scheduler_service.core.samplers import sample_lengths
-from scheduler_service.profile_files import profile_from_document
+from scheduler_service.runtime.profiles import profile_from_document
 
 TINY = MODEL_CATALOGUE["tiny"]
 PAPER = builtin_profiles()["h100-paper"]

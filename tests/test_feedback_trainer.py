@@ -11,10 +11,11 @@ import httpx
 import pytest
 import torch.distributed as dist
 
+from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch
 from trainer_client.demo import read_metrics, run_trainer, start_service, stop_service, trainer_command
 from trainer_client.distributed import free_port, init_parallel, spawn_gloo
-from trainer_client.trainer import MicroBatches, TrainConfig, Trainer
+from trainer_client.trainer import MicroBatches, Trainer
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,7 @@
 """On a CUDA device: the varlen kernels against the SDPA reference in bf16, and an FSDP2 bf16 training step.
 
-Skipped without CUDA; none of these has run yet (no GPU was lent to the work that wrote them, see README).
+Marked ``gpu``; they run where torch sees a CUDA device and are skipped elsewhere (the flash-attn kernel only where
+flash-attn is installed).
 Tolerances are bf16's: 8 mantissa bits, so a sum over a few hundred keys agrees to about 1e-2.
 """
 
@@ -14,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from trainer_client.attention import AttentionBackend, _flash_attn_varlen_func, varlen_causal_attn_func
+from trainer_client.config import TrainConfig
 from trainer_client.distributed import free_port, init_parallel
-from trainer_client.trainer import TrainConfig, Trainer
+from trainer_client.trainer import Trainer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import trainer_client.attention as attention
 from scheduler_service.core.plan import MicroBatch, ShardedGroup
-from tests.test_attention import _reference_attention
+from tests.attention_reference import reference_attention
 from trainer_client.attention import AttentionBackend, KVAllGather, dacp_attn_varlen_func
 from trainer_client.data import Sample
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
@@ -162,7 +162,7 @@ def reference() -> list[dict[str, torch.Tensor]]:
     results = []
     for seq in _sequence_tensors():
         q, k, v = (seq[name].clone().requires_grad_() for name in "qkv")
-        out = _reference_attention(q, k, v)
+        out = reference_attention(q, k, v)
         (out * seq["grad_out"]).sum().backward()
         results.append({"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad})
     return results

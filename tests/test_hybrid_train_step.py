@@ -10,11 +10,12 @@ import torch.distributed as dist
 
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGroup
-from tests.test_train_step import _unscheduled_step
+from tests.train_reference import unscheduled_step
+from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch, make_source
 from trainer_client.distributed import init_parallel, spawn_gloo
 from trainer_client.plan_client import PlanDecision, PlanOrigin
-from trainer_client.trainer import TrainConfig, Trainer
+from trainer_client.trainer import Trainer
 
 DP, CP = 1, 4
 GLOBAL_BATCH, MAX_LENGTH, BUCKET_SIZE = 8, 256, 1024
@@ -89,9 +90,9 @@ def test_hybrid_plan_gives_the_deepspeed_plans_loss_and_gradients(step_results: 
 
 
 @pytest.mark.slow
-def test_hybrid_step_equals_single_process_unscheduled_step(step_results: dict[str, dict]) -> None:
+def test_hybrid_step_equals_single_processunscheduled_step(step_results: dict[str, dict]) -> None:
     batch = _source_batch(_config())
-    reference_loss, reference_grads = _unscheduled_step(batch)
+    reference_loss, reference_grads = unscheduled_step(batch)
     hybrid = step_results["hybrid"]
     assert hybrid["num_loss_tokens"] == batch.num_loss_tokens
     assert hybrid["loss"] == pytest.approx(reference_loss, rel=1e-5)

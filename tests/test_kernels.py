@@ -19,7 +19,7 @@ from scheduler_service.core.plan import PlanningProblem
 from scheduler_service.core.plan_refine import DEFAULT_BUDGET
 from scheduler_service.core.simulate import simulate
 from tests import planning_cases
-from tests.test_dacp_groups import hybrid_problems
+from tests.problem_builders import hybrid_problems
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 

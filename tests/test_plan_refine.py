@@ -18,7 +18,7 @@ from scheduler_service.core.plan import (
 )
 from scheduler_service.core.plan_refine import refine_plan
 from scheduler_service.core.simulate import simulate
-from tests.test_dacp_groups import hybrid_problems
+from tests.problem_builders import hybrid_problems
 
 
 def as_plan(dp_ranks: list[list[MicroBatch]]) -> Plan:

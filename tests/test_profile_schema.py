@@ -23,7 +23,7 @@ from scheduler_service.core.perf_model import (
 )
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import builtin_profiles, parse_profile
-from scheduler_service.profile_files import load_profile, load_profile_dir, profile_from_document
+from scheduler_service.runtime.profiles import load_profile, load_profile_dir, profile_from_document
 
 TINY = MODEL_CATALOGUE["tiny"]
 

@@ -4,7 +4,6 @@ every hybrid block size) and the shard effect per degree, from which the attenti
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from fastapi.testclient import TestClient
-from skrull_proto import PlanResponse
+from skrull_proto import PlanResponse, ProfileDocument
 
 from scheduler_service import cli
 from scheduler_service.core.check import find_violations
@@ -22,12 +21,22 @@ from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, fit_
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGroup, make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles, parse_profile
-from scheduler_service.profile_files import load_profile, profile_from_document
+from scheduler_service.core.shard_effect import efficiency_candidate, predicted_shard_s
+from scheduler_service.runtime.profiles import load_profile, profile_from_document
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
+from tests.shard_effect_cases import flat_and_true_models, rows_timed_by
 from trainer_client import profile as profiler
 from trainer_client.distributed import spawn_gloo
 from trainer_client.plan_client import PlanSource
+from trainer_client.profile_document import document_json, with_shard_effect
+from trainer_client.profile_sweeps import (
+    ProfileOptions,
+    collective_lead_s,
+    compute_cases,
+    shard_degrees,
+    shard_micro_batch,
+)
 
 # Small and quick: a few seconds on 2 cores. The numbers are whatever this machine measures; tests check shape.
 QUICK = ["--model", "tiny", "--sizes", "32,64,128", "--short-length", "16", "--memory-sizes", "32,96",
@@ -49,7 +58,7 @@ def test_profiler_writes_a_profile_with_fits_and_provenance(measured: Path) -> N
     fits = document["compute"]["fit"]
     assert set(fits) == {"extended", "paper_eq14"}
     assert fits["extended"]["median_relative_error"] >= 0
-    assert len(document["compute"]["points"]) == len(profiler.compute_cases((32, 64, 128), 16))
+    assert len(document["compute"]["points"]) == len(compute_cases((32, 64, 128), 16))
     provenance = document["provenance"]
     assert provenance["model"]["hidden_size"] == MODEL_CATALOGUE["tiny"].hidden_size
     assert provenance["software"]["torch"] and provenance["hardware"]["cpu_count"] >= 1
@@ -90,7 +99,7 @@ def test_measured_profile_is_accepted_by_the_service_and_the_cli(
 
 
 def test_compute_sweep_mixes_long_short_tiny_and_mixed_sequences() -> None:
-    cases = dict(profiler.compute_cases((64, 512), 128))
+    cases = dict(compute_cases((64, 512), 128))
     assert cases["long-512"] == (512,)
     assert cases["short-512"] == (128,) * 4
     assert cases["tiny-512"] == (32,) * 16
@@ -118,7 +127,7 @@ def test_profiler_rejects_bad_options_with_exit_2(
 
 
 def _profile_ranks(out_path: Path) -> None:
-    options = profiler.ProfileOptions(model="tiny", sizes=(32, 64), short_length=16, memory_sizes=(32, 64),
+    options = ProfileOptions(model="tiny", sizes=(32, 64), short_length=16, memory_sizes=(32, 64),
                                       comm_sizes=(1024, 8192), shard_sizes=(64,), repeats=1, warmup=0,
                                       progress=False)
     document = profiler.measure_profile(options)
@@ -195,137 +204,52 @@ def test_collective_lead_is_a_static_cp_micro_batchs_compute_per_collective(grou
     num_tokens = 1024
     num_bytes = perf.comm_bytes_per_layer(num_tokens)
     per_rank_s = perf.compute_time_s(float(perf.placement_flops([num_tokens], group_size)[0]))
-    assert profiler.collective_lead_s(fit, shape, num_bytes, group_size, 4) == pytest.approx(
+    assert collective_lead_s(fit, shape, num_bytes, group_size, 4) == pytest.approx(
         per_rank_s / (2 * shape.num_layers))
 
 
 def test_shard_micro_batch_puts_one_sequence_on_every_aligned_block() -> None:
-    assert profiler.shard_degrees(1) == () and profiler.shard_degrees(2) == (2,)
-    assert profiler.shard_degrees(8) == (2, 4, 8)
-    assert profiler.shard_micro_batch(4, 2) == MicroBatch(
+    assert shard_degrees(1) == () and shard_degrees(2) == (2,)
+    assert shard_degrees(8) == (2, 4, 8)
+    assert shard_micro_batch(4, 2) == MicroBatch(
         local=((),) * 4, distributed=(),
         sharded=(ShardedGroup(cp_ranks=(0, 1), sequences=(0,)), ShardedGroup(cp_ranks=(2, 3), sequences=(1,))))
-    assert profiler.shard_micro_batch(4, 4) == MicroBatch(local=((),) * 4, distributed=(0,))
-    for degree in profiler.shard_degrees(8):  # each is a plan the trainer would accept
-        micro_batch = profiler.shard_micro_batch(8, degree)
+    assert shard_micro_batch(4, 4) == MicroBatch(local=((),) * 4, distributed=(0,))
+    for degree in shard_degrees(8):  # each is a plan the trainer would accept
+        micro_batch = shard_micro_batch(8, degree)
         lengths = [512] * len(micro_batch.indices())
         assert find_violations(Plan(dp_ranks=(DPRankPlan(micro_batches=(micro_batch,)),)), sequence_lengths=lengths,
                                dp_size=1, cp_size=8, bucket_size=512) == []
 
 
-# ---- the attention efficiency, derived from synthetic shard-effect rows (no processes) -------------------------
-
-TRUE_CURVE = [[32, 0.4], [2048, 1.0]]  # relative throughput by query tokens, log-interpolated
-
-
-def _flat_and_true_models(
-    curve: list[list[float]] = TRUE_CURVE,
-) -> tuple[dict[str, Any], PerformanceModel, PerformanceModel]:
-    document = copy.deepcopy(builtin_profiles()["cpu-tiny"].raw)
-    document["compute"].pop("attention_efficiency", None)
-    curved = copy.deepcopy(document)
-    curved["compute"]["attention_efficiency"] = {"points": curve, "source": "test"}
-    tiny = MODEL_CATALOGUE["tiny"]
-    return (document, PerformanceModel(model=tiny, profile=parse_profile(document)),
-            PerformanceModel(model=tiny, profile=parse_profile(curved)))
-
-
-def _rows_timed_by(perf: PerformanceModel, sizes: list[int], degrees: list[int]) -> list[dict[str, Any]]:
-    """What the profiler would measure on a machine that behaves exactly as ``perf`` says."""
-    return [{"num_tokens": size, "degree": degree,
-             "whole_s": perf.compute_time_s(float(perf.placement_flops([size], 1)[0])),
-             "shard_s": profiler._predicted_shard_s(perf, size, degree)}
-            for size in sizes for degree in degrees]
-
-
-def test_efficiency_derivation_recovers_the_curve_the_times_came_from() -> None:
-    _, flat, true = _flat_and_true_models()
-    rows = _rows_timed_by(true, [512, 2048], [2, 4])
-    fit = profiler.derive_attention_efficiency(flat, rows)
-    assert fit.result == "written: 5 points" and fit.reference_query_tokens == 2048
-    queries = [query for query, _ in fit.points]
-    assert queries == [64, 128, 256, 512, 2048]  # 512 whole and 2048 over 2 ranks both query 512 tokens
-    assert [relative for _, relative in fit.points] == pytest.approx(true.attention_efficiency(queries).tolist())
+# ---- the shard effect and the attention efficiency in the document (synthetic rows, no processes) --------------
 
 
 def test_written_efficiency_makes_the_model_reproduce_the_measured_shard_times() -> None:
-    document, flat, true = _flat_and_true_models()
-    rows = _rows_timed_by(true, [512, 2048], [2, 4])
-    options = profiler.ProfileOptions(model="tiny", shard_sizes=(512, 2048))
-    profiler._add_shard_effect(document["compute"], flat, rows, options)
-    assert document["compute"]["attention_efficiency"]["source"].startswith("derived from compute.shard_effect")
-    derived = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=parse_profile(document))
+    document, _, true = flat_and_true_models()
+    rows = rows_timed_by(true, [512, 2048], [2, 4])
+    options = ProfileOptions(model="tiny", shard_sizes=(512, 2048))
+    written = document_json(with_shard_effect(ProfileDocument.model_validate(document), MODEL_CATALOGUE["tiny"],
+                                              rows, options))
+    assert written["compute"]["attention_efficiency"]["source"].startswith("derived from compute.shard_effect")
+    derived = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=parse_profile(written))
     for row in rows:
-        assert profiler._predicted_shard_s(derived, row["num_tokens"], row["degree"]) == pytest.approx(row["shard_s"])
-    assert [row["predicted_shard_s"] < row["shard_s"] for row in document["compute"]["shard_effect"]] == [True] * 4
-    assert "attention efficiency (relative throughput" in profiler.summary(document)
+        assert predicted_shard_s(derived, row["num_tokens"], row["degree"]) == pytest.approx(row["shard_s"])
+    assert [row["predicted_shard_s"] < row["shard_s"] for row in written["compute"]["shard_effect"]] == [True] * 4
+    assert "attention efficiency (relative throughput" in profiler.summary(written)
 
 
-def test_efficiency_is_omitted_when_fewer_than_two_lengths_are_determined() -> None:
-    document, flat, true = _flat_and_true_models()
-    rows = _rows_timed_by(true, [2048], [2, 4])
+def test_an_undetermined_efficiency_is_left_out_and_the_note_says_why() -> None:
+    document, flat, true = flat_and_true_models()
+    rows = rows_timed_by(true, [2048], [2, 4])
     for row in rows:  # shards faster than the model's non-attention terms alone: noise, not attention
-        row["shard_s"] = 0.5 * profiler._candidate(flat, row["num_tokens"], row["degree"], row["shard_s"]).other_s
-    fit = profiler.derive_attention_efficiency(flat, rows)
-    assert fit.points == () and fit.result == "omitted: 1 usable query length(s), a curve needs 2"
-    assert fit.verdicts[256].startswith("ill-determined") and fit.verdicts[2048].startswith("usable")
-
-    options = profiler.ProfileOptions(model="tiny", shard_sizes=(2048,))
-    profiler._add_shard_effect(document["compute"], flat, rows, options)
-    assert "attention_efficiency" not in document["compute"]
-    assert "attention_efficiency: omitted: 1 usable" in document["compute"]["shard_effect_note"]
-    profile_from_document(document)
-
-
-def test_efficiency_drops_lengths_whose_candidates_disagree_or_beat_the_reference() -> None:
-    _, flat, true = _flat_and_true_models()
-    rows = _rows_timed_by(true, [512, 1024, 2048], [2, 4])
-    by_case = {(row["num_tokens"], row["degree"]): row for row in rows}
-    by_case[(1024, 4)]["shard_s"] *= 3  # query 128 twice (512 over 2, 1024 over 4): now far apart
-    for row in rows:
-        if row["num_tokens"] == 1024:
-            row["whole_s"] *= 0.5  # 1024 tokens whole faster than the model allows at efficiency 1
-    fit = profiler.derive_attention_efficiency(flat, rows)
-    assert fit.verdicts[128].startswith("ill-determined: its candidates disagree")
-    assert fit.verdicts[1024].startswith("ill-determined") or fit.verdicts[1024].startswith("dropped")
-    assert 128 not in dict(fit.points) and 1024 not in dict(fit.points)
-    assert all(0 < relative <= 1 for _, relative in fit.points) and dict(fit.points)[2048] == 1.0
-
-
-def test_efficiency_is_omitted_when_it_falls_as_queries_lengthen() -> None:
-    _, flat, true = _flat_and_true_models([[64, 0.9], [256, 0.4], [2048, 1.0]])  # a machine whose load varied
-    fit = profiler.derive_attention_efficiency(flat, _rows_timed_by(true, [512, 2048], [2, 4]))
-    assert fit.points == ()
-    assert fit.result.startswith("omitted: not sensible, the relative throughput falls from")
-
-
-def test_efficiency_is_omitted_when_the_longest_sequence_disagrees_with_the_compute_fit() -> None:
-    _, flat, true = _flat_and_true_models()
-    rows = _rows_timed_by(true, [512, 2048], [2, 4])
-    for row in rows:
-        if row["num_tokens"] == 2048:
-            row["whole_s"] *= 0.7  # the machine was quieter during the shard runs than during the compute sweep
-    fit = profiler.derive_attention_efficiency(flat, rows)
-    assert fit.points == ()
-    assert fit.result.startswith("omitted: not sensible, the longest query (2048 tokens whole) has efficiency")
-
-
-def test_efficiency_is_derived_only_against_the_model_without_a_curve() -> None:
-    _, _, true = _flat_and_true_models()
-    with pytest.raises(ValueError, match="already has an attention efficiency curve"):
-        profiler.derive_attention_efficiency(true, _rows_timed_by(true, [512], [2]))
-
-
-def test_efficiency_is_omitted_when_the_longest_query_is_not_determined() -> None:
-    _, flat, true = _flat_and_true_models()
-    rows = _rows_timed_by(true, [512, 2048], [2])
-    for row in rows:
-        if row["num_tokens"] == 2048:
-            row["whole_s"] = 0.01  # less than the model's linear work alone
-    fit = profiler.derive_attention_efficiency(flat, rows)
-    assert fit.points == () and fit.result.startswith("omitted: the longest query measured (2048 tokens)")
-    verdicts = {c["query_tokens"]: c["verdict"] for c in fit.to_json()["candidates"]}
-    assert verdicts[512].startswith("not used") and verdicts[2048].startswith("ill-determined")
+        row["shard_s"] = 0.5 * efficiency_candidate(flat, row["num_tokens"], row["degree"], row["shard_s"]).other_s
+    options = ProfileOptions(model="tiny", shard_sizes=(2048,))
+    written = document_json(with_shard_effect(ProfileDocument.model_validate(document), MODEL_CATALOGUE["tiny"],
+                                              rows, options))
+    assert "attention_efficiency" not in written["compute"]
+    assert "attention_efficiency: omitted: 1 usable" in written["compute"]["shard_effect_note"]
+    profile_from_document(written)
 
 
 def test_trainer_plans_with_a_profile_file_and_asks_the_service_for_it_by_name(measured: Path) -> None:

@@ -14,7 +14,7 @@ from scheduler_service.core.partition import MAX_KARMARKAR_KARP_CELLS, karmarkar
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, SchedulerName, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.simulate import simulate
-from tests.conftest import ProblemFactory
+from tests.problem_builders import ProblemFactory
 
 
 @st.composite
@@ -184,8 +184,8 @@ def test_make_plan_reports_speedup_against_deepspeed(problem_of: ProblemFactory)
 
 
 def test_search_starts_at_one_micro_batch_per_sequence_over_half_the_capacity(problem_of: ProblemFactory) -> None:
-    # Every sequence exceeds C·N/2, so no two share a micro-batch: the count search must start at n
-    # (it used to walk up from ⌈tokens / C·N⌉ one cut at a time, quadratic in n).
+    # Every sequence exceeds C·N/2, so no two share a micro-batch: the count search must start at n, not walk up
+    # from ⌈tokens / C·N⌉ one cut at a time (quadratic in n).
     problem = problem_of([2049] * 300, dp_size=1, cp_size=2, bucket_size=2048)
     for scheduler in HEURISTIC_SCHEDULERS:
         plan = HEURISTIC_SCHEDULERS[scheduler](problem)

@@ -12,16 +12,14 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import FeedbackRequest, FeedbackResponse, PlanResponse, Problem
 
-from scheduler_service.core.models import MODEL_CATALOGUE
-from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
+from tests.service_inputs import LENGTHS, report
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanOrigin, PlanSource, measurements_of
 
-LENGTHS = [637, 208, 90, 138, 35, 1216, 326, 301, 270, 1742, 1014, 958, 344, 304, 347, 123]
 PAPER = builtin_profiles()["h100-paper"]
 
 
@@ -41,17 +39,6 @@ def plan(client: TestClient, job_id: str | None = "job-1", **overrides: Any) -> 
     response = client.post("/plan", json=body)
     assert response.status_code == 200, response.text
     return PlanResponse.model_validate_json(response.content)
-
-
-def report(job_id: str = "job-1", *, scale: float = 1000.0, peak: float | None = None) -> dict[str, Any]:
-    """Micro-batch times as if the machine were ``scale`` times slower than the H100 profile says."""
-    perf = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=PAPER)
-    micro_batches = []
-    for local in ([[637, 90], [1216]], [[35, 138, 1014], [958]], [[344, 304], [347, 123, 270]], [[1742], [301]]):
-        time_s = max(perf.compute_time_s(float(perf.flops_array(rank).sum())) for rank in local) * scale
-        micro_batches.append({"local_lengths": local, "distributed_lengths": [], "time_ms": time_s * 1e3,
-                              **({"peak_memory_bytes": peak} if peak is not None else {})})
-    return {"job_id": job_id, "step": 3, "micro_batches": micro_batches}
 
 
 def assert_problem(response: httpx.Response, status: int, field: str | None) -> Problem:

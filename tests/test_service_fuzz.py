@@ -4,13 +4,10 @@ and sends them to the real app under uvicorn; no answer may be a 5xx, and every 
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 import schemathesis
-import uvicorn
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -22,6 +19,7 @@ from schemathesis.specs.openapi.checks import (
 from scheduler_service.export_schema import CONTRACT_DIR
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
+from tests.servers import uvicorn_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -40,22 +38,8 @@ FUZZ_SETTINGS = Settings(
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    """The app under a real uvicorn in a thread, on a free loopback port (port 0, read back after binding)."""
-    config = uvicorn.Config(create_app(FUZZ_SETTINGS), host="127.0.0.1", port=0, log_config=None,
-                            access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
+    with uvicorn_in_thread(create_app(FUZZ_SETTINGS)) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @schema.parametrize()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -12,19 +11,10 @@ from fastapi.testclient import TestClient
 from skrull_proto import ModelsResponse, PlanResponse
 
 from scheduler_service.core.errors import InvalidRequestError
-from scheduler_service.core.profile import builtin_profiles
-from scheduler_service.runtime import profile_folder
+from scheduler_service.runtime import profiles
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
-
-
-def measured_document(name: str = "lab-tiny", model: str | None = "tiny", scale: float = 1.0) -> dict[str, Any]:
-    document = copy.deepcopy(builtin_profiles()["h100-paper"].raw)
-    document.update(name=name, model=model, description="made up for a test",
-                    provenance={"date": "2025-03-04T05:06:07+00:00", "tool": "test"})
-    document["compute"] = {"alpha_s_per_flop": 5e-11 * scale, "beta_s_per_layer": 5e-4,
-                           "alpha_s_per_token": 2e-5, "alpha_s_per_sequence": 1e-4}
-    return document
+from tests.service_inputs import measured_document
 
 
 def settings(profile_dir: Path | None, **overrides: Any) -> Settings:
@@ -129,13 +119,13 @@ def test_an_unknown_profile_rereads_the_folder_only_when_it_changed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reads: list[Path] = []
-    load = profile_folder.load_profile_dir
+    load = profiles.load_profile_dir
 
     def counting_load(directory: Path) -> dict[str, Any]:
         reads.append(directory)
         return load(directory)
 
-    monkeypatch.setattr(profile_folder, "load_profile_dir", counting_load)
+    monkeypatch.setattr(profiles, "load_profile_dir", counting_load)
     with TestClient(create_app(settings(tmp_path))) as client:
         assert len(reads) == 1  # the start-up
         for _ in range(3):  # unchanged folder: no re-read per request

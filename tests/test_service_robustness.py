@@ -20,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 from skrull_proto import FeedbackResponse, PlanResponse, Problem
-from test_service_server import Served, serve
+
+from tests.servers import Served, serve
 
 pytestmark = pytest.mark.slow
 

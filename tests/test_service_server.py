@@ -1,86 +1,18 @@
-"""The real server: ``python -m scheduler_service serve`` on a free loopback port, spoken to with httpx.
-
-``serve`` starts one; the robustness tests (``test_service_robustness``) use it too.
-"""
+"""The real server: ``python -m scheduler_service serve`` on a free loopback port (``servers.serve``), spoken to
+with httpx."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import queue
-import re
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from skrull_proto import PlanResponse, Problem
 
+from tests.servers import Served, serve
+
 pytestmark = pytest.mark.slow
-
-_RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
-
-
-@dataclass
-class Served:
-    base_url: str
-    process: subprocess.Popen[str]
-    pending: queue.Queue[str]  # stderr lines, read by a thread
-    log_lines: list[str] = field(default_factory=list)
-
-    def log_entries(self) -> list[dict[str, object]]:
-        while not self.pending.empty():
-            self.log_lines.append(self.pending.get())
-        return [json.loads(line) for line in self.log_lines if line.startswith("{")]
-
-
-def _read_lines(stream: object, lines: queue.Queue[str]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
-        lines.put(line)
-
-
-@contextlib.contextmanager
-def serve(env: Mapping[str, str] | None = None) -> Iterator[Served]:
-    """``python -m scheduler_service serve`` on port 0 (uvicorn binds a free port and logs it, so there is no race
-    for a port number), stopped with SIGTERM (graceful: the lifespan's exit runs). One worker unless ``env`` asks
-    for more: the tests count the server's child processes and kill it."""
-    env = {**os.environ, "SKRULL_WORKERS": "1", "SKRULL_CPSAT_WARMUP": "false",
-           "SKRULL_CPSAT_DEFAULT_TIME_LIMIT_S": "0.3", **(env or {})}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_service", "serve", "--host", "127.0.0.1", "--port", "0"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=_read_lines, args=(process.stderr, lines), daemon=True)
-    reader.start()
-    log_lines: list[str] = []
-    port = None
-    deadline = time.monotonic() + 60
-    while port is None and time.monotonic() < deadline and process.poll() is None:
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        log_lines.append(line)
-        if match := _RUNNING.search(line):
-            port = int(match.group(1))
-    try:
-        if port is None:
-            process.kill()
-            pytest.fail("server did not start:\n" + "".join(log_lines))
-        yield Served(base_url=f"http://127.0.0.1:{port}", process=process, pending=lines, log_lines=log_lines)
-    finally:
-        if process.poll() is None:
-            process.terminate()
-        process.wait(timeout=30)
-        reader.join(timeout=10)  # it ends at the pipe's end of file
-        assert process.stderr is not None
-        process.stderr.close()
 
 
 @pytest.fixture(scope="module")

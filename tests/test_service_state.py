@@ -10,8 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 from skrull_proto import FeedbackResponse, PlanResponse
-from test_service_feedback import LENGTHS, report
-from test_service_server import serve
+
+from tests.servers import serve
+from tests.service_inputs import LENGTHS, report
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 from skrull_proto import FeedbackResponse, ModelsResponse
-from test_service_feedback import LENGTHS, report
-from test_service_profiles import measured_document
-from test_service_server import Served, serve
+
+from tests.servers import Served, serve
+from tests.service_inputs import LENGTHS, measured_document, report
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,10 @@ import pytest
 import torch.distributed as dist
 
 from trainer_client.checkpoint import LATEST, latest_checkpoint
+from trainer_client.config import TrainConfig
 from trainer_client.demo import read_metrics, trainer_env
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.trainer import TrainConfig, Trainer
+from trainer_client.trainer import Trainer
 
 DP, CP, STEPS, GLOBAL_BATCH, BUCKET_SIZE = 2, 2, 3, 8, 512
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from trainer_client.config import TrainConfig
 from trainer_client.demo import read_metrics, trainer_env
 from trainer_client.distributed import free_port
 from trainer_client.train import main
-from trainer_client.trainer import TrainConfig
 
 
 def _torchrun(nproc: int, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:

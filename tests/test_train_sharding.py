@@ -14,8 +14,9 @@ from torch.distributed.tensor import DTensor
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import resolve_profile
+from trainer_client.config import TrainConfig
 from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelContext, init_parallel, spawn_gloo
-from trainer_client.trainer import TrainConfig, Trainer
+from trainer_client.trainer import Trainer
 
 DP, CP, STEPS = 2, 2, 2
 # (name, sharding, activation checkpointing, global batch); a global batch of 1 leaves DP rank 1 without sequences

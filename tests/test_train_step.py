@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from trainer_client.data import IGNORE_INDEX, GlobalBatch, make_source
+from tests.train_reference import unscheduled_step
+from trainer_client.config import TrainConfig
+from trainer_client.data import GlobalBatch, make_source
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.model import build_model
-from trainer_client.trainer import TrainConfig, Trainer
+from trainer_client.trainer import Trainer
 
 DP, CP = 2, 2
 BUCKET_SIZE = 1024  # small enough that skrull mixes local and distributed sequences over several micro-batches
@@ -43,19 +43,6 @@ def _one_step_on_every_plan(out_dir: Path) -> None:
     dist.barrier()
 
 
-def _unscheduled_step(batch: GlobalBatch) -> tuple[float, dict[str, torch.Tensor]]:
-    """One process, stock transformers SDPA attention, one sequence at a time: the reference."""
-    model = build_model("tiny", attn_implementation="sdpa", seed=0)
-    total = torch.zeros(())
-    for sample in batch.samples:
-        logits_TV = model(input_ids=torch.from_numpy(sample.input_ids)[None], use_cache=False).logits[0]
-        total = total + F.cross_entropy(logits_TV, torch.from_numpy(sample.targets), ignore_index=IGNORE_INDEX,
-                                        reduction="sum")
-    loss = total / batch.num_loss_tokens
-    loss.backward()
-    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.fixture(scope="module")
 def step_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out_dir = tmp_path_factory.mktemp("step")
@@ -68,12 +55,12 @@ def reference() -> tuple[GlobalBatch, float, dict[str, torch.Tensor]]:
     config = _config("skrull")
     batch = make_source(config.data, global_batch_size=config.global_batch, vocab_size=1024,
                         max_length=BUCKET_SIZE * CP, seed=config.seed).batch(0)
-    return batch, *_unscheduled_step(batch)
+    return batch, *unscheduled_step(batch)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_step_equals_single_process_unscheduled_step(
+def test_step_equals_single_processunscheduled_step(
     step_results: dict[str, dict], reference: tuple[GlobalBatch, float, dict[str, torch.Tensor]], scheduler: str
 ) -> None:
     batch, expected_loss, expected_grads = reference

@@ -10,12 +10,12 @@ import numpy as np
 import orjson
 import pytest
 from skrull_proto import PlanResponse
-from test_wire_groups import GROUPED_PLAN, result_of
 
 from scheduler_service.core.plan import SolverReport, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, PlanResult, make_plan
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.runtime.wire import result_to_response, result_to_response_data
+from tests.grouped_plans import GROUPED_PLAN, result_of
 
 
 def assert_written_as_the_model(result: PlanResult, breakdown: bool) -> None:

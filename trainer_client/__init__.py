@@ -4,9 +4,13 @@ Modules, one concept each: ``zigzag`` (which tokens a CP rank owns), ``data``
 (global batches), ``packing`` (a CP rank's row of a micro-batch), ``attention``
 (DACP attention), ``model`` (transformers model + attention registration),
 ``plan_client`` (service client, embedded fallback, feedback), ``distributed``
-(mesh, gloo launcher), ``trainer`` (the loop), ``train`` (the torchrun
-entrypoint), ``profile`` (the offline profiler) and ``measure`` (its timing and
-memory probes), ``demo`` (the end-to-end job).
+(mesh, gloo launcher), ``parallelize`` (FSDP, activation checkpointing, the
+gradient all-reduce), ``config`` (the trainer's settings), ``trainer`` (the
+loop), ``step_metrics`` (what a step measures and reports), ``train`` (the
+torchrun entrypoint), ``profile`` (the offline profiler) with
+``profile_sweeps`` (what it measures), ``profile_document`` (the file it
+writes) and ``measure`` (its timing and memory probes), ``demo`` (the
+end-to-end job).
 
 Public names resolve lazily, so ``import trainer_client`` does not import torch.
 """
@@ -60,7 +64,7 @@ _MODULE_OF = {
     "PlanSource": "plan_client",
     "PlanTimeout": "plan_client",
     "PlanUnavailable": "plan_client",
-    "TrainConfig": "trainer",
+    "TrainConfig": "config",
     "Trainer": "trainer",
     "build_model": "model",
     "register_dacp_attention": "model",

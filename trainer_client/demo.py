@@ -44,7 +44,8 @@ from trainer_client.distributed import free_port
 from trainer_client.model import model_shape
 from trainer_client.profile import ProfileOptions
 
-__all__ = ["RunSummary", "demo_comm_sizes", "main", "run_trainer", "start_service", "stop_service", "summarize"]
+__all__ = ["RunSummary", "build_parser", "demo_comm_sizes", "main", "run_trainer", "start_service", "stop_service",
+           "summarize"]
 
 
 def start_service(port: int, *, ready_timeout_s: float = 120.0,
@@ -207,17 +208,22 @@ def format_table(skrull: RunSummary, deepspeed: RunSummary, *, profile: str) -> 
     return "\n".join(rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer_client.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--bucket-size", type=int, default=4096)
-    parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--cp", type=int, default=2)
-    parser.add_argument("--data", default="synthetic:lmsys")
+    parser.add_argument("--steps", type=int, default=20, help="training steps of each run")
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences per global batch")
+    parser.add_argument("--bucket-size", type=int, default=4096, help="tokens one CP rank holds (BucketSize)")
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel size")
+    parser.add_argument("--cp", type=int, default=2, help="context-parallel size")
+    parser.add_argument("--data", default="synthetic:lmsys", help="the trainer's --data")
     parser.add_argument("--profile", default="measure",
                         help="'measure': profile this machine first, with the demo's 4 processes (about 80-150 s); "
                              "or a shipped profile name (cpu-tiny)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     nproc = args.dp * args.cp
 

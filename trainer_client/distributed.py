@@ -5,7 +5,7 @@ cp_size + cp_rank`` (the row-major layout of ``init_device_mesh``), so the CP
 group of DP row ``i`` is global ranks ``[i · cp_size, (i + 1) · cp_size)``.
 
 Hybrid DACP shards some sequences over an aligned *block* of a CP group
-(DESIGN.md, "Hybrid DACP"). ``init_parallel`` creates the process group of every
+(docs/design.md, "Wire contract"). ``init_parallel`` creates the process group of every
 such block of every DP row up front, ``sum(cp_size / s for s in
 block_degrees(cp_size))`` per row (4 + 2 for cp_size 8), because
 ``dist.new_group`` is collective over the world and cannot be called lazily by
@@ -51,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from scheduler_service.core.plan import block_degrees, cp_blocks
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "FirstFailure", "ParallelContext", "ParallelDims", "PeerFailed",
-           "free_port", "init_parallel", "report_failure", "spawn_gloo"]
+           "free_port", "init_parallel", "max_over_ranks", "report_failure", "spawn_gloo"]
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 _FIRST_FAILURE_KEY = "skrull/first_failure"  # in the default group's store: per job, and per torchrun restart
@@ -197,6 +197,14 @@ def _new_cp_block_groups(
             assert group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
             groups[(block[0], len(block))] = group
     return groups
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest ``value`` over all ranks of the world (every rank calls): the slowest rank's time is the one
+    its peers wait for."""
+    largest = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return float(largest.item())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

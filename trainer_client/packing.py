@@ -7,7 +7,7 @@ For micro-batch ``m`` of DP rank ``i`` and CP rank ``j`` the packed row is
 
 A run of shards is one *collective*: the sequences zigzag-sharded over one
 aligned block of ``s`` CP ranks (all ``N`` for ``distributed``, a hybrid group's
-``cp_ranks`` otherwise; DESIGN.md, "Hybrid DACP"). Each such sequence is padded
+``cp_ranks`` otherwise; docs/design.md, "Wire contract"). Each such sequence is padded
 to a multiple of ``2s`` and cut into ``2s`` chunks; the rank at position
 ``p = j − first rank of the block`` holds chunks ``p`` and ``2s − 1 − p``
 (``zigzag.py`` with ``cp_size = s``, ``cp_rank = p``). The whole CP group is

@@ -25,7 +25,9 @@ all ranks) with a peer still inside a CP collective that waits for it. Per micro
 * ``zero3``: parameters are resharded after every forward and gathered again for backward; gradients are
   reduce-scattered every micro-batch. Every rank gathers per micro-batch, so every rank runs the same number:
   the plan's longest DP rank's count, topped up with zero-loss padding micro-batches.
-* ``none``: replicated parameters, gradients summed by one flat all-reduce after the last micro-batch.
+* ``none``: replicated parameters, gradients summed by one flat all-reduce after the last micro-batch
+  (``reduce_gradients``; DDP would need the same number of micro-batches on every DP rank, which Skrull's plans
+  do not give).
 
 Gradients are summed, not averaged, over ranks (``set_gradient_divide_factor(1)``): the loss is already divided
 by the global batch's loss tokens (``trainer.py``). On CUDA, FSDP keeps bf16 parameters and compute and reduces
@@ -40,10 +42,12 @@ layer's unsharded weights and gradients at a time, not per parameter).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
+import torch.distributed as dist
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -59,6 +63,7 @@ __all__ = [
     "num_padding_micro_batches",
     "parallelize",
     "prepare_micro_batch",
+    "reduce_gradients",
     "static_bytes_per_parameter",
 ]
 
@@ -151,3 +156,20 @@ def num_padding_micro_batches(sharding: Sharding, *, num_planned: int, max_plann
     if sharding is Sharding.ZERO2:
         return 0 if num_planned else 1
     return 0
+
+
+def reduce_gradients(params: Sequence[torch.nn.Parameter], totals: torch.Tensor, *, sharding: Sharding) -> torch.Tensor:
+    """Sum ``totals`` (fp32, 1-D: the step's loss and counts) over all ranks and return the sums; replicated
+    (``none``), every gradient is summed in the same flat all-reduce, one collective, and ranks that ran no
+    micro-batch contribute zeros. Under FSDP the gradients were reduce-scattered in the last backward already."""
+    if sharding is not Sharding.NONE:
+        dist.all_reduce(totals)
+        return totals
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads] + [totals])
+    dist.all_reduce(flat)
+    offset = 0
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = flat[offset:offset + grad.numel()].view_as(param).to(param.dtype)
+        offset += grad.numel()
+    return flat[offset:]

@@ -41,6 +41,10 @@ rank 0 nor leave the other ranks waiting in the next collective. ``close``
 waits for the report in flight (bounded by the client's timeout). A service that lowered the job's
 BucketSize (memory near its budget) answers plans with the smaller
 ``bucket_size``; any bucket up to the trainer's own is accepted.
+
+The client and the plan source share this module (over 500 lines) because the
+client's error hierarchy is the fallback's contract: what ``PlanSource`` plans
+around, and what it reports, is decided by the errors defined beside it.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
@@ -210,10 +214,12 @@ class PlanClient:
         deadline_s: float | None = None,
         client: httpx.Client | None = None,
         api_token: str | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """``deadline_s``: the most one fetch (every attempt and backoff) may take; ``timeout_s`` × attempts when
         absent. ``api_token``: sent as ``Authorization: Bearer`` (a shared service asks for it on /feedback);
-        ``SKRULL_API_TOKEN`` from the environment when absent, as the service reads it."""
+        ``SKRULL_API_TOKEN`` from the environment when absent, as the service reads it. ``sleep``: how a retry
+        waits its delay (injectable, so the wait asked for can be checked without a clock)."""
         if timeout_s <= 0:
             raise ValueError(f"plan timeout must be positive, got {timeout_s}")
         if deadline_s is not None and deadline_s <= 0:
@@ -225,6 +231,7 @@ class PlanClient:
         self.base_url = base_url
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
+        self._sleep = sleep
         self.deadline_s = deadline_s if deadline_s is not None else timeout_s * max_attempts
         token = api_token if api_token is not None else os.environ.get("SKRULL_API_TOKEN")
         self._headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
@@ -272,6 +279,7 @@ class PlanClient:
             retry=retry_if_exception_type(PlanUnavailable),
             stop=stop_after_attempt(self.max_attempts) | stop_before_delay(self.deadline_s),
             wait=self._wait_s,
+            sleep=self._sleep,
             reraise=False,
         )
         try:

@@ -31,10 +31,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from scheduler_service.core.plan import SchedulerName
 from trainer_client.attention import AttentionBackend
+from trainer_client.config import TrainConfig
 from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, PeerFailed, init_parallel, report_failure
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS
 from trainer_client.parallelize import ActivationCheckpointing, Sharding
-from trainer_client.trainer import TrainConfig, Trainer
+from trainer_client.trainer import Trainer
 
 __all__ = ["build_parser", "main"]
 

@@ -18,8 +18,7 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
    none); gradients are reduce-scattered over all ranks in the backward of the
    last one, overlapping it. ``--sharding none``: idle micro-batches are
    skipped, and the gradients of all ranks are summed by one flat all-reduce
-   afterwards (DDP would need the same number of micro-batches on every DP rank,
-   which Skrull's plans do not give).
+   afterwards (``parallelize.reduce_gradients``).
 3. Loss normalisation over the *whole* global batch (paper appendix A): every
    micro-batch's summed token loss (``loss.py``: LM head and cross-entropy
    chunked over tokens) is divided by the global batch's number of loss tokens
@@ -33,9 +32,13 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
    steps all ranks save a DCP checkpoint (``checkpoint.py``), from which
    ``--resume`` continues exactly.
 5. With ``feedback`` (opt-in), every rank's measured micro-batch times (and
-   peak memory on CUDA) are gathered on rank 0, which reports them to the
-   service (``POST /feedback``) in the background; the service refits this
-   job's profile for the next plans. Step 0 is not reported (one-off warm-up).
+   peak memory on CUDA, ``step_metrics.MicroBatchTimer``) are gathered on rank 0,
+   which reports them to the service (``POST /feedback``) in the background; the
+   service refits this job's profile for the next plans. Step 0 is not reported
+   (one-off warm-up).
+
+The configuration and its checks are ``config.TrainConfig``; what each step
+reports (``--metrics-out``) is ``step_metrics.StepMetrics``.
 
 Shape legend: T tokens of one packed row, V vocabulary.
 """
@@ -44,34 +47,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
-import resource
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from pydantic import TypeAdapter, ValidationError
-from skrull_proto.models import JobId
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.models import ModelShape
-from scheduler_service.core.plan import MicroBatch, SchedulerName, make_problem
+from scheduler_service.core.plan import MicroBatch, make_problem
 from scheduler_service.core.profile import Profile, resolve_profile
-from scheduler_service.profile_files import load_profile
+from scheduler_service.runtime.profiles import load_profile
 from trainer_client.attention import AttentionBackend
 from trainer_client.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_client.config import TrainConfig
 from trainer_client.data import DataSource, GlobalBatch, LengthStats, make_source
-from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelContext, ParallelDims
-from trainer_client.loss import DEFAULT_CHUNK_TOKENS, CausalLMLoss
+from trainer_client.distributed import ParallelContext, max_over_ranks
+from trainer_client.loss import CausalLMLoss
 from trainer_client.model import build_model, model_shape
 from trainer_client.optim import clip_gradients, warmup_cosine_schedule
 from trainer_client.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
@@ -81,17 +80,16 @@ from trainer_client.parallelize import (
     num_padding_micro_batches,
     parallelize,
     prepare_micro_batch,
+    reduce_gradients,
     static_bytes_per_parameter,
 )
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanOrigin, PlanSource
 from trainer_client.prefetch import PrefetchedMicroBatches
+from trainer_client.step_metrics import MetricsFile, MicroBatchTimer, StepMetrics
 
-__all__ = ["InjectedFault", "MicroBatches", "PlanningFailed", "StepMetrics", "TrainConfig", "Trainer",
-           "memory_profile", "run_micro_batch"]
+__all__ = ["InjectedFault", "MicroBatches", "PlanningFailed", "Trainer", "memory_profile", "run_micro_batch"]
 
 logger = logging.getLogger("trainer_client.trainer")
-
-_JOB_ID: TypeAdapter[str] = TypeAdapter(JobId)
 
 
 class MicroBatches(Protocol):
@@ -108,132 +106,6 @@ class PlanningFailed(ValueError):
 
 class InjectedFault(RuntimeError):
     """Raised by ``--fail-rank``/``--fail-at-step``: one rank failing alone, as a crash or a bad record would."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainConfig:
-    dp: int
-    cp: int
-    model: str = "tiny"
-    data: str = "synthetic:lmsys"
-    global_batch: int = 16
-    steps: int = 20
-    scheduler: str = SchedulerName.SKRULL.value
-    scheduler_url: str | None = None
-    bucket_size: int | None = None
-    profile: str | None = None  # a profile name, or a profile file (the profiler's output)
-    seed: int = 0
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # the cosine ends at lr × this at the last step
-    max_grad_norm: float = 1.0  # 0: no clipping (the norm is still reported)
-    sharding: str = Sharding.ZERO2.value
-    activation_checkpointing: str = ActivationCheckpointing.NONE.value
-    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    checkpoint_dir: Path | None = None
-    checkpoint_every: int = 0  # steps between checkpoints; 0: only after the last step (with --checkpoint-dir)
-    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir, if there is one
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
-    max_length: int | None = None
-    truncate: bool = False
-    tokenizer: str | None = None  # a local tokenizer directory, for text and chat records
-    metrics_out: Path | None = None
-    plan_timeout_s: float = 5.0
-    plan_attempts: int = 3
-    attention_backend: str = AttentionBackend.AUTO.value
-    dtype: str | None = None  # float32 | bfloat16; default float32 on CPU, bfloat16 autocast on CUDA
-    progress: bool = True
-    feedback: bool = False  # report measured micro-batch times and peak memory to the service
-    job_id: str | None = None  # names this run for the service's feedback; random when absent
-    # Fault injection (tests of failure handling): this global rank raises InjectedFault at the start of this step.
-    fail_rank: int | None = None
-    fail_at_step: int | None = None
-
-    def __post_init__(self) -> None:
-        ParallelDims(dp_size=self.dp, cp_size=self.cp)
-        if self.global_batch < 1:
-            raise ValueError(f"--global-batch must be positive, got {self.global_batch}")
-        if self.steps < 1:
-            raise ValueError(f"--steps must be positive, got {self.steps}")
-        if self.scheduler not in {s.value for s in SchedulerName}:
-            raise ValueError(f"--scheduler {self.scheduler!r} is unknown; known: {', '.join(SchedulerName)}")
-        if self.bucket_size is not None and self.bucket_size < 1:
-            raise ValueError(f"--bucket-size must be positive, got {self.bucket_size}")
-        if self.max_length is not None and self.max_length < 1:
-            raise ValueError(f"--max-length must be positive, got {self.max_length}")
-        if self.scheduler_url is not None and not self.scheduler_url.startswith(("http://", "https://")):
-            raise ValueError(f"--scheduler-url {self.scheduler_url!r} must start with http:// or https://")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"--min-lr-ratio must lie in [0, 1], got {self.min_lr_ratio}")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"--max-grad-norm must not be negative, got {self.max_grad_norm}")
-        Sharding(self.sharding)
-        ActivationCheckpointing(self.activation_checkpointing)
-        if self.loss_chunk_tokens < 1:
-            raise ValueError(f"--loss-chunk-tokens must be positive, got {self.loss_chunk_tokens}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every must not be negative, got {self.checkpoint_every}")
-        if (self.checkpoint_every or self.resume) and self.checkpoint_dir is None:
-            raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
-        if self.collective_timeout_s <= 0:
-            raise ValueError(f"--collective-timeout must be positive, got {self.collective_timeout_s}")
-        AttentionBackend(self.attention_backend)
-        if self.dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.feedback and self.scheduler_url is None:
-            raise ValueError("--feedback reports to the scheduler service: give --scheduler-url too")
-        if self.job_id is not None:
-            try:
-                _JOB_ID.validate_python(self.job_id)
-            except ValidationError:
-                raise ValueError(f"--job-id {self.job_id!r} is not a valid job id: 1 to 128 characters, letters, "
-                                 "digits and . _ : - only, starting with a letter or digit") from None
-        if (self.fail_rank is None) != (self.fail_at_step is None):
-            raise ValueError("--fail-rank and --fail-at-step go together")
-        if self.fail_rank is not None and not 0 <= self.fail_rank < self.dp * self.cp:
-            raise ValueError(f"--fail-rank {self.fail_rank} is not a global rank of dp {self.dp} × cp {self.cp}")
-
-    @property
-    def dims(self) -> ParallelDims:
-        return ParallelDims(dp_size=self.dp, cp_size=self.cp)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepMetrics:
-    step: int
-    loss: float
-    tokens: int
-    loss_tokens: int
-    step_time_s: float
-    tokens_per_s: float
-    plan_source: str
-    scheduler: str
-    estimated_time_ms: float | None
-    num_micro_batches: int
-    micro_batch_time_s: float  # the slowest rank's time in its micro-batches: what the plan's estimate predicts
-    num_padding_micro_batches: int  # zero-loss micro-batches run so that FSDP collectives match, all ranks
-    plan_fallbacks: int
-    lr: float
-    grad_norm: float  # global gradient norm before clipping
-    peak_memory_bytes: int | None
-    memory_kind: str
-
-    def to_json(self) -> str:
-        return json.dumps({name: getattr(self, name) for name in self.__slots__})
-
-
-def _peak_memory(device: torch.device) -> tuple[int | None, str]:
-    if device.type == "cuda":
-        peak = int(torch.cuda.max_memory_allocated(device))
-        torch.cuda.reset_peak_memory_stats(device)
-        return peak, "cuda_max_allocated"
-    # ru_maxrss is in KiB on Linux: the process's peak resident set since it started.
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"
 
 
 def run_micro_batch(
@@ -324,12 +196,14 @@ class Trainer:
                                     job_id=(config.job_id or uuid.uuid4().hex) if config.feedback else None)
             self.plans.check_service()
             self.plans.warm_up()
+        # On CUDA the timing waits for the device, so only a run that reports it pays for the waits.
+        self.timer = MicroBatchTimer(self.device, dp_rank=parallel.dp_rank,
+                                     enabled=self.device.type != "cuda" or config.feedback)
         self.micro_batch_timings: list[MicroBatchTiming] = []  # this rank's, of the latest step
-        self._step_peak_bytes = 0  # CUDA: the largest per-micro-batch peak of the step (feedback resets them)
         self._next_batch: GlobalBatch | None = None  # rank 0: the batch built for the prefetch, trained next step
-        self._metrics_file: IO[str] | None = None
+        self._metrics_file: MetricsFile | None = None
         if parallel.is_main and config.metrics_out is not None:
-            self._metrics_file = _open_metrics(config.metrics_out, keep_steps_before=self.first_step)
+            self._metrics_file = MetricsFile(config.metrics_out, keep_steps_before=self.first_step)
 
     def _derived_bucket_size(self, shape: ModelShape, param_dtype: torch.dtype) -> int:
         """BucketSize from the profile, as the planner derives it when a request leaves it out, with the static
@@ -426,13 +300,10 @@ class Trainer:
         Every rank holds the same global batch, so each divides by its loss-token count without a collective first
         (appendix A); what the ranks actually packed is summed afterwards, for the caller to check against it.
         """
-        world = dist.group.WORLD
         num_loss_tokens = batch.num_loss_tokens
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.micro_batch_timings = []
-        # On CUDA the timing waits for the device, so only a run that reports it pays for the waits.
-        timed = self.device.type != "cuda" or self.config.feedback
+        self.timer.start_step()
         num_packed_loss_tokens = num_padding = 0
         loop_started = time.perf_counter()
         for index, pack in enumerate(packs):
@@ -443,43 +314,19 @@ class Trainer:
             if pack.is_idle:
                 continue
             prepare_micro_batch(self.module, sharding=self.sharding, is_last=index == len(packs) - 1)
-            if timed and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                torch.cuda.reset_peak_memory_stats(self.device)
-            started = time.perf_counter()
-            loss_sum += run_micro_batch(self.module, pack, num_loss_tokens=num_loss_tokens,
-                                        autocast_dtype=self.autocast_dtype,
-                                        attention_backend=self.config.attention_backend).double()
-            if timed and not pack.is_padding:
-                peak = None
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                    peak = int(torch.cuda.max_memory_allocated(self.device))
-                    self._step_peak_bytes = max(self._step_peak_bytes, peak)
-                self.micro_batch_timings.append(MicroBatchTiming(
-                    dp_rank=self.parallel.dp_rank, index=index, time_s=time.perf_counter() - started,
-                    peak_memory_bytes=peak))
+            with self.timer.micro_batch(index, is_padding=pack.is_padding):
+                loss_sum += run_micro_batch(self.module, pack, num_loss_tokens=num_loss_tokens,
+                                            autocast_dtype=self.autocast_dtype,
+                                            attention_backend=self.config.attention_backend).double()
+        self.micro_batch_timings = self.timer.timings
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        slowest = torch.tensor([time.perf_counter() - loop_started], dtype=torch.float64, device=self.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=world)
-        self.micro_batch_time_s = float(slowest.item())
+        self.micro_batch_time_s = max_over_ranks(time.perf_counter() - loop_started, self.device)
         packed = torch.tensor([num_packed_loss_tokens], dtype=torch.float64, device=self.device)
-        dist.all_reduce(packed, group=world)
-        totals = [loss_sum.float().reshape(1), torch.tensor([float(num_padding)], device=self.device)]
-        if self.sharding is Sharding.NONE:
-            # One collective for every gradient and the loss; ranks that ran nothing contribute zeros.
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            flat = torch.cat([g.reshape(-1).float() for g in grads] + totals)
-            dist.all_reduce(flat, group=world)
-            offset = 0
-            for param, grad in zip(self.params, grads, strict=True):
-                param.grad = flat[offset:offset + grad.numel()].view_as(param).to(param.dtype)
-                offset += grad.numel()
-            reduced = flat[offset:]
-        else:  # FSDP reduce-scattered the gradients in the last micro-batch's backward
-            reduced = torch.cat(totals)
-            dist.all_reduce(reduced, group=world)
+        dist.all_reduce(packed)
+        # The loss and the padding count ride in the gradients' collective: [loss, padding micro-batches].
+        totals = torch.cat([loss_sum.float().reshape(1), torch.tensor([float(num_padding)], device=self.device)])
+        reduced = reduce_gradients(self.params, totals, sharding=self.sharding)
         self.num_padding_micro_batches = int(reduced[1].item())
         global_loss = float(reduced[0].item()) / max(num_loss_tokens, 1)
         return global_loss, int(packed.item())
@@ -500,10 +347,7 @@ class Trainer:
         self.optimizer.step()
         self.lr_schedule.step()
         step_time_s = time.perf_counter() - started
-        peak, memory_kind = _peak_memory(self.device)
-        if peak is not None and self.device.type == "cuda":
-            peak = max(peak, self._step_peak_bytes)
-            self._step_peak_bytes = 0
+        peak, memory_kind = self.timer.step_peak_memory()
         assert decision.plan is not None
         if self.config.feedback:
             self.report_feedback(step, batch, decision)
@@ -552,8 +396,7 @@ class Trainer:
                 self.lengths.add(batch)
                 history.append(metrics)
                 if self._metrics_file is not None:
-                    self._metrics_file.write(metrics.to_json() + "\n")
-                    self._metrics_file.flush()
+                    self._metrics_file.write(metrics)
                 done = step + 1
                 if self.config.checkpoint_dir is not None and ((every and done % every == 0)
                                                                or done == self.config.steps):
@@ -571,16 +414,3 @@ class Trainer:
         if self._metrics_file is not None:
             self._metrics_file.close()
 
-
-def _open_metrics(path: Path, *, keep_steps_before: int) -> IO[str]:
-    """The metrics file, holding each step once: a resumed run keeps the lines of the steps its checkpoint holds
-    and rewrites the ones after (which the killed run may have logged)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    kept = []
-    if keep_steps_before and path.is_file():
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] < keep_steps_before]
-    handle = path.open("w")
-    handle.writelines(line + "\n" for line in kept)
-    handle.flush()
-    return handle

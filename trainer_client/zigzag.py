@@ -2,7 +2,7 @@
 
 A sequence sharded over ``cp_size = N`` ranks is padded to a multiple of ``2N``
 tokens and cut into ``2N`` equal chunks; CP rank ``r`` owns chunks ``r`` and
-``2N − 1 − r`` (DESIGN.md, "Distributed sequences in attention"). Under causal
+``2N − 1 − r`` (docs/design.md, "Sharded sequences in attention"). Under causal
 attention chunk ``a`` attends to ``a + 1`` chunks, so every rank does
 ``(r + 1) + (2N − r) = 2N + 1`` chunk-pairs of work: the load is even.
 
@@ -11,7 +11,7 @@ Padding tokens sit at the end of the sequence (global positions
 loss ignores them, so they change no number that matters.
 
 Hybrid DACP shards a sequence over an aligned *block* of ``s`` CP ranks
-instead of the whole group (DESIGN.md, "Hybrid DACP"): the same rule applies
+instead of the whole group (docs/design.md, "Wire contract"): the same rule applies
 with ``cp_size = s`` and ``cp_rank`` the rank's position in the block
 (``cp_rank − first rank of the block``); the whole CP group is the block of all
 ranks.

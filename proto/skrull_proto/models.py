@@ -1,4 +1,4 @@
-"""Pydantic v2 models of the wire contract (DESIGN.md, "Wire contract").
+"""Pydantic v2 models of the wire contract (docs/design.md, "Wire contract").
 
 This package depends on pydantic alone, so the trainer can speak the contract
 without importing FastAPI or the planner. Types and lower bounds (positive

@@ -5,8 +5,8 @@ place (eq. 9): a micro-batch of a DP rank ``i`` and, inside it, either whole on
 one CP rank ``j`` (``local``, the paper's ``P_kj``), sharded over all ``N`` CP
 ranks (``dist``, the paper's ``D_k``), or, in the hybrid space
 (``solve(hybrid=True)``, what the ``cpsat`` scheduler searches), sharded over
-an aligned block ``b`` of ``s`` CP ranks (``group``, DESIGN.md's "Hybrid
-DACP"). The binary space (``hybrid=False``) leaves the blocks out. The cost of
+an aligned block ``b`` of ``s`` CP ranks (``group``; docs/design.md,
+"Wire contract"). The binary space (``hybrid=False``) leaves the blocks out. The cost of
 a micro-batch is the simulator's (``simulate.py``): on CP rank ``j``, with
 ``W`` the FLOP-equivalents at each sequence's placement, ``A_j`` its local
 attention time, and the all-gathers (AG) and reduce-scatters (RS) of every
@@ -40,14 +40,14 @@ model's time of any plan is at most its ``simulate()`` time: ``bound_s`` is a tr
 plan the model calls optimal is within about a nanosecond per sequence of the
 true optimum. ``objective_s`` is always ``simulate()`` of the returned plan.
 
-Determinism. One request gives one plan (DESIGN.md), also when the search stops at FEASIBLE: the stop is a
-*deterministic* time limit (CP-SAT's work count, ``DETERMINISTIC_TIME_PER_SECOND`` units per second of the
-requested limit) with a fixed seed and one worker (several workers search interleaved, which is deterministic
-too). The wall-clock limit is only a safety net, ``WALL_CLOCK_SAFETY`` times the request's, that a solve stops at
-only on a machine several times slower than the calibration. Measured on 6 batches of 10–14 sequences (dp=2
-cp=4, bucket 4096, 2 cores) at about 2 s each: one deterministic worker found the same or a better plan than two
-interleaved ones on all 6, and matched two free-running (non-deterministic) workers on 3 of 6, within 1–50 %
-on the others (free-running search proved 3 optimal, the deterministic one 2).
+Determinism. One request gives one plan (docs/design.md, "Wire contract"), also when the search stops at
+FEASIBLE: the stop is a *deterministic* time limit (CP-SAT's work count, ``DETERMINISTIC_TIME_PER_SECOND`` units
+per second of the requested limit) with a fixed seed and one worker (several workers search interleaved, which is
+deterministic too). The wall-clock limit is only a safety net, ``WALL_CLOCK_SAFETY`` times the request's, that a
+solve stops at only on a machine several times slower than the calibration. Measured on 6 batches of 10–14
+sequences (dp=2 cp=4, bucket 4096, 2 cores) at about 2 s each: one deterministic worker found the same or a better
+plan than two interleaved ones on all 6, and matched two free-running (non-deterministic) workers on 3 of 6, within
+1–50 % on the others (free-running search proved 3 optimal, the deterministic one 2).
 
 Search. The model is warm-started from the hint (without one, every sequence
 alone and distributed) relabelled as the model names things, every variable
@@ -56,17 +56,7 @@ runs only on models of at most ``MAX_PRESOLVE_BOOLEANS`` placement booleans
 (beyond, it eats the time limit); larger than ``MAX_PLACEMENT_BOOLEANS`` is
 refused.
 
-Measured cost (qwen2.5-0.5b, h100-paper profile, long-tailed lengths with
-the profile's BucketSize or a tight 4096 one, trivial hint, 2 free-running workers (before the
-deterministic stop) on a
-2-core machine; time to OPTIMAL over 8 batches per row):
-
-    8 sequences   dp=2 cp=4 and dp=4 cp=8   all optimal, 0.04–0.3 s
-    12 sequences  dp=4 cp=8                 all optimal, 0.4–1.1 s
-    12 sequences  dp=2 cp=4                 all optimal, 0.2–6.2 s
-    16 sequences  dp=4 cp=8                 all optimal, 0.8–3.9 s (one earlier batch took 13 s)
-    16 sequences  dp=2 cp=4                 2 of 8 optimal within 10 s (5.7 s, 10 s); the others
-                                            stop with a 1.5–11 % gap, one still ~5 % after 60 s
+What it costs, and how close the heuristics come to it: docs/benchmarks.md, "Against CP-SAT".
 
 The hybrid space, on the same 12-sequence batches the benchmark uses (dp=2
 cp=4, 5 s limit, warm-started from ``skrull``): 968–1,008 placement booleans
@@ -79,6 +69,9 @@ which the LP bound (perfect balance over CP ranks) says little. Building the
 model takes ~0.15 s for 32 sequences on dp=4 cp=8 and ~3 s / 300 MB for 128;
 it grows as dp·cp·K²/2 booleans. Far too slow for online planning, which is
 why the paper schedules with heuristics; this module measures their gap.
+
+One module of about 570 lines, for one model: its variables, constraints,
+hint and read-back name the same indices and are read together, top to bottom.
 """
 
 from __future__ import annotations
@@ -247,7 +240,7 @@ def _one_sequence_per_micro_batch(problem: PlanningProblem) -> Plan:
 
 class _JointModel:
     """The CP-SAT model of one problem (paper eqs. 1–11), its warm start and its read-back; in the hybrid space also
-    every aligned block of CP ranks as a place (DESIGN.md, "Hybrid DACP")."""
+    every aligned block of CP ranks as a place (docs/design.md, "Wire contract")."""
 
     def __init__(self, problem: PlanningProblem, *, hybrid: bool) -> None:
         self.problem = problem

@@ -18,7 +18,7 @@
 
 The Skrull schedulers run as compiled kernels: the Python here hands them the
 batch's cost tables and turns the ``Places`` they return into a ``Plan``.
-Measured cost: see the README's planning-latency table.
+Measured cost: docs/benchmarks.md, "Planning latency".
 """
 
 from __future__ import annotations

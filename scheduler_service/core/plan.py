@@ -1,6 +1,6 @@
 """The planning problem and the plan: the value objects every scheduler shares.
 
-A ``Plan`` mirrors the wire contract (DESIGN.md): per DP rank an ordered list
+A ``Plan`` mirrors the wire contract (docs/design.md, "Wire contract"): per DP rank an ordered list
 of micro-batches; per micro-batch ``cp_size`` lists of sequence indices kept
 whole on that CP rank ("local"), one list sharded over the whole CP group
 ("distributed"), and hybrid DACP's ``sharded`` groups: sequences sharded over an
@@ -75,7 +75,7 @@ DEFAULT_LIMITS = PlanLimits()
 
 
 def cp_blocks(cp_size: int, degree: int) -> tuple[tuple[int, ...], ...]:
-    """The aligned blocks of ``degree`` CP ranks: ``[0..s)``, ``[s..2s)``, … (DESIGN.md, "Hybrid DACP")."""
+    """The aligned blocks of ``degree`` CP ranks: ``[0..s)``, ``[s..2s)``, … (docs/design.md, "Wire contract")."""
     return tuple(tuple(range(start, start + degree)) for start in range(0, cp_size, degree))
 
 

@@ -28,11 +28,13 @@ optimum, the local search runs again, and the better plan is kept. The random nu
 
 **Search budget.** Each costing of a sequence, and each kick, spends one unit; the search stops when the budget is
 spent. The same budget always gives the same plan, and since a larger budget only runs the same search longer and
-keeps the best plan seen, it never gives a worse one. The default (``DEFAULT_BUDGET``) was measured against the
-vectorised search this replaced (README, "Planning latency").
+keeps the best plan seen, it never gives a worse one. What a budget buys: docs/benchmarks.md, "Search budget".
 
 State (axes as in ``costing``): the plan's ``Places`` arrays, updated in place; per micro-batch and CP rank the
 ``RankSums`` and ``T_r`` (M, C); each micro-batch's time and size (M); each DP rank's time.
+
+One module of about 560 lines for one search: every kernel here reads and updates that one state, and the moves,
+the swaps and the kicks are read against each other.
 """
 
 from __future__ import annotations
@@ -64,9 +66,8 @@ from scheduler_service.core.plan import Places, PlanningProblem
 __all__ = ["DEFAULT_BUDGET", "MIN_PLAN_GAIN", "refine_places", "refine_plan"]
 
 # The default search budget on a batch of 256 sequences, and at most its work on larger ones (a costing is
-# O(sequences + micro-batches), about 320 there), so the search's time stays about the same. 192 units were the
-# least at which every make bench case planned at least as well as the vectorised search before the kernels (which
-# stopped after 128 costings of the local search, and had no iterated local search).
+# O(sequences + micro-batches), about 320 there), so the search's time stays about the same. 192 units are the
+# least at which every make bench case plans at least as well as a local search of 128 costings without kicks.
 DEFAULT_BUDGET = 192
 _DEFAULT_WORK_PER_COSTING = 320
 MIN_PLAN_GAIN = 1e-4  # a step must make the slowest DP rank it changes at least 0.01 % faster

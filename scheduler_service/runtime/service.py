@@ -29,13 +29,13 @@ answer's bytes):
   ``inline_max_cells``.
 
 The work itself is ``work``'s, wherever it runs; the pools are
-``pools.WorkerPool``s; the profile folder is a ``profile_folder.ProfileFolder``;
+``pools.WorkerPool``s; the profile folder is a ``profiles.ProfileFolder``;
 what happens is reported to ``events.ServiceEvents`` (the web layer's metrics).
 
 Profiles and feedback (state this service keeps):
 
 * profiles measured by the profiler are read from ``profile_dir``
-  (``profile_folder``), and read again when the folder changed, so every
+  (``profiles.ProfileFolder``), and read again when the folder changed, so every
   uvicorn worker follows a reload that one of them answered.
 * a ``/plan`` request with a ``job_id`` registers the job (its base profile,
   model, DP and CP sizes). ``POST /feedback`` refits that job's profile
@@ -80,7 +80,7 @@ from scheduler_service.runtime.pools import (
     refit_in_worker,
     warm_cpsat_worker,
 )
-from scheduler_service.runtime.profile_folder import ProfileFolder
+from scheduler_service.runtime.profiles import ProfileFolder
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.runtime.wire import job_to_feedback_response, request_model_and_profile, request_to_problem
 from scheduler_service.runtime.work import (

@@ -6,7 +6,7 @@ flags on as environment variables: one configuration for every worker. By
 default there is one worker per available core (``settings.default_workers``);
 the Kubernetes manifests and compose file set one per container and scale with
 replicas. Several workers share job state through the job store and follow each
-other's profile reloads (``profile_folder``); their metrics are summed through
+other's profile reloads (``runtime.profiles``); their metrics are summed through
 ``PROMETHEUS_MULTIPROC_DIR``, a fresh folder for the server's lifetime unless
 the environment names one.
 

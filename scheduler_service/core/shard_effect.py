@@ -1,0 +1,203 @@
+"""The shard-size effect (the paper's Figure 1(b)) against the performance model, and the attention efficiency
+per query length derived from it.
+
+The profiler measures one sequence of ``S`` tokens run whole on a rank and zigzag-sharded over ``d`` ranks
+(``num_tokens``, ``degree``, ``whole_s``, ``shard_s``). Here those timings meet the model:
+
+* ``shard_effect_rows``: each measurement beside the model's prediction of both times (eq. 2 with no local
+  work: a rank holding only its shard, so nothing hides its collectives, ``predicted_shard_s``);
+* ``derive_attention_efficiency``: per measured attention call (a whole sequence: query ``S``; a shard: query
+  ``S / 2d``, each zigzag chunk) the efficiency ``e`` with ``α·A/(d·e) + other = measured``, ``A`` the attention
+  FLOPs and ``other`` the model's remaining terms; per query length the median, relative to the longest query
+  measured. The result is the profile's ``compute.attention_efficiency`` curve, or the reason there is none.
+
+Pure: the model in, numbers and verdicts out; the profiler (``trainer_client.profile_document``) writes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from scheduler_service.core.perf_model import PerformanceModel
+
+__all__ = [
+    "MAX_CANDIDATE_SPREAD",
+    "MAX_REFERENCE_DEVIATION",
+    "MIN_ATTENTION_SHARE",
+    "EfficiencyCandidate",
+    "EfficiencyFit",
+    "derive_attention_efficiency",
+    "efficiency_candidate",
+    "predicted_shard_s",
+    "shard_effect_rows",
+]
+
+# An efficiency is solved from the measured time minus the model's other terms; where attention is less than
+# this share of the measured time, a few percent of noise in the other terms is a large error in it.
+MIN_ATTENTION_SHARE = 0.1
+# Candidates at one query length (from different sequence lengths and degrees) measure the same kernel; where they
+# disagree by more than this factor, noise or a term the model lacks dominates, not the kernel's efficiency.
+MAX_CANDIDATE_SPREAD = 1.5
+# The longest query is a whole sequence like the compute sweep's, so against the sweep's fit its efficiency is
+# about 1; further off than this, the machine ran differently during the shard runs (load) and nothing is normalised.
+MAX_REFERENCE_DEVIATION = 0.25
+
+
+def predicted_shard_s(perf: PerformanceModel, num_tokens: int, degree: int) -> float:
+    """The model's time of a rank holding only its shard of one sequence sharded over ``degree`` ranks: no local
+    attention hides the collectives, so all of them are exposed (``costing.rank_time_s``)."""
+    cost = perf.collective_cost(degree)
+    return (perf.compute_time_s(float(perf.placement_flops([num_tokens], degree)[0]))
+            + cost.all_gather_s(num_tokens) + cost.reduce_scatter_s(num_tokens))
+
+
+def shard_effect_rows(perf: PerformanceModel, shards: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Measured whole vs shard times beside the model's prediction of both (eq. 2 with no local work)."""
+    rows = []
+    for shard in shards:
+        size, degree = shard["num_tokens"], shard["degree"]
+        predicted_s = predicted_shard_s(perf, size, degree)
+        rows.append({**shard, "query_tokens": size / (2 * degree),
+                     "speedup": shard["whole_s"] / shard["shard_s"],
+                     "parallel_efficiency": shard["whole_s"] / (degree * shard["shard_s"]),
+                     "predicted_whole_s": perf.compute_time_s(float(perf.placement_flops([size], 1)[0])),
+                     "predicted_shard_s": predicted_s,
+                     "shard_relative_error": abs(predicted_s - shard["shard_s"]) / shard["shard_s"]})
+    return rows
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EfficiencyCandidate:
+    """One measured attention call length: the attention time the model leaves unexplained vs its ideal."""
+
+    query_tokens: float  # the sequence when whole; each zigzag chunk, S / 2d, when sharded over d ranks
+    measured_as: str
+    time_s: float  # measured
+    other_s: float  # the model's non-attention terms: linear and per-token work, per-call costs, β, collectives
+    ideal_attention_s: float  # α · attention FLOPs per rank: the attention term at efficiency 1
+
+    @property
+    def attention_s(self) -> float:
+        return self.time_s - self.other_s
+
+    @property
+    def is_determined(self) -> bool:
+        return self.attention_s >= MIN_ATTENTION_SHARE * self.time_s
+
+    @property
+    def efficiency(self) -> float | None:
+        """The efficiency that makes the model's time equal the measured one (None where ill-determined)."""
+        return self.ideal_attention_s / self.attention_s if self.is_determined else None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EfficiencyFit:
+    """``compute.attention_efficiency`` derived from the shard-effect rows, or why it is not."""
+
+    points: tuple[tuple[float, float], ...]  # (query tokens, relative throughput); empty: not determined
+    reference_query_tokens: float  # the longest query measured: relative throughput 1 there
+    candidates: tuple[EfficiencyCandidate, ...]
+    verdicts: dict[float, str]  # per query length: usable, or why not
+    result: str
+
+    def __post_init__(self) -> None:
+        assert set(self.verdicts) == {c.query_tokens for c in self.candidates}, "every query length has a verdict"
+
+    def to_json(self) -> dict[str, Any]:
+        """The derivation as the profile records it (``compute.fit.attention_efficiency``): every candidate with
+        its verdict, and the thresholds they were judged by."""
+        return {
+            "reference_query_tokens": self.reference_query_tokens,
+            "min_attention_share": MIN_ATTENTION_SHARE,
+            "max_candidate_spread": MAX_CANDIDATE_SPREAD,
+            "max_reference_deviation": MAX_REFERENCE_DEVIATION,
+            "candidates": [{**asdict(c), "attention_s": c.attention_s, "efficiency": c.efficiency,
+                            "verdict": self.verdicts[c.query_tokens]} for c in self.candidates],
+            "result": self.result,
+        }
+
+
+def efficiency_candidate(perf: PerformanceModel, num_tokens: int, degree: int, time_s: float) -> EfficiencyCandidate:
+    """The candidate of one measured time: a sequence of ``num_tokens`` whole (``degree`` 1) or sharded over
+    ``degree`` ranks."""
+    alpha = perf.profile.compute.alpha_s_per_flop
+    ideal_flops = float(perf.local_attention_flops([num_tokens])[0]) / degree
+    # placement_flops minus its attention at efficiency 1: what the model says besides attention (β included)
+    other_s = perf.compute_time_s(float(perf.placement_flops([num_tokens], degree)[0])) - alpha * ideal_flops
+    if degree > 1:
+        other_s += perf.comm_time_s(num_tokens, group_size=degree)  # no local attention hides it
+    return EfficiencyCandidate(
+        query_tokens=float(num_tokens) if degree == 1 else num_tokens / (2 * degree),
+        measured_as=f"{num_tokens} tokens whole" if degree == 1 else f"{num_tokens} tokens over {degree} ranks",
+        time_s=time_s, other_s=other_s, ideal_attention_s=alpha * ideal_flops)
+
+
+def derive_attention_efficiency(perf: PerformanceModel, rows: Sequence[Mapping[str, Any]]) -> EfficiencyFit:
+    """Attention throughput per query length from shard-effect rows (``num_tokens``, ``degree``, ``whole_s``,
+    ``shard_s``), against ``perf`` with efficiency 1 everywhere.
+
+    Per whole sequence (query ``S``) and per shard (query ``S / 2d``): the efficiency ``e`` with
+    ``α·A/(d·e) + other = measured`` (``A`` the attention FLOPs, ``other`` the model's remaining terms), where
+    attention is at least ``MIN_ATTENTION_SHARE`` of the measured time; per query length the median, where its
+    candidates agree within ``MAX_CANDIDATE_SPREAD``, divided by the value at the longest query measured (a whole
+    sequence, about 1 against the compute fit: within ``MAX_REFERENCE_DEVIATION`` of it). Points in (0, 1] are
+    kept; fewer than 2, or a curve that falls by more than ``MAX_CANDIDATE_SPREAD`` towards longer queries, is no
+    curve.
+    """
+    if perf.profile.compute.attention_efficiency:
+        raise ValueError(f"profile {perf.profile.name} already has an attention efficiency curve; the efficiency is "
+                         f"solved against the model with efficiency 1 everywhere")
+    whole_s = {row["num_tokens"]: row["whole_s"] for row in rows}
+    candidates = tuple(
+        [efficiency_candidate(perf, size, 1, time_s) for size, time_s in sorted(whole_s.items())]
+        + [efficiency_candidate(perf, row["num_tokens"], row["degree"], row["shard_s"]) for row in rows])
+    by_query: dict[float, list[float]] = {}
+    for candidate in candidates:
+        by_query.setdefault(candidate.query_tokens, []).extend(
+            [candidate.efficiency] if candidate.efficiency is not None else [])
+    verdicts: dict[float, str] = {}
+    determined: dict[float, float] = {}  # query tokens -> efficiency, ascending
+    for query, values in sorted(by_query.items()):
+        if not values:
+            verdicts[query] = (f"ill-determined: attention is under {MIN_ATTENTION_SHARE:.0%} of the measured time "
+                               f"or the model's other terms exceed it")
+        elif max(values) > MAX_CANDIDATE_SPREAD * min(values):
+            verdicts[query] = (f"ill-determined: its candidates disagree ({min(values):.3f} .. {max(values):.3f}, "
+                               f"more than {MAX_CANDIDATE_SPREAD}x apart)")
+        else:
+            determined[query] = statistics.median(values)
+            verdicts[query] = f"not used: efficiency {determined[query]:.3f}, but no curve is written"
+    reference = max(by_query)
+
+    def fit(points: Sequence[tuple[float, float]], result: str) -> EfficiencyFit:
+        return EfficiencyFit(points=tuple(points), reference_query_tokens=reference, candidates=candidates,
+                             verdicts=verdicts, result=result)
+
+    if reference not in determined:
+        return fit((), f"omitted: the longest query measured ({reference:g} tokens), the reference, is "
+                       f"{verdicts[reference]}")
+    if abs(determined[reference] - 1) > MAX_REFERENCE_DEVIATION:
+        return fit((), f"omitted: not sensible, the longest query ({reference:g} tokens whole) has efficiency "
+                       f"{determined[reference]:.3f} against the compute fit, more than {MAX_REFERENCE_DEVIATION:.0%} "
+                       f"from 1: the machine ran differently than during the compute sweep")
+    points = []
+    for query, efficiency in determined.items():
+        relative = efficiency / determined[reference]
+        if 0 < relative <= 1:
+            points.append((query, relative))
+            verdicts[query] = f"usable: relative throughput {relative:.3f}"
+        else:
+            verdicts[query] = f"dropped: relative throughput {relative:.3f} is outside (0, 1]"
+    if len(points) < 2:
+        return fit((), f"omitted: {len(points)} usable query length(s), a curve needs 2")
+    # Figure 1(b): throughput does not fall as queries lengthen; a curve that falls by more than the noise the
+    # candidates are allowed measures the machine's load, not the kernel.
+    for (short, short_relative), (long, long_relative) in itertools.combinations(points, 2):
+        if short_relative > MAX_CANDIDATE_SPREAD * long_relative:
+            return fit((), f"omitted: not sensible, the relative throughput falls from {short_relative:.3f} at "
+                           f"{short:g} to {long_relative:.3f} at {long:g} query tokens")
+    return fit(points, f"written: {len(points)} points")

@@ -1,0 +1,94 @@
+"""The shard-size effect against the performance model, and the attention efficiency derived from it
+(``scheduler_service.core.shard_effect``), on synthetic measurements from a model with a known curve."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_service.core.shard_effect import (
+    derive_attention_efficiency,
+    efficiency_candidate,
+    predicted_shard_s,
+    shard_effect_rows,
+)
+from tests.shard_effect_cases import flat_and_true_models, rows_timed_by
+
+
+def test_shard_effect_rows_put_the_models_prediction_beside_each_measurement() -> None:
+    _, flat, _ = flat_and_true_models()
+    (row,) = shard_effect_rows(flat, [{"num_tokens": 2048, "degree": 4, "whole_s": 0.8, "shard_s": 0.4}])
+    assert row["query_tokens"] == 256 and row["speedup"] == 2.0 and row["parallel_efficiency"] == 0.5
+    assert row["predicted_shard_s"] == predicted_shard_s(flat, 2048, 4)
+    assert row["predicted_whole_s"] == pytest.approx(flat.compute_time_s(flat.flops(2048)))
+    assert row["shard_relative_error"] == pytest.approx(abs(row["predicted_shard_s"] - 0.4) / 0.4)
+
+
+def test_efficiency_derivation_recovers_the_curve_the_times_came_from() -> None:
+    _, flat, true = flat_and_true_models()
+    rows = rows_timed_by(true, [512, 2048], [2, 4])
+    fit = derive_attention_efficiency(flat, rows)
+    assert fit.result == "written: 5 points" and fit.reference_query_tokens == 2048
+    queries = [query for query, _ in fit.points]
+    assert queries == [64, 128, 256, 512, 2048]  # 512 whole and 2048 over 2 ranks both query 512 tokens
+    assert [relative for _, relative in fit.points] == pytest.approx(true.attention_efficiency(queries).tolist())
+
+
+def test_efficiency_is_omitted_when_fewer_than_two_lengths_are_determined() -> None:
+    _, flat, true = flat_and_true_models()
+    rows = rows_timed_by(true, [2048], [2, 4])
+    for row in rows:  # shards faster than the model's non-attention terms alone: noise, not attention
+        row["shard_s"] = 0.5 * efficiency_candidate(flat, row["num_tokens"], row["degree"], row["shard_s"]).other_s
+    fit = derive_attention_efficiency(flat, rows)
+    assert fit.points == () and fit.result == "omitted: 1 usable query length(s), a curve needs 2"
+    assert fit.verdicts[256].startswith("ill-determined") and fit.verdicts[2048].startswith("usable")
+
+
+def test_efficiency_drops_lengths_whose_candidates_disagree_or_beat_the_reference() -> None:
+    _, flat, true = flat_and_true_models()
+    rows = rows_timed_by(true, [512, 1024, 2048], [2, 4])
+    by_case = {(row["num_tokens"], row["degree"]): row for row in rows}
+    by_case[(1024, 4)]["shard_s"] *= 3  # query 128 twice (512 over 2, 1024 over 4): now far apart
+    for row in rows:
+        if row["num_tokens"] == 1024:
+            row["whole_s"] *= 0.5  # 1024 tokens whole faster than the model allows at efficiency 1
+    fit = derive_attention_efficiency(flat, rows)
+    assert fit.verdicts[128].startswith("ill-determined: its candidates disagree")
+    assert fit.verdicts[1024].startswith("ill-determined") or fit.verdicts[1024].startswith("dropped")
+    assert 128 not in dict(fit.points) and 1024 not in dict(fit.points)
+    assert all(0 < relative <= 1 for _, relative in fit.points) and dict(fit.points)[2048] == 1.0
+
+
+def test_efficiency_is_omitted_when_it_falls_as_queries_lengthen() -> None:
+    _, flat, true = flat_and_true_models([[64, 0.9], [256, 0.4], [2048, 1.0]])  # a machine whose load varied
+    fit = derive_attention_efficiency(flat, rows_timed_by(true, [512, 2048], [2, 4]))
+    assert fit.points == ()
+    assert fit.result.startswith("omitted: not sensible, the relative throughput falls from")
+
+
+def test_efficiency_is_omitted_when_the_longest_sequence_disagrees_with_the_compute_fit() -> None:
+    _, flat, true = flat_and_true_models()
+    rows = rows_timed_by(true, [512, 2048], [2, 4])
+    for row in rows:
+        if row["num_tokens"] == 2048:
+            row["whole_s"] *= 0.7  # the machine was quieter during the shard runs than during the compute sweep
+    fit = derive_attention_efficiency(flat, rows)
+    assert fit.points == ()
+    assert fit.result.startswith("omitted: not sensible, the longest query (2048 tokens whole) has efficiency")
+
+
+def test_efficiency_is_derived_only_against_the_model_without_a_curve() -> None:
+    _, _, true = flat_and_true_models()
+    with pytest.raises(ValueError, match="already has an attention efficiency curve"):
+        derive_attention_efficiency(true, rows_timed_by(true, [512], [2]))
+
+
+def test_efficiency_is_omitted_when_the_longest_query_is_not_determined() -> None:
+    _, flat, true = flat_and_true_models()
+    rows = rows_timed_by(true, [512, 2048], [2])
+    for row in rows:
+        if row["num_tokens"] == 2048:
+            row["whole_s"] = 0.01  # less than the model's linear work alone
+    fit = derive_attention_efficiency(flat, rows)
+    assert fit.points == () and fit.result.startswith("omitted: the longest query measured (2048 tokens)")
+    verdicts = {c["query_tokens"]: c["verdict"] for c in fit.to_json()["candidates"]}
+    assert verdicts[512].startswith("not used") and verdicts[2048].startswith("ill-determined")

@@ -1,0 +1,115 @@
+"""The trainer's configuration (``TrainConfig``), checked on construction: every flag of ``train.py`` with the
+rule it must satisfy, so that a bad combination fails before any process group or model is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import TypeAdapter, ValidationError
+from skrull_proto.models import JobId
+
+from scheduler_service.core.plan import SchedulerName
+from trainer_client.attention import AttentionBackend
+from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelDims
+from trainer_client.loss import DEFAULT_CHUNK_TOKENS
+from trainer_client.parallelize import ActivationCheckpointing, Sharding
+
+__all__ = ["TrainConfig"]
+
+_JOB_ID: TypeAdapter[str] = TypeAdapter(JobId)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """One training run: a field per ``train.py`` flag (``--plan-timeout`` → ``plan_timeout_s``)."""
+
+    dp: int
+    cp: int
+    model: str = "tiny"
+    data: str = "synthetic:lmsys"
+    global_batch: int = 16
+    steps: int = 20
+    scheduler: str = SchedulerName.SKRULL.value
+    scheduler_url: str | None = None
+    bucket_size: int | None = None
+    profile: str | None = None  # a profile name, or a profile file (the profiler's output)
+    seed: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # the cosine ends at lr × this at the last step
+    max_grad_norm: float = 1.0  # 0: no clipping (the norm is still reported)
+    sharding: str = Sharding.ZERO2.value
+    activation_checkpointing: str = ActivationCheckpointing.NONE.value
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only after the last step (with --checkpoint-dir)
+    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir, if there is one
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    max_length: int | None = None
+    truncate: bool = False
+    tokenizer: str | None = None  # a local tokenizer directory, for text and chat records
+    metrics_out: Path | None = None
+    plan_timeout_s: float = 5.0
+    plan_attempts: int = 3
+    attention_backend: str = AttentionBackend.AUTO.value
+    dtype: str | None = None  # float32 | bfloat16; default float32 on CPU, bfloat16 autocast on CUDA
+    progress: bool = True
+    feedback: bool = False  # report measured micro-batch times and peak memory to the service
+    job_id: str | None = None  # names this run for the service's feedback; random when absent
+    # Fault injection (tests of failure handling): this global rank raises InjectedFault at the start of this step.
+    fail_rank: int | None = None
+    fail_at_step: int | None = None
+
+    def __post_init__(self) -> None:
+        ParallelDims(dp_size=self.dp, cp_size=self.cp)
+        if self.global_batch < 1:
+            raise ValueError(f"--global-batch must be positive, got {self.global_batch}")
+        if self.steps < 1:
+            raise ValueError(f"--steps must be positive, got {self.steps}")
+        if self.scheduler not in {s.value for s in SchedulerName}:
+            raise ValueError(f"--scheduler {self.scheduler!r} is unknown; known: {', '.join(SchedulerName)}")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ValueError(f"--bucket-size must be positive, got {self.bucket_size}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"--max-length must be positive, got {self.max_length}")
+        if self.scheduler_url is not None and not self.scheduler_url.startswith(("http://", "https://")):
+            raise ValueError(f"--scheduler-url {self.scheduler_url!r} must start with http:// or https://")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min-lr-ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"--max-grad-norm must not be negative, got {self.max_grad_norm}")
+        Sharding(self.sharding)
+        ActivationCheckpointing(self.activation_checkpointing)
+        if self.loss_chunk_tokens < 1:
+            raise ValueError(f"--loss-chunk-tokens must be positive, got {self.loss_chunk_tokens}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must not be negative, got {self.checkpoint_every}")
+        if (self.checkpoint_every or self.resume) and self.checkpoint_dir is None:
+            raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"--collective-timeout must be positive, got {self.collective_timeout_s}")
+        AttentionBackend(self.attention_backend)
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.feedback and self.scheduler_url is None:
+            raise ValueError("--feedback reports to the scheduler service: give --scheduler-url too")
+        if self.job_id is not None:
+            try:
+                _JOB_ID.validate_python(self.job_id)
+            except ValidationError:
+                raise ValueError(f"--job-id {self.job_id!r} is not a valid job id: 1 to 128 characters, letters, "
+                                 "digits and . _ : - only, starting with a letter or digit") from None
+        if (self.fail_rank is None) != (self.fail_at_step is None):
+            raise ValueError("--fail-rank and --fail-at-step go together")
+        if self.fail_rank is not None and not 0 <= self.fail_rank < self.dp * self.cp:
+            raise ValueError(f"--fail-rank {self.fail_rank} is not a global rank of dp {self.dp} × cp {self.cp}")
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp_size=self.dp, cp_size=self.cp)

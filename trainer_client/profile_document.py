@@ -1,0 +1,201 @@
+"""The profile document: what the sweeps measured (``profile_sweeps.Measurements``), fitted and written as a
+``skrull_proto.ProfileDocument``, section by section, each checked by the format's model as it is built.
+
+Every fit sits beside the points it was fitted to and a ``source`` saying how they were measured: ``compute``
+(the extended fit of eq. 14 and the paper's two-coefficient fit, per-case points), ``memory`` (activation bytes
+per token, static bytes counted tensor by tensor), ``communication`` (latency tables over all ranks and over
+every hybrid group size) and ``provenance`` (hardware, software, model shape, date, command, options). With the
+shard-size effect measured, ``compute.shard_effect`` holds its rows beside the model's prediction and the
+attention efficiency derived from them (``scheduler_service.core.shard_effect``), written as
+``compute.attention_efficiency`` only where it is well determined; ``compute.shard_effect_note`` says which,
+and why.
+
+Sections are validated from mappings because, beside their typed members, they carry the free-form extras
+the format allows (``source``, ``fit``, ``points``). The file is the document's JSON (``document_json``): the
+members that were set, in the format's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from skrull_proto import PROFILE_SCHEMA_VERSION, ProfileDocument
+from skrull_proto.profile import (
+    ActivationBytesPerToken,
+    AttentionEfficiency,
+    CommunicationSection,
+    ComputeSection,
+    HardwareSection,
+    MemorySection,
+    StaticBytesPerParameter,
+)
+
+from scheduler_service.core.models import ModelShape
+from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, fit_compute, fit_memory
+from scheduler_service.core.profile import parse_profile
+from scheduler_service.core.shard_effect import derive_attention_efficiency, shard_effect_rows
+from trainer_client.parallelize import Sharding, static_bytes_per_parameter
+from trainer_client.profile_sweeps import Measurements, ProfileOptions, compute_points
+
+__all__ = ["build_document", "document_json", "with_shard_effect"]
+
+TOOL = "python -m trainer_client.profile"
+
+
+def document_json(document: ProfileDocument) -> dict[str, Any]:
+    """The document as its file holds it: the members that were set (none left to its defaults)."""
+    return document.model_dump(mode="json", exclude_unset=True)
+
+
+def build_document(options: ProfileOptions, measured: Measurements, *, command: str) -> ProfileDocument:
+    """The profile of ``measured``, named ``options.name`` (default: DEVICE-MODEL); ``command`` is recorded in the
+    provenance. It loads where it is used: the format's model checks each section, the core the ranges."""
+    shape = measured.shape
+    document = ProfileDocument(
+        schema_version=PROFILE_SCHEMA_VERSION,
+        name=options.name or f"{measured.device_type}-{shape.name}",
+        description=f"{shape.name} measured on {measured.device_name} ({measured.device_type}, "
+                    f"{measured.threads_per_rank} threads per rank, {measured.world_size} rank(s), "
+                    f"{measured.dtype_name}, {measured.attention_backend} attention) by {TOOL} on "
+                    f"{measured.measured_at[:10]}. Holds for this model only.",
+        model=shape.name,
+        hardware=_hardware_section(options, measured),
+        compute=_compute_section(options, measured),
+        memory=_memory_section(options, measured),
+        communication=_communication_section(measured),
+        provenance={
+            "tool": TOOL,
+            "command": command,
+            "date": measured.measured_at,
+            "hardware": measured.hardware,
+            "software": measured.software,
+            "model": asdict(shape),
+            "world_size": measured.world_size,
+            "dtype": measured.dtype_name,
+            "attention_backend": measured.attention_backend,
+            "options": {key: value for key, value in asdict(options).items() if key != "progress"},
+        },
+    )
+    if measured.shards:
+        document = with_shard_effect(document, shape, measured.shards, options)
+    parse_profile(document_json(document))  # the core's ranges (the format's shape is checked as built)
+    return document
+
+
+def _hardware_section(options: ProfileOptions, measured: Measurements) -> HardwareSection:
+    return HardwareSection.model_validate({
+        "device": measured.device_name,
+        "device_memory_bytes": options.memory_budget_bytes or measured.device_memory_bytes,
+        "source": "--memory-budget-bytes" if options.memory_budget_bytes else
+                  ("torch.cuda.get_device_properties().total_memory" if measured.device_type == "cuda"
+                   else "physical host memory (sysconf); CPU ranks share it"),
+    })
+
+
+def _fit_summary(fit: ComputeFit) -> dict[str, float]:
+    return {"alpha_s_per_flop": fit.alpha_s_per_flop, "alpha_s_per_token": fit.alpha_s_per_token,
+            "alpha_s_per_sequence": fit.alpha_s_per_sequence, "beta_s_per_layer": fit.beta_s_per_layer,
+            "median_relative_error": fit.median_relative_error, "max_relative_error": fit.max_relative_error}
+
+
+def _compute_section(options: ProfileOptions, measured: Measurements) -> ComputeSection:
+    """The extended fit (per-token and per-sequence terms) as the coefficients; eq. 14 alone beside it."""
+    points = compute_points(measured.compute_points)
+    num_layers = measured.shape.num_layers
+    extended = fit_compute(points, num_layers=num_layers, extended=True)
+    paper = fit_compute(points, num_layers=num_layers, extended=False)
+    return ComputeSection.model_validate({
+        "alpha_s_per_flop": extended.alpha_s_per_flop,
+        "alpha_s_per_token": extended.alpha_s_per_token,
+        "alpha_s_per_sequence": extended.alpha_s_per_sequence,
+        "beta_s_per_layer": extended.beta_s_per_layer,
+        "fit": {"extended": _fit_summary(extended), "paper_eq14": _fit_summary(paper)},
+        "points": measured.compute_points,
+        "source": f"least squares on relative error (non-negative) over {len(points)} micro-batches "
+                  f"(forward + backward, trainer code path), median of {options.repeats} timed runs after "
+                  f"{options.warmup} warm-up each; FLOPs per eq. 13. paper_eq14 is the two-coefficient fit "
+                  f"alpha·FLOPs + beta for comparison.",
+    })
+
+
+def _memory_section(options: ProfileOptions, measured: Measurements) -> MemorySection:
+    """Activations fitted per token; static memory per parameter as the trainer's default sharding keeps it."""
+    memory = fit_memory(measured.memory_points)
+    default_static = static_bytes_per_parameter(Sharding.ZERO2, param_dtype=measured.param_dtype)
+    return MemorySection.model_validate({
+        "activation_bytes_per_token": ActivationBytesPerToken(fixed=memory.bytes_per_token, per_layer_hidden=0.0,
+                                                              per_vocab=0.0),
+        "beta_bytes": memory.beta_bytes,
+        "reserved_bytes": measured.reserved_bytes,
+        "static_bytes_per_parameter": StaticBytesPerParameter(replicated=default_static.replicated,
+                                                              sharded=default_static.sharded),
+        "activation_checkpointing": options.activation_checkpointing,
+        "fit": {"max_relative_error": memory.max_relative_error},
+        "points": [[tokens, peak] for tokens, peak in measured.memory_points],
+        "static_bytes": measured.static_bytes,
+        "source": ("activation peak above weights and optimizer states per micro-batch "
+                   + ("(torch.cuda.max_memory_allocated)" if measured.device_type == "cuda" else
+                      "(torch.distributed._tools.mem_tracker.MemTracker: live tensor bytes)")
+                   + f" with activation checkpointing {options.activation_checkpointing}; static per parameter: "
+                     "the trainer's default --sharding zero2 (parallelize.static_bytes_per_parameter; the "
+                     "trainer derives its BucketSize with its own mode's), static_bytes: weights, gradients "
+                     "and AdamW states of one unsharded replica counted per tensor. reserved: CUDA context and "
+                     "allocator slack (mem_get_info minus allocated), 0 on CPU."),
+    })
+
+
+def _communication_section(measured: Measurements) -> CommunicationSection:
+    """The latency tables (none in one process: plans with CP > 1 then count communication as free)."""
+    comm_note = (f"measured over {measured.world_size} ranks ({measured.process_group_backend})"
+                 if measured.world_size > 1 else
+                 "none: measured in one process; plans with cp_size > 1 count communication as free until this is "
+                 "re-run under torchrun")
+    group_tables = measured.group_tables
+    return CommunicationSection.model_validate({
+        "kv_bytes_per_element": measured.kv_bytes_per_element,
+        "tables": measured.tables,
+        "tables_by_group_size": group_tables,
+        "fit": "relative",
+        "world_size": measured.world_size,
+        "source": f"collective latency vs bytes moved in all (median over repetitions of the ranks' mean "
+                  f"time from launch to the end of wait, each rank first computing for collective_lead_s: "
+                  f"what a static-CP micro-batch computes before each collective): {comm_note}."
+                  + (f" tables_by_group_size: all_gather and reduce_scatter of the same sizes over every aligned "
+                     f"block of s ranks at once (dist.new_group per block), slowest block, for s in "
+                     f"{', '.join(group_tables)}." if group_tables else ""),
+    })
+
+
+def with_shard_effect(document: ProfileDocument, shape: ModelShape, shards: Sequence[Mapping[str, Any]],
+                      options: ProfileOptions) -> ProfileDocument:
+    """``document`` with the shard-effect rows of ``shards`` (``compute.shard_effect``) and their note, the
+    efficiency's derivation (``compute.fit.attention_efficiency``) and, where the rows determine it, the curve
+    (``compute.attention_efficiency``). ``document`` has no curve: the rows are read against efficiency 1."""
+    perf = PerformanceModel(model=shape, profile=parse_profile(document_json(document)))
+    rows = shard_effect_rows(perf, shards)
+    fit = derive_attention_efficiency(perf, rows)
+    degrees = sorted({row["degree"] for row in rows})
+    note = (f"one sequence of each of {list(options.shard_sizes)} tokens run whole on every rank at once (whole_s: "
+            f"mean over ranks) vs as zigzag shards over every aligned block of d ranks at once, d in {degrees} "
+            f"(shard_s: slowest rank); each the median of {options.repeats} timed runs after {options.warmup} "
+            f"warm-up. predicted_*: this profile's model with attention efficiency 1 (a rank holding only its "
+            f"shard: nothing hides the collectives, whose cost is the table measured for d). ")
+    compute = document.compute
+    fits = (compute.model_extra or {}).get("fit", {})
+    update: dict[str, Any] = {
+        "fit": {**fits, "attention_efficiency": fit.to_json()},
+        "shard_effect": rows,
+        "shard_effect_note": note + (f"attention_efficiency: {fit.result}; candidates and verdicts in "
+                                     f"compute.fit.attention_efficiency."),
+    }
+    if fit.points:
+        update["attention_efficiency"] = AttentionEfficiency.model_validate({
+            "points": list(fit.points),
+            "source": f"derived from compute.shard_effect: per query length, the efficiency that makes the model's "
+                      f"time equal the measured time, median per length, relative to the longest query measured "
+                      f"({fit.reference_query_tokens:g} tokens); candidates in compute.fit.attention_efficiency.",
+        })
+    return document.model_copy(update={
+        "compute": ComputeSection.model_validate({**compute.model_dump(exclude_unset=True), **update})})

@@ -1,0 +1,441 @@
+"""The profiler's sweeps: what it measures with torch on this machine, each with warm-up and repeated timings
+summarised by the median (CUDA events on CUDA), running exactly the trainer's micro-batch code
+(``trainer.run_micro_batch``: HF model, DACP attention, loss, backward).
+
+* **compute**: forward + backward of packed micro-batches over a sweep of sizes and sequence mixes (one long
+  sequence, many short ones, half and half; ``compute_cases``) → ``T_comp = α·FLOPs + β`` (eq. 14) and the
+  extended fit with per-token and per-sequence terms;
+* **memory**: the peak above weights and optimizer states over a sweep of packed token counts →
+  ``M(S) = α·S + β``; weights, gradients and optimizer states are counted tensor by tensor (static memory
+  measured, not guessed);
+* **communication** (world size > 1): all-gather / reduce-scatter / all-to-all latency vs message size over all
+  ranks → the tables ``T_comm`` is fitted from; the same all-gather / reduce-scatter sizes over every aligned
+  block of ``s`` ranks at once (``s`` each hybrid group size: the divisors of the world size between 2 and it).
+  Each collective is timed as a micro-batch pays it: every rank first computes for as long as a static-CP
+  micro-batch whose K/V the message is computes before each of its collectives (``collective_lead_s``, from the
+  compute fit just measured), then launches and waits the collective; the ranks' mean time in it is the latency.
+  Timed from a barrier instead, with the other ranks idle, the collectives of 4 ranks sharing 2 cores measure a
+  quarter of what the trainer waits in them (dp 1 × cp 4, deepspeed's micro-batches);
+* **the shard-size effect** of the paper's Figure 1(b) (world size > 1): one sequence computed whole on every
+  rank vs as zigzag shards over every aligned block of ``d`` ranks at once (each block its own copy, so every
+  rank works), for ``d`` each hybrid group size and the whole world (``shard_degrees``, ``shard_micro_batch``).
+
+Under ``torchrun`` every rank runs the compute sweep at the same time (as in training, ranks share the machine)
+and the per-rank medians are averaged; rank 0 measures memory and returns what was measured (``Measurements``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from scheduler_service.core.models import ModelShape
+from scheduler_service.core.perf_model import ComputeFit, ComputePoint, eq13_flops, fit_compute
+from scheduler_service.core.plan import MicroBatch, ShardedGroup, block_degrees, cp_blocks
+from trainer_client.attention import AttentionBackend, resolve_backend
+from trainer_client.distributed import max_over_ranks
+from trainer_client.loss import CausalLMLoss
+from trainer_client.measure import (
+    COLLECTIVES,
+    activation_peak_bytes,
+    collective_latency_s,
+    device_memory_bytes,
+    hardware_info,
+    local_pack,
+    random_samples,
+    software_versions,
+    state_bytes,
+    timed_runs,
+    utc_now,
+)
+from trainer_client.model import build_model, model_shape
+from trainer_client.packing import PackedMicroBatch, pack_micro_batch
+from trainer_client.parallelize import ActivationCheckpointing, apply_activation_checkpointing
+from trainer_client.trainer import run_micro_batch
+
+__all__ = [
+    "GROUP_COLLECTIVES",
+    "Measurements",
+    "ProfileOptions",
+    "collective_lead_s",
+    "compute_cases",
+    "compute_points",
+    "run_sweeps",
+    "shard_degrees",
+    "shard_micro_batch",
+]
+
+GROUP_COLLECTIVES = ("all_gather", "reduce_scatter")  # what a hybrid group's attention runs (attention.py)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileOptions:
+    model: str
+    device: str = "cpu"
+    name: str | None = None
+    sizes: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)  # packed tokens per micro-batch (compute sweep)
+    short_length: int = 128  # tokens of each sequence in the "many short" mixes
+    memory_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
+    comm_sizes: tuple[int, ...] = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes per collective
+    shard_sizes: tuple[int, ...] = (512, 2048)  # tokens of the sequence computed whole vs sharded at each degree
+    warmup: int = 1
+    repeats: int = 5
+    memory_budget_bytes: float | None = None
+    dtype: str | None = None  # float32 | bfloat16 autocast; default as the trainer: float32 on CPU, bf16 on CUDA
+    attention_backend: str = AttentionBackend.AUTO.value
+    activation_checkpointing: str = ActivationCheckpointing.NONE.value  # as the trainer will run; recorded
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        ActivationCheckpointing(self.activation_checkpointing)
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible to torch")
+        for name in ("sizes", "memory_sizes", "comm_sizes", "shard_sizes"):
+            values = getattr(self, name)
+            if any(value < 1 for value in values):
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {list(values)}")
+        if len(self.sizes) < 2:
+            raise ValueError(f"--sizes needs at least 2 sizes to fit a line, got {list(self.sizes)}")
+        if len(set(self.memory_sizes)) < 2:
+            raise ValueError(f"--memory-sizes needs at least 2 distinct sizes, got {list(self.memory_sizes)}")
+        if self.short_length < 1:
+            raise ValueError(f"--short-length must be positive, got {self.short_length}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError(f"--repeats must be ≥ 1 and --warmup ≥ 0, got {self.repeats} and {self.warmup}")
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
+        AttentionBackend(self.attention_backend)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurements:
+    """What rank 0 measured, and the machine and settings it measured on: what the profile document holds."""
+
+    shape: ModelShape
+    world_size: int
+    process_group_backend: str | None  # gloo or nccl; None in one process
+    device_type: str  # cpu | cuda
+    device_name: str  # the GPU's name on CUDA, the CPU model's on CPU
+    device_memory_bytes: int  # the whole device's (the host's physical memory on CPU)
+    reserved_bytes: int  # CUDA context and allocator slack (mem_get_info minus allocated); 0 on CPU
+    threads_per_rank: int
+    dtype_name: str  # float32 | bfloat16
+    param_dtype: torch.dtype  # what the weights compute in: bfloat16 under autocast, else float32
+    attention_backend: str  # the backend ``--attention-backend`` resolved to on this device
+    kv_bytes_per_element: int
+    hardware: dict[str, Any]
+    software: dict[str, str | None]
+    measured_at: str  # UTC, ISO 8601
+    static_bytes: dict[str, int]  # weights, gradients and optimizer states of one unsharded replica
+    compute_points: list[dict[str, Any]]  # per compute case: tokens, sequences, FLOPs, median time, spread
+    memory_points: list[tuple[int, int]]  # (packed tokens, activation peak bytes)
+    tables: dict[str, list[list[float]]]  # collective -> [[bytes, seconds], ...] over all ranks
+    group_tables: dict[str, dict[str, list[list[float]]]]  # group size -> collective -> table
+    shards: list[dict[str, Any]]  # per sequence length and degree: num_tokens, degree, whole_s, shard_s
+
+
+def compute_cases(sizes: Sequence[int], short_length: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The sweep's sequence mixes per packed size: one long sequence, many short ones (``short_length``, or
+    half the size when that is smaller), many tiny ones (a quarter of ``short_length``: per-sequence costs),
+    and half long + half short."""
+    cases: list[tuple[str, tuple[int, ...]]] = []
+    tiny = max(short_length // 4, 1)
+    for size in sizes:
+        cases.append((f"long-{size}", (size,)))
+        short = min(short_length, size // 2)
+        if short >= 1:
+            cases.append((f"short-{size}", (short,) * (size // short)))
+        if size >= 8 * tiny and tiny < short:
+            cases.append((f"tiny-{size}", (tiny,) * (size // tiny)))
+        if size >= 4 * short_length:
+            half = size // 2
+            cases.append((f"mixed-{size}", (half, *(short_length,) * ((size - half) // short_length))))
+    return cases
+
+
+def compute_points(points: Sequence[Mapping[str, Any]]) -> list[ComputePoint]:
+    """The compute sweep's points as the fit takes them."""
+    return [ComputePoint(flops=p["flops"], num_tokens=p["num_tokens"], num_sequences=p["num_sequences"],
+                         time_s=p["time_s"]) for p in points]
+
+
+class _Bench:
+    """The model, its optimizer and the trainer's micro-batch step on one device."""
+
+    def __init__(self, options: ProfileOptions, device: torch.device) -> None:
+        self.options = options
+        self.device = device
+        self.shape: ModelShape = model_shape(options.model)
+        self.model = CausalLMLoss(build_model(options.model, seed=options.seed, device=device))
+        apply_activation_checkpointing(self.model, ActivationCheckpointing(options.activation_checkpointing))
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        dtype = options.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" else None
+        self.dtype_name = dtype
+        # Materialise the optimizer states (AdamW creates them lazily at the first step), then drop gradients.
+        for parameter in self.model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        self.optimizer.step()
+        self.zero_grad()
+        # The first micro-batches pay one-off costs (allocator growth, lazy kernel and autograd set-up) that
+        # a per-case warm-up of one run does not absorb for the first small cases.
+        warm = local_pack((256, 128, 64, 64), vocab_size=self.shape.vocab_size, device=device, seed=options.seed)
+        timed_runs(functools.partial(self.step, warm), device=device, warmup=3, repeats=0)
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for parameter in self.model.parameters():
+            parameter.grad = None
+
+    def step(self, pack: PackedMicroBatch) -> None:
+        """One micro-batch as the trainer runs it (gradients start from None, as at a step's first micro-batch)."""
+        self.zero_grad()
+        run_micro_batch(self.model, pack, num_loss_tokens=max(pack.num_loss_tokens, 1),
+                        autocast_dtype=self.autocast_dtype, attention_backend=self.options.attention_backend)
+
+    def kv_bytes_per_element(self) -> int:
+        return 2 if self.autocast_dtype is not None else torch.empty((), dtype=torch.float32).element_size()
+
+
+def _mean_over_ranks(value: float, world_size: int) -> float:
+    if world_size == 1:
+        return value
+    gathered: list[float | None] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return statistics.fmean(v for v in gathered if v is not None)
+
+
+def _measure_compute(bench: _Bench, bar: tqdm, world_size: int) -> list[dict[str, Any]]:
+    options, shape = bench.options, bench.shape
+    points = []
+    for index, (label, lengths) in enumerate(compute_cases(options.sizes, options.short_length)):
+        pack = local_pack(lengths, vocab_size=shape.vocab_size, device=bench.device, seed=options.seed + index)
+        if world_size > 1:
+            dist.barrier()  # every rank runs the same case at the same time, as ranks do in training
+        times_s = timed_runs(functools.partial(bench.step, pack), device=bench.device, warmup=options.warmup,
+                             repeats=options.repeats)
+        time_s = _mean_over_ranks(statistics.median(times_s), world_size)
+        flops = float(eq13_flops(shape, lengths).sum())
+        points.append({"case": label, "num_tokens": sum(lengths), "num_sequences": len(lengths), "flops": flops,
+                       "time_s": time_s, "spread": (max(times_s) - min(times_s)) / statistics.median(times_s)})
+        bar.update()
+    bench.zero_grad()
+    return points
+
+
+def _measure_memory(bench: _Bench, bar: tqdm) -> list[tuple[int, int]]:
+    points = []
+    for index, size in enumerate(bench.options.memory_sizes):
+        lengths = (size,) if size <= 2 * bench.options.short_length else (
+            size // 2, *(bench.options.short_length,) * ((size - size // 2) // bench.options.short_length))
+        pack = local_pack(lengths, vocab_size=bench.shape.vocab_size, device=bench.device, seed=1000 + index)
+        peak = activation_peak_bytes(functools.partial(bench.step, pack), device=bench.device, model=bench.model,
+                                     optimizer=bench.optimizer)
+        points.append((pack.num_tokens, peak))
+        bench.zero_grad()
+        bar.update()
+    return points
+
+
+def shard_degrees(world_size: int) -> tuple[int, ...]:
+    """The degrees the shard effect is measured at: every hybrid group size (``block_degrees``) and the whole
+    world; none in one process."""
+    return (*block_degrees(world_size), world_size) if world_size > 1 else ()
+
+
+def shard_micro_batch(world_size: int, degree: int) -> MicroBatch:
+    """Sequence ``b`` zigzag-sharded over the ``b``-th aligned block of ``degree`` ranks, every block at once (so
+    every rank works, as in training); over the whole world it is the plan's ``distributed`` part."""
+    local: tuple[tuple[int, ...], ...] = ((),) * world_size
+    if degree == world_size:
+        return MicroBatch(local=local, distributed=(0,))
+    return MicroBatch(local=local, distributed=(), sharded=tuple(
+        ShardedGroup(cp_ranks=block, sequences=(index,)) for index, block in enumerate(cp_blocks(world_size, degree))))
+
+
+def _new_block_groups(world_size: int) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """The process group of every aligned block holding this rank, by (first rank, size) as
+    ``ParallelContext.cp_block_groups`` keys them: the profiler's world is one CP group. ``new_group`` is
+    collective over the world, so every rank creates every block, in the same order."""
+    rank = dist.get_rank()
+    groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+    for degree in block_degrees(world_size):
+        for block in cp_blocks(world_size, degree):
+            group = dist.new_group(list(block))
+            if rank in block:
+                assert group is not None
+                groups[(block[0], degree)] = group
+    return groups
+
+
+class _Lead:
+    """CPU-bound torch work of a given duration, timed with every rank busy at once: it stands for the compute a
+    micro-batch runs before each collective. Its unit is a matmul; its size only sets the lead's granularity."""
+
+    UNIT_ROWS = 256
+    CALIBRATION_UNITS = 32
+
+    def __init__(self, bench: _Bench, world_size: int) -> None:
+        self.matrix = torch.randn(self.UNIT_ROWS, self.UNIT_ROWS, device=bench.device)
+        dist.barrier()
+        times_s = timed_runs(self.of_units(self.CALIBRATION_UNITS), device=bench.device, warmup=1,
+                             repeats=max(bench.options.repeats, 3))
+        self.unit_s = _mean_over_ranks(statistics.median(times_s) / self.CALIBRATION_UNITS, world_size)
+
+    def of_units(self, num_units: int) -> functools.partial[None]:
+        return functools.partial(self._run, num_units)
+
+    def of_seconds(self, seconds: float) -> functools.partial[None]:
+        return self.of_units(max(round(seconds / self.unit_s), 1))
+
+    def _run(self, num_units: int) -> None:
+        for _ in range(num_units):
+            torch.mm(self.matrix, self.matrix)
+
+
+def collective_lead_s(fit: ComputeFit, shape: ModelShape, num_bytes: float, group_size: int,
+                      kv_bytes_per_element: int) -> float:
+    """The compute a rank runs before each collective of a static-CP micro-batch (one sequence sharded over
+    ``group_size`` ranks) whose K/V per layer is ``num_bytes``: its share of the forward and backward (as
+    ``PerformanceModel.placement_flops``: 1/group_size of the work, two zigzag chunks, β) spread over its
+    2 · num_layers collectives (an all-gather per layer forward, a reduce-scatter per layer backward)."""
+    num_tokens = num_bytes / (2 * shape.kv_hidden_size * kv_bytes_per_element)
+    shared_s = fit.alpha_s_per_flop * float(eq13_flops(shape, [num_tokens])[0]) + fit.alpha_s_per_token * num_tokens
+    rank_s = shared_s / group_size + 2 * fit.alpha_s_per_sequence + fit.beta_s_per_layer * shape.num_layers
+    return rank_s / (2 * shape.num_layers)
+
+
+def _collective_table(bench: _Bench, collective: str, group: dist.ProcessGroup | None, fit: ComputeFit,
+                      lead: _Lead) -> list[list[float]]:
+    dtype = torch.bfloat16 if bench.autocast_dtype is not None else torch.float32
+    group_size = dist.get_world_size(group)
+    table = []
+    for num_bytes in bench.options.comm_sizes:
+        lead_s = collective_lead_s(fit, bench.shape, num_bytes, group_size, bench.kv_bytes_per_element())
+        latency_s = collective_latency_s(collective, num_bytes, group=group, device=bench.device, dtype=dtype,
+                                         warmup=max(bench.options.warmup, 1), repeats=max(bench.options.repeats, 3),
+                                         lead=lead.of_seconds(lead_s))
+        if group is not None:  # every block measured at once; a micro-batch waits for the slowest
+            latency_s = max_over_ranks(latency_s, bench.device)
+        table.append([float(num_bytes), latency_s])
+    return table
+
+
+def _measure_collectives(bench: _Bench, bar: tqdm, fit: ComputeFit, lead: _Lead) -> dict[str, list[list[float]]]:
+    tables = {}
+    for collective in COLLECTIVES:
+        tables[collective] = _collective_table(bench, collective, None, fit, lead)
+        bar.update(len(bench.options.comm_sizes))
+    return tables
+
+
+def _measure_group_collectives(
+    bench: _Bench, bar: tqdm, world_size: int, block_groups: Mapping[tuple[int, int], dist.ProcessGroup],
+    fit: ComputeFit, lead: _Lead,
+) -> dict[str, dict[str, list[list[float]]]]:
+    """All-gather and reduce-scatter over every aligned block of each hybrid group size, all blocks at once."""
+    rank = dist.get_rank()
+    by_size: dict[str, dict[str, list[list[float]]]] = {}
+    for degree in block_degrees(world_size):
+        group = block_groups[(rank // degree * degree, degree)]
+        by_size[str(degree)] = {}
+        for collective in GROUP_COLLECTIVES:
+            by_size[str(degree)][collective] = _collective_table(bench, collective, group, fit, lead)
+            bar.update(len(bench.options.comm_sizes))
+    return by_size
+
+
+def _measure_shards(
+    bench: _Bench, bar: tqdm, world_size: int, block_groups: Mapping[tuple[int, int], dist.ProcessGroup]
+) -> list[dict[str, Any]]:
+    """Figure 1(b) per degree: one sequence whole on every rank (concurrently) vs as 1/d zigzag shards over
+    every aligned block of d ranks (concurrently)."""
+    rank, options = dist.get_rank(), bench.options
+    results = []
+    for size in options.shard_sizes:
+        (sample,) = random_samples([size], vocab_size=bench.shape.vocab_size, seed=2000 + size)
+        whole = local_pack([size], vocab_size=bench.shape.vocab_size, device=bench.device, seed=2000 + size)
+        dist.barrier()
+        whole_s = statistics.median(timed_runs(functools.partial(bench.step, whole), device=bench.device,
+                                               warmup=options.warmup, repeats=options.repeats))
+        whole_s = _mean_over_ranks(whole_s, world_size)
+        for degree in shard_degrees(world_size):
+            micro_batch = shard_micro_batch(world_size, degree)
+            samples = [sample] * (1 if micro_batch.distributed else len(micro_batch.sharded))
+            sharded = pack_micro_batch(samples, micro_batch, cp_size=world_size, cp_rank=rank,
+                                       cp_group=dist.group.WORLD, cp_block_groups=block_groups).to(bench.device)
+            dist.barrier()
+            shard_times = timed_runs(functools.partial(bench.step, sharded), device=bench.device,
+                                     warmup=options.warmup, repeats=options.repeats)
+            results.append({"num_tokens": size, "degree": degree, "whole_s": whole_s,
+                            "shard_s": max_over_ranks(statistics.median(shard_times), bench.device)})
+            bar.update()
+    bench.zero_grad()
+    return results
+
+
+def _reserved_bytes(device: torch.device) -> int:
+    """CUDA context and allocator slack: device memory in use that no tensor holds (0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return max(int(total - free - torch.cuda.memory_allocated(device)), 0)
+
+
+def run_sweeps(options: ProfileOptions) -> Measurements | None:
+    """Run every sweep; rank 0 returns what was measured (``None`` on the others).
+
+    Every rank of an initialised process group must call it; without one it measures alone.
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    device = torch.device(options.device, int(os.environ.get("LOCAL_RANK", "0"))) if options.device == "cuda" \
+        else torch.device("cpu")
+    bench = _Bench(options, device)
+    shape = bench.shape
+    num_cases = len(compute_cases(options.sizes, options.short_length)) + len(options.memory_sizes)
+    num_group_sizes = len(block_degrees(world_size))
+    if world_size > 1:
+        num_cases += ((len(COLLECTIVES) + len(GROUP_COLLECTIVES) * num_group_sizes) * len(options.comm_sizes)
+                      + len(options.shard_sizes) * len(shard_degrees(world_size)))
+    bar = tqdm(total=num_cases, desc=f"profile {shape.name}", unit="case", disable=not (is_main and options.progress))
+    tables: dict[str, list[list[float]]] = {}
+    group_tables: dict[str, dict[str, list[list[float]]]] = {}
+    shards: list[dict[str, Any]] = []
+    with bar:
+        points = _measure_compute(bench, bar, world_size)
+        if world_size > 1:
+            block_groups = _new_block_groups(world_size)
+            # The collectives follow compute as in a micro-batch, sized by the compute just measured.
+            fit = fit_compute(compute_points(points), num_layers=shape.num_layers)
+            lead = _Lead(bench, world_size)
+            tables = _measure_collectives(bench, bar, fit, lead)
+            group_tables = _measure_group_collectives(bench, bar, world_size, block_groups, fit, lead)
+            shards = _measure_shards(bench, bar, world_size, block_groups)
+        memory_points = _measure_memory(bench, bar) if is_main else []
+    if not is_main:
+        return None
+    param_dtype = bench.autocast_dtype or torch.float32
+    hardware = hardware_info(device)
+    return Measurements(
+        shape=shape, world_size=world_size, process_group_backend=dist.get_backend() if world_size > 1 else None,
+        device_type=device.type, device_name=hardware["gpu" if device.type == "cuda" else "cpu"],
+        device_memory_bytes=device_memory_bytes(device), reserved_bytes=_reserved_bytes(device),
+        threads_per_rank=torch.get_num_threads(), dtype_name=bench.dtype_name, param_dtype=param_dtype,
+        attention_backend=resolve_backend(options.attention_backend, device=device, dtype=param_dtype).value,
+        kv_bytes_per_element=bench.kv_bytes_per_element(), hardware=hardware, software=software_versions(),
+        measured_at=utc_now(), static_bytes=state_bytes(bench.model, bench.optimizer), compute_points=points,
+        memory_points=memory_points, tables=tables, group_tables=group_tables, shards=shards,
+    )

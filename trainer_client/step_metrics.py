@@ -1,0 +1,123 @@
+"""What the trainer measures and reports per step: ``StepMetrics`` (one JSON line per step in ``--metrics-out``,
+``MetricsFile``), each micro-batch's time and peak memory (``MicroBatchTimer``, for the service's feedback), and
+the step's peak memory (``peak_memory``).
+
+On CUDA a timing waits for the device (``torch.cuda.synchronize``) and a micro-batch's peak needs the allocator's
+peak reset before it, so the per-micro-batch timer runs there only where a run reports it (``--feedback``); the
+step's peak then is the largest of its micro-batches' peaks and what followed the last reset.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer_client.plan_client import MicroBatchTiming
+
+__all__ = ["MetricsFile", "MicroBatchTimer", "StepMetrics", "peak_memory"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepMetrics:
+    step: int
+    loss: float
+    tokens: int
+    loss_tokens: int
+    step_time_s: float
+    tokens_per_s: float
+    plan_source: str
+    scheduler: str
+    estimated_time_ms: float | None
+    num_micro_batches: int
+    micro_batch_time_s: float  # the slowest rank's time in its micro-batches: what the plan's estimate predicts
+    num_padding_micro_batches: int  # zero-loss micro-batches run so that FSDP collectives match, all ranks
+    plan_fallbacks: int
+    lr: float
+    grad_norm: float  # global gradient norm before clipping
+    peak_memory_bytes: int | None
+    memory_kind: str
+
+    def to_json(self) -> str:
+        return json.dumps({name: getattr(self, name) for name in self.__slots__})
+
+
+def peak_memory(device: torch.device) -> tuple[int | None, str]:
+    """The peak memory so far and what it measures; on CUDA the allocator's peak, reset for the next step."""
+    if device.type == "cuda":
+        peak = int(torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak, "cuda_max_allocated"
+    # ru_maxrss is in KiB on Linux: the process's peak resident set since it started.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"
+
+
+class MicroBatchTimer:
+    """This rank's time (and on CUDA peak memory) in each micro-batch it runs, for one step at a time."""
+
+    def __init__(self, device: torch.device, *, dp_rank: int, enabled: bool) -> None:
+        """``enabled``: time each micro-batch; on CUDA that waits for the device, so only a run that reports the
+        timings should pay for it."""
+        self.device = device
+        self.dp_rank = dp_rank
+        self.enabled = enabled
+        self.timings: list[MicroBatchTiming] = []  # of the current step
+        self._step_peak_bytes = 0  # CUDA: the largest micro-batch peak since the step's peak was last read
+
+    def start_step(self) -> None:
+        self.timings = []
+
+    @contextmanager
+    def micro_batch(self, index: int, *, is_padding: bool) -> Iterator[None]:
+        """Time the micro-batch run inside; a padding micro-batch is run but not reported (the plan has none)."""
+        on_cuda = self.enabled and self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        started = time.perf_counter()
+        yield
+        if not self.enabled or is_padding:
+            return
+        peak = None
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+            self._step_peak_bytes = max(self._step_peak_bytes, peak)
+        self.timings.append(MicroBatchTiming(dp_rank=self.dp_rank, index=index, time_s=time.perf_counter() - started,
+                                             peak_memory_bytes=peak))
+
+    def step_peak_memory(self) -> tuple[int | None, str]:
+        """The step's peak memory and its kind (``peak_memory``), counting the micro-batch peaks the resets hid."""
+        peak, memory_kind = peak_memory(self.device)
+        if peak is not None and self.device.type == "cuda":
+            peak = max(peak, self._step_peak_bytes)
+            self._step_peak_bytes = 0
+        return peak, memory_kind
+
+
+class MetricsFile:
+    """``--metrics-out``: one JSON line per step, each step once. A resumed run keeps the lines of the steps its
+    checkpoint holds and rewrites the ones after (which the killed run may have logged)."""
+
+    def __init__(self, path: Path, *, keep_steps_before: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if keep_steps_before and path.is_file():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] < keep_steps_before]
+        self._handle = path.open("w")
+        self._handle.writelines(line + "\n" for line in kept)
+        self._handle.flush()
+
+    def write(self, metrics: StepMetrics) -> None:
+        self._handle.write(metrics.to_json() + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
