@@ -1,14 +1,11 @@
 """Shared fixtures: small planning problems built from the core's own validation path, a live service, job state
-of each test's own, and a real Redis server."""
+of each test's own, and real Redis servers (a shared one, and one a test may stop and start again)."""
 
 from __future__ import annotations
 
 import contextlib
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import redis
@@ -17,6 +14,7 @@ from scheduler_service.core.plan import PlanningProblem, make_problem
 from scheduler_service.core.planner import warm_up
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
+from tests.job_store_backends import RedisServer
 from tests.problem_builders import ProblemFactory
 from tests.servers import uvicorn_in_thread
 
@@ -59,27 +57,11 @@ def _job_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real ``redis-server`` (Debian's ``redis-server`` package) on a free loopback port, in a folder of its own;
     its URL. Skips where the binary is absent (CI's clean clone installs no system packages)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server): Redis job-store tests skipped")
-    folder = tmp_path_factory.mktemp("redis")
-    with socket.socket() as probe:  # a port free now; redis-server cannot pick one itself (--port 0 disables TCP)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
-                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while not _accepts(port):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"redis-server did not start on port {port}")
-        time.sleep(0.05)
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server.url
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        server.stop()
 
 
 @pytest.fixture
@@ -90,9 +72,15 @@ def redis_url(redis_server: str) -> str:
     return redis_server
 
 
-def _accepts(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
+@pytest.fixture
+def restartable_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis server of this test's own, which it may stop and start again on the same port; durable, so what
+    it acknowledged survives the restart."""
+    server = RedisServer(tmp_path / "redis", durable=True)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -14,12 +14,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
 
-__all__ = ["Served", "serve", "uvicorn_in_thread"]
+__all__ = ["Served", "descendants", "is_running", "serve", "uvicorn_in_thread"]
 
 
 @contextlib.contextmanager
@@ -41,6 +43,35 @@ def uvicorn_in_thread(app: FastAPI) -> Iterator[int]:
         thread.join(timeout=30)
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """``/proc/PID/stat`` after the command name (which may hold spaces): state, parent pid, …"""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for a reaper is not)."""
+    try:
+        return _stat_fields(pid)[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> set[int]:
+    """Every running process below ``pid``: its children, theirs, and so on."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = _stat_fields(int(stat.parent.name))
+            if fields[0] != "Z":
+                parents[int(stat.parent.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
 _RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
@@ -50,6 +81,20 @@ class Served:
     process: subprocess.Popen[str]
     pending: queue.Queue[str]  # stderr lines, read by a thread
     log_lines: list[str] = field(default_factory=list)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until ``/readyz`` answers 200. A multi-worker supervisor logs its port once bound, but the socket
+        listens only once a worker has started."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            assert time.monotonic() < deadline, "no worker became ready"
+            time.sleep(0.1)
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(self.base_url + "/readyz", timeout=10).status_code == 200
+        except httpx.ConnectError:
+            return False
 
     def log_entries(self) -> list[dict[str, object]]:
         while not self.pending.empty():
@@ -63,14 +108,14 @@ def _read_lines(stream: object, lines: queue.Queue[str]) -> None:
 
 
 @contextlib.contextmanager
-def serve(env: Mapping[str, str] | None = None) -> Iterator[Served]:
-    """``python -m scheduler_service serve`` on port 0 (uvicorn binds a free port and logs it, so there is no race
-    for a port number), stopped with SIGTERM (graceful: the lifespan's exit runs). One worker unless ``env`` asks
-    for more: the tests count the server's child processes and kill it."""
+def serve(env: Mapping[str, str] | None = None, *, port: int = 0) -> Iterator[Served]:
+    """``python -m scheduler_service serve`` on ``port``, by default 0 (uvicorn binds a free port and logs it, so
+    there is no race for a port number), stopped with SIGTERM (graceful: the lifespan's exit runs). One worker
+    unless ``env`` asks for more: the tests count the server's child processes and kill it."""
     env = {**os.environ, "SKRULL_WORKERS": "1", "SKRULL_CPSAT_WARMUP": "false",
            "SKRULL_CPSAT_DEFAULT_TIME_LIMIT_S": "0.3", **(env or {})}
     process = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_service", "serve", "--host", "127.0.0.1", "--port", "0"],
+        [sys.executable, "-m", "scheduler_service", "serve", "--host", "127.0.0.1", "--port", str(port)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     lines: queue.Queue[str] = queue.Queue()

@@ -1,6 +1,6 @@
 """The job store: jobs' feedback state kept as explicit JSON in SQLite (always) or Redis (against a real
-``redis-server``; skipped where none is installed), bounded as the in-memory store was, and never losing a
-refit to a concurrent one."""
+``redis-server``; skipped where none is installed), bounded as the in-memory store was, never losing a
+refit to a concurrent one, and failing call by call (not for good) when its file breaks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from scheduler_service.core import feedback
 from scheduler_service.core.feedback import JobFeedback, MicroBatchMeasurement
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.profile import builtin_profiles
-from scheduler_service.runtime.errors import ServiceUnavailableError
+from scheduler_service.runtime.errors import JobStoreUnavailableError, ServiceUnavailableError
 from scheduler_service.runtime.job_store import (
     JobStore,
     RedisJobStore,
@@ -25,6 +25,8 @@ from scheduler_service.runtime.job_store import (
     encode_job,
     open_job_store,
 )
+from scheduler_service.web.metrics import ServiceMetrics
+from tests.job_store_backends import corrupted
 
 StoreFactory = Callable[..., JobStore]
 
@@ -51,7 +53,7 @@ def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store
     opened: list[JobStore] = []
 
     def factory(max_jobs: int = 8) -> JobStore:
-        opened.append(open_job_store(url, max_jobs=max_jobs))
+        opened.append(open_job_store(url, max_jobs=max_jobs, events=ServiceMetrics()))
         return opened[-1]
 
     yield factory
@@ -65,8 +67,19 @@ def test_a_refit_job_survives_encoding_exactly() -> None:
     assert decode_job(encode_job(job)) == job
 
 
+@pytest.mark.parametrize("damage", ["'{'", "json_set(document, '$.model', 'tiny')", "json_remove(document, '$.base')",
+                                    "json_set(document, '$.profile', json('[]'))"])
+def test_a_damaged_document_reads_as_no_job(tmp_path: Path, damage: str) -> None:
+    store = SQLiteJobStore(tmp_path / "jobs.sqlite3", max_jobs=8, events=ServiceMetrics())
+    store.keep(new_job())
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
+        db.execute(f"UPDATE jobs SET document = {damage}, revision = 'other'")
+    assert store.get("job-1") is None
+    assert store.state == "ok"  # the store works; one record was lost
+
+
 def test_a_document_of_another_format_reads_as_no_job(tmp_path: Path) -> None:
-    store = SQLiteJobStore(tmp_path / "jobs.sqlite3", max_jobs=8)
+    store = SQLiteJobStore(tmp_path / "jobs.sqlite3", max_jobs=8, events=ServiceMetrics())
     store.keep(new_job())
     with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
         db.execute("UPDATE jobs SET document = json_set(document, '$.format', 99), revision = 'other'")
@@ -76,11 +89,11 @@ def test_a_document_of_another_format_reads_as_no_job(tmp_path: Path) -> None:
 
 def test_urls_pick_the_store() -> None:
     with pytest.raises(ValueError, match="postgres://"):
-        open_job_store("postgres://db/skrull", max_jobs=1)
+        open_job_store("postgres://db/skrull", max_jobs=1, events=ServiceMetrics())
 
 
 def test_sqlite_store_runs_in_wal_mode(tmp_path: Path) -> None:
-    store = open_job_store(f"sqlite://{tmp_path}/state/jobs.sqlite3", max_jobs=8)
+    store = open_job_store(f"sqlite://{tmp_path}/state/jobs.sqlite3", max_jobs=8, events=ServiceMetrics())
     assert isinstance(store, SQLiteJobStore)
     store.keep(new_job())
     with sqlite3.connect(tmp_path / "state" / "jobs.sqlite3") as db:
@@ -167,4 +180,28 @@ def test_concurrent_refits_of_one_job_from_two_workers_lose_no_report(open_store
 
 def test_an_unreachable_redis_stops_the_start() -> None:
     with pytest.raises(ServiceUnavailableError, match="the job store is unavailable"):
-        RedisJobStore("redis://127.0.0.1:1/0", max_jobs=1)
+        RedisJobStore("redis://127.0.0.1:1/0", max_jobs=1, events=ServiceMetrics())
+
+
+def test_a_corrupt_sqlite_file_fails_each_call_and_is_read_again_once_restored(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.sqlite3"
+    metrics = ServiceMetrics()
+    store = SQLiteJobStore(path, max_jobs=8, events=metrics)
+    store.keep(new_job())
+    stored = store.get("job-1")
+    assert stored is not None
+    refitted = refit(stored.job)
+    assert store.replace(stored, refitted)
+    with corrupted(path):
+        with pytest.raises(JobStoreUnavailableError, match="file is not a database") as failure:
+            store.get("job-1")
+        assert failure.value.operation == "get"
+        with pytest.raises(JobStoreUnavailableError, match="file is not a database"):
+            store.keep(new_job("job-2"))
+        assert store.state == "unavailable: file is not a database"
+    kept = store.get("job-1")  # the same store object: no restart
+    assert kept is not None and kept.job == refitted
+    assert store.state == "ok"
+    assert [metrics.registry.get_sample_value("skrull_job_store_errors_total", {"operation": operation})
+            for operation in ("get", "keep")] == [1, 1]
+    store.close()

@@ -19,6 +19,7 @@ from scheduler_service.core.profile import DEFAULT_PROFILE
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.runtime.wire import response_to_plan
 from scheduler_service.web.app import create_app
+from tests.answers import assert_problem
 
 HEURISTICS = [s for s in SchedulerName if s is not SchedulerName.CPSAT]
 
@@ -39,17 +40,6 @@ def service_settings(**overrides: object) -> Settings:
 def client() -> Iterator[TestClient]:
     with TestClient(create_app(service_settings(max_sequences=1000, max_body_bytes=64 << 10))) as test_client:
         yield test_client
-
-
-def assert_problem(response: object, status: int, field: str | None = None) -> Problem:
-    assert response.status_code == status, response.text  # type: ignore[attr-defined]
-    assert response.headers["content-type"] == "application/problem+json"  # type: ignore[attr-defined]
-    problem = Problem.model_validate_json(response.content)  # type: ignore[attr-defined]
-    assert problem.status == status
-    assert problem.request_id == response.headers["x-request-id"]  # type: ignore[attr-defined]
-    if field is not None:
-        assert problem.field == field, problem
-    return problem
 
 
 # ---- POST /plan: good requests -------------------------------------------------------------------------------

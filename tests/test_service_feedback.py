@@ -7,16 +7,16 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
-from skrull_proto import FeedbackRequest, FeedbackResponse, PlanResponse, Problem
+from skrull_proto import FeedbackRequest, FeedbackResponse, PlanResponse
 
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
+from tests.answers import assert_problem
 from tests.service_inputs import LENGTHS, report
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanOrigin, PlanSource, measurements_of
 
@@ -39,14 +39,6 @@ def plan(client: TestClient, job_id: str | None = "job-1", **overrides: Any) -> 
     response = client.post("/plan", json=body)
     assert response.status_code == 200, response.text
     return PlanResponse.model_validate_json(response.content)
-
-
-def assert_problem(response: httpx.Response, status: int, field: str | None) -> Problem:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"] == "application/problem+json"
-    problem = Problem.model_validate_json(response.content)
-    assert problem.field == field, problem
-    return problem
 
 
 def test_feedback_refits_the_profile_of_the_jobs_later_plans(client: TestClient) -> None:

@@ -1,9 +1,9 @@
-"""Issue 14 against a real uvicorn process: heavy but valid requests, extreme numbers, slow and vanishing clients.
+"""A real uvicorn process under heavy but valid requests, extreme numbers, slow and vanishing clients, and a kill.
 
 One class per test: cost is bounded by what a request really costs; probes answer while heavy work runs; the
 server's memory stays bounded; numbers cannot poison a job; one request gives one plan; a client's hang-up is a
-499, not a server error; no answer carries a path or a long echo; incomplete connections are closed; pool
-processes die with the server. Ordering, not timing: nothing here asserts how long anything took.
+499, not a server error; no answer carries a path or a long echo; incomplete connections are closed; every
+process of a killed server ends with it. Ordering, not timing: nothing here asserts how long anything took.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from skrull_proto import FeedbackResponse, PlanResponse, Problem
 
-from tests.servers import Served, serve
+from scheduler_service.core.samplers import sample_lengths
+from tests.servers import Served, descendants, is_running, serve
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +31,9 @@ pytestmark = pytest.mark.slow
 # baseline) hold 64 × 1024 local lists: about 0.13 M cells, seconds of planning in the heavy pool.
 HEAVY = {"sequence_lengths": [1000] * 64, "dp_size": 1, "cp_size": 1024, "bucket_size": 1}
 SMALL = {"sequence_lengths": [812, 30311, 97, 4096, 65000, 733], "dp_size": 2, "cp_size": 4}
+# Small (inline by its cells) but with the largest search budget a request may ask for: about a second of search.
+SEARCHING = {"sequence_lengths": sample_lengths("chatqa2", 256, np.random.default_rng(0), max_length=65536).tolist(),
+             "dp_size": 4, "cp_size": 8, "model": "qwen2.5-7b", "search_budget": 1 << 16}
 ENV = {
     "SKRULL_HEAVY_WORKERS": "1", "SKRULL_HEAVY_QUEUE": "0",  # one heavy request at a time: the next is a 429
     "SKRULL_HEADER_TIMEOUT_S": "0.5", "SKRULL_BODY_TIMEOUT_S": "0.5",
@@ -93,6 +98,37 @@ def test_probes_answer_while_a_heavy_plan_runs_and_a_second_one_is_a_429(served:
     assert answers["heavy"].status_code == 200, answers["heavy"].text
     plan = PlanResponse.model_validate_json(answers["heavy"].content)
     assert sum(len(dp_rank.micro_batches) for dp_rank in plan.dp_ranks) == 64
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, "64", True, 1 << 17, 10**30])
+def test_a_bad_search_budget_is_a_422_naming_it(served: Served, budget: object) -> None:
+    with httpx.Client(base_url=served.base_url, timeout=60) as client:
+        response = client.post("/plan", json={**SMALL, "search_budget": budget})
+    assert response.status_code == 422, response.text
+    problem = Problem.model_validate_json(response.content)
+    assert problem.field == "search_budget", problem
+    if budget == 1 << 17:
+        assert problem.limit == 1 << 16
+
+
+def test_the_largest_search_budget_searches_in_the_heavy_pool_while_probes_answer(served: Served) -> None:
+    """A small batch with the largest budget is a second of search: it must not run on the event loop."""
+    answers: dict[str, httpx.Response] = {}
+
+    def plan_searching() -> None:
+        with httpx.Client(base_url=served.base_url, timeout=300) as searching_client:
+            answers["searching"] = searching_client.post("/plan", json=SEARCHING)
+
+    searching = threading.Thread(target=plan_searching)
+    with httpx.Client(base_url=served.base_url, timeout=60) as client:
+        searching.start()
+        _wait_until(lambda: _metric(client, "skrull_heavy_in_flight") == 1.0 or "searching" in answers,
+                    "the search was admitted or answered")
+        assert "searching" not in answers, "planned inline, on the event loop"
+        assert client.get("/healthz").status_code == 200
+        assert "searching" not in answers  # answered while the search was still running
+        searching.join()
+    assert answers["searching"].status_code == 200, answers["searching"].text
 
 
 def test_a_plan_over_the_cost_limit_is_a_422_naming_the_limit_and_the_estimate(served: Served) -> None:
@@ -203,27 +239,25 @@ def test_incomplete_requests_are_cut_off(served: Served) -> None:
     assert b'"limit":0.5' in answer
 
 
-def test_pool_processes_exit_when_the_server_is_killed() -> None:
-    def children(pid: int) -> set[int]:
-        found = set()
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.add(int(stat.parent.name))
-        return found
-
-    def alive(pid: int) -> bool:
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    with serve({"SKRULL_CPSAT_WARMUP": "true"}) as server:  # both pools start a process at once
-        _wait_until(lambda: len(children(server.process.pid)) >= 3, "the pools' processes started")
-        workers = children(server.process.pid)
-        os.kill(server.process.pid, signal.SIGKILL)
+def test_a_killed_supervisor_takes_every_process_with_it_and_its_port_is_free_at_once() -> None:
+    """``kill -9`` of a 2-worker ``serve``: its workers, their pool processes and the resource tracker all end,
+    so a restart on the same port starts and plans (without this they go on answering and hold the port)."""
+    with serve({"SKRULL_WORKERS": "2", "SKRULL_CPSAT_WARMUP": "true"}) as server:  # every pool starts a process
+        server.wait_ready()
+        supervisor = server.process.pid
+        # 2 workers, 2 pools each, the resource tracker
+        _wait_until(lambda: len(descendants(supervisor)) >= 7, "the workers' pool processes started")
+        started = descendants(supervisor)
+        os.kill(supervisor, signal.SIGKILL)
         server.process.wait()
-        _wait_until(lambda: not any(alive(pid) for pid in workers), "every pool process exited", timeout_s=30)
+        try:
+            _wait_until(lambda: not any(is_running(pid) for pid in started), "every process of the server ended",
+                        timeout_s=10)
+        finally:  # survivors would hold the port and the log pipe
+            for pid in filter(is_running, started):
+                os.kill(pid, signal.SIGKILL)
+        port = int(server.base_url.rsplit(":", 1)[1])
+    with serve({"SKRULL_WORKERS": "2"}, port=port) as restarted:
+        restarted.wait_ready()
+        answer = httpx.post(f"{restarted.base_url}/plan", json=SMALL, timeout=30)
+        assert answer.status_code == 200, answer.text

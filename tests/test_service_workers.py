@@ -38,19 +38,8 @@ def served(profile_dir: Path) -> Iterator[Served]:
     env = {"SKRULL_WORKERS": str(NUM_WORKERS), "SKRULL_PROFILE_DIR": str(profile_dir),
            "SKRULL_STATE_URL": f"sqlite://{profile_dir.parent}/jobs.sqlite3"}
     with serve(env) as server:
-        # The supervisor logs the port once bound; the socket listens once a worker has started.
-        deadline = time.monotonic() + 60
-        while not _ready(server):
-            assert time.monotonic() < deadline, "no worker became ready"
-            time.sleep(0.1)
+        server.wait_ready()
         yield server
-
-
-def _ready(served: Served) -> bool:
-    try:
-        return httpx.get(served.base_url + "/readyz", timeout=10).status_code == 200
-    except httpx.ConnectError:
-        return False
 
 
 def _answering_workers(served: Served, request_ids: list[str]) -> set[int]:

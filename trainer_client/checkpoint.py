@@ -7,13 +7,17 @@ A checkpoint after ``n`` optimizer steps is the folder ``<dir>/step-<n>`` holdin
   any sharding mode and activation checkpointing;
 * ``train``: the steps done, the LR schedule's state and the data position (where the next global batch
   starts), identical on every rank;
-* ``rng``: each rank's torch RNG state under its own key (ranks may have drawn differently).
+* ``rng``: each rank's torch RNG state under its own key (ranks may have drawn differently);
+
+and ``run.json``, written by rank 0: the identity of the run that wrote it (model, dp × cp, global batch, data,
+schedule; ``run_identity.py``), which ``--resume`` checks before it reads any of the above.
 
 ``<dir>/latest`` names the newest complete checkpoint; it is replaced (write, then rename) only after DCP has
-finished writing, so a job killed while saving resumes from the one before. ``--resume`` loads the latest when
-there is one and otherwise starts from scratch, so the same command serves the first launch and every
-restart under ``torchrun --max-restarts``. In fp32 on CPU a resumed run trains exactly the batches the killed
-one had not and reproduces the uninterrupted run's losses bit for bit (``tests/test_train_checkpoint.py``).
+finished writing and ``run.json`` is in place, so a job killed while saving resumes from the one before.
+``--resume`` loads the latest when there is one and otherwise starts from scratch, so the same command serves the
+first launch and every restart under ``torchrun --max-restarts``. In fp32 on CPU a resumed run trains exactly
+the batches the killed one had not and reproduces the uninterrupted run's losses bit for bit
+(``tests/test_train_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -29,9 +33,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["LATEST", "TrainState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+from trainer_client.run_identity import RunIdentity
+
+__all__ = ["LATEST", "RUN_IDENTITY", "TrainState", "latest_checkpoint", "load_checkpoint", "save_checkpoint",
+           "saved_run_identity"]
 
 LATEST = "latest"
+RUN_IDENTITY = "run.json"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,10 +66,23 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return path
 
 
+def saved_run_identity(path: Path) -> RunIdentity | None:
+    """The identity of the run that wrote the checkpoint ``path``; None when it has no record of it."""
+    record = path / RUN_IDENTITY
+    if not record.is_file():
+        return None
+    try:
+        return RunIdentity.from_json(record.read_text())
+    except ValueError as error:
+        raise ValueError(f"{record} is not the record of a run: {error}") from None
+
+
 def save_checkpoint(
     directory: Path, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
+    identity: RunIdentity,
 ) -> Path:
-    """Every rank calls this (DCP is collective); rank 0 then points ``latest`` at it."""
+    """Every rank calls this (DCP is collective); rank 0 then writes the run's identity beside it and points
+    ``latest`` at it."""
     path = _step_dir(directory, state.num_steps_done)
     model_state, optimizer_state = get_state_dict(module, optimizer)
     if dist.get_rank() == 0 and path.exists():
@@ -70,6 +91,7 @@ def save_checkpoint(
     dcp.save({"model": model_state, "optimizer": optimizer_state, "train": _train_entry(state),
               "rng": {f"rank{dist.get_rank()}": torch.get_rng_state()}}, checkpoint_id=path)
     if dist.get_rank() == 0:
+        (path / RUN_IDENTITY).write_text(identity.to_json())
         marker = directory / LATEST
         temporary = marker.with_suffix(".tmp")
         temporary.write_text(path.name + "\n")

@@ -46,6 +46,7 @@ class TrainConfig:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0: only after the last step (with --checkpoint-dir)
     resume: bool = False  # continue from the latest checkpoint in checkpoint_dir, if there is one
+    resume_accept_data_change: bool = False  # resume although --data differs from the checkpoint's
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     max_length: int | None = None
     truncate: bool = False
@@ -92,6 +93,8 @@ class TrainConfig:
             raise ValueError(f"--checkpoint-every must not be negative, got {self.checkpoint_every}")
         if (self.checkpoint_every or self.resume) and self.checkpoint_dir is None:
             raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
+        if self.resume_accept_data_change and not self.resume:
+            raise ValueError("--resume-accept-data-change goes with --resume")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"--collective-timeout must be positive, got {self.collective_timeout_s}")
         AttentionBackend(self.attention_backend)

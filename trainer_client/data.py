@@ -25,7 +25,11 @@ Records (``RecordEncoder``), the first key present (and not null) decides:
 Both record readers stream: a JSONL file is read line by line from a byte
 offset, a ``datasets`` directory is memory-mapped Arrow read row by row, so no
 rank holds the file. Where the next batch starts (``GlobalBatch.next_position``)
-is saved in checkpoints and restored with ``seek``.
+is saved in checkpoints and restored with ``seek``. What a source is
+(``DataSource.identity``: the synthetic set with its seed; a JSONL file with
+its size and a digest of its first and last records; a ``datasets`` directory
+with its rows and fingerprint) is saved beside them, so that a resume can tell
+whether it reads the same data (``run_identity.py``).
 
 Labels follow the Hugging Face convention (aligned with ``input_ids``); the
 token at position ``t`` is trained to predict ``labels[t + 1]``
@@ -36,12 +40,13 @@ run trained on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +55,7 @@ from scheduler_service.core.samplers import DATASETS, sample_lengths
 
 __all__ = [
     "IGNORE_INDEX",
+    "DataIdentity",
     "DataSource",
     "DatasetRecords",
     "GlobalBatch",
@@ -66,6 +72,7 @@ __all__ = [
 
 IGNORE_INDEX = -100
 SYNTHETIC_PREFIX = "synthetic:"
+_TAIL_BLOCK_BYTES = 1 << 16  # a JSONL file's last record is looked for this many bytes at a time, from the end
 
 
 class RecordTooLongError(ValueError):
@@ -119,6 +126,17 @@ class GlobalBatch:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DataIdentity:
+    """Which data a source yields: two sources with the same identity give the same global batches."""
+
+    source: str  # synthetic:NAME, or the absolute path of the file or directory
+    fingerprint: str  # what the source holds, as a user can read it
+
+    def __str__(self) -> str:
+        return f"{self.source} ({self.fingerprint})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SyntheticSource:
     dataset: str
     global_batch_size: int
@@ -143,6 +161,11 @@ class SyntheticSource:
 
     def seek(self, position: Mapping[str, int]) -> None:
         """Nothing to restore: batch ``s`` depends on ``(seed, s)`` alone."""
+
+    def identity(self) -> DataIdentity:
+        # The batch size is the run's (checked on its own); the longest length clips the lengths drawn.
+        return DataIdentity(source=f"{SYNTHETIC_PREFIX}{self.dataset}",
+                            fingerprint=f"seed {self.seed}, max length {self.max_length}")
 
 
 # ---------------------------------------------------------------------------------------------------- records
@@ -289,6 +312,8 @@ class RecordReader(Protocol):
         """The record at ``position``, where it is (for errors), and the position of the next one."""
         ...
 
+    def identity(self) -> DataIdentity: ...
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JsonlRecords:
@@ -319,6 +344,30 @@ class JsonlRecords:
                     return record, where, {"offset": lines.tell(), "line": line_number + 1}
                 line_number += 1
 
+    def identity(self) -> DataIdentity:
+        """The path, the size and a digest of the first and last records: appending, cutting or replacing the file
+        changes it, without reading a large file whole."""
+        num_bytes = self.path.stat().st_size
+        with self.path.open("rb") as lines:
+            first = next((line for line in lines if line.strip()), b"").strip()
+            last = _last_line(lines, num_bytes)
+        digest = hashlib.sha256(first + b"\n" + last).hexdigest()[:16]
+        return DataIdentity(source=str(self.path.resolve()),
+                            fingerprint=f"{num_bytes} bytes, first and last records sha256 {digest}")
+
+
+def _last_line(lines: IO[bytes], num_bytes: int) -> bytes:
+    """The last non-blank line of a file of ``num_bytes``, stripped, read backwards a block at a time."""
+    tail, end = b"", num_bytes
+    while True:
+        start = max(0, end - _TAIL_BLOCK_BYTES)
+        lines.seek(start)
+        tail = lines.read(end - start) + tail
+        end = start
+        stripped = tail.rstrip()
+        if b"\n" in stripped or start == 0:  # a whole line, or the file's first
+            return stripped.rsplit(b"\n", 1)[-1].strip()
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DatasetRecords:
@@ -344,6 +393,13 @@ class DatasetRecords:
         row = position.get("row", 0) % self.dataset.num_rows
         return self.dataset[row], f"{self.path}[{row}]", {"row": row + 1}
 
+    def identity(self) -> DataIdentity:
+        """The path, the number of rows and the fingerprint ``datasets`` keeps of the content (a digest of how it was
+        made, saved by ``save_to_disk``)."""
+        return DataIdentity(source=str(self.path.resolve()),
+                            fingerprint=f"{self.dataset.num_rows} rows, datasets fingerprint "
+                                        f"{self.dataset._fingerprint}")
+
 
 @dataclass(kw_only=True, slots=True)
 class RecordSource:
@@ -367,6 +423,9 @@ class RecordSource:
 
     def seek(self, position: Mapping[str, int]) -> None:
         self.position = dict(position)
+
+    def identity(self) -> DataIdentity:
+        return self.records.identity()
 
 
 DataSource = SyntheticSource | RecordSource

@@ -7,9 +7,10 @@ Example (4 CPU processes, plans from a local scheduler service):
       --scheduler-url http://127.0.0.1:8000 --bucket-size 4096 --seed 0 --metrics-out metrics.jsonl
 
 Exit status 2 with one message on stderr for a user error (bad flags, world
-size ≠ dp × cp, a record too long, a batch no planner can plan). Any other
-failure of a rank is recorded for torchrun (``@record``): the agent stops the
-other ranks at once and names the failing rank and its traceback; with
+size ≠ dp × cp, a record too long, a batch no planner can plan, ``--resume``
+of a checkpoint another run wrote). Any other failure of a rank is recorded for
+torchrun (``@record``): the agent stops the other ranks at once and names the
+failing rank and its traceback; with
 ``--max-restarts N --resume`` the job restarts from the latest checkpoint. The
 first rank to fail reports its reason (``distributed.report_failure``), and every
 other rank stops with ``PeerFailed`` naming that rank and reason rather than with
@@ -80,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="steps between checkpoints (0: after the last step only)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in --checkpoint-dir when there is one")
+                        help="continue from the latest checkpoint in --checkpoint-dir when there is one; it must "
+                             "have been written with the same --model, --dp × --cp, --global-batch and --data "
+                             "(another schedule is accepted)")
+    parser.add_argument("--resume-accept-data-change", action="store_true",
+                        help="with --resume: accept a checkpoint trained on other --data (another source, or the "
+                             "same one changed) and continue from its saved data position")
     parser.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
                         help="seconds any collective of any process group may wait for a peer")
     parser.add_argument("--max-length", type=int, help="longest record accepted (default: bucket_size × cp)")
@@ -110,7 +116,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm,
         sharding=args.sharding, activation_checkpointing=args.activation_checkpointing,
         loss_chunk_tokens=args.loss_chunk_tokens, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, collective_timeout_s=args.collective_timeout,
+        checkpoint_every=args.checkpoint_every, resume=args.resume,
+        resume_accept_data_change=args.resume_accept_data_change, collective_timeout_s=args.collective_timeout,
         max_length=args.max_length, truncate=args.truncate, tokenizer=args.tokenizer, metrics_out=args.metrics_out,
         plan_timeout_s=args.plan_timeout, plan_attempts=args.plan_attempts,
         attention_backend=args.attention_backend, dtype=args.dtype, progress=not args.no_progress,

@@ -30,7 +30,9 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
 4. The gradients are clipped to a global norm, AdamW steps once, the learning
    rate follows warmup + cosine (``optim.py``); every ``--checkpoint-every``
    steps all ranks save a DCP checkpoint (``checkpoint.py``), from which
-   ``--resume`` continues exactly.
+   ``--resume`` continues exactly; before it loads one, rank 0 checks that
+   it was written by this run (``run_identity.py``) and every rank receives
+   the verdict.
 5. With ``feedback`` (opt-in), every rank's measured micro-batch times (and
    peak memory on CUDA, ``step_metrics.MicroBatchTimer``) are gathered on rank 0,
    which reports them to the service (``POST /feedback``) in the background; the
@@ -66,7 +68,13 @@ from scheduler_service.core.plan import MicroBatch, make_problem
 from scheduler_service.core.profile import Profile, resolve_profile
 from scheduler_service.runtime.profiles import load_profile
 from trainer_client.attention import AttentionBackend
-from trainer_client.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_client.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    saved_run_identity,
+)
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataSource, GlobalBatch, LengthStats, make_source
 from trainer_client.distributed import ParallelContext, max_over_ranks
@@ -85,6 +93,7 @@ from trainer_client.parallelize import (
 )
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanOrigin, PlanSource
 from trainer_client.prefetch import PrefetchedMicroBatches
+from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume
 from trainer_client.step_metrics import MetricsFile, MicroBatchTimer, StepMetrics
 
 __all__ = ["InjectedFault", "MicroBatches", "PlanningFailed", "Trainer", "memory_profile", "run_micro_batch"]
@@ -165,6 +174,7 @@ class Trainer:
             config.data, global_batch_size=config.global_batch, vocab_size=shape.vocab_size,
             max_length=self.max_length, seed=config.seed, truncate=config.truncate, tokenizer=config.tokenizer,
         )
+        self.identity = RunIdentity.of(config, self.source)  # saved with every checkpoint, checked on resume
         self.lengths = LengthStats()  # of the batches this run trained
         lm = build_model(config.model, seed=config.seed, device=self.device)
         lm.train()
@@ -225,6 +235,7 @@ class Trainer:
         if path is None:
             logger.info("no checkpoint in %s: training from scratch", directory)
             return
+        self._check_resumable(path)
         state = load_checkpoint(path, module=self.module, optimizer=self.optimizer)
         self.lr_schedule.load_state_dict(state.lr_schedule)
         self.source.seek(state.data_position)
@@ -234,12 +245,28 @@ class Trainer:
                              "before it")
         logger.info("resumed from %s: %d steps done", path, self.first_step)
 
+    def _check_resumable(self, checkpoint: Path) -> None:
+        """Rank 0 checks that ``checkpoint`` was written by this run and logs what it accepts; every rank receives
+        the verdict and stops on a refusal, all before any DCP state is read."""
+        refusal: list[str | None] = [None]
+        if self.parallel.is_main:
+            try:
+                for warning in check_resume(checkpoint, saved_run_identity(checkpoint), self.identity,
+                                            accept_data_change=self.config.resume_accept_data_change):
+                    logger.warning(warning)
+            except (OSError, ValueError) as error:  # refused, or a record rank 0 cannot read: every rank must stop
+                refusal[0] = str(error)
+        dist.broadcast_object_list(refusal, src=0, group=self.parallel.object_group)
+        if refusal[0] is not None:
+            raise ResumeMismatch(refusal[0])
+
     def save_checkpoint(self, num_steps_done: int, batch: GlobalBatch) -> Path:
         """Every rank calls this after optimizer step ``num_steps_done − 1`` on ``batch``."""
         assert self.config.checkpoint_dir is not None
         state = TrainState(num_steps_done=num_steps_done, lr_schedule=self.lr_schedule.state_dict(),
                            data_position=batch.next_position)
-        return save_checkpoint(self.config.checkpoint_dir, module=self.module, optimizer=self.optimizer, state=state)
+        return save_checkpoint(self.config.checkpoint_dir, module=self.module, optimizer=self.optimizer, state=state,
+                               identity=self.identity)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole gradient by the model's own names (collective under FSDP: every rank calls)."""

@@ -163,17 +163,17 @@ _BLOCK_RULE = ("size s with 2 <= s < cp_size and s dividing cp_size, the ranks c
                "multiple of s (e.g. [0, 1], [2, 3], [4, 5, 6, 7] for cp_size 8)")
 
 
-class _OmitsEmptyLists(_Strict):
-    """Leaves empty optional lists out of the JSON, so a plan (or report) without hybrid groups or a per-CP-rank
-    breakdown reads exactly as before those fields existed: a client that predates them still parses it, and one
-    that gets them refuses the unknown field (``extra="forbid"``) instead of silently running the plan without
-    them."""
+class _OmitsEmpty(_Strict):
+    """Leaves empty optional lists and unset optional fields out of the JSON, so a plan (or report) without hybrid
+    groups, a per-CP-rank breakdown or a job-state warning reads exactly as before those fields existed: a client
+    that predates them still parses it, and one that gets them refuses the unknown field (``extra="forbid"``)
+    instead of silently running the plan without them."""
 
-    _omitted_when_empty: ClassVar[tuple[str, ...]]  # the lists left out when empty
+    _omitted_when_empty: ClassVar[tuple[str, ...]]  # the fields left out when empty (or null)
 
     # No return annotation: pydantic would take it as the serialisation schema instead of the model's own.
     @model_serializer(mode="wrap")
-    def _omit_empty_lists(self, handler: SerializerFunctionWrapHandler):
+    def _omit_empty(self, handler: SerializerFunctionWrapHandler):
         data = handler(self)
         if isinstance(data, dict):
             for name in self._omitted_when_empty:
@@ -205,7 +205,7 @@ class CPRankEstimateModel(_Strict):
     time_ms: float = Field(description="local + distributed + sharded + fixed + exposed communication.")
 
 
-class MicroBatchModel(_OmitsEmptyLists):
+class MicroBatchModel(_OmitsEmpty):
     _omitted_when_empty: ClassVar[tuple[str, ...]] = ("sharded", "cp_ranks")
 
     local: list[list[SequenceIndex]] = Field(description="cp_size lists: indices kept whole on that CP rank.")
@@ -239,8 +239,10 @@ class SolverReport(_Strict):
     wall_time_ms: float = Field(description="Solver wall time.")
 
 
-class PlanResponse(_Strict):
+class PlanResponse(_OmitsEmpty):
     """The plan of one global batch, with its estimate beside the deepspeed baseline's."""
+
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("job_state",)
 
     schema_version: Literal[1] = SCHEMA_VERSION
     scheduler: SchedulerName
@@ -260,6 +262,13 @@ class PlanResponse(_Strict):
         "estimated_iteration_time_ms / lower_bound_ms - 1 is at most what a better plan could gain."
     )
     solver: SolverReport | None = Field(default=None, description="cpsat only: status, objective and bound.")
+    job_state: str | None = Field(
+        default=None,
+        description="Only when the request named a `job_id` and the service's job store failed during it: "
+        "`unavailable: <reason>`. A job that could not be read is planned with the base profile (`profile` "
+        "then names it, without `+feedback`); one that could not be kept after planning was planned with its "
+        "state as read. Reports for the job are refused until the store is back. Omitted otherwise.",
+    )
 
 
 class ShardedGroupLengths(_Strict):
@@ -270,7 +279,7 @@ class ShardedGroupLengths(_Strict):
     lengths: list[PositiveInt] = Field(min_length=1, description="Lengths of the sequences sharded over them.")
 
 
-class MicroBatchMeasurement(_OmitsEmptyLists):
+class MicroBatchMeasurement(_OmitsEmpty):
     """One micro-batch as the trainer ran it."""
 
     _omitted_when_empty: ClassVar[tuple[str, ...]] = ("sharded_lengths",)

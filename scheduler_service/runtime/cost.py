@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from scheduler_service.core.plan import PlanningProblem, SchedulerName
 
-__all__ = ["PlanCost", "baseline_cells", "feedback_cells", "plan_cost"]
+__all__ = ["PlanCost", "baseline_cells", "feedback_cells", "plan_cost", "search_seconds"]
 
 # Micro-batch JSON beside its local lists ('{"local":[…],"distributed":[…],"estimated_time_ms":12.345678},').
 _MICRO_BATCH_JSON_BYTES = 64
@@ -70,6 +70,13 @@ def plan_cost(problem: PlanningProblem, scheduler: SchedulerName, *, breakdown: 
     per_micro_batch = (3 + (_BREAKDOWN_JSON_BYTES if breakdown else 0)) * cp_size + _MICRO_BATCH_JSON_BYTES
     answer_bytes = num_micro_batches * per_micro_batch + num_sequences * index_bytes
     return PlanCost(num_micro_batches=num_micro_batches, cells=cells, answer_bytes=answer_bytes)
+
+
+def search_seconds(search_budget: int, cells: int) -> float:
+    """An upper estimate of the time ``search_budget`` units of search take on a batch of ``cells`` (each unit
+    costs one sequence's move; measured 4-14 µs at 576-2304 cells and about 100 µs at 135 K on 2 cores, which
+    √cells µs bounds)."""
+    return search_budget * 1e-6 * math.sqrt(cells)
 
 
 def feedback_cells(body: bytes) -> int:

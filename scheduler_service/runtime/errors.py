@@ -17,6 +17,7 @@ __all__ = [
     "MAX_BODY_ERRORS",
     "ClientDisconnectedError",
     "FeedbackDisabledError",
+    "JobStoreUnavailableError",
     "RequestBodyError",
     "RequestLimitError",
     "ServiceBusyError",
@@ -79,6 +80,16 @@ class ServiceUnavailableError(Exception):
         super().__init__(message)
         self.message = message
         self.retry_after_s = retry_after_s
+
+
+class JobStoreUnavailableError(ServiceUnavailableError):
+    """The job store failed a call (a corrupt or full file, a read-only folder, an unreachable server). Plans go on
+    without the job's state; reports and reads of a job answer 503 until the store is back."""
+
+    def __init__(self, reason: str, *, operation: str) -> None:
+        super().__init__(f"the job store is unavailable: {reason}")
+        self.reason = reason
+        self.operation = operation  # the store's method that failed: get, keep, replace (or open, at the start)
 
 
 class UnknownJobError(Exception):

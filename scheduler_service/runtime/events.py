@@ -1,7 +1,8 @@
 """What the runtime tells the layer above it while it works, without knowing that layer.
 
 ``ServiceEvents`` is what the runtime reports (plans made, pool admissions,
-reports adopted); the web layer's Prometheus metrics implement it.
+reports adopted, job-store failures); the web layer's Prometheus metrics
+implement it.
 ``ClientWatch`` is how a wait learns that its client hung up; the web layer
 implements it over the ASGI connection. Both are protocols so that the runtime
 imports no metrics library and no web framework.
@@ -38,6 +39,9 @@ class ServiceEvents(Protocol):
 
     def jobs_kept(self, num_jobs: int) -> None:
         """The job store now keeps ``num_jobs`` jobs."""
+
+    def job_store_failed(self, operation: str) -> None:
+        """A call of the job store (``get``, ``keep``, ``replace``, or ``open`` at the start) failed."""
 
 
 class ClientWatch(Protocol):

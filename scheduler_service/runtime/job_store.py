@@ -22,18 +22,30 @@ from (``replace``: a compare-and-set, in a SQLite transaction or a Redis Lua
 script), so two workers refitting the same job never overwrite each other:
 the later refit is refused (the service answers 429, and the report can be
 sent again onto the newer state). A record written by another format version
-reads as absent (the job starts again). Store failures (a locked or full file,
-an unreachable server) answer 503. The stores are called from the event loop;
-measured on the 2-core development machine with full windows (256), a plan of
-a known job costs p50 0.1 ms in SQLite and 0.3 ms in a local Redis, adopting a
-refit 0.8 ms and 1.1 ms (mostly encoding), and a job another worker changed
-is decoded again once (about 1.3 ms).
+reads as absent (the job starts again). The stores are called from the event
+loop; measured on the 2-core development machine with full windows (256), a
+plan of a known job costs p50 0.1 ms in SQLite and 0.3 ms in a local Redis,
+adopting a refit 0.8 ms and 1.1 ms (mostly encoding), and a job another worker
+changed is decoded again once (about 1.3 ms).
+
+Failures: a call that meets its backend's own failure (a corrupt, locked, full
+or read-only file or folder; an unreachable server) raises
+``JobStoreUnavailableError``, is counted (``ServiceEvents.job_store_failed``),
+and leaves ``state`` saying why until a call succeeds. The service then plans
+without the job's state and says so in the answer, and refuses reports (503):
+a write is one transaction or one script, so a refused one changed nothing.
+The store recovers without a restart: SQLite lets go of the file after a
+failure and opens it again at the next call (a connection that met a corrupt
+file keeps failing after the file is restored), and redis-py connects again by
+itself. Opening the store is the exception: one that cannot be opened stops the
+start, so a wrong URL or path is found then, not at the first request.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import uuid
@@ -41,14 +53,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import redis
 
 from scheduler_service.core.feedback import ComputeObservation, FeedbackConfig, JobFeedback, MemoryObservation
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.profile import parse_profile
-from scheduler_service.runtime.errors import ServiceUnavailableError
+from scheduler_service.runtime.errors import JobStoreUnavailableError
+from scheduler_service.runtime.events import ServiceEvents
 
 __all__ = [
     "JobStore",
@@ -61,9 +74,11 @@ __all__ = [
     "open_job_store",
 ]
 
+logger = logging.getLogger("scheduler_service.runtime.job_store")
+
 _FORMAT = 1  # of the stored document; a record of another format reads as absent
-_SQLITE_BUSY_TIMEOUT_S = 5.0  # how long a write waits for another worker's transaction before a 503
-_REDIS_TIMEOUT_S = 2.0  # a Redis call that takes longer answers 503 rather than holding the event loop
+_SQLITE_BUSY_TIMEOUT_S = 5.0  # how long a write waits for another worker's transaction before it fails
+_REDIS_TIMEOUT_S = 2.0  # a Redis call that takes longer fails rather than holding the event loop
 
 
 def job_key(job: JobFeedback) -> tuple[str, ModelShape, int, int]:
@@ -106,8 +121,16 @@ def encode_job(job: JobFeedback) -> str:
 
 
 def decode_job(text: str) -> JobFeedback | None:
-    """The job ``encode_job`` wrote; ``None`` for a document of another format."""
-    document: dict[str, Any] = json.loads(text)
+    """The job ``encode_job`` wrote; ``None`` for a document of another format, or one damaged in the store (the
+    job then starts again, as a forgotten one does)."""
+    try:
+        return _decode_document(json.loads(text))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # a PlanningError is a ValueError
+        logger.warning("a stored job could not be read; it starts again", extra={"error": repr(error)[:200]})
+        return None
+
+
+def _decode_document(document: dict[str, Any]) -> JobFeedback | None:
     if document.get("format") != _FORMAT:
         return None
     return JobFeedback(
@@ -150,18 +173,29 @@ class JobStore(ABC):
     """Jobs by id, least recently used forgotten first beyond ``max_jobs``.
 
     Decoding a job with full windows costs about a millisecond, so each process keeps the jobs it decoded last
-    (at most ``max_jobs``) and reads a job's document again only when its revision changed."""
+    (at most ``max_jobs``) and reads a job's document again only when its revision changed. Every public call
+    raises ``JobStoreUnavailableError`` when its backend fails."""
 
-    def __init__(self, *, max_jobs: int) -> None:
+    _failures: ClassVar[tuple[type[Exception], ...]]  # the backend's own failures (not a bug of this module)
+
+    def __init__(self, *, max_jobs: int, events: ServiceEvents) -> None:
         self.max_jobs = max_jobs
+        self._events = events
         self._decoded: dict[str, StoredJob] = {}
+        self._unavailable: str | None = None  # why the last call failed; None once a call succeeds
+
+    @property
+    def state(self) -> str:
+        """``ok``, or ``unavailable: <reason>`` from the last call's failure until a call succeeds."""
+        return "ok" if self._unavailable is None else f"unavailable: {self._unavailable}"
 
     def get(self, job_id: str) -> StoredJob | None:
         """The job and its revision; ``None`` if unknown (never planned, forgotten, or of another format)."""
-        cached = self._decoded.get(job_id)
-        if cached is not None and self._revision(job_id) == cached.revision:
-            return cached
-        record = self._record(job_id)
+        with self._call("get"):
+            cached = self._decoded.get(job_id)
+            if cached is not None and self._revision(job_id) == cached.revision:
+                return cached
+            record = self._record(job_id)
         if record is None or (job := decode_job(record[1])) is None:
             self._decoded.pop(job_id, None)
             return None
@@ -172,7 +206,8 @@ class JobStore(ABC):
         (its refit included), any other is replaced by ``job``. Forgets the least recently used beyond
         ``max_jobs``; the number of jobs kept."""
         revision = _new_revision()
-        written, num_jobs = self._keep(job.job_id, _key_text(job), revision, lambda: encode_job(job))
+        with self._call("keep"):
+            written, num_jobs = self._keep(job.job_id, _key_text(job), revision, lambda: encode_job(job))
         if written:
             self._remember(StoredJob(job=job, revision=revision))
         return num_jobs
@@ -180,7 +215,10 @@ class JobStore(ABC):
     def replace(self, stored: StoredJob, updated: JobFeedback) -> bool:
         """Adopt ``updated`` if the job still has ``stored.revision``; ``False`` (nothing written) otherwise."""
         revision = _new_revision()
-        if not self._replace(updated.job_id, stored.revision, revision, encode_job(updated)):
+        document = encode_job(updated)
+        with self._call("replace"):
+            replaced = self._replace(updated.job_id, stored.revision, revision, document)
+        if not replaced:
             return False
         self._remember(StoredJob(job=updated, revision=revision))
         return True
@@ -191,6 +229,34 @@ class JobStore(ABC):
         if len(self._decoded) > self.max_jobs:
             del self._decoded[next(iter(self._decoded))]
         return stored
+
+    @contextlib.contextmanager
+    def _call(self, operation: str) -> Iterator[None]:
+        """One call of the store: a failure of its backend lets go of the connection, is counted, kept in
+        ``state`` and raised as ``JobStoreUnavailableError``; a call that succeeds clears ``state``. Logged when
+        the store becomes unavailable and when it is back."""
+        try:
+            yield
+        except self._failures as error:
+            reason = self._reason(error)
+            self._let_go()
+            if self._unavailable is None:
+                logger.warning("job store unavailable", extra={"operation": operation, "reason": reason})
+            self._unavailable = reason
+            self._events.job_store_failed(operation)
+            raise JobStoreUnavailableError(reason, operation=operation) from error
+        if self._unavailable is not None:
+            logger.info("job store available again", extra={"operation": operation})
+            self._unavailable = None
+
+    @staticmethod
+    @abstractmethod
+    def _reason(error: Exception) -> str:
+        """What an answer may say of one of ``_failures``: no path, host or value of a setting."""
+
+    @abstractmethod
+    def _let_go(self) -> None:
+        """After a failure: drop what the next call should not reuse."""
 
     @abstractmethod
     def _revision(self, job_id: str) -> str | None:
@@ -213,61 +279,83 @@ class JobStore(ABC):
     def close(self) -> None: ...
 
 
-def open_job_store(url: str, *, max_jobs: int) -> JobStore:
+def open_job_store(url: str, *, max_jobs: int, events: ServiceEvents) -> JobStore:
     """The store ``url`` names: ``redis://``/``rediss://`` for Redis, a path or ``sqlite://PATH`` for SQLite."""
     if url.startswith(("redis://", "rediss://")):
-        return RedisJobStore(url, max_jobs=max_jobs)
+        return RedisJobStore(url, max_jobs=max_jobs, events=events)
     path = url.removeprefix("sqlite://")
     if "://" in path:
         raise ValueError(f"SKRULL_STATE_URL must be a file path, sqlite://PATH, redis:// or rediss://; "
                          f"got a {path.split('://')[0]}:// URL")
-    return SQLiteJobStore(Path(path), max_jobs=max_jobs)
+    return SQLiteJobStore(Path(path), max_jobs=max_jobs, events=events)
 
 
 # ---- SQLite ------------------------------------------------------------------------------------------------
 
 class SQLiteJobStore(JobStore):
     """One table in a WAL-mode file; every write a ``BEGIN IMMEDIATE`` transaction, so workers sharing the file
-    take turns (waiting up to ``_SQLITE_BUSY_TIMEOUT_S``). ``used`` orders jobs by their last use."""
+    take turns (waiting up to ``_SQLITE_BUSY_TIMEOUT_S``). ``used`` orders jobs by their last use. After a failure
+    the connection is closed (which rolls back what it had begun) and the next call opens the file again."""
 
-    def __init__(self, path: Path, *, max_jobs: int) -> None:
-        super().__init__(max_jobs=max_jobs)
+    # Corrupt (DatabaseError itself); locked beyond the timeout, full, read-only, unopenable (OperationalError).
+    _failures = (sqlite3.DatabaseError,)
+
+    def __init__(self, path: Path, *, max_jobs: int, events: ServiceEvents) -> None:
+        super().__init__(max_jobs=max_jobs, events=events)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # Autocommit mode: transactions are opened explicitly. One connection per process, used from the event
-        # loop; the lock only guards against a caller on another thread (the test client's portal).
-        self._db = sqlite3.connect(path, timeout=_SQLITE_BUSY_TIMEOUT_S, isolation_level=None,
-                                   check_same_thread=False)
+        self._path = path
+        # One connection per process, used from the event loop; the lock only guards against a caller on another
+        # thread (the test client's portal).
+        self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
-        with self._errors_as_unavailable():
-            self._db.execute("PRAGMA journal_mode=WAL")
-            # With WAL, NORMAL survives a killed process; only a power loss may cost the last commits.
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, job_key TEXT NOT NULL, "
-                             "revision TEXT NOT NULL, used INTEGER NOT NULL, document TEXT NOT NULL)")
-            self._db.execute("CREATE INDEX IF NOT EXISTS jobs_by_use ON jobs (used)")
+        with self._call("open"), self._lock:
+            self._connection()
+
+    def _connection(self) -> sqlite3.Connection:
+        """The open connection, or a new one (at the start, and at the first call after a failure); called with
+        the lock held."""
+        if self._db is None:
+            # Autocommit mode: transactions are opened explicitly.
+            db = sqlite3.connect(self._path, timeout=_SQLITE_BUSY_TIMEOUT_S, isolation_level=None,
+                                 check_same_thread=False)
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                # With WAL, NORMAL survives a killed process; only a power loss may cost the last commits.
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.execute("CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, job_key TEXT NOT NULL, "
+                           "revision TEXT NOT NULL, used INTEGER NOT NULL, document TEXT NOT NULL)")
+                db.execute("CREATE INDEX IF NOT EXISTS jobs_by_use ON jobs (used)")
+            except BaseException:
+                db.close()
+                raise
+            self._db = db
+        return self._db
 
     @staticmethod
-    @contextlib.contextmanager
-    def _errors_as_unavailable() -> Iterator[None]:
-        try:
-            yield
-        except sqlite3.OperationalError as error:  # locked beyond the timeout, disk full, file unreadable
-            raise ServiceUnavailableError(f"the job store is unavailable: {error}") from error
+    def _reason(error: Exception) -> str:
+        return str(error)  # SQLite's own words ("database or disk is full"), which name no path
+
+    def _let_go(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock, self._errors_as_unavailable():
-            self._db.execute("BEGIN IMMEDIATE")
+        with self._lock:
+            db = self._connection()
+            db.execute("BEGIN IMMEDIATE")
             try:
-                yield self._db
+                yield db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
+            db.execute("COMMIT")
 
     def _query(self, sql: str, *args: object) -> Any:
-        with self._lock, self._errors_as_unavailable():
-            return self._db.execute(sql, args).fetchone()
+        with self._lock:
+            return self._connection().execute(sql, args).fetchone()
 
     def _revision(self, job_id: str) -> str | None:
         row = self._query("SELECT revision FROM jobs WHERE job_id = ?", job_id)
@@ -303,8 +391,7 @@ class SQLiteJobStore(JobStore):
             return cursor.rowcount == 1
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._let_go()
 
 
 # ---- Redis -------------------------------------------------------------------------------------------------
@@ -347,55 +434,50 @@ class RedisJobStore(JobStore):
     clock, all under ``skrull:jobs:``. Writes are Lua scripts, atomic on the server."""
 
     _PREFIX = "skrull:jobs:"
+    _failures = (redis.RedisError,)
 
-    def __init__(self, url: str, *, max_jobs: int) -> None:
-        super().__init__(max_jobs=max_jobs)
+    def __init__(self, url: str, *, max_jobs: int, events: ServiceEvents) -> None:
+        super().__init__(max_jobs=max_jobs, events=events)
         self._client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=_REDIS_TIMEOUT_S,
                                             socket_connect_timeout=_REDIS_TIMEOUT_S)
         self._keep_script = self._client.register_script(_KEEP)
         self._replace_script = self._client.register_script(_REPLACE)
         self._order = self._PREFIX + "use-order"
         self._clock = self._PREFIX + "use-clock"
-        with self._errors_as_unavailable():
+        with self._call("open"):
             self._client.ping()  # a wrong URL stops the start, not the first request
 
     @staticmethod
-    @contextlib.contextmanager
-    def _errors_as_unavailable() -> Iterator[None]:
-        try:
-            yield
-        except redis.RedisError as error:
-            raise ServiceUnavailableError(f"the job store is unavailable: {type(error).__name__}") from error
+    def _reason(error: Exception) -> str:
+        return type(error).__name__  # redis-py's messages name the server's host and port
+
+    def _let_go(self) -> None:
+        """Nothing to drop: redis-py discards a broken connection and connects again at the next command."""
 
     def _job_hash(self, job_id: str) -> str:
         return f"{self._PREFIX}job:{job_id}"
 
     def _revision(self, job_id: str) -> str | None:
-        with self._errors_as_unavailable():
-            revision = self._client.hget(self._job_hash(job_id), "revision")
+        revision = self._client.hget(self._job_hash(job_id), "revision")
         return None if revision is None else str(revision)
 
     def _record(self, job_id: str) -> tuple[str, str] | None:
-        with self._errors_as_unavailable():
-            revision, document = self._client.hmget(self._job_hash(job_id), ["revision", "document"])
+        revision, document = self._client.hmget(self._job_hash(job_id), ["revision", "document"])
         return None if revision is None or document is None else (str(revision), str(document))
 
     def _keep(self, job_id: str, key: str, revision: str, document: Callable[[], str]) -> tuple[bool, int]:
         keys = [self._job_hash(job_id), self._order, self._clock]
-        with self._errors_as_unavailable():
-            # Most plans use a job already kept: try without the document first (encoding one costs ~1 ms).
-            answer = self._keep_script(keys=keys, args=[job_id, key, revision, "", self.max_jobs,
+        # Most plans use a job already kept: try without the document first (encoding one costs ~1 ms).
+        answer = self._keep_script(keys=keys, args=[job_id, key, revision, "", self.max_jobs, self._job_hash("")])
+        if answer is None:
+            answer = self._keep_script(keys=keys, args=[job_id, key, revision, document(), self.max_jobs,
                                                         self._job_hash("")])
-            if answer is None:
-                answer = self._keep_script(keys=keys, args=[job_id, key, revision, document(), self.max_jobs,
-                                                            self._job_hash("")])
         written, num_jobs = answer
         return bool(written), int(num_jobs)
 
     def _replace(self, job_id: str, expected: str, revision: str, document: str) -> bool:
-        with self._errors_as_unavailable():
-            return bool(self._replace_script(keys=[self._job_hash(job_id), self._order, self._clock],
-                                             args=[job_id, expected, revision, document]))
+        return bool(self._replace_script(keys=[self._job_hash(job_id), self._order, self._clock],
+                                         args=[job_id, expected, revision, document]))
 
     def close(self) -> None:
         self._client.close()

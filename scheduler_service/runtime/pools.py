@@ -9,7 +9,7 @@ back a plan's bytes, a job id or a refit job; a planning error is raised in
 the caller as it was raised in the process (core errors pickle).
 
 Pool processes exit when the server process is gone, even after a SIGKILL
-(``_exit_with_parent``).
+(``lifeline``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import contextlib
 import logging
 import math
 import multiprocessing
-import multiprocessing.connection
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -35,6 +33,7 @@ from scheduler_service.core.plan import PlanLimits
 from scheduler_service.core.profile import Profile
 from scheduler_service.runtime.errors import ServiceBusyError, ServiceUnavailableError
 from scheduler_service.runtime.events import ClientWatch, ServiceEvents
+from scheduler_service.runtime.lifeline import end_with_parent, exit_now
 from scheduler_service.runtime.parsing import parse_feedback_request
 from scheduler_service.runtime.work import CostLimits, PlannedBatch, plan_request, refit_job
 
@@ -151,18 +150,9 @@ class WorkerPool:
 
 def _init_worker() -> None:
     os.nice(_POOL_NICE)
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        threading.Thread(target=_exit_with_parent, args=(parent.sentinel,), name="exit-with-parent",
-                         daemon=True).start()
-
-
-def _exit_with_parent(parent_sentinel: int) -> None:
-    """Exit as soon as the server process is gone. A pool process otherwise outlives a server killed with
-    SIGKILL: it holds both ends of its task queue, so it never reads an end of file. The parent's sentinel
-    becomes readable when the parent dies, however it dies."""
-    multiprocessing.connection.wait([parent_sentinel])
-    os._exit(1)
+    # A pool process otherwise outlives a server killed with SIGKILL: it holds both ends of its task queue, so it
+    # never reads an end of file.
+    end_with_parent(exit_now)
 
 
 def plan_in_worker(

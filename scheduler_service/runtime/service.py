@@ -10,6 +10,10 @@ answer's bytes):
   naming the limit and the estimate); up to ``inline_max_cells`` it is
   validated and planned inline on the event loop (a few milliseconds, where a
   process hop would cost more than it saves);
+* a ``search_budget`` over the limit (``max_search_budget``) is refused before
+  any work; one over ``inline_max_search_budget`` (a larger budget searches
+  longer: up to about a second on 256 sequences) sends the request to the
+  heavy pool whatever its size;
 * anything larger is validated and planned in the *heavy pool*, a bounded
   ``ProcessPoolExecutor`` (spawned, niced processes), so the event loop keeps
   answering ``/healthz``, ``/readyz`` and ``/metrics`` whatever the load, and
@@ -47,6 +51,13 @@ Profiles and feedback (state this service keeps):
   is adopted only onto the state it was refit from: a report that another
   (worker's) report or plan of the same job overtook is a 429, never a lost
   update.
+* a job store that fails (a corrupt or full file, a read-only folder, an
+  unreachable server) does not stop planning: a plan whose job could not be
+  read plans as a request without a ``job_id`` (the base profile), and every
+  plan that met the failure says so in its answer (``job_state``). Reports and
+  reads of a job answer 503 with Retry-After, and apply nothing. The store
+  reports its state to ``/readyz`` and its failures to the metrics, and is used
+  again at the next request once it is back (``job_store``).
 """
 
 from __future__ import annotations
@@ -62,9 +73,10 @@ from scheduler_service.core import jit
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.feedback import FeedbackConfig, JobFeedback
 from scheduler_service.core.profile import Profile
-from scheduler_service.runtime.cost import baseline_cells, feedback_cells
+from scheduler_service.runtime.cost import baseline_cells, feedback_cells, search_seconds
 from scheduler_service.runtime.errors import (
     FeedbackDisabledError,
+    JobStoreUnavailableError,
     RequestLimitError,
     ServiceBusyError,
     ServiceUnavailableError,
@@ -86,6 +98,7 @@ from scheduler_service.runtime.wire import job_to_feedback_response, request_mod
 from scheduler_service.runtime.work import (
     CostLimits,
     PlannedBatch,
+    check_search_budget,
     job_problem,
     plan_request,
     refit_job,
@@ -118,7 +131,7 @@ class PlanningService:
                                               memory_headroom=settings.feedback_memory_headroom)
         # Called on the event loop only (the endpoints are async); refits and plans run in pool processes only
         # receive a job, an immutable snapshot.
-        self.jobs = open_job_store(settings.state_url, max_jobs=settings.feedback_max_jobs)
+        self.jobs = open_job_store(settings.state_url, max_jobs=settings.feedback_max_jobs, events=events)
         self._refitting: set[str] = set()  # jobs whose report is being refit in the heavy pool
 
     @property
@@ -190,10 +203,17 @@ class PlanningService:
         return core_feedback.start_job(request.job_id, base=profile, model=model, dp_size=request.dp_size,
                                        cp_size=request.cp_size, config=self.feedback_config)
 
-    def _keep_job(self, job: JobFeedback | None) -> None:
-        """Register or refresh a job after a successful plan; a refit adopted meanwhile (same key) is kept."""
-        if job is not None:
+    def _keep_job(self, job: JobFeedback | None) -> str | None:
+        """Register or refresh a job after a successful plan; a refit adopted meanwhile (same key) is kept. The
+        store's state if it failed: the plan stands (it used the job as read, or a new job's base profile), and
+        its answer says so."""
+        if job is None:
+            return None
+        try:
             self.events.jobs_kept(self.jobs.keep(job))
+        except JobStoreUnavailableError:
+            return self.jobs.state
+        return None
 
     def job(self, job_id: str) -> JobFeedback:
         return self._stored_job(job_id).job
@@ -277,18 +297,27 @@ class PlanningService:
                 f"least {at_least} cells (the deepspeed baseline's sequences × cp_size local lists); the service "
                 f"plans at most {settings.max_plan_cells}: use a smaller cp_size or a smaller batch",
                 field="sequence_lengths", limit=settings.max_plan_cells)
-        job = self._job_for(request, profiles)
+        check_search_budget(request, self.limits)
+        try:
+            job, job_state = self._job_for(request, profiles), None
+        except JobStoreUnavailableError:
+            # Planned as a request without a job_id: the base profile. The state is the failure just raised.
+            job, job_state = None, self.jobs.state
+        search_budget = request.search_budget or 0
         if request.scheduler is SchedulerName.CPSAT:
             batch = await self._plan_cpsat(request, profiles, job, cost_limits, watch)
-        elif at_least <= settings.inline_max_cells:
+        elif at_least <= settings.inline_max_cells and search_budget <= settings.inline_max_search_budget:
             batch = plan_request(request, self.limits, extra_profiles=profiles, job=job,
                                  cost_limits=cost_limits)
         else:
-            # Planning costs about twice the baseline's cells; the estimate only feeds Retry-After and the give-up.
+            # Planning costs about twice the baseline's cells, plus the search asked for; the estimate only feeds
+            # Retry-After and the give-up.
+            expected_s = 2 * at_least * _SECONDS_PER_CELL + search_seconds(search_budget, at_least)
             batch = await self.heavy_pool.run(plan_in_worker, request.model_dump_json().encode(), self.limits,
-                                              None, profiles, job, cost_limits,
-                                              expected_s=2 * at_least * _SECONDS_PER_CELL, watch=watch)
-        self._keep_job(job)
+                                              None, profiles, job, cost_limits, expected_s=expected_s, watch=watch)
+        job_state = self._keep_job(job) or job_state
+        if job_state is not None:
+            batch = batch.with_job_state(job_state)
         self.events.plan_made(batch.summary, num_sequences=len(request.sequence_lengths))
         return batch
 

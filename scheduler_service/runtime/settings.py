@@ -89,6 +89,9 @@ class Settings(BaseSettings):
     # ~8 ms); everything above runs in the bounded heavy pool, so no request can stall /healthz.
     inline_max_cells: int = Field(default=4096, ge=0, description="Requests up to this many cells run on the "
                                   "event loop; larger ones in the heavy pool.")
+    inline_max_search_budget: int = Field(default=1024, ge=0, description="Requests asking for a larger "
+                                          "search_budget run in the heavy pool (a unit is 4-14 µs on 64-256 "
+                                          "sequences on 2 cores).")
     heavy_workers: int = Field(default=1, ge=1, le=64, description="Processes planning heavy requests.")
     heavy_queue: int = Field(default=2, ge=0, description="Heavy requests allowed to wait for a busy pool "
                              "(else 429).")

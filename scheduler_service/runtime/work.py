@@ -33,6 +33,7 @@ __all__ = [
     "Placement",
     "PlanSummary",
     "PlannedBatch",
+    "check_search_budget",
     "job_problem",
     "plan_request",
     "refit_job",
@@ -73,6 +74,11 @@ class PlannedBatch:
     body: bytes  # the response's JSON, serialized where it was planned: never parsed again on the event loop
     summary: PlanSummary
 
+    def with_job_state(self, job_state: str) -> PlannedBatch:
+        """The answer with ``job_state``, which the job store's failure sets after the body was written. It is
+        ``PlanResponse``'s last field, and orjson writes no space: it goes before the closing brace."""
+        return replace(self, body=self.body[:-1] + b',"job_state":' + orjson.dumps(job_state) + b"}")
+
 
 def job_problem(problem: PlanningProblem, job: JobFeedback | None) -> PlanningProblem:
     """The request's problem (validated with its base profile) as the job's feedback plans it: the refit profile
@@ -112,6 +118,13 @@ class CostLimits:
                                     limit=self.max_answer_bytes)
 
 
+def check_search_budget(request: PlanRequest, limits: PlanLimits) -> None:
+    """A search budget over the limit is refused before any work."""
+    if request.search_budget is not None and request.search_budget > limits.max_search_budget:
+        raise RequestLimitError(f"search_budget {request.search_budget} is over the service's limit "
+                                f"{limits.max_search_budget}", field="search_budget", limit=limits.max_search_budget)
+
+
 def plan_request(
     request: PlanRequest, limits: PlanLimits, time_limit_s: float | None = None,
     extra_profiles: dict[str, Profile] | None = None, job: JobFeedback | None = None,
@@ -124,9 +137,7 @@ def plan_request(
     """
     base = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
     problem = job_problem(base, job)
-    if request.search_budget is not None and request.search_budget > limits.max_search_budget:
-        raise RequestLimitError(f"search_budget {request.search_budget} is over the service's limit "
-                                f"{limits.max_search_budget}", field="search_budget", limit=limits.max_search_budget)
+    check_search_budget(request, limits)
     if cost_limits is not None:
         cost_limits.check(problem, request)
     if time_limit_s is None:

@@ -18,6 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import FastAPI
 from skrull_proto import SCHEMA_VERSION
 
+from scheduler_service.runtime.lifeline import end_with_parent, stop_gracefully
 from scheduler_service.runtime.logging_setup import configure_logging
 from scheduler_service.runtime.service import PlanningService
 from scheduler_service.runtime.settings import Settings, get_settings
@@ -35,6 +36,9 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0"
 
+# A worker whose supervisor died stops as on SIGTERM; one still busy after this long (a long plan in flight) is
+# ended regardless, so that a restarted server gets its port within a second or two.
+WORKER_STOP_GRACE_S = 1.5
 TITLE = "Skrull scheduler"
 DESCRIPTION = (
     "Plans long-context fine-tuning batches (Skrull GDS + DACP, baselines, CP-SAT) for a trainer. "
@@ -76,7 +80,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def app_factory() -> FastAPI:
-    """What ``serve`` hands uvicorn (``factory=True``): JSON logs, then the app from the environment."""
+    """What ``serve`` hands uvicorn (``factory=True``): JSON logs, then the app from the environment. A worker
+    process of a multi-worker server stops when its supervisor is gone, however it died (``lifeline``)."""
     settings = get_settings()
     configure_logging(settings.log_level)
+    end_with_parent(stop_gracefully(WORKER_STOP_GRACE_S))
     return create_app(settings)

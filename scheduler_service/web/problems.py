@@ -19,7 +19,8 @@ problem+json.
     429 busy                    ServiceBusyError from the heavy pool too, and a job's second report at once
     499 (no body)               ClientDisconnectedError: the client hung up before its answer (logged and
                                 counted as 499, never as a server error; nobody reads the answer)
-    503 unavailable             ServiceUnavailableError: not ready, or a pool broke
+    503 unavailable             ServiceUnavailableError: not ready, or a pool broke; JobStoreUnavailableError:
+                                the job store failed a report or a read of a job (Retry-After; /plan plans on)
     500 plan-check-failed       PlanCheckError: a scheduler produced an invalid plan (a bug, never bad input)
     500 internal-error          anything else (a bug); logged with its traceback (RequestContextMiddleware)
     4xx from Starlette          404, 405: the same body shape, type about:blank
@@ -119,6 +120,8 @@ FEEDBACK_PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
                          "is not an aligned block of CP ranks): the body names the field and the limit; the job's "
                          "profile is left unchanged."),
     500: PROBLEM_RESPONSES[500],
+    503: _problem_schema("The job store is unavailable: retry after the Retry-After header's seconds. A report "
+                         "refused so changed nothing."),
 }
 
 

@@ -42,7 +42,7 @@ async def feedback(request: Request, planner: PlannerDep) -> FeedbackResponse:
     "/feedback/{job_id}",
     operation_id="getJobFeedback",
     response_model=FeedbackResponse,
-    responses={404: FEEDBACK_PROBLEM_RESPONSES[404]},
+    responses={404: FEEDBACK_PROBLEM_RESPONSES[404], 503: FEEDBACK_PROBLEM_RESPONSES[503]},
     summary="A job's refit state",
 )
 async def job_feedback(job_id: str, planner: PlannerDep) -> FeedbackResponse:

@@ -26,8 +26,12 @@ async def healthz() -> HealthStatus:
     response_model=HealthStatus,
     responses={503: PROBLEM_RESPONSES[503]},
     summary="Readiness: the planner is warmed up",
+    description="Ready once the planner is warmed up. `checks` names each component's state; `job_store` is "
+    "`ok`, or `unavailable: <reason>` while the job store fails (as of its last use): plans go on without "
+    "feedback then, so the service stays ready.",
 )
 async def readyz(planner: PlannerDep) -> HealthStatus:
     if not planner.ready:
         raise ServiceUnavailableError("the planner is warming up")
-    return HealthStatus(status="ready", checks={"planner": "ready", "cpsat": planner.cpsat_state})
+    return HealthStatus(status="ready", checks={"planner": "ready", "cpsat": planner.cpsat_state,
+                                                "job_store": planner.jobs.state})

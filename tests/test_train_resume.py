@@ -1,0 +1,229 @@
+"""``--resume`` checks what it resumes: a checkpoint of another model, dp × cp, global batch or data stops every
+rank before any step, naming each difference; a changed data source goes on when accepted, a changed schedule
+always, each with a warning naming the change."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from trainer_client.checkpoint import LATEST, RUN_IDENTITY, saved_run_identity
+from trainer_client.config import TrainConfig
+from trainer_client.data import DataIdentity, DataSource, make_source
+from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume, model_identity
+from trainer_client.trainer import Trainer
+
+CHECKPOINT = Path("ck/step-00000002")
+SAVED = RunIdentity(model="tiny", dp=2, cp=2, global_batch=16,
+                    data=DataIdentity(source="synthetic:lmsys", fingerprint="seed 0, max length 1024"),
+                    steps=20, warmup_steps=2, lr=1e-3, min_lr_ratio=0.1)
+
+
+def _check(current: RunIdentity, *, accept_data_change: bool = False, saved: RunIdentity | None = SAVED) -> list[str]:
+    return check_resume(CHECKPOINT, saved, current, accept_data_change=accept_data_change)
+
+
+def _write_jsonl(path: Path, records: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def _source(spec: Path | str, *, seed: int = 0) -> DataSource:
+    return make_source(str(spec), global_batch_size=2, vocab_size=1024, max_length=64, seed=seed)
+
+
+def _data_identity(spec: Path | str, *, seed: int = 0) -> DataIdentity:
+    return _source(spec, seed=seed).identity()
+
+
+# ------------------------------------------------------------------------------------------------ the record
+
+
+def test_the_identity_is_a_readable_json_file_that_reads_back_equal() -> None:
+    text = SAVED.to_json()
+    assert json.loads(text)["data"] == {"source": "synthetic:lmsys", "fingerprint": "seed 0, max length 1024"}
+    assert RunIdentity.from_json(text) == SAVED
+
+
+def test_a_checkpoint_without_a_record_has_no_identity_and_a_broken_record_names_its_file(tmp_path: Path) -> None:
+    assert saved_run_identity(tmp_path) is None
+    (tmp_path / RUN_IDENTITY).write_text('{"model": "tiny"}')
+    with pytest.raises(ValueError, match=rf"{RUN_IDENTITY} is not the record of a run"):
+        saved_run_identity(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------ the check
+
+
+def test_resuming_the_same_run_passes_without_a_warning() -> None:
+    assert _check(SAVED) == []
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"model": "small"}, "--model: saved tiny, this run small"),
+    ({"dp": 4, "cp": 1}, "--dp × --cp: saved 2 × 2, this run 4 × 1"),
+    ({"global_batch": 8}, "--global-batch: saved 16, this run 8"),
+])
+def test_another_model_layout_or_global_batch_is_refused_naming_both_values(
+    change: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ResumeMismatch, match=r"^checkpoint ck/step-00000002 was written by another run:\n") as refusal:
+        _check(dataclasses.replace(SAVED, **change), accept_data_change=True)  # the flag accepts data changes only
+    assert f"\n  {named}\n" in str(refusal.value)
+
+
+def test_one_message_names_every_difference() -> None:
+    other = dataclasses.replace(SAVED, model="small", global_batch=8,
+                                data=DataIdentity(source="synthetic:wikipedia", fingerprint="seed 0, max length 1024"))
+    with pytest.raises(ResumeMismatch) as refusal:
+        _check(other)
+    assert str(refusal.value).splitlines()[1:] == [
+        "  --model: saved tiny, this run small",
+        "  --global-batch: saved 16, this run 8",
+        "  --data: saved synthetic:lmsys (seed 0, max length 1024), this run synthetic:wikipedia (seed 0, max length "
+        "1024)",
+        "resume with the saved values, or give another --checkpoint-dir to start afresh; --resume-accept-data-change "
+        "trains the new data from the saved data position",
+    ]
+
+
+def test_other_data_is_refused_unless_accepted_and_then_named_in_a_warning() -> None:
+    other = dataclasses.replace(SAVED, data=DataIdentity(source="synthetic:lmsys", fingerprint="seed 1, max length "
+                                                                                               "1024"))
+    with pytest.raises(ResumeMismatch, match="--data: saved synthetic:lmsys .seed 0, max length 1024., this run "
+                                             r"synthetic:lmsys .seed 1, max length 1024.\n.*--resume-accept-data"):
+        _check(other)
+    assert _check(other, accept_data_change=True) == [
+        "--resume-accept-data-change: checkpoint ck/step-00000002 was trained on synthetic:lmsys (seed 0, max length "
+        "1024); this run trains on synthetic:lmsys (seed 1, max length 1024) from the saved data position"]
+
+
+def test_another_schedule_is_accepted_with_a_warning_naming_each_change() -> None:
+    assert _check(dataclasses.replace(SAVED, steps=40, warmup_steps=0, lr=2e-3, min_lr_ratio=0.0)) == [
+        "resuming checkpoint ck/step-00000002 with another schedule: --steps 20 → 40, --warmup-steps 2 → 0, "
+        "--lr 0.001 → 0.002, --min-lr-ratio 0.1 → 0.0"]
+
+
+@pytest.mark.parametrize("field", [field.name for field in dataclasses.fields(RunIdentity)])
+def test_every_item_of_the_identity_is_checked(field: str) -> None:
+    value = getattr(SAVED, field)
+    changed = dataclasses.replace(value, fingerprint="other") if isinstance(value, DataIdentity) else value * 2
+    try:
+        warnings = _check(dataclasses.replace(SAVED, **{field: changed}))
+    except ResumeMismatch:
+        return
+    assert warnings, f"a changed {field} passed unnoticed"
+
+
+def test_a_checkpoint_without_a_record_is_resumed_with_a_warning_saying_nothing_was_checked() -> None:
+    assert _check(dataclasses.replace(SAVED, model="small"), saved=None) == [
+        "checkpoint ck/step-00000002 has no record of the run that wrote it, so its model, dp × cp, global batch "
+        "and data cannot be checked: resuming it as this run's"]
+
+
+def test_accepting_a_data_change_needs_resume() -> None:
+    with pytest.raises(ValueError, match="--resume-accept-data-change goes with --resume"):
+        TrainConfig(dp=1, cp=1, checkpoint_dir=Path("ck"), resume_accept_data_change=True)
+
+
+# ------------------------------------------------------------------------------------------------ what the items hold
+
+
+def test_a_jsonl_file_is_another_source_when_records_are_added_removed_or_changed_at_either_end(
+    tmp_path: Path
+) -> None:
+    # The last record is longer than the blocks it is looked for in, from the end of the file.
+    records: list[dict[str, object]] = [{"input_ids": [n] * 10} for n in range(50)]
+    records.append({"input_ids": list(range(20_000))})
+    path = _write_jsonl(tmp_path / "d.jsonl", records)
+    saved = _data_identity(path)
+    assert saved.source == str(path.resolve())
+    assert saved.fingerprint.startswith(f"{path.stat().st_size} bytes, first and last records sha256 ")
+    changes: list[list[dict[str, object]]] = [
+        [*records, {"input_ids": [1]}],
+        records[:-1],
+        [{"input_ids": [9] * 10}, *records[1:]],
+        [*records[:-1], {"input_ids": [9, *range(1, 20_000)]}],  # the same size: one digit at the record's start
+    ]
+    for changed in changes:
+        assert _data_identity(_write_jsonl(path, changed)).fingerprint != saved.fingerprint
+    _write_jsonl(path, records)
+    assert _data_identity(path) == saved
+    path.write_text(path.read_text() + "\n\n")  # blank lines hold no record: the same records, more bytes
+    assert _data_identity(path).fingerprint.split(", ")[1] == saved.fingerprint.split(", ")[1]
+    assert _data_identity(_write_jsonl(tmp_path / "copy.jsonl", records)).source != saved.source
+
+
+def test_a_datasets_directory_is_known_by_its_rows_and_datasets_fingerprint(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}).save_to_disk(tmp_path / "a")
+    datasets.Dataset.from_dict({"input_ids": [[1, 2], [4]]}).save_to_disk(tmp_path / "b")
+    saved = _data_identity(tmp_path / "a")
+    assert saved.fingerprint.startswith("2 rows, datasets fingerprint ")
+    assert _data_identity(tmp_path / "a") == saved
+    assert _data_identity(tmp_path / "b").fingerprint != saved.fingerprint
+
+
+def test_a_synthetic_source_is_its_name_and_seed() -> None:
+    assert _data_identity("synthetic:lmsys") == DataIdentity(source="synthetic:lmsys",
+                                                             fingerprint="seed 0, max length 64")
+    assert _data_identity("synthetic:lmsys", seed=1) != _data_identity("synthetic:lmsys")
+
+
+def test_a_model_directory_is_known_by_its_config_wherever_and_however_it_was_saved(tmp_path: Path) -> None:
+    assert model_identity("Tiny") == "tiny"
+    config = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2}
+    for name, extra in (("a", {"transformers_version": "4.50.0"}), ("b", {"transformers_version": "5.0.0",
+                                                                          "_name_or_path": "/elsewhere"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **extra}))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
+    assert model_identity(str(tmp_path / "a")) == model_identity(str(tmp_path / "b"))
+    assert model_identity(str(tmp_path / "a")).startswith("config.json sha256 ")
+    assert model_identity(str(tmp_path / "c")) != model_identity(str(tmp_path / "a"))
+
+
+# ------------------------------------------------------------------------------------------------ on every rank
+
+DP, CP, GLOBAL_BATCH = 2, 2, 8
+
+
+def _config(data: Path, checkpoints: Path, **changes: object) -> TrainConfig:
+    base: dict[str, object] = dict(dp=DP, cp=CP, model="tiny", data=str(data), global_batch=GLOBAL_BATCH, steps=4,
+                                   bucket_size=512, progress=False, checkpoint_dir=checkpoints, resume=True)
+    return TrainConfig(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def _resume_on_every_rank(config: TrainConfig, out_dir: Path) -> None:
+    """Each rank writes what stopped it (or that nothing did) to a file of its own."""
+    try:
+        Trainer(config, init_parallel(config.dims)).close()
+        outcome = "resumed"
+    except ResumeMismatch as refusal:
+        outcome = f"ResumeMismatch: {refusal}"
+    (out_dir / f"rank{dist.get_rank()}.txt").write_text(outcome)
+
+
+@pytest.mark.slow  # four processes importing torch
+def test_every_rank_refuses_a_checkpoint_of_another_global_batch_before_reading_its_state(tmp_path: Path) -> None:
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(1, n + 2))} for n in range(32)])
+    checkpoints = tmp_path / "ck"
+    config = _config(data, checkpoints)
+    # The record alone, no DCP state: a trainer that read the state before checking would fail on its absence.
+    step = checkpoints / "step-00000002"
+    step.mkdir(parents=True)
+    saved = dataclasses.replace(RunIdentity.of(config, _source(data)), global_batch=16)
+    (step / RUN_IDENTITY).write_text(saved.to_json())
+    (checkpoints / LATEST).write_text(step.name + "\n")
+    spawn_gloo(_resume_on_every_rank, DP * CP, config, tmp_path)
+    outcomes = {(tmp_path / f"rank{rank}.txt").read_text() for rank in range(DP * CP)}
+    assert outcomes == {f"ResumeMismatch: checkpoint {step} was written by another run:\n"
+                        f"  --global-batch: saved 16, this run {GLOBAL_BATCH}\n"
+                        "resume with the saved values, or give another --checkpoint-dir to start afresh"}
+
