@@ -20,6 +20,7 @@ from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity
 from trainer_client.demo import read_metrics, trainer_env
 from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.optim import lr_factor
 from trainer_client.run_identity import RunIdentity
 from trainer_client.trainer import Trainer
 
@@ -140,12 +141,18 @@ def test_torchrun_refuses_another_global_batch_and_extends_the_run_on_accepted_o
     assert not refused_out.exists()  # the metrics file is opened after the check: no step ran
 
     extended_out = tmp_path / "extended.jsonl"
-    extended = subprocess.run(_torchrun(checkpoints, extended_out, "--steps", str(STEPS + 1), "--seed", "1",
+    extended = subprocess.run(_torchrun(checkpoints, extended_out, "--steps", str(STEPS + 3), "--seed", "1",
                                         "--resume-accept-data-change"),
                               env=trainer_env(), capture_output=True, text=True, timeout=300, check=False)
     assert extended.returncode == 0, extended.stderr[-3000:]
     assert (f"--resume-accept-data-change: checkpoint {latest} was trained on synthetic:lmsys (seed 0, max length "
             f"{BUCKET_SIZE * CP}); this run trains on synthetic:lmsys (seed 1, max length {BUCKET_SIZE * CP}) from "
             "the saved data position") in extended.stderr
-    assert f"resuming checkpoint {latest} with another schedule: --steps {STEPS} → {STEPS + 1}" in extended.stderr
-    assert [m["step"] for m in read_metrics(extended_out)] == [STEPS]
+    assert f"resuming checkpoint {latest} with another schedule: --steps {STEPS} → {STEPS + 3}" in extended.stderr
+    extended_steps = read_metrics(extended_out)
+    assert [m["step"] for m in extended_steps] == [STEPS, STEPS + 1, STEPS + 2]
+    # the extended run's own schedule from the restored step on, not the saved run's last learning rate
+    defaults = TrainConfig(dp=DP, cp=CP)
+    own_schedule = [defaults.lr * lr_factor(step, warmup_steps=1, total_steps=STEPS + 3,
+                                            min_lr_ratio=defaults.min_lr_ratio) for step in range(STEPS, STEPS + 3)]
+    assert [m["lr"] for m in extended_steps] == pytest.approx(own_schedule, rel=1e-9)

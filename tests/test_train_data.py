@@ -12,7 +12,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from scheduler_service.core.samplers import sample_lengths
-from trainer_client.data import IGNORE_INDEX, DataSource, LengthStats, RecordTooLongError, Sample, make_source
+from trainer_client.data import (
+    IGNORE_INDEX,
+    DataSource,
+    LengthStats,
+    RecordSource,
+    RecordTooLongError,
+    Sample,
+    make_source,
+)
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -45,9 +53,18 @@ def _write(path: Path, records: list[dict[str, object]]) -> Path:
 
 
 def _source(spec: Path | str, *, global_batch: int = 2, max_length: int = 64, tokenizer: Path | None = None,
-            truncate: bool = False) -> DataSource:
-    return make_source(str(spec), global_batch_size=global_batch, vocab_size=1024, max_length=max_length, seed=0,
-                       truncate=truncate, tokenizer=str(tokenizer) if tokenizer else None)
+            truncate: bool = False, shuffle: bool = False, seed: int = 0) -> DataSource:
+    return make_source(str(spec), global_batch_size=global_batch, vocab_size=1024, max_length=max_length, seed=seed,
+                       truncate=truncate, tokenizer=str(tokenizer) if tokenizer else None, shuffle=shuffle)
+
+
+def _numbered(path: Path, num_records: int) -> Path:
+    """Records told apart by their first token: record ``k`` starts with ``k + 1``."""
+    return _write(path, [{"input_ids": [k + 1, 1000]} for k in range(num_records)])
+
+
+def _first_tokens(source: DataSource, steps: range) -> list[int]:
+    return [int(sample.input_ids[0]) - 1 for step in steps for sample in source.batch(step).samples]
 
 
 def test_synthetic_batches_are_the_same_on_every_call_and_follow_the_sampler() -> None:
@@ -85,6 +102,49 @@ def test_a_source_moved_to_a_saved_position_continues_with_the_same_batches(tmp_
     resumed = _source(path, global_batch=3)
     resumed.seek(batches[1].next_position)
     assert [resumed.batch(step).sequence_lengths for step in (2, 3)] == [b.sequence_lengths for b in batches[2:]]
+
+
+def test_a_shuffled_epoch_trains_every_record_once_in_another_order_each_epoch(tmp_path: Path) -> None:
+    path = _numbered(tmp_path / "d.jsonl", 12)
+    order = _first_tokens(_source(path, global_batch=4, shuffle=True, seed=7), range(6))  # two epochs
+    first_epoch, second_epoch = order[:12], order[12:]
+    assert sorted(first_epoch) == sorted(second_epoch) == list(range(12))
+    assert first_epoch != list(range(12)) and second_epoch != first_epoch
+    assert _first_tokens(_source(path, global_batch=4, shuffle=True, seed=7), range(6)) == order  # every rank's
+    assert _first_tokens(_source(path, global_batch=4, shuffle=True, seed=8), range(3)) != first_epoch
+    assert _first_tokens(_source(path, global_batch=4), range(6)) == list(range(12)) * 2  # --no-shuffle
+
+
+def test_a_batch_that_reaches_past_the_epoch_takes_the_next_epochs_first_records(tmp_path: Path) -> None:
+    path = _numbered(tmp_path / "d.jsonl", 5)
+    source = _source(path, global_batch=3, shuffle=True, seed=1)
+    assert isinstance(source, RecordSource)
+    assert source.steps_for_epochs(2) == 4  # 10 records in batches of 3
+    order = _first_tokens(source, range(2))
+    assert order[:5] == source.order(0).tolist() and order[5] == source.order(1)[0]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_resumed_source_continues_the_same_order_mid_epoch(tmp_path: Path, shuffle: bool) -> None:
+    path = _numbered(tmp_path / "d.jsonl", 7)
+    source = _source(path, global_batch=3, shuffle=shuffle, seed=3)
+    batches = [source.batch(step) for step in range(5)]
+    resumed = _source(path, global_batch=3, shuffle=shuffle, seed=3)
+    resumed.seek(batches[2].next_position)  # mid the second epoch
+    assert [resumed.batch(step).sequence_lengths for step in (3, 4)] == [b.sequence_lengths for b in batches[3:]]
+
+
+def test_a_records_order_is_part_of_what_a_resume_checks(tmp_path: Path) -> None:
+    path = _numbered(tmp_path / "d.jsonl", 3)
+    identities = {str(_source(path, shuffle=shuffle, seed=seed).identity()) for shuffle, seed in
+                  ((True, 1), (True, 2), (False, 1))}
+    assert len(identities) == 3
+    assert str(_source(path).identity()).endswith(", file order)")
+
+
+def test_a_position_of_another_kind_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"data position \{'offset': 10, 'line': 2\}"):
+        _source(_numbered(tmp_path / "d.jsonl", 3)).seek({"offset": 10, "line": 2})
 
 
 def test_rejects_record_longer_than_max_length_naming_it(tmp_path: Path) -> None:
@@ -155,10 +215,12 @@ def test_a_datasets_directory_gives_the_batches_of_the_same_records_in_jsonl(tmp
     Dataset.from_list([{"messages": r.get("messages"), "text": r.get("text")} for r in records]).save_to_disk(
         tmp_path / "dataset")
     # a row holds every column; the first present key decides, so None columns must not count as present
-    jsonl = _source(_write(tmp_path / "d.jsonl", records), global_batch=3, max_length=512, tokenizer=tokenizer_dir)
-    folder = _source(tmp_path / "dataset", global_batch=3, max_length=512, tokenizer=tokenizer_dir)
-    for expected, got in zip(jsonl.batch(0).samples, folder.batch(0).samples, strict=True):
-        assert np.array_equal(expected.input_ids, got.input_ids) and np.array_equal(expected.labels, got.labels)
+    jsonl = _source(_write(tmp_path / "d.jsonl", records), global_batch=2, max_length=512, tokenizer=tokenizer_dir,
+                    shuffle=True)
+    folder = _source(tmp_path / "dataset", global_batch=2, max_length=512, tokenizer=tokenizer_dir, shuffle=True)
+    for step in range(3):  # two epochs, each shuffled alike
+        for expected, got in zip(jsonl.batch(step).samples, folder.batch(step).samples, strict=True):
+            assert np.array_equal(expected.input_ids, got.input_ids) and np.array_equal(expected.labels, got.labels)
 
 
 def test_length_stats_summarise_what_was_trained() -> None:

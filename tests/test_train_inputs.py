@@ -80,3 +80,27 @@ def test_rejects_job_id_the_contract_refuses_before_any_work(
 def test_accepts_job_ids_of_the_contract() -> None:
     for job_id in ("e2e-job", "A1.b_c:d-e", "x" * 128):
         assert TrainConfig(dp=1, cp=1, job_id=job_id).job_id == job_id
+
+
+def test_epochs_need_records_and_exclude_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match=r"--epochs needs a JSONL file or a datasets directory; --data "
+                                         r"synthetic:lmsys has no end"):
+        TrainConfig(dp=1, cp=1, data="synthetic:lmsys", epochs=2)
+    with pytest.raises(ValueError, match=r"--epochs must be positive, got 0"):
+        TrainConfig(dp=1, cp=1, data="records.jsonl", epochs=0)
+    with pytest.raises(SystemExit):
+        main(["--dp", "1", "--cp", "1", "--data", "records.jsonl", "--epochs", "2", "--steps", "3"])
+    assert "argument --steps: not allowed with argument --epochs" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_epochs_of_a_jsonl_file_train_every_record_twice(tmp_path: Path) -> None:
+    data = tmp_path / "records.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": list(range(1, 20 + k))}) + "\n" for k in range(7)))
+    metrics_out = tmp_path / "metrics.jsonl"
+    result = _torchrun(2, "--dp", "1", "--cp", "2", "--data", str(data), "--epochs", "2", "--global-batch", "4",
+                       "--bucket-size", "64", "--metrics-out", str(metrics_out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 epochs of 7 records: 4 steps" in result.stderr
+    steps = read_metrics(metrics_out)
+    assert [m["step"] for m in steps] == [0, 1, 2, 3]  # 14 records in batches of 4, the last reaching past them

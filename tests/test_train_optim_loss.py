@@ -15,7 +15,7 @@ from trainer_client.data import IGNORE_INDEX
 from trainer_client.loss import CausalLMLoss, chunked_cross_entropy
 from trainer_client.measure import local_pack
 from trainer_client.model import build_model
-from trainer_client.optim import clip_gradients, lr_factor
+from trainer_client.optim import clip_gradients, lr_factor, warmup_cosine_schedule
 from trainer_client.parallelize import ActivationCheckpointing, apply_activation_checkpointing
 
 CPU = torch.device("cpu")
@@ -88,6 +88,27 @@ def test_lr_warms_up_linearly_then_follows_a_cosine_to_the_floor_at_the_last_ste
     assert all(a > b for a, b in itertools.pairwise(factors[4:]))
     assert factors[12] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 8 / 15)))
     assert lr_factor(0, warmup_steps=0, total_steps=1, min_lr_ratio=0.1) == 1.0
+
+
+def test_a_schedule_built_at_a_restored_step_follows_its_own_schedule_not_the_saved_runs() -> None:
+    weight = torch.nn.Parameter(torch.zeros(3))
+    saved = torch.optim.AdamW([weight], lr=1e-3)
+    short = warmup_cosine_schedule(saved, lr=1e-3, warmup_steps=1, total_steps=2, min_lr_ratio=0.1)
+    for _ in range(2):
+        weight.grad = torch.ones(3)
+        saved.step()
+        short.step()
+    restored = torch.optim.AdamW([weight], lr=1e-3)
+    restored.load_state_dict(saved.state_dict())  # holds the short schedule's learning rates
+    extended = warmup_cosine_schedule(restored, lr=2e-3, warmup_steps=1, total_steps=5, min_lr_ratio=0.2,
+                                      first_step=2)
+    for step in range(2, 5):
+        expected = 2e-3 * lr_factor(step, warmup_steps=1, total_steps=5, min_lr_ratio=0.2)
+        assert restored.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12)
+        assert extended.get_last_lr()[0] == pytest.approx(expected, rel=1e-12)
+        weight.grad = torch.ones(3)
+        restored.step()
+        extended.step()
 
 
 def test_clipping_scales_every_gradient_by_the_global_norm() -> None:

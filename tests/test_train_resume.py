@@ -33,8 +33,8 @@ def _write_jsonl(path: Path, records: list[dict[str, object]]) -> Path:
     return path
 
 
-def _source(spec: Path | str, *, seed: int = 0) -> DataSource:
-    return make_source(str(spec), global_batch_size=2, vocab_size=1024, max_length=64, seed=seed)
+def _source(spec: Path | str, *, seed: int = 0, shuffle: bool = False) -> DataSource:
+    return make_source(str(spec), global_batch_size=2, vocab_size=1024, max_length=64, seed=seed, shuffle=shuffle)
 
 
 def _data_identity(spec: Path | str, *, seed: int = 0) -> DataIdentity:
@@ -218,7 +218,7 @@ def test_every_rank_refuses_a_checkpoint_of_another_global_batch_before_reading_
     # The record alone, no DCP state: a trainer that read the state before checking would fail on its absence.
     step = checkpoints / "step-00000002"
     step.mkdir(parents=True)
-    saved = dataclasses.replace(RunIdentity.of(config, _source(data)), global_batch=16)
+    saved = dataclasses.replace(RunIdentity.of(config, _source(data, shuffle=config.shuffle)), global_batch=16)
     (step / RUN_IDENTITY).write_text(saved.to_json())
     (checkpoints / LATEST).write_text(step.name + "\n")
     spawn_gloo(_resume_on_every_rank, DP * CP, config, tmp_path)

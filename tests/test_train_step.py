@@ -31,7 +31,7 @@ def _one_step_on_every_plan(out_dir: Path) -> None:
     for name, config in runs:
         trainer = Trainer(config, parallel)
         batch = trainer.source.batch(0)
-        decision = trainer.decide(0, batch)
+        decision = trainer.decide(batch)
         packs = [pack() for pack in trainer.packers(batch, decision)]
         loss, num_loss_tokens = trainer.forward_backward(batch, packs)
         grads = trainer.gradients()  # collective under FSDP

@@ -5,9 +5,12 @@ Modules, one concept each: ``zigzag`` (which tokens a CP rank owns), ``data``
 (DACP attention), ``model`` (transformers model + attention registration),
 ``plan_client`` (service client, embedded fallback, feedback), ``distributed``
 (mesh, gloo launcher), ``parallelize`` (FSDP, activation checkpointing, the
-gradient all-reduce), ``config`` (the trainer's settings), ``trainer`` (the
-loop), ``step_metrics`` (what a step measures and reports), ``train`` (the
-torchrun entrypoint), ``profile`` (the offline profiler) with
+gradient all-reduce), ``config`` (the trainer's settings), ``run_identity``
+(what a checkpoint must share with the run that resumes it), ``trainer`` (the
+loop), ``loop`` (Skrull's plans, packing and loss normaliser for a training
+loop of your own), ``step_metrics`` (what a step measures and reports),
+``export`` (a Hugging Face model folder from the
+trained model or a checkpoint), ``train`` (the torchrun entrypoint), ``profile`` (the offline profiler) with
 ``profile_sweeps`` (what it measures), ``profile_document`` (the file it
 writes) and ``measure`` (its timing and memory probes), ``demo`` (the
 end-to-end job).
@@ -26,6 +29,8 @@ __all__ = [
     "GlobalBatch",
     "MicroBatchTiming",
     "PackedMicroBatch",
+    "ParallelContext",
+    "ParallelDims",
     "PlanClient",
     "PlanClientError",
     "PlanDecision",
@@ -33,13 +38,19 @@ __all__ = [
     "PlanSource",
     "PlanTimeout",
     "PlanUnavailable",
+    "PlanningFailed",
     "ProfileOptions",
+    "RankBatch",
     "Sample",
+    "Sharding",
+    "SkrullBatches",
     "TrainConfig",
     "Trainer",
     "build_model",
     "dacp_attn_varlen_func",
+    "init_parallel",
     "measure_profile",
+    "model_inputs",
     "pack_micro_batch",
     "padded_length",
     "register_dacp_attention",
@@ -68,6 +79,14 @@ _MODULE_OF = {
     "Trainer": "trainer",
     "build_model": "model",
     "register_dacp_attention": "model",
+    "model_inputs": "model",
+    "RankBatch": "loop",
+    "SkrullBatches": "loop",
+    "PlanningFailed": "loop",
+    "ParallelContext": "distributed",
+    "ParallelDims": "distributed",
+    "init_parallel": "distributed",
+    "Sharding": "parallelize",
     "padded_length": "zigzag",
     "zigzag_positions": "zigzag",
     "run_micro_batch": "trainer",

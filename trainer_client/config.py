@@ -3,6 +3,7 @@ rule it must satisfy, so that a bad combination fails before any process group o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,11 +12,12 @@ from skrull_proto.models import JobId
 
 from scheduler_service.core.plan import SchedulerName
 from trainer_client.attention import AttentionBackend
+from trainer_client.data import SYNTHETIC_PREFIX
 from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelDims
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS
 from trainer_client.parallelize import ActivationCheckpointing, Sharding
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "check_output_dir"]
 
 _JOB_ID: TypeAdapter[str] = TypeAdapter(JobId)
 
@@ -30,6 +32,8 @@ class TrainConfig:
     data: str = "synthetic:lmsys"
     global_batch: int = 16
     steps: int = 20
+    epochs: int | None = None  # train every record this many times (a record source): sets ``steps``
+    shuffle: bool = True  # a record source's epochs in a seeded order, another each epoch
     scheduler: str = SchedulerName.SKRULL.value
     scheduler_url: str | None = None
     bucket_size: int | None = None
@@ -47,6 +51,8 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints; 0: only after the last step (with --checkpoint-dir)
     resume: bool = False  # continue from the latest checkpoint in checkpoint_dir, if there is one
     resume_accept_data_change: bool = False  # resume although --data differs from the checkpoint's
+    output_dir: Path | None = None  # the trained model as a Hugging Face folder, after the last step (export.py)
+    export_every: int | None = None  # steps between earlier exports, into output_dir/step-<n>
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     max_length: int | None = None
     truncate: bool = False
@@ -69,6 +75,11 @@ class TrainConfig:
             raise ValueError(f"--global-batch must be positive, got {self.global_batch}")
         if self.steps < 1:
             raise ValueError(f"--steps must be positive, got {self.steps}")
+        if self.epochs is not None and self.epochs < 1:
+            raise ValueError(f"--epochs must be positive, got {self.epochs}")
+        if self.epochs is not None and self.data.startswith(SYNTHETIC_PREFIX):
+            raise ValueError(f"--epochs needs a JSONL file or a datasets directory; --data {self.data} has no end: "
+                             "give --steps")
         if self.scheduler not in {s.value for s in SchedulerName}:
             raise ValueError(f"--scheduler {self.scheduler!r} is unknown; known: {', '.join(SchedulerName)}")
         if self.bucket_size is not None and self.bucket_size < 1:
@@ -95,6 +106,16 @@ class TrainConfig:
             raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
         if self.resume_accept_data_change and not self.resume:
             raise ValueError("--resume-accept-data-change goes with --resume")
+        if self.export_every is not None:
+            if self.output_dir is None:
+                raise ValueError("--export-every needs --output-dir")
+            if self.export_every < 1:
+                raise ValueError(f"--export-every must be positive, got {self.export_every}")
+        if self.output_dir is not None:
+            check_output_dir(self.output_dir, flag="--output-dir")
+            if self.checkpoint_dir is not None and self.output_dir.resolve() == self.checkpoint_dir.resolve():
+                raise ValueError(f"--output-dir and --checkpoint-dir are both {self.output_dir}: both write "
+                                 "step-<n> folders, so give each its own")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"--collective-timeout must be positive, got {self.collective_timeout_s}")
         AttentionBackend(self.attention_backend)
@@ -116,3 +137,18 @@ class TrainConfig:
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims(dp_size=self.dp, cp_size=self.cp)
+
+
+def check_output_dir(path: Path, *, flag: str) -> None:
+    """Raise ``ValueError`` naming ``flag`` unless ``path`` is a writable folder or can be made one in a writable
+    folder: checked before any work, so that a run does not train for hours to fail writing its result."""
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{flag} {path} is not a directory")
+        target = path
+    else:
+        target = path.parent
+        if not target.is_dir():
+            raise ValueError(f"{flag} {path}: its parent directory {target} does not exist")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {target} is not writable")

@@ -9,7 +9,9 @@ Sources, chosen by ``--data``:
   every scheduler and every rerun sees the same batches in the same order.
 - a JSONL file, one record per line, or a local Hugging Face ``datasets``
   directory (``Dataset.save_to_disk``), one record per row. Global batch ``s``
-  is the next ``B`` records in file order, wrapping around at the end.
+  is the next ``B`` records of the current epoch's order, carried on into the
+  next epoch at the end: file order, or with ``shuffle`` a permutation seeded by
+  ``(seed, epoch)``, another each epoch and the same on every rank and rerun.
 
 Records (``RecordEncoder``), the first key present (and not null) decides:
 
@@ -22,10 +24,12 @@ Records (``RecordEncoder``), the first key present (and not null) decides:
 - ``{"text": "..."}``: plain text, tokenized (with the end-of-text token) and
   trained on every token.
 
-Both record readers stream: a JSONL file is read line by line from a byte
-offset, a ``datasets`` directory is memory-mapped Arrow read row by row, so no
-rank holds the file. Where the next batch starts (``GlobalBatch.next_position``)
-is saved in checkpoints and restored with ``seek``. What a source is
+Both record readers read a record at a time: a JSONL file from the byte offset
+of its line (an index of the offsets is built once, 12 bytes per record), a
+``datasets`` directory as memory-mapped Arrow rows, so no rank holds the data.
+Where the next batch starts (``GlobalBatch.next_position``: the epoch and the
+index in its order) is saved in checkpoints and restored with ``seek``, so a
+resumed run continues the same order. What a source is
 (``DataSource.identity``: the synthetic set with its seed; a JSONL file with
 its size and a digest of its first and last records; a ``datasets`` directory
 with its rows and fingerprint) is saved beside them, so that a resume can tell
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -302,14 +307,17 @@ class RecordEncoder:
         ids.extend(rendered[len(ids):])
 
 
-Position = dict[str, int]  # where a reader resumes: JSONL {"offset": byte, "line": number}, datasets {"row": index}
+Position = dict[str, int]  # where a record source resumes: {"epoch": e, "index": i in epoch e's order}
 
 
 class RecordReader(Protocol):
-    """Records in order from a position (empty: the start); wraps around at the end."""
+    """Records by index, ``0 … num_records − 1``."""
 
-    def read(self, position: Position) -> tuple[object, str, Position]:
-        """The record at ``position``, where it is (for errors), and the position of the next one."""
+    @property
+    def num_records(self) -> int: ...
+
+    def read(self, index: int) -> tuple[object, str]:
+        """Record ``index`` and where it is (for errors)."""
         ...
 
     def identity(self) -> DataIdentity: ...
@@ -317,32 +325,39 @@ class RecordReader(Protocol):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JsonlRecords:
-    """A JSONL file read line by line from a byte offset; blank lines are skipped."""
+    """A JSONL file, a record per non-blank line, read from the byte offset of its line."""
 
     path: Path
+    _offsets: array = field(init=False, repr=False)  # of each record's line
+    _line_numbers: array = field(init=False, repr=False)
 
-    def read(self, position: Position) -> tuple[object, str, Position]:
-        offset, line_number = position.get("offset", 0), position.get("line", 1)
+    def __post_init__(self) -> None:
+        offsets, line_numbers = array("Q"), array("I")
         with self.path.open("rb") as lines:
-            lines.seek(offset)
-            wrapped = False
-            while True:
-                line = lines.readline()
-                if not line:  # end of file: wrap around, once
-                    if wrapped:
-                        raise ValueError(f"{self.path} holds no records")
-                    wrapped = True
-                    lines.seek(0)
-                    line_number = 1
-                    continue
+            offset = 0
+            for line_number, line in enumerate(lines, start=1):
                 if line.strip():
-                    where = f"{self.path}:{line_number}"
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as error:
-                        raise ValueError(f"record {where} is not JSON: {error}") from None
-                    return record, where, {"offset": lines.tell(), "line": line_number + 1}
-                line_number += 1
+                    offsets.append(offset)
+                    line_numbers.append(line_number)
+                offset += len(line)
+        if not offsets:
+            raise ValueError(f"{self.path} holds no records")
+        object.__setattr__(self, "_offsets", offsets)
+        object.__setattr__(self, "_line_numbers", line_numbers)
+
+    @property
+    def num_records(self) -> int:
+        return len(self._offsets)
+
+    def read(self, index: int) -> tuple[object, str]:
+        where = f"{self.path}:{self._line_numbers[index]}"
+        with self.path.open("rb") as lines:
+            lines.seek(self._offsets[index])
+            line = lines.readline()
+        try:
+            return json.loads(line), where
+        except json.JSONDecodeError as error:
+            raise ValueError(f"record {where} is not JSON: {error}") from None
 
     def identity(self) -> DataIdentity:
         """The path, the size and a digest of the first and last records: appending, cutting or replacing the file
@@ -389,9 +404,12 @@ class DatasetRecords:
             raise ValueError(f"{self.path} holds no records")
         object.__setattr__(self, "dataset", dataset)
 
-    def read(self, position: Position) -> tuple[object, str, Position]:
-        row = position.get("row", 0) % self.dataset.num_rows
-        return self.dataset[row], f"{self.path}[{row}]", {"row": row + 1}
+    @property
+    def num_records(self) -> int:
+        return int(self.dataset.num_rows)
+
+    def read(self, index: int) -> tuple[object, str]:
+        return self.dataset[index], f"{self.path}[{index}]"
 
     def identity(self) -> DataIdentity:
         """The path, the number of rows and the fingerprint ``datasets`` keeps of the content (a digest of how it was
@@ -403,29 +421,59 @@ class DatasetRecords:
 
 @dataclass(kw_only=True, slots=True)
 class RecordSource:
-    """Global batches of the next ``global_batch_size`` records, streamed; call ``batch`` for steps in order."""
+    """Global batches of the next ``global_batch_size`` records of the epoch's order (module docstring); call
+    ``batch`` for steps in order."""
 
     records: RecordReader
     encoder: RecordEncoder
     global_batch_size: int
+    shuffle: bool = False
+    seed: int = 0
     position: Position = field(default_factory=dict)
+    _order: tuple[int, npt.NDArray[np.int64]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
             raise ValueError(f"global batch size must be positive, got {self.global_batch_size}")
 
     def batch(self, step: int) -> GlobalBatch:
+        epoch, index = self.position.get("epoch", 0), self.position.get("index", 0)
         samples = []
         for _ in range(self.global_batch_size):
-            record, where, self.position = self.records.read(self.position)
+            if index >= self.records.num_records:
+                epoch, index = epoch + 1, 0
+            record, where = self.records.read(int(self.order(epoch)[index]))
             samples.append(self.encoder.encode(record, where))
+            index += 1
+        self.position = {"epoch": epoch, "index": index}
         return GlobalBatch(step=step, samples=tuple(samples), next_position=dict(self.position))
 
+    def order(self, epoch: int) -> npt.NDArray[np.int64]:
+        """The records of ``epoch`` in the order they are trained: file order, or a permutation seeded by
+        ``(seed, epoch)``."""
+        if self._order is None or self._order[0] != epoch:
+            num_records = self.records.num_records
+            order = (np.random.default_rng([self.seed, epoch]).permutation(num_records) if self.shuffle
+                     else np.arange(num_records))
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def steps_for_epochs(self, epochs: int) -> int:
+        """Optimizer steps that train every record ``epochs`` times (the last batch may reach into the next
+        epoch)."""
+        return math.ceil(epochs * self.records.num_records / self.global_batch_size)
+
     def seek(self, position: Mapping[str, int]) -> None:
+        if set(position) - {"epoch", "index"}:
+            raise ValueError(f"data position {dict(position)} is not one of a record source ({{'epoch', 'index'}})")
         self.position = dict(position)
 
     def identity(self) -> DataIdentity:
-        return self.records.identity()
+        """The records' identity and their order: another seed or order gives other batches from the same
+        position."""
+        records = self.records.identity()
+        order = f"shuffled with seed {self.seed}" if self.shuffle else "file order"
+        return DataIdentity(source=records.source, fingerprint=f"{records.fingerprint}, {order}")
 
 
 DataSource = SyntheticSource | RecordSource
@@ -433,9 +481,10 @@ DataSource = SyntheticSource | RecordSource
 
 def make_source(
     spec: str, *, global_batch_size: int, vocab_size: int, max_length: int, seed: int, truncate: bool = False,
-    tokenizer: str | None = None,
+    tokenizer: str | None = None, shuffle: bool = False,
 ) -> DataSource:
-    """``synthetic:NAME``, a JSONL file or a ``datasets`` directory (``tokenizer``: a local tokenizer folder)."""
+    """``synthetic:NAME``, a JSONL file or a ``datasets`` directory (``tokenizer``: a local tokenizer folder;
+    ``shuffle``: a record source's epochs in a seeded order, not file order)."""
     if spec.startswith(SYNTHETIC_PREFIX):
         return SyntheticSource(dataset=spec.removeprefix(SYNTHETIC_PREFIX), global_batch_size=global_batch_size,
                                vocab_size=vocab_size, max_length=max_length, seed=seed)
@@ -450,7 +499,8 @@ def make_source(
                          "a datasets directory")
     encoder = RecordEncoder(max_length=max_length, truncate=truncate, vocab_size=vocab_size,
                             tokenizer=load_tokenizer(tokenizer) if tokenizer is not None else None)
-    return RecordSource(records=records, encoder=encoder, global_batch_size=global_batch_size)
+    return RecordSource(records=records, encoder=encoder, global_batch_size=global_batch_size, shuffle=shuffle,
+                        seed=seed)
 
 
 @dataclass(slots=True)

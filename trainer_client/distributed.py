@@ -59,6 +59,8 @@ _FIRST_FAILURE_KEY = "skrull/first_failure"  # in the default group's store: per
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelDims:
+    """The DP × CP layout, row-major: ``global_rank = dp_rank · cp_size + cp_rank``."""
+
     dp_size: int
     cp_size: int
 
@@ -97,6 +99,8 @@ class ParallelDims:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelContext:
+    """This rank's place in the DP × CP mesh, its device, and every process group it takes part in."""
+
     dims: ParallelDims
     mesh: DeviceMesh
     shard_mesh: DeviceMesh  # 1-D, the flattened ("dp", "cp") mesh: FSDP shards parameters over every rank

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from trainer_client.data import IGNORE_INDEX
+from trainer_client.model import model_inputs
 from trainer_client.packing import PackedMicroBatch
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "CausalLMLoss", "chunked_cross_entropy"]
@@ -67,9 +68,6 @@ class CausalLMLoss(torch.nn.Module):
         return list(layers)
 
     def forward(self, pack: PackedMicroBatch, attention_backend: str) -> torch.Tensor:
-        hidden_1TD = self.lm.get_decoder()(
-            input_ids=pack.input_ids_T.unsqueeze(0), position_ids=pack.position_ids_T.unsqueeze(0), use_cache=False,
-            dacp_metadata=pack.metadata, dacp_backend=attention_backend,
-        ).last_hidden_state
+        hidden_1TD = self.lm.get_decoder()(**model_inputs(pack, attention_backend)).last_hidden_state
         weight_VD = self.lm.get_output_embeddings().weight
         return chunked_cross_entropy(hidden_1TD[0], weight_VD, pack.targets_T, chunk_tokens=self.chunk_tokens)

@@ -9,9 +9,10 @@ safetensors, no download). Catalogue shapes become a ``Qwen2ForCausalLM``
 
 The model knows nothing about DP or CP. DACP attention is registered in
 transformers' attention registry under ``"dacp"`` and receives the packing
-metadata through the forward's keyword arguments:
+metadata through the forward's keyword arguments, which ``model_inputs``
+builds from a packed micro-batch:
 
-    model(input_ids=ids_1T, position_ids=pos_1T, use_cache=False, dacp_metadata=meta, dacp_backend="auto")
+    model(**model_inputs(pack))  # input_ids, position_ids, use_cache=False, dacp_metadata, dacp_backend
 
 Causality comes from the metadata (``cu_seqlens``, zigzag prefixes), so the
 mask function registered beside it (``AttentionMaskInterface``) builds no mask:
@@ -39,9 +40,9 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape
 from trainer_client.attention import AttentionBackend, dacp_attn_varlen_func
-from trainer_client.packing import DacpMetadata
+from trainer_client.packing import DacpMetadata, PackedMicroBatch
 
-__all__ = ["DACP_ATTENTION", "build_model", "model_shape", "register_dacp_attention"]
+__all__ = ["DACP_ATTENTION", "build_model", "model_inputs", "model_shape", "register_dacp_attention"]
 
 DACP_ATTENTION = "dacp"
 MAX_POSITION_EMBEDDINGS = 1 << 20  # RoPE is computed from position ids on the fly; this only bounds them
@@ -89,6 +90,19 @@ def register_dacp_attention() -> None:
     """Make ``attn_implementation="dacp"`` available (idempotent)."""
     AttentionInterface.register(DACP_ATTENTION, dacp_attention_forward)
     AttentionMaskInterface.register(DACP_ATTENTION, _no_mask)
+
+
+def model_inputs(
+    pack: PackedMicroBatch, attention_backend: str | AttentionBackend = AttentionBackend.AUTO
+) -> dict[str, Any]:
+    """The keyword arguments of a transformers model (or its decoder) for one packed micro-batch.
+
+    One packed row is a batch of one; the positions restart per local sequence and are global in shards, which
+    RoPE needs. ``dacp_metadata`` travels through transformers' keyword arguments to every attention layer.
+    The cache stays off: training never uses it, and packed rows are not one sequence.
+    """
+    return {"input_ids": pack.input_ids_T.unsqueeze(0), "position_ids": pack.position_ids_T.unsqueeze(0),
+            "use_cache": False, "dacp_metadata": pack.metadata, "dacp_backend": attention_backend}
 
 
 def _config_from_shape(shape: ModelShape) -> PretrainedConfig:

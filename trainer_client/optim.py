@@ -31,12 +31,19 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: f
 
 
 def warmup_cosine_schedule(
-    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, min_lr_ratio: float
+    optimizer: torch.optim.Optimizer, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float,
+    first_step: int = 0,
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The schedule of base learning rate ``lr``, positioned at optimizer step ``first_step``. A resumed run builds
+    it at the restored step, so it follows its own schedule (``--steps``, ``--warmup-steps``, ``--lr``,
+    ``--min-lr-ratio``) from there, whichever schedule the checkpoint was trained with: the schedule is a function
+    of the step, and a checkpoint needs to keep only the step."""
     def factor(step: int) -> float:
         return lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = lr  # what LambdaLR scales; a restored optimizer holds the saved run's
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=first_step - 1)
 
 
 def clip_gradients(parameters: Iterable[torch.Tensor], *, max_norm: float) -> float:

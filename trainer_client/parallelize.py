@@ -72,6 +72,8 @@ ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32, one per parameter each
 
 
 class Sharding(StrEnum):
+    """How parameters, gradients and optimizer state lie over the DP × CP ranks (``trainer_client.parallelize``)."""
+
     ZERO2 = "zero2"
     ZERO3 = "zero3"
     NONE = "none"

@@ -57,7 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "input_ids, messages (chat) or text records")
     parser.add_argument("--tokenizer", help="a local tokenizer directory (for messages and text records)")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per global batch")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (one per global batch)")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=20, help="optimizer steps (one per global batch)")
+    length.add_argument("--epochs", type=int,
+                        help="train every record this many times (a JSONL file or datasets directory): the steps "
+                             "are epochs × records / --global-batch, rounded up")
+    parser.add_argument("--no-shuffle", action="store_true",
+                        help="train records in file order; by default each epoch is a permutation seeded by --seed "
+                             "and the epoch, the same on every rank and kept across --resume")
     parser.add_argument("--scheduler", default="skrull", choices=[s.value for s in SchedulerName])
     parser.add_argument("--scheduler-url", help="the scheduler service; absent: plan with the embedded core")
     parser.add_argument("--bucket-size", type=int, help="tokens per CP rank per micro-batch (default: from profile)")
@@ -87,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume-accept-data-change", action="store_true",
                         help="with --resume: accept a checkpoint trained on other --data (another source, or the "
                              "same one changed) and continue from its saved data position")
+    parser.add_argument("--output-dir", type=Path,
+                        help="after the last step, write the trained model here as a Hugging Face folder "
+                             "(safetensors weights, config, generation config, and the --tokenizer if given), "
+                             "ready for AutoModelForCausalLM.from_pretrained; its parent directory must exist")
+    parser.add_argument("--export-every", type=int,
+                        help="also export every N steps before the last, into OUTPUT_DIR/step-N (the step number "
+                             "zero-padded to 8 digits, as checkpoints are); needs --output-dir")
     parser.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
                         help="seconds any collective of any process group may wait for a peer")
     parser.add_argument("--max-length", type=int, help="longest record accepted (default: bucket_size × cp)")
@@ -111,13 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         dp=args.dp, cp=args.cp, model=args.model, data=args.data, global_batch=args.global_batch, steps=args.steps,
+        epochs=args.epochs, shuffle=not args.no_shuffle,
         scheduler=args.scheduler, scheduler_url=args.scheduler_url, bucket_size=args.bucket_size,
         profile=args.profile, seed=args.seed, lr=args.lr, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm,
         sharding=args.sharding, activation_checkpointing=args.activation_checkpointing,
         loss_chunk_tokens=args.loss_chunk_tokens, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
-        resume_accept_data_change=args.resume_accept_data_change, collective_timeout_s=args.collective_timeout,
+        resume_accept_data_change=args.resume_accept_data_change, output_dir=args.output_dir,
+        export_every=args.export_every, collective_timeout_s=args.collective_timeout,
         max_length=args.max_length, truncate=args.truncate, tokenizer=args.tokenizer, metrics_out=args.metrics_out,
         plan_timeout_s=args.plan_timeout, plan_attempts=args.plan_attempts,
         attention_backend=args.attention_backend, dtype=args.dtype, progress=not args.no_progress,

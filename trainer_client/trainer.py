@@ -32,7 +32,9 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
    steps all ranks save a DCP checkpoint (``checkpoint.py``), from which
    ``--resume`` continues exactly; before it loads one, rank 0 checks that
    it was written by this run (``run_identity.py``) and every rank receives
-   the verdict.
+   the verdict. With ``--output-dir`` the model is written as a Hugging Face
+   folder after the last step, and every ``--export-every`` steps
+   (``export.py``).
 5. With ``feedback`` (opt-in), every rank's measured micro-batch times (and
    peak memory on CUDA, ``step_metrics.MicroBatchTimer``) are gathered on rank 0,
    which reports them to the service (``POST /feedback``) in the background; the
@@ -48,7 +50,6 @@ Shape legend: T tokens of one packed row, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 import uuid
@@ -62,9 +63,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
-from scheduler_service.core.check import check_plan
 from scheduler_service.core.models import ModelShape
-from scheduler_service.core.plan import MicroBatch, make_problem
+from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import Profile, resolve_profile
 from scheduler_service.runtime.profiles import load_profile
 from trainer_client.attention import AttentionBackend
@@ -74,29 +74,31 @@ from trainer_client.checkpoint import (
     load_checkpoint,
     save_checkpoint,
     saved_run_identity,
+    step_dir,
 )
 from trainer_client.config import TrainConfig
-from trainer_client.data import DataSource, GlobalBatch, LengthStats, make_source
+from trainer_client.data import DataSource, GlobalBatch, LengthStats, RecordSource, make_source
 from trainer_client.distributed import ParallelContext, max_over_ranks
+from trainer_client.export import export_model, load_export_tokenizer
+from trainer_client.loop import decide_plan, micro_batch_packers
 from trainer_client.loss import CausalLMLoss
 from trainer_client.model import build_model, model_shape
 from trainer_client.optim import clip_gradients, warmup_cosine_schedule
-from trainer_client.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
+from trainer_client.packing import PackedMicroBatch
 from trainer_client.parallelize import (
     ActivationCheckpointing,
     Sharding,
-    num_padding_micro_batches,
     parallelize,
     prepare_micro_batch,
     reduce_gradients,
     static_bytes_per_parameter,
 )
-from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanOrigin, PlanSource
+from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanSource
 from trainer_client.prefetch import PrefetchedMicroBatches
 from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume
 from trainer_client.step_metrics import MetricsFile, MicroBatchTimer, StepMetrics
 
-__all__ = ["InjectedFault", "MicroBatches", "PlanningFailed", "Trainer", "memory_profile", "run_micro_batch"]
+__all__ = ["InjectedFault", "MicroBatches", "Trainer", "memory_profile", "run_micro_batch"]
 
 logger = logging.getLogger("trainer_client.trainer")
 
@@ -107,10 +109,6 @@ class MicroBatches(Protocol):
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[PackedMicroBatch]: ...
-
-
-class PlanningFailed(ValueError):
-    """Rank 0 could not plan a global batch; every rank raises this with rank 0's message."""
 
 
 class InjectedFault(RuntimeError):
@@ -173,9 +171,17 @@ class Trainer:
         self.source: DataSource = make_source(
             config.data, global_batch_size=config.global_batch, vocab_size=shape.vocab_size,
             max_length=self.max_length, seed=config.seed, truncate=config.truncate, tokenizer=config.tokenizer,
+            shuffle=config.shuffle,
         )
+        if config.epochs is not None:
+            assert isinstance(self.source, RecordSource)  # TrainConfig refuses --epochs of synthetic data
+            self.config = config = dataclasses.replace(config, steps=self.source.steps_for_epochs(config.epochs))
+            logger.info("%d epochs of %d records: %d steps", config.epochs, self.source.records.num_records,
+                        config.steps)
         self.identity = RunIdentity.of(config, self.source)  # saved with every checkpoint, checked on resume
         self.lengths = LengthStats()  # of the batches this run trained
+        self.export_tokenizer = (load_export_tokenizer(config.tokenizer)
+                                 if config.output_dir is not None and config.tokenizer is not None else None)
         lm = build_model(config.model, seed=config.seed, device=self.device)
         lm.train()
         self.pad_token_id = int(getattr(lm.config, "pad_token_id", None) or 0)
@@ -186,14 +192,15 @@ class Trainer:
         )
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
-        self.lr_schedule = warmup_cosine_schedule(self.optimizer, warmup_steps=config.warmup_steps,
-                                                  total_steps=config.steps, min_lr_ratio=config.min_lr_ratio)
         self.first_step = 0
         self.num_padding_micro_batches = 0  # of the latest step, summed over all ranks
         self.micro_batch_time_s = 0.0  # of the latest step, the slowest rank's
         if config.resume:
             assert config.checkpoint_dir is not None
             self._resume(config.checkpoint_dir)
+        self.lr_schedule = warmup_cosine_schedule(self.optimizer, lr=config.lr, warmup_steps=config.warmup_steps,
+                                                  total_steps=config.steps, min_lr_ratio=config.min_lr_ratio,
+                                                  first_step=self.first_step)
         self.plans: PlanSource | None = None
         if parallel.is_main:
             client = None
@@ -237,7 +244,6 @@ class Trainer:
             return
         self._check_resumable(path)
         state = load_checkpoint(path, module=self.module, optimizer=self.optimizer)
-        self.lr_schedule.load_state_dict(state.lr_schedule)
         self.source.seek(state.data_position)
         self.first_step = state.num_steps_done
         if self.first_step > self.config.steps:
@@ -263,10 +269,21 @@ class Trainer:
     def save_checkpoint(self, num_steps_done: int, batch: GlobalBatch) -> Path:
         """Every rank calls this after optimizer step ``num_steps_done − 1`` on ``batch``."""
         assert self.config.checkpoint_dir is not None
-        state = TrainState(num_steps_done=num_steps_done, lr_schedule=self.lr_schedule.state_dict(),
-                           data_position=batch.next_position)
+        state = TrainState(num_steps_done=num_steps_done, data_position=batch.next_position)
         return save_checkpoint(self.config.checkpoint_dir, module=self.module, optimizer=self.optimizer, state=state,
                                identity=self.identity)
+
+    def export(self, num_steps_done: int) -> Path:
+        """Every rank calls this after optimizer step ``num_steps_done − 1``: the last step's model goes to
+        ``--output-dir``, an earlier one (``--export-every``) to its ``step-<n>`` folder there."""
+        assert self.config.output_dir is not None
+        directory = (self.config.output_dir if num_steps_done == self.config.steps
+                     else step_dir(self.config.output_dir, num_steps_done))
+        export_model(self.module.lm, directory, tokenizer=self.export_tokenizer)
+        if self.parallel.is_main:
+            logger.info("exported the model after step %d of %d to %s", num_steps_done, self.config.steps,
+                        directory)
+        return directory
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole gradient by the model's own names (collective under FSDP: every rank calls)."""
@@ -279,46 +296,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ planning
 
-    def decide(self, step: int, batch: GlobalBatch) -> PlanDecision:
-        """Rank 0 decides; every rank receives the decision and checks the plan against its own copy of the batch."""
-        decision: list[PlanDecision | None] = [None]
-        if self.parallel.is_main:
-            assert self.plans is not None
-            try:
-                decision[0] = self.plans.decide(step, batch.sequence_lengths)
-            except Exception as error:  # any failure must still reach the other ranks, as a decision
-                decision[0] = PlanDecision(step=step, scheduler=self.config.scheduler, origin=PlanOrigin.EMBEDDED,
-                                           error=f"rank 0 failed to plan global batch {step}: {error!r}")
-        dist.broadcast_object_list(decision, src=0, group=self.parallel.object_group)
-        received = decision[0]
-        assert received is not None and received.step == step
-        if received.error is not None:
-            raise PlanningFailed(received.error)
-        assert received.plan is not None
-        check_plan(received.plan, sequence_lengths=batch.sequence_lengths, dp_size=self.config.dp,
-                   cp_size=self.config.cp, bucket_size=received.bucket_size)
-        return received
+    def decide(self, batch: GlobalBatch) -> PlanDecision:
+        """Rank 0 decides; every rank receives the decision and checks the plan (``loop.decide_plan``)."""
+        return decide_plan(self.plans, batch, parallel=self.parallel)
 
     # ------------------------------------------------------------------------------------------------ compute
 
     def packers(self, batch: GlobalBatch, decision: PlanDecision) -> list[Callable[[], PackedMicroBatch]]:
-        """This rank's micro-batches in plan order, each packed and put on the device when called (by a prefetch
-        thread, ``prefetch.py``); under FSDP the idle ones are padding and padding follows them."""
+        """This rank's micro-batches in plan order, each packed when called (``loop.micro_batch_packers``)."""
         assert decision.plan is not None
-        micro_batches = decision.plan.dp_ranks[self.parallel.dp_rank].micro_batches
-        padding = padding_micro_batch(cp_size=self.config.cp, cp_rank=self.parallel.cp_rank,
-                                      pad_token_id=self.pad_token_id)
-
-        def pack(micro_batch: MicroBatch) -> PackedMicroBatch:
-            packed = pack_micro_batch(batch.samples, micro_batch, cp_size=self.config.cp,
-                                      cp_rank=self.parallel.cp_rank, cp_group=self.parallel.cp_group,
-                                      cp_block_groups=self.parallel.cp_block_groups, pad_token_id=self.pad_token_id)
-            return padding if packed.is_idle and self.sharding is not Sharding.NONE else packed
-
-        max_planned = max(len(dp_rank.micro_batches) for dp_rank in decision.plan.dp_ranks)
-        num_padding = num_padding_micro_batches(self.sharding, num_planned=len(micro_batches),
-                                                max_planned=max_planned)
-        return [functools.partial(pack, micro_batch) for micro_batch in micro_batches] + [lambda: padding] * num_padding
+        return micro_batch_packers(batch.samples, decision.plan, parallel=self.parallel, sharding=self.sharding,
+                                   pad_token_id=self.pad_token_id)
 
     def forward_backward(self, batch: GlobalBatch, packs: MicroBatches) -> tuple[float, int]:
         """Accumulate this rank's gradients over ``packs`` (iterated once, in order) and reduce them over all ranks;
@@ -362,7 +350,7 @@ class Trainer:
 
     def train_step(self, step: int, batch: GlobalBatch) -> StepMetrics:
         started = time.perf_counter()
-        decision = self.decide(step, batch)
+        decision = self.decide(batch)
         if self.plans is not None and step + 1 < self.config.steps:
             self._next_batch = self.source.batch(step + 1)
             self.plans.prefetch(step + 1, self._next_batch.sequence_lengths)
@@ -428,9 +416,13 @@ class Trainer:
                 if self.config.checkpoint_dir is not None and ((every and done % every == 0)
                                                                or done == self.config.steps):
                     self.save_checkpoint(done, batch)
+                if self.config.export_every and done % self.config.export_every == 0 and done < self.config.steps:
+                    self.export(done)
                 bar.set_postfix(loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:.0f}",
                                 plan=metrics.plan_source)
                 bar.update()
+        if self.config.output_dir is not None:
+            self.export(self.config.steps)
         if self.parallel.is_main:
             logger.info("data: %s", self.lengths.summary())
         return history

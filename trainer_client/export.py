@@ -1,0 +1,139 @@
+"""The trained model as a Hugging Face folder, from the trainer or from any checkpoint it wrote.
+
+The folder is what ``transformers.AutoModelForCausalLM.from_pretrained`` reads: ``save_pretrained``'s
+safetensors weights (a tied LM head saved once), ``config.json`` and ``generation_config.json``, and the
+tokenizer's files when one is given. DACP attention is chosen at run time (``model.build_model``), not saved in
+the config, so the folder loads with transformers' stock attention.
+
+* From the trainer (``--output-dir``, ``export_model``): every rank takes part in gathering the full state dict
+  from the FSDP2 shards, one tensor at a time onto rank 0's CPU alone (``get_model_state_dict`` with
+  ``full_state_dict`` and ``cpu_offload``; the other ranks receive nothing and never hold the whole model);
+  rank 0 writes the folder, and every rank waits for it at a barrier.
+* From a checkpoint (``skrull-export CKPT_DIR OUT_DIR``, ``export_checkpoint``): one process, no torchrun, so a
+  crashed run's last checkpoint is still usable. The model's part alone is loaded into a freshly built unsharded
+  model (``checkpoint.load_model_weights``), never the optimizer state. The model's config is ``--model``'s
+  (a catalogue name or a local HF folder, as for the trainer), by default the catalogue model the checkpoint's
+  ``run.json`` names; a given ``--model`` must be the one ``run.json`` records.
+
+Both write the same folder: ``tests/test_export.py`` finds equal weights from both paths of the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from scheduler_service.core.models import MODEL_CATALOGUE
+from trainer_client.checkpoint import load_model_weights, resolve_checkpoint, saved_run_identity
+from trainer_client.config import check_output_dir
+from trainer_client.data import load_tokenizer
+from trainer_client.loss import CausalLMLoss
+from trainer_client.model import build_model
+from trainer_client.run_identity import model_identity
+
+__all__ = ["build_parser", "checkpoint_model", "export_checkpoint", "export_model", "load_export_tokenizer", "main",
+           "write_model_folder"]
+
+EXIT_USER_ERROR = 2
+
+
+def load_export_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The ``--tokenizer`` folder, read when the run starts so that a bad one stops it before it trains."""
+    tokenizer = load_tokenizer(path)
+    assert isinstance(tokenizer, PreTrainedTokenizerBase)  # what AutoTokenizer returns
+    return tokenizer
+
+
+def write_model_folder(
+    lm: PreTrainedModel, directory: Path, *, state_dict: Mapping[str, object],
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> None:
+    """``lm``'s config and generation config with the whole tensors of ``state_dict`` as its weights, and the
+    tokenizer; ``directory`` and missing parents are created, files of the same names replaced."""
+    # A full state dict holds a tied parameter under each of its names, gathered as separate tensors; the folder
+    # holds it once, under its first name, and transformers ties it again on load.
+    aliases = ({name for name, _ in lm.named_parameters(remove_duplicate=False)}
+               - {name for name, _ in lm.named_parameters()})
+    lm.save_pretrained(directory, state_dict={name: tensor for name, tensor in state_dict.items()
+                                              if name not in aliases})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def export_model(lm: PreTrainedModel, directory: Path, *, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+    """Write ``lm`` (sharded by FSDP2 or replicated) as a Hugging Face folder; every rank calls this."""
+    state_dict = get_model_state_dict(lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        write_model_folder(lm, directory, state_dict=state_dict, tokenizer=tokenizer)
+    dist.barrier()  # no rank goes on (or exits) before the folder is whole
+
+
+def checkpoint_model(checkpoint: Path, model: str | None) -> str:
+    """The ``--model`` that trained ``checkpoint``: ``model`` checked against its ``run.json``, else the catalogue
+    model the record names (one trained from a local folder records only a digest of its config)."""
+    saved = saved_run_identity(checkpoint)
+    if model is None:
+        if saved is None:
+            raise ValueError(f"checkpoint {checkpoint} has no record of the model that trained it: give --model")
+        if saved.model not in MODEL_CATALOGUE:
+            raise ValueError(f"checkpoint {checkpoint} was trained from a local model folder ({saved.model}): give "
+                             "that folder as --model")
+        return saved.model
+    if saved is not None and model_identity(model) != saved.model:
+        raise ValueError(f"--model {model} is not the model checkpoint {checkpoint} was trained from: its run.json "
+                         f"records {saved.model}, --model is {model_identity(model)}")
+    return model
+
+
+def export_checkpoint(
+    checkpoint_dir: Path, output_dir: Path, *, model: str | None = None, tokenizer: str | None = None,
+) -> Path:
+    """Write the model of ``checkpoint_dir`` (a ``--checkpoint-dir``, meaning its latest checkpoint, or a
+    ``step-<n>`` folder) into ``output_dir``, in this one process; returns the checkpoint exported."""
+    checkpoint = resolve_checkpoint(checkpoint_dir)
+    model = checkpoint_model(checkpoint, model)
+    check_output_dir(output_dir, flag="OUT_DIR")
+    loaded_tokenizer = load_export_tokenizer(tokenizer) if tokenizer is not None else None
+    lm = build_model(model)
+    load_model_weights(checkpoint, CausalLMLoss(lm))  # the module the trainer checkpoints: its keys are the saved
+    write_model_folder(lm, output_dir, state_dict=lm.state_dict(), tokenizer=loaded_tokenizer)
+    return checkpoint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer_client.export",
+        description="Write the model of a trainer checkpoint as a Hugging Face folder (one process, no torchrun).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("checkpoint_dir", metavar="CKPT_DIR", type=Path,
+                        help="a --checkpoint-dir of the trainer (its latest checkpoint) or one of its step-N folders")
+    parser.add_argument("output_dir", metavar="OUT_DIR", type=Path,
+                        help="the folder to write (safetensors weights, config, generation config, tokenizer); "
+                             "its parent must exist")
+    parser.add_argument("--model", help="the trainer's --model: a built-in model name or a local HF checkpoint "
+                                        "directory (default: the built-in model the checkpoint's run.json names)")
+    parser.add_argument("--tokenizer", help="a local tokenizer directory to save beside the model")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        checkpoint = export_checkpoint(args.checkpoint_dir, args.output_dir, model=args.model,
+                                       tokenizer=args.tokenizer)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"exported {checkpoint} to {args.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

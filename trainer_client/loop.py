@@ -1,0 +1,162 @@
+"""Skrull in a training loop of your own: per global batch, this rank's packed micro-batches and the loss normaliser.
+
+A loop that is not ``Trainer`` (torchtitan-style, nanotron-style, its own) needs three things per global batch,
+which ``SkrullBatches.plan`` returns as a ``RankBatch``:
+
+1. the plan: rank 0 asks ``PlanSource`` (the scheduler service, else the embedded planner, which plans the
+   same) and broadcasts the decision; every rank checks it against its own copy of the batch (``decide_plan``);
+2. this rank's micro-batches of it, in plan order, packed for DACP (``pack_micro_batch``: input ids,
+   next-token targets, positions and the attention metadata); under FSDP with the zero-loss padding
+   micro-batches that keep every rank's collectives matched (``micro_batch_packers``);
+3. the loss normaliser, the loss-token count of the *whole* global batch. Each micro-batch's summed token
+   loss divided by it, and gradients summed over all DP × CP ranks, give the loss and gradients of unsharded
+   training (docs/design.md, "Training equivalence"); a per-micro-batch or per-rank mean would not.
+
+The model sees each micro-batch through one attention function: ``register_dacp_attention`` (``build_model``
+calls it) makes ``attn_implementation="dacp"`` available to transformers, and ``model_inputs(pack)`` hands
+the metadata to it. ``examples/custom_loop.py`` is a whole loop; docs/guides/custom-loop.md walks through it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch.distributed as dist
+
+from scheduler_service.core.check import check_plan
+from scheduler_service.core.models import ModelShape
+from scheduler_service.core.plan import MicroBatch, Plan, SchedulerName
+from scheduler_service.core.profile import Profile
+from trainer_client.data import GlobalBatch, Sample
+from trainer_client.distributed import ParallelContext
+from trainer_client.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
+from trainer_client.parallelize import Sharding, num_padding_micro_batches
+from trainer_client.plan_client import PlanClient, PlanDecision, PlanOrigin, PlanSource
+
+__all__ = ["PlanningFailed", "RankBatch", "SkrullBatches", "decide_plan", "micro_batch_packers"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankBatch:
+    """One rank's share of a global batch: what it runs, in order, and what every micro-batch's loss is divided by."""
+
+    decision: PlanDecision  # the plan every rank received, where it came from and its estimated time
+    micro_batches: tuple[PackedMicroBatch, ...]  # run in order, accumulating gradients; idle ones are left out
+    num_loss_tokens: int  # of the whole global batch, the same on every rank: the loss normaliser
+
+
+class SkrullBatches:
+    """Plans each global batch on rank 0 and gives every rank its packed share (every rank holds the same batch).
+
+    ``model``: a catalogue name, or the shape of a checkpoint (``model_shape``), which the planner costs
+    sequences with. ``bucket_size``: the tokens one CP rank may hold in a micro-batch, what its memory allows.
+    ``scheduler_url``: the scheduler service; absent, the embedded planner plans alone. ``sharding``: how the
+    loop shards its model (``NONE`` replicated, ``ZERO2``/``ZERO3`` FSDP2 keeping parameters gathered for the
+    step or resharding them after every forward), which decides the padding micro-batches. Rank 0 compiles the
+    planner's kernels on construction (or loads them from the JIT cache), so that no plan waits for them.
+    """
+
+    def __init__(
+        self,
+        parallel: ParallelContext,
+        *,
+        model: str | ModelShape,
+        bucket_size: int,
+        scheduler: str = SchedulerName.SKRULL.value,
+        scheduler_url: str | None = None,
+        profile: str | Profile | None = None,
+        sharding: Sharding = Sharding.NONE,
+        pad_token_id: int = 0,
+    ) -> None:
+        self.parallel = parallel
+        self.sharding = sharding
+        self.pad_token_id = pad_token_id
+        self.plans: PlanSource | None = None  # rank 0's alone: it decides, the others receive
+        if parallel.is_main:
+            client = PlanClient(scheduler_url) if scheduler_url is not None else None
+            self.plans = PlanSource(scheduler=scheduler, dp_size=parallel.dims.dp_size, cp_size=parallel.dims.cp_size,
+                                    model=model, bucket_size=bucket_size, profile=profile, client=client)
+            self.plans.check_service()
+            self.plans.warm_up()
+
+    def plan(self, batch: GlobalBatch) -> RankBatch:
+        """This rank's packed micro-batches of ``batch``, on its device, and the loss normaliser.
+
+        Collective: every rank calls it with the same batch. Raises ``PlanningFailed`` on every rank when rank 0
+        cannot plan the batch (a sequence longer than ``bucket_size × cp_size``).
+        """
+        decision = decide_plan(self.plans, batch, parallel=self.parallel)
+        assert decision.plan is not None
+        packers = micro_batch_packers(batch.samples, decision.plan, parallel=self.parallel, sharding=self.sharding,
+                                      pad_token_id=self.pad_token_id)
+        packs = (pack().to(self.parallel.device) for pack in packers)
+        # Only replicated training has idle micro-batches (no token, no collective): no peer waits for them.
+        return RankBatch(decision=decision, micro_batches=tuple(pack for pack in packs if not pack.is_idle),
+                         num_loss_tokens=batch.num_loss_tokens)
+
+    def prefetch(self, batch: GlobalBatch) -> None:
+        """Start asking the service for ``batch``'s plan while the current step trains (rank 0; elsewhere, and
+        without a service, nothing)."""
+        if self.plans is not None:
+            self.plans.prefetch(batch.step, batch.sequence_lengths)
+
+    def close(self) -> None:
+        if self.plans is not None:
+            self.plans.close()
+
+    def __enter__(self) -> SkrullBatches:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+
+class PlanningFailed(ValueError):
+    """Rank 0 could not plan a global batch; every rank raises this with rank 0's message."""
+
+
+def decide_plan(plans: PlanSource | None, batch: GlobalBatch, *, parallel: ParallelContext) -> PlanDecision:
+    """Rank 0 decides with ``plans``; every rank receives the decision and checks the plan against its own copy of
+    the batch. A failure to plan reaches every rank as ``PlanningFailed``, so none is left in a collective."""
+    decision: list[PlanDecision | None] = [None]
+    if parallel.is_main:
+        assert plans is not None
+        try:
+            decision[0] = plans.decide(batch.step, batch.sequence_lengths)
+        except Exception as error:  # any failure must still reach the other ranks, as a decision
+            decision[0] = PlanDecision(step=batch.step, scheduler=plans.scheduler, origin=PlanOrigin.EMBEDDED,
+                                       error=f"rank 0 failed to plan global batch {batch.step}: {error!r}")
+    dist.broadcast_object_list(decision, src=0, group=parallel.object_group)
+    received = decision[0]
+    assert received is not None and received.step == batch.step
+    if received.error is not None:
+        raise PlanningFailed(received.error)
+    assert received.plan is not None
+    check_plan(received.plan, sequence_lengths=batch.sequence_lengths, dp_size=parallel.dims.dp_size,
+               cp_size=parallel.dims.cp_size, bucket_size=received.bucket_size)
+    return received
+
+
+def micro_batch_packers(
+    samples: Sequence[Sample], plan: Plan, *, parallel: ParallelContext, sharding: Sharding, pad_token_id: int,
+) -> list[Callable[[], PackedMicroBatch]]:
+    """This rank's micro-batches of ``plan`` in plan order, each packed when called (a prefetch thread may pack
+    ahead, ``prefetch.py``); under FSDP the idle ones are padding, and padding follows them where the sharding
+    needs as many micro-batches as another DP rank runs (``num_padding_micro_batches``)."""
+    micro_batches = plan.dp_ranks[parallel.dp_rank].micro_batches
+    cp_size = parallel.dims.cp_size
+    padding = padding_micro_batch(cp_size=cp_size, cp_rank=parallel.cp_rank, pad_token_id=pad_token_id)
+
+    def pack(micro_batch: MicroBatch) -> PackedMicroBatch:
+        packed = pack_micro_batch(samples, micro_batch, cp_size=cp_size, cp_rank=parallel.cp_rank,
+                                  cp_group=parallel.cp_group, cp_block_groups=parallel.cp_block_groups,
+                                  pad_token_id=pad_token_id)
+        return padding if packed.is_idle and sharding is not Sharding.NONE else packed
+
+    max_planned = max(len(dp_rank.micro_batches) for dp_rank in plan.dp_ranks)
+    num_padding = num_padding_micro_batches(sharding, num_planned=len(micro_batches), max_planned=max_planned)
+    return [functools.partial(pack, micro_batch) for micro_batch in micro_batches] + [lambda: padding] * num_padding
