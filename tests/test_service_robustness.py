@@ -75,28 +75,35 @@ def _raw_post(base_url: str, body: bytes) -> socket.socket:
     return connection
 
 
+def _plan_in_background(served: Served, body: dict[str, object]) -> tuple[threading.Thread, list[httpx.Response]]:
+    """POST /plan of ``body`` on a thread of its own, so the test can probe the server meanwhile; the answer lands
+    in the list once it comes."""
+    answers: list[httpx.Response] = []
+
+    def post() -> None:
+        with httpx.Client(base_url=served.base_url, timeout=300) as client:
+            answers.append(client.post("/plan", json=body))
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread, answers
+
+
 def test_probes_answer_while_a_heavy_plan_runs_and_a_second_one_is_a_429(served: Served) -> None:
-    answers: dict[str, httpx.Response] = {}
-
-    def plan_heavy() -> None:
-        with httpx.Client(base_url=served.base_url, timeout=300) as heavy_client:
-            answers["heavy"] = heavy_client.post("/plan", json=HEAVY)
-
-    heavy = threading.Thread(target=plan_heavy)
     with httpx.Client(base_url=served.base_url, timeout=60) as client:
-        heavy.start()
+        heavy, heavy_answers = _plan_in_background(served, HEAVY)
         _wait_until(lambda: _metric(client, "skrull_heavy_in_flight") == 1.0, "the heavy plan was admitted")
         assert client.get("/healthz").status_code == 200
         assert client.get("/readyz").status_code == 200
         small = client.post("/plan", json=SMALL)
         busy = client.post("/plan", json=HEAVY)
-        assert "heavy" not in answers  # all of the above were answered while the heavy plan was still running
+        assert not heavy_answers  # all of the above were answered while the heavy plan was still running
         heavy.join()
     assert small.status_code == 200
     assert busy.status_code == 429 and int(busy.headers["retry-after"]) >= 1
     assert Problem.model_validate_json(busy.content).limit == 1
-    assert answers["heavy"].status_code == 200, answers["heavy"].text
-    plan = PlanResponse.model_validate_json(answers["heavy"].content)
+    assert heavy_answers[0].status_code == 200, heavy_answers[0].text
+    plan = PlanResponse.model_validate_json(heavy_answers[0].content)
     assert sum(len(dp_rank.micro_batches) for dp_rank in plan.dp_ranks) == 64
 
 
@@ -113,22 +120,15 @@ def test_a_bad_search_budget_is_a_422_naming_it(served: Served, budget: object) 
 
 def test_the_largest_search_budget_searches_in_the_heavy_pool_while_probes_answer(served: Served) -> None:
     """A small batch with the largest budget is a second of search: it must not run on the event loop."""
-    answers: dict[str, httpx.Response] = {}
-
-    def plan_searching() -> None:
-        with httpx.Client(base_url=served.base_url, timeout=300) as searching_client:
-            answers["searching"] = searching_client.post("/plan", json=SEARCHING)
-
-    searching = threading.Thread(target=plan_searching)
     with httpx.Client(base_url=served.base_url, timeout=60) as client:
-        searching.start()
-        _wait_until(lambda: _metric(client, "skrull_heavy_in_flight") == 1.0 or "searching" in answers,
+        searching, answers = _plan_in_background(served, SEARCHING)
+        _wait_until(lambda: _metric(client, "skrull_heavy_in_flight") == 1.0 or bool(answers),
                     "the search was admitted or answered")
-        assert "searching" not in answers, "planned inline, on the event loop"
+        assert not answers, "planned inline, on the event loop"
         assert client.get("/healthz").status_code == 200
-        assert "searching" not in answers  # answered while the search was still running
+        assert not answers  # answered while the search was still running
         searching.join()
-    assert answers["searching"].status_code == 200, answers["searching"].text
+    assert answers[0].status_code == 200, answers[0].text
 
 
 def test_a_plan_over_the_cost_limit_is_a_422_naming_the_limit_and_the_estimate(served: Served) -> None:
