@@ -9,7 +9,7 @@ plans in every mode), and reports per mode the largest rank's
   slack and freed-but-kept pages included;
 * weights + gradients + AdamW states it keeps after the step, counted tensor by tensor (local shards), and that
   per parameter beside the static bytes per parameter the planner's memory model charges at the step's peak
-  (``parallelize.static_bytes_per_parameter``).
+  (``scheduler_service.core.memory.static_bytes_per_parameter``).
 
 CPU has no allocator peak counter like CUDA's; PyTorch's ``MemTracker`` follows module calls and refuses a
 module called once per micro-batch, and misses FSDP's storage resizes; hence RSS.
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from scheduler_service.core.memory import Sharding, static_bytes_per_parameter
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.parallelize import Sharding, static_bytes_per_parameter
 from trainer_client.trainer import Trainer
 
 DP, CP = 2, 2
@@ -64,7 +64,7 @@ def _measure(out: Path, model: str, sharding: Sharding, checkpointing: str) -> N
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)
     trainer.close()
     if parallel.is_main:
-        static = static_bytes_per_parameter(sharding, param_dtype=torch.float32)
+        static = static_bytes_per_parameter(sharding, compute_bytes=4)
         out.write_text(json.dumps({
             "model": model, "sharding": sharding.value, "num_parameters": sum(p.numel() for p in params),
             "peak_rss_bytes": int(measured[0]), "rss_growth_bytes": int(measured[1]), "state_bytes": int(measured[2]),

@@ -33,18 +33,13 @@ Gradients are summed, not averaged, over ranks (``set_gradient_divide_factor(1)`
 by the global batch's loss tokens (``trainer.py``). On CUDA, FSDP keeps bf16 parameters and compute and reduces
 gradients in fp32 (``MixedPrecisionPolicy``); on CPU everything is fp32.
 
-Static memory per parameter (``static_bytes_per_parameter``; w = compute dtype bytes, 4 = fp32, N ranks):
-``none`` 4 + 4 + 8 + 4 (weights, gradients, AdamW moments, the flat all-reduce buffer) replicated; ``zero2``
-unsharded weights (w) and unsharded gradients (4: FSDP accumulates them in the fp32 reduce dtype across
-micro-batches) replicated, fp32 weights, gradients and moments (16) sharded; ``zero3`` all 16 sharded (plus one
-layer's unsharded weights and gradients at a time, not per parameter).
+Static memory per parameter, by sharding mode, is ``scheduler_service.core.memory``'s: the planner and the layout
+advisor derive BucketSize from it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 import torch.distributed as dist
@@ -52,57 +47,19 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from scheduler_service.core.memory import ActivationCheckpointing, Sharding
 from trainer_client.loss import CausalLMLoss
 
 __all__ = [
     "ActivationCheckpointing",
     "Sharding",
-    "StaticBytes",
     "apply_activation_checkpointing",
     "apply_fsdp",
     "num_padding_micro_batches",
     "parallelize",
     "prepare_micro_batch",
     "reduce_gradients",
-    "static_bytes_per_parameter",
 ]
-
-FP32_BYTES = 4
-ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32, one per parameter each
-
-
-class Sharding(StrEnum):
-    """How parameters, gradients and optimizer state lie over the DP × CP ranks (``trainer_client.parallelize``)."""
-
-    ZERO2 = "zero2"
-    ZERO3 = "zero3"
-    NONE = "none"
-
-
-class ActivationCheckpointing(StrEnum):
-    NONE = "none"
-    SELECTIVE = "selective"
-    FULL = "full"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StaticBytes:
-    """Bytes per parameter every rank keeps whole (``replicated``) and split over all ranks (``sharded``)."""
-
-    replicated: float
-    sharded: float
-
-
-def static_bytes_per_parameter(sharding: Sharding, *, param_dtype: torch.dtype) -> StaticBytes:
-    """What a sharding mode keeps per parameter at the peak of a step (the last micro-batch's backward)."""
-    compute = torch.empty((), dtype=param_dtype).element_size()
-    master = FP32_BYTES * (2 + ADAMW_MOMENTS)  # fp32 weights, fp32 gradients, AdamW moments
-    if sharding is Sharding.NONE:
-        return StaticBytes(replicated=master + FP32_BYTES, sharded=0.0)  # + the flat all-reduce buffer
-    if sharding is Sharding.ZERO2:
-        return StaticBytes(replicated=compute + FP32_BYTES, sharded=master)  # unsharded weights, fp32 gradients
-    return StaticBytes(replicated=0.0, sharded=master)
-
 
 def parallelize(
     module: CausalLMLoss, mesh: DeviceMesh, *, sharding: Sharding, activation_checkpointing: ActivationCheckpointing,

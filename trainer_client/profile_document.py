@@ -32,11 +32,11 @@ from skrull_proto.profile import (
     StaticBytesPerParameter,
 )
 
+from scheduler_service.core.memory import Sharding, static_bytes_per_parameter
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, fit_compute, fit_memory
 from scheduler_service.core.profile import parse_profile
 from scheduler_service.core.shard_effect import derive_attention_efficiency, shard_effect_rows
-from trainer_client.parallelize import Sharding, static_bytes_per_parameter
 from trainer_client.profile_sweeps import Measurements, ProfileOptions, compute_points
 
 __all__ = ["build_document", "document_json", "with_shard_effect"]
@@ -123,7 +123,7 @@ def _compute_section(options: ProfileOptions, measured: Measurements) -> Compute
 def _memory_section(options: ProfileOptions, measured: Measurements) -> MemorySection:
     """Activations fitted per token; static memory per parameter as the trainer's default sharding keeps it."""
     memory = fit_memory(measured.memory_points)
-    default_static = static_bytes_per_parameter(Sharding.ZERO2, param_dtype=measured.param_dtype)
+    default_static = static_bytes_per_parameter(Sharding.ZERO2, compute_bytes=measured.param_dtype.itemsize)
     return MemorySection.model_validate({
         "activation_bytes_per_token": ActivationBytesPerToken(fixed=memory.bytes_per_token, per_layer_hidden=0.0,
                                                               per_vocab=0.0),
@@ -139,7 +139,7 @@ def _memory_section(options: ProfileOptions, measured: Measurements) -> MemorySe
                    + ("(torch.cuda.max_memory_allocated)" if measured.device_type == "cuda" else
                       "(torch.distributed._tools.mem_tracker.MemTracker: live tensor bytes)")
                    + f" with activation checkpointing {options.activation_checkpointing}; static per parameter: "
-                     "the trainer's default --sharding zero2 (parallelize.static_bytes_per_parameter; the "
+                     "the trainer's default --sharding zero2 (scheduler_service.core.memory; the "
                      "trainer derives its BucketSize with its own mode's), static_bytes: weights, gradients "
                      "and AdamW states of one unsharded replica counted per tensor. reserved: CUDA context and "
                      "allocator slack (mem_get_info minus allocated), 0 on CPU."),

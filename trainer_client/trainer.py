@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from scheduler_service.core.memory import training_profile
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import Profile, resolve_profile
@@ -91,14 +92,13 @@ from trainer_client.parallelize import (
     parallelize,
     prepare_micro_batch,
     reduce_gradients,
-    static_bytes_per_parameter,
 )
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanSource
 from trainer_client.prefetch import PrefetchedMicroBatches
 from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume
 from trainer_client.step_metrics import MetricsFile, MicroBatchTimer, StepMetrics
 
-__all__ = ["InjectedFault", "MicroBatches", "Trainer", "memory_profile", "run_micro_batch"]
+__all__ = ["InjectedFault", "MicroBatches", "Trainer", "run_micro_batch"]
 
 logger = logging.getLogger("trainer_client.trainer")
 
@@ -131,24 +131,6 @@ def run_micro_batch(
         token_loss_sum = module(pack, attention_backend)
     (token_loss_sum / max(num_loss_tokens, 1)).backward()
     return token_loss_sum.detach()
-
-
-def memory_profile(profile: str | Profile | None, *, sharding: Sharding, param_dtype: torch.dtype,
-                   activation_checkpointing: ActivationCheckpointing) -> Profile:
-    """``profile`` with the static bytes per parameter of the sharding mode the trainer runs (``parallelize.py``),
-    so that the BucketSize derived from it is the one this trainer's memory allows. A measured profile records
-    the activation checkpointing its activations were measured with; it must be the trainer's."""
-    resolved = resolve_profile(profile)
-    measured_with = resolved.raw.get("memory", {}).get("activation_checkpointing")
-    if measured_with is not None and measured_with != activation_checkpointing:
-        raise ValueError(f"profile {resolved.name} measured activations with --activation-checkpointing "
-                         f"{measured_with}, this run uses {activation_checkpointing}: measure a profile with "
-                         f"python -m trainer_client.profile --activation-checkpointing {activation_checkpointing}, "
-                         "or give --bucket-size")
-    static = static_bytes_per_parameter(sharding, param_dtype=param_dtype)
-    memory = dataclasses.replace(resolved.memory, replicated_bytes_per_parameter=static.replicated,
-                                 sharded_bytes_per_parameter=static.sharded)
-    return dataclasses.replace(resolved, memory=memory)
 
 
 class Trainer:
@@ -225,8 +207,9 @@ class Trainer:
     def _derived_bucket_size(self, shape: ModelShape, param_dtype: torch.dtype) -> int:
         """BucketSize from the profile, as the planner derives it when a request leaves it out, with the static
         memory of this trainer's sharding mode."""
-        profile = memory_profile(self.profile, sharding=self.sharding, param_dtype=param_dtype,
-                                 activation_checkpointing=ActivationCheckpointing(self.config.activation_checkpointing))
+        profile = training_profile(resolve_profile(self.profile), shape, sharding=self.sharding,
+                                   compute_bytes=param_dtype.itemsize,
+                                   activation_checkpointing=ActivationCheckpointing(self.config.activation_checkpointing))
         return make_problem(sequence_lengths=[1], dp_size=self.config.dp, cp_size=self.config.cp, model=shape,
                             profile=profile).bucket_size
 
