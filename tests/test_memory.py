@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,22 @@ def test_a_profile_measured_with_other_checkpointing_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="activation checkpointing full"):
         training_profile(measured, resolve_model("qwen2.5-7b"), sharding=Sharding.ZERO2, compute_bytes=2,
                          activation_checkpointing=ActivationCheckpointing.NONE)
+
+
+def _lora_bucket_table_rows() -> list[str]:
+    """The table the README and the training guide print, from the memory model."""
+    rows = []
+    for model in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3-8b", "qwen2.5-14b"):
+        cells = []
+        for sharding in (Sharding.ZERO2, Sharding.ZERO3, Sharding.NONE):
+            full, lora = (_bucket_size(model, sharding, lora) for lora in (None, LoraShape(rank=16)))
+            cells.append(f"{f'{full:,}' if full else 'does not fit'} → {lora:,}")
+        rows.append(f"| {model} | {' | '.join(cells)} |")
+    return rows
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/guides/training.md"])
+def test_the_documented_lora_bucket_table_is_the_memory_models(document: str) -> None:
+    text = (Path(__file__).parents[1] / document).read_text()
+    table = text.split("<!-- lora-bucket-table:", 1)[1].split("\n\n", 1)[0].splitlines()[3:]
+    assert [row.strip() for row in table] == _lora_bucket_table_rows()

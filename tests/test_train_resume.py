@@ -15,6 +15,7 @@ from trainer_client.checkpoint import LATEST, RUN_IDENTITY, saved_run_identity
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource, make_source
 from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.lora import LoraSettings
 from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume, model_identity
 from trainer_client.trainer import Trainer
 
@@ -112,7 +113,12 @@ def test_another_schedule_is_accepted_with_a_warning_naming_each_change() -> Non
 @pytest.mark.parametrize("field", [field.name for field in dataclasses.fields(RunIdentity)])
 def test_every_item_of_the_identity_is_checked(field: str) -> None:
     value = getattr(SAVED, field)
-    changed = dataclasses.replace(value, fingerprint="other") if isinstance(value, DataIdentity) else value * 2
+    if isinstance(value, DataIdentity):
+        changed: object = dataclasses.replace(value, fingerprint="other")
+    elif field == "lora":  # full fine-tuning saved; LoRA adapters now
+        changed = LoraSettings(rank=8, alpha=16)
+    else:
+        changed = value * 2
     try:
         warnings = _check(dataclasses.replace(SAVED, **{field: changed}))
     except ResumeMismatch:

@@ -14,6 +14,7 @@ from scheduler_service.core.plan import SchedulerName
 from trainer_client.attention import AttentionBackend
 from trainer_client.data import SYNTHETIC_PREFIX
 from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelDims
+from trainer_client.lora import LORA_TARGETS, LoraExport, LoraSettings
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS
 from trainer_client.parallelize import ActivationCheckpointing, Sharding
 
@@ -53,6 +54,13 @@ class TrainConfig:
     resume_accept_data_change: bool = False  # resume although --data differs from the checkpoint's
     output_dir: Path | None = None  # the trained model as a Hugging Face folder, after the last step (export.py)
     export_every: int | None = None  # steps between earlier exports, into output_dir/step-<n>
+    eval_data: str | None = None  # a held-out JSONL file or datasets directory, evaluated as training is planned
+    eval_every: int = 0  # steps between evaluations; 0: after the last step only (with eval_data)
+    lora_rank: int | None = None  # train LoRA adapters of this rank on a frozen model (lora.py)
+    lora_alpha: int | None = None  # adapters scaled by alpha / rank; default 2 × rank
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    export_lora: str = LoraExport.MERGED.value  # what --output-dir holds after a LoRA run
+    tensorboard_dir: Path | None = None  # the step metrics as TensorBoard scalars, written by rank 0
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     max_length: int | None = None
     truncate: bool = False
@@ -116,6 +124,24 @@ class TrainConfig:
             if self.checkpoint_dir is not None and self.output_dir.resolve() == self.checkpoint_dir.resolve():
                 raise ValueError(f"--output-dir and --checkpoint-dir are both {self.output_dir}: both write "
                                  "step-<n> folders, so give each its own")
+        if self.eval_data is not None and self.eval_data.startswith(SYNTHETIC_PREFIX):
+            raise ValueError(f"--eval-data {self.eval_data} is synthetic; evaluation needs held-out records: a JSONL "
+                             "file or a datasets directory")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must not be negative, got {self.eval_every}")
+        if self.eval_every and self.eval_data is None:
+            raise ValueError("--eval-every needs --eval-data")
+        lora = self.lora  # LoraSettings checks --lora-rank, --lora-alpha and --lora-targets
+        if lora is None and (self.lora_alpha is not None or self.lora_targets != LORA_TARGETS):
+            raise ValueError("--lora-alpha and --lora-targets go with --lora-rank")
+        export_lora = LoraExport(self.export_lora)
+        if export_lora is LoraExport.ADAPTER:
+            if lora is None or self.output_dir is None:
+                raise ValueError("--export-lora adapter needs --lora-rank and --output-dir")
+            if not Path(self.model).is_dir():
+                raise ValueError(f"--export-lora adapter writes an adapter for the base model folder it was trained "
+                                 f"on, and --model {self.model} is a built-in random-init model: give --model a "
+                                 "local checkpoint folder, or export the merged model")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"--collective-timeout must be positive, got {self.collective_timeout_s}")
         AttentionBackend(self.attention_backend)
@@ -133,6 +159,13 @@ class TrainConfig:
             raise ValueError("--fail-rank and --fail-at-step go together")
         if self.fail_rank is not None and not 0 <= self.fail_rank < self.dp * self.cp:
             raise ValueError(f"--fail-rank {self.fail_rank} is not a global rank of dp {self.dp} × cp {self.cp}")
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        if self.lora_rank is None:
+            return None
+        alpha = self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
+        return LoraSettings(rank=self.lora_rank, alpha=alpha, targets=self.lora_targets)
 
     @property
     def dims(self) -> ParallelDims:

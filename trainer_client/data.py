@@ -73,6 +73,7 @@ __all__ = [
     "SyntheticSource",
     "load_tokenizer",
     "make_source",
+    "open_records",
 ]
 
 IGNORE_INDEX = -100
@@ -479,6 +480,16 @@ class RecordSource:
 DataSource = SyntheticSource | RecordSource
 
 
+def open_records(spec: str) -> RecordReader:
+    """The records of a JSONL file or a ``datasets`` directory."""
+    path = Path(spec)
+    if path.is_file():
+        return JsonlRecords(path=path)
+    if path.is_dir():
+        return DatasetRecords(path=path)
+    raise ValueError(f"{spec!r} is neither a JSONL file nor a datasets directory")
+
+
 def make_source(
     spec: str, *, global_batch_size: int, vocab_size: int, max_length: int, seed: int, truncate: bool = False,
     tokenizer: str | None = None, shuffle: bool = False,
@@ -488,15 +499,10 @@ def make_source(
     if spec.startswith(SYNTHETIC_PREFIX):
         return SyntheticSource(dataset=spec.removeprefix(SYNTHETIC_PREFIX), global_batch_size=global_batch_size,
                                vocab_size=vocab_size, max_length=max_length, seed=seed)
-    path = Path(spec)
-    records: RecordReader
-    if path.is_file():
-        records = JsonlRecords(path=path)
-    elif path.is_dir():
-        records = DatasetRecords(path=path)
-    else:
+    if not Path(spec).exists():
         raise ValueError(f"--data {spec!r} is neither synthetic:NAME ({', '.join(DATASETS)}) nor a JSONL file nor "
                          "a datasets directory")
+    records = open_records(spec)
     encoder = RecordEncoder(max_length=max_length, truncate=truncate, vocab_size=vocab_size,
                             tokenizer=load_tokenizer(tokenizer) if tokenizer is not None else None)
     return RecordSource(records=records, encoder=encoder, global_batch_size=global_batch_size, shuffle=shuffle,

@@ -15,7 +15,10 @@ the config, so the folder loads with transformers' stock attention.
   (a catalogue name or a local HF folder, as for the trainer), by default the catalogue model the checkpoint's
   ``run.json`` names; a given ``--model`` must be the one ``run.json`` records.
 
-Both write the same folder: ``tests/test_export.py`` finds equal weights from both paths of the same step.
+Both write the same folder: ``tests/test_export.py`` finds equal weights from both paths of the same step. A LoRA
+run (``lora.py``) is written with its adapters merged into the weights, a plain model folder, or as the adapter
+alone (``adapter_config.json`` and ``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained`` loads
+onto the base model folder it names).
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ from scheduler_service.core.models import MODEL_CATALOGUE
 from trainer_client.checkpoint import load_model_weights, resolve_checkpoint, saved_run_identity
 from trainer_client.config import check_output_dir
 from trainer_client.data import load_tokenizer
+from trainer_client.lora import LoraExport, LoraSettings, apply_lora
 from trainer_client.loss import CausalLMLoss
 from trainer_client.model import build_model
 from trainer_client.run_identity import model_identity
 
 __all__ = ["build_parser", "checkpoint_model", "export_checkpoint", "export_model", "load_export_tokenizer", "main",
-           "write_model_folder"]
+           "write_model_folder", "write_trained_folder"]
 
 EXIT_USER_ERROR = 2
 
@@ -66,11 +70,41 @@ def write_model_folder(
         tokenizer.save_pretrained(directory)
 
 
-def export_model(lm: PreTrainedModel, directory: Path, *, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-    """Write ``lm`` (sharded by FSDP2 or replicated) as a Hugging Face folder; every rank calls this."""
+def write_trained_folder(
+    lm: PreTrainedModel, directory: Path, *, state_dict: Mapping[str, object], model: str,
+    tokenizer: PreTrainedTokenizerBase | None = None, lora: LoraSettings | None = None,
+    lora_export: LoraExport = LoraExport.MERGED,
+) -> None:
+    """The folder of a trained ``lm`` whose whole weights are ``state_dict``. With LoRA, a fresh copy of ``model``
+    on this process's CPU takes the weights (merging under FSDP is not supported) and is written with its adapters
+    merged into the weights, or as the adapter alone for the base folder ``model``."""
+    if lora is None:
+        write_model_folder(lm, directory, state_dict=state_dict, tokenizer=tokenizer)
+        return
+    fresh = build_model(model)
+    adapted = apply_lora(fresh, lora)  # in place: ``fresh`` now holds the adapters, under the trained names
+    fresh.load_state_dict(state_dict)
+    if lora_export is LoraExport.ADAPTER:
+        adapted.peft_config["default"].base_model_name_or_path = str(Path(model).resolve())
+        adapted.save_pretrained(str(directory))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+        return
+    merged = adapted.merge_and_unload()
+    assert isinstance(merged, PreTrainedModel)
+    write_model_folder(merged, directory, state_dict=merged.state_dict(), tokenizer=tokenizer)
+
+
+def export_model(
+    lm: PreTrainedModel, directory: Path, *, model: str, tokenizer: PreTrainedTokenizerBase | None = None,
+    lora: LoraSettings | None = None, lora_export: LoraExport = LoraExport.MERGED,
+) -> None:
+    """Write ``lm`` (sharded by FSDP2 or replicated; ``model``: the ``--model`` it was built from) as a Hugging
+    Face folder (``write_trained_folder``); every rank calls this."""
     state_dict = get_model_state_dict(lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
-        write_model_folder(lm, directory, state_dict=state_dict, tokenizer=tokenizer)
+        write_trained_folder(lm, directory, state_dict=state_dict, model=model, tokenizer=tokenizer, lora=lora,
+                             lora_export=lora_export)
     dist.barrier()  # no rank goes on (or exits) before the folder is whole
 
 
@@ -93,16 +127,28 @@ def checkpoint_model(checkpoint: Path, model: str | None) -> str:
 
 def export_checkpoint(
     checkpoint_dir: Path, output_dir: Path, *, model: str | None = None, tokenizer: str | None = None,
+    lora_export: LoraExport = LoraExport.MERGED,
 ) -> Path:
     """Write the model of ``checkpoint_dir`` (a ``--checkpoint-dir``, meaning its latest checkpoint, or a
-    ``step-<n>`` folder) into ``output_dir``, in this one process; returns the checkpoint exported."""
+    ``step-<n>`` folder) into ``output_dir``, in this one process; returns the checkpoint exported. A LoRA run's
+    checkpoint (its ``run.json`` records the adapters) is exported as ``lora_export`` says."""
     checkpoint = resolve_checkpoint(checkpoint_dir)
     model = checkpoint_model(checkpoint, model)
+    saved = saved_run_identity(checkpoint)
+    lora = saved.lora if saved is not None else None
+    if lora is None and lora_export is LoraExport.ADAPTER:
+        raise ValueError(f"--lora adapter: checkpoint {checkpoint} was not trained with LoRA adapters")
+    if lora_export is LoraExport.ADAPTER and not Path(model).is_dir():
+        raise ValueError("--lora adapter writes an adapter for a base model folder: give the folder the run was "
+                         "trained from as --model")
     check_output_dir(output_dir, flag="OUT_DIR")
     loaded_tokenizer = load_export_tokenizer(tokenizer) if tokenizer is not None else None
     lm = build_model(model)
+    if lora is not None:
+        apply_lora(lm, lora)  # the checkpoint's keys are those of the adapted model
     load_model_weights(checkpoint, CausalLMLoss(lm))  # the module the trainer checkpoints: its keys are the saved
-    write_model_folder(lm, output_dir, state_dict=lm.state_dict(), tokenizer=loaded_tokenizer)
+    write_trained_folder(lm, output_dir, state_dict=lm.state_dict(), model=model, tokenizer=loaded_tokenizer,
+                         lora=lora, lora_export=lora_export)
     return checkpoint
 
 
@@ -120,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="the trainer's --model: a built-in model name or a local HF checkpoint "
                                         "directory (default: the built-in model the checkpoint's run.json names)")
     parser.add_argument("--tokenizer", help="a local tokenizer directory to save beside the model")
+    parser.add_argument("--lora", default=LoraExport.MERGED.value, choices=[e.value for e in LoraExport],
+                        help="a LoRA run's checkpoint: write the model with the adapters merged into its weights, "
+                             "or the adapter alone (for the base model folder given as --model)")
     return parser
 
 
@@ -127,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         checkpoint = export_checkpoint(args.checkpoint_dir, args.output_dir, model=args.model,
-                                       tokenizer=args.tokenizer)
+                                       tokenizer=args.tokenizer, lora_export=LoraExport(args.lora))
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -59,6 +59,7 @@ __all__ = [
     "parallelize",
     "prepare_micro_batch",
     "reduce_gradients",
+    "reshard",
 ]
 
 def parallelize(
@@ -132,3 +133,10 @@ def reduce_gradients(params: Sequence[torch.nn.Parameter], totals: torch.Tensor,
         param.grad = flat[offset:offset + grad.numel()].view_as(param).to(param.dtype)
         offset += grad.numel()
     return flat[offset:]
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """Free every FSDP unit's gathered parameters (local: no collective); a no-op for a replicated module."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()

@@ -3,9 +3,9 @@
 Rank 0 writes the run's identity beside every checkpoint (``step-<n>/run.json``, ``checkpoint.py``). Resuming
 compares the saved identity with this run's, item by item, before any DCP state is read (``check_resume``):
 
-- ``--model``, ``--dp`` × ``--cp``, ``--global-batch``: another value means the saved state is not this run's
-  (another architecture; other ranks' shards and RNG; other batches from the saved data position), so every
-  rank stops with ``ResumeMismatch`` naming each difference;
+- ``--model``, ``--dp`` × ``--cp``, ``--global-batch``, the LoRA adapters: another value means the saved state
+  is not this run's (another architecture or adapters; other ranks' shards and RNG; other batches from the saved
+  data position), so every rank stops with ``ResumeMismatch`` naming each difference;
 - ``--data`` (where the data lies and what it holds, ``data.DataIdentity``): refused the same way unless
   ``--resume-accept-data-change`` says the change is meant; then a warning names it and training goes on from
   the saved data position;
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource
+from trainer_client.lora import LoraSettings
 
 __all__ = ["Change", "Difference", "ResumeMismatch", "RunIdentity", "check_resume", "differences", "model_identity"]
 
@@ -51,21 +52,26 @@ class RunIdentity:
     warmup_steps: int
     lr: float
     min_lr_ratio: float
+    lora: LoraSettings | None = None  # the adapters a LoRA run trains (absent from records of full fine-tuning)
 
     @classmethod
     def of(cls, config: TrainConfig, data: DataSource) -> RunIdentity:
         return cls(model=model_identity(config.model), dp=config.dp, cp=config.cp, global_batch=config.global_batch,
                    data=data.identity(), steps=config.steps, warmup_steps=config.warmup_steps, lr=config.lr,
-                   min_lr_ratio=config.min_lr_ratio)
+                   min_lr_ratio=config.min_lr_ratio, lora=config.lora)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+        fields = dataclasses.asdict(self)
+        fields["lora"] = self.lora.to_json() if self.lora is not None else None
+        return json.dumps(fields, indent=2) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> RunIdentity:
         fields = json.loads(text)
         try:
-            return cls(**{**fields, "data": DataIdentity(**fields["data"])})
+            lora = fields.get("lora")
+            return cls(**{**fields, "data": DataIdentity(**fields["data"]),
+                          "lora": LoraSettings.from_json(lora) if lora is not None else None})
         except (KeyError, TypeError) as error:
             raise ValueError(f"not a run identity: {error}") from None
 
@@ -97,6 +103,9 @@ _ITEMS: tuple[tuple[str, Change, Callable[[RunIdentity], object]], ...] = (
     ("--model", Change.REFUSED, lambda run: run.model),
     ("--dp × --cp", Change.REFUSED, lambda run: f"{run.dp} × {run.cp}"),
     ("--global-batch", Change.REFUSED, lambda run: run.global_batch),
+    ("--lora-rank, --lora-alpha, --lora-targets", Change.REFUSED,
+     lambda run: "none (full fine-tuning)" if run.lora is None else
+     f"rank {run.lora.rank}, alpha {run.lora.alpha}, targets {','.join(run.lora.targets)}"),
     ("--data", Change.DATA, lambda run: run.data),
     ("--steps", Change.SCHEDULE, lambda run: run.steps),
     ("--warmup-steps", Change.SCHEDULE, lambda run: run.warmup_steps),

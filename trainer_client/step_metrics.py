@@ -1,6 +1,6 @@
 """What the trainer measures and reports per step: ``StepMetrics`` (one JSON line per step in ``--metrics-out``,
-``MetricsFile``), each micro-batch's time and peak memory (``MicroBatchTimer``, for the service's feedback), and
-the step's peak memory (``peak_memory``).
+``MetricsFile``, and TensorBoard scalars in ``--tensorboard-dir``, ``TensorBoardLog``), each micro-batch's time
+and peak memory (``MicroBatchTimer``, for the service's feedback), and the step's peak memory (``peak_memory``).
 
 On CUDA a timing waits for the device (``torch.cuda.synchronize``) and a micro-batch's peak needs the allocator's
 peak reset before it, so the per-micro-batch timer runs there only where a run reports it (``--feedback``); the
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from trainer_client.plan_client import MicroBatchTiming
+from trainer_client.plan_client import MicroBatchTiming, PlanOrigin
 
-__all__ = ["MetricsFile", "MicroBatchTimer", "StepMetrics", "peak_memory"]
+__all__ = ["MetricsFile", "MicroBatchTimer", "StepMetrics", "TensorBoardLog", "peak_memory"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +43,7 @@ class StepMetrics:
     grad_norm: float  # global gradient norm before clipping
     peak_memory_bytes: int | None
     memory_kind: str
+    eval_loss: float | None = None  # the mean token loss of --eval-data after this step, where it was evaluated
 
     def to_json(self) -> str:
         return json.dumps({name: getattr(self, name) for name in self.__slots__})
@@ -121,3 +122,36 @@ class MetricsFile:
 
     def close(self) -> None:
         self._handle.close()
+
+
+class TensorBoardLog:
+    """``--tensorboard-dir``: the step metrics as scalars (rank 0 writes). A resumed run first discards the events
+    of the steps after its checkpoint (``purge_step``), which the killed run may have logged."""
+
+    def __init__(self, directory: Path, *, first_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # the tensorboard package, imported when asked for
+
+        self._writer = SummaryWriter(log_dir=str(directory), purge_step=first_step or None)
+
+    def write(self, metrics: StepMetrics) -> None:
+        scalars: dict[str, float | None] = {
+            "train/loss": metrics.loss,
+            "eval/loss": metrics.eval_loss,
+            "train/lr": metrics.lr,
+            "train/grad_norm": metrics.grad_norm,
+            "train/tokens_per_s": metrics.tokens_per_s,
+            "time/step_s": metrics.step_time_s,
+            "time/micro_batches_measured_ms": metrics.micro_batch_time_s * 1e3,
+            "time/micro_batches_predicted_ms": metrics.estimated_time_ms,
+            "plan/from_service": float(metrics.plan_source == PlanOrigin.SERVICE),
+            "plan/fallbacks": metrics.plan_fallbacks,
+            "plan/micro_batches": metrics.num_micro_batches,
+            "memory/peak_bytes": metrics.peak_memory_bytes,
+        }
+        for tag, value in scalars.items():
+            if value is not None:
+                self._writer.add_scalar(tag, value, global_step=metrics.step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

@@ -34,6 +34,7 @@ from scheduler_service.core.plan import SchedulerName
 from trainer_client.attention import AttentionBackend
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, PeerFailed, init_parallel, report_failure
+from trainer_client.lora import LORA_TARGETS, LoraExport
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS
 from trainer_client.parallelize import ActivationCheckpointing, Sharding
 from trainer_client.trainer import Trainer
@@ -101,6 +102,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--export-every", type=int,
                         help="also export every N steps before the last, into OUTPUT_DIR/step-N (the step number "
                              "zero-padded to 8 digits, as checkpoints are); needs --output-dir")
+    parser.add_argument("--export-lora", default=LoraExport.MERGED.value, choices=[e.value for e in LoraExport],
+                        help="after a LoRA run, --output-dir holds the model with the adapters merged into its "
+                             "weights, or the adapter alone (for a --model checkpoint folder, its base)")
+    evaluation = parser.add_argument_group("evaluation", "mean token loss on held-out records, planned and sharded "
+                                                         "like training, no optimizer step")
+    evaluation.add_argument("--eval-data", help="a JSONL file or a local datasets directory of held-out records "
+                                                "(the formats --data takes); none may be longer than --max-length")
+    evaluation.add_argument("--eval-every", type=int, default=0,
+                            help="steps between evaluations (0: after the last step only)")
+    lora = parser.add_argument_group("LoRA", "train low-rank adapters (peft) on a frozen model: only the adapters "
+                                             "carry gradients and optimizer state, so the BucketSize grows")
+    lora.add_argument("--lora-rank", type=int, help="the adapters' rank; absent: full fine-tuning")
+    lora.add_argument("--lora-alpha", type=int, help="scale the adapters by alpha / rank (default: 2 × rank)")
+    lora.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
+                      help="comma-separated projections of each decoder layer to adapt")
+    parser.add_argument("--tensorboard-dir", type=Path,
+                        help="also write the step metrics (loss, eval loss, learning rate, gradient norm, tokens/s, "
+                             "plan source, predicted and measured step time) as TensorBoard scalars here")
     parser.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
                         help="seconds any collective of any process group may wait for a peer")
     parser.add_argument("--max-length", type=int, help="longest record accepted (default: bucket_size × cp)")
@@ -133,7 +152,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         loss_chunk_tokens=args.loss_chunk_tokens, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
         resume_accept_data_change=args.resume_accept_data_change, output_dir=args.output_dir,
-        export_every=args.export_every, collective_timeout_s=args.collective_timeout,
+        export_every=args.export_every, eval_data=args.eval_data, eval_every=args.eval_every,
+        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        lora_targets=tuple(target.strip() for target in args.lora_targets.split(",") if target.strip()),
+        export_lora=args.export_lora, tensorboard_dir=args.tensorboard_dir,
+        collective_timeout_s=args.collective_timeout,
         max_length=args.max_length, truncate=args.truncate, tokenizer=args.tokenizer, metrics_out=args.metrics_out,
         plan_timeout_s=args.plan_timeout, plan_attempts=args.plan_attempts,
         attention_backend=args.attention_backend, dtype=args.dtype, progress=not args.no_progress,
@@ -155,7 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         history = trainer.train()
         if is_main:
             for metrics in history:
-                print(f"step {metrics.step:>4} loss {metrics.loss:.6f} plan {metrics.plan_source}", flush=True)
+                evaluated = f" eval {metrics.eval_loss:.6f}" if metrics.eval_loss is not None else ""
+                print(f"step {metrics.step:>4} loss {metrics.loss:.6f}{evaluated} plan {metrics.plan_source}",
+                      flush=True)
     except Exception as error:
         first = report_failure(error)
         if first is not None and first.global_rank != dist.get_rank():

@@ -41,8 +41,15 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
    service refits this job's profile for the next plans. Step 0 is not reported
    (one-off warm-up).
 
-The configuration and its checks are ``config.TrainConfig``; what each step
-reports (``--metrics-out``) is ``step_metrics.StepMetrics``.
+6. With ``--eval-data``, every ``--eval-every`` steps and after the last, the
+   held-out set is planned and packed like training batches and run forward
+   only (``evaluate``, ``evaluation.py``); its mean token loss is logged beside
+   the training loss.
+
+With ``--lora-rank`` the model gets LoRA adapters before it is sharded and only
+they train (``lora.py``). The configuration and its checks are
+``config.TrainConfig``; what each step reports (``--metrics-out``,
+``--tensorboard-dir``) is ``step_metrics.StepMetrics``.
 
 Shape legend: T tokens of one packed row, V vocabulary.
 """
@@ -78,10 +85,20 @@ from trainer_client.checkpoint import (
     step_dir,
 )
 from trainer_client.config import TrainConfig
-from trainer_client.data import DataSource, GlobalBatch, LengthStats, RecordSource, make_source
+from trainer_client.data import (
+    DataSource,
+    GlobalBatch,
+    LengthStats,
+    RecordEncoder,
+    RecordSource,
+    load_tokenizer,
+    make_source,
+)
 from trainer_client.distributed import ParallelContext, max_over_ranks
+from trainer_client.evaluation import EvalSet
 from trainer_client.export import export_model, load_export_tokenizer
 from trainer_client.loop import decide_plan, micro_batch_packers
+from trainer_client.lora import LoraExport, apply_lora
 from trainer_client.loss import CausalLMLoss
 from trainer_client.model import build_model, model_shape
 from trainer_client.optim import clip_gradients, warmup_cosine_schedule
@@ -92,13 +109,14 @@ from trainer_client.parallelize import (
     parallelize,
     prepare_micro_batch,
     reduce_gradients,
+    reshard,
 )
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanSource
 from trainer_client.prefetch import PrefetchedMicroBatches
 from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume
-from trainer_client.step_metrics import MetricsFile, MicroBatchTimer, StepMetrics
+from trainer_client.step_metrics import MetricsFile, MicroBatchTimer, StepMetrics, TensorBoardLog
 
-__all__ = ["InjectedFault", "MicroBatches", "Trainer", "run_micro_batch"]
+__all__ = ["InjectedFault", "MicroBatches", "Trainer", "micro_batch_loss", "run_micro_batch"]
 
 logger = logging.getLogger("trainer_client.trainer")
 
@@ -115,6 +133,19 @@ class InjectedFault(RuntimeError):
     """Raised by ``--fail-rank``/``--fail-at-step``: one rank failing alone, as a crash or a bad record would."""
 
 
+def micro_batch_loss(
+    module: CausalLMLoss, pack: PackedMicroBatch, *, autocast_dtype: torch.dtype | None = None,
+    attention_backend: str = AttentionBackend.AUTO.value,
+) -> torch.Tensor:
+    """The forward of one packed micro-batch: its summed token loss (autocast when the run computes in it)."""
+    device_type = pack.input_ids_T.device.type
+    autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
+                else nullcontext())
+    with autocast:
+        token_loss_sum: torch.Tensor = module(pack, attention_backend)
+    return token_loss_sum
+
+
 def run_micro_batch(
     module: CausalLMLoss, pack: PackedMicroBatch, *, num_loss_tokens: int,
     autocast_dtype: torch.dtype | None = None, attention_backend: str = AttentionBackend.AUTO.value,
@@ -124,11 +155,8 @@ def run_micro_batch(
     The loss is divided by the global batch's ``num_loss_tokens`` before backward (appendix A). The profiler and
     the accuracy benchmark time exactly this.
     """
-    device_type = pack.input_ids_T.device.type
-    autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
-                else nullcontext())
-    with autocast:
-        token_loss_sum = module(pack, attention_backend)
+    token_loss_sum = micro_batch_loss(module, pack, autocast_dtype=autocast_dtype,
+                                      attention_backend=attention_backend)
     (token_loss_sum / max(num_loss_tokens, 1)).backward()
     return token_loss_sum.detach()
 
@@ -160,11 +188,16 @@ class Trainer:
             self.config = config = dataclasses.replace(config, steps=self.source.steps_for_epochs(config.epochs))
             logger.info("%d epochs of %d records: %d steps", config.epochs, self.source.records.num_records,
                         config.steps)
+        self.eval_set = (EvalSet.load(config.eval_data, encoder=self._record_encoder(shape),
+                                      global_batch_size=config.global_batch)
+                         if config.eval_data is not None else None)
         self.identity = RunIdentity.of(config, self.source)  # saved with every checkpoint, checked on resume
         self.lengths = LengthStats()  # of the batches this run trained
         self.export_tokenizer = (load_export_tokenizer(config.tokenizer)
                                  if config.output_dir is not None and config.tokenizer is not None else None)
         lm = build_model(config.model, seed=config.seed, device=self.device)
+        if config.lora is not None:
+            apply_lora(lm, config.lora)  # in place, before sharding: frozen weights and adapters in FSDP's units
         lm.train()
         self.pad_token_id = int(getattr(lm.config, "pad_token_id", None) or 0)
         self._broadcast_parameters(lm)
@@ -203,15 +236,28 @@ class Trainer:
         self._metrics_file: MetricsFile | None = None
         if parallel.is_main and config.metrics_out is not None:
             self._metrics_file = MetricsFile(config.metrics_out, keep_steps_before=self.first_step)
+        self._tensorboard: TensorBoardLog | None = None
+        if parallel.is_main and config.tensorboard_dir is not None:
+            self._tensorboard = TensorBoardLog(config.tensorboard_dir, first_step=self.first_step)
 
     def _derived_bucket_size(self, shape: ModelShape, param_dtype: torch.dtype) -> int:
         """BucketSize from the profile, as the planner derives it when a request leaves it out, with the static
         memory of this trainer's sharding mode."""
+        lora = self.config.lora
         profile = training_profile(resolve_profile(self.profile), shape, sharding=self.sharding,
                                    compute_bytes=param_dtype.itemsize,
-                                   activation_checkpointing=ActivationCheckpointing(self.config.activation_checkpointing))
+                                   activation_checkpointing=ActivationCheckpointing(self.config.activation_checkpointing),
+                                   lora=lora.shape if lora is not None else None)
         return make_problem(sequence_lengths=[1], dp_size=self.config.dp, cp_size=self.config.cp, model=shape,
                             profile=profile).bucket_size
+
+    def _record_encoder(self, shape: ModelShape) -> RecordEncoder:
+        """How ``--eval-data`` records become samples: as the training records do."""
+        if isinstance(self.source, RecordSource):
+            return self.source.encoder
+        tokenizer = load_tokenizer(self.config.tokenizer) if self.config.tokenizer is not None else None
+        return RecordEncoder(max_length=self.max_length, truncate=self.config.truncate, vocab_size=shape.vocab_size,
+                             tokenizer=tokenizer)
 
     @staticmethod
     @torch.no_grad()
@@ -262,7 +308,8 @@ class Trainer:
         assert self.config.output_dir is not None
         directory = (self.config.output_dir if num_steps_done == self.config.steps
                      else step_dir(self.config.output_dir, num_steps_done))
-        export_model(self.module.lm, directory, tokenizer=self.export_tokenizer)
+        export_model(self.module.lm, directory, tokenizer=self.export_tokenizer, model=self.config.model,
+                     lora=self.config.lora, lora_export=LoraExport(self.config.export_lora))
         if self.parallel.is_main:
             logger.info("exported the model after step %d of %d to %s", num_steps_done, self.config.steps,
                         directory)
@@ -329,6 +376,24 @@ class Trainer:
         global_loss = float(reduced[0].item()) / max(num_loss_tokens, 1)
         return global_loss, int(packed.item())
 
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss of ``--eval-data`` (``evaluation.py``): each batch planned and packed as a training
+        batch, forward only; every rank calls this and gets the same figure."""
+        assert self.eval_set is not None
+        self.module.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for batch in self.eval_set.batches:
+            with PrefetchedMicroBatches(self.packers(batch, self.decide(batch)), self.device) as packs:
+                for pack in packs:
+                    if not pack.is_idle:
+                        loss_sum += micro_batch_loss(self.module, pack, autocast_dtype=self.autocast_dtype,
+                                                     attention_backend=self.config.attention_backend).double()
+        reshard(self.module)  # zero2 keeps gathered weights after a forward; the next step gathers afresh
+        self.module.train()
+        dist.all_reduce(loss_sum)
+        return float(loss_sum.item()) / self.eval_set.num_loss_tokens
+
     # ------------------------------------------------------------------------------------------------ loop
 
     def train_step(self, step: int, batch: GlobalBatch) -> StepMetrics:
@@ -391,11 +456,19 @@ class Trainer:
                                         f"--fail-at-step {step})")
                 batch = self.batch(step)
                 metrics = self.train_step(step, batch)
+                done = step + 1
+                if self.eval_set is not None and ((self.config.eval_every and done % self.config.eval_every == 0)
+                                                  or done == self.config.steps):
+                    metrics = dataclasses.replace(metrics, eval_loss=self.evaluate())
+                    if self.parallel.is_main:
+                        logger.info("step %d: eval loss %.6f (train loss %.6f)", step, metrics.eval_loss,
+                                    metrics.loss)
                 self.lengths.add(batch)
                 history.append(metrics)
                 if self._metrics_file is not None:
                     self._metrics_file.write(metrics)
-                done = step + 1
+                if self._tensorboard is not None:
+                    self._tensorboard.write(metrics)
                 if self.config.checkpoint_dir is not None and ((every and done % every == 0)
                                                                or done == self.config.steps):
                     self.save_checkpoint(done, batch)
@@ -415,4 +488,6 @@ class Trainer:
             self.plans.close()
         if self._metrics_file is not None:
             self._metrics_file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
