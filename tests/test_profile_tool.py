@@ -64,6 +64,8 @@ def test_profiler_writes_a_profile_with_fits_and_provenance(measured: Path) -> N
     assert provenance["software"]["torch"] and provenance["hardware"]["cpu_count"] >= 1
     assert provenance["date"].startswith("20") and provenance["world_size"] == 1
     assert document["communication"]["tables"] == {}  # one process measures no collective
+    inter_node = document["communication"]["inter_node"]  # nor any across nodes, and says so
+    assert inter_node["tables"] == {} and inter_node["source"].startswith("none: measured on one node")
     # one replica's static memory is measured tensor by tensor: fp32 weights + gradients + two AdamW states
     num_parameters = MODEL_CATALOGUE["tiny"].num_parameters
     assert sum(document["memory"]["static_bytes"].values()) == pytest.approx(16 * num_parameters, rel=0.01)

@@ -10,6 +10,9 @@ derived from the shard-size effect by the planning core (``scheduler_service.cor
 
 Under ``torchrun`` every rank measures and rank 0 writes the file. One process profiles no collective: its file
 has no communication tables, so it plans CP > 1 as if communication were free (run it under torchrun for those).
+Under torchrun across nodes (``--nnodes``), the collectives of groups that span nodes become the file's
+inter-node tables (``communication.inter_node``); on one node there are none, and plans whose CP blocks span
+nodes are refused with it.
 
 The file is a schema-1 profile (``scheduler_service.core.profile``) naming the model it was measured for, with
 ``provenance`` (hardware, software versions, model shape, date, command). The default sweeps take about 15 s for
@@ -122,13 +125,15 @@ def summary(document: dict[str, Any]) -> str:
         f"BucketSize for {document['hardware']['device_memory_bytes']:.3g} B on one rank: {perf.bucket_size(1)}",
     ]
     communication = document["communication"]
-    groups = {communication["world_size"]: communication["tables"],
-              **{int(size): tables for size, tables in communication.get("tables_by_group_size", {}).items()}}
-    for group_size, tables in sorted(groups.items()):
-        if tables:
-            lines.append(f"communication over {group_size} ranks: " + "; ".join(
-                f"{name} {table[0][1] * 1e6:.0f} us @ {table[0][0]:.0f} B .. {table[-1][1] * 1e6:.0f} us @ "
-                f"{table[-1][0]:.0f} B" for name, table in tables.items()))
+    for link, section in (("", communication), (" across nodes", communication.get("inter_node") or {})):
+        groups: dict[int, dict[str, list[list[float]]]] = {
+            section.get("world_size") or 0: section.get("tables", {}),
+            **{int(size): tables for size, tables in section.get("tables_by_group_size", {}).items()}}
+        for group_size, tables in sorted(groups.items()):
+            if tables:
+                lines.append(f"communication{link} over {group_size} ranks: " + "; ".join(
+                    f"{name} {table[0][1] * 1e6:.0f} us @ {table[0][0]:.0f} B .. {table[-1][1] * 1e6:.0f} us @ "
+                    f"{table[-1][0]:.0f} B" for name, table in tables.items()))
     if "shard_effect" in compute:
         lines.extend(_shard_table(compute, perf))
     return "\n".join(lines)
@@ -181,7 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if options.device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl" if options.device == "cuda" else "gloo", timeout=timedelta(seconds=600))
-        launcher = f"torchrun --nproc-per-node {world_size}" if world_size > 1 else "python"
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        launcher = ("python" if world_size == 1 else f"torchrun --nproc-per-node {world_size}"
+                    if local_world_size >= world_size else
+                    f"torchrun --nnodes {world_size // local_world_size} --nproc-per-node {local_world_size}")
         command = " ".join([launcher, "-m", "trainer_client.profile", *(argv if argv is not None else sys.argv[1:])])
         document = measure_profile(options, command=command)
         if document is not None:

@@ -4,11 +4,11 @@
 Every fit sits beside the points it was fitted to and a ``source`` saying how they were measured: ``compute``
 (the extended fit of eq. 14 and the paper's two-coefficient fit, per-case points), ``memory`` (activation bytes
 per token, static bytes counted tensor by tensor), ``communication`` (latency tables over all ranks and over
-every hybrid group size) and ``provenance`` (hardware, software, model shape, date, command, options). With the
-shard-size effect measured, ``compute.shard_effect`` holds its rows beside the model's prediction and the
-attention efficiency derived from them (``scheduler_service.core.shard_effect``), written as
-``compute.attention_efficiency`` only where it is well determined; ``compute.shard_effect_note`` says which,
-and why.
+every hybrid group size; those of groups that span nodes under ``communication.inter_node``) and
+``provenance`` (hardware, software, model shape, date, command, options). With the shard-size effect measured,
+``compute.shard_effect`` holds its rows beside the model's prediction and the attention efficiency derived from
+them (``scheduler_service.core.shard_effect``), written as ``compute.attention_efficiency`` only where it is well
+determined; ``compute.shard_effect_note`` says which, and why.
 
 Sections are validated from mappings because, beside their typed members, they carry the free-form extras
 the format allows (``source``, ``fit``, ``points``). The file is the document's JSON (``document_json``): the
@@ -18,7 +18,7 @@ members that were set, in the format's order.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from skrull_proto import PROFILE_SCHEMA_VERSION, ProfileDocument
@@ -39,7 +39,7 @@ from scheduler_service.core.profile import parse_profile
 from scheduler_service.core.shard_effect import derive_attention_efficiency, shard_effect_rows
 from trainer_client.profile_sweeps import Measurements, ProfileOptions, compute_points
 
-__all__ = ["build_document", "document_json", "with_shard_effect"]
+__all__ = ["LinkTables", "build_document", "document_json", "split_by_node", "with_shard_effect"]
 
 TOOL = "python -m trainer_client.profile"
 
@@ -73,6 +73,7 @@ def build_document(options: ProfileOptions, measured: Measurements, *, command: 
             "software": measured.software,
             "model": asdict(shape),
             "world_size": measured.world_size,
+            "local_world_size": measured.local_world_size,
             "dtype": measured.dtype_name,
             "attention_backend": measured.attention_backend,
             "options": {key: value for key, value in asdict(options).items() if key != "progress"},
@@ -146,25 +147,75 @@ def _memory_section(options: ProfileOptions, measured: Measurements) -> MemorySe
     })
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkTables:
+    """The collective tables of one kind of link (within a node, or across nodes) as the profile holds them."""
+
+    tables: dict[str, list[list[float]]]  # collective -> [[bytes, seconds], ...] over world_size ranks
+    world_size: int | None
+    tables_by_group_size: dict[str, dict[str, list[list[float]]]]
+
+
+def split_by_node(tables: dict[str, list[list[float]]], group_tables: dict[str, dict[str, list[list[float]]]], *,
+                  world_size: int, local_world_size: int) -> tuple[LinkTables, LinkTables]:
+    """(within a node, across nodes) of what the sweeps measured. Ranks fill nodes in order and blocks are
+    aligned, so the world and every block larger than a node cross nodes; the blocks of one node, measured all
+    at once, are the intra-node tables. On one node everything is intra-node and nothing inter-node."""
+    if local_world_size >= world_size:
+        return (LinkTables(tables=tables, world_size=world_size, tables_by_group_size=group_tables),
+                LinkTables(tables={}, world_size=None, tables_by_group_size={}))
+    node_tables = group_tables.get(str(local_world_size), {})
+    within = LinkTables(tables=node_tables, world_size=local_world_size if node_tables else None,
+                        tables_by_group_size={size: by_size for size, by_size in group_tables.items()
+                                              if int(size) < local_world_size})
+    across = LinkTables(tables=tables, world_size=world_size,
+                        tables_by_group_size={size: by_size for size, by_size in group_tables.items()
+                                              if int(size) > local_world_size})
+    return within, across
+
+
 def _communication_section(measured: Measurements) -> CommunicationSection:
-    """The latency tables (none in one process: plans with CP > 1 then count communication as free)."""
-    comm_note = (f"measured over {measured.world_size} ranks ({measured.process_group_backend})"
-                 if measured.world_size > 1 else
-                 "none: measured in one process; plans with cp_size > 1 count communication as free until this is "
-                 "re-run under torchrun")
-    group_tables = measured.group_tables
+    """The latency tables within a node and across nodes (none in one process: plans with CP > 1 then count
+    communication within a node as free; none across nodes on one node: such plans are refused)."""
+    method = ("collective latency vs bytes moved in all (median over repetitions of the ranks' mean time from "
+              "launch to the end of wait, each rank first computing for collective_lead_s: what a static-CP "
+              "micro-batch computes before each collective)")
+    blocks = ("all_gather and reduce_scatter of the same sizes over every aligned block of s ranks at once "
+              "(dist.new_group per block), slowest block")
+    within, across = split_by_node(measured.tables, measured.group_tables, world_size=measured.world_size,
+                                   local_world_size=measured.local_world_size)
+    num_nodes = measured.world_size // measured.local_world_size
+    if measured.world_size == 1:
+        within_note = ("none: measured in one process; plans with cp_size > 1 count communication as free until "
+                       "this is re-run under torchrun")
+    elif num_nodes == 1:
+        within_note = f"measured over {measured.world_size} ranks ({measured.process_group_backend})"
+    else:
+        within_note = (f"measured over the {measured.local_world_size} ranks of each of the {num_nodes} nodes at "
+                       f"once ({measured.process_group_backend}), slowest node")
+    if across.tables:
+        across_note = (f"{method}: measured over {measured.world_size} ranks on {num_nodes} nodes of "
+                       f"{measured.local_world_size} ({measured.process_group_backend})"
+                       + (f"; tables_by_group_size: {blocks}, for s in {', '.join(across.tables_by_group_size)}."
+                          if across.tables_by_group_size else "."))
+    else:
+        across_note = (f"none: measured on one node (LOCAL_WORLD_SIZE {measured.local_world_size} = WORLD_SIZE "
+                       f"{measured.world_size}); plans whose CP blocks span nodes are refused until this is re-run "
+                       f"under torchrun across nodes")
+    inter_node: dict[str, Any] = {"tables": across.tables, "tables_by_group_size": across.tables_by_group_size,
+                                  "source": across_note}
+    if across.tables:
+        inter_node |= {"world_size": measured.world_size, "num_nodes": num_nodes}
     return CommunicationSection.model_validate({
         "kv_bytes_per_element": measured.kv_bytes_per_element,
-        "tables": measured.tables,
-        "tables_by_group_size": group_tables,
+        "tables": within.tables,
+        "tables_by_group_size": within.tables_by_group_size,
         "fit": "relative",
-        "world_size": measured.world_size,
-        "source": f"collective latency vs bytes moved in all (median over repetitions of the ranks' mean "
-                  f"time from launch to the end of wait, each rank first computing for collective_lead_s: "
-                  f"what a static-CP micro-batch computes before each collective): {comm_note}."
-                  + (f" tables_by_group_size: all_gather and reduce_scatter of the same sizes over every aligned "
-                     f"block of s ranks at once (dist.new_group per block), slowest block, for s in "
-                     f"{', '.join(group_tables)}." if group_tables else ""),
+        "world_size": within.world_size,
+        "inter_node": inter_node,
+        "source": f"{method}: {within_note}."
+                  + (f" tables_by_group_size: {blocks}, for s in {', '.join(within.tables_by_group_size)}."
+                     if within.tables_by_group_size else ""),
     })
 
 

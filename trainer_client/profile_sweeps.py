@@ -15,7 +15,9 @@ summarised by the median (CUDA events on CUDA), running exactly the trainer's mi
   micro-batch whose K/V the message is computes before each of its collectives (``collective_lead_s``, from the
   compute fit just measured), then launches and waits the collective; the ranks' mean time in it is the latency.
   Timed from a barrier instead, with the other ranks idle, the collectives of 4 ranks sharing 2 cores measure a
-  quarter of what the trainer waits in them (dp 1 × cp 4, deepspeed's micro-batches);
+  quarter of what the trainer waits in them (dp 1 × cp 4, deepspeed's micro-batches). When the world spans
+  nodes (``LOCAL_WORLD_SIZE`` < ``WORLD_SIZE``, as torchrun sets them), the world and the blocks larger than a
+  node cross nodes: the profile document files those tables as inter-node ones (``profile_document``);
 * **the shard-size effect** of the paper's Figure 1(b) (world size > 1): one sequence computed whole on every
   rank vs as zigzag shards over every aligned block of ``d`` ranks at once (each block its own copy, so every
   rank works), for ``d`` each hybrid group size and the whole world (``shard_degrees``, ``shard_micro_batch``).
@@ -124,6 +126,7 @@ class Measurements:
 
     shape: ModelShape
     world_size: int
+    local_world_size: int  # ranks per node (torchrun's LOCAL_WORLD_SIZE); the world size on one node
     process_group_backend: str | None  # gloo or nccl; None in one process
     device_type: str  # cpu | cuda
     device_name: str  # the GPU's name on CUDA, the CPU model's on CPU
@@ -430,7 +433,9 @@ def run_sweeps(options: ProfileOptions) -> Measurements | None:
     param_dtype = bench.autocast_dtype or torch.float32
     hardware = hardware_info(device)
     return Measurements(
-        shape=shape, world_size=world_size, process_group_backend=dist.get_backend() if world_size > 1 else None,
+        shape=shape, world_size=world_size,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if world_size > 1 else 1,
+        process_group_backend=dist.get_backend() if world_size > 1 else None,
         device_type=device.type, device_name=hardware["gpu" if device.type == "cuda" else "cpu"],
         device_memory_bytes=device_memory_bytes(device), reserved_bytes=_reserved_bytes(device),
         threads_per_rank=torch.get_num_threads(), dtype_name=bench.dtype_name, param_dtype=param_dtype,

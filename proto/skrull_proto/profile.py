@@ -24,6 +24,7 @@ __all__ = [
     "CommunicationSection",
     "ComputeSection",
     "HardwareSection",
+    "InterNodeSection",
     "MemorySection",
     "ProfileDocument",
     "StaticBytesPerParameter",
@@ -80,6 +81,19 @@ class MemorySection(_Section):
     static_bytes_per_parameter: StaticBytesPerParameter
 
 
+class InterNodeSection(_Section):
+    """The collective tables of groups whose ranks lie on several nodes (CP blocks larger than a node)."""
+
+    tables: Tables = Field(description="All-gather and reduce-scatter latency tables over ranks of several nodes; "
+                                       "empty when none was measured (one node).")
+    world_size: Annotated[int, Field(strict=True, ge=2)] | None = Field(
+        default=None, description="Ranks the tables were measured over; null: no scaling by group size.")
+    num_nodes: Annotated[int, Field(strict=True, ge=2)] | None = Field(
+        default=None, description="Nodes those ranks lay on.")
+    tables_by_group_size: dict[Annotated[int, Field(ge=2)], Tables] = Field(
+        default_factory=dict, description="The same tables measured over groups of other sizes, by size.")
+
+
 class CommunicationSection(_Section):
     kv_bytes_per_element: Annotated[int, Field(strict=True)]
     tables: Tables = Field(description="Collective latency tables; empty when none was measured (one process).")
@@ -89,6 +103,8 @@ class CommunicationSection(_Section):
         default=None, description="Ranks the tables were measured over; null: no scaling by group size.")
     tables_by_group_size: dict[Annotated[int, Field(ge=2)], Tables] = Field(
         default_factory=dict, description="The same tables measured over groups of other sizes, by size.")
+    inter_node: InterNodeSection | None = Field(
+        default=None, description="Tables of groups that cross nodes; null: the profile plans no such group.")
 
 
 class ProfileDocument(_Section):

@@ -5,6 +5,7 @@ no FastAPI, pydantic or torch, so the service, the CLI and the trainer's
 embedded fallback share it.
 """
 
+from scheduler_service.core.advise import Advice, AdviseRequest, GlobalBatch, advise, advise_cost
 from scheduler_service.core.check import check_plan, find_violations
 from scheduler_service.core.errors import (
     InfeasiblePlanError,
@@ -48,8 +49,11 @@ from scheduler_service.core.simulate import PlanEstimate, simulate
 __all__ = [
     "DATASETS",
     "MODEL_CATALOGUE",
+    "Advice",
+    "AdviseRequest",
     "DPRankPlan",
     "FeedbackConfig",
+    "GlobalBatch",
     "GroupLengths",
     "InfeasiblePlanError",
     "InvalidRequestError",
@@ -73,6 +77,8 @@ __all__ = [
     "UnknownModelError",
     "UnknownProfileError",
     "UnknownSchedulerError",
+    "advise",
+    "advise_cost",
     "block_degrees",
     "builtin_profiles",
     "check_plan",

@@ -31,6 +31,12 @@
   (``communication.tables_by_group_size``) where there is one, else scales the
   bandwidth term by the ring volume ``(s−1)/s`` relative to the measured group
   (NCCL-tests' bus-bandwidth factor for all-gather and reduce-scatter).
+* Topology (``gpus_per_node``, a power of two): CP groups are contiguous aligned ranks (``global_rank =
+  dp_rank · cp_size + cp_rank``) and every block lies within one node or covers whole nodes (``make_problem``
+  checks it), so a group of ``s`` ranks lies on one node iff ``s <= gpus_per_node``. A group that crosses
+  nodes reads the profile's inter-node tables (``communication.inter_node``) by the same rules; a profile
+  without them refuses such a group (``InvalidRequestError`` naming the profile and the field) rather than
+  pricing it at intra-node speed. ``gpus_per_node`` None: every group lies on one node.
 * Overlap (what the trainer does, ``trainer_client/attention.py``): per layer
   the all-gather of K/V runs while the rank's local attention forward runs, and
   the reduce-scatter of dK/dV while its local attention backward runs; the
@@ -53,7 +59,7 @@ import numpy.typing as npt
 
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.models import ModelShape
-from scheduler_service.core.profile import Profile
+from scheduler_service.core.profile import Profile, Tables
 
 __all__ = [
     "ATTENTION_FORWARD_SHARE",
@@ -135,6 +141,7 @@ class PerformanceModel:
 
     model: ModelShape
     profile: Profile
+    gpus_per_node: int | None = None  # None: every group lies on one node
     all_gather: LinearFit = field(init=False)
     reduce_scatter: LinearFit = field(init=False)
     _flops_per_token: float = field(init=False, repr=False)  # measured per-token cost, in FLOP-equivalents
@@ -150,6 +157,9 @@ class PerformanceModel:
                 f"with python -m trainer_client.profile --model {self.model.name}",
                 field="profile",
             )
+        if self.gpus_per_node is not None and not _is_power_of_two(self.gpus_per_node):
+            raise InvalidRequestError(f"gpus_per_node must be a positive power of two, got {self.gpus_per_node}",
+                                      field="gpus_per_node")
         tables, relative = self.profile.communication.tables, self.profile.communication.relative_fit
         object.__setattr__(self, "all_gather", fit_line(tables["all_gather"], relative) if tables else _NO_COST)
         object.__setattr__(self, "reduce_scatter",
@@ -221,19 +231,40 @@ class PerformanceModel:
             self._collectives[group_size] = cost
         return cost
 
+    def crosses_nodes(self, group_size: int) -> bool:
+        """Whether an aligned group of ``group_size`` ranks spans several nodes (module docstring, "Topology")."""
+        return self.gpus_per_node is not None and group_size > self.gpus_per_node
+
+    def _link_tables(self, group_size: int) -> tuple[Tables, dict[int, Tables], int | None]:
+        """The tables, tables by group size and measured world size of the link a group of ``group_size`` uses."""
+        communication = self.profile.communication
+        if not self.crosses_nodes(group_size):
+            return communication.tables, communication.tables_by_group_size, communication.world_size
+        inter_node = communication.inter_node
+        if inter_node is None or not inter_node.tables:
+            raise InvalidRequestError(
+                f"a group of {group_size} ranks spans nodes of {self.gpus_per_node} GPUs, and profile "
+                f"{self.profile.name} has no inter-node collective table (communication.inter_node.tables): "
+                f"measure one with python -m trainer_client.profile under torchrun across nodes, or keep CP "
+                f"groups within a node", field="profile")
+        return inter_node.tables, inter_node.tables_by_group_size, inter_node.world_size
+
     def _collective_cost(self, group_size: int) -> CollectiveCost:
         if group_size == 1:  # nothing to gather: the trainer skips the collectives of a one-rank group
             return CollectiveCost(all_gather_s_per_token=0.0, all_gather_fixed_s=0.0, reduce_scatter_s_per_token=0.0,
                                   reduce_scatter_fixed_s=0.0)
-        communication = self.profile.communication
-        measured = communication.tables_by_group_size.get(group_size)
+        tables, by_group_size, world_size = self._link_tables(group_size)
+        relative = self.profile.communication.relative_fit
+        measured = by_group_size.get(group_size)
         if measured is not None:
-            all_gather = fit_line(measured["all_gather"], communication.relative_fit)
-            reduce_scatter = fit_line(measured["reduce_scatter"], communication.relative_fit)
+            all_gather = fit_line(measured["all_gather"], relative)
+            reduce_scatter = fit_line(measured["reduce_scatter"], relative)
             bandwidth_scale = 1.0
         else:
-            all_gather, reduce_scatter = self.all_gather, self.reduce_scatter
-            bandwidth_scale = _ring_volume(group_size) / _ring_volume(communication.world_size or group_size)
+            all_gather, reduce_scatter = ((fit_line(tables["all_gather"], relative),
+                                           fit_line(tables["reduce_scatter"], relative)) if tables
+                                          else (_NO_COST, _NO_COST))
+            bandwidth_scale = _ring_volume(group_size) / _ring_volume(world_size or group_size)
         bytes_per_token, layers = self.comm_bytes_per_layer(1.0), self.model.num_layers
         return CollectiveCost(
             all_gather_s_per_token=layers * all_gather.slope * bytes_per_token * bandwidth_scale,
@@ -289,8 +320,21 @@ class PerformanceModel:
         budget = device_memory_bytes if device_memory_bytes is not None else self.profile.device_memory_bytes
         free = budget - self.profile.memory.reserved_bytes - self.static_bytes(num_state_shards)
         free -= self.profile.memory.beta_bytes
-        per_token = self.activation_bytes_per_token + self.gathered_kv_bytes_per_token(cp_size)
-        return max(int(free // per_token), 0)
+        return max(int(free // self._bucket_bytes_per_token(cp_size)), 0)
+
+    def bucket_bytes(self, num_tokens: float, num_state_shards: int, cp_size: int) -> float:
+        """The device memory ``bucket_size`` charges a CP rank holding ``num_tokens`` tokens: reserved, static,
+        ``β``, and per token its activations and the most gathered K/V it may bring."""
+        memory = self.profile.memory
+        return (memory.reserved_bytes + self.static_bytes(num_state_shards) + memory.beta_bytes
+                + num_tokens * self._bucket_bytes_per_token(cp_size))
+
+    def _bucket_bytes_per_token(self, cp_size: int) -> float:
+        return self.activation_bytes_per_token + self.gathered_kv_bytes_per_token(cp_size)
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
 
 
 def _ring_volume(group_size: int) -> float:

@@ -22,7 +22,7 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
-from scheduler_service.core.costing import CostTables, block_degrees, cost_tables
+from scheduler_service.core.costing import CostTables, block_degrees, cost_tables, place_degrees
 from scheduler_service.core.errors import InvalidRequestError, SequenceTooLongError
 from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.perf_model import PerformanceModel
@@ -293,6 +293,16 @@ def _validate_lengths(sequence_lengths: Sequence[int], limits: PlanLimits) -> tu
     return tuple(int(length) for length in sequence_lengths)
 
 
+def _validate_node_alignment(cp_size: int, gpus_per_node: int) -> None:
+    """Every block of the CP group lies within one node or covers whole nodes, so that a block crosses nodes iff
+    it is larger than one (the rule the performance model prices by)."""
+    for degree in place_degrees(cp_size):
+        if degree % gpus_per_node and gpus_per_node % degree:
+            raise InvalidRequestError(
+                f"cp_size {cp_size} has blocks of {degree} CP ranks, which straddle nodes of gpus_per_node "
+                f"{gpus_per_node} GPUs: with nodes, use a power-of-two cp_size", field="cp_size")
+
+
 def make_problem(
     *,
     sequence_lengths: Sequence[int],
@@ -303,12 +313,18 @@ def make_problem(
     profile: str | Profile | None = None,
     limits: PlanLimits = DEFAULT_LIMITS,
     extra_profiles: dict[str, Profile] | None = None,
+    gpus_per_node: int | None = None,
 ) -> PlanningProblem:
-    """Validate a request and derive what it leaves out (BucketSize from the profile)."""
+    """Validate a request and derive what it leaves out (BucketSize from the profile). ``gpus_per_node``: the
+    collectives of blocks larger than a node are priced with the profile's inter-node tables (``perf_model``,
+    "Topology"); None: every block lies on one node."""
     lengths = _validate_lengths(sequence_lengths, limits)
     dp_size = _validate_int(dp_size, "dp_size", 1, limits.max_dp_size)
     cp_size = _validate_int(cp_size, "cp_size", 1, limits.max_cp_size)
-    perf = PerformanceModel(model=resolve_model(model), profile=resolve_profile(profile, extra_profiles))
+    perf = PerformanceModel(model=resolve_model(model), profile=resolve_profile(profile, extra_profiles),
+                            gpus_per_node=gpus_per_node)
+    if gpus_per_node is not None:
+        _validate_node_alignment(cp_size, gpus_per_node)
     if bucket_size is None:
         # ZeRO-2 shards gradients and optimizer states over every rank holding a replica: DP × CP.
         bucket_size = perf.bucket_size(num_state_shards=dp_size * cp_size, cp_size=cp_size)

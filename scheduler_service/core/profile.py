@@ -34,6 +34,12 @@ paper's model:
 * ``communication.tables_by_group_size`` (default: none):
   ``{"2": {"all_gather": [...], "reduce_scatter": [...]}, ...}``, the same
   tables measured over groups of other sizes;
+* ``communication.inter_node`` (default: none): the all-gather and
+  reduce-scatter tables of groups whose ranks lie on several nodes, in the
+  same format: ``tables``, ``world_size`` and ``num_nodes`` (the ranks and
+  nodes they were measured over), ``tables_by_group_size`` and a ``source``.
+  The performance model reads them for a group of more than ``gpus_per_node``
+  ranks (``PerformanceModel``); a profile without them plans no such group;
 * ``provenance``: where, when and with what the numbers were measured
   (hardware, software versions, model, date, command); carried, not checked.
 """
@@ -52,8 +58,10 @@ __all__ = [
     "DEFAULT_PROFILE",
     "CommunicationProfile",
     "ComputeProfile",
+    "InterNodeCommunication",
     "MemoryProfile",
     "Profile",
+    "Tables",
     "builtin_profiles",
     "parse_profile",
     "resolve_profile",
@@ -88,15 +96,28 @@ class MemoryProfile:
     sharded_bytes_per_parameter: float
 
 
+Tables = dict[str, tuple[tuple[float, float], ...]]  # collective -> ((message bytes, latency seconds), ...) by size
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InterNodeCommunication:
+    """The collective tables of groups that cross nodes: ``tables`` measured over ``world_size`` ranks on
+    ``num_nodes`` nodes (empty when the profiler saw one node), others by group size."""
+
+    tables: Tables
+    world_size: int | None = None
+    num_nodes: int | None = None
+    tables_by_group_size: dict[int, Tables] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CommunicationProfile:
     kv_bytes_per_element: int
-    # collective name -> ((message bytes, latency seconds), ...), sorted by size; empty when none was measured
-    tables: dict[str, tuple[tuple[float, float], ...]]
+    tables: Tables  # within a node; sorted by size, empty when none was measured
     relative_fit: bool = False  # fit T_comm to the tables on relative rather than absolute error
     world_size: int | None = None  # ranks the tables were measured over; None: no scaling by group size
-    # group size -> the same tables measured over groups of that size
-    tables_by_group_size: dict[int, dict[str, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
+    tables_by_group_size: dict[int, Tables] = field(default_factory=dict)  # the same over groups of that size
+    inter_node: InterNodeCommunication | None = None  # groups whose ranks lie on several nodes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,13 +152,16 @@ class Profile:
         if self.communication.kv_bytes_per_element < 1:
             raise InvalidRequestError("profile communication.kv_bytes_per_element must be at least 1",
                                       field="profile")
-        _check_tables(self.communication.tables, "communication.tables")
-        for group_size, group_tables in self.communication.tables_by_group_size.items():
-            _check_tables(group_tables, f"communication.tables_by_group_size.{group_size}")
-        world_size = self.communication.world_size
-        if world_size is not None and world_size < 1:
-            raise InvalidRequestError(f"profile communication.world_size must be at least 1, got {world_size}",
-                                      field="profile")
+        communication = self.communication
+        _check_link(communication.tables, communication.tables_by_group_size, communication.world_size,
+                    "communication")
+        inter_node = communication.inter_node
+        if inter_node is not None:
+            _check_link(inter_node.tables, inter_node.tables_by_group_size, inter_node.world_size,
+                        "communication.inter_node")
+            if inter_node.num_nodes is not None and inter_node.num_nodes < 2:
+                raise InvalidRequestError("profile communication.inter_node.num_nodes must be at least 2, got "
+                                          f"{inter_node.num_nodes}", field="profile")
         efficiency = compute.attention_efficiency
         if efficiency and (len(efficiency) < 2 or len({tokens for tokens, _ in efficiency}) < len(efficiency)
                            or any(not (tokens >= 1 and 0 < value <= 1) for tokens, value in efficiency)):
@@ -152,7 +176,16 @@ class Profile:
         return provenance if isinstance(provenance, dict) else {}
 
 
-def _check_tables(tables: dict[str, tuple[tuple[float, float], ...]], path: str) -> None:
+def _check_link(tables: Tables, by_group_size: dict[int, Tables], world_size: int | None, path: str) -> None:
+    """The tables of one kind of link (within a node, or across nodes) and the ranks they were measured over."""
+    _check_tables(tables, f"{path}.tables")
+    for group_size, group_tables in by_group_size.items():
+        _check_tables(group_tables, f"{path}.tables_by_group_size.{group_size}")
+    if world_size is not None and world_size < 1:
+        raise InvalidRequestError(f"profile {path}.world_size must be at least 1, got {world_size}", field="profile")
+
+
+def _check_tables(tables: Tables, path: str) -> None:
     if not tables:
         return
     for collective in COLLECTIVES:
@@ -168,8 +201,20 @@ def _points(points: Any) -> tuple[tuple[float, float], ...]:
     return tuple(sorted((float(x), float(y)) for x, y in points))
 
 
-def _tables(section: dict[str, Any]) -> dict[str, tuple[tuple[float, float], ...]]:
+def _tables(section: dict[str, Any]) -> Tables:
     return {str(name): _points(points) for name, points in section.items()}
+
+
+def _tables_by_group_size(section: dict[str, Any]) -> dict[int, Tables]:
+    return {int(size): _tables(tables) for size, tables in section.get("tables_by_group_size", {}).items()}
+
+
+def _inter_node(section: dict[str, Any] | None) -> InterNodeCommunication | None:
+    if section is None:
+        return None
+    return InterNodeCommunication(tables=_tables(section.get("tables", {})), world_size=section.get("world_size"),
+                                  num_nodes=section.get("num_nodes"),
+                                  tables_by_group_size=_tables_by_group_size(section))
 
 
 def parse_profile(data: dict[str, Any]) -> Profile:
@@ -207,8 +252,8 @@ def parse_profile(data: dict[str, Any]) -> Profile:
             tables=_tables(communication["tables"]),
             relative_fit=communication.get("fit", "absolute") == "relative",
             world_size=communication.get("world_size"),
-            tables_by_group_size={int(size): _tables(tables)
-                                  for size, tables in communication.get("tables_by_group_size", {}).items()},
+            tables_by_group_size=_tables_by_group_size(communication),
+            inter_node=_inter_node(communication.get("inter_node")),
         ),
         raw=data,
     )

@@ -119,6 +119,7 @@ class DPRankEstimate:
 class PlanEstimate:
     iteration_time_s: float
     dp_ranks: tuple[DPRankEstimate, ...]
+    peak_rank_tokens: float  # the most tokens a CP rank holds in any micro-batch (``CPRankEstimate.tokens``)
 
 
 @kernel(types.void(TABLES, SUMS, FLOAT_2D))
@@ -164,7 +165,8 @@ def estimate_places(problem: PlanningProblem, places: Places) -> PlanEstimate:
                                                       _per_rank=per_rank, _m=m))
     dp_ranks = tuple(DPRankEstimate(time_s=sum(mb.time_s for mb in micro_batches), micro_batches=tuple(micro_batches))
                      for micro_batches in by_dp_rank)
-    return PlanEstimate(iteration_time_s=max(rank.time_s for rank in dp_ranks), dp_ranks=dp_ranks)
+    return PlanEstimate(iteration_time_s=max(rank.time_s for rank in dp_ranks), dp_ranks=dp_ranks,
+                        peak_rank_tokens=int(sums.units.max(initial=0)) / tables.cp_size)
 
 
 def simulate(problem: PlanningProblem, plan: Plan) -> PlanEstimate:

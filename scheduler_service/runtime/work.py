@@ -87,7 +87,8 @@ def job_problem(problem: PlanningProblem, job: JobFeedback | None) -> PlanningPr
     if job is None:
         return problem
     if job.num_observations:
-        problem = replace(problem, perf=PerformanceModel(model=problem.perf.model, profile=job.profile))
+        problem = replace(problem, perf=PerformanceModel(model=problem.perf.model, profile=job.profile,
+                                                         gpus_per_node=problem.perf.gpus_per_node))
     bucket_size = core_feedback.effective_bucket_size(job, problem.bucket_size, max(problem.sequence_lengths))
     if bucket_size < problem.bucket_size:
         problem = replace(problem, bucket_size=bucket_size)

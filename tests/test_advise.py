@@ -1,0 +1,281 @@
+"""The layout advisor: every dp × cp layout is ranked or excluded with its reason, long samples exclude small CP
+degrees naming the sequences and the CP degree that holds them, the ranking is by throughput, layouts across
+nodes are priced with the inter-node tables, each layout's trainer command is one the trainer accepts, and every
+bad input names its field."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler_service.core.advise import (
+    Advice,
+    AdviseLimits,
+    AdviseRequest,
+    Exclusion,
+    GlobalBatch,
+    Layout,
+    advise,
+    advise_cost,
+    draw_batches,
+)
+from scheduler_service.core.errors import InvalidRequestError
+from scheduler_service.core.memory import ActivationCheckpointing, Sharding
+from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape
+from scheduler_service.core.plan import PlanLimits
+from scheduler_service.core.profile import builtin_profiles
+from scheduler_service.core.samplers import sample_lengths
+from trainer_client.train import build_parser
+
+# The module, not the function ``scheduler_service.core.advise`` the package exports under its name.
+advise_module = importlib.import_module("scheduler_service.core.advise")
+H100 = builtin_profiles()["h100-paper"]
+QWEN_7B = MODEL_CATALOGUE["qwen2.5-7b"]
+CHATQA2 = sample_lengths("chatqa2", 2048, np.random.default_rng(7))
+
+
+def _request(**overrides: Any) -> AdviseRequest:
+    fields: dict[str, Any] = {"sequence_lengths": CHATQA2, "model": QWEN_7B, "profile": H100, "num_gpus": 32,
+                              "global_batch": GlobalBatch(num_sequences=32), "num_batches": 3,
+                              "data": "synthetic:chatqa2"}
+    return AdviseRequest(**(fields | overrides))
+
+
+@pytest.fixture(scope="module")
+def chatqa2_advice() -> Advice:
+    return advise(_request())
+
+
+def _key(layout: Layout) -> tuple[int, int, Sharding, ActivationCheckpointing]:
+    return layout.dp_size, layout.cp_size, layout.sharding, layout.activation_checkpointing
+
+
+def test_every_layout_is_ranked_or_excluded(chatqa2_advice: Advice) -> None:
+    ranked = [_key(item.layout) for item in chatqa2_advice.layouts]
+    excluded = [_key(item.layout) for item in chatqa2_advice.excluded]
+    expected = {(32 // cp_size, cp_size, sharding, ActivationCheckpointing.NONE)
+                for cp_size, sharding in itertools.product((1, 2, 4, 8, 16, 32), Sharding)}
+    assert len(ranked) + len(excluded) == len(expected) and set(ranked) | set(excluded) == expected
+    assert all(dp_size * cp_size == 32 for dp_size, cp_size, _, _ in ranked + excluded)
+
+
+def test_layouts_are_ranked_by_throughput_and_the_winner_is_explained(chatqa2_advice: Advice) -> None:
+    throughputs = [item.tokens_per_s_per_gpu for item in chatqa2_advice.layouts]
+    assert throughputs == sorted(throughputs, reverse=True) and len(throughputs) >= 2
+    best, runner_up = chatqa2_advice.layouts[:2]
+    assert chatqa2_advice.why.startswith(f"{best.layout.label} trains fastest")
+    assert runner_up.layout.label in chatqa2_advice.why
+    assert 0 <= chatqa2_advice.winner_batches_won <= 3
+
+
+def test_skrull_is_never_slower_than_static_cp_on_the_same_layout(chatqa2_advice: Advice) -> None:
+    for item in chatqa2_advice.layouts:
+        assert all(skrull <= static * (1 + 1e-9) for skrull, static
+                   in zip(item.step_times_s, item.static_cp_step_times_s, strict=True))
+        assert item.speedup_vs_static_cp >= 1.0
+
+
+def test_each_layout_reports_memory_sharding_spread_and_span(chatqa2_advice: Advice) -> None:
+    for item in chatqa2_advice.layouts:
+        layout = item.layout
+        assert layout.longest_trainable_sequence >= int(CHATQA2.max())
+        assert layout.spans_nodes == (layout.cp_size > 8)
+        assert 0 <= item.memory_headroom_fraction < 1 and item.memory_headroom_bytes >= 0  # plans honour the bucket
+        assert 0 <= item.sharded_share <= 1
+        assert sum(share for _, share in item.sharded_by_degree) == pytest.approx(item.sharded_share)
+        assert all(1 < degree <= layout.cp_size for degree, _ in item.sharded_by_degree)
+        spread = item.confidence
+        assert spread.min_s <= spread.p10_s <= item.predicted_step_time_s <= spread.p90_s <= spread.max_s
+        assert spread.relative_spread >= 0
+
+
+def test_the_static_memory_of_unsharded_states_excludes_a_7b_model(chatqa2_advice: Advice) -> None:
+    unsharded = [item for item in chatqa2_advice.excluded if item.layout.sharding is Sharding.NONE]
+    assert len(unsharded) == 6
+    assert all(item.exclusion is Exclusion.NO_MEMORY and "does not fit with sharding none" in item.reason
+               for item in unsharded)
+
+
+def test_long_sequences_exclude_small_cp_naming_them_and_the_cp_that_holds_them() -> None:
+    lengths = [60000, 58000, *([900] * 40)]
+    advice = advise(_request(sequence_lengths=lengths, num_gpus=16, shardings=(Sharding.ZERO3,)))
+    too_long = {item.layout.cp_size: item for item in advice.excluded if item.exclusion is Exclusion.TOO_LONG}
+    kept = {item.layout.cp_size: item.layout for item in advice.layouts}
+    assert too_long and min(kept) > max(too_long)
+    needed = min(kept)
+    for cp_size, item in too_long.items():
+        capacity = item.layout.longest_trainable_sequence
+        assert capacity < 60000 and item.num_sequences_too_long == sum(length > capacity for length in lengths)
+        assert item.cp_size_needed == needed
+        assert f"{item.num_sequences_too_long} sequence(s) of the sample (the longest 60000 tokens)" in item.reason
+        assert f"cp_size {needed} would hold them" in item.reason and f"cp_size {cp_size} =" in item.reason
+
+
+def test_cp_groups_across_nodes_are_priced_with_the_inter_node_tables() -> None:
+    """The static-CP time (every sequence over the whole CP group) is fixed by the layout: with nodes of 8 the
+    CP group of 16 crosses nodes and pays more than on one node of 16."""
+    priced = {}
+    for gpus_per_node in (8, 16):
+        advice = advise(_request(num_gpus=16, cp_sizes=(16,), shardings=(Sharding.ZERO3,),
+                                 gpus_per_node=gpus_per_node))
+        (priced[gpus_per_node],) = advice.layouts
+    assert priced[8].layout.spans_nodes and not priced[16].layout.spans_nodes
+    assert priced[8].layout.bucket_size == priced[16].layout.bucket_size
+    assert all(across > within for across, within in zip(priced[8].static_cp_step_times_s,
+                                                          priced[16].static_cp_step_times_s, strict=True))
+
+
+def test_a_profile_without_inter_node_tables_excludes_the_layouts_across_nodes() -> None:
+    advice = advise(_request(sequence_lengths=[300, 120, 40, 900], model=MODEL_CATALOGUE["tiny"],
+                             profile=builtin_profiles()["cpu-tiny"], num_gpus=4, gpus_per_node=2,
+                             shardings=(Sharding.ZERO2,), global_batch=GlobalBatch(num_sequences=8),
+                             compute_bytes=4))
+    (across,) = advice.excluded
+    assert across.layout.cp_size == 4 and across.exclusion is Exclusion.NO_INTER_NODE_TABLE
+    assert "communication.inter_node" in across.reason
+    assert sorted(item.layout.cp_size for item in advice.layouts) == [1, 2]
+
+
+@pytest.mark.parametrize("num_gpus", [4, 16])
+def test_each_layouts_command_is_one_the_trainer_accepts(num_gpus: int) -> None:
+    advice = advise(_request(num_gpus=num_gpus, model=MODEL_CATALOGUE["qwen2.5-0.5b"],
+                             sequence_lengths=[2000, 300, 9000, 120]))
+    for item in advice.layouts:
+        command = item.trainer_command
+        split = command.index("trainer_client.train") + 1
+        launcher, flags = command[:split], command[split:]
+        args = build_parser().parse_args(list(flags))
+        layout = item.layout
+        assert (args.dp, args.cp, args.bucket_size) == (layout.dp_size, layout.cp_size, layout.bucket_size)
+        assert (args.sharding, args.activation_checkpointing) == (layout.sharding, layout.activation_checkpointing)
+        assert (args.model, args.global_batch, args.profile, args.data, args.dtype) == (
+            "qwen2.5-0.5b", 32, "h100-paper", "synthetic:chatqa2", "bfloat16")
+        if num_gpus > 8:
+            assert launcher[:5] == ("torchrun", "--nnodes", str(num_gpus // 8), "--nproc-per-node", "8")
+            assert "--node-rank $NODE_RANK --master-addr $MASTER_ADDR" in item.to_json()["trainer_command"]
+        else:
+            assert launcher[:3] == ("torchrun", "--nproc-per-node", str(num_gpus))
+
+
+def test_the_document_has_the_interface_fields_and_is_json(chatqa2_advice: Advice) -> None:
+    document = json.loads(json.dumps(chatqa2_advice.to_json()))
+    assert (document["model"], document["profile"], document["gpus"], document["gpus_per_node"]) == (
+        "qwen2.5-7b", "h100-paper", 32, 8)
+    assert document["global_batch"] == {"sequences": 32} and (document["num_batches"], document["seed"]) == (3, 0)
+    interface = {"dp_size", "cp_size", "bucket_size", "sharding", "activation_checkpointing",
+                 "predicted_step_time_ms", "tokens_per_s_per_gpu", "speedup_vs_static_cp",
+                 "longest_trainable_sequence", "spans_nodes", "confidence", "trainer_command"}
+    assert [layout["rank"] for layout in document["layouts"]] == list(range(1, len(document["layouts"]) + 1))
+    assert all(interface <= set(layout) for layout in document["layouts"])
+    assert all({"reason", "exclusion", "dp_size", "cp_size"} <= set(item) for item in document["excluded"])
+
+
+def test_progress_is_reported_after_each_priced_layout() -> None:
+    calls: list[tuple[int, int]] = []
+    advice = advise(_request(num_gpus=8, shardings=(Sharding.ZERO3,)), progress=lambda done, total: calls.append(
+        (done, total)))
+    assert calls == [(done, len(advice.layouts)) for done in range(1, len(advice.layouts) + 1)]
+
+
+def test_the_cost_is_known_before_any_planning(monkeypatch: pytest.MonkeyPatch) -> None:
+    request = _request(num_gpus=16)
+    planned: list[int] = []
+    make_plan = advise_module.make_plan
+    monkeypatch.setattr(advise_module, "make_plan", lambda *args, **kwargs: planned.append(1) or make_plan(
+        *args, **kwargs))
+    cost = advise_cost(request)
+    assert planned == []
+    assert cost.num_layouts == 5 * 3 and cost.num_plans == 15 * 3 and cost.sequences_per_batch == 32
+    assert cost.cells == 3 * 3 * 32 * sum(2 * cp_size + 1 for cp_size in (1, 2, 4, 8, 16))
+    advise(request)
+    assert 0 < len(planned) <= cost.num_plans
+
+
+def test_a_token_budget_draws_batches_within_it_and_the_command_takes_their_mean() -> None:
+    request = _request(global_batch=GlobalBatch(num_tokens=200_000), num_gpus=16, shardings=(Sharding.ZERO3,))
+    batches = draw_batches(request)
+    assert all(int(batch.sum()) <= 200_000 or len(batch) == 1 for batch in batches)
+    assert [batch.tolist() for batch in batches] == [batch.tolist() for batch in draw_batches(request)]  # seeded
+    advice = advise(request)
+    mean = round(np.mean([len(batch) for batch in batches]))
+    assert advice.layouts[0].trainer_command[advice.layouts[0].trainer_command.index("--global-batch") + 1] == str(mean)
+    assert advice.to_json()["global_batch"] == {"tokens": 200_000}
+
+
+@settings(max_examples=50, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=60), budget=st.integers(1, 40_000),
+       seed=st.integers(0, 2**16))
+def test_token_budget_batches_never_exceed_it_unless_one_sequence_does(lengths: list[int], budget: int,
+                                                                       seed: int) -> None:
+    request = _request(sequence_lengths=lengths, global_batch=GlobalBatch(num_tokens=budget), seed=seed,
+                       num_batches=4)
+    for batch in draw_batches(request):
+        assert len(batch) >= 1 and (int(batch.sum()) <= budget or len(batch) == 1)
+        assert set(batch.tolist()) <= set(lengths)
+
+
+HUGE = ModelShape(name="huge", hidden_size=1 << 16, num_layers=1 << 10, num_attention_heads=64,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=1 << 18, vocab_size=1 << 17)
+
+
+@pytest.mark.parametrize(("overrides", "field"), [
+    ({"sequence_lengths": []}, "sequence_lengths"),
+    ({"sequence_lengths": [100, 0, 30]}, "sequence_lengths[1]"),
+    ({"sequence_lengths": [1 << 25]}, "sequence_lengths[0]"),
+    ({"sequence_lengths": [1.5, 2.0]}, "sequence_lengths"),
+    ({"sequence_lengths": [100] * 11, "limits": AdviseLimits(max_sample_sequences=10)}, "sequence_lengths"),
+    ({"num_gpus": 0}, "gpus"),
+    ({"num_gpus": 12}, "gpus"),
+    ({"gpus_per_node": 6}, "gpus_per_node"),
+    ({"cp_sizes": (3,)}, "cp_sizes"),
+    ({"cp_sizes": (64,)}, "cp_sizes"),
+    ({"num_batches": 0}, "num_batches"),
+    ({"num_batches": 300}, "num_batches"),
+    ({"global_batch": GlobalBatch(num_sequences=100), "limits": AdviseLimits(plan=PlanLimits(max_sequences=64))},
+     "global_batch"),
+    ({"global_batch": GlobalBatch(num_tokens=10_000_000), "limits": AdviseLimits(plan=PlanLimits(max_sequences=64))},
+     "global_batch"),
+    ({"compute_bytes": 3}, "compute_bytes"),
+    ({"shardings": ()}, "shardings"),
+    ({"shardings": ("zero4",)}, "shardings"),
+    ({"activation_checkpointing": ("none", "none")}, "activation_checkpointing"),
+    ({"model": HUGE}, "model"),
+    ({"sequence_lengths": [4_000_000, 100], "num_gpus": 2}, "sequence_lengths"),
+])
+def test_bad_input_names_its_field(overrides: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidRequestError) as error:
+        advise(_request(**overrides))
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize("batch", [{}, {"num_sequences": 4, "num_tokens": 100}, {"num_sequences": 0},
+                                   {"num_tokens": -5}])
+def test_a_global_batch_is_a_positive_count_of_sequences_or_tokens(batch: dict[str, int]) -> None:
+    with pytest.raises(InvalidRequestError) as error:
+        GlobalBatch(**batch)
+    assert error.value.field == "global_batch"
+
+
+def test_modes_are_taken_by_name_as_the_wire_and_the_cli_give_them() -> None:
+    request = _request(num_gpus=8, shardings=("zero3",), activation_checkpointing=("none",))
+    assert request.shardings == (Sharding.ZERO3,) and request.checkpointing_modes == (ActivationCheckpointing.NONE,)
+    assert {item.layout.sharding for item in advise(request).layouts} == {Sharding.ZERO3}
+
+
+def test_a_profile_measured_with_other_checkpointing_refuses_that_mode() -> None:
+    raw = json.loads(json.dumps(H100.raw))
+    raw["memory"]["activation_checkpointing"] = "selective"
+    measured = dataclasses.replace(H100, raw=raw)
+    advice = advise(_request(profile=measured, num_gpus=8, shardings=(Sharding.ZERO3,)))
+    assert {item.layout.activation_checkpointing for item in advice.layouts} == {ActivationCheckpointing.SELECTIVE}
+    with pytest.raises(InvalidRequestError) as error:
+        advise(_request(profile=measured, num_gpus=8, activation_checkpointing=(ActivationCheckpointing.FULL,)))
+    assert error.value.field == "activation_checkpointing"
