@@ -28,6 +28,7 @@ from skrull_proto import (
     Problem,
     ProfileDocument,
 )
+from skrull_proto.advise import AdviceDocument, AdviseRequest
 
 __all__ = ["CONTRACT_DIR", "contract_documents", "main", "stale_documents"]
 
@@ -41,6 +42,8 @@ _SCHEMA_MODELS: dict[str, type[BaseModel]] = {
     "feedback_request.schema.json": FeedbackRequest,
     "feedback_response.schema.json": FeedbackResponse,
     "profile.schema.json": ProfileDocument,  # the profile file format
+    "advise_request.schema.json": AdviseRequest,
+    "advice.schema.json": AdviceDocument,  # the answer of POST /advise and skrull-advise --json
 }
 
 

@@ -560,9 +560,13 @@ class Advice:
             return f"{best.layout.label} is the only layout that holds the sample."
         runner_up = self.layouts[1]
         lead = best.tokens_per_s_per_gpu / runner_up.tokens_per_s_per_gpu - 1
-        return (f"{best.layout.label} trains fastest: {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
-                f"{lead:.1%} more than {runner_up.layout.label}, with {_advantages(best, runner_up)}; it is "
-                f"faster on {self.winner_batches_won} of {self.request.num_batches} sampled batches.")
+        verdict = (f"{best.layout.label} trains fastest: {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+                   f"{lead:.1%} more than {runner_up.layout.label}, with {_advantages(best, runner_up)}; it is "
+                   f"faster on {self.winner_batches_won} of {self.request.num_batches} sampled batches.")
+        if 2 * self.winner_batches_won <= self.request.num_batches:
+            verdict += (" A near tie: the runner-up is as good a choice, within what these batches can tell apart "
+                        "(more --num-batches would).")
+        return verdict
 
     def to_json(self) -> dict[str, Any]:
         request = self.request

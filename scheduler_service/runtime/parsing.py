@@ -13,10 +13,11 @@ from typing import Any, TypeVar
 import pydantic_core
 from pydantic import BaseModel, ValidationError
 from skrull_proto import FeedbackRequest, PlanRequest
+from skrull_proto.advise import AdviseRequest
 
 from scheduler_service.runtime.errors import RequestBodyError, RequestLimitError, UnsupportedMediaTypeError
 
-__all__ = ["check_json_media_type", "parse_feedback_request", "parse_plan_request"]
+__all__ = ["check_json_media_type", "parse_advise_request", "parse_feedback_request", "parse_plan_request"]
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -33,6 +34,11 @@ def parse_plan_request(body: bytes, content_type: str | None, *, max_sequences: 
             field="sequence_lengths", limit=max_sequences,
         )
     return _validate(PlanRequest, data)
+
+
+def parse_advise_request(body: bytes, content_type: str | None) -> AdviseRequest:
+    """Parse POST /advise's body (the sample's size is bounded afterwards, from the parsed request)."""
+    return _validate(AdviseRequest, _json(body, content_type))
 
 
 def parse_feedback_request(body: bytes, content_type: str | None) -> FeedbackRequest:

@@ -67,12 +67,14 @@ import time
 from concurrent.futures import Future
 
 from skrull_proto import FeedbackResponse, PlanRequest, SchedulerName
+from skrull_proto.advise import AdviseRequest
 
 from scheduler_service.core import feedback as core_feedback
 from scheduler_service.core import jit
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.feedback import FeedbackConfig, JobFeedback
 from scheduler_service.core.profile import Profile
+from scheduler_service.runtime.advising import advise_in_worker, check_sample_size
 from scheduler_service.runtime.cost import baseline_cells, feedback_cells, search_seconds
 from scheduler_service.runtime.errors import (
     FeedbackDisabledError,
@@ -320,6 +322,20 @@ class PlanningService:
             batch = batch.with_job_state(job_state)
         self.events.plan_made(batch.summary, num_sequences=len(request.sequence_lengths))
         return batch
+
+    async def advise(self, request: AdviseRequest, *, watch: ClientWatch | None = None) -> bytes:
+        """The advice document for ``request`` (``advising``): the sample's size is checked here, the request's
+        values, its estimated work and the pricing itself in the heavy pool, whatever its size (tens of plans
+        at least)."""
+        if not self.ready:
+            raise ServiceUnavailableError("the planner is still warming up")
+        settings, limits = self.settings, self.settings.advise_limits
+        check_sample_size(request, limits)
+        expected_s = settings.max_advise_cells * _SECONDS_PER_CELL  # only feeds Retry-After and the give-up
+        document: bytes = await self.heavy_pool.run(
+            advise_in_worker, request.model_dump_json().encode(), limits, settings.max_advise_cells, self.profiles,
+            expected_s=expected_s, watch=watch)
+        return document
 
     async def _plan_cpsat(self, request: PlanRequest, profiles: dict[str, Profile], job: JobFeedback | None,
                           cost_limits: CostLimits, watch: ClientWatch | None) -> PlannedBatch:

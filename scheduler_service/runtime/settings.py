@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from scheduler_service.core.advise import AdviseLimits
 from scheduler_service.core.plan import PlanLimits
 from scheduler_service.core.planner import DEFAULT_CPSAT_TIME_LIMIT_S
 
@@ -83,6 +84,11 @@ class Settings(BaseSettings):
                                 "about 4-15 s of planning and a 3 MB answer on 2 cores.")
     max_answer_bytes: int = Field(default=8 << 20, ge=1024, description="Largest estimated /plan answer "
                                   "accepted (else 422); a breakdown adds about 180 bytes per cell.")
+    max_advise_cells: int = Field(default=1 << 22, ge=1, description="Largest estimated /advise request "
+                                  "accepted (else 422): every layout's plans of every sampled batch, in cells; "
+                                  "the default is about a minute of work on 2 cores at worst.")
+    max_advise_sample: int = Field(default=1 << 20, ge=1, description="Most sequences in an /advise sample "
+                                   "(its lengths, or its histogram's counts summed).")
     max_feedback_cells: int = Field(default=1 << 18, ge=1, description="Largest /feedback report accepted, in "
                                     "lists and lengths (else 422).")
     # Small requests run on the event loop (cheapest, best p99: 256 sequences at DP 4 CP 8 is ~2.3k cells and
@@ -173,6 +179,10 @@ class Settings(BaseSettings):
             max_cp_size=self.max_cp_size,
             max_search_budget=self.max_search_budget,
         )
+
+    @property
+    def advise_limits(self) -> AdviseLimits:
+        return AdviseLimits(plan=self.plan_limits, max_sample_sequences=self.max_advise_sample)
 
 
 

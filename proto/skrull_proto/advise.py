@@ -1,0 +1,158 @@
+"""``POST /advise``: a sample of sequence lengths, a model and a GPU count in; the layouts ranked by predicted
+throughput out (``scheduler_service.core.advise``). The answer is the document ``skrull-advise --json`` writes."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
+
+from skrull_proto.models import ModelSpec
+
+__all__ = ["ADVICE_SCHEMA_VERSION", "AdviceDocument", "AdviseRequest", "ExcludedLayoutModel", "LengthCount",
+           "RankedLayoutModel"]
+
+ADVICE_SCHEMA_VERSION: Literal[1] = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShardingMode(StrEnum):
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+    NONE = "none"
+
+
+class CheckpointingMode(StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class LengthCount(_Strict):
+    """One bar of a length histogram: ``count`` sequences of ``length`` tokens."""
+
+    length: PositiveInt
+    count: PositiveInt
+
+
+class AdviseRequest(_Strict):
+    """POST /advise: which layout of ``gpus`` GPUs trains sequences like these fastest?"""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True,
+        json_schema_extra={"examples": [{"sequence_lengths": [812, 30311, 97, 4096, 1500, 256, 65000, 733] * 16,
+                                         "model": "qwen2.5-7b", "gpus": 16, "global_batch": 32}]},
+    )
+
+    schema_version: Literal[1] = Field(default=ADVICE_SCHEMA_VERSION, description="Contract version.")
+    sequence_lengths: list[PositiveInt] | None = Field(
+        default=None, min_length=1,
+        description="The sample: token counts of sequences like the data set's (give this or `histogram`).")
+    histogram: list[LengthCount] | None = Field(
+        default=None, min_length=1, description="The sample as (length, count) bars (give this or `sequence_lengths`).")
+    model: str | ModelSpec = Field(description="A built-in model name (GET /models) or an inline ModelSpec.")
+    profile: str | None = Field(default=None, description="Hardware profile name; the service default when absent.")
+    gpus: PositiveInt = Field(description="GPUs to lay out as dp_size × cp_size.")
+    gpus_per_node: PositiveInt = Field(
+        default=8, description="GPUs per node (a power of two): CP blocks larger than a node pay the profile's "
+                               "inter-node collectives.")
+    global_batch: PositiveInt | None = Field(
+        default=None, description="Sequences per optimizer step (give this or `tokens_per_step`; default 64).")
+    tokens_per_step: PositiveInt | None = Field(
+        default=None, description="A token budget per optimizer step instead of a number of sequences.")
+    shardings: list[ShardingMode] | None = Field(
+        default=None, min_length=1, description="Sharding modes to consider (default: all).")
+    activation_checkpointing: list[CheckpointingMode] | None = Field(
+        default=None, min_length=1,
+        description="Checkpointing modes to consider (default: the one the profile measured its activations with).")
+    cp_sizes: list[PositiveInt] | None = Field(
+        default=None, min_length=1, description="CP degrees to consider (default: every power of two dividing gpus).")
+    num_batches: PositiveInt = Field(default=8, description="Global batches drawn from the sample to price each "
+                                                            "layout on (capped by the service).")
+    seed: NonNegativeInt = Field(default=0, description="Seeds the batches drawn: the same request, the same answer.")
+    dtype: Literal["bfloat16", "float32"] = Field(
+        default="bfloat16", description="The dtype weights compute in (bytes of the gathered weights).")
+
+    @model_validator(mode="after")
+    def _one_sample_and_one_batch_size(self) -> AdviseRequest:
+        if (self.sequence_lengths is None) == (self.histogram is None):
+            raise ValueError("give exactly one of sequence_lengths and histogram")
+        if self.global_batch is not None and self.tokens_per_step is not None:
+            raise ValueError("give at most one of global_batch and tokens_per_step")
+        return self
+
+
+class SpreadModel(_Strict):
+    step_time_ms_min: NonNegativeFloat
+    step_time_ms_p10: NonNegativeFloat
+    step_time_ms_p90: NonNegativeFloat
+    step_time_ms_max: NonNegativeFloat
+    relative_spread: NonNegativeFloat = Field(description="(p90 − p10) / median of the sampled batches' times.")
+
+
+class DegreeShare(_Strict):
+    degree: Annotated[int, Field(ge=2)]
+    share: NonNegativeFloat = Field(description="Of the sampled sequences, sharded over this many CP ranks.")
+
+
+class _LayoutFields(_Strict):
+    dp_size: PositiveInt
+    cp_size: PositiveInt
+    bucket_size: NonNegativeInt = Field(description="Tokens per CP rank per micro-batch the memory model allows.")
+    sharding: ShardingMode
+    activation_checkpointing: CheckpointingMode
+    longest_trainable_sequence: NonNegativeInt = Field(description="bucket_size × cp_size.")
+    spans_nodes: bool = Field(description="Whether a CP block can cross nodes (cp_size > gpus_per_node).")
+
+
+class RankedLayoutModel(_LayoutFields):
+    rank: PositiveInt = Field(description="1 for the fastest.")
+    predicted_step_time_ms: NonNegativeFloat = Field(description="Skrull's, median over the sampled batches.")
+    tokens_per_s_per_gpu: NonNegativeFloat = Field(description="All sampled tokens over all step times, per GPU.")
+    speedup_vs_static_cp: NonNegativeFloat = Field(description="Static CP's (deepspeed) time over Skrull's, on the "
+                                                               "same layout and batches.")
+    static_cp_step_time_ms: NonNegativeFloat
+    memory_headroom_bytes: float = Field(description="Device memory left at the fullest CP rank of any micro-batch.")
+    memory_headroom_fraction: float
+    sharded_share: NonNegativeFloat = Field(description="Of the sampled sequences, sharded over several CP ranks.")
+    sharded_by_degree: list[DegreeShare]
+    micro_batches_per_step: NonNegativeFloat
+    confidence: SpreadModel
+    trainer_command: str = Field(description="The torchrun command that trains with this layout.")
+
+
+class ExcludedLayoutModel(_LayoutFields):
+    exclusion: Literal["no_memory", "too_long", "no_inter_node_table"]
+    reason: str
+    num_sequences_too_long: NonNegativeInt
+    cp_size_needed: PositiveInt | None = Field(description="The smallest CP degree that holds the sample, if any.")
+
+
+class SampleSummary(_Strict):
+    num_sequences: PositiveInt
+    longest: PositiveInt
+    mean_length: NonNegativeFloat
+
+
+class AdviceDocument(_Strict):
+    """The answer of POST /advise and the file ``skrull-advise --json`` writes."""
+
+    schema_version: Literal[1] = ADVICE_SCHEMA_VERSION
+    model: str
+    profile: str
+    gpus: PositiveInt
+    gpus_per_node: PositiveInt
+    global_batch: dict[Literal["sequences", "tokens"], PositiveInt]
+    num_batches: PositiveInt
+    seed: NonNegativeInt
+    data: str | None = Field(description="The sample's source, as the trainer's --data names it (CLI only).")
+    sample: SampleSummary
+    mean_sequences_per_batch: NonNegativeFloat
+    mean_tokens_per_batch: NonNegativeFloat
+    why: str = Field(description="Why the first layout wins, against the runner-up.")
+    layouts: list[RankedLayoutModel] = Field(description="The priced layouts, fastest first.")
+    excluded: list[ExcludedLayoutModel] = Field(description="Layouts not priced, each with its reason.")

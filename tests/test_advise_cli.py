@@ -1,0 +1,202 @@
+"""``skrull-advise`` and ``POST /advise``: the same advice from a data set, a lengths file, a synthetic sample or an
+HTTP request; the table, the JSON document and the chart; every bad input a clear error naming its field or
+flag, never a traceback or a 500; and the winner's printed command trains under torchrun."""
+
+from __future__ import annotations
+
+import json
+import random
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from skrull_proto.advise import AdviceDocument
+
+from scheduler_service.advise_cli import main as advise_main
+from scheduler_service.advise_cli import read_lengths
+from scheduler_service.cli import main as cli_main
+from scheduler_service.runtime.settings import Settings
+from scheduler_service.web.app import create_app
+from trainer_client.demo import trainer_env
+
+LENGTHS = [120, 3000, 80, 45000, 700, 9000, 64, 30000, 1500, 250, 18000, 5000] * 8
+
+
+@pytest.fixture
+def lengths_file(tmp_path: Path) -> Path:
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, LENGTHS)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    with TestClient(create_app(Settings(cpsat_warmup=False, max_advise_cells=1 << 20))) as test_client:
+        deadline = time.monotonic() + 120
+        while test_client.get("/readyz").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the planner warms up (JIT cache) before the first answer
+        yield test_client
+
+
+def _advise(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    status = advise_main([*argv, "--no-progress"])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_a_lengths_file_gives_the_ranked_table_the_json_document_and_the_chart(
+    lengths_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = _advise(["--data", str(lengths_file), "--model", "qwen2.5-7b", "--gpus", "16",
+                                "--global-batch", "32", "--json", str(tmp_path / "advice.json"),
+                                "--plot", str(tmp_path / "advice.png")], capsys)
+    assert status == 0, err
+    document = AdviceDocument.model_validate_json((tmp_path / "advice.json").read_text())
+    assert document.data == str(lengths_file) and document.sample.num_sequences == len(LENGTHS)
+    best = document.layouts[0]
+    assert f"{best.dp_size} × {best.cp_size}" in out.splitlines()[2] and f"{best.tokens_per_s_per_gpu:,.0f}" in out
+    assert f"why: {document.why}" in out and best.trainer_command in out
+    chart = (tmp_path / "advice.png").read_bytes()
+    assert chart.startswith(b"\x89PNG") and len(chart) > 10_000
+
+
+def test_the_service_answers_the_documents_numbers(
+    lengths_file: Path, tmp_path: Path, client: TestClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _advise(["--data", str(lengths_file), "--model", "qwen2.5-7b", "--gpus", "16", "--global-batch", "32",
+                    "--json", str(tmp_path / "advice.json")], capsys)[0] == 0
+    response = client.post("/advise", json={"sequence_lengths": LENGTHS, "model": "qwen2.5-7b", "gpus": 16,
+                                            "global_batch": 32})
+    assert response.status_code == 200, response.text
+    from_cli, from_service = json.loads((tmp_path / "advice.json").read_text()), response.json()
+    commands = [(ours.pop("trainer_command"), theirs.pop("trainer_command"))
+                for ours, theirs in zip(from_cli["layouts"], from_service["layouts"], strict=True)]
+    assert {**from_service, "data": from_cli["data"]} == from_cli  # the service has no --data to name
+    assert all(ours == theirs.replace(" --global-batch", f" --data {from_cli['data']} --global-batch")
+               for ours, theirs in commands)
+
+
+def test_a_histogram_is_the_sample_it_counts(client: TestClient) -> None:
+    histogram = [{"length": length, "count": LENGTHS.count(length)} for length in sorted(set(LENGTHS))]
+    by_histogram = client.post("/advise", json={"histogram": histogram, "model": "qwen2.5-7b", "gpus": 8})
+    assert by_histogram.status_code == 200, by_histogram.text
+    assert by_histogram.json()["sample"] == {"num_sequences": len(LENGTHS), "longest": max(LENGTHS),
+                                             "mean_length": sum(LENGTHS) / len(LENGTHS)}
+
+
+def test_records_are_measured_as_the_trainer_encodes_them(tmp_path: Path) -> None:
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps({"input_ids": list(range(1, length + 1))}) + "\n"
+                               for length in (5, 17, 300)))
+    assert read_lengths(str(records), sample_size=10, seed=0).tolist() == [5, 17, 300]
+    assert sorted(read_lengths(str(records), sample_size=2, seed=0).tolist()) in ([5, 17], [5, 300], [17, 300])
+
+
+def test_python_m_scheduler_service_advise_is_the_same_command(
+    lengths_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--data", str(lengths_file), "--model", "qwen2.5-7b", "--gpus", "8", "--no-progress"]
+    assert cli_main(["advise", *argv, "--json", str(tmp_path / "a.json")]) == 0
+    assert advise_main([*argv, "--json", str(tmp_path / "b.json")]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--data", "synthetic:nope"], "error: --data synthetic:nope: unknown synthetic set; known: wikipedia"),
+    (["--data", "missing.jsonl"], "error: --data 'missing.jsonl' is neither synthetic:NAME nor a file"),
+    (["--gpus", "0"], "error (gpus): gpus must be"),
+    (["--gpus", "12", "--gpus-per-node", "8"], "error (gpus): gpus 12 is not a whole number of nodes"),
+    (["--model", "qwen2.5-14b", "--gpus", "1"], "error (model): model qwen2.5-14b fits in no layout of 1 GPUs"),
+    (["--num-batches", "0"], "error (num_batches): num_batches must be"),
+    (["--sample-size", "0"], "error: --sample-size must be positive, got 0"),
+    (["--cp-sizes", "3"], "error (cp_sizes): cp_sizes must be powers of two that divide gpus 8"),
+])
+def test_bad_flags_exit_2_with_one_line_naming_them(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = {"--data": "synthetic:lmsys", "--model": "qwen2.5-7b", "--gpus": "8"}
+    flags = dict(zip(argv[::2], argv[1::2], strict=True))
+    status, _, err = _advise([word for flag, value in {**base, **flags}.items() for word in (flag, value)], capsys)
+    assert status == 2
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("", "is empty"),
+    ("100\n200\nseventy\n", ":3: 'seventy' is not a sequence length"),
+    ("100\n-5\n", "error (sequence_lengths[1]): "),
+    ("100\n5000000000\n", "error (sequence_lengths[1]): "),
+])
+def test_bad_lengths_files_are_refused_naming_the_line_or_index(
+    content: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "lengths.txt"
+    path.write_text(content)
+    status, _, err = _advise(["--data", str(path), "--model", "qwen2.5-7b", "--gpus", "8"], capsys)
+    assert status == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_records_too_long_for_every_layout_are_refused_with_the_longest_that_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "lengths.txt"
+    path.write_text("100\n900000\n")
+    status, _, err = _advise(["--data", str(path), "--model", "qwen2.5-7b", "--gpus", "8"], capsys)
+    assert status == 2
+    assert err.startswith("error (sequence_lengths): the sample's longest sequence has 900000 tokens; no layout of "
+                          "8 GPUs holds it: at most"), err
+
+
+@pytest.mark.parametrize(("body", "status", "field"), [
+    ({"sequence_lengths": [100], "model": "qwen2.5-7b"}, 422, "gpus"),
+    ({"sequence_lengths": [], "model": "qwen2.5-7b", "gpus": 8}, 422, "sequence_lengths"),
+    ({"sequence_lengths": [0, 5], "model": "qwen2.5-7b", "gpus": 8}, 422, "sequence_lengths[0]"),
+    ({"model": "qwen2.5-7b", "gpus": 8}, 422, "body"),
+    ({"sequence_lengths": [100], "model": "qwen2.5-7b", "gpus": 8, "global_batch": 8, "tokens_per_step": 9},
+     422, "body"),
+    ({"sequence_lengths": [100], "model": "gpt-9", "gpus": 8}, 422, "model"),
+    ({"sequence_lengths": [100], "model": "qwen2.5-7b", "gpus": 8, "profile": "nope"}, 422, "profile"),
+    ({"sequence_lengths": [100], "model": "qwen2.5-14b", "gpus": 1}, 422, "model"),
+    ({"sequence_lengths": [10 ** 6], "model": "qwen2.5-7b", "gpus": 8}, 422, "sequence_lengths"),
+    ({"sequence_lengths": [100], "model": "qwen2.5-7b", "gpus": 6, "gpus_per_node": 6}, 422, "gpus_per_node"),
+    ({"sequence_lengths": [100], "model": "qwen2.5-7b", "gpus": 8, "num_batches": 200, "global_batch": 60000},
+     422, "num_batches"),
+    ({"histogram": [{"length": 100, "count": 1 << 30}], "model": "qwen2.5-7b", "gpus": 8}, 422, "histogram"),
+])
+def test_bad_requests_get_a_4xx_naming_the_field_never_a_500(
+    client: TestClient, body: dict[str, object], status: int, field: str
+) -> None:
+    response = client.post("/advise", json=body)
+    assert response.status_code == status, response.text
+    problem = response.json()
+    assert field in [error["field"] for error in problem["errors"]], problem
+    if field in ("num_batches", "histogram"):
+        assert "at most" in problem["detail"]  # the limit is named
+
+
+@pytest.mark.slow
+def test_the_winners_printed_command_trains_under_torchrun(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    records = tmp_path / "records.jsonl"
+    generator = random.Random(0)
+    records.write_text("".join(json.dumps({"input_ids": [generator.randrange(1, 1024) for _ in range(length)]})
+                               + "\n" for length in [generator.choice((12, 40, 150, 900)) for _ in range(32)]))
+    assert advise_main(["--data", str(records), "--model", "tiny", "--gpus", "4", "--profile", "cpu-tiny",
+                        "--dtype", "float32", "--global-batch", "8", "--no-progress",
+                        "--json", str(tmp_path / "advice.json")]) == 0
+    capsys.readouterr()
+    command = shlex.split(json.loads((tmp_path / "advice.json").read_text())["layouts"][0]["trainer_command"])
+    assert command[:3] == ["torchrun", "--nproc-per-node", "4"]
+    metrics = tmp_path / "metrics.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", *command[1:], "--steps", "2",
+         "--no-progress", "--metrics-out", str(metrics)],
+        env=trainer_env(), capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(metrics.read_text().splitlines()) == 2
