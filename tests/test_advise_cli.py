@@ -200,3 +200,17 @@ def test_the_winners_printed_command_trains_under_torchrun(tmp_path: Path, capsy
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(metrics.read_text().splitlines()) == 2
+
+
+def test_plan_prices_blocks_across_nodes_as_the_advice_does(client: TestClient) -> None:
+    body = {"sequence_lengths": LENGTHS[:32], "dp_size": 1, "cp_size": 16, "model": "qwen2.5-7b",
+            "bucket_size": 14000, "scheduler": "deepspeed"}
+    one_node, two_nodes = (client.post("/plan", json={**body, "gpus_per_node": size}) for size in (16, 8))
+    assert one_node.status_code == two_nodes.status_code == 200, two_nodes.text
+    assert two_nodes.json()["estimated_iteration_time_ms"] > one_node.json()["estimated_iteration_time_ms"]
+    absent = client.post("/plan", json=body).json()  # absent: every CP group on one node
+    assert {**absent, "solve_time_ms": 0} == {**one_node.json(), "solve_time_ms": 0}
+    no_table = client.post("/plan", json={**body, "model": "tiny", "profile": "cpu-tiny", "cp_size": 4,
+                                          "bucket_size": 60000, "gpus_per_node": 2})
+    assert no_table.status_code == 422 and no_table.json()["errors"][0]["field"] == "profile", no_table.text
+    assert "no inter-node collective table" in no_table.json()["detail"]

@@ -30,7 +30,7 @@ def test_openapi_documents_every_endpoint_and_problem_responses() -> None:
     document = json.loads((CONTRACT_DIR / "openapi.json").read_text())
     assert set(document["paths"]) == {
         "/plan", "/models", "/healthz", "/readyz", "/metrics", "/feedback", "/feedback/{job_id}", "/profiles/reload",
-        "/samplers", "/samplers/{name}",
+        "/samplers", "/samplers/{name}", "/advise",
     }
     plan = document["paths"]["/plan"]["post"]
     assert plan["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/PlanRequest"}
@@ -38,7 +38,13 @@ def test_openapi_documents_every_endpoint_and_problem_responses() -> None:
         assert plan["responses"][status]["content"] == {
             "application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
     assert {"PlanRequest", "PlanResponse", "Problem", "ModelSpec", "SolverReport", "ShardedGroupModel",
-            "ShardedGroupLengths", "CPRankEstimateModel", "SampledBatch"} <= set(document["components"]["schemas"])
+            "ShardedGroupLengths", "CPRankEstimateModel", "SampledBatch", "AdviseRequest", "AdviceDocument",
+            "RankedLayoutModel", "ExcludedLayoutModel"} <= set(document["components"]["schemas"])
+    advise = document["paths"]["/advise"]["post"]
+    assert advise["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/AdviseRequest"}
+    assert advise["responses"]["422"]["content"] == {
+        "application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
 
 
 def test_openapi_operation_ids_are_readable() -> None:
@@ -50,7 +56,7 @@ def test_openapi_operation_ids_are_readable() -> None:
         ("POST", "/plan"): "plan", ("GET", "/models"): "listModels", ("POST", "/profiles/reload"): "reloadProfiles",
         ("POST", "/feedback"): "postFeedback", ("GET", "/feedback/{job_id}"): "getJobFeedback",
         ("GET", "/healthz"): "healthz", ("GET", "/readyz"): "readyz", ("GET", "/metrics"): "metrics",
-        ("GET", "/samplers"): "listSamplers", ("GET", "/samplers/{name}"): "drawSamples",
+        ("GET", "/samplers"): "listSamplers", ("GET", "/samplers/{name}"): "drawSamples", ("POST", "/advise"): "advise",
     }
 
 

@@ -1,5 +1,7 @@
-"""The plan viewer's server side: the page and its files are served from the package, the per-CP-rank breakdown it
-draws is the simulator's and is opt-in, and the samplers it draws batches from are seeded and bounded.
+"""The plan viewer's server side: the page and its files are served from the package, its two views (plan and
+advise) each show every problem beside a field of their own form and read only what the contract holds, the
+per-CP-rank breakdown the plan view draws is the simulator's and is opt-in, and the samplers it draws batches from
+are seeded and bounded.
 
 The page itself runs in a real browser in ``test_viewer_browser.py``.
 """
@@ -15,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import BaseModel
 from skrull_proto import PlanRequest, PlanResponse, SchedulerName
+from skrull_proto.advise import AdviceDocument, AdviseRequest, ExcludedLayoutModel, RankedLayoutModel
 
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.samplers import DATASETS, sample_lengths
@@ -49,28 +53,99 @@ class _Assets(HTMLParser):
             self.urls.append(values["href"] or "")
 
 
+class _Forms(HTMLParser):
+    """Each form's boxes (its ``.field`` elements, by ``data-field``), and every element id of the page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.boxes: dict[str, set[str]] = {}
+        self.ids: set[str] = set()
+        self._form: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = dict(attrs)
+        if values.get("id"):
+            self.ids.add(values["id"] or "")
+        if tag == "form":
+            self._form = values["id"]
+            self.boxes[self._form or ""] = set()
+        if self._form is not None and values.get("data-field"):
+            self.boxes[self._form].add(values["data-field"] or "")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "form":
+            self._form = None
+
+
+def _module_imports(script: str) -> list[str]:
+    """The static files an ES module imports (``import … from "./common.js"``)."""
+    return re.findall(r'^import [^;]*? from "\./([\w-]+\.js)";', script, re.MULTILINE)
+
+
+def _field_boxes(script: str) -> dict[str, str]:
+    """A view's ``FIELD_BOXES``: a problem's field → the box of its form that shows it."""
+    found = re.search(r"^const FIELD_BOXES = \{(.*?)\};", script, re.MULTILINE | re.DOTALL)
+    assert found is not None
+    return dict(re.findall(r'(\w+): "(\w+)"', found.group(1)))
+
+
 def test_root_serves_the_viewer_page_whose_assets_all_come_from_the_service(client: TestClient) -> None:
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     parser = _Assets()
     parser.feed(page.text)
     assert sorted(parser.urls) == ["/static/viewer.css", "/static/viewer.js"]
-    for url in parser.urls:
+    loaded, pending = set(), list(parser.urls)
+    while pending:  # the page's files, then the modules its script imports, and theirs
+        url = pending.pop()
+        loaded.add(url)
         asset = client.get(url)
         assert asset.status_code == 200 and asset.content == (STATIC_DIR / url.removeprefix("/static/")).read_bytes()
+        if url.endswith(".js"):  # a browser runs a module only when it is served as JavaScript
+            assert asset.headers["content-type"].split(";")[0] in ("text/javascript", "application/javascript")
+            pending += [f"/static/{name}" for name in _module_imports(asset.text) if f"/static/{name}" not in loaded]
+    assert loaded == {f"/static/{path.name}" for path in STATIC_DIR.iterdir() if path.name != "index.html"}
 
 
-def test_viewer_script_talks_only_to_the_public_api() -> None:
-    script = (STATIC_DIR / "viewer.js").read_text()
-    urls = set(re.findall(r'call\("(?:GET|POST)", [`"](/[a-z]+)', script))
-    assert urls == {"/models", "/samplers", "/plan"}
-    assert "http://" not in script.replace('"http://www.w3.org/2000/svg"', "") and "https://" not in script
+def test_viewer_scripts_talk_only_to_the_public_api() -> None:
+    scripts = "\n".join(path.read_text() for path in sorted(STATIC_DIR.glob("*.js")))
+    urls = set(re.findall(r'call\("(?:GET|POST)", [`"](/[a-z]+)', scripts))
+    assert urls == {"/models", "/samplers", "/plan", "/advise"}
+    assert "http://" not in scripts.replace('"http://www.w3.org/2000/svg"', "") and "https://" not in scripts
 
 
 def test_static_files_ship_in_the_wheel() -> None:
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert "static/*" in pyproject["tool"]["setuptools"]["package-data"]["scheduler_service.web"]
-    assert {path.name for path in STATIC_DIR.iterdir()} == {"index.html", "viewer.js", "viewer.css"}
+    assert {path.name for path in STATIC_DIR.iterdir()} == {"index.html", "viewer.js", "advise.js", "common.js",
+                                                            "viewer.css"}
+
+
+def test_page_has_a_plan_view_and_an_advise_view_each_with_its_own_form() -> None:
+    forms = _Forms()
+    forms.feed((STATIC_DIR / "index.html").read_text())
+    assert {"tab-plan", "plan-view", "tab-advise", "advise-view", "advice", "layouts", "excluded"} <= forms.ids
+    assert set(forms.boxes) == {"plan-form", "advise-form"}
+    for form, script in (("plan-form", "viewer.js"), ("advise-form", "advise.js")):
+        boxes = _field_boxes((STATIC_DIR / script).read_text())
+        # every problem lands in a box of the form it came from; anything else in that form's "request" box
+        assert set(boxes.values()) | {"request"} <= forms.boxes[form], form
+    advise_boxes = _field_boxes((STATIC_DIR / "advise.js").read_text())
+    # each field the advise form sends, and the sampler's query of a synthetic draw, shows its problem beside it
+    sent = {"sequence_lengths", "model", "profile", "gpus", "gpus_per_node", "global_batch", "seed"}
+    assert sent <= set(advise_boxes) and sent <= set(AdviseRequest.model_fields)
+    assert {"name", "num_sequences"} <= set(advise_boxes)
+
+
+def test_advise_view_reads_only_fields_the_advice_document_has() -> None:
+    script = (STATIC_DIR / "advise.js").read_text()
+    confidence = RankedLayoutModel.model_fields["confidence"].annotation
+    assert confidence is not None and issubclass(confidence, BaseModel)
+    readers = {"advice": AdviceDocument, "layout": RankedLayoutModel, "l": RankedLayoutModel,
+               "excluded": ExcludedLayoutModel, "confidence": confidence}
+    for name, model in readers.items():
+        read = set(re.findall(rf"(?<![.\w]){name}\.(\w+)", script))  # `layout.x`, not `advice.layout.x`
+        assert read and read <= set(model.model_fields), (name, read - set(model.model_fields))
 
 
 def test_plan_breakdown_is_opt_in_so_earlier_clients_see_the_same_response(client: TestClient) -> None:

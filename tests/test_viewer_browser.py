@@ -2,12 +2,16 @@
 Selenium against the service under uvicorn. Skipped, saying why, where Chromium or its driver is absent (CI).
 
 What a user does: load the page, give a batch (a CSV file here), plan it with two schedulers, and read the chart
-and numbers — which must be what ``/plan`` answers; give a bad batch and see the service's problem beside it.
+and numbers — which must be what ``/plan`` answers; give a bad batch and see the service's problem beside it. In
+the advise view: give a sample and a GPU count, read the ranked layouts — which must be what ``/advise`` answers —,
+open one layout's plan with one click, and see the service's problems beside the advise form's fields.
 """
 
 from __future__ import annotations
 
 import shutil
+import struct
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +22,8 @@ from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -160,3 +165,167 @@ def test_a_link_fills_the_form_and_plans_at_once(browser: WebDriver, live_port: 
     expected = httpx.post(f"http://127.0.0.1:{live_port}/plan", json={
         "sequence_lengths": drawn["sequence_lengths"], "dp_size": 1, "cp_size": 2, "scheduler": "skrull_binary"}).json()
     assert cell(browser, "iteration", "skrull_binary") == f"{expected['estimated_iteration_time_ms']:.2f}"
+
+
+# ---- the advise view -----------------------------------------------------------------------------------------
+
+ADVISE = {"model": "qwen2.5-7b", "gpus": 32, "gpus_per_node": 8, "global_batch": 32, "seed": 0}
+SAMPLE = {"num_sequences": 300, "seed": 0}  # synthetic:chatqa2
+
+
+@pytest.fixture
+def advise_page(browser: WebDriver, live_port: int) -> WebDriver:
+    browser.get(f"http://127.0.0.1:{live_port}/")
+    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"))
+    browser.find_element(By.ID, "tab-advise").click()
+    assert browser.find_element(By.ID, "advise-form").is_displayed()
+    assert not browser.find_element(By.ID, "plan-form").is_displayed()
+    Select(browser.find_element(By.ID, "advise-model")).select_by_value(str(ADVISE["model"]))
+    for name, value in (("sample", "synthetic:chatqa2"), ("sample-size", SAMPLE["num_sequences"]),
+                        ("advise-seed", ADVISE["seed"]), ("gpus", ADVISE["gpus"]),
+                        ("gpus-per-node", ADVISE["gpus_per_node"]), ("global-batch", ADVISE["global_batch"])):
+        type_into(browser, name, value)
+    return browser
+
+
+def type_into(page: WebDriver, field_id: str, value: object) -> None:
+    field = page.find_element(By.ID, field_id)
+    field.clear()
+    field.send_keys(str(value))
+
+
+def advise_and_wait(page: WebDriver) -> None:
+    page.find_element(By.ID, "advise").click()
+    WebDriverWait(page, WAIT_S).until(lambda d: d.find_element(By.ID, "advise").is_enabled()
+                                      and d.find_element(By.ID, "advise-status").text.startswith(("ranked", "no")))
+
+
+def advise_problem(page: WebDriver, box: str) -> str:
+    return page.find_element(By.CSS_SELECTOR, f'#advise-form .field[data-field="{box}"] .problem').text
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def test_advise_view_ranks_what_advise_answers_and_opens_a_layouts_plan_in_one_click(
+    advise_page: WebDriver, live_port: int, tmp_path: Path
+) -> None:
+    page, service = advise_page, f"http://127.0.0.1:{live_port}"
+    advise_and_wait(page)
+    sample = httpx.get(f"{service}/samplers/chatqa2", params=SAMPLE).json()["sequence_lengths"]
+    profile = httpx.get(f"{service}/models").json()["default_profile"]
+    advice = httpx.post(f"{service}/advise", json={"sequence_lengths": sample, "profile": profile, **ADVISE},
+                        timeout=WAIT_S).json()
+    layouts = advice["layouts"]
+    assert len(layouts) >= 2 and any(layout["spans_nodes"] for layout in layouts)
+    assert page.find_element(By.ID, "advise-status").text == f"ranked {len(layouts)} layouts; " \
+                                                             f"{len(advice['excluded'])} excluded"
+    assert page.find_element(By.ID, "why").text == advice["why"]
+    rows = page.find_elements(By.CSS_SELECTOR, "#layouts tr.layout")
+    assert [row.get_attribute("data-rank") for row in rows] == [str(layout["rank"]) for layout in layouts]
+    for row, layout in zip(rows, layouts, strict=True):
+        def shown(metric: str, row: WebElement = row) -> str:
+            return row.find_element(By.CSS_SELECTOR, f'td[data-metric="{metric}"]').text
+
+        assert shown("layout").startswith(f"dp {layout['dp_size']} × cp {layout['cp_size']}")
+        assert ("nodes" in shown("layout")) == layout["spans_nodes"]
+        assert shown("throughput") == f"{layout['tokens_per_s_per_gpu']:,.0f}"
+        static_cp = layout["tokens_per_s_per_gpu"] / layout["speedup_vs_static_cp"]
+        assert shown("static-throughput") == f"{static_cp:,.0f}"
+        assert shown("speedup") == f"{layout['speedup_vs_static_cp']:.2f}×"
+        assert shown("step-time") == f"{layout['predicted_step_time_ms']:.1f}"
+        command = page.find_element(By.CSS_SELECTOR, f'#layouts tr.command[data-rank="{layout["rank"]}"] code')
+        assert command.text == layout["trainer_command"]
+    copy = page.find_element(By.CSS_SELECTOR, '#layouts tr.command[data-rank="1"] button.copy')
+    copy.click()  # to the clipboard where the browser allows it, else the command is selected for the user
+    WebDriverWait(page, WAIT_S).until(lambda _: copy.text in ("Copied", "Selected: copy it"))
+    chart_rows = page.find_elements(By.CSS_SELECTOR, "svg.advice-chart g.layout-row")
+    assert len(chart_rows) == len(layouts)
+    first_bar = chart_rows[0].find_element(By.CSS_SELECTOR, "text.skrull-value").text
+    assert first_bar.startswith(f"{layouts[0]['tokens_per_s_per_gpu']:,.0f}")
+    reasons = [cell.text for cell in page.find_elements(By.CSS_SELECTOR, '#excluded td[data-metric="reason"]')]
+    assert len(reasons) == len(advice["excluded"])
+    assert all(excluded["reason"] in shown for shown, excluded in zip(reasons, advice["excluded"], strict=True))
+    screenshot = tmp_path / "advise.png"
+    assert page.save_screenshot(str(screenshot))
+    assert png_size(screenshot)[0] >= 1000 and screenshot.stat().st_size > 50_000  # drawn, not a blank page
+
+    # one click on a layout that spans nodes and has several DP ranks plans a batch of the sample on it
+    layout = next(layout for layout in layouts if layout["spans_nodes"] and layout["dp_size"] > 1)
+    rank = layout["rank"]
+    page.find_element(By.CSS_SELECTOR, f'#layouts tr.layout[data-rank="{rank}"] button.open-plan').click()
+    WebDriverWait(page, WAIT_S).until(lambda d: d.find_element(By.ID, "plan").is_enabled()
+                                      and d.find_element(By.ID, "status").text.startswith("planned"))
+    assert page.find_element(By.ID, "plan-form").is_displayed()
+    assert not page.find_element(By.ID, "advice").is_displayed()
+    assert page.find_element(By.ID, "status").text == "planned 1 of 1"
+    assert page.find_element(By.ID, "plan-origin").text.startswith(f"Layout {rank} of the advice")
+    setup = {"dp_size": layout["dp_size"], "cp_size": layout["cp_size"], "bucket_size": layout["bucket_size"],
+             "gpus_per_node": advice["gpus_per_node"]}  # so blocks across nodes are priced as the advice did
+    for field_id, value in (("dp", setup["dp_size"]), ("cp", setup["cp_size"]), ("bucket", setup["bucket_size"]),
+                            ("plan-gpus-per-node", setup["gpus_per_node"]), ("model", advice["model"]),
+                            ("profile", advice["profile"])):
+        assert page.find_element(By.ID, field_id).get_attribute("value") == str(value)
+    batch = [int(token) for token in str(page.find_element(By.ID, "lengths").get_attribute("value")).split(", ")]
+    assert len(batch) == ADVISE["global_batch"] and not Counter(batch) - Counter(sample)  # drawn from the sample
+    planned = {"sequence_lengths": batch, "model": advice["model"], "profile": advice["profile"], **setup}
+    expected = httpx.post(f"{service}/plan", json={**planned, "scheduler": "skrull"}).json()
+    assert cell(page, "iteration", "skrull") == f"{expected['estimated_iteration_time_ms']:.2f}"
+    labels = page.find_elements(By.CSS_SELECTOR, 'svg.gantt[data-scheduler="skrull"] text.row-label')
+    assert len(labels) == layout["dp_size"] * layout["cp_size"]
+
+    # the advice is still there, and the same layout opens the same batch again
+    page.find_element(By.ID, "tab-advise").click()
+    assert page.find_element(By.ID, "advice").is_displayed()
+    page.find_element(By.CSS_SELECTOR, f'svg.advice-chart g.layout-row[data-rank="{rank}"]').click()
+    WebDriverWait(page, WAIT_S).until(lambda d: d.find_element(By.ID, "plan-form").is_displayed()
+                                      and d.find_element(By.ID, "status").text == "planned 1 of 1")
+    assert page.find_element(By.ID, "lengths").get_attribute("value") == ", ".join(map(str, batch))
+
+
+def test_advise_view_shows_the_services_problems_beside_the_bad_fields(advise_page: WebDriver, live_port: int) -> None:
+    page, service = advise_page, f"http://127.0.0.1:{live_port}"
+    profile = httpx.get(f"{service}/models").json()["default_profile"]
+    type_into(page, "sample", "812, -5, 97")
+    type_into(page, "gpus", "0")
+    advise_and_wait(page)
+    assert page.find_element(By.ID, "advise-status").text == "no advice"
+    assert not page.find_element(By.ID, "advice").is_displayed()
+    problem = httpx.post(f"{service}/advise", json={"sequence_lengths": [812, -5, 97], "profile": profile,
+                                                     **ADVISE, "gpus": 0}).json()
+    expected = {error["field"]: f"{error['field']}: {error['message']}" for error in problem["errors"]}
+    assert set(expected) == {"sequence_lengths[1]", "gpus"}
+    assert advise_problem(page, "sample") == expected["sequence_lengths[1]"]
+    assert advise_problem(page, "gpus") == expected["gpus"]
+
+    type_into(page, "gpus", "8")
+    type_into(page, "sample", "812, 5000000")  # longer than any layout of 8 GPUs holds
+    advise_and_wait(page)
+    problem = httpx.post(f"{service}/advise", json={"sequence_lengths": [812, 5000000], "profile": profile,
+                                                     **ADVISE, "gpus": 8}, timeout=WAIT_S).json()
+    [error] = problem["errors"]
+    assert error["field"] == "sequence_lengths" and "no layout of 8 GPUs holds it" in error["message"]
+    assert advise_problem(page, "sample") == f"sequence_lengths: {error['message']}"
+    assert not advise_problem(page, "gpus")
+
+    type_into(page, "sample", "synthetic:imagenet")
+    advise_and_wait(page)
+    assert advise_problem(page, "sample").startswith("name: unknown sampler 'imagenet'; known: wikipedia")
+
+
+def test_an_advise_link_fills_the_form_and_advises_at_once(browser: WebDriver, live_port: int) -> None:
+    browser.get(f"http://127.0.0.1:{live_port}/?view=advise&sample=synthetic:docmix&sample_size=100&seed=2"
+                "&model=qwen2.5-1.5b&gpus=8&global_batch=16&advise=1")
+    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"))
+    assert browser.find_element(By.ID, "advise-view").is_displayed()
+    assert browser.find_element(By.ID, "advise-status").text.startswith("ranked")
+    service = f"http://127.0.0.1:{live_port}"
+    sample = httpx.get(f"{service}/samplers/docmix", params={"num_sequences": 100, "seed": 2}).json()
+    advice = httpx.post(f"{service}/advise", json={"sequence_lengths": sample["sequence_lengths"], "seed": 2,
+                                                    "model": "qwen2.5-1.5b", "gpus": 8, "global_batch": 16}).json()
+    first = browser.find_element(By.CSS_SELECTOR, '#layouts tr.layout[data-rank="1"] td[data-metric="throughput"]')
+    assert first.text == f"{advice['layouts'][0]['tokens_per_s_per_gpu']:,.0f}"

@@ -134,6 +134,11 @@ class PlanRequest(_Strict):
         default=None,
         description="Tokens per CP rank per micro-batch (BucketSize C); derived from the profile when absent.",
     )
+    gpus_per_node: PositiveInt | None = Field(
+        default=None,
+        description="GPUs per node (a power of two): a sharded block larger than a node is priced with the "
+        "profile's inter-node collectives. Absent: every CP group lies on one node.",
+    )
     scheduler: SchedulerName = Field(default=SchedulerName.SKRULL, description="Which scheduler plans the batch.")
     profile: str | None = Field(default=None, description="Hardware profile name; the service default when absent.")
     time_limit_s: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] | None = Field(

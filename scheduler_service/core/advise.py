@@ -352,8 +352,8 @@ def _no_memory_reason(request: AdviseRequest, layout: Layout, perf: PerformanceM
     return (f"model {request.model.name} does not fit with sharding {layout.sharding}: its weights, gradients and "
             f"optimizer states take {static_gib:.1f} GiB per rank over dp_size {layout.dp_size} × cp_size "
             f"{layout.cp_size} = {num_ranks} ranks, leaving {max(free_gib, 0.0):.2f} GiB of the "
-            f"{request.profile.device_memory_bytes / GIB:.1f} GiB of {request.profile.device} for activations: "
-            f"not one token's")
+            f"{request.profile.device_memory_bytes / GIB:.1f} GiB of {request.profile.device} for activations, "
+            f"not enough for one token")
 
 
 def _exclude_too_long(request: AdviseRequest, candidates: list[_Candidate]) -> tuple[list[_Candidate],

@@ -92,6 +92,7 @@ def request_to_problem(
         profile=request.profile,
         limits=limits,
         extra_profiles=extra_profiles,
+        gpus_per_node=request.gpus_per_node,
     )
 
 

@@ -1,9 +1,9 @@
 """The plan viewer: ``GET /`` and its files under ``/static``.
 
 One static page shipped in the package (``web/static/``: HTML, CSS and
-vanilla JavaScript; no build step, nothing from a CDN). It talks to the public
-API only (``/models``, ``/samplers`` and ``/plan`` with ``breakdown``), so it
-is also a living example of the contract.
+vanilla JavaScript as ES modules; no build step, nothing from a CDN). It talks
+to the public API only (``/models``, ``/samplers``, ``/plan`` with
+``breakdown`` and ``/advise``), so it is also a living example of the contract.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"use strict";
-// The Skrull plan viewer. It talks to the public API only: GET /models (models, schedulers), GET /samplers and
-// GET /samplers/{name} (a drawn batch), POST /plan with "breakdown": true (each CP rank's estimate per
-// micro-batch). Input is sent as typed, so every complaint shown is the service's own problem+json message,
-// placed next to the field it names.
+// The Skrull plan viewer's page and its plan view. It talks to the public API only: GET /models (models, profiles,
+// schedulers), GET /samplers and GET /samplers/{name} (a drawn batch), POST /plan with "breakdown": true (each CP
+// rank's estimate per micro-batch); the advise view (advise.js) adds POST /advise. Input is sent as typed, so every
+// complaint shown is the service's own problem+json message, placed next to the field it names.
 
-const SVG_NS = "http://www.w3.org/2000/svg";
+import { setUpAdvise } from "./advise.js";
+import {
+  byId, call, clearProblems, fmt, html, inputValue, niceStep, parseLengths, problemLines, showProblem, svg, tooltip,
+} from "./common.js";
 
 // What a CP rank spends a micro-batch on: the parts of CPRankEstimateModel that add up to its time_ms.
 const PARTS = [
@@ -14,9 +16,10 @@ const PARTS = [
   { key: "overhead", label: "fixed + exposed communication", fields: ["fixed_ms", "exposed_comm_ms"] },
 ];
 
-// A problem's "field" (its first name) → the form field (data-field) that shows it.
+// A problem's "field" (its first name) → the plan form's field (data-field) that shows it.
 const FIELD_BOXES = {
   sequence_lengths: "sequence_lengths", dp_size: "dp_size", cp_size: "cp_size", bucket_size: "bucket_size",
+  gpus_per_node: "gpus_per_node",
   model: "model", profile: "model", scheduler: "scheduler", time_limit_s: "scheduler",
   name: "sampler", num_sequences: "sampler", seed: "sampler", max_length: "sampler",
 };
@@ -24,109 +27,9 @@ const FIELD_BOXES = {
 const GANTT = { left: 96, width: 840, row: 14, gap: 10, top: 8, axis: 28 };
 const MEMORY = { bar: 7, cluster: 8, height: 90, left: 44, top: 10, axis: 30 };
 
-const byId = (id) => document.getElementById(id);
-
-function html(tag, attributes = {}, text = undefined) {
-  const node = document.createElement(tag);
-  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, value);
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
-
-function svg(tag, attributes = {}, parent = undefined) {
-  const node = document.createElementNS(SVG_NS, tag);
-  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, String(value));
-  if (parent) parent.appendChild(node);
-  return node;
-}
-
-function tooltip(node, text) {
-  svg("title", {}, node).textContent = text;
-}
-
-const fmt = (value, digits = 2) => Number(value).toFixed(digits);
-
-// ---- the service ---------------------------------------------------------------------------------------------
-
-class ServiceProblem extends Error {
-  constructor(problem) {
-    super(`${problem.title}: ${problem.detail}`);
-    this.problem = problem;
-  }
-}
-
-async function call(method, url, body = undefined) {
-  let response;
-  try {
-    response = await fetch(url, {
-      method,
-      headers: body === undefined ? {} : { "Content-Type": "application/json" },
-      body: body === undefined ? undefined : JSON.stringify(body),
-    });
-  } catch (error) {
-    throw new ServiceProblem({ title: "Service unreachable", detail: String(error.message || error), field: null });
-  }
-  const text = await response.text();
-  let data = null;
-  try {
-    data = JSON.parse(text);
-  } catch {
-    data = null;
-  }
-  if (!response.ok) {
-    const problem = data && data.title ? data : { title: `HTTP ${response.status}`, detail: text, field: null };
-    throw new ServiceProblem(problem);
-  }
-  return data;
-}
-
-// ---- problems next to fields ---------------------------------------------------------------------------------
-
-// "sequence_lengths[3]" → "sequence_lengths"; what the form does not show (or no field) → "request".
-function boxFor(field) {
-  const name = String(field || "").replace(/^(query|path)\./, "").split(/[.[]/)[0];
-  return FIELD_BOXES[name] || "request";
-}
-
-// [form field, message] pairs for one failed call: each invalid field's own message beside it when the
-// service lists them (422 invalid-request), else the problem's title and detail beside the field it names.
-function problemLines(error) {
-  const { problem } = error;
-  if (Array.isArray(problem.errors) && problem.errors.length > 0) {
-    return problem.errors.map((item) => [boxFor(item.field), `${item.field}: ${item.message}`]);
-  }
-  return [[boxFor(problem.field), error.message]];
-}
-
-function clearProblems() {
-  for (const box of document.querySelectorAll(".field")) {
-    box.classList.remove("invalid");
-    box.querySelector(".problem").textContent = "";
-  }
-}
-
-function showProblem(boxKey, message) {
-  const box = document.querySelector(`.field[data-field="${boxKey}"]`);
-  const line = box.querySelector(".problem");
-  line.textContent = line.textContent ? `${line.textContent}\n${message}` : message;
-  box.classList.add("invalid");
-}
+const planForm = () => byId("plan-form");
 
 // ---- the batch -----------------------------------------------------------------------------------------------
-
-// Numbers go as numbers, anything else as the text typed: the service says what is wrong with which item.
-function parseLengths(text) {
-  return text.split(/[\s,;]+/).filter((token) => token !== "").map((token) => {
-    const number = Number(token);
-    return Number.isFinite(number) && /^[-+0-9.eE]+$/.test(token) ? number : token;
-  });
-}
-
-function inputValue(id) {
-  const text = byId(id).value.trim();
-  const number = Number(text);
-  return text !== "" && Number.isFinite(number) ? number : text;
-}
 
 function lengthsFromCsv(text) {
   const rows = text.split(/\r?\n/).map((line) => line.split(",").map((cell) => cell.trim()))
@@ -148,6 +51,7 @@ function applyRequestFile(data) {
     if (data.cp_size !== undefined) byId("cp").value = data.cp_size;
     if (data.bucket_size !== undefined && data.bucket_size !== null) byId("bucket").value = data.bucket_size;
     if (typeof data.model === "string") byId("model").value = data.model;
+    if (typeof data.profile === "string") byId("profile").value = data.profile;
     if (typeof data.scheduler === "string") {
       for (const box of document.querySelectorAll("#schedulers input")) box.checked = box.value === data.scheduler;
     }
@@ -157,7 +61,7 @@ function applyRequestFile(data) {
 }
 
 async function loadFile() {
-  clearProblems();
+  clearProblems(planForm());
   const [file] = byId("file").files;
   if (!file) return;
   try {
@@ -177,19 +81,19 @@ async function loadFile() {
     }
     byId("lengths").value = lengths.join(", ");
   } catch (error) {
-    showProblem("file", error.message);
+    showProblem(planForm(), "file", error.message);
   }
 }
 
 async function drawBatch() {
-  clearProblems();
+  clearProblems(planForm());
   const name = encodeURIComponent(byId("sampler").value);
   const query = new URLSearchParams({ num_sequences: byId("num-sequences").value, seed: byId("seed").value });
   try {
     const batch = await call("GET", `/samplers/${name}?${query}`);
     byId("lengths").value = batch.sequence_lengths.join(", ");
   } catch (error) {
-    showProblem("sampler", error.message);
+    showProblem(planForm(), "sampler", error.message);
   }
 }
 
@@ -204,16 +108,18 @@ function planRequest(scheduler) {
     scheduler,
     breakdown: true,
   };
+  if (byId("profile").value !== "") request.profile = byId("profile").value;
   if (byId("bucket").value.trim() !== "") request.bucket_size = inputValue("bucket");
+  if (byId("plan-gpus-per-node").value.trim() !== "") request.gpus_per_node = inputValue("plan-gpus-per-node");
   return request;
 }
 
 async function planAll(event) {
   event.preventDefault();
-  clearProblems();
+  clearProblems(planForm());
   const schedulers = [...document.querySelectorAll("#schedulers input:checked")].map((box) => box.value);
   if (schedulers.length === 0) {
-    showProblem("scheduler", "choose at least one scheduler");
+    showProblem(planForm(), "scheduler", "choose at least one scheduler");
     return;
   }
   byId("plan").disabled = true;
@@ -224,7 +130,7 @@ async function planAll(event) {
     try {
       plans.push(await call("POST", "/plan", planRequest(scheduler)));
     } catch (error) {
-      for (const [box, message] of problemLines(error)) {
+      for (const [box, message] of problemLines(error, FIELD_BOXES)) {
         const key = `${box}\n${message}`;
         problems.set(key, [...(problems.get(key) || []), scheduler]);
       }
@@ -232,7 +138,7 @@ async function planAll(event) {
   }
   for (const [key, failed] of problems) {
     const [box, message] = key.split("\n");
-    showProblem(box, failed.length === schedulers.length ? message : `${failed.join(", ")}: ${message}`);
+    showProblem(planForm(), box, failed.length === schedulers.length ? message : `${failed.join(", ")}: ${message}`);
   }
   byId("status").textContent = `planned ${plans.length} of ${schedulers.length}`;
   byId("plan").disabled = false;
@@ -308,12 +214,6 @@ function renderLegend() {
     item.append(html("span", { class: `swatch part-${part.key}` }), document.createTextNode(part.label));
     return item;
   }));
-}
-
-function niceStep(maxValue, numTicks) {
-  const raw = maxValue / numTicks;
-  const power = 10 ** Math.floor(Math.log10(raw));
-  return [1, 2, 5, 10].map((m) => m * power).find((step) => step >= raw);
 }
 
 function timeAxis(root, x, y, xMaxMs, scale) {
@@ -406,16 +306,45 @@ function renderMemory(plan) {
   return figure;
 }
 
-// ---- start ---------------------------------------------------------------------------------------------------
+// ---- the page: two views over one catalogue -----------------------------------------------------------------
+
+function showView(name) {
+  for (const view of ["plan", "advise"]) {
+    byId(`${view}-view`).hidden = view !== name;
+    byId(`tab-${view}`).setAttribute("aria-selected", String(view === name));
+  }
+}
+
+// The advise view opens a layout's plan here: the plan form filled as a user would fill it, planned with skrull.
+// The note saying where the batch came from stays until the form is edited.
+async function openPlan({ lengths, dpSize, cpSize, bucketSize, gpusPerNode, model, profile, origin }) {
+  showView("plan");
+  byId("lengths").value = lengths.join(", ");
+  byId("dp").value = dpSize;
+  byId("cp").value = cpSize;
+  byId("bucket").value = bucketSize;
+  byId("plan-gpus-per-node").value = gpusPerNode;
+  byId("model").value = model;
+  byId("profile").value = profile;
+  for (const box of document.querySelectorAll("#schedulers input")) box.checked = box.value === "skrull";
+  byId("plan-origin").textContent = origin;
+  byId("plan-origin").hidden = false;
+  window.scrollTo(0, 0);
+  await planAll(new Event("submit"));
+}
 
 async function start() {
   byId("plan-form").addEventListener("submit", planAll);
+  byId("plan-form").addEventListener("input", () => { byId("plan-origin").hidden = true; });
   byId("draw").addEventListener("click", drawBatch);
   byId("file").addEventListener("change", loadFile);
+  for (const view of ["plan", "advise"]) byId(`tab-${view}`).addEventListener("click", () => showView(view));
   try {
     const [catalogue, samplers] = await Promise.all([call("GET", "/models"), call("GET", "/samplers")]);
     byId("model").replaceChildren(...catalogue.models.map((model) => html("option", { value: model.name }, model.name)));
     byId("model").value = catalogue.default_model;
+    byId("profile").replaceChildren(...catalogue.profiles.map((p) => html("option", { value: p.name }, p.name)));
+    byId("profile").value = catalogue.default_profile;
     byId("schedulers").replaceChildren(...catalogue.schedulers.map((name) => {
       const label = html("label");
       const box = html("input", { type: "checkbox", value: name, name: "scheduler" });
@@ -425,18 +354,26 @@ async function start() {
     }));
     byId("sampler").replaceChildren(...samplers.samplers.map((s) => html("option", { value: s.name }, s.name)));
     byId("sampler").value = "lmsys";
-    await applyLink(new URLSearchParams(window.location.search));
+    const advise = setUpAdvise({ catalogue, samplers: samplers.samplers, openPlan });
+    const query = new URLSearchParams(window.location.search);
+    if (query.get("view") === "advise") {
+      showView("advise");
+      await advise.applyLink(query);
+    } else {
+      await applyLink(query);
+    }
   } catch (error) {
-    showProblem("request", error.message);
+    showProblem(planForm(), "request", error.message);
   }
   document.body.dataset.ready = "true";
 }
 
 // A link can fill the form and plan at once, e.g.
-// /?sampler=longtail64k&num_sequences=64&dp=2&cp=4&schedulers=skrull,deepspeed&plan=1 (or lengths=812,30311,...).
+// /?sampler=longtail64k&num_sequences=64&dp=2&cp=4&schedulers=skrull,deepspeed&plan=1 (or lengths=812,30311,...);
+// with view=advise it fills the advise form instead (advise.js).
 async function applyLink(query) {
   const fields = { sampler: "sampler", num_sequences: "num-sequences", seed: "seed", lengths: "lengths",
-    model: "model", dp: "dp", cp: "cp", bucket: "bucket" };
+    model: "model", profile: "profile", dp: "dp", cp: "cp", bucket: "bucket" };
   for (const [name, id] of Object.entries(fields)) {
     if (query.has(name)) byId(id).value = query.get(name);
   }
