@@ -254,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
         shardings=tuple(Sharding(mode) for mode in args.sharding or Sharding),
         activation_checkpointing=tuple(ActivationCheckpointing(mode) for mode in args.activation_checkpointing or ()),
         cp_sizes=tuple(args.cp_sizes or ()), num_batches=args.num_batches, seed=args.seed,
-        compute_bytes=2 if args.dtype == "bfloat16" else 4, data=args.data,
+        compute_bytes=2 if args.dtype == "bfloat16" else 4, data=args.data, model_source=args.model,
+        profile_source=args.profile,
     )
     with tqdm(total=request.num_layouts, desc="pricing layouts", unit="layout", disable=args.no_progress,
               file=sys.stderr) as bar:

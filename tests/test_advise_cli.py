@@ -214,3 +214,16 @@ def test_plan_prices_blocks_across_nodes_as_the_advice_does(client: TestClient) 
                                           "bucket_size": 60000, "gpus_per_node": 2})
     assert no_table.status_code == 422 and no_table.json()["errors"][0]["field"] == "profile", no_table.text
     assert "no inter-node collective table" in no_table.json()["detail"]
+
+
+def test_the_commands_name_the_profile_file_and_model_folder_as_given(
+    lengths_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "measured.json"
+    shipped = Path(__file__).parents[1] / "scheduler_service" / "core" / "profiles" / "cpu-tiny.json"
+    profile.write_text(shipped.read_text())
+    assert _advise(["--data", str(lengths_file), "--model", "tiny", "--gpus", "4", "--profile", str(profile),
+                    "--dtype", "float32", "--json", str(tmp_path / "advice.json")], capsys)[0] == 0
+    for layout in json.loads((tmp_path / "advice.json").read_text())["layouts"]:
+        command = shlex.split(layout["trainer_command"])
+        assert command[command.index("--profile") + 1] == str(profile)  # the trainer reads the file, not a name

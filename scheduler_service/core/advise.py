@@ -124,6 +124,10 @@ class AdviseRequest:
     seed: int = 0
     compute_bytes: int = 2  # bytes of the dtype weights compute in: 2 bf16 (the trainer on CUDA), 4 float32
     data: str | None = None  # the sample's source as the trainer's --data names it, for the printed commands
+    # How the trainer's --model and --profile name the model and profile (a checkpoint folder, a profile file);
+    # None: by the shape's and the profile's names, which the trainer finds among the built-in ones.
+    model_source: str | None = None
+    profile_source: str | None = None
     limits: AdviseLimits = field(default_factory=AdviseLimits)
     lengths: IntArray = field(init=False, repr=False)
     checkpointing_modes: tuple[ActivationCheckpointing, ...] = field(init=False)
@@ -521,9 +525,10 @@ def trainer_command(request: AdviseRequest, layout: Layout, *, global_batch_sequ
                  "--node-rank", "$NODE_RANK", "--master-addr", "$MASTER_ADDR", "--master-port", str(MASTER_PORT)])
     data = ["--data", request.data] if request.data is not None else []
     return (*launcher, "-m", "trainer_client.train", "--dp", str(layout.dp_size), "--cp", str(layout.cp_size),
-            "--model", request.model.name, *data, "--global-batch", str(global_batch_sequences),
+            "--model", request.model_source or request.model.name, *data,
+            "--global-batch", str(global_batch_sequences),
             "--sharding", layout.sharding.value, "--activation-checkpointing", layout.activation_checkpointing.value,
-            "--bucket-size", str(layout.bucket_size), "--profile", request.profile.name,
+            "--bucket-size", str(layout.bucket_size), "--profile", request.profile_source or request.profile.name,
             "--dtype", "bfloat16" if request.compute_bytes == 2 else "float32",
             "--scheduler", SchedulerName.SKRULL.value)
 
