@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo test test-fast docs bench load stress serve schema profile accuracy feedback lint clean images docker-smoke
+.PHONY: install system-deps demo test test-fast docs bench bench-advise load stress serve schema profile accuracy feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -44,6 +44,9 @@ docs: install
 
 bench: install
 	$(PY) -m benchmarks.planning
+
+bench-advise: install
+	$(PY) -m benchmarks.advise_cpu
 
 load: install
 	$(PY) -m benchmarks.load
