@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo test test-fast docs bench bench-advise load stress serve schema profile accuracy feedback lint clean images docker-smoke
+.PHONY: install system-deps demo test test-fast docs bench bench-advise load stress serve schema profile accuracy gpu-check feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -65,6 +65,13 @@ profile: install
 
 accuracy: install
 	$(PY) -m benchmarks.accuracy
+
+# The GPU check (docs/guides/gpu.md): any CUDA machine, on that machine's own Python (GPU_PYTHON), no venv made and
+# nothing downloaded; exit status 2 where there is no CUDA device. GPU_CHECK_ARGS="--wheels DIR" brings missing
+# dependencies from wheel files, "--rehearse" runs its steps on the CPU.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR):$(CURDIR)/proto$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 feedback: install
 	$(PY) -m benchmarks.feedback

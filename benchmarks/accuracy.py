@@ -3,20 +3,20 @@
     python -m benchmarks.accuracy                  # profile this machine, then CP 1 (one process) and CP 2
     python -m benchmarks.accuracy --cp 1           # one process only (about a minute on 2 cores)
     python -m benchmarks.accuracy --profile cpu-tiny.json --cp 1
+    python -m benchmarks.accuracy --device cuda --model qwen2.5-0.5b --profile h200.json --cp 1 \
+        --bucket-size 16384 --global-batch 32     # on GPUs (make gpu-check runs it so)
 
-Per CP size, in ``cp`` gloo processes of one thread each (as ``torchrun`` runs
-the trainer): first the profiler (``trainer_client.profile``) measures the
-model on this machine with the same ranks, unless ``--profile`` gives a file;
-then global batches sampled from the paper's Table-1-shaped length
-distributions are planned with that profile (``skrull`` and ``deepspeed``,
-DP 1), and every micro-batch of every plan is run through the trainer's code
-(``pack_micro_batch`` + ``run_micro_batch``: HF model, DACP attention with
-its all-gather over the CP group, loss, backward), warm-up then the median of
-``--repeats`` runs of the slowest CP rank. The prediction is ``simulate``'s
-per-micro-batch estimate (eq. 2: ``max(T_comm, T_comp(local)) +
-T_comp(dist/N)``, max over CP ranks) under the measured profile, and beside
-it under the paper's two-coefficient ``α·FLOPs + β`` fit of the same
-measurements.
+Per CP size, in ``cp`` processes as ``torchrun`` runs the trainer (gloo with one thread each on CPU, NCCL with
+one GPU each on CUDA): first the profiler (``trainer_client.profile``) measures the model on this machine with
+the same ranks, unless ``--profile`` gives a file; then global batches sampled from the paper's
+Table-1-shaped length distributions are planned with that profile (``skrull`` and ``deepspeed``, DP 1), and
+every micro-batch of every plan is run as the trainer runs it (the model laid out by
+``loading.build_training_module``: FSDP2 ``zero2`` over the CP ranks in the trainer's dtype, bfloat16 on CUDA;
+``pack_micro_batch`` + ``run_micro_batch``: HF model, DACP attention with its all-gather over the CP group,
+loss, backward), warm-up then the median of ``--repeats`` runs of the slowest CP rank (CUDA events on CUDA).
+The prediction is ``simulate``'s per-micro-batch estimate (eq. 2: ``max(T_comm, T_comp(local)) +
+T_comp(dist/N)``, max over CP ranks) under the measured profile, and beside it under the paper's
+two-coefficient ``α·FLOPs + β`` fit of the same measurements.
 
 Reports per micro-batch and in summary the relative error |pred − meas| /
 meas: median and worst. Target: median ≤ 10% on the machine that was
@@ -27,6 +27,7 @@ medians of repeats soften that, the worst case shows it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -38,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from scheduler_service.core.plan import make_problem
@@ -47,11 +47,11 @@ from scheduler_service.core.profile import ComputeProfile, Profile, parse_profil
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import simulate
 from scheduler_service.runtime.profiles import load_profile
-from trainer_client.distributed import spawn_gloo
-from trainer_client.loss import CausalLMLoss
-from trainer_client.measure import random_samples, timed_runs
-from trainer_client.model import build_model
-from trainer_client.packing import pack_micro_batch
+from trainer_client.distributed import ParallelDims, init_parallel, max_over_ranks, spawn_ranks
+from trainer_client.loading import ModelLayout, build_training_module
+from trainer_client.measure import local_pack, random_samples, timed_runs
+from trainer_client.packing import PackedMicroBatch, pack_micro_batch
+from trainer_client.parallelize import ActivationCheckpointing, Sharding, prepare_micro_batch
 from trainer_client.profile import ProfileOptions, measure_profile
 from trainer_client.trainer import run_micro_batch
 
@@ -63,6 +63,7 @@ TARGET_MEDIAN_ERROR = 0.10
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AccuracyOptions:
     model: str = "tiny"
+    device: str = "cpu"  # cpu | cuda
     cp_size: int = 1
     bucket_size: int | None = None  # tokens per CP rank; default 2048 / cp_size: sequences within the profiled sweep
     global_batch: int = 16
@@ -106,29 +107,45 @@ def _paper_profile(document: dict[str, Any], profile: Profile) -> Profile:
 
 
 def _rank_main(options: AccuracyOptions, out_path: Path) -> None:
-    """One gloo rank: profile (unless given), plan, run and time every micro-batch; rank 0 writes the rows."""
-    rank, cp_size = dist.get_rank(), dist.get_world_size()
+    """One rank: profile (unless given), plan, run and time every micro-batch; rank 0 writes the rows."""
+    cp_size = dist.get_world_size()
+    parallel = init_parallel(ParallelDims(dp_size=1, cp_size=cp_size), device_type=options.device)
+    rank, device = parallel.global_rank, parallel.device
     bucket_size = options.bucket_size or 2048 // cp_size
     if options.profile_path is not None:
         document = json.loads(Path(options.profile_path).read_text())
         profile = load_profile(options.profile_path)
     else:
-        shared: list[dict[str, Any] | None] = [measure_profile(ProfileOptions(model=options.model, progress=False,
-                                                                               seed=options.seed))]
-        dist.broadcast_object_list(shared, src=0)
+        shared: list[dict[str, Any] | None] = [measure_profile(ProfileOptions(
+            model=options.model, device=options.device, progress=False, seed=options.seed))]
+        dist.broadcast_object_list(shared, src=0, group=parallel.object_group)
         document = shared[0]
         assert document is not None
         profile = parse_profile(document)
     paper_profile = _paper_profile(document, profile)
-    model = CausalLMLoss(build_model(options.model, seed=options.seed))
-    model.train()
+    layout = ModelLayout.on(device, dtype=None, sharding=Sharding.ZERO2,
+                            activation_checkpointing=ActivationCheckpointing.NONE)
+    model = build_training_module(options.model, parallel=parallel, layout=layout, seed=options.seed)
+    vocab_size = model.lm.config.vocab_size
+
+    def step(pack: PackedMicroBatch) -> None:
+        for parameter in model.parameters():
+            parameter.grad = None
+        # A micro-batch amid a step's: under zero2 the weights stay gathered and nothing is reduced, so a rank
+        # with nothing to run may skip it, as in the trainer, joining no collective.
+        prepare_micro_batch(model, sharding=layout.sharding, is_last=False)
+        run_micro_batch(model, pack, num_loss_tokens=max(pack.num_loss_tokens, 1),
+                        autocast_dtype=layout.autocast_dtype)
+
+    # Every rank gathers the weights once, together, before any rank may skip a micro-batch.
+    step(local_pack((64,), vocab_size=vocab_size, device=device, seed=options.seed))
     rng = np.random.default_rng(options.seed)
     rows = []
     for dataset in options.datasets:
         for batch_index in range(options.batches_per_dataset):
             lengths = sample_lengths(dataset, options.global_batch, rng,
                                      max_length=bucket_size * cp_size).tolist()
-            samples = random_samples(lengths, vocab_size=model.lm.config.vocab_size, seed=options.seed + batch_index)
+            samples = random_samples(lengths, vocab_size=vocab_size, seed=options.seed + batch_index)
             for scheduler in options.schedulers:
                 problem = make_problem(sequence_lengths=lengths, dp_size=1, cp_size=cp_size, model=options.model,
                                        bucket_size=bucket_size, profile=profile)
@@ -140,25 +157,18 @@ def _rank_main(options: AccuracyOptions, out_path: Path) -> None:
                 micro_batches = result.plan.dp_ranks[0].micro_batches
                 for index, micro_batch in enumerate(micro_batches):
                     pack = pack_micro_batch(samples, micro_batch, cp_size=cp_size, cp_rank=rank,
-                                            cp_group=dist.group.WORLD)
-
-                    def step(pack: Any = pack) -> None:
-                        for parameter in model.parameters():
-                            parameter.grad = None
-                        if pack.num_tokens:  # as the trainer: a rank with nothing to run joins no CP collective
-                            run_micro_batch(model, pack, num_loss_tokens=max(pack.num_loss_tokens, 1))
-
+                                            cp_group=parallel.cp_group).to(device)
                     dist.barrier()
-                    times_s = timed_runs(step, device=torch.device("cpu"), warmup=options.warmup,
-                                         repeats=options.repeats)
-                    slowest = torch.tensor([statistics.median(times_s)], dtype=torch.float64)
-                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                    times_s = ([0.0] if pack.is_idle else
+                               timed_runs(functools.partial(step, pack), device=device, warmup=options.warmup,
+                                          repeats=options.repeats))
+                    slowest_s = max_over_ranks(statistics.median(times_s), device)
                     estimate = result.estimate.dp_ranks[0].micro_batches[index]
                     rows.append(MicroBatchRow(
                         cp_size=cp_size, dataset=dataset, scheduler=scheduler, batch=batch_index, micro_batch=index,
                         num_sequences=len(micro_batch.indices()), num_distributed=len(micro_batch.distributed),
                         tokens_per_rank=max(rank_estimate.tokens for rank_estimate in estimate.cp_ranks),
-                        measured_s=float(slowest.item()), predicted_s=estimate.time_s,
+                        measured_s=slowest_s, predicted_s=estimate.time_s,
                         paper_predicted_s=paper_estimate.dp_ranks[0].micro_batches[index].time_s,
                     ))
     if rank == 0:
@@ -166,10 +176,10 @@ def _rank_main(options: AccuracyOptions, out_path: Path) -> None:
 
 
 def run_accuracy(options: AccuracyOptions) -> tuple[dict[str, Any], list[MicroBatchRow]]:
-    """Run one CP size in ``options.cp_size`` gloo processes; the profile used and the measured rows."""
+    """Run one CP size in ``options.cp_size`` processes; the profile used and the measured rows."""
     with tempfile.TemporaryDirectory(prefix="skrull-accuracy-") as work:
         out_path = Path(work) / "rows.json"
-        spawn_gloo(_rank_main, options.cp_size, options, out_path)
+        spawn_ranks(_rank_main, options.cp_size, options, out_path, device_type=options.device)
         result = json.loads(out_path.read_text())
     return result["profile"], [MicroBatchRow(**row) for row in result["rows"]]
 
@@ -196,6 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     defaults = AccuracyOptions()
     parser = argparse.ArgumentParser(prog="python -m benchmarks.accuracy", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", default=defaults.device, choices=["cpu", "cuda"],
+                        help="cpu: gloo processes of one thread; cuda: NCCL processes of one GPU each")
+    parser.add_argument("--datasets", default=",".join(defaults.datasets),
+                        help="comma-separated length distributions (scheduler_service.core.samplers)")
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes to run (processes each)")
     parser.add_argument("--bucket-size", type=int, help="tokens per CP rank (default: 2048 / CP)")
     parser.add_argument("--global-batch", type=int, default=defaults.global_batch)
@@ -211,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"cases": []}
     failed = False
     for cp_size in args.cp:
-        options = AccuracyOptions(model=args.model, cp_size=cp_size, bucket_size=args.bucket_size,
+        options = AccuracyOptions(model=args.model, device=args.device, cp_size=cp_size, bucket_size=args.bucket_size,
+                                  datasets=tuple(name for name in args.datasets.split(",") if name),
                                   global_batch=args.global_batch, batches_per_dataset=args.batches,
                                   repeats=args.repeats, profile_path=args.profile, seed=args.seed)
         started = time.perf_counter()
@@ -219,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = _summary(rows)
         wall_s = time.perf_counter() - started
         fit = document["compute"]["fit"]
-        print(f"\n## CP {cp_size} ({cp_size} process(es), 1 thread each): profile {document['name']} "
+        ranks = "1 thread each" if args.device == "cpu" else "1 GPU each"
+        print(f"\n## CP {cp_size} ({cp_size} process(es), {ranks}): profile {document['name']} "
               f"(fit error median {fit['extended']['median_relative_error']:.1%}), {summary['micro_batches']} "
               f"micro-batches, {wall_s:.0f} s\n")
         if args.rows:

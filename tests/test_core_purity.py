@@ -45,3 +45,11 @@ def test_the_runtime_imports_no_web_framework() -> None:
     modules = _modules(scheduler_service.runtime)
     assert "scheduler_service.runtime.service" in modules and "scheduler_service.runtime.pools" in modules
     assert _forbidden_imports(modules, forbidden) == []
+
+
+def test_the_trainer_and_the_gpu_check_need_nothing_of_the_service() -> None:
+    """A GPU machine has the trainer's dependencies, not the service's: ``make gpu-check`` runs on its Python."""
+    modules = ["trainer_client.train", "trainer_client.profile", "benchmarks.accuracy", "benchmarks.gpu_check"]
+    forbidden = {"fastapi", "starlette", "uvicorn", "ortools", "redis", "prometheus_client", "pydantic_settings",
+                 "orjson", "matplotlib"}
+    assert _forbidden_imports(modules, forbidden) == []

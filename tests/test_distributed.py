@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from trainer_client.distributed import ParallelDims
+from trainer_client.distributed import ParallelDims, init_parallel
 
 
 @pytest.mark.parametrize(("dp_size", "cp_size", "blocks_per_row"), [(2, 8, 4 + 2), (3, 4, 2), (1, 6, 3 + 2), (2, 2, 0)])
@@ -36,3 +38,26 @@ def test_each_rank_joins_one_block_group_per_size() -> None:
     memberships = Counter((dims.global_rank(row, cp_rank), len(block))
                           for row, block in dims.cp_block_ranks() for cp_rank in block)
     assert set(memberships.values()) == {1} and len(memberships) == 16 * 2
+
+
+class _Joined(Exception):
+    """Stops init_parallel once the world group is joined: what it was joined with is what is checked."""
+
+
+def test_the_world_group_is_bound_to_the_ranks_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bound to a device, NCCL makes the world communicator at once and splits the mesh's and the blocks' groups
+    from it, rather than giving each its own buffers."""
+    joined: list[dict[str, object]] = []
+
+    def init_process_group(backend: str, **kwargs: object) -> None:
+        joined.append({"backend": backend, **kwargs})
+        raise _Joined
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    with pytest.raises(_Joined):
+        init_parallel(ParallelDims(dp_size=1, cp_size=1))
+    assert joined[0]["backend"] == "nccl" and joined[0]["device_id"] == torch.device("cuda", 0)

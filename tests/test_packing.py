@@ -67,6 +67,14 @@ def test_every_loss_token_is_trained_exactly_once(cp_size: int) -> None:
     assert sum(p.num_loss_tokens for p in packs) == sum(s.num_loss_tokens for s in samples)
 
 
+def test_loss_tokens_are_counted_on_the_host_while_packing() -> None:
+    """Read from targets on a GPU, the count would stall the step at every micro-batch; on the meta device, which
+    holds no values, reading it would raise."""
+    pack = pack_micro_batch(_samples(), _micro_batch(2), cp_size=2, cp_rank=1)
+    expected = int((pack.targets_T != IGNORE_INDEX).sum())
+    assert pack.to(torch.device("meta")).num_loss_tokens == expected > 0
+
+
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
 def test_kv_index_reads_each_chunks_causal_prefix_from_the_gathered_shards(cp_size: int) -> None:
     samples, micro_batch = _samples(), _micro_batch(cp_size)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -99,3 +101,45 @@ def test_leaving_early_stops_the_thread() -> None:
         next(iter(prefetched))
     assert threading.active_count() == threads_before
     assert len(made) <= 2  # the one consumed and at most one ahead
+
+
+class _FakeCuda:
+    """torch.cuda as the prefetch thread uses it, recording which device each thread has made current when it
+    enters a stream: CUDA's current device is per thread, and starts at GPU 0."""
+
+    def __init__(self) -> None:
+        self.current = threading.local()
+        self.stream_entered_on: list[int | None] = []
+
+    def set_device(self, device: torch.device) -> None:
+        self.current.index = device.index
+
+    @contextlib.contextmanager
+    def stream(self, stream: object) -> Iterator[None]:
+        self.stream_entered_on.append(getattr(self.current, "index", None))
+        yield
+
+
+class _Staged:
+    """A packed micro-batch's stand-in: what staging calls on it, and nothing else."""
+
+    def pin_memory(self) -> _Staged:
+        return self
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> _Staged:
+        return self
+
+    def record_stream(self, stream: object) -> None:
+        pass
+
+
+def test_the_copy_thread_makes_the_ranks_gpu_its_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeCuda()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: mock.Mock(record_event=mock.Mock()))
+    monkeypatch.setattr(torch.cuda, "stream", fake.stream)
+    monkeypatch.setattr(torch.cuda, "set_device", fake.set_device)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: mock.Mock())
+    packers = [_Staged] * 3
+    with PrefetchedMicroBatches(packers, torch.device("cuda", 3)) as prefetched:  # type: ignore[arg-type]
+        assert len(list(prefetched)) == 3
+    assert fake.stream_entered_on == [3, 3, 3]  # not GPU 0, where a context of every rank would pile up

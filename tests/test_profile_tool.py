@@ -7,15 +7,18 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 from fastapi.testclient import TestClient
 from skrull_proto import PlanResponse, ProfileDocument
 
 from scheduler_service import cli
 from scheduler_service.core.check import find_violations
+from scheduler_service.core.memory import ActivationCheckpointing, Sharding, training_profile
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, fit_line
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGroup, make_problem
@@ -27,7 +30,9 @@ from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.shard_effect_cases import flat_and_true_models, rows_timed_by
 from trainer_client import profile as profiler
+from trainer_client import profile_sweeps
 from trainer_client.distributed import spawn_gloo
+from trainer_client.measure import check_profile_machine
 from trainer_client.plan_client import PlanSource
 from trainer_client.profile_document import document_json, with_shard_effect
 from trainer_client.profile_sweeps import (
@@ -265,3 +270,60 @@ def test_trainer_plans_with_a_profile_file_and_asks_the_service_for_it_by_name(m
     assert decision.estimated_time_ms == pytest.approx(expected.estimate.iteration_time_s * 1e3)
     assert source._request(lengths).profile == "cpu-tiny-test"
     source.close()
+
+
+def test_the_activations_and_the_memory_models_static_bytes_add_up_to_each_measured_peak(measured: Path) -> None:
+    """Which bytes live where. The memory model (``scheduler_service.core.memory``) counts a layout's weights,
+    gradients and AdamW states; the profile holds the rest of each measured peak as activations. In the layout the
+    profile was measured in (zero2, float32, one rank) the two add up to every peak: nothing is counted in both,
+    nothing in neither, and the trainer's memory model adds back exactly what the profiler took out."""
+    memory = json.loads(measured.read_text())["memory"]
+    shape = MODEL_CATALOGUE["tiny"]
+    layout = training_profile(load_profile(measured), shape, sharding=Sharding.ZERO2, compute_bytes=4,
+                              activation_checkpointing=ActivationCheckpointing.NONE)
+    static = PerformanceModel(model=shape, profile=layout).static_bytes(num_state_shards=1)
+    assert memory["static_bytes_counted"] == pytest.approx(static)
+    assert static >= sum(memory["static_bytes"].values())  # at least the tensors the rank holds between steps
+    for (tokens, activations), (peak_tokens, peak) in zip(memory["points"], memory["peaks"], strict=True):
+        assert tokens == peak_tokens
+        assert activations + static == pytest.approx(peak, abs=1)
+        assert 0 < activations < peak
+
+
+def test_a_layout_whose_states_cannot_fit_is_refused_before_any_model_is_built(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(profile_sweeps, "build_training_module", never)
+    num_parameters = MODEL_CATALOGUE["tiny"].num_parameters  # zero2 keeps 24 B each in float32, zero3 16
+    out = str(tmp_path / "p.json")
+    assert profiler.main([*QUICK, "--out", out, "--memory-budget-bytes", str(20 * num_parameters)]) == 2
+    error = capsys.readouterr().err
+    assert "tiny (0.000158B parameters) under --sharding zero2 keeps 0.00354 GiB per rank" in error
+    assert "--sharding zero3 keeps 0.00236 GiB per rank" in error
+    assert profiler.main([*QUICK, "--out", out, "--memory-budget-bytes", str(6 * num_parameters)]) == 2
+    assert "even --sharding zero3 keeps 0.00236 GiB per rank: profile under torchrun over 3 ranks" \
+        in capsys.readouterr().err
+
+
+def test_a_gpu_run_refuses_a_profile_of_another_machine_naming_the_difference(
+    monkeypatch: pytest.MonkeyPatch, measured: Path
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(name="NVIDIA H100"))
+    gpu = torch.device("cuda", 0)
+    on_cpu = load_profile(measured)
+    with pytest.raises(ValueError, match=r"measured on the CPU \(.*\), this run trains on NVIDIA H100"):
+        check_profile_machine(on_cpu, gpu)
+    check_profile_machine(on_cpu, torch.device("cpu"))  # a CPU run plans with any profile
+    document = json.loads(measured.read_text())
+    document["provenance"]["hardware"]["gpu"] = "NVIDIA H200"
+    document["provenance"]["software"]["torch"] = "2.11.0+cu130"
+    with pytest.raises(ValueError, match=r"measured on NVIDIA H200, this run trains on NVIDIA H100; it was "
+                                         r"measured with torch 2\.11\.0\+cu130, this run has torch 2\.13"):
+        check_profile_machine(parse_profile(document), gpu)
+    document["provenance"]["hardware"]["gpu"] = "NVIDIA H100"
+    document["provenance"]["software"]["torch"] = "2.13.1+cu128"  # another build of the same release
+    check_profile_machine(parse_profile(document), gpu)
+    check_profile_machine(builtin_profiles()["h100-paper"], gpu)  # not measured: nothing to compare

@@ -4,8 +4,10 @@ Modules, one concept each: ``zigzag`` (which tokens a CP rank owns), ``data``
 (global batches), ``packing`` (a CP rank's row of a micro-batch), ``attention``
 (DACP attention), ``model`` (transformers model + attention registration),
 ``plan_client`` (service client, embedded fallback, feedback), ``distributed``
-(mesh, gloo launcher), ``parallelize`` (FSDP, activation checkpointing, the
-gradient all-reduce), ``config`` (the trainer's settings), ``run_identity``
+(mesh, process launcher), ``parallelize`` (FSDP, activation checkpointing, the
+gradient all-reduce), ``loading`` (the trained module on every rank without a
+full copy per rank), ``torch_compat`` (the torch calls that differ between the
+supported releases), ``config`` (the trainer's settings), ``run_identity``
 (what a checkpoint must share with the run that resumes it), ``trainer`` (the
 loop), ``loop`` (Skrull's plans, packing and loss normaliser for a training
 loop of your own), ``step_metrics`` (what a step measures and reports),

@@ -29,7 +29,8 @@ raises on any out-of-order use.
 Kernels (``AttentionBackend``), all *causal aligned bottom-right* as flash-attn
 is when ``seqlen_q != seqlen_k``:
 ``flash_attn`` (``flash_attn_varlen_func``, CUDA, fp16/bf16, when installed) →
-``torch_varlen`` (``torch.nn.attention.varlen.varlen_attn``, CUDA, fp16/bf16) →
+``torch_varlen`` (``torch.nn.attention.varlen.varlen_attn`` in whichever form the installed torch has it,
+``torch_compat.py``; CUDA, fp16/bf16) →
 ``sdpa`` (``scaled_dot_product_attention`` per sequence; CPU, any dtype).
 ``auto`` picks the first that applies; tests force ``sdpa`` by name or with
 ``SKRULL_ATTENTION_BACKEND=sdpa``.
@@ -50,6 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer_client.packing import DacpMetadata, ShardedSpec
+from trainer_client.torch_compat import torch_apis
 
 __all__ = [
     "AttentionBackend",
@@ -138,12 +140,12 @@ def varlen_causal_attn_func(
         return flash_attn_varlen_func(q_THD, k_SGD.contiguous(), v_SGD.contiguous(), cu_seqlens_q, cu_seqlens_k,
                                       max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=True)
     if kernel == AttentionBackend.TORCH_VARLEN:
-        from torch.nn.attention.varlen import varlen_attn
-
-        out_THD = varlen_attn(q_THD, k_SGD.contiguous(), v_SGD.contiguous(), cu_seqlens_q, cu_seqlens_k,
-                              max_seqlen_q, max_seqlen_k, scale=softmax_scale, window_size=(-1, 0), enable_gqa=True)
-        assert isinstance(out_THD, torch.Tensor)  # a tuple only when return_aux asks for the LSE
-        return out_THD
+        varlen_attn = torch_apis().varlen_attn
+        if varlen_attn is None:
+            raise ValueError(f"attention backend torch_varlen needs torch.nn.attention.varlen (torch "
+                             f"{torch.__version__} has none)")
+        return varlen_attn(q_THD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale)
     return _sdpa_varlen(q_THD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, softmax_scale)
 
 
@@ -217,7 +219,7 @@ class KVAllGather:
         self._input = _AwaitKVGrad.apply(kv_local_TXGD, self)
         self._send = kv_local_TXGD.detach().contiguous()
         self._buffer = self._send.new_empty((self.group_size * self._send.shape[0], *self._send.shape[1:]))
-        self._work = dist.all_gather_single(self._buffer, self._send, group=self.group, async_op=True)
+        self._work = torch_apis().all_gather_single(self._buffer, self._send, group=self.group, async_op=True)
 
     def wait(self) -> torch.Tensor:
         """The gathered rows, rank-major ``[group_size · T, ...]``; gradients flow back to this rank's rows."""
@@ -248,7 +250,8 @@ class KVAllGather:
         # Every rank holds dK/dV for every rank's shard; the owner gets their sum.
         self._send = grad_gathered_NTXGD.contiguous()
         self._buffer = self._send.new_empty((self._send.shape[0] // self.group_size, *self._send.shape[1:]))
-        self._work = dist.reduce_scatter_single(self._buffer, self._send, group=self.group, async_op=True)
+        self._work = torch_apis().reduce_scatter_single(self._buffer, self._send, group=self.group,
+                                                             async_op=True)
 
     def _wait_reduce_scatter(self) -> torch.Tensor:
         if self._work is None or not self._gathered:

@@ -51,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from scheduler_service.core.plan import block_degrees, cp_blocks
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "FirstFailure", "ParallelContext", "ParallelDims", "PeerFailed",
-           "free_port", "init_parallel", "max_over_ranks", "report_failure", "spawn_gloo"]
+           "free_port", "init_parallel", "max_over_ranks", "report_failure", "spawn_gloo", "spawn_ranks"]
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 _FIRST_FAILURE_KEY = "skrull/first_failure"  # in the default group's store: per job, and per torchrun restart
@@ -137,13 +137,16 @@ def _group_options(backend: str, timeout: timedelta) -> Backend.Options:
     return options
 
 
-def _restart_store(world_size: int, timeout: timedelta) -> dict[str, Any]:
-    """Under torchrun, the agent's store with this restart's own key prefix (``init_process_group`` arguments).
+def _world_store(world_size: int, timeout: timedelta) -> dict[str, Any]:
+    """The store the world group meets in (``init_process_group`` arguments).
 
-    torchrun keeps one agent store across ``--max-restarts`` restarts and ``env://`` adds no per-restart prefix
-    (torch 2.13), so a restarted gloo group reads the dead workers' addresses and fails to connect. Outside
-    torchrun: no arguments, ``env://`` as usual.
+    Under torchrun, the agent's store with this restart's own key prefix: torchrun keeps one agent store across
+    ``--max-restarts`` restarts and ``env://`` adds no per-restart prefix (torch 2.13), so a restarted gloo group
+    would read the dead workers' addresses and fail to connect. A lone process started without a launcher (no
+    ``MASTER_ADDR``) meets itself in an in-process store. Otherwise no arguments: ``env://`` as usual.
     """
+    if "MASTER_ADDR" not in os.environ and world_size == 1:
+        return {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
@@ -153,15 +156,17 @@ def _restart_store(world_size: int, timeout: timedelta) -> dict[str, Any]:
             "world_size": world_size}
 
 
-def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> ParallelContext:
+def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+                  device_type: str | None = None) -> ParallelContext:
     """Join the process group torchrun (or ``spawn_gloo``) set up and build the ("dp", "cp") mesh.
 
-    NCCL on CUDA, gloo on CPU; the world size is checked against dp × cp before any collective. Every group is
-    created with ``timeout_s`` (a world group made by the caller must have been given the same).
+    NCCL on CUDA, gloo on CPU (``device_type``: by default CUDA where torch sees it); the world size is checked
+    against dp × cp before any collective. Every group is created with ``timeout_s`` (a world group made by the
+    caller must have been given the same). Run without torchrun, it makes a world of this one process.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dims.check_world_size(world_size)
-    use_cuda = torch.cuda.is_available()
+    use_cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
     if use_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -171,7 +176,10 @@ def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_T
     backend = "nccl" if use_cuda else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout, **_restart_store(world_size, timeout))
+        # Bound to its GPU, the world communicator is made at once and the mesh's and blocks' groups are split
+        # from it (ncclCommSplit) instead of each making communicator buffers of its own.
+        dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None,
+                                **_world_store(world_size, timeout))
     dims.check_world_size(dist.get_world_size())
     override = (backend, _group_options(backend, timeout))
     mesh = init_device_mesh(device.type, (dims.dp_size, dims.cp_size), mesh_dim_names=("dp", "cp"),
@@ -254,19 +262,30 @@ def free_port() -> int:
 
 
 def _spawned(
-    local_rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]
+    local_rank: int, world_size: int, port: int, device_type: str, fn: Callable[..., None], args: tuple[Any, ...]
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                       RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    torch.set_num_threads(1)  # several ranks share few cores; oversubscription only slows every rank down
-    dist.init_process_group("gloo", rank=local_rank, world_size=world_size,
-                            timeout=timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S))
+    timeout = timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S)
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=local_rank, world_size=world_size, timeout=timeout, device_id=device)
+    else:
+        torch.set_num_threads(1)  # several ranks share few cores; oversubscription only slows every rank down
+        dist.init_process_group("gloo", rank=local_rank, world_size=world_size, timeout=timeout)
     try:
         fn(*args)
     finally:
         dist.destroy_process_group()
 
 
+def spawn_ranks(fn: Callable[..., None], world_size: int, *args: Any, device_type: str = "cpu") -> None:
+    """Run ``fn(*args)`` on ``world_size`` processes of this machine joined in a process group, as torchrun would:
+    gloo on CPU (one thread each), NCCL on CUDA (one GPU each). Re-raises a rank's exception."""
+    mp.spawn(_spawned, args=(world_size, free_port(), device_type, fn, args), nprocs=world_size, join=True)
+
+
 def spawn_gloo(fn: Callable[..., None], world_size: int, *args: Any) -> None:
     """Run ``fn(*args)`` on ``world_size`` CPU processes joined in a gloo group; re-raises a rank's exception."""
-    mp.spawn(_spawned, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    spawn_ranks(fn, world_size, *args, device_type="cpu")

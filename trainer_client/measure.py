@@ -5,8 +5,11 @@ run slowed by another process); on CUDA they use CUDA events, so they time the
 device, not the launch. Peak memory is the allocator's peak on CUDA; on CPU,
 where no allocator keeps one, PyTorch's ``MemTracker`` (a dispatch mode that
 follows every tensor storage's life) counts the bytes live at the peak —
-exact for tensors, blind to the allocator's own slack. Collectives time the
-exact calls DACP attention makes (``all_gather_single``, ``reduce_scatter_single``;
+exact for tensors, blind to the allocator's own slack, and blind to tensors
+made before it starts, which are counted apart. Either counts every tensor
+alive, the model's shards and optimizer states included: what of it is static
+memory is the memory model's to say (``profile_sweeps``). Collectives time the
+exact calls DACP attention makes (``torch_compat``'s ``all_gather_single`` and ``reduce_scatter_single``;
 ``all_to_all_single`` for the Ulysses comparison), launched and waited as it
 does, after a lead of compute where the caller gives one (the collectives of
 a micro-batch follow its compute), and take, per repetition, the ranks' mean.
@@ -15,6 +18,7 @@ a micro-batch follow its compute), and take, per repetition, the ranks' mean.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import platform
 import statistics
@@ -27,18 +31,22 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from scheduler_service.core.plan import MicroBatch
+from scheduler_service.core.profile import Profile
 from trainer_client.data import Sample
 from trainer_client.packing import PackedMicroBatch, pack_micro_batch
+from trainer_client.torch_compat import torch_apis, torch_release
 
 __all__ = [
     "COLLECTIVES",
-    "activation_peak_bytes",
+    "check_profile_machine",
     "collective_latency_s",
     "device_memory_bytes",
     "hardware_info",
     "local_pack",
+    "peak_bytes",
     "random_samples",
     "software_versions",
     "state_bytes",
@@ -70,37 +78,53 @@ def timed_runs(fn: Callable[[], object], *, device: torch.device, warmup: int, r
     return times_s
 
 
-def activation_peak_bytes(fn: Callable[[], object], *, device: torch.device, model: torch.nn.Module,
-                          optimizer: torch.optim.Optimizer) -> int:
-    """Peak bytes ``fn`` holds above the model's weights and optimizer states (activations, gradients,
-    temporaries)."""
+def peak_bytes(fn: Callable[[], object], *, device: torch.device) -> int:
+    """The most bytes of tensors alive at once on ``device`` while ``fn`` runs, those made before it included
+    (the model's shards, its optimizer states, what FSDP keeps gathered)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - before)
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+        return int(torch.cuda.max_memory_allocated(device))
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)  # so weights and optimizer states are told apart from activations
+    alive_before = _live_tensor_bytes(device)
+    tracker = MemTracker()  # the tensors made while fn runs; it cannot see those made before it
     with tracker:
         fn()
-    peak = tracker.get_tracker_snapshot("peak")[device]
-    static_kinds = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.OPT)
-    return int(peak["Total"] - sum(peak.get(kind, 0) for kind in static_kinds))
+    return alive_before + int(tracker.get_tracker_snapshot("peak")[device]["Total"])
+
+
+def _live_tensor_bytes(device: torch.device) -> int:
+    """Bytes of every tensor storage alive on ``device`` that Python reaches, each storage counted once. On CPU
+    no allocator keeps a total; wrapper tensors (DTensor) own no storage and are counted through their local
+    tensors."""
+    storages: dict[int, int] = {}
+    for candidate in gc.get_objects():
+        # type(), not isinstance(): that would also ask proxies and deprecated aliases for their __class__.
+        if not issubclass(type(candidate), torch.Tensor) or candidate.device != device:
+            continue
+        try:
+            storage = candidate.untyped_storage()
+            if storage.nbytes():  # FSDP frees a resharded parameter's storage by resizing it to nothing
+                storages[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass: its inner tensors are found themselves
+            continue
+    return sum(storages.values())
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of weights, gradients and optimizer states, counted tensor by tensor."""
+    """Bytes of this rank's weights, gradients (as many as it trains, in the weights' dtype) and optimizer states,
+    counted tensor by tensor: its shards where the model is sharded."""
     def size(tensor: torch.Tensor) -> int:
-        return tensor.numel() * tensor.element_size()
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.numel() * local.element_size()
 
     parameters = list(model.parameters())
     return {
         "weights": sum(size(p) for p in parameters) + sum(size(b) for b in model.buffers()),
-        "gradients": sum(size(p) for p in parameters if p.requires_grad),  # fp32/dtype of the weights, as trained
+        "gradients": sum(size(p) for p in parameters if p.requires_grad),
         "optimizer": sum(size(value) for state in optimizer.state.values() for value in state.values()
                          if isinstance(value, torch.Tensor)),
     }
@@ -127,9 +151,9 @@ def collective_latency_s(
 
     def run() -> None:
         if collective == "all_gather":
-            work = dist.all_gather_single(full, shard, group=group, async_op=True)
+            work = torch_apis().all_gather_single(full, shard, group=group, async_op=True)
         elif collective == "reduce_scatter":
-            work = dist.reduce_scatter_single(shard, full, group=group, async_op=True)
+            work = torch_apis().reduce_scatter_single(shard, full, group=group, async_op=True)
         elif collective == "all_to_all":
             work = dist.all_to_all_single(full, full.clone(), group=group, async_op=True)
         else:
@@ -198,6 +222,30 @@ def hardware_info(device: torch.device) -> dict[str, Any]:
         info.update(gpu=properties.name, gpu_memory_bytes=int(properties.total_memory),
                     gpu_capability=f"{properties.major}.{properties.minor}", gpu_count=torch.cuda.device_count())
     return info
+
+
+def check_profile_machine(profile: Profile, device: torch.device) -> None:
+    """Refuse, training on a GPU, a measured profile whose provenance says it was measured on another kind of
+    device, another GPU or another torch release: its coefficients describe that machine, not this one. Profiles
+    that were not measured (no provenance) and training on CPU pass."""
+    provenance = profile.provenance
+    if device.type != "cuda" or not provenance:
+        return
+    hardware, software = provenance.get("hardware", {}), provenance.get("software", {})
+    here = torch.cuda.get_device_properties(device).name
+    mismatches = []
+    if "gpu" not in hardware:
+        mismatches.append(f"it was measured on the CPU ({hardware.get('cpu', 'unknown')}), this run trains on "
+                          f"{here}")
+    elif hardware["gpu"] != here:
+        mismatches.append(f"it was measured on {hardware['gpu']}, this run trains on {here}")
+    measured_torch = software.get("torch")
+    if measured_torch is not None and torch_release(measured_torch) != torch_release(torch.__version__):
+        mismatches.append(f"it was measured with torch {measured_torch}, this run has torch {torch.__version__}")
+    if mismatches:
+        raise ValueError(f"profile {profile.name} does not describe this machine: {'; '.join(mismatches)}. Measure "
+                         f"one here (python -m trainer_client.profile --device cuda --model ...), or name a shipped "
+                         f"profile")
 
 
 def software_versions() -> dict[str, str | None]:

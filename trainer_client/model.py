@@ -42,7 +42,8 @@ from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape
 from trainer_client.attention import AttentionBackend, dacp_attn_varlen_func
 from trainer_client.packing import DacpMetadata, PackedMicroBatch
 
-__all__ = ["DACP_ATTENTION", "build_model", "model_inputs", "model_shape", "register_dacp_attention"]
+__all__ = ["DACP_ATTENTION", "build_empty_model", "build_model", "checkpoint_dir", "model_config", "model_inputs",
+           "model_shape", "register_dacp_attention"]
 
 DACP_ATTENTION = "dacp"
 MAX_POSITION_EMBEDDINGS = 1 << 20  # RoPE is computed from position ids on the fly; this only bounds them
@@ -124,6 +125,25 @@ def _config_from_shape(shape: ModelShape) -> PretrainedConfig:
     return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
 
 
+def checkpoint_dir(model: str) -> Path | None:
+    """``model``'s local Hugging Face checkpoint folder, or None for a catalogue name."""
+    path = Path(model)
+    if not path.is_dir():
+        return None
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {model!r} is a directory without config.json; expected a HF checkpoint")
+    return path
+
+
+def model_config(model: str) -> PretrainedConfig:
+    """The transformers config of a catalogue shape or of a local checkpoint (its config.json alone)."""
+    path = checkpoint_dir(model)
+    if path is not None:
+        config: PretrainedConfig = AutoConfig.from_pretrained(path, local_files_only=True)
+        return config
+    return _config_from_shape(_catalogue_shape(model))
+
+
 def build_model(
     model: str,
     *,
@@ -132,28 +152,44 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
 ) -> PreTrainedModel:
-    """A catalogue shape with seeded random init, or a local HF checkpoint directory.
+    """A catalogue shape with seeded random init, or a local HF checkpoint directory, whole in this process.
 
-    The same ``(model, seed)`` gives bit-identical weights in every process, so every rank starts as a replica.
+    The same ``(model, seed)`` gives bit-identical weights in every process, and leaves the random stream in the
+    same state (LoRA draws its adapters from it next). The trainer builds it on rank 0 only, as the source of every
+    rank's shards (``loading.py``).
     """
     register_dacp_attention()
-    path = Path(model)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"--model {model!r} is a directory without config.json; expected a HF checkpoint")
+    torch.manual_seed(seed)  # what draws next (LoRA's adapters) is seeded too
+    path = checkpoint_dir(model)
+    if path is not None:
         loaded: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
             path, attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
         )
         return loaded if device is None else _to(loaded, device)
-    shape = MODEL_CATALOGUE.get(model.lower())
-    if shape is None:
-        raise ValueError(f"--model {model!r} is neither a built-in model ({', '.join(MODEL_CATALOGUE)}) "
-                         f"nor a local checkpoint directory")
-    torch.manual_seed(seed)
+    shape = _catalogue_shape(model)
     built: PreTrainedModel = AutoModelForCausalLM.from_config(
         _config_from_shape(shape), attn_implementation=attn_implementation, dtype=dtype
     )
     return built if device is None else _to(built, device)
+
+
+def build_empty_model(model: str, *, attn_implementation: str = DACP_ATTENTION) -> PreTrainedModel:
+    """``model``'s structure on the meta device: every parameter's shape and dtype (float32), no memory, no
+    weights. Sharded and given its weights afterwards (``loading.py``)."""
+    register_dacp_attention()
+    config = model_config(model)
+    with torch.device("meta"):
+        empty: PreTrainedModel = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                                  dtype=torch.float32)
+    return empty
+
+
+def _catalogue_shape(model: str) -> ModelShape:
+    shape = MODEL_CATALOGUE.get(model.lower())
+    if shape is None:
+        raise ValueError(f"--model {model!r} is neither a built-in model ({', '.join(MODEL_CATALOGUE)}) "
+                         f"nor a local checkpoint directory")
+    return shape
 
 
 def _to(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
@@ -163,14 +199,10 @@ def _to(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
 
 def model_shape(model: str) -> ModelShape:
     """The planner's view of ``model``: a catalogue entry, or the shape read from a checkpoint's config."""
-    path = Path(model)
-    if not path.is_dir():
-        shape = MODEL_CATALOGUE.get(model.lower())
-        if shape is None:
-            raise ValueError(f"--model {model!r} is neither a built-in model ({', '.join(MODEL_CATALOGUE)}) "
-                             f"nor a local checkpoint directory")
-        return shape
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    path = checkpoint_dir(model)
+    if path is None:
+        return _catalogue_shape(model)
+    config = model_config(model)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelShape(
         name=path.name,

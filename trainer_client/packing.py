@@ -111,15 +111,14 @@ class PackedMicroBatch:
     position_ids_T: torch.Tensor  # int64: per local sequence from 0; global positions for shards
     targets_T: torch.Tensor  # int64: next-token targets, IGNORE_INDEX for no loss and padding
     metadata: DacpMetadata
+    # Counted on the host while packing: read from the targets once they are on a GPU, it would stall the step
+    # at every micro-batch until the device caught up.
+    num_loss_tokens: int
     is_padding: bool = False  # a zero-loss stand-in run only to match peers' collectives (padding_micro_batch)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids_T.numel())
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return int((self.targets_T != IGNORE_INDEX).sum())
 
     @property
     def is_idle(self) -> bool:
@@ -274,8 +273,9 @@ def pack_micro_batch(
         max_seqlen_local=max(local_lengths, default=0),
         sharded=sharded,
     )
-    return PackedMicroBatch(input_ids_T=_cat(row.input_ids), position_ids_T=_cat(row.positions),
-                            targets_T=_cat(row.targets), metadata=metadata)
+    targets_T = _cat(row.targets)
+    return PackedMicroBatch(input_ids_T=_cat(row.input_ids), position_ids_T=_cat(row.positions), targets_T=targets_T,
+                            metadata=metadata, num_loss_tokens=int((targets_T != IGNORE_INDEX).sum()))
 
 
 def padding_micro_batch(*, cp_size: int, cp_rank: int, pad_token_id: int = 0) -> PackedMicroBatch:
@@ -285,4 +285,5 @@ def padding_micro_batch(*, cp_size: int, cp_rank: int, pad_token_id: int = 0) ->
     metadata = DacpMetadata(cp_size=cp_size, cp_rank=cp_rank, num_local_tokens=1, cu_seqlens_local=_cu_seqlens([1]),
                             max_seqlen_local=1, sharded=())
     return PackedMicroBatch(input_ids_T=torch.tensor([pad_token_id]), position_ids_T=torch.zeros(1, dtype=torch.int64),
-                            targets_T=torch.tensor([IGNORE_INDEX]), metadata=metadata, is_padding=True)
+                            targets_T=torch.tensor([IGNORE_INDEX]), metadata=metadata, num_loss_tokens=0,
+                            is_padding=True)

@@ -5,7 +5,9 @@ A step runs its micro-batches in order. ``PrefetchedMicroBatches`` packs micro-b
 the attention metadata) in a background thread while micro-batch ``i`` computes;
 on CUDA that thread also pins the packed tensors and copies them host → device on
 a side stream (``non_blocking``), and the compute stream waits for that copy only
-when it reaches ``i + 1``. On CPU there is nothing to copy and nothing is pinned.
+when it reaches ``i + 1``. The thread first makes the rank's GPU its current device:
+that setting is per thread, and a thread left on GPU 0 would put a CUDA context of
+every rank there. On CPU there is nothing to copy and nothing is pinned.
 
 Packing holds the GIL for its numpy calls while torch's kernels release it, so the
 overlap is real wherever a core is free for the thread (a GPU host: the CPU only
@@ -94,6 +96,10 @@ class PrefetchedMicroBatches:
         self.close()
 
     def _produce(self, packers: Sequence[Callable[[], PackedMicroBatch]]) -> None:
+        if self._copy_stream is not None:
+            # CUDA's current device is per thread and starts at GPU 0: without this, every rank's copies would
+            # make a CUDA context on GPU 0 (about 0.5 GB each) however its own device was chosen.
+            torch.cuda.set_device(self._device)
         for packer in packers:
             while not self._slots.acquire(timeout=_POLL_S):
                 if self._closed.is_set():

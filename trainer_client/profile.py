@@ -32,7 +32,6 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +44,10 @@ from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import parse_profile
 from scheduler_service.core.shard_effect import predicted_shard_s
 from trainer_client.attention import AttentionBackend
-from trainer_client.parallelize import ActivationCheckpointing
+from trainer_client.parallelize import ActivationCheckpointing, Sharding
 from trainer_client.profile_document import build_document, document_json
 from trainer_client.profile_sweeps import ProfileOptions, run_sweeps
+from trainer_client.torch_compat import check_torch_version
 
 __all__ = ["EXIT_USER_ERROR", "ProfileOptions", "build_parser", "main", "measure_profile", "summary"]
 
@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--activation-checkpointing", default=defaults.activation_checkpointing,
                         choices=[a.value for a in ActivationCheckpointing],
                         help="measure activations as the trainer will run with this --activation-checkpointing")
+    parser.add_argument("--sharding", default=defaults.sharding, choices=[s.value for s in Sharding],
+                        help="lay the model over the profiling ranks as the trainer will with this --sharding")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -170,22 +172,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if (warning := check_torch_version()) is not None and is_main:
+            logging.getLogger("trainer_client.profile").warning(warning)
         options = ProfileOptions(
             model=args.model, device=args.device, name=args.name, sizes=args.sizes,
             short_length=args.short_length, memory_sizes=args.memory_sizes, comm_sizes=args.comm_sizes,
             shard_sizes=args.shard_sizes, warmup=args.warmup, repeats=args.repeats,
             memory_budget_bytes=args.memory_budget_bytes, dtype=args.dtype,
             attention_backend=args.attention_backend, activation_checkpointing=args.activation_checkpointing,
+            sharding=args.sharding,
             seed=args.seed, progress=not args.no_progress,
         )
         if args.threads is not None:
             if args.threads < 1:
                 raise ValueError(f"--threads must be positive, got {args.threads}")
             torch.set_num_threads(args.threads)
-        if world_size > 1 and not dist.is_initialized():
-            if options.device == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if options.device == "cuda" else "gloo", timeout=timedelta(seconds=600))
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         launcher = ("python" if world_size == 1 else f"torchrun --nproc-per-node {world_size}"
                     if local_world_size >= world_size else

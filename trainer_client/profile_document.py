@@ -32,7 +32,7 @@ from skrull_proto.profile import (
     StaticBytesPerParameter,
 )
 
-from scheduler_service.core.memory import Sharding, static_bytes_per_parameter
+from scheduler_service.core.memory import static_bytes_per_parameter
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, fit_compute, fit_memory
 from scheduler_service.core.profile import parse_profile
@@ -122,28 +122,38 @@ def _compute_section(options: ProfileOptions, measured: Measurements) -> Compute
 
 
 def _memory_section(options: ProfileOptions, measured: Measurements) -> MemorySection:
-    """Activations fitted per token; static memory per parameter as the trainer's default sharding keeps it."""
+    """Activations fitted per token; static memory per parameter as the profiled sharding keeps it (the trainer
+    derives its BucketSize with its own mode's, ``scheduler_service.core.memory.training_profile``)."""
     memory = fit_memory(measured.memory_points)
-    default_static = static_bytes_per_parameter(Sharding.ZERO2, compute_bytes=measured.param_dtype.itemsize)
+    static = static_bytes_per_parameter(measured.sharding, compute_bytes=measured.param_dtype.itemsize)
     return MemorySection.model_validate({
         "activation_bytes_per_token": ActivationBytesPerToken(fixed=memory.bytes_per_token, per_layer_hidden=0.0,
                                                               per_vocab=0.0),
         "beta_bytes": memory.beta_bytes,
         "reserved_bytes": measured.reserved_bytes,
-        "static_bytes_per_parameter": StaticBytesPerParameter(replicated=default_static.replicated,
-                                                              sharded=default_static.sharded),
+        "static_bytes_per_parameter": StaticBytesPerParameter(replicated=static.replicated, sharded=static.sharded),
+        "sharding": measured.sharding.value,
         "activation_checkpointing": options.activation_checkpointing,
         "fit": {"max_relative_error": memory.max_relative_error},
-        "points": [[tokens, peak] for tokens, peak in measured.memory_points],
+        "points": [[tokens, activations] for tokens, activations in measured.memory_points],
+        "peaks": [[tokens, peak] for tokens, peak in measured.memory_peaks],
+        "static_bytes_counted": measured.static_bytes_counted,
         "static_bytes": measured.static_bytes,
-        "source": ("activation peak above weights and optimizer states per micro-batch "
+        "source": ("points: activation bytes, each of peaks (every byte alive at the peak of a step's last "
+                   "micro-batch "
                    + ("(torch.cuda.max_memory_allocated)" if measured.device_type == "cuda" else
-                      "(torch.distributed._tools.mem_tracker.MemTracker: live tensor bytes)")
-                   + f" with activation checkpointing {options.activation_checkpointing}; static per parameter: "
-                     "the trainer's default --sharding zero2 (scheduler_service.core.memory; the "
-                     "trainer derives its BucketSize with its own mode's), static_bytes: weights, gradients "
-                     "and AdamW states of one unsharded replica counted per tensor. reserved: CUDA context and "
-                     "allocator slack (mem_get_info minus allocated), 0 on CPU."),
+                      "(the tensors alive before it, found through Python's objects, and the peak of those made "
+                      "during it, torch.distributed._tools.mem_tracker.MemTracker)")
+                   + f", after one before it, with activation checkpointing {options.activation_checkpointing}, the "
+                     f"model laid out by FSDP2 --sharding {measured.sharding} over {measured.world_size} rank(s) in "
+                     f"{measured.dtype_name}; largest over the ranks) less static_bytes_counted, the static bytes "
+                     "the memory model counts for that layout (static_bytes_per_parameter × parameters, its "
+                     "sharded part over the ranks); static per parameter: that layout's "
+                     "(scheduler_service.core.memory; the trainer "
+                     "derives its BucketSize with its own mode's). static_bytes: rank 0's weights, gradients and "
+                     "AdamW states (its shards) counted per tensor. reserved: device memory no tensor holds (CUDA "
+                     "context, communicator buffers, allocator slack: mem_get_info minus allocated) once the model "
+                     "was built and warm, with the allocator's cache emptied, before the sweeps; 0 on CPU."),
     })
 
 

@@ -1,13 +1,16 @@
 """The profiler's sweeps: what it measures with torch on this machine, each with warm-up and repeated timings
-summarised by the median (CUDA events on CUDA), running exactly the trainer's micro-batch code
-(``trainer.run_micro_batch``: HF model, DACP attention, loss, backward).
+summarised by the median (CUDA events on CUDA), running exactly what the trainer runs: its model laid out as
+the trainer lays it out (``loading.build_training_module``: FSDP2 over the profiling ranks in the ``--sharding``
+asked for, computing in the trainer's dtype) and its micro-batch step (``trainer.run_micro_batch``: HF model,
+DACP attention, loss, backward).
 
 * **compute**: forward + backward of packed micro-batches over a sweep of sizes and sequence mixes (one long
   sequence, many short ones, half and half; ``compute_cases``) → ``T_comp = α·FLOPs + β`` (eq. 14) and the
-  extended fit with per-token and per-sequence terms;
-* **memory**: the peak above weights and optimizer states over a sweep of packed token counts →
-  ``M(S) = α·S + β``; weights, gradients and optimizer states are counted tensor by tensor (static memory
-  measured, not guessed);
+  extended fit with per-token and per-sequence terms; each timed as a micro-batch amid a step's;
+* **memory**: over a sweep of packed token counts, the peak of a step's last micro-batch less the static memory
+  the memory model counts for the profiled layout (``scheduler_service.core.memory``) → ``M(S) = α·S + β``, so
+  that the profile's activations and the memory model's static bytes add up to the measured peak, no byte
+  counted in both; this rank's weights, gradients and optimizer states are also counted tensor by tensor;
 * **communication** (world size > 1): all-gather / reduce-scatter / all-to-all latency vs message size over all
   ranks → the tables ``T_comm`` is fitted from; the same all-gather / reduce-scatter sizes over every aligned
   block of ``s`` ranks at once (``s`` each hybrid group size: the divisors of the world size between 2 and it).
@@ -22,13 +25,17 @@ summarised by the median (CUDA events on CUDA), running exactly the trainer's mi
   rank vs as zigzag shards over every aligned block of ``d`` ranks at once (each block its own copy, so every
   rank works), for ``d`` each hybrid group size and the whole world (``shard_degrees``, ``shard_micro_batch``).
 
-Under ``torchrun`` every rank runs the compute sweep at the same time (as in training, ranks share the machine)
-and the per-rank medians are averaged; rank 0 measures memory and returns what was measured (``Measurements``).
+Under ``torchrun`` every rank runs every sweep at the same time (as in training, ranks share the machine and
+FSDP's collectives join them) and the per-rank medians are averaged, the memory peaks maximised; rank 0 returns
+what was measured (``Measurements``). Before any model is built, a layout whose weights, gradients and optimizer
+states alone exceed a rank's memory is refused (``check_states_fit``), and the device memory no tensor holds
+(``reserved_bytes``) is taken once the model is built and warm, with the allocator's cache emptied.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import statistics
 from collections.abc import Mapping, Sequence
@@ -39,34 +46,36 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from scheduler_service.core.memory import static_bytes_per_parameter
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import ComputeFit, ComputePoint, eq13_flops, fit_compute
 from scheduler_service.core.plan import MicroBatch, ShardedGroup, block_degrees, cp_blocks
 from trainer_client.attention import AttentionBackend, resolve_backend
-from trainer_client.distributed import max_over_ranks
-from trainer_client.loss import CausalLMLoss
+from trainer_client.distributed import ParallelContext, ParallelDims, init_parallel, max_over_ranks
+from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.measure import (
     COLLECTIVES,
-    activation_peak_bytes,
     collective_latency_s,
     device_memory_bytes,
     hardware_info,
     local_pack,
+    peak_bytes,
     random_samples,
     software_versions,
     state_bytes,
     timed_runs,
     utc_now,
 )
-from trainer_client.model import build_model, model_shape
+from trainer_client.model import model_shape
 from trainer_client.packing import PackedMicroBatch, pack_micro_batch
-from trainer_client.parallelize import ActivationCheckpointing, apply_activation_checkpointing
+from trainer_client.parallelize import ActivationCheckpointing, Sharding, prepare_micro_batch
 from trainer_client.trainer import run_micro_batch
 
 __all__ = [
     "GROUP_COLLECTIVES",
     "Measurements",
     "ProfileOptions",
+    "check_states_fit",
     "collective_lead_s",
     "compute_cases",
     "compute_points",
@@ -94,6 +103,7 @@ class ProfileOptions:
     dtype: str | None = None  # float32 | bfloat16 autocast; default as the trainer: float32 on CPU, bf16 on CUDA
     attention_backend: str = AttentionBackend.AUTO.value
     activation_checkpointing: str = ActivationCheckpointing.NONE.value  # as the trainer will run; recorded
+    sharding: str = Sharding.ZERO2.value  # as the trainer will run (FSDP2 over the profiling ranks); recorded
     seed: int = 0
     progress: bool = True
 
@@ -101,6 +111,7 @@ class ProfileOptions:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         ActivationCheckpointing(self.activation_checkpointing)
+        Sharding(self.sharding)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is visible to torch")
         for name in ("sizes", "memory_sizes", "comm_sizes", "shard_sizes"):
@@ -134,15 +145,18 @@ class Measurements:
     reserved_bytes: int  # CUDA context and allocator slack (mem_get_info minus allocated); 0 on CPU
     threads_per_rank: int
     dtype_name: str  # float32 | bfloat16
-    param_dtype: torch.dtype  # what the weights compute in: bfloat16 under autocast, else float32
+    param_dtype: torch.dtype  # what the model computes in (bfloat16 on CUDA by default); master weights float32
+    sharding: Sharding  # how the weights and states lay over the profiling ranks, as the trainer's --sharding
     attention_backend: str  # the backend ``--attention-backend`` resolved to on this device
     kv_bytes_per_element: int
     hardware: dict[str, Any]
     software: dict[str, str | None]
     measured_at: str  # UTC, ISO 8601
-    static_bytes: dict[str, int]  # weights, gradients and optimizer states of one unsharded replica
+    static_bytes: dict[str, int]  # rank 0's weights, gradients and optimizer states (its shards), tensor by tensor
     compute_points: list[dict[str, Any]]  # per compute case: tokens, sequences, FLOPs, median time, spread
-    memory_points: list[tuple[int, int]]  # (packed tokens, activation peak bytes)
+    memory_points: list[tuple[int, int]]  # (packed tokens, activation bytes): the peak less the static bytes
+    memory_peaks: list[tuple[int, int]]  # (packed tokens, every byte alive at the peak), the largest over ranks
+    static_bytes_counted: float  # what the memory model counts per rank for the profiled layout
     tables: dict[str, list[list[float]]]  # collective -> [[bytes, seconds], ...] over all ranks
     group_tables: dict[str, dict[str, list[list[float]]]]  # group size -> collective -> table
     shards: list[dict[str, Any]]  # per sequence length and degree: num_tokens, degree, whole_s, shard_s
@@ -174,42 +188,54 @@ def compute_points(points: Sequence[Mapping[str, Any]]) -> list[ComputePoint]:
 
 
 class _Bench:
-    """The model, its optimizer and the trainer's micro-batch step on one device."""
+    """The model as the trainer lays it out over the profiling ranks, its optimizer, and the trainer's micro-batch
+    step."""
 
-    def __init__(self, options: ProfileOptions, device: torch.device) -> None:
+    def __init__(self, options: ProfileOptions, parallel: ParallelContext, layout: ModelLayout) -> None:
         self.options = options
-        self.device = device
+        self.parallel = parallel
+        self.device = parallel.device
         self.shape: ModelShape = model_shape(options.model)
-        self.model = CausalLMLoss(build_model(options.model, seed=options.seed, device=device))
-        apply_activation_checkpointing(self.model, ActivationCheckpointing(options.activation_checkpointing))
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        dtype = options.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-        self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" else None
-        self.dtype_name = dtype
+        self.layout = layout
+        self.dtype_name = "bfloat16" if self.layout.param_dtype == torch.bfloat16 else "float32"
+        self.model = build_training_module(options.model, parallel=parallel, layout=self.layout, seed=options.seed)
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=1e-3)
         # Materialise the optimizer states (AdamW creates them lazily at the first step), then drop gradients.
-        for parameter in self.model.parameters():
+        for parameter in self.parameters:
             parameter.grad = torch.zeros_like(parameter)
         self.optimizer.step()
         self.zero_grad()
-        # The first micro-batches pay one-off costs (allocator growth, lazy kernel and autograd set-up) that
-        # a per-case warm-up of one run does not absorb for the first small cases.
-        warm = local_pack((256, 128, 64, 64), vocab_size=self.shape.vocab_size, device=device, seed=options.seed)
-        timed_runs(functools.partial(self.step, warm), device=device, warmup=3, repeats=0)
+        # The first micro-batches pay one-off costs (allocator growth, lazy kernel and autograd set-up, the first
+        # collectives) that a per-case warm-up of one run does not absorb for the first small cases.
+        warm = local_pack((256, 128, 64, 64), vocab_size=self.shape.vocab_size, device=self.device, seed=options.seed)
+        timed_runs(functools.partial(self.step, warm, is_last=True), device=self.device, warmup=3, repeats=0)
         self.zero_grad()
 
     def zero_grad(self) -> None:
-        for parameter in self.model.parameters():
-            parameter.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self, pack: PackedMicroBatch) -> None:
-        """One micro-batch as the trainer runs it (gradients start from None, as at a step's first micro-batch)."""
+    def step(self, pack: PackedMicroBatch, *, is_last: bool = False) -> None:
+        """One micro-batch as the trainer runs it, from no gradient (``run``)."""
         self.zero_grad()
+        self.run(pack, is_last=is_last)
+
+    def run(self, pack: PackedMicroBatch, *, is_last: bool = False) -> None:
+        """One micro-batch as the trainer runs it: one amid a step's micro-batches (``zero2``: the gathered weights
+        kept, gradients accumulated unsharded), or with ``is_last`` the step's last, whose backward reduces the
+        gradients (where a step's memory peaks)."""
+        prepare_micro_batch(self.model, sharding=self.layout.sharding, is_last=is_last)
         run_micro_batch(self.model, pack, num_loss_tokens=max(pack.num_loss_tokens, 1),
-                        autocast_dtype=self.autocast_dtype, attention_backend=self.options.attention_backend)
+                        autocast_dtype=self.layout.autocast_dtype, attention_backend=self.options.attention_backend)
+
+    def static_bytes(self) -> float:
+        """What the memory model counts as this rank's static memory in the profiled layout: the weights,
+        gradients and optimizer states of ``scheduler_service.core.memory``, nothing the activations hold."""
+        static = static_bytes_per_parameter(self.layout.sharding, compute_bytes=self.layout.param_dtype.itemsize)
+        return static.per_rank(self.shape.num_parameters, self.parallel.dims.world_size)
 
     def kv_bytes_per_element(self) -> int:
-        return 2 if self.autocast_dtype is not None else torch.empty((), dtype=torch.float32).element_size()
+        return self.layout.param_dtype.itemsize
 
 
 def _mean_over_ranks(value: float, world_size: int) -> float:
@@ -239,17 +265,20 @@ def _measure_compute(bench: _Bench, bar: tqdm, world_size: int) -> list[dict[str
 
 
 def _measure_memory(bench: _Bench, bar: tqdm) -> list[tuple[int, int]]:
-    points = []
+    """Per packed size, (tokens, every byte alive at the peak of a step's last micro-batch after one before it),
+    where a step's memory peaks; the largest over the ranks. What of it is activations is the peak less the static
+    bytes the memory model counts for the profiled layout (``run_sweeps``)."""
+    peaks = []
     for index, size in enumerate(bench.options.memory_sizes):
         lengths = (size,) if size <= 2 * bench.options.short_length else (
             size // 2, *(bench.options.short_length,) * ((size - size // 2) // bench.options.short_length))
         pack = local_pack(lengths, vocab_size=bench.shape.vocab_size, device=bench.device, seed=1000 + index)
-        peak = activation_peak_bytes(functools.partial(bench.step, pack), device=bench.device, model=bench.model,
-                                     optimizer=bench.optimizer)
-        points.append((pack.num_tokens, peak))
+        bench.step(pack)  # a micro-batch before the last: what it accumulates is alive at the step's peak
+        peak = peak_bytes(functools.partial(bench.run, pack, is_last=True), device=bench.device)
+        peaks.append((pack.num_tokens, int(max_over_ranks(peak, bench.device))))
         bench.zero_grad()
         bar.update()
-    return points
+    return peaks
 
 
 def shard_degrees(world_size: int) -> tuple[int, ...]:
@@ -266,21 +295,6 @@ def shard_micro_batch(world_size: int, degree: int) -> MicroBatch:
         return MicroBatch(local=local, distributed=(0,))
     return MicroBatch(local=local, distributed=(), sharded=tuple(
         ShardedGroup(cp_ranks=block, sequences=(index,)) for index, block in enumerate(cp_blocks(world_size, degree))))
-
-
-def _new_block_groups(world_size: int) -> dict[tuple[int, int], dist.ProcessGroup]:
-    """The process group of every aligned block holding this rank, by (first rank, size) as
-    ``ParallelContext.cp_block_groups`` keys them: the profiler's world is one CP group. ``new_group`` is
-    collective over the world, so every rank creates every block, in the same order."""
-    rank = dist.get_rank()
-    groups: dict[tuple[int, int], dist.ProcessGroup] = {}
-    for degree in block_degrees(world_size):
-        for block in cp_blocks(world_size, degree):
-            group = dist.new_group(list(block))
-            if rank in block:
-                assert group is not None
-                groups[(block[0], degree)] = group
-    return groups
 
 
 class _Lead:
@@ -322,12 +336,12 @@ def collective_lead_s(fit: ComputeFit, shape: ModelShape, num_bytes: float, grou
 
 def _collective_table(bench: _Bench, collective: str, group: dist.ProcessGroup | None, fit: ComputeFit,
                       lead: _Lead) -> list[list[float]]:
-    dtype = torch.bfloat16 if bench.autocast_dtype is not None else torch.float32
     group_size = dist.get_world_size(group)
     table = []
     for num_bytes in bench.options.comm_sizes:
         lead_s = collective_lead_s(fit, bench.shape, num_bytes, group_size, bench.kv_bytes_per_element())
-        latency_s = collective_latency_s(collective, num_bytes, group=group, device=bench.device, dtype=dtype,
+        latency_s = collective_latency_s(collective, num_bytes, group=group, device=bench.device,
+                                         dtype=bench.layout.param_dtype,
                                          warmup=max(bench.options.warmup, 1), repeats=max(bench.options.repeats, 3),
                                          lead=lead.of_seconds(lead_s))
         if group is not None:  # every block measured at once; a micro-batch waits for the slowest
@@ -345,14 +359,13 @@ def _measure_collectives(bench: _Bench, bar: tqdm, fit: ComputeFit, lead: _Lead)
 
 
 def _measure_group_collectives(
-    bench: _Bench, bar: tqdm, world_size: int, block_groups: Mapping[tuple[int, int], dist.ProcessGroup],
-    fit: ComputeFit, lead: _Lead,
+    bench: _Bench, bar: tqdm, world_size: int, fit: ComputeFit, lead: _Lead,
 ) -> dict[str, dict[str, list[list[float]]]]:
     """All-gather and reduce-scatter over every aligned block of each hybrid group size, all blocks at once."""
-    rank = dist.get_rank()
+    rank = bench.parallel.global_rank
     by_size: dict[str, dict[str, list[list[float]]]] = {}
     for degree in block_degrees(world_size):
-        group = block_groups[(rank // degree * degree, degree)]
+        group = bench.parallel.cp_block_group(rank // degree * degree, degree)
         by_size[str(degree)] = {}
         for collective in GROUP_COLLECTIVES:
             by_size[str(degree)][collective] = _collective_table(bench, collective, group, fit, lead)
@@ -360,12 +373,10 @@ def _measure_group_collectives(
     return by_size
 
 
-def _measure_shards(
-    bench: _Bench, bar: tqdm, world_size: int, block_groups: Mapping[tuple[int, int], dist.ProcessGroup]
-) -> list[dict[str, Any]]:
+def _measure_shards(bench: _Bench, bar: tqdm, world_size: int) -> list[dict[str, Any]]:
     """Figure 1(b) per degree: one sequence whole on every rank (concurrently) vs as 1/d zigzag shards over
     every aligned block of d ranks (concurrently)."""
-    rank, options = dist.get_rank(), bench.options
+    rank, options, parallel = bench.parallel.global_rank, bench.options, bench.parallel
     results = []
     for size in options.shard_sizes:
         (sample,) = random_samples([size], vocab_size=bench.shape.vocab_size, seed=2000 + size)
@@ -378,7 +389,8 @@ def _measure_shards(
             micro_batch = shard_micro_batch(world_size, degree)
             samples = [sample] * (1 if micro_batch.distributed else len(micro_batch.sharded))
             sharded = pack_micro_batch(samples, micro_batch, cp_size=world_size, cp_rank=rank,
-                                       cp_group=dist.group.WORLD, cp_block_groups=block_groups).to(bench.device)
+                                       cp_group=parallel.cp_group,
+                                       cp_block_groups=parallel.cp_block_groups).to(bench.device)
             dist.barrier()
             shard_times = timed_runs(functools.partial(bench.step, sharded), device=bench.device,
                                      warmup=options.warmup, repeats=options.repeats)
@@ -390,24 +402,60 @@ def _measure_shards(
 
 
 def _reserved_bytes(device: torch.device) -> int:
-    """CUDA context and allocator slack: device memory in use that no tensor holds (0 on CPU)."""
+    """Device memory in use that no tensor holds: the CUDA context, communicator buffers, the allocator's slack
+    in the blocks tensors use (0 on CPU). Taken with the allocator's cache emptied, before the sweeps: after them
+    it would count every block the sweeps cached as if it could never be used."""
     if device.type != "cuda":
         return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return max(int(total - free - torch.cuda.memory_allocated(device)), 0)
+
+
+def check_states_fit(shape: ModelShape, layout: ModelLayout, *, world_size: int, memory_budget_bytes: float) -> None:
+    """Refuse, before any model is built, a profile whose weights, gradients and optimizer states alone cannot fit
+    one rank's memory in ``layout`` over ``world_size`` ranks, saying what would."""
+    def states_per_rank(sharding: Sharding) -> float:
+        static = static_bytes_per_parameter(sharding, compute_bytes=layout.param_dtype.itemsize)
+        return static.per_rank(shape.num_parameters, world_size)
+
+    needed = states_per_rank(layout.sharding)
+    if needed < memory_budget_bytes:
+        return
+    def gib(num_bytes: float) -> str:
+        return f"{num_bytes / (1 << 30):.3g} GiB"
+
+    zero3 = states_per_rank(Sharding.ZERO3)
+    if zero3 < memory_budget_bytes:
+        advice = f"--sharding zero3 keeps {gib(zero3)} per rank"
+    else:
+        sharded = static_bytes_per_parameter(Sharding.ZERO3, compute_bytes=layout.param_dtype.itemsize).sharded
+        min_ranks = math.floor(shape.num_parameters * sharded / memory_budget_bytes) + 1
+        advice = f"even --sharding zero3 keeps {gib(zero3)} per rank: profile under torchrun over {min_ranks} ranks"
+    raise ValueError(f"{shape.name} ({shape.num_parameters / 1e9:.3g}B parameters) under --sharding {layout.sharding} "
+                     f"keeps {gib(needed)} per rank of weights, gradients and optimizer states over {world_size} "
+                     f"rank(s), more than the {gib(memory_budget_bytes)} of memory each has: {advice}")
 
 
 def run_sweeps(options: ProfileOptions) -> Measurements | None:
     """Run every sweep; rank 0 returns what was measured (``None`` on the others).
 
-    Every rank of an initialised process group must call it; without one it measures alone.
+    Every rank of torchrun's world calls it (a process group is made unless one exists); run alone, it measures
+    in a world of one process. The model is laid out as the trainer lays it out over the profiling ranks.
     """
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    is_main = not dist.is_initialized() or dist.get_rank() == 0
-    device = torch.device(options.device, int(os.environ.get("LOCAL_RANK", "0"))) if options.device == "cuda" \
-        else torch.device("cpu")
-    bench = _Bench(options, device)
-    shape = bench.shape
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    shape = model_shape(options.model)
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if options.device == "cuda"
+              else torch.device("cpu"))
+    layout = ModelLayout.on(device, dtype=options.dtype, sharding=Sharding(options.sharding),
+                            activation_checkpointing=ActivationCheckpointing(options.activation_checkpointing))
+    check_states_fit(shape, layout, world_size=world_size,
+                     memory_budget_bytes=options.memory_budget_bytes or device_memory_bytes(device))
+    parallel = init_parallel(ParallelDims(dp_size=1, cp_size=world_size), device_type=options.device)
+    is_main = parallel.is_main
+    bench = _Bench(options, parallel, layout)
+    reserved_bytes = _reserved_bytes(device)
     num_cases = len(compute_cases(options.sizes, options.short_length)) + len(options.memory_sizes)
     num_group_sizes = len(block_degrees(world_size))
     if world_size > 1:
@@ -420,27 +468,31 @@ def run_sweeps(options: ProfileOptions) -> Measurements | None:
     with bar:
         points = _measure_compute(bench, bar, world_size)
         if world_size > 1:
-            block_groups = _new_block_groups(world_size)
             # The collectives follow compute as in a micro-batch, sized by the compute just measured.
             fit = fit_compute(compute_points(points), num_layers=shape.num_layers)
             lead = _Lead(bench, world_size)
             tables = _measure_collectives(bench, bar, fit, lead)
-            group_tables = _measure_group_collectives(bench, bar, world_size, block_groups, fit, lead)
-            shards = _measure_shards(bench, bar, world_size, block_groups)
-        memory_points = _measure_memory(bench, bar) if is_main else []
+            group_tables = _measure_group_collectives(bench, bar, world_size, fit, lead)
+            shards = _measure_shards(bench, bar, world_size)
+        memory_peaks = _measure_memory(bench, bar)
     if not is_main:
         return None
-    param_dtype = bench.autocast_dtype or torch.float32
+    # Which bytes live where: the memory model counts the layout's weights, gradients and optimizer states; the
+    # profile's activations are the rest of each peak, so the two add up to it and neither counts a byte twice.
+    static_bytes = bench.static_bytes()
     hardware = hardware_info(device)
     return Measurements(
         shape=shape, world_size=world_size,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if world_size > 1 else 1,
         process_group_backend=dist.get_backend() if world_size > 1 else None,
         device_type=device.type, device_name=hardware["gpu" if device.type == "cuda" else "cpu"],
-        device_memory_bytes=device_memory_bytes(device), reserved_bytes=_reserved_bytes(device),
-        threads_per_rank=torch.get_num_threads(), dtype_name=bench.dtype_name, param_dtype=param_dtype,
-        attention_backend=resolve_backend(options.attention_backend, device=device, dtype=param_dtype).value,
+        device_memory_bytes=device_memory_bytes(device), reserved_bytes=reserved_bytes,
+        threads_per_rank=torch.get_num_threads(), dtype_name=bench.dtype_name, param_dtype=bench.layout.param_dtype,
+        sharding=bench.layout.sharding,
+        attention_backend=resolve_backend(options.attention_backend, device=device,
+                                          dtype=bench.layout.param_dtype).value,
         kv_bytes_per_element=bench.kv_bytes_per_element(), hardware=hardware, software=software_versions(),
         measured_at=utc_now(), static_bytes=state_bytes(bench.model, bench.optimizer), compute_points=points,
-        memory_points=memory_points, tables=tables, group_tables=group_tables, shards=shards,
+        memory_points=[(tokens, int(peak - static_bytes)) for tokens, peak in memory_peaks], memory_peaks=memory_peaks,
+        static_bytes_counted=static_bytes, tables=tables, group_tables=group_tables, shards=shards,
     )

@@ -6,8 +6,8 @@ Example (4 CPU processes, plans from a local scheduler service):
       --data synthetic:lmsys --global-batch 16 --steps 20 --scheduler skrull \\
       --scheduler-url http://127.0.0.1:8000 --bucket-size 4096 --seed 0 --metrics-out metrics.jsonl
 
-Exit status 2 with one message on stderr for a user error (bad flags, world
-size ≠ dp × cp, a record too long, a batch no planner can plan, ``--resume``
+Exit status 2 with one message on stderr for a user error (a torch older than
+the supported range, bad flags, world size ≠ dp × cp, a record too long, a batch no planner can plan, ``--resume``
 of a checkpoint another run wrote). Any other failure of a rank is recorded for
 torchrun (``@record``): the agent stops the other ranks at once and names the
 failing rank and its traceback; with
@@ -37,6 +37,7 @@ from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, PeerFailed,
 from trainer_client.lora import LORA_TARGETS, LoraExport
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS
 from trainer_client.parallelize import ActivationCheckpointing, Sharding
+from trainer_client.torch_compat import check_torch_version
 from trainer_client.trainer import Trainer
 
 __all__ = ["build_parser", "main"]
@@ -171,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     trainer = None
     try:
+        if (warning := check_torch_version()) is not None and is_main:
+            logging.getLogger("trainer_client.train").warning(warning)
         config = config_from_args(args)
         config.dims.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))  # before any process group work
         parallel = init_parallel(config.dims, timeout_s=config.collective_timeout_s)

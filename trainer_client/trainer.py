@@ -46,7 +46,9 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
    only (``evaluate``, ``evaluation.py``); its mean token loss is logged beside
    the training loss.
 
-With ``--lora-rank`` the model gets LoRA adapters before it is sharded and only
+Every rank builds the model empty, shards it, and receives rank 0's weights
+(``loading.py``): no rank but rank 0 ever holds the whole model. With
+``--lora-rank`` the model gets LoRA adapters before it is sharded and only
 they train (``lora.py``). The configuration and its checks are
 ``config.TrainConfig``; what each step reports (``--metrics-out``,
 ``--tensorboard-dir``) is ``step_metrics.StepMetrics``.
@@ -73,7 +75,7 @@ from tqdm import tqdm
 from scheduler_service.core.memory import training_profile
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import make_problem
-from scheduler_service.core.profile import Profile, resolve_profile
+from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, builtin_profiles, resolve_profile
 from scheduler_service.runtime.profiles import load_profile
 from trainer_client.attention import AttentionBackend
 from trainer_client.checkpoint import (
@@ -97,16 +99,17 @@ from trainer_client.data import (
 from trainer_client.distributed import ParallelContext, max_over_ranks
 from trainer_client.evaluation import EvalSet
 from trainer_client.export import export_model, load_export_tokenizer
+from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.loop import decide_plan, micro_batch_packers
-from trainer_client.lora import LoraExport, apply_lora
+from trainer_client.lora import LoraExport
 from trainer_client.loss import CausalLMLoss
-from trainer_client.model import build_model, model_shape
+from trainer_client.measure import check_profile_machine
+from trainer_client.model import model_shape
 from trainer_client.optim import clip_gradients, warmup_cosine_schedule
 from trainer_client.packing import PackedMicroBatch
 from trainer_client.parallelize import (
     ActivationCheckpointing,
     Sharding,
-    parallelize,
     prepare_micro_batch,
     reduce_gradients,
     reshard,
@@ -168,15 +171,19 @@ class Trainer:
         self.device = parallel.device
         self.sharding = Sharding(config.sharding)
         shape = model_shape(config.model)
-        dtype = config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
-        param_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        # FSDP computes in param_dtype itself (MixedPrecisionPolicy); only replicated training needs autocast.
-        self.autocast_dtype = (param_dtype if self.sharding is Sharding.NONE and param_dtype != torch.float32
-                               else None)
+        self.layout = ModelLayout.on(self.device, dtype=config.dtype, sharding=self.sharding,
+                                     activation_checkpointing=ActivationCheckpointing(config.activation_checkpointing),
+                                     loss_chunk_tokens=config.loss_chunk_tokens)
+        self.autocast_dtype = self.layout.autocast_dtype
         # A file is read here: the embedded planner plans with it, the service is asked for it by name.
         self.profile: str | Profile | None = (load_profile(config.profile) if config.profile is not None
                                               and Path(config.profile).is_file() else config.profile)
-        self.bucket_size = config.bucket_size or self._derived_bucket_size(shape, param_dtype)
+        # A file, or a shipped profile by name; another name is the service's, which this process cannot read.
+        known = (self.profile if isinstance(self.profile, Profile)
+                 else builtin_profiles().get(self.profile or DEFAULT_PROFILE))
+        if known is not None:
+            check_profile_machine(known, self.device)
+        self.bucket_size = config.bucket_size or self._derived_bucket_size(shape, self.layout.param_dtype)
         self.max_length = config.max_length or self.bucket_size * config.cp
         self.source: DataSource = make_source(
             config.data, global_batch_size=config.global_batch, vocab_size=shape.vocab_size,
@@ -195,16 +202,9 @@ class Trainer:
         self.lengths = LengthStats()  # of the batches this run trained
         self.export_tokenizer = (load_export_tokenizer(config.tokenizer)
                                  if config.output_dir is not None and config.tokenizer is not None else None)
-        lm = build_model(config.model, seed=config.seed, device=self.device)
-        if config.lora is not None:
-            apply_lora(lm, config.lora)  # in place, before sharding: frozen weights and adapters in FSDP's units
-        lm.train()
-        self.pad_token_id = int(getattr(lm.config, "pad_token_id", None) or 0)
-        self._broadcast_parameters(lm)
-        self.module = parallelize(
-            CausalLMLoss(lm, chunk_tokens=config.loss_chunk_tokens), parallel.shard_mesh, sharding=self.sharding,
-            activation_checkpointing=ActivationCheckpointing(config.activation_checkpointing), param_dtype=param_dtype,
-        )
+        self.module = build_training_module(config.model, parallel=parallel, layout=self.layout, seed=config.seed,
+                                            lora=config.lora)
+        self.pad_token_id = int(getattr(self.module.lm.config, "pad_token_id", None) or 0)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
         self.first_step = 0
@@ -258,13 +258,6 @@ class Trainer:
         tokenizer = load_tokenizer(self.config.tokenizer) if self.config.tokenizer is not None else None
         return RecordEncoder(max_length=self.max_length, truncate=self.config.truncate, vocab_size=shape.vocab_size,
                              tokenizer=tokenizer)
-
-    @staticmethod
-    @torch.no_grad()
-    def _broadcast_parameters(lm: torch.nn.Module) -> None:
-        """Seeded init already makes replicas; the broadcast guarantees it (checkpoints, nondeterministic init)."""
-        for tensor in lm.state_dict().values():
-            dist.broadcast(tensor, src=0)
 
     def _resume(self, directory: Path) -> None:
         path = latest_checkpoint(directory)

@@ -62,6 +62,11 @@ class StaticBytes:
     replicated: float
     sharded: float
 
+    def per_rank(self, num_parameters: int, num_state_shards: int) -> float:
+        """The bytes one rank keeps of ``num_parameters`` parameters whose sharded part is split over
+        ``num_state_shards`` ranks."""
+        return num_parameters * (self.replicated + self.sharded / num_state_shards)
+
 
 def static_bytes_per_parameter(sharding: Sharding, *, compute_bytes: int, trained: bool = True) -> StaticBytes:
     """What a sharding mode keeps per parameter at the peak of a step (the last micro-batch's backward)."""

@@ -58,6 +58,7 @@ import numpy as np
 import numpy.typing as npt
 
 from scheduler_service.core.errors import InvalidRequestError
+from scheduler_service.core.memory import StaticBytes
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.profile import Profile, Tables
 
@@ -296,10 +297,10 @@ class PerformanceModel:
 
     def static_bytes(self, num_state_shards: int) -> float:
         """Weights replicated; gradients and optimizer states sharded over ``num_state_shards`` ranks (ZeRO-2)."""
-        memory, num_parameters = self.profile.memory, self.model.num_parameters
-        return num_parameters * (
-            memory.replicated_bytes_per_parameter + memory.sharded_bytes_per_parameter / num_state_shards
-        )
+        memory = self.profile.memory
+        static = StaticBytes(replicated=memory.replicated_bytes_per_parameter,
+                             sharded=memory.sharded_bytes_per_parameter)
+        return static.per_rank(self.model.num_parameters, num_state_shards)
 
     def peak_bytes(self, num_tokens: float, num_state_shards: int) -> float:
         """Predicted peak device memory of a micro-batch of ``num_tokens`` tokens per rank."""

@@ -1,0 +1,390 @@
+"""``make gpu-check``: the project on a CUDA machine in one command, within 6 minutes on one H100 or H200.
+
+    make gpu-check                                   # the machine's own python3; artefacts in gpu-check/
+    make gpu-check GPU_PYTHON=/opt/py/bin/python GPU_CHECK_ARGS="--wheels /data/wheels"
+
+Each step runs as its own process, under a deadline, and what it printed is kept in ``gpu-check/<step>.log``:
+
+1. ``gpu-tests``: ``pytest tests/test_gpu.py`` (the varlen kernels against SDPA in bf16, an FSDP2 bf16 step);
+   without the repository's conftest, whose service fixtures need Redis and FastAPI;
+2. ``profile``: ``trainer_client.profile`` measures the model on these GPUs (over 2 of them under torchrun where
+   there are 2 or more, so that the profile holds collectives);
+3. ``accuracy``: ``benchmarks.accuracy`` on CUDA with that profile: every micro-batch of ``skrull`` and
+   ``deepspeed`` plans of three length distributions run as the trainer runs it, its time predicted vs measured;
+4. ``train-…``: the trainer (``trainer_client.train`` under torchrun) with ``skrull`` and with ``deepspeed`` for a
+   few steps at DP 1 × CP 1 with that profile, and where there are 2 GPUs at DP 1 × CP 2.
+
+Then it prints one summary and writes it as ``gpu-check/summary.json``: the machine and software, each step's
+outcome and time, the GPU tests' result, the profile's fits and BucketSize, the predicted against the measured
+time per micro-batch (median and worst error, by size class) and per step, tokens/s, how far the two schedulers'
+losses are apart, and the peak memory per GPU. Exit status 0 when every step ran, 1 when one failed, 2 when this
+machine cannot run the check (no CUDA; a dependency missing).
+
+It runs on the machine's own Python: no virtual environment is made and nothing is downloaded. The trainer's
+dependencies must be importable (torch, transformers, peft, numpy, numba, pydantic, safetensors, httpx, tenacity,
+tqdm, pyyaml); the service's (FastAPI, OR-Tools, Redis) are not needed. ``--wheels DIR`` installs the missing
+ones from wheel files brought along (``pip download`` them on a machine with a network) into
+``gpu-check/site``, without touching the machine's Python. ``--rehearse`` runs the same steps on this machine's
+CPU with the tiny model, to check the check itself where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EXIT_CANNOT_RUN", "main"]
+
+EXIT_CANNOT_RUN = 2
+ROOT = Path(__file__).resolve().parents[1]
+# Import name → distribution name: what the trainer, the profiler and the accuracy benchmark import.
+TRAINER_MODULES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "numpy": "numpy",
+                   "numba": "numba", "pydantic": "pydantic", "safetensors": "safetensors", "httpx": "httpx",
+                   "tenacity": "tenacity", "tqdm": "tqdm", "yaml": "pyyaml"}
+SIZE_CLASS_TOKENS = 2048  # micro-batches below it are launch-bound on a GPU (the eager floor), above compute-bound
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Settings:
+    """What the check runs: the GPU defaults, or the CPU rehearsal's."""
+
+    device: str
+    model: str
+    data: str
+    global_batch: int
+    steps: int
+    bucket_size: int
+    profile_args: tuple[str, ...]
+    accuracy_args: tuple[str, ...]
+
+    @classmethod
+    def for_gpu(cls, model: str, steps: int) -> Settings:
+        return cls(device="cuda", model=model, data="synthetic:chatqa2", global_batch=32, steps=steps,
+                   bucket_size=16384,
+                   profile_args=("--sizes", "512,1024,2048,4096,8192,16384", "--short-length", "512",
+                                 "--memory-sizes", "4096,8192,16384", "--shard-sizes", "2048,8192", "--repeats", "3"),
+                   accuracy_args=("--global-batch", "32", "--bucket-size", "16384", "--repeats", "3"))
+
+    @classmethod
+    def for_rehearsal(cls, steps: int) -> Settings:
+        # As small as still exercises every step: the tiny model, short sweeps, one repeat.
+        return cls(device="cpu", model="tiny", data="synthetic:lmsys", global_batch=8, steps=steps, bucket_size=512,
+                   profile_args=("--sizes", "32,128,512", "--short-length", "16", "--memory-sizes", "64,256",
+                                 "--repeats", "1", "--warmup", "0", "--threads", "1"),
+                   accuracy_args=("--global-batch", "8", "--bucket-size", "512", "--repeats", "1",
+                                  "--datasets", "lmsys"))
+
+
+@dataclass(kw_only=True, slots=True)
+class Step:
+    name: str
+    command: list[str]
+    # benchmarks.accuracy exits 1 when the median error misses its target: a finding, not a failure to run
+    succeeded: tuple[int, ...] = (0,)
+    returncode: int | None = None  # None: killed at its deadline
+    wall_s: float = 0.0
+    log: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode in self.succeeded
+
+
+@dataclass(kw_only=True, slots=True)
+class Check:
+    """Everything the check did and found: ``summary.json``."""
+
+    machine: dict[str, Any]
+    steps: list[Step] = field(default_factory=list)
+    gpu_tests: dict[str, Any] = field(default_factory=dict)
+    profile: dict[str, Any] = field(default_factory=dict)
+    accuracy: list[dict[str, Any]] = field(default_factory=list)
+    training: list[dict[str, Any]] = field(default_factory=list)
+    loss_agreement: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "steps": [{**asdict(step), "ok": step.ok} for step in self.steps]}
+
+
+# ---------------------------------------------------------------------------------------------------- the machine
+
+
+def _missing_modules() -> list[str]:
+    return [name for name in TRAINER_MODULES if importlib.util.find_spec(name) is None]
+
+
+def _install_wheels(wheels: Path, missing: Sequence[str], site: Path) -> None:
+    """The missing distributions from ``wheels`` (no index) into ``site``, which this process and its steps read."""
+    site.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(wheels),
+                    "--target", str(site), *(TRAINER_MODULES[name] for name in missing)], check=True)
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+
+
+def _machine(device: str) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                            "host": platform.node(), "cpu_count": os.cpu_count()}
+    for name in ("transformers", "peft", "numba", "numpy", "flash_attn"):
+        module = importlib.util.find_spec(name)
+        info[name] = _version(name) if module is not None else None
+    if device == "cuda":
+        info["gpus"] = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
+        info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    return info
+
+
+def _version(module: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module.replace("_", "-"))
+    except PackageNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- the steps
+
+
+def _run(step: Step, *, out_dir: Path, env: dict[str, str], deadline_s: float) -> Step:
+    started = time.perf_counter()
+    print(f"== {step.name}: {' '.join(step.command)}", flush=True)
+    log_path = out_dir / f"{step.name}.log"
+    with log_path.open("w") as log:
+        try:
+            completed = subprocess.run(step.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       timeout=deadline_s, check=False)
+            step.returncode = completed.returncode
+        except subprocess.TimeoutExpired:
+            log.write(f"\n[gpu-check] killed at its deadline of {deadline_s:.0f} s\n")
+    step.wall_s = time.perf_counter() - started
+    step.log = str(log_path.relative_to(ROOT)) if log_path.is_relative_to(ROOT) else str(log_path)
+    outcome = "ok" if step.ok else f"FAILED (exit {step.returncode}; see {step.log})"
+    print(f"   {outcome} in {step.wall_s:.0f} s", flush=True)
+    return step
+
+
+def _torchrun(num_processes: int, module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(num_processes),
+            "-m", module, *args]
+
+
+def _gpu_test_counts(log: Path) -> dict[str, int]:
+    """pytest's closing counts: ``2 passed, 1 skipped in 20.13s`` → {"passed": 2, "skipped": 1}."""
+    return {kind: int(number) for number, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)", log.read_text())}
+
+
+def _profile_summary(path: Path) -> dict[str, Any]:
+    document = json.loads(path.read_text())
+    compute, memory = document["compute"], document["memory"]
+    return {"file": str(path), "fit": compute["fit"],
+            "activation_bytes_per_token": memory["activation_bytes_per_token"]["fixed"],
+            "beta_bytes": memory["beta_bytes"], "reserved_bytes": memory["reserved_bytes"],
+            "device_memory_bytes": document["hardware"]["device_memory_bytes"],
+            "attention_backend": document["provenance"]["attention_backend"]}
+
+
+def _accuracy_summary(path: Path) -> list[dict[str, Any]]:
+    """Per CP size: the benchmark's summary, the signed median, and the errors of small and large micro-batches."""
+    cases = []
+    for case in json.loads(path.read_text())["cases"]:
+        rows = case["rows"]
+        by_size = {}
+        for label, small in ((f"< {SIZE_CLASS_TOKENS} tokens per rank", True),
+                             (f">= {SIZE_CLASS_TOKENS} tokens per rank", False)):
+            errors = [_error(row["predicted_s"], row["measured_s"]) for row in rows
+                      if (row["tokens_per_rank"] < SIZE_CLASS_TOKENS) == small]
+            if errors:
+                by_size[label] = {"micro_batches": len(errors), "median_error": statistics.median(errors),
+                                  "worst_error": max(errors)}
+        signed = [(row["predicted_s"] - row["measured_s"]) / row["measured_s"] for row in rows]
+        cases.append({"cp_size": case["cp_size"], **case["summary"], "by_size": by_size,
+                      "signed_median_error": statistics.median(signed)})
+    return cases
+
+
+def _error(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured
+
+
+def _training_summary(name: str, metrics_path: Path) -> dict[str, Any]:
+    steps = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    warm = steps[1:] or steps  # step 0 pays one-off warm-up (allocator growth, first collectives)
+    errors = [(s["estimated_time_ms"] / 1e3 - s["micro_batch_time_s"]) / s["micro_batch_time_s"] for s in warm
+              if s["estimated_time_ms"] is not None and s["micro_batch_time_s"] > 0]
+    peaks = [s["peak_memory_bytes"] for s in steps if s["peak_memory_bytes"] is not None]
+    return {"run": name, "steps": len(steps), "losses": [s["loss"] for s in steps],
+            "tokens_per_s": statistics.median(s["tokens_per_s"] for s in warm),
+            "step_time_s": [s["step_time_s"] for s in steps],
+            "predicted_vs_measured_step": {"signed_errors_after_step_0": errors,
+                                           "median_abs_error": statistics.median(abs(e) for e in errors)
+                                           if errors else None},
+            "peak_memory_bytes": max(peaks) if peaks else None, "memory_kind": steps[-1]["memory_kind"]}
+
+
+def _loss_agreement(training: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per layout, how far ``skrull``'s losses are from ``deepspeed``'s: the same batches, another schedule."""
+    by_run = {run["run"]: run for run in training}
+    agreement = []
+    for name, run in by_run.items():
+        if not name.startswith("train-skrull-"):
+            continue
+        other = by_run.get(name.replace("train-skrull-", "train-deepspeed-"))
+        if other is None:
+            continue
+        differences = [abs(a - b) / abs(b) for a, b in zip(run["losses"], other["losses"], strict=False)]
+        agreement.append({"layout": name.removeprefix("train-skrull-"), "max_relative_difference": max(differences),
+                          "speedup_tokens_per_s": run["tokens_per_s"] / other["tokens_per_s"]})
+    return agreement
+
+
+# ---------------------------------------------------------------------------------------------------- the check
+
+
+def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpus: int,
+              deadline_s: float) -> Check:
+    """Every step in order; a step that fails leaves the ones that need its output out."""
+    check = Check(machine=_machine(settings.device))
+    started = time.perf_counter()
+
+    def remaining() -> float:
+        return max(deadline_s - (time.perf_counter() - started), 1.0)
+
+    def run(name: str, command: list[str], succeeded: tuple[int, ...] = (0,)) -> Step:
+        step = _run(Step(name=name, command=command, succeeded=succeeded), out_dir=out_dir, env=env,
+                    deadline_s=remaining())
+        check.steps.append(step)
+        return step
+
+    tests = run("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
+                              "tests/test_gpu.py"])
+    check.gpu_tests = {"returncode": tests.returncode, **_gpu_test_counts(out_dir / "gpu-tests.log")}
+
+    profile_path = out_dir / "profile.json"
+    ranks = 2 if num_gpus >= 2 else 1
+    profile_args = ["--model", settings.model, "--device", settings.device, "--out", str(profile_path),
+                    "--no-progress", *settings.profile_args]
+    profile = run("profile", _torchrun(ranks, "trainer_client.profile", *profile_args) if ranks > 1 else
+                  [sys.executable, "-m", "trainer_client.profile", *profile_args])
+    if not profile.ok:
+        return check
+    check.profile = _profile_summary(profile_path)
+
+    accuracy_path = out_dir / "accuracy.json"
+    cp_sizes = ["1", "2"] if num_gpus >= 2 else ["1"]
+    accuracy_path.unlink(missing_ok=True)
+    accuracy = run("accuracy", [sys.executable, "-m", "benchmarks.accuracy", "--device", settings.device, "--model",
+                                settings.model, "--profile", str(profile_path), "--cp", *cp_sizes, "--out",
+                                str(accuracy_path), *settings.accuracy_args], succeeded=(0, 1))
+    if accuracy.ok:
+        check.accuracy = _accuracy_summary(accuracy_path)
+
+    layouts = [(1, 1), (1, 2)] if num_gpus >= 2 else [(1, 1)]
+    for dp, cp in layouts:
+        for scheduler in ("skrull", "deepspeed"):
+            name = f"train-{scheduler}-dp{dp}-cp{cp}"
+            metrics = out_dir / f"{name}.jsonl"
+            metrics.unlink(missing_ok=True)
+            step = run(name, _torchrun(dp * cp, "trainer_client.train", "--dp", str(dp), "--cp", str(cp),
+                                       "--model", settings.model, "--data", settings.data, "--global-batch",
+                                       str(settings.global_batch), "--steps", str(settings.steps), "--scheduler",
+                                       scheduler, "--profile", str(profile_path), "--bucket-size",
+                                       str(settings.bucket_size), "--metrics-out", str(metrics), "--no-progress"))
+            if step.ok:
+                check.training.append(_training_summary(name, metrics))
+    check.loss_agreement = _loss_agreement(check.training)
+    return check
+
+
+def _print_summary(check: Check) -> None:
+    machine = check.machine
+    print(f"\n# gpu-check: {', '.join(machine.get('gpus', [])) or 'CPU rehearsal'}; torch {machine['torch']}, "
+          f"transformers {machine['transformers']}, flash-attn {machine['flash_attn'] or 'absent'}")
+    for step in check.steps:
+        print(f"- {step.name}: {'ok' if step.ok else 'FAILED'} ({step.wall_s:.0f} s)")
+    if check.gpu_tests:
+        print(f"GPU tests: {check.gpu_tests}")
+    if check.profile:
+        extended = check.profile["fit"]["extended"]
+        print(f"profile: fit median {extended['median_relative_error']:.1%}, max {extended['max_relative_error']:.1%}; "
+              f"{check.profile['activation_bytes_per_token']:.0f} B/token + {check.profile['beta_bytes']:.3g} B; "
+              f"reserved {check.profile['reserved_bytes'] / 2**30:.2f} GiB; {check.profile['attention_backend']}")
+    for case in check.accuracy:
+        classes = "; ".join(f"{label}: median {c['median_error']:.1%} of {c['micro_batches']}"
+                            for label, c in case["by_size"].items())
+        print(f"micro-batches at CP {case['cp_size']}: {case['micro_batches']}, |error| median "
+              f"{case['median_error']:.1%}, worst {case['worst_error']:.1%}, signed median "
+              f"{case['signed_median_error']:+.1%} ({classes})")
+    for run in check.training:
+        error = run["predicted_vs_measured_step"]["median_abs_error"]
+        estimate = f"step estimate |error| median {error:.1%}" if error is not None else "no step estimate"
+        peak = f"{run['peak_memory_bytes'] / 2**30:.1f} GiB" if run["peak_memory_bytes"] is not None else "n/a"
+        print(f"{run['run']}: {run['tokens_per_s']:,.0f} tokens/s, {estimate}, peak memory {peak} per GPU")
+    for agreement in check.loss_agreement:
+        print(f"losses skrull vs deepspeed at {agreement['layout']}: max relative difference "
+              f"{agreement['max_relative_difference']:.1e}; skrull ×{agreement['speedup_tokens_per_s']:.2f} tokens/s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-0.5b", help="a catalogue model or a local checkpoint folder")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps of each trainer run")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "gpu-check", help="logs, profile and summary.json")
+    parser.add_argument("--wheels", type=Path, help="install missing dependencies from the wheel files here")
+    parser.add_argument("--deadline", type=float, default=600.0, help="seconds for all the steps together")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="run the steps on this machine's CPU with the tiny model (checks the check, no GPU)")
+    args = parser.parse_args(argv)
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    site = args.out_dir / "site"
+    missing = _missing_modules()
+    if missing and args.wheels is not None:
+        _install_wheels(args.wheels, missing, site)
+        missing = _missing_modules()
+    if missing:
+        names = " ".join(TRAINER_MODULES[name] for name in missing)
+        print(f"gpu-check: the trainer needs {names}, which {sys.executable} cannot import. On a machine with a "
+              f"network: pip download --only-binary=:all: {names} -d wheels; then here: make gpu-check "
+              f"GPU_CHECK_ARGS='--wheels wheels'", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    import torch
+
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if num_gpus == 0 and not args.rehearse:
+        print(f"gpu-check: no CUDA device here (torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}): "
+              "run it on a GPU machine, or --rehearse to run its steps on this CPU", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    settings = (Settings.for_rehearsal(args.steps) if args.rehearse
+                else Settings.for_gpu(args.model, args.steps))
+    paths = [*([str(site)] if site.is_dir() else []), str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
+    if shutil.which("nvidia-smi") and not args.rehearse:
+        (args.out_dir / "nvidia-smi.log").write_text(subprocess.run(["nvidia-smi"], capture_output=True, text=True,
+                                                                    check=False).stdout)
+    check = run_check(settings, out_dir=args.out_dir, env=env, num_gpus=0 if args.rehearse else num_gpus,
+                      deadline_s=args.deadline)
+    _print_summary(check)
+    summary_path = args.out_dir / "summary.json"
+    summary_path.write_text(json.dumps(check.to_json(), indent=2) + "\n")
+    print(f"wrote {summary_path}")
+    return 0 if all(step.ok for step in check.steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The trained module on every rank without a whole copy of the model per rank: built empty, sharded, then filled
+from rank 0.
+
+``build_training_module`` runs on every rank, in this order (torchtitan's meta-device initialisation):
+
+1. every rank builds the model's structure on the meta device (``model.build_empty_model``: shapes, no
+   memory);
+2. for a local checkpoint, rank 0 checks the shape of every tensor its safetensors files hold against that
+   structure, reading the files' headers only, and every rank receives the verdict: a mismatch stops every rank
+   before any of them allocates the model;
+3. the LoRA adapters are injected (``lora.py``), the model is wrapped in the trainer's loss (``loss.py``),
+   activation checkpointing and FSDP2 are applied to the empty module (``parallelize.py``), and only then each
+   rank allocates what it keeps (``to_empty``): its shards, or under ``--sharding none`` the whole replica;
+4. rank 0 alone makes the weights in host memory, exactly as one process always made them
+   (``model.build_model``: the checkpoint read once through transformers, or the catalogue shape's seeded random
+   init; then the adapters' seeded init), and ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends them
+   one tensor at a time, each rank keeping its shard. The buffers no state dict holds (RoPE's ``inv_freq``) are
+   broadcast beside them.
+
+So every rank starts with rank 0's weights: the same as when every rank built them, bit for bit. Host memory is
+one whole model on rank 0 while it loads, and one tensor in flight on the others, whatever the world size; device
+memory is each rank's shards and one tensor in flight. (Before, every rank built the whole fp32 model on its GPU
+and read the whole checkpoint: about 470 GB of host memory for a 14B model on 8 ranks.)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from transformers import PreTrainedModel
+
+from trainer_client.distributed import ParallelContext
+from trainer_client.lora import LoraSettings, apply_lora
+from trainer_client.loss import DEFAULT_CHUNK_TOKENS, CausalLMLoss
+from trainer_client.model import build_empty_model, build_model, checkpoint_dir
+from trainer_client.parallelize import ActivationCheckpointing, Sharding, parallelize
+
+__all__ = ["CheckpointMismatch", "ModelLayout", "build_training_module", "check_checkpoint", "checkpoint_shapes"]
+
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointMismatch(ValueError):
+    """A local checkpoint's tensors are not those of the model its config.json describes."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelLayout:
+    """How the trainer lays the model over its ranks (``parallelize.py``)."""
+
+    sharding: Sharding
+    activation_checkpointing: ActivationCheckpointing
+    param_dtype: torch.dtype  # what the model computes in; the master weights stay float32
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    @classmethod
+    def on(cls, device: torch.device, *, dtype: str | None, sharding: Sharding,
+           activation_checkpointing: ActivationCheckpointing,
+           loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> ModelLayout:
+        """The layout on ``device``: computing in ``dtype`` (float32 or bfloat16), by default bfloat16 on CUDA and
+        float32 on CPU."""
+        dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
+        return cls(sharding=sharding, activation_checkpointing=activation_checkpointing,
+                   param_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32,
+                   loss_chunk_tokens=loss_chunk_tokens)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """What the forward runs under autocast in: FSDP computes in ``param_dtype`` itself (its
+        ``MixedPrecisionPolicy``), so only replicated bfloat16 training needs autocast."""
+        return self.param_dtype if self.sharding is Sharding.NONE and self.param_dtype != torch.float32 else None
+
+
+def build_training_module(
+    model: str, *, parallel: ParallelContext, layout: ModelLayout, seed: int, lora: LoraSettings | None = None,
+) -> CausalLMLoss:
+    """The trainer's module for ``model`` (a catalogue name or a local checkpoint folder), sharded over
+    ``parallel.shard_mesh`` and holding rank 0's weights on every rank. Every rank calls it."""
+    lm = build_empty_model(model)
+    _check_checkpoint_on_rank_0(model, lm, parallel)
+    if lora is not None:
+        apply_lora(lm, lora)  # in place, before sharding: frozen weights and adapters in FSDP's units
+    module = parallelize(CausalLMLoss(lm, chunk_tokens=layout.loss_chunk_tokens), parallel.shard_mesh,
+                         sharding=layout.sharding, activation_checkpointing=layout.activation_checkpointing,
+                         param_dtype=layout.param_dtype)
+    module.to_empty(device=parallel.device)
+    lm.tie_weights()  # to_empty allocates each module's parameters apart: an unsharded tied LM head comes untied
+    reference = _reference_model(model, seed=seed, lora=lora) if parallel.is_main else None
+    _fill_from_rank_0(lm, reference, device=parallel.device)
+    del reference
+    lm.train()
+    return module
+
+
+def _reference_model(model: str, *, seed: int, lora: LoraSettings | None) -> PreTrainedModel:
+    """The whole model in this process's host memory, as one process builds it: the weights every rank gets."""
+    reference = build_model(model, seed=seed)
+    if lora is not None:
+        apply_lora(reference, lora)  # seeded by build_model: the adapters' init follows the weights' in the stream
+    return reference
+
+
+@torch.no_grad()
+def _fill_from_rank_0(lm: PreTrainedModel, reference: PreTrainedModel | None, *, device: torch.device) -> None:
+    """Give ``lm`` (allocated, uninitialised, perhaps sharded) ``reference``'s weights and buffers; ``reference``
+    exists on global rank 0 only. Every rank calls it."""
+    full_state = reference.state_dict() if reference is not None else {}
+    set_model_state_dict(lm, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    reference_buffers = dict(reference.named_buffers()) if reference is not None else {}
+    for name, buffer in lm.named_buffers():  # the same names in the same order on every rank
+        if reference is not None:
+            buffer.copy_(reference_buffers[name])
+        dist.broadcast(buffer, src=0)
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint folder holds, by name, with its shape: from the safetensors headers
+    alone, no tensor read."""
+    index = directory / _INDEX_FILE
+    if index.is_file():
+        files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+    elif (directory / _SINGLE_FILE).is_file():
+        files = [directory / _SINGLE_FILE]
+    else:
+        raise CheckpointMismatch(f"checkpoint {directory} has neither {_SINGLE_FILE} nor {_INDEX_FILE}: "
+                                 "expected a Hugging Face folder written by save_pretrained")
+    shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is no mapping)
+                shapes[name] = tuple(tensors.get_slice(name).get_shape())
+    return shapes
+
+
+def check_checkpoint(directory: Path, empty: PreTrainedModel) -> None:
+    """Raise ``CheckpointMismatch`` naming every tensor of the checkpoint whose shape is not the model's, and every
+    weight of the model the checkpoint lacks (a tied LM head may be absent); ``empty`` is the model its config
+    describes, on the meta device."""
+    saved = checkpoint_shapes(directory)
+    expected = {name: tuple(tensor.shape) for name, tensor in empty.state_dict().items()}
+    tied = ({name for name, _ in empty.named_parameters(remove_duplicate=False)}
+            - {name for name, _ in empty.named_parameters()})
+    problems = [f"{name}: the checkpoint holds {list(saved[name])}, the model needs {list(shape)}"
+                for name, shape in expected.items() if name in saved and saved[name] != shape]
+    missing = sorted(name for name in expected if name not in saved and name not in tied)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        problems.append(f"missing from the checkpoint: {shown}")
+    if problems:
+        raise CheckpointMismatch(f"checkpoint {directory} does not match the model its config.json describes "
+                                 f"({type(empty).__name__}): " + "; ".join(problems))
+
+
+def _check_checkpoint_on_rank_0(model: str, empty: PreTrainedModel, parallel: ParallelContext) -> None:
+    """Rank 0 checks a local checkpoint's shapes; every rank receives the verdict, before anything is allocated."""
+    directory = checkpoint_dir(model)
+    if directory is None:
+        return
+    verdict: list[str | None] = [None]
+    if parallel.is_main:
+        try:
+            check_checkpoint(directory, empty)
+        except (CheckpointMismatch, OSError) as error:
+            verdict[0] = str(error)
+    dist.broadcast_object_list(verdict, src=0, group=parallel.object_group)
+    if verdict[0] is not None:
+        raise CheckpointMismatch(verdict[0])
