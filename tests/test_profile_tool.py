@@ -32,6 +32,7 @@ from tests.shard_effect_cases import flat_and_true_models, rows_timed_by
 from trainer_client import profile as profiler
 from trainer_client import profile_sweeps
 from trainer_client.distributed import spawn_gloo
+from trainer_client.loading import ModelLayout
 from trainer_client.measure import check_profile_machine
 from trainer_client.plan_client import PlanSource
 from trainer_client.profile_document import document_json, with_shard_effect
@@ -327,3 +328,18 @@ def test_a_gpu_run_refuses_a_profile_of_another_machine_naming_the_difference(
     document["provenance"]["software"]["torch"] = "2.13.1+cu128"  # another build of the same release
     check_profile_machine(parse_profile(document), gpu)
     check_profile_machine(builtin_profiles()["h100-paper"], gpu)  # not measured: nothing to compare
+
+
+def test_a_7b_profile_fits_eight_80gb_gpus_and_one_gpu_is_refused_naming_what_would_fit() -> None:
+    """FSDP2 over the profiling ranks, in bf16: a 7B model's states spread over 8 × 80 GB; on one they do not."""
+    layout = ModelLayout(sharding=Sharding.ZERO2, activation_checkpointing=ActivationCheckpointing.NONE,
+                         param_dtype=torch.bfloat16)
+    budget = 80e9
+    for model in ("qwen2.5-7b", "llama-3-8b"):
+        profile_sweeps.check_states_fit(MODEL_CATALOGUE[model], layout, world_size=8, memory_budget_bytes=budget)
+    with pytest.raises(ValueError, match=r"qwen2\.5-7b \(7\.62B parameters\) under --sharding zero2 keeps 156 GiB "
+                                         r"per rank .* over 1 rank\(s\), more than the 74\.5 GiB of memory each has: "
+                                         r"even --sharding zero3 keeps 113 GiB per rank: profile under torchrun over "
+                                         r"2 ranks"):
+        profile_sweeps.check_states_fit(MODEL_CATALOGUE["qwen2.5-7b"], layout, world_size=1,
+                                        memory_budget_bytes=budget)

@@ -130,6 +130,7 @@ def test_the_flash_attn_kernel_equals_sdpa_forward_and_backward() -> None:
 
 def test_the_emulated_releases_refuse_what_they_lack() -> None:
     q, k, v, cu_q, cu_k, max_q, max_k = _segments()
+    installed = {name: getattr(dist, name, None) for name in ("all_gather_single", "all_gather_into_tensor")}
     with emulated("2.11"):
         from torch.nn.attention.varlen import varlen_attn
 
@@ -143,7 +144,7 @@ def test_the_emulated_releases_refuse_what_they_lack() -> None:
 
         with pytest.raises(TypeError, match="window_size"):
             varlen_attn(q, k, v, cu_q, cu_k, int(max_q), int(max_k), window_size=(-1, 0))
-    assert hasattr(dist, "all_gather_single")  # restored
+    assert {name: getattr(dist, name, None) for name in installed} == installed  # restored
     torch.testing.assert_close(reference_varlen(q, k, v, cu_q, cu_k, 9, 12, scale=None, gqa=True)[:1],
                                reference_varlen(q[:3], k[:9], v[:9], cu_q[:2], cu_k[:2], 3, 9, scale=None,
                                                 gqa=True)[:1])

@@ -179,7 +179,8 @@ def _patch() -> Iterator[Callable[[Any, str, Any], None]]:
     def patch(owner: Any, name: str, value: Any) -> None:
         saved.append((owner, name, getattr(owner, name, missing)))
         if value is None:
-            delattr(owner, name)
+            if hasattr(owner, name):
+                delattr(owner, name)
         else:
             setattr(owner, name, value)
 
