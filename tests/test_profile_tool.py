@@ -343,3 +343,24 @@ def test_a_7b_profile_fits_eight_80gb_gpus_and_one_gpu_is_refused_naming_what_wo
                                          r"2 ranks"):
         profile_sweeps.check_states_fit(MODEL_CATALOGUE["qwen2.5-7b"], layout, world_size=1,
                                         memory_budget_bytes=budget)
+
+
+def test_reserved_memory_is_taken_with_the_cache_emptied_before_the_sweeps(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """After the sweeps, the allocator's cached blocks would count as memory no tensor can use (74 GB of an H200)."""
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (calls.append("mem_get_info"), (60e9, 80e9))[1])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 15e9)
+    assert profile_sweeps._reserved_bytes(torch.device("cuda", 0)) == 5e9  # the context and NCCL's buffers
+    assert calls == ["empty_cache", "mem_get_info"]
+
+    order: list[str] = []
+    reserved, compute = profile_sweeps._reserved_bytes, profile_sweeps._measure_compute
+    monkeypatch.setattr(profile_sweeps, "_reserved_bytes", lambda device: order.append("reserved") or reserved(device))
+    monkeypatch.setattr(profile_sweeps, "_measure_compute",
+                        lambda *args: order.append("compute sweep") or compute(*args))
+    assert profiler.main([*QUICK, "--out", str(tmp_path / "p.json")]) == 0
+    assert order == ["reserved", "compute sweep"]

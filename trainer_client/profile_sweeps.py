@@ -441,8 +441,9 @@ def check_states_fit(shape: ModelShape, layout: ModelLayout, *, world_size: int,
 def run_sweeps(options: ProfileOptions) -> Measurements | None:
     """Run every sweep; rank 0 returns what was measured (``None`` on the others).
 
-    Every rank of torchrun's world calls it (a process group is made unless one exists); run alone, it measures
-    in a world of one process. The model is laid out as the trainer lays it out over the profiling ranks.
+    Every rank of torchrun's world calls it; a process group it had to make (none existed) ends when it returns.
+    Run alone, it measures in a world of one process. The model is laid out as the trainer lays it out over the
+    profiling ranks.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     shape = model_shape(options.model)
@@ -452,9 +453,19 @@ def run_sweeps(options: ProfileOptions) -> Measurements | None:
                             activation_checkpointing=ActivationCheckpointing(options.activation_checkpointing))
     check_states_fit(shape, layout, world_size=world_size,
                      memory_budget_bytes=options.memory_budget_bytes or device_memory_bytes(device))
+    joined = dist.is_initialized()
     parallel = init_parallel(ParallelDims(dp_size=1, cp_size=world_size), device_type=options.device)
-    is_main = parallel.is_main
+    try:
+        return _sweep(options, parallel, layout)
+    finally:
+        if not joined:  # the world this call made for itself ends with it
+            dist.destroy_process_group()
+
+
+def _sweep(options: ProfileOptions, parallel: ParallelContext, layout: ModelLayout) -> Measurements | None:
+    world_size, device, is_main = parallel.dims.world_size, parallel.device, parallel.is_main
     bench = _Bench(options, parallel, layout)
+    shape = bench.shape
     reserved_bytes = _reserved_bytes(device)
     num_cases = len(compute_cases(options.sizes, options.short_length)) + len(options.memory_sizes)
     num_group_sizes = len(block_degrees(world_size))
