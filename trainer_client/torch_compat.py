@@ -2,15 +2,15 @@
 
 The trainer and the profiler call what this module resolves, never the version-dependent names themselves:
 
-=========================  ===========================  ===========================  ===========================
-API                        2.10                         2.11                         2.12, 2.13
-=========================  ===========================  ===========================  ===========================
-``varlen_attn`` causality  ``is_causal=True``           ``window_size=(-1, 0)``      ``window_size=(-1, 0)``
-``varlen_attn`` scale      none (1/√D): q is rescaled   ``scale=``                   ``scale=``
-``varlen_attn`` GQA        K/V heads repeated           K/V heads repeated           ``enable_gqa=True``
-gather into one tensor     ``all_gather_into_tensor``   ``all_gather_into_tensor``   2.13: ``all_gather_single``
-reduce-scatter, one tensor ``reduce_scatter_tensor``    ``reduce_scatter_tensor``    2.13: ``reduce_scatter_single``
-=========================  ===========================  ===========================  ===========================
+==========================  ==========================  =======================  ===============================
+API                         2.10                        2.11                     2.12, 2.13
+==========================  ==========================  =======================  ===============================
+``varlen_attn`` causality   ``is_causal=True``          ``window_size=(-1, 0)``  ``window_size=(-1, 0)``
+``varlen_attn`` scale       none (1/√D): q is rescaled  ``scale=``               ``scale=``
+``varlen_attn`` GQA         K/V heads repeated          K/V heads repeated       ``enable_gqa=True``
+gather into one tensor      ``all_gather_into_tensor``  the same                 2.13: ``all_gather_single``
+reduce-scatter, one tensor  ``reduce_scatter_tensor``   the same                 2.13: ``reduce_scatter_single``
+==========================  ==========================  =======================  ===============================
 
 The single-tensor collectives were renamed in 2.13 (pytorch #186123), where the old names still work but warn
 that they are deprecated; the new names are used wherever they exist. Every ``varlen_attn`` above runs the flash
