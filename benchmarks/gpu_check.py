@@ -22,10 +22,11 @@ machine cannot run the check (no CUDA; a dependency missing).
 
 It runs on the machine's own Python: no virtual environment is made and nothing is downloaded. The trainer's
 dependencies must be importable (torch, transformers, peft, numpy, numba, pydantic, safetensors, httpx, tenacity,
-tqdm, pyyaml); the service's (FastAPI, OR-Tools, Redis) are not needed. ``--wheels DIR`` installs the missing
-ones from wheel files brought along (``pip download`` them on a machine with a network) into
-``gpu-check/site``, without touching the machine's Python. ``--rehearse`` runs the same steps on this machine's
-CPU with the tiny model, to check the check itself where there is no GPU.
+tqdm, pyyaml), and pytest for the GPU tests; the service's (FastAPI, OR-Tools, Redis) are not needed.
+``--wheels DIR`` installs the missing ones, with what they need, from wheel files brought along (``pip download``
+them on a machine with a network) into ``gpu-check/site``, without touching the machine's Python. A step still
+running at ``--deadline`` (10 minutes for all of them) is stopped, torchrun's workers with it. ``--rehearse``
+runs the same steps on this machine's CPU with the tiny model, to check the check itself where there is no GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -53,7 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Import name → distribution name: what the trainer, the profiler and the accuracy benchmark import.
 TRAINER_MODULES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "numpy": "numpy",
                    "numba": "numba", "pydantic": "pydantic", "safetensors": "safetensors", "httpx": "httpx",
-                   "tenacity": "tenacity", "tqdm": "tqdm", "yaml": "pyyaml"}
+                   "tenacity": "tenacity", "tqdm": "tqdm", "yaml": "pyyaml", "pytest": "pytest"}
+STOP_GRACE_S = 30.0  # a step past its deadline gets SIGTERM (torchrun then stops its workers), then SIGKILL
 SIZE_CLASS_TOKENS = 2048  # micro-batches below it are launch-bound on a GPU (the eager floor), above compute-bound
 
 
@@ -92,7 +95,7 @@ class Settings:
 class Step:
     name: str
     command: list[str]
-    # benchmarks.accuracy exits 1 when the median error misses its target: a finding, not a failure to run
+    # benchmarks.accuracy exits 3 when a median error misses its target: a finding, not a failure to run
     succeeded: tuple[int, ...] = (0,)
     returncode: int | None = None  # None: killed at its deadline
     wall_s: float = 0.0
@@ -166,17 +169,30 @@ def _run(step: Step, *, out_dir: Path, env: dict[str, str], deadline_s: float) -
     print(f"== {step.name}: {' '.join(step.command)}", flush=True)
     log_path = out_dir / f"{step.name}.log"
     with log_path.open("w") as log:
+        # Its own session: at its deadline the whole step is stopped, not only its first process.
+        process = subprocess.Popen(step.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
         try:
-            completed = subprocess.run(step.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       timeout=deadline_s, check=False)
-            step.returncode = completed.returncode
+            step.returncode = process.wait(timeout=deadline_s)
         except subprocess.TimeoutExpired:
-            log.write(f"\n[gpu-check] killed at its deadline of {deadline_s:.0f} s\n")
+            _stop(process)
+            log.write(f"\n[gpu-check] stopped at its deadline of {deadline_s:.0f} s\n")
     step.wall_s = time.perf_counter() - started
-    step.log = str(log_path.relative_to(ROOT)) if log_path.is_relative_to(ROOT) else str(log_path)
+    step.log = str(log_path)
     outcome = "ok" if step.ok else f"FAILED (exit {step.returncode}; see {step.log})"
     print(f"   {outcome} in {step.wall_s:.0f} s", flush=True)
     return step
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the step's processes, so that torchrun stops its workers (they run in sessions of their own) and
+    frees the GPUs for the next step; SIGKILL to whatever is left after ``STOP_GRACE_S``."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def _torchrun(num_processes: int, module: str, *args: str) -> list[str]:
@@ -259,6 +275,8 @@ def _loss_agreement(training: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpus: int,
               deadline_s: float) -> Check:
     """Every step in order; a step that fails leaves the ones that need its output out."""
+    from benchmarks.accuracy import EXIT_TARGET_MISSED  # imports torch: only once the machine was checked
+
     check = Check(machine=_machine(settings.device))
     started = time.perf_counter()
 
@@ -271,8 +289,9 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
         check.steps.append(step)
         return step
 
+    # pytest-timeout, which pyproject's `timeout` option is for, is a development tool the machine may lack.
     tests = run("gpu-tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
-                              "tests/test_gpu.py"])
+                              "-W", "ignore::pytest.PytestConfigWarning", "tests/test_gpu.py"])
     check.gpu_tests = {"returncode": tests.returncode, **_gpu_test_counts(out_dir / "gpu-tests.log")}
 
     profile_path = out_dir / "profile.json"
@@ -290,8 +309,8 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
     accuracy_path.unlink(missing_ok=True)
     accuracy = run("accuracy", [sys.executable, "-m", "benchmarks.accuracy", "--device", settings.device, "--model",
                                 settings.model, "--profile", str(profile_path), "--cp", *cp_sizes, "--out",
-                                str(accuracy_path), *settings.accuracy_args], succeeded=(0, 1))
-    if accuracy.ok:
+                                str(accuracy_path), *settings.accuracy_args], succeeded=(0, EXIT_TARGET_MISSED))
+    if accuracy.ok and accuracy_path.is_file():
         check.accuracy = _accuracy_summary(accuracy_path)
 
     layouts = [(1, 1), (1, 2)] if num_gpus >= 2 else [(1, 1)]
@@ -300,12 +319,12 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
             name = f"train-{scheduler}-dp{dp}-cp{cp}"
             metrics = out_dir / f"{name}.jsonl"
             metrics.unlink(missing_ok=True)
-            step = run(name, _torchrun(dp * cp, "trainer_client.train", "--dp", str(dp), "--cp", str(cp),
+            train = run(name, _torchrun(dp * cp, "trainer_client.train", "--dp", str(dp), "--cp", str(cp),
                                        "--model", settings.model, "--data", settings.data, "--global-batch",
                                        str(settings.global_batch), "--steps", str(settings.steps), "--scheduler",
                                        scheduler, "--profile", str(profile_path), "--bucket-size",
                                        str(settings.bucket_size), "--metrics-out", str(metrics), "--no-progress"))
-            if step.ok:
+            if train.ok and metrics.is_file() and metrics.read_text().strip():
                 check.training.append(_training_summary(name, metrics))
     check.loss_agreement = _loss_agreement(check.training)
     return check
@@ -346,16 +365,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps of each trainer run")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "gpu-check", help="logs, profile and summary.json")
     parser.add_argument("--wheels", type=Path, help="install missing dependencies from the wheel files here")
-    parser.add_argument("--deadline", type=float, default=600.0, help="seconds for all the steps together")
+    parser.add_argument("--deadline", type=float, default=600.0,
+                        help="seconds for all the steps together; a step still running then is stopped")
     parser.add_argument("--rehearse", action="store_true",
                         help="run the steps on this machine's CPU with the tiny model (checks the check, no GPU)")
     args = parser.parse_args(argv)
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    site = args.out_dir / "site"
+    out_dir = args.out_dir.resolve()  # the steps run from the repository's root
+    out_dir.mkdir(parents=True, exist_ok=True)
+    site = out_dir / "site"
     missing = _missing_modules()
     if missing and args.wheels is not None:
-        _install_wheels(args.wheels, missing, site)
+        try:
+            _install_wheels(args.wheels, missing, site)
+        except subprocess.CalledProcessError:
+            print(f"gpu-check: pip could not install {' '.join(TRAINER_MODULES[name] for name in missing)} from "
+                  f"{args.wheels} (its output is above)", file=sys.stderr)
+            return EXIT_CANNOT_RUN
         missing = _missing_modules()
     if missing:
         names = " ".join(TRAINER_MODULES[name] for name in missing)
@@ -375,12 +401,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = [*([str(site)] if site.is_dir() else []), str(ROOT), str(ROOT / "proto"), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
     if shutil.which("nvidia-smi") and not args.rehearse:
-        (args.out_dir / "nvidia-smi.log").write_text(subprocess.run(["nvidia-smi"], capture_output=True, text=True,
+        (out_dir / "nvidia-smi.log").write_text(subprocess.run(["nvidia-smi"], capture_output=True, text=True,
                                                                     check=False).stdout)
-    check = run_check(settings, out_dir=args.out_dir, env=env, num_gpus=0 if args.rehearse else num_gpus,
+    check = run_check(settings, out_dir=out_dir, env=env, num_gpus=0 if args.rehearse else num_gpus,
                       deadline_s=args.deadline)
     _print_summary(check)
-    summary_path = args.out_dir / "summary.json"
+    summary_path = out_dir / "summary.json"
     summary_path.write_text(json.dumps(check.to_json(), indent=2) + "\n")
     print(f"wrote {summary_path}")
     return 0 if all(step.ok for step in check.steps) else 1

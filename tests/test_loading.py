@@ -44,8 +44,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     mismatched = _save_checkpoint(root / "mismatched", **small)
     config = json.loads((mismatched / "config.json").read_text())
     (mismatched / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    return {"large": _save_checkpoint(root / "large", **LARGE), "small": _save_checkpoint(root / "small", **small),
-            "mismatched": mismatched}
+    complete = _save_checkpoint(root / "small", **small)
+    weightless = root / "weightless"  # its config alone: the weights went missing
+    weightless.mkdir()
+    (weightless / "config.json").write_text((complete / "config.json").read_text())
+    return {"large": _save_checkpoint(root / "large", **LARGE), "small": complete, "mismatched": mismatched,
+            "weightless": weightless}
 
 
 def _layout(sharding: Sharding) -> ModelLayout:
@@ -93,10 +97,12 @@ def _every_rank(checkpoints: dict[str, Path], out: Path) -> None:
 
     torch.nn.Module.to_empty = to_empty  # type: ignore[method-assign]
     try:
-        build_training_module(str(checkpoints["mismatched"]), parallel=parallel, layout=_layout(Sharding.ZERO2),
-                              seed=0)
-    except CheckpointMismatch as error:
-        report["mismatch"] = {"error": str(error), "allocated": allocated}
+        for case, error_type in (("mismatched", CheckpointMismatch), ("weightless", RuntimeError)):
+            try:
+                build_training_module(str(checkpoints[case]), parallel=parallel, layout=_layout(Sharding.ZERO2),
+                                      seed=0)
+            except error_type as error:
+                report[case] = {"error": str(error), "allocated": list(allocated)}
     finally:
         torch.nn.Module.to_empty = original_to_empty  # type: ignore[method-assign]
     torch.save(report, out / f"rank{rank}.pt")
@@ -156,15 +162,22 @@ def test_a_checkpoint_of_other_shapes_is_refused_on_every_rank_before_any_alloca
     reports: list[dict[str, Any]],
 ) -> None:
     for report in reports:
-        assert report["mismatch"]["allocated"] == []
+        assert report["mismatched"]["allocated"] == []
         assert "model.layers.0.mlp.up_proj.weight: the checkpoint holds [128, 64], the model needs [96, 64]" \
-            in report["mismatch"]["error"]
+            in report["mismatched"]["error"]
 
 
-def test_check_checkpoint_names_missing_tensors_and_the_folder(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_rank_0_failing_to_load_stops_every_rank_before_any_allocates(reports: list[dict[str, Any]]) -> None:
+    for report in reports:
+        assert report["weightless"]["allocated"] == []
+        assert report["weightless"]["error"].startswith("rank 0 could not build")
+        assert "weightless" in report["weightless"]["error"]
+
+
+def test_check_checkpoint_names_missing_tensors(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     check_checkpoint(checkpoints["small"], build_empty_model(str(checkpoints["small"])))
-    with pytest.raises(CheckpointMismatch, match=r"neither model\.safetensors nor"):
-        check_checkpoint(tmp_path, build_empty_model(str(checkpoints["small"])))
+    check_checkpoint(checkpoints["weightless"], build_empty_model(str(checkpoints["small"])))  # no safetensors
     deeper = tmp_path / "deeper"
     deeper.mkdir()
     config = json.loads((checkpoints["small"] / "config.json").read_text())

@@ -31,9 +31,9 @@ from scheduler_service.web.app import create_app
 from tests.shard_effect_cases import flat_and_true_models, rows_timed_by
 from trainer_client import profile as profiler
 from trainer_client import profile_sweeps
-from trainer_client.distributed import spawn_gloo
-from trainer_client.loading import ModelLayout
-from trainer_client.measure import check_profile_machine
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
+from trainer_client.loading import ModelLayout, build_training_module
+from trainer_client.measure import check_profile_machine, local_pack, peak_bytes
 from trainer_client.plan_client import PlanSource
 from trainer_client.profile_document import document_json, with_shard_effect
 from trainer_client.profile_sweeps import (
@@ -43,6 +43,7 @@ from trainer_client.profile_sweeps import (
     shard_degrees,
     shard_micro_batch,
 )
+from trainer_client.trainer import run_micro_batch
 
 # Small and quick: a few seconds on 2 cores. The numbers are whatever this machine measures; tests check shape.
 QUICK = ["--model", "tiny", "--sizes", "32,64,128", "--short-length", "16", "--memory-sizes", "32,96",
@@ -364,3 +365,22 @@ def test_reserved_memory_is_taken_with_the_cache_emptied_before_the_sweeps(
                         lambda *args: order.append("compute sweep") or compute(*args))
     assert profiler.main([*QUICK, "--out", str(tmp_path / "p.json")]) == 0
     assert order == ["reserved", "compute sweep"]
+
+
+def test_a_cpu_peak_counts_the_gradients_autograd_made_before_it() -> None:
+    """Gradients autograd made for the trainer's replicated model have no Python object until read; on CPU, where
+    no allocator keeps a total, the peak counts them through the model, or ``--sharding none`` profiles would hold
+    4 B per parameter too few."""
+    parallel = init_parallel(ParallelDims(dp_size=1, cp_size=1), device_type="cpu")  # a world of this process
+    try:
+        layout = ModelLayout(sharding=Sharding.NONE, activation_checkpointing=ActivationCheckpointing.NONE,
+                             param_dtype=torch.float32)
+        module = build_training_module("tiny", parallel=parallel, layout=layout, seed=0)
+        optimizer = torch.optim.AdamW(module.parameters())
+        pack = local_pack((64,), vocab_size=MODEL_CATALOGUE["tiny"].vocab_size, device=torch.device("cpu"), seed=0)
+        run_micro_batch(module, pack, num_loss_tokens=pack.num_loss_tokens)
+        weights_and_gradients = 2 * 4 * MODEL_CATALOGUE["tiny"].num_parameters
+        assert peak_bytes(lambda: None, device=torch.device("cpu"), model=module, optimizer=optimizer) \
+            >= weights_and_gradients
+    finally:
+        dist.destroy_process_group()

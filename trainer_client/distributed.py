@@ -177,7 +177,7 @@ def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_T
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         # Bound to its GPU, the world communicator is made at once and the mesh's and blocks' groups are split
-        # from it (ncclCommSplit) instead of each making communicator buffers of its own.
+        # from it (ncclCommSplit) instead of each bootstrapping a communicator of its own.
         dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None,
                                 **_world_store(world_size, timeout))
     dims.check_world_size(dist.get_world_size())

@@ -5,22 +5,23 @@ from rank 0.
 
 1. every rank builds the model's structure on the meta device (``model.build_empty_model``: shapes, no
    memory);
-2. for a local checkpoint, rank 0 checks the shape of every tensor its safetensors files hold against that
-   structure, reading the files' headers only, and every rank receives the verdict: a mismatch stops every rank
-   before any of them allocates the model;
+2. rank 0 alone makes the weights in host memory, exactly as one process always made them
+   (``model.build_model``: the checkpoint read once through transformers, or the catalogue shape's seeded random
+   init; then the adapters' seeded init), after checking, for a local checkpoint, the shape of every tensor its
+   safetensors files hold against that structure (their headers only); every rank receives rank 0's verdict over
+   the gloo group, so a mismatch, or any failure to build, stops every rank before any allocates the model;
 3. the LoRA adapters are injected (``lora.py``), the model is wrapped in the trainer's loss (``loss.py``),
    activation checkpointing and FSDP2 are applied to the empty module (``parallelize.py``), and only then each
    rank allocates what it keeps (``to_empty``): its shards, or under ``--sharding none`` the whole replica;
-4. rank 0 alone makes the weights in host memory, exactly as one process always made them
-   (``model.build_model``: the checkpoint read once through transformers, or the catalogue shape's seeded random
-   init; then the adapters' seeded init), and ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends them
-   one tensor at a time, each rank keeping its shard. The buffers no state dict holds (RoPE's ``inv_freq``) are
-   broadcast beside them.
+4. ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends rank 0's weights one tensor at a time, each
+   rank keeping its shard. The buffers no state dict holds (RoPE's ``inv_freq``) are broadcast beside them.
 
 So every rank starts with rank 0's weights: the same as when every rank built them, bit for bit. Host memory is
 one whole model on rank 0 while it loads, and one tensor in flight on the others, whatever the world size; device
 memory is each rank's shards and one tensor in flight. (Before, every rank built the whole fp32 model on its GPU
-and read the whole checkpoint: about 470 GB of host memory for a 14B model on 8 ranks.)
+and read the whole checkpoint: about 470 GB of host memory for a 14B model on 8 ranks.) The other ranks wait for
+rank 0's load within the collective timeout (``--collective-timeout``, 600 s by default): raise it for a model
+whose checkpoint takes longer to read.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def build_training_module(
     """The trainer's module for ``model`` (a catalogue name or a local checkpoint folder), sharded over
     ``parallel.shard_mesh`` and holding rank 0's weights on every rank. Every rank calls it."""
     lm = build_empty_model(model)
-    _check_checkpoint_on_rank_0(model, lm, parallel)
+    reference = _reference_on_rank_0(model, lm, parallel=parallel, seed=seed, lora=lora)
     if lora is not None:
         apply_lora(lm, lora)  # in place, before sharding: frozen weights and adapters in FSDP's units
     module = parallelize(CausalLMLoss(lm, chunk_tokens=layout.loss_chunk_tokens), parallel.shard_mesh,
@@ -92,23 +93,42 @@ def build_training_module(
                          param_dtype=layout.param_dtype)
     module.to_empty(device=parallel.device)
     lm.tie_weights()  # to_empty allocates each module's parameters apart: an unsharded tied LM head comes untied
-    reference = _reference_model(model, seed=seed, lora=lora) if parallel.is_main else None
-    _fill_from_rank_0(lm, reference, device=parallel.device)
+    _fill_from_rank_0(lm, reference)
     del reference
     lm.train()
     return module
 
 
-def _reference_model(model: str, *, seed: int, lora: LoraSettings | None) -> PreTrainedModel:
-    """The whole model in this process's host memory, as one process builds it: the weights every rank gets."""
-    reference = build_model(model, seed=seed)
-    if lora is not None:
-        apply_lora(reference, lora)  # seeded by build_model: the adapters' init follows the weights' in the stream
+def _reference_on_rank_0(model: str, empty: PreTrainedModel, *, parallel: ParallelContext, seed: int,
+                         lora: LoraSettings | None) -> PreTrainedModel | None:
+    """On rank 0, the whole model in host memory, as one process builds it (a local checkpoint's shapes checked
+    first): the weights every rank gets. Every rank receives rank 0's verdict over the gloo group before any
+    allocates its shards or joins a collective of the training backend, so a refusal or a failure stops every
+    rank at once, and the others wait out a long load (a large checkpoint, a slow disk) on gloo, within the
+    collective timeout, rather than inside NCCL."""
+    reference = None
+    verdict: list[tuple[bool, str] | None] = [None]  # (a user error, the message), or None: built
+    if parallel.is_main:
+        try:
+            directory = checkpoint_dir(model)
+            if directory is not None:
+                check_checkpoint(directory, empty)
+            reference = build_model(model, seed=seed)
+            if lora is not None:
+                apply_lora(reference, lora)  # seeded by build_model: the adapters follow the weights in the stream
+        except CheckpointMismatch as error:
+            verdict[0] = (True, str(error))
+        except Exception as error:  # every rank must hear of it: the others are waiting for these weights
+            verdict[0] = (False, f"rank 0 could not build {model}: {type(error).__name__}: {error}")
+    dist.broadcast_object_list(verdict, src=0, group=parallel.object_group)
+    if verdict[0] is not None:
+        user_error, message = verdict[0]
+        raise CheckpointMismatch(message) if user_error else RuntimeError(message)
     return reference
 
 
 @torch.no_grad()
-def _fill_from_rank_0(lm: PreTrainedModel, reference: PreTrainedModel | None, *, device: torch.device) -> None:
+def _fill_from_rank_0(lm: PreTrainedModel, reference: PreTrainedModel | None) -> None:
     """Give ``lm`` (allocated, uninitialised, perhaps sharded) ``reference``'s weights and buffers; ``reference``
     exists on global rank 0 only. Every rank calls it."""
     full_state = reference.state_dict() if reference is not None else {}
@@ -123,17 +143,16 @@ def _fill_from_rank_0(lm: PreTrainedModel, reference: PreTrainedModel | None, *,
 # ---------------------------------------------------------------------------------------------------- checks
 
 
-def checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face checkpoint folder holds, by name, with its shape: from the safetensors headers
-    alone, no tensor read."""
+def checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
+    """Every tensor a Hugging Face checkpoint folder's safetensors files hold, by name, with its shape: from their
+    headers alone, no tensor read. None for a folder without safetensors (``pytorch_model.bin``)."""
     index = directory / _INDEX_FILE
     if index.is_file():
         files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
     elif (directory / _SINGLE_FILE).is_file():
         files = [directory / _SINGLE_FILE]
     else:
-        raise CheckpointMismatch(f"checkpoint {directory} has neither {_SINGLE_FILE} nor {_INDEX_FILE}: "
-                                 "expected a Hugging Face folder written by save_pretrained")
+        return None
     shapes = {}
     for file in files:
         with safe_open(file, framework="pt") as tensors:
@@ -145,8 +164,10 @@ def checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
 def check_checkpoint(directory: Path, empty: PreTrainedModel) -> None:
     """Raise ``CheckpointMismatch`` naming every tensor of the checkpoint whose shape is not the model's, and every
     weight of the model the checkpoint lacks (a tied LM head may be absent); ``empty`` is the model its config
-    describes, on the meta device."""
+    describes, on the meta device. A folder without safetensors is left to transformers' loader."""
     saved = checkpoint_shapes(directory)
+    if saved is None:
+        return
     expected = {name: tuple(tensor.shape) for name, tensor in empty.state_dict().items()}
     tied = ({name for name, _ in empty.named_parameters(remove_duplicate=False)}
             - {name for name, _ in empty.named_parameters()})
@@ -159,19 +180,3 @@ def check_checkpoint(directory: Path, empty: PreTrainedModel) -> None:
     if problems:
         raise CheckpointMismatch(f"checkpoint {directory} does not match the model its config.json describes "
                                  f"({type(empty).__name__}): " + "; ".join(problems))
-
-
-def _check_checkpoint_on_rank_0(model: str, empty: PreTrainedModel, parallel: ParallelContext) -> None:
-    """Rank 0 checks a local checkpoint's shapes; every rank receives the verdict, before anything is allocated."""
-    directory = checkpoint_dir(model)
-    if directory is None:
-        return
-    verdict: list[str | None] = [None]
-    if parallel.is_main:
-        try:
-            check_checkpoint(directory, empty)
-        except (CheckpointMismatch, OSError) as error:
-            verdict[0] = str(error)
-    dist.broadcast_object_list(verdict, src=0, group=parallel.object_group)
-    if verdict[0] is not None:
-        raise CheckpointMismatch(verdict[0])

@@ -78,9 +78,10 @@ def timed_runs(fn: Callable[[], object], *, device: torch.device, warmup: int, r
     return times_s
 
 
-def peak_bytes(fn: Callable[[], object], *, device: torch.device) -> int:
+def peak_bytes(fn: Callable[[], object], *, device: torch.device, model: torch.nn.Module,
+               optimizer: torch.optim.Optimizer) -> int:
     """The most bytes of tensors alive at once on ``device`` while ``fn`` runs, those made before it included
-    (the model's shards, its optimizer states, what FSDP keeps gathered)."""
+    (``model``'s weights, gradients and buffers, ``optimizer``'s states, what FSDP keeps gathered)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -89,21 +90,30 @@ def peak_bytes(fn: Callable[[], object], *, device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    alive_before = _live_tensor_bytes(device)
+    alive_before = _live_tensor_bytes(device, model, optimizer)
     tracker = MemTracker()  # the tensors made while fn runs; it cannot see those made before it
     with tracker:
         fn()
-    return alive_before + int(tracker.get_tracker_snapshot("peak")[device]["Total"])
+    made = tracker.get_tracker_snapshot("peak").get(device, {})  # nothing there when fn made no tensor
+    return alive_before + int(made.get("Total", 0))
 
 
-def _live_tensor_bytes(device: torch.device) -> int:
-    """Bytes of every tensor storage alive on ``device`` that Python reaches, each storage counted once. On CPU
-    no allocator keeps a total; wrapper tensors (DTensor) own no storage and are counted through their local
-    tensors."""
+def _live_tensor_bytes(device: torch.device, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor storage alive on ``device``, each counted once: the model's and the optimizer's, named
+    (a gradient autograd made has no Python object until it is read), and every other tensor Python reaches
+    (what FSDP keeps gathered). On CPU no allocator keeps a total. Wrapper tensors (DTensor) own no storage and
+    are counted through their local tensors."""
+    named = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *model.buffers(),
+             *(value for state in optimizer.state.values() for value in state.values()
+               if isinstance(value, torch.Tensor))]
     storages: dict[int, int] = {}
-    for candidate in gc.get_objects():
+    for candidate in (*named, *gc.get_objects()):
         # type(), not isinstance(): that would also ask proxies and deprecated aliases for their __class__.
-        if not issubclass(type(candidate), torch.Tensor) or candidate.device != device:
+        if not issubclass(type(candidate), torch.Tensor):
+            continue
+        if isinstance(candidate, DTensor):
+            candidate = candidate.to_local()
+        if candidate.device != device:
             continue
         try:
             storage = candidate.untyped_storage()
@@ -245,7 +255,7 @@ def check_profile_machine(profile: Profile, device: torch.device) -> None:
     if mismatches:
         raise ValueError(f"profile {profile.name} does not describe this machine: {'; '.join(mismatches)}. Measure "
                          f"one here (python -m trainer_client.profile --device cuda --model ...), or name a shipped "
-                         f"profile")
+                         f"profile that was not measured (h100-paper)")
 
 
 def software_versions() -> dict[str, str | None]:

@@ -142,8 +142,8 @@ def _memory_section(options: ProfileOptions, measured: Measurements) -> MemorySe
         "source": ("points: activation bytes, each of peaks (every byte alive at the peak of a step's last "
                    "micro-batch "
                    + ("(torch.cuda.max_memory_allocated)" if measured.device_type == "cuda" else
-                      "(the tensors alive before it, found through Python's objects, and the peak of those made "
-                      "during it, torch.distributed._tools.mem_tracker.MemTracker)")
+                      "(the tensors alive before it: the model's, the optimizer's and every other Python reaches; "
+                      "and the peak of those made during it, torch.distributed._tools.mem_tracker.MemTracker)")
                    + f", after one before it, with activation checkpointing {options.activation_checkpointing}, the "
                      f"model laid out by FSDP2 --sharding {measured.sharding} over {measured.world_size} rank(s) in "
                      f"{measured.dtype_name}; largest over the ranks) less static_bytes_counted, the static bytes "

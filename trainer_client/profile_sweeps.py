@@ -274,7 +274,8 @@ def _measure_memory(bench: _Bench, bar: tqdm) -> list[tuple[int, int]]:
             size // 2, *(bench.options.short_length,) * ((size - size // 2) // bench.options.short_length))
         pack = local_pack(lengths, vocab_size=bench.shape.vocab_size, device=bench.device, seed=1000 + index)
         bench.step(pack)  # a micro-batch before the last: what it accumulates is alive at the step's peak
-        peak = peak_bytes(functools.partial(bench.run, pack, is_last=True), device=bench.device)
+        peak = peak_bytes(functools.partial(bench.run, pack, is_last=True), device=bench.device, model=bench.model,
+                          optimizer=bench.optimizer)
         peaks.append((pack.num_tokens, int(max_over_ranks(peak, bench.device))))
         bench.zero_grad()
         bar.update()
@@ -451,8 +452,10 @@ def run_sweeps(options: ProfileOptions) -> Measurements | None:
               else torch.device("cpu"))
     layout = ModelLayout.on(device, dtype=options.dtype, sharding=Sharding(options.sharding),
                             activation_checkpointing=ActivationCheckpointing(options.activation_checkpointing))
+    # On CPU the ranks of a node share its memory; a GPU is its rank's alone.
+    ranks_per_memory = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     check_states_fit(shape, layout, world_size=world_size,
-                     memory_budget_bytes=options.memory_budget_bytes or device_memory_bytes(device))
+                     memory_budget_bytes=options.memory_budget_bytes or device_memory_bytes(device) / ranks_per_memory)
     joined = dist.is_initialized()
     parallel = init_parallel(ParallelDims(dp_size=1, cp_size=world_size), device_type=options.device)
     try:
