@@ -237,7 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fit = document["compute"]["fit"]
         ranks = "1 thread each" if args.device == "cpu" else "1 GPU each"
         print(f"\n## CP {cp_size} ({cp_size} process(es), {ranks}): profile {document['name']} "
-              f"(fit error median {fit['extended']['median_relative_error']:.1%}), {summary['micro_batches']} "
+              f"(fit error median {fit[fit.get('form', 'extended')]['median_relative_error']:.1%}), "
+              f"{summary['micro_batches']} "
               f"micro-batches, {wall_s:.0f} s\n")
         if args.rows:
             _print_rows(rows)

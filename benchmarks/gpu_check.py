@@ -339,10 +339,13 @@ def _print_summary(check: Check) -> None:
     if check.gpu_tests:
         print(f"GPU tests: {check.gpu_tests}")
     if check.profile:
-        extended = check.profile["fit"]["extended"]
-        print(f"profile: fit median {extended['median_relative_error']:.1%}, max {extended['max_relative_error']:.1%}; "
-              f"{check.profile['activation_bytes_per_token']:.0f} B/token + {check.profile['beta_bytes']:.3g} B; "
-              f"reserved {check.profile['reserved_bytes'] / 2**30:.2f} GiB; {check.profile['attention_backend']}")
+        kept = check.profile["fit"][check.profile["fit"].get("form", "extended")]
+        floor = (f", launch-bound floor {kept['floor_s_per_layer'] * 1e3:.2f} ms/layer"
+                 if kept.get("floor_s_per_layer") else "")
+        print(f"profile: fit median {kept['median_relative_error']:.1%}, max {kept['max_relative_error']:.1%}"
+              f"{floor}; {check.profile['activation_bytes_per_token']:.0f} B/token + "
+              f"{check.profile['beta_bytes']:.3g} B; reserved {check.profile['reserved_bytes'] / 2**30:.2f} GiB; "
+              f"{check.profile['attention_backend']}")
     for case in check.accuracy:
         classes = "; ".join(f"{label}: median {c['median_error']:.1%} of {c['micro_batches']}"
                             for label, c in case["by_size"].items())

@@ -16,7 +16,9 @@ from scheduler_service.core import dacp
 from scheduler_service.core.dacp_search import BINARY, HYBRID, STATIC
 from scheduler_service.core.plan import PlanningProblem, SchedulerName, make_problem
 from scheduler_service.core.planner import make_plan
+from scheduler_service.core.profile import DEFAULT_PROFILE
 from scheduler_service.core.samplers import DATASETS, sample_lengths
+from tests.problem_builders import LAUNCH_BOUND_FLOOR_S_PER_LAYER, with_floor
 
 # (dp_size, cp_size, bucket_size, model): one CP rank, binary-only (cp 2), hybrid with one and two block sizes
 SHAPES = [(2, 4, 8192, "qwen2.5-0.5b"), (1, 8, 4096, "qwen2.5-0.5b"), (3, 6, 6000, "qwen2.5-7b"),
@@ -26,10 +28,14 @@ SEARCH_BUDGETS = (None, 40)  # the default, and enough for the iterated local se
 
 
 def problems() -> list[PlanningProblem]:
+    """Every shape under the shipped profile, and the first two with a launch-bound floor too."""
+    priced = [(shape, DEFAULT_PROFILE) for shape in SHAPES] + [
+        (shape, with_floor(LAUNCH_BOUND_FLOOR_S_PER_LAYER)) for shape in SHAPES[:2]]
     return [make_problem(sequence_lengths=sample_lengths(sampler, NUM_SEQUENCES, np.random.default_rng(seed),
                                                          max_length=bucket_size * cp_size).tolist(),
-                         dp_size=dp_size, cp_size=cp_size, model=model, bucket_size=bucket_size)
-            for seed, sampler in enumerate(DATASETS) for dp_size, cp_size, bucket_size, model in SHAPES]
+                         dp_size=dp_size, cp_size=cp_size, model=model, bucket_size=bucket_size, profile=profile)
+            for seed, sampler in enumerate(DATASETS)
+            for (dp_size, cp_size, bucket_size, model), profile in priced]
 
 
 def plans() -> list[dict[str, Any]]:

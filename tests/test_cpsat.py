@@ -26,6 +26,7 @@ from scheduler_service.core.plan import (
     make_problem,
 )
 from scheduler_service.core.simulate import simulate
+from tests.problem_builders import LAUNCH_BOUND_FLOOR_S_PER_LAYER, with_floor
 
 pytestmark = pytest.mark.cpsat
 
@@ -34,9 +35,11 @@ pytestmark = pytest.mark.cpsat
 QUANTISATION_TOLERANCE_S = 1e-7
 
 
-def _problem(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int | None) -> PlanningProblem:
+def _problem(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int | None,
+             floor_s_per_layer: float = 0.0) -> PlanningProblem:
     return make_problem(sequence_lengths=list(lengths), dp_size=dp_size, cp_size=cp_size, model="qwen2.5-0.5b",
-                        bucket_size=bucket_size)
+                        bucket_size=bucket_size,
+                        profile=with_floor(floor_s_per_layer) if floor_s_per_layer else None)
 
 
 def _one_sequence_per_micro_batch(problem: PlanningProblem) -> Plan:
@@ -154,11 +157,13 @@ TINY_BATCHES = [
 ]
 
 
+@pytest.mark.parametrize("floor_s_per_layer", [0.0, LAUNCH_BOUND_FLOOR_S_PER_LAYER], ids=["additive", "floor"])
 @pytest.mark.parametrize(("lengths", "dp_size", "cp_size", "bucket_size"), TINY_BATCHES)
 def test_cpsat_matches_brute_force_on_tiny_batches(
-    lengths: list[int], dp_size: int, cp_size: int, bucket_size: int
+    lengths: list[int], dp_size: int, cp_size: int, bucket_size: int, floor_s_per_layer: float
 ) -> None:
-    problem = _problem(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size)
+    problem = _problem(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
+                       floor_s_per_layer=floor_s_per_layer)
     optimum_s, optimal_plan = _brute_force(problem)
     _assert_valid(problem, optimal_plan)
 

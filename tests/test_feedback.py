@@ -83,6 +83,32 @@ def test_wrong_start_converges_to_the_measured_costs_within_a_few_steps() -> Non
     assert job.profile.name == "h100-paper+feedback" and job.num_observations == 20
 
 
+def test_a_launch_bound_job_refits_its_device_work_from_the_micro_batches_above_the_floor() -> None:
+    """Under a profile with a launch-bound floor, the micro-batches measured at the floor were set by the host's
+    dispatch: they are left out, and the compute-bound ones alone refit the device's coefficients (the floor
+    stays the profile's)."""
+    floor_s = 0.03  # binds the short micro-batches of step_reports' sampler on the true costs, not the long ones
+    floored_truth = dataclasses.replace(TRUTH, compute=dataclasses.replace(
+        TRUTH.compute, floor_s_per_layer=floor_s / TINY.num_layers))
+    base = dataclasses.replace(PAPER, compute=dataclasses.replace(
+        PAPER.compute, floor_s_per_layer=floor_s / TINY.num_layers))
+    rng = np.random.default_rng(4)
+    job = tiny_job(base=base)
+    at_floor = 0
+    for _ in range(8):
+        report = []
+        for _ in range(4):
+            lengths = [int(n) for n in sample_lengths("lmsys", int(rng.integers(1, 9)), rng, max_length=2048)]
+            time_s = true_time_s(floored_truth, lengths) * rng.lognormal(0, 0.03)
+            at_floor += time_s < 1.15 * floor_s
+            report.append(measured(lengths, time_s))
+        job = observe(job, report)
+    assert 0 < at_floor < 32 and len(job.compute_window) == 32 - at_floor
+    assert job.profile.compute.floor_s_per_layer == base.compute.floor_s_per_layer
+    assert job.profile.compute.beta_s_per_layer == pytest.approx(1.5e-3, rel=0.25)
+    assert job.compute_scale * PAPER.compute.alpha_s_per_flop == pytest.approx(5e-11, rel=0.1)
+
+
 def test_outliers_are_down_weighted_not_followed() -> None:
     rng = np.random.default_rng(1)
     clean, noisy = tiny_job(), tiny_job()

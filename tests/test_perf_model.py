@@ -7,6 +7,7 @@ import pytest
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel, fit_line
 from scheduler_service.core.profile import builtin_profiles
+from tests.problem_builders import LAUNCH_BOUND_FLOOR_S_PER_LAYER, with_floor
 
 
 @pytest.fixture
@@ -30,6 +31,16 @@ def test_quadratic_term_dominates_past_a_few_thousand_tokens_for_qwen_half(qwen_
     assert 4000 < linear / quadratic < 5000
     # "when S = 32K the workload is about 30x that of S = 4K while memory grows 4x" (order of magnitude)
     assert 20 < qwen_half.flops(32 * 1024) / qwen_half.flops(4 * 1024) < 40
+
+
+def test_a_launch_bound_profile_prices_a_group_at_its_floor_or_its_device_time(qwen_half: PerformanceModel) -> None:
+    floored = PerformanceModel(model=qwen_half.model, profile=with_floor(LAUNCH_BOUND_FLOOR_S_PER_LAYER))
+    assert floored.compute_floor_s == pytest.approx(LAUNCH_BOUND_FLOOR_S_PER_LAYER * 24)
+    small, large = qwen_half.flops(256), qwen_half.flops(32_768)
+    assert qwen_half.compute_time_s(small) < floored.compute_floor_s  # what the floor hides
+    assert floored.compute_time_s(small) == floored.compute_floor_s  # max, not sum
+    assert floored.compute_time_s(large) == qwen_half.compute_time_s(large) == floored.device_time_s(large)
+    assert floored.compute_time_s(0.0) == 0.0
 
 
 def test_nothing_to_compute_or_send_costs_nothing(qwen_half: PerformanceModel) -> None:

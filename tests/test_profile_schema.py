@@ -179,6 +179,36 @@ def test_fit_compute_recovers_known_coefficients_and_reports_its_error() -> None
     assert paper.median_relative_error > fit.median_relative_error  # eq. 14 alone cannot express the extra costs
 
 
+def _launch_bound_points(floor_s: float, rng: np.random.Generator) -> list[ComputePoint]:
+    """Micro-batches of 16 to 4,000 tokens timed max(floor, device time): the small ones at the floor."""
+    points = []
+    for _ in range(40):
+        lengths = rng.integers(16, 400, size=int(rng.integers(1, 10)))
+        flops = float(eq13_flops(TINY, lengths).sum())
+        device_s = 4e-11 * flops + 2e-5 * lengths.sum() + 1.5e-4 * len(lengths) + 8e-4 * TINY.num_layers
+        points.append(ComputePoint(flops=flops, num_tokens=int(lengths.sum()), num_sequences=len(lengths),
+                                   time_s=max(floor_s, device_s)))
+    return points
+
+
+def test_the_floor_fit_recovers_a_launch_bound_floor_and_the_device_coefficients() -> None:
+    points = _launch_bound_points(0.05, np.random.default_rng(0))
+    assert sum(point.time_s == 0.05 for point in points) >= 10  # the floor binds, and not everywhere
+    fit = fit_compute(points, num_layers=TINY.num_layers, floor=True)
+    assert fit.floor_s_per_layer * TINY.num_layers == pytest.approx(0.05, rel=1e-9)
+    assert fit.alpha_s_per_flop == pytest.approx(4e-11, rel=1e-6)
+    assert fit.beta_s_per_layer == pytest.approx(8e-4, rel=1e-6)
+    assert fit.max_relative_error < 1e-9
+    additive = fit_compute(points, num_layers=TINY.num_layers)
+    assert additive.floor_s_per_layer == 0.0 and additive.max_relative_error > 0.1  # a sum cannot bend
+
+
+def test_the_floor_fit_finds_no_floor_where_times_add() -> None:
+    points = _launch_bound_points(0.0, np.random.default_rng(1))
+    fit = fit_compute(points, num_layers=TINY.num_layers, floor=True)
+    assert fit.floor_s_per_layer == 0.0 and fit.max_relative_error < 1e-9
+
+
 def test_fit_compute_keeps_coefficients_non_negative() -> None:
     # Times that fall with the number of sequences would want a negative per-sequence cost.
     points = [ComputePoint(flops=1e9 * n, num_tokens=100 * n, num_sequences=s, time_s=0.01 * n - 0.0001 * s)

@@ -20,7 +20,7 @@ from scheduler_service import cli
 from scheduler_service.core.check import find_violations
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding, training_profile
 from scheduler_service.core.models import MODEL_CATALOGUE
-from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, fit_line
+from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, eq13_flops, fit_line
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGroup, make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles, parse_profile
@@ -35,7 +35,7 @@ from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.measure import check_profile_machine, local_pack, peak_bytes
 from trainer_client.plan_client import PlanSource
-from trainer_client.profile_document import document_json, with_shard_effect
+from trainer_client.profile_document import compute_section, document_json, with_shard_effect
 from trainer_client.profile_sweeps import (
     ProfileOptions,
     collective_lead_s,
@@ -63,7 +63,7 @@ def test_profiler_writes_a_profile_with_fits_and_provenance(measured: Path) -> N
     assert (profile.name, profile.model) == ("cpu-tiny-test", "tiny")
     assert profile.compute.alpha_s_per_flop > 0 and profile.memory.activation_fixed_bytes_per_token > 0
     fits = document["compute"]["fit"]
-    assert set(fits) == {"extended", "paper_eq14"}
+    assert set(fits) == {"extended", "paper_eq14", "form"} and fits["form"] == "extended"  # a CPU adds its costs
     assert fits["extended"]["median_relative_error"] >= 0
     assert len(document["compute"]["points"]) == len(compute_cases((32, 64, 128), 16))
     provenance = document["provenance"]
@@ -384,3 +384,23 @@ def test_a_cpu_peak_counts_the_gradients_autograd_made_before_it() -> None:
             >= weights_and_gradients
     finally:
         dist.destroy_process_group()
+
+
+def test_a_gpu_profile_keeps_the_launch_bound_form_where_it_fits_better_and_a_cpu_profile_adds() -> None:
+    """On a GPU the host dispatches while the device computes: the sweep's small micro-batches sit at a floor. The
+    profile keeps the form that fits (and says which); on a CPU, where one process does both, times add."""
+    shape = MODEL_CATALOGUE["tiny"]
+    points = []
+    for num_tokens, num_sequences in [(64, 1), (128, 2), (256, 1), (512, 4), (1024, 1), (2048, 8), (4096, 2),
+                                      (8192, 16), (16384, 4)]:
+        lengths = [num_tokens // num_sequences] * num_sequences
+        flops = float(eq13_flops(shape, lengths).sum())
+        device_s = 2e-12 * flops + 1e-6 * num_tokens + 1e-4 * num_sequences + 1e-3 * shape.num_layers
+        points.append({"case": f"case-{num_tokens}", "num_tokens": num_tokens, "num_sequences": num_sequences,
+                       "flops": flops, "time_s": max(0.08, device_s), "spread": 0.0})
+    gpu = compute_section(points, num_layers=shape.num_layers, on_gpu=True, timing="synthetic")
+    extra = gpu.model_extra or {}
+    assert extra["fit"]["form"] == "launch_bound" and gpu.floor_s_per_layer * shape.num_layers == pytest.approx(0.08)
+    assert extra["fit"]["launch_bound"]["max_relative_error"] < extra["fit"]["extended"]["max_relative_error"]
+    cpu = compute_section(points, num_layers=shape.num_layers, on_gpu=False, timing="synthetic")
+    assert (cpu.model_extra or {})["fit"]["form"] == "extended" and cpu.floor_s_per_layer == 0.0

@@ -168,7 +168,8 @@ def test_plan_breakdown_is_the_simulators_and_its_parts_add_up(client: TestClien
             assert len(mb.cp_ranks) == REQUEST["cp_size"]
             assert mb.estimated_time_ms == pytest.approx(max(rank.time_ms for rank in mb.cp_ranks), abs=1e-5)
             for rank, expected in zip(mb.cp_ranks, mb_estimate.cp_ranks, strict=True):
-                parts_ms = rank.local_ms + rank.distributed_ms + rank.sharded_ms + rank.fixed_ms + rank.exposed_comm_ms
+                parts_ms = (rank.local_ms + rank.distributed_ms + rank.sharded_ms + rank.fixed_ms + rank.exposed_comm_ms
+                            + rank.launch_bound_ms)
                 assert parts_ms == pytest.approx(rank.time_ms, abs=1e-5)
                 assert rank.time_ms == pytest.approx(expected.time_s * 1e3, abs=1e-5)
                 assert rank.tokens == pytest.approx(expected.tokens) and rank.tokens <= response.bucket_size

@@ -16,6 +16,7 @@ from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, PlanResult, mak
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.runtime.wire import result_to_response, result_to_response_data
 from tests.grouped_plans import GROUPED_PLAN, result_of
+from tests.problem_builders import with_floor
 
 
 def assert_written_as_the_model(result: PlanResult, breakdown: bool) -> None:
@@ -38,3 +39,18 @@ def test_hybrid_groups_and_a_solver_report_are_written_as_the_model_would(breakd
     assert_written_as_the_model(grouped, breakdown)
     report = SolverReport(status="FEASIBLE", objective_s=0.0123, bound_s=None, wall_time_s=0.5)
     assert_written_as_the_model(dataclasses.replace(grouped, solver=report), breakdown)
+
+
+def test_a_launch_bound_breakdown_adds_up_and_names_the_floor_only_where_there_is_one() -> None:
+    lengths = [int(n) for n in sample_lengths("lmsys", 64, np.random.default_rng(3), max_length=60000)]
+    # A floor of 0.1 s per micro-batch: above some CP ranks' work under the shipped profile, not all.
+    for profile, has_floor in ((None, False), (with_floor(0.1 / 24), True)):
+        problem = make_problem(sequence_lengths=lengths, dp_size=2, cp_size=4, model="qwen2.5-0.5b", profile=profile)
+        result = make_plan(problem, "skrull")
+        assert_written_as_the_model(result, breakdown=True)
+        ranks = [rank for dp_rank in result_to_response_data(result, breakdown=True)["dp_ranks"]
+                 for micro_batch in dp_rank["micro_batches"] for rank in micro_batch["cp_ranks"]]
+        assert any("launch_bound_ms" in rank for rank in ranks) == has_floor  # absent, as before, without one
+        for rank in ranks:
+            parts = ("local_ms", "distributed_ms", "sharded_ms", "fixed_ms", "exposed_comm_ms", "launch_bound_ms")
+            assert sum(rank.get(part, 0.0) for part in parts) == pytest.approx(rank["time_ms"], abs=1e-5)

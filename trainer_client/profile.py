@@ -44,9 +44,10 @@ from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import parse_profile
 from scheduler_service.core.shard_effect import predicted_shard_s
 from trainer_client.attention import AttentionBackend
+from trainer_client.measure import utc_now
 from trainer_client.parallelize import ActivationCheckpointing, Sharding
-from trainer_client.profile_document import build_document, document_json
-from trainer_client.profile_sweeps import ProfileOptions, run_sweeps
+from trainer_client.profile_document import build_document, document_json, refit_compute
+from trainer_client.profile_sweeps import CPU_SIZES, CUDA_SIZES, ProfileOptions, run_sweeps
 from trainer_client.torch_compat import check_torch_version
 
 __all__ = ["EXIT_USER_ERROR", "ProfileOptions", "build_parser", "main", "measure_profile", "summary"]
@@ -68,6 +69,9 @@ def measure_profile(options: ProfileOptions, *, command: str | None = None) -> d
 
 
 def _ints(text: str) -> tuple[int, ...]:
+    """Comma-separated integers; ``auto`` (none given) leaves the choice to ``ProfileOptions``."""
+    if text == "auto":
+        return ()
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
@@ -78,11 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = ProfileOptions(model="tiny")
     parser = argparse.ArgumentParser(prog="python -m trainer_client.profile", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", required=True, help="a built-in model name or a local HF checkpoint directory")
+    parser.add_argument("--model", help="a built-in model name or a local HF checkpoint directory (required to "
+                                        "measure)")
+    parser.add_argument("--refit", type=Path, metavar="PROFILE",
+                        help="measure nothing: fit this profile file's compute again from its own points with this "
+                             "version's model (the launch-bound form among them), and write it to --out")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
     parser.add_argument("--name", help="the profile's name (default: DEVICE-MODEL)")
-    parser.add_argument("--sizes", type=_ints, default=defaults.sizes, help="packed tokens of the compute sweep")
+    parser.add_argument("--sizes", type=_ints, default="auto",
+                        help="packed tokens of the compute sweep; auto: "
+                             f"{','.join(map(str, CPU_SIZES))} on CPU, {','.join(map(str, CUDA_SIZES))} on CUDA")
     parser.add_argument("--short-length", type=int, default=defaults.short_length,
                         help="tokens per sequence in the many-short mixes")
     parser.add_argument("--memory-sizes", type=_ints, default=defaults.memory_sizes,
@@ -113,14 +123,15 @@ def summary(document: dict[str, Any]) -> str:
     """A few lines for the terminal: the fits, their errors, the BucketSize, the collective tables per group size
     and the shard effect per degree."""
     compute, memory = document["compute"], document["memory"]
-    extended, paper = compute["fit"]["extended"], compute["fit"]["paper_eq14"]
+    kept, paper = compute["fit"][compute["fit"].get("form", "extended")], compute["fit"]["paper_eq14"]
     profile = parse_profile(document)
     perf = PerformanceModel(model=ModelShape(**document["provenance"]["model"]), profile=profile)
     lines = [
         f"profile {document['name']} for model {document['model']} on {document['hardware']['device']}",
-        f"compute: alpha {extended['alpha_s_per_flop']:.3e} s/FLOP, {extended['alpha_s_per_token']:.3e} s/token, "
-        f"{extended['alpha_s_per_sequence']:.3e} s/sequence, beta {extended['beta_s_per_layer']:.3e} s/layer; "
-        f"fit error median {extended['median_relative_error']:.1%}, max {extended['max_relative_error']:.1%} "
+        f"compute: alpha {kept['alpha_s_per_flop']:.3e} s/FLOP, {kept['alpha_s_per_token']:.3e} s/token, "
+        f"{kept['alpha_s_per_sequence']:.3e} s/sequence, beta {kept['beta_s_per_layer']:.3e} s/layer"
+        + (f", launch-bound floor {kept['floor_s_per_layer']:.3e} s/layer" if kept.get("floor_s_per_layer") else "")
+        + f"; fit error median {kept['median_relative_error']:.1%}, max {kept['max_relative_error']:.1%} "
         f"(eq. 14 alone: median {paper['median_relative_error']:.1%}, max {paper['max_relative_error']:.1%})",
         f"memory: {memory['activation_bytes_per_token']['fixed']:.0f} B/token + {memory['beta_bytes']:.0f} B; "
         f"static {sum(memory['static_bytes'].values())} B; fit error max {memory['fit']['max_relative_error']:.1%}; "
@@ -165,6 +176,22 @@ def _shard_table(compute: dict[str, Any], perf: PerformanceModel) -> list[str]:
     return lines
 
 
+def _refit(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``--refit``: the file's compute fitted again, every other section as it was measured."""
+    try:
+        document = json.loads(args.refit.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"--refit {args.refit}: {error}") from None
+    command = " ".join(["python", "-m", "trainer_client.profile", *(argv if argv is not None else sys.argv[1:])])
+    refit = refit_compute(document, name=args.name or document.get("name", "refit"), command=command, date=utc_now())
+    parse_profile(refit)  # the core's ranges
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(refit, indent=2) + "\n")
+    print(summary(refit))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -172,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.refit is not None:
+            return _refit(args, argv)
+        if args.model is None:
+            raise ValueError("--model is required to measure a profile (or --refit a profile file)")
         if (warning := check_torch_version()) is not None and is_main:
             logging.getLogger("trainer_client.profile").warning(warning)
         options = ProfileOptions(

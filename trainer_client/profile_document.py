@@ -39,7 +39,8 @@ from scheduler_service.core.profile import parse_profile
 from scheduler_service.core.shard_effect import derive_attention_efficiency, shard_effect_rows
 from trainer_client.profile_sweeps import Measurements, ProfileOptions, compute_points
 
-__all__ = ["LinkTables", "build_document", "document_json", "split_by_node", "with_shard_effect"]
+__all__ = ["LinkTables", "build_document", "compute_form", "compute_section", "document_json", "refit_compute",
+           "split_by_node", "with_shard_effect"]
 
 TOOL = "python -m trainer_client.profile"
 
@@ -98,26 +99,54 @@ def _hardware_section(options: ProfileOptions, measured: Measurements) -> Hardwa
 def _fit_summary(fit: ComputeFit) -> dict[str, float]:
     return {"alpha_s_per_flop": fit.alpha_s_per_flop, "alpha_s_per_token": fit.alpha_s_per_token,
             "alpha_s_per_sequence": fit.alpha_s_per_sequence, "beta_s_per_layer": fit.beta_s_per_layer,
-            "median_relative_error": fit.median_relative_error, "max_relative_error": fit.max_relative_error}
+            "floor_s_per_layer": fit.floor_s_per_layer, "median_relative_error": fit.median_relative_error,
+            "max_relative_error": fit.max_relative_error}
+
+
+def compute_form(extended: ComputeFit, launch_bound: ComputeFit | None) -> ComputeFit:
+    """The fit a profile keeps: the launch-bound form where it was fitted and fits better (a lower median relative
+    error), else the additive one."""
+    if launch_bound is not None and launch_bound.median_relative_error < extended.median_relative_error:
+        return launch_bound
+    return extended
 
 
 def _compute_section(options: ProfileOptions, measured: Measurements) -> ComputeSection:
-    """The extended fit (per-token and per-sequence terms) as the coefficients; eq. 14 alone beside it."""
-    points = compute_points(measured.compute_points)
-    num_layers = measured.shape.num_layers
-    extended = fit_compute(points, num_layers=num_layers, extended=True)
-    paper = fit_compute(points, num_layers=num_layers, extended=False)
+    return compute_section(measured.compute_points, num_layers=measured.shape.num_layers,
+                           on_gpu=measured.device_type == "cuda",
+                           timing=f"median of {options.repeats} timed runs after {options.warmup} warm-up each")
+
+
+def compute_section(points: Sequence[Mapping[str, Any]], *, num_layers: int, on_gpu: bool,
+                    timing: str) -> ComputeSection:
+    """The compute section of ``points`` (the sweep's, as the document holds them): the extended fit (per-token and
+    per-sequence terms) as the coefficients; on a GPU, where the host's dispatch overlaps the device's work, also
+    the launch-bound form ``max(floor, ...)``, kept where it fits better; eq. 14 alone beside them."""
+    fit_points = compute_points(points)
+    extended = fit_compute(fit_points, num_layers=num_layers, extended=True)
+    launch_bound = fit_compute(fit_points, num_layers=num_layers, extended=True, floor=True) if on_gpu else None
+    paper = fit_compute(fit_points, num_layers=num_layers, extended=False)
+    kept = compute_form(extended, launch_bound)
+    form = "launch_bound" if kept is launch_bound else "extended"  # which of fit's entries the coefficients are
+    fits: dict[str, Any] = {"extended": _fit_summary(extended), "paper_eq14": _fit_summary(paper), "form": form}
+    if launch_bound is not None:
+        fits["launch_bound"] = _fit_summary(launch_bound)
     return ComputeSection.model_validate({
-        "alpha_s_per_flop": extended.alpha_s_per_flop,
-        "alpha_s_per_token": extended.alpha_s_per_token,
-        "alpha_s_per_sequence": extended.alpha_s_per_sequence,
-        "beta_s_per_layer": extended.beta_s_per_layer,
-        "fit": {"extended": _fit_summary(extended), "paper_eq14": _fit_summary(paper)},
-        "points": measured.compute_points,
-        "source": f"least squares on relative error (non-negative) over {len(points)} micro-batches "
-                  f"(forward + backward, trainer code path), median of {options.repeats} timed runs after "
-                  f"{options.warmup} warm-up each; FLOPs per eq. 13. paper_eq14 is the two-coefficient fit "
-                  f"alpha·FLOPs + beta for comparison.",
+        "alpha_s_per_flop": kept.alpha_s_per_flop,
+        "alpha_s_per_token": kept.alpha_s_per_token,
+        "alpha_s_per_sequence": kept.alpha_s_per_sequence,
+        "beta_s_per_layer": kept.beta_s_per_layer,
+        "floor_s_per_layer": kept.floor_s_per_layer,
+        "fit": fits,
+        "points": list(points),
+        "source": f"least squares on relative error (non-negative) over {len(fit_points)} micro-batches "
+                  f"(forward + backward, trainer code path), {timing}; FLOPs per eq. 13. The coefficients are "
+                  f"fit.{form}'s: "
+                  + ("on a GPU the host dispatches kernels while the device runs earlier ones, so a micro-batch "
+                     "takes max(floor_s_per_layer·layers, the device time) (fit.launch_bound), kept where its "
+                     "median error is below the additive fit's (fit.extended). " if on_gpu else
+                     "on a CPU one process both dispatches and computes, so the costs add (fit.extended). ")
+                  + "paper_eq14 is the two-coefficient fit alpha·FLOPs + beta for comparison.",
     })
 
 
@@ -155,6 +184,26 @@ def _memory_section(options: ProfileOptions, measured: Measurements) -> MemorySe
                      "context, communicator buffers, allocator slack: mem_get_info minus allocated) once the model "
                      "was built and warm, with the allocator's cache emptied, before the sweeps; 0 on CPU."),
     })
+
+
+def refit_compute(document: Mapping[str, Any], *, name: str, command: str, date: str) -> dict[str, Any]:
+    """``document`` (a profile file's JSON, as the profiler of any earlier version wrote it) with its compute
+    coefficients fitted again from its own points by this version (``compute_section``), renamed ``name``. What the
+    shard-size effect measured stays as it was; the provenance keeps the measurement's and records the refit
+    (``command``, ``date``, the fit it replaced)."""
+    provenance = document.get("provenance", {})
+    compute = document["compute"]
+    section = compute_section(compute["points"], num_layers=provenance["model"]["num_layers"],
+                              on_gpu="gpu" in provenance.get("hardware", {}),
+                              timing=f"as measured on {str(provenance.get('date', 'an unrecorded date'))[:10]}")
+    refit = section.model_dump(mode="json", exclude_unset=True)
+    shard_effect = {key: value for key, value in compute.items() if key.startswith(("shard_effect", "attention_"))}
+    if "attention_efficiency" in compute.get("fit", {}):
+        refit["fit"]["attention_efficiency"] = compute["fit"]["attention_efficiency"]
+    record = {"tool": TOOL, "command": command, "date": date, "from": document.get("name"),
+              "replaced_fit": compute.get("fit")}
+    return {**document, "name": name, "compute": {**refit, **shard_effect},
+            "provenance": {**provenance, "refits": [*provenance.get("refits", []), record]}}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

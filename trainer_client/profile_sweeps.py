@@ -87,12 +87,19 @@ __all__ = [
 GROUP_COLLECTIVES = ("all_gather", "reduce_scatter")  # what a hybrid group's attention runs (attention.py)
 
 
+CPU_SIZES = (64, 128, 256, 512, 1024, 2048)
+# On a GPU the small sizes show the launch-bound floor (the host's dispatch, flat up to ~4k tokens for a 0.5B model
+# on an H200), the large ones the device's work.
+CUDA_SIZES = (256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProfileOptions:
     model: str
     device: str = "cpu"
     name: str | None = None
-    sizes: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)  # packed tokens per micro-batch (compute sweep)
+    # Packed tokens per micro-batch of the compute sweep; empty: the device's (``CPU_SIZES``, ``CUDA_SIZES``).
+    sizes: tuple[int, ...] = ()
     short_length: int = 128  # tokens of each sequence in the "many short" mixes
     memory_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
     comm_sizes: tuple[int, ...] = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes per collective
@@ -114,6 +121,8 @@ class ProfileOptions:
         Sharding(self.sharding)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is visible to torch")
+        if not self.sizes:
+            object.__setattr__(self, "sizes", CUDA_SIZES if self.device == "cuda" else CPU_SIZES)
         for name in ("sizes", "memory_sizes", "comm_sizes", "shard_sizes"):
             values = getattr(self, name)
             if any(value < 1 for value in values):

@@ -194,9 +194,11 @@ class ShardedGroupModel(_Strict):
     sequences: list[SequenceIndex] = Field(min_length=1, description="Indices sharded over these CP ranks.")
 
 
-class CPRankEstimateModel(_Strict):
+class CPRankEstimateModel(_OmitsEmpty):
     """One CP rank's share of a micro-batch under the performance model (the simulator's breakdown): what the
     CLI's ``--plot`` and the plan viewer draw. The parts add up to ``time_ms``."""
+
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("launch_bound_ms",)
 
     tokens: float = Field(description="local + distributed / cp_size + each hybrid group's tokens / its size: "
                                       "the quantity bucket_size bounds (activation memory).")
@@ -207,7 +209,11 @@ class CPRankEstimateModel(_Strict):
     fixed_ms: float = Field(description="Fixed cost per micro-batch with work (β).")
     comm_ms: float = Field(description="Every collective this rank takes part in, forward and backward.")
     exposed_comm_ms: float = Field(description="The part of comm_ms local attention does not hide.")
-    time_ms: float = Field(description="local + distributed + sharded + fixed + exposed communication.")
+    launch_bound_ms: float = Field(default=0.0, description="What the launch-bound floor of the profile adds beyond "
+                                                            "the device's work (eager GPU dispatch); 0 when the rank "
+                                                            "is compute-bound or the profile has no floor.")
+    time_ms: float = Field(description="local + distributed + sharded + fixed + exposed communication + "
+                                       "launch_bound.")
 
 
 class MicroBatchModel(_OmitsEmpty):

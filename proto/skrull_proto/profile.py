@@ -54,12 +54,16 @@ class AttentionEfficiency(_Section):
 
 
 class ComputeSection(_Section):
-    """``T_comp = α·FLOPs + α_token·tokens + α_sequence·sequences + β·layers`` of one packed group."""
+    """``T_comp = α·FLOPs + α_token·tokens + α_sequence·sequences + β·layers`` of one packed group, at least
+    ``floor·layers`` where the host's dispatch overlaps the device's work."""
 
     alpha_s_per_flop: Number
     beta_s_per_layer: Number
     alpha_s_per_token: Number = 0.0
     alpha_s_per_sequence: Number = 0.0
+    floor_s_per_layer: Number = Field(
+        default=0.0, description="The launch-bound floor per layer: a packed group takes max(floor·layers, T_comp) "
+                                 "(eager execution on a GPU); 0: T_comp alone, host and device one after the other.")
     attention_efficiency: AttentionEfficiency | None = None
 
 

@@ -23,9 +23,11 @@ fixed collective cost once per micro-batch. Local attention hides the collective
 forward, the reduce-scatters behind its backward (``PerformanceModel.exposed_comm_s``). So, with ``W_r`` the rank's
 FLOP-equivalents (``rank_time_s``):
 
-    T_r = α·W_r + β + max(0, ΣAG − T_attn,fwd(local_r)) + max(0, ΣRS − T_attn,bwd(local_r))
+    T_r = max(F, α·W_r + β + max(0, ΣAG − T_attn,fwd(local_r)) + max(0, ΣRS − T_attn,bwd(local_r)))
 
-and 0 for a rank without work. ``T_r`` never falls when work is added to the rank: the searches rely on it.
+and 0 for a rank without work; ``F`` is the launch-bound floor (``PerformanceModel.compute_floor_s``: the host's
+dispatch, which the device's work overlaps on a GPU; 0 in additive profiles). ``T_r`` never falls when work is
+added to the rank: the searches rely on it.
 Memory is counted in exact integers, in units of 1/C token: a rank holds ``bucket_size · C`` units and a sequence
 of S tokens at degree s costs ``S · C/s`` on each rank of its block.
 """
@@ -96,6 +98,7 @@ class CostTables(NamedTuple):
     reduce_scatter_fixed_s: FloatArray  # (D,)
     alpha_s_per_flop: float
     beta_s: float  # β·L, paid once per micro-batch by each CP rank with work
+    floor_s: float  # F = floor·L: no CP rank with work takes less (0: the additive form)
     attention_forward_share: float
     cp_size: int
     bucket_size: int
@@ -135,7 +138,8 @@ def cost_tables(perf: PerformanceModel, lengths: IntArray, cp_size: int, bucket_
         reduce_scatter_s_per_token=per_degree("reduce_scatter_s_per_token"),
         reduce_scatter_fixed_s=per_degree("reduce_scatter_fixed_s"),
         alpha_s_per_flop=float(perf.profile.compute.alpha_s_per_flop), beta_s=float(perf.compute_beta_s),
-        attention_forward_share=ATTENTION_FORWARD_SHARE, cp_size=cp_size, bucket_size=bucket_size,
+        floor_s=float(perf.compute_floor_s), attention_forward_share=ATTENTION_FORWARD_SHARE, cp_size=cp_size,
+        bucket_size=bucket_size,
         num_blocks=num_blocks)
 
 
@@ -145,7 +149,7 @@ TABLES = numba.typeof(CostTables(
     area=np.zeros(1), degrees=np.ones(1, dtype=np.int64), degree_row=np.zeros(2, dtype=np.int64),
     block_offset=np.zeros(2, dtype=np.int64), all_gather_s_per_token=np.zeros(1), all_gather_fixed_s=np.zeros(1),
     reduce_scatter_s_per_token=np.zeros(1), reduce_scatter_fixed_s=np.zeros(1), alpha_s_per_flop=1.0, beta_s=0.0,
-    attention_forward_share=ATTENTION_FORWARD_SHARE, cp_size=1, bucket_size=1, num_blocks=1))
+    floor_s=0.0, attention_forward_share=ATTENTION_FORWARD_SHARE, cp_size=1, bucket_size=1, num_blocks=1))
 
 
 class RankSums(NamedTuple):
@@ -249,8 +253,8 @@ def rank_time_s(tables: CostTables, work_flops: float, attention_flops: float, a
     """``T_r`` (module docstring): the one cost function of every scheduler, the refinement and the simulator."""
     if work_flops <= 0.0:
         return 0.0
-    return (tables.alpha_s_per_flop * work_flops + tables.beta_s
-            + exposed_comm_s(tables, attention_flops, all_gather_s, reduce_scatter_s))
+    return max(tables.floor_s, tables.alpha_s_per_flop * work_flops + tables.beta_s
+               + exposed_comm_s(tables, attention_flops, all_gather_s, reduce_scatter_s))
 
 
 @kernel(types.float64(TABLES, types.float64), inline=True)
@@ -259,7 +263,7 @@ def rank_compute_time_s(tables: CostTables, work_flops: float) -> float:
     block by its heaviest rank and skip what cannot win."""
     if work_flops <= 0.0:
         return 0.0
-    return tables.alpha_s_per_flop * work_flops + tables.beta_s
+    return max(tables.floor_s, tables.alpha_s_per_flop * work_flops + tables.beta_s)
 
 
 @kernel(types.float64(TABLES, SUMS, types.int64, types.int64))

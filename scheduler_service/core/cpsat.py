@@ -13,16 +13,19 @@ attention time, and the all-gathers (AG) and reduce-scatters (RS) of every
 group the rank is in (the whole CP group's distributed tokens, and each block
 containing ``j``),
 
-    time_j = α·(W_local,j + W_dist / N + Σ_b∋j W_b / s_b) + β
-             + max(0, ΣAG − A_j/3) + max(0, ΣRS − 2·A_j/3)
+    time_j = max(F, α·(W_local,j + W_dist / N + Σ_b∋j W_b / s_b) + β
+                    + max(0, ΣAG − A_j/3) + max(0, ΣRS − 2·A_j/3))
 
 whose fixed parts only non-empty groups pay (indicator booleans), and the two
 exposures are linearised by non-negative variables bounded below by their
 argument (the objective pushes them down), under the memory bound
 ``N·(local tokens on j) + dist tokens + Σ_b∋j (N/s_b)·(tokens of b) <= C·N``
 for every ``j`` (eqs. 7, 10); the objective is ``min max_i sum over i's
-micro-batches of time`` (eq. 8). Every term is linear in the booleans, so this
-is a MILP that CP-SAT attacks with its LP relaxation, clause learning and LNS.
+micro-batches of time`` (eq. 8). ``F`` is the profile's launch-bound floor (0 in
+additive profiles): a micro-batch's time is bounded below by it once it is
+open, and by each rank's device time, and minimised, so it is their maximum.
+Every term is linear in the booleans, so this is a MILP that CP-SAT attacks
+with its LP relaxation, clause learning and LNS.
 
 Symmetry breaking. DP ranks, the micro-batches of a DP rank (gradient
 accumulation sums them in any order) and, in the binary space, the CP ranks of
@@ -145,6 +148,7 @@ class _Costs:
     all_gather: list[int]  # a·S_k of the all-gather of k's K/V, all layers
     reduce_scatter: list[int]  # and of the reduce-scatter of dK/dV
     compute_fixed: int  # β of eq. 14: once per CP rank of a non-empty micro-batch
+    compute_floor: int  # the launch-bound floor: no non-empty micro-batch takes less (0: the additive form)
     all_gather_fixed: int  # T_fixed of eq. 16: once per micro-batch with distributed tokens
     reduce_scatter_fixed: int
     blocks: dict[int, _BlockCosts]  # by block degree; empty in the binary space
@@ -176,6 +180,7 @@ def _quantise(problem: PlanningProblem, *, hybrid: bool) -> _Costs:
         all_gather=ticks(collective.all_gather_s_per_token * tokens),
         reduce_scatter=ticks(collective.reduce_scatter_s_per_token * tokens),
         compute_fixed=ticks(problem.beta_s)[0],
+        compute_floor=ticks(problem.floor_s)[0],
         all_gather_fixed=ticks(collective.all_gather_fixed_s)[0],
         reduce_scatter_fixed=ticks(collective.reduce_scatter_fixed_s)[0],
         blocks={degree: block_costs(degree) for degree in block_degrees(problem.cp_size)} if hybrid else {},
@@ -258,7 +263,8 @@ class _JointModel:
         # No plan is slower than running every sequence alone, one after another, paying every fixed cost of
         # every place.
         horizon = sum(costs.local) + sum(costs.distributed) + sum(costs.all_gather) + sum(costs.reduce_scatter) \
-            + num_sequences * (beta + costs.all_gather_fixed + costs.reduce_scatter_fixed) + sum(
+            + num_sequences * (beta + costs.compute_floor + costs.all_gather_fixed + costs.reduce_scatter_fixed) \
+            + sum(
                 sum(block.compute) + sum(block.all_gather) + sum(block.reduce_scatter)
                 + num_sequences * (block.all_gather_fixed + block.reduce_scatter_fixed)
                 for block in costs.blocks.values())
@@ -402,6 +408,10 @@ class _JointModel:
                 model.add(mb_time[i, r] >= local_compute + dist_compute + sum(block_compute[b] for b in rank_blocks)
                           + beta * working[i, r, j] + exposed_forward + exposed_backward)
             model.add(mb_time[i, r] >= beta * opens[i, r])
+            # The launch-bound floor: every CP rank with work takes at least it, so an open micro-batch does; with
+            # the constraints above, the micro-batch takes max(floor, its slowest rank's device time).
+            if costs.compute_floor:
+                model.add(mb_time[i, r] >= costs.compute_floor * opens[i, r])
 
         # Redundant counts, for the bound: the memory bound summed over micro-batches needs at least this many
         # micro-batches, and (binary space, where a sequence longer than C can only be distributed) at least this

@@ -15,7 +15,9 @@ observations and refits two things, robustly and in bounded memory:
   Communication stays the base profile's (it is measured offline by the
   collective benchmark; a micro-batch time cannot tell hidden communication
   from compute): the part predicted to be exposed is subtracted from the
-  measured time first.
+  measured time first. So does a profile's launch-bound floor: a micro-batch
+  measured within ``LAUNCH_BOUND_MARGIN`` of it was set by the host's
+  dispatch, says nothing about ``u`` and ``b``, and is left out.
 * **memory**: ``peak ≈ m₀ + m₁·tokens`` over the tokens per CP rank (local +
   distributed / N); ``m₁`` becomes the activation bytes per token, ``m₀`` the
   static and fixed memory. When the fit (or any single measurement) puts the
@@ -55,6 +57,10 @@ from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, ShardedGroup, cp_blocks
 from scheduler_service.core.profile import MemoryProfile, Profile
 from scheduler_service.core.simulate import micro_batch_sums
+
+# A micro-batch measured within this factor of the launch-bound floor was bound by it (the floor itself varies
+# by about ±10 % between measurements on a GPU).
+LAUNCH_BOUND_MARGIN = 1.15
 
 __all__ = [
     "ComputeObservation",
@@ -236,6 +242,8 @@ def _compute_observation(job: JobFeedback, perf: PerformanceModel,
     work_flops = sums.work_flops[0].tolist()
     working = [r for r in range(problem.cp_size) if work_flops[r] > 0]
     critical = max(working, key=lambda r: u * alpha * work_flops[r] + b + exposed_s(r))
+    if measurement.time_s <= LAUNCH_BOUND_MARGIN * problem.floor_s:
+        return None  # at the launch-bound floor: the host's dispatch set the time, not the device's work
     remaining_s = measurement.time_s - exposed_s(critical)
     if remaining_s <= 0:
         return None  # all communication: the time says nothing about compute

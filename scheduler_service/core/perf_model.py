@@ -4,6 +4,14 @@
   ``L · (20·h²·S + 4·h·h_kv·S + 4·h·S²)``: a linear part and an attention part.
 * Compute time ``T_comp = α·FLOPs + β`` (eq. 14); ``β`` is per layer, paid once
   per micro-batch by each CP rank (one packed row runs through the layers).
+* The launch-bound floor. Eager execution on a GPU dispatches every kernel from
+  the host while the device runs earlier ones, so a packed group takes about
+  ``max(F, T_device)``, not their sum: ``F = floor·L`` is the host's dispatch
+  of its layers (80–100 ms for the eager qwen2.5-0.5b on an H200, whatever
+  the tokens up to ~4k). A profile with ``compute.floor_s_per_layer`` prices
+  every CP rank with work at ``max(F, its device time)``, the device time
+  being its compute, ``β`` and exposed communication; without it (0, the CPU
+  profiles, where one process does both) times add as in the paper.
 * Where a sequence runs: kept whole on one CP rank (degree 1), or zigzag-sharded
   over ``d`` ranks (a hybrid group, or the whole CP group). Each of the ``d``
   ranks computes ``1/d`` of its linear and attention FLOPs, but its attention
@@ -213,11 +221,23 @@ class PerformanceModel:
     def compute_beta_s(self) -> float:
         return self.profile.compute.beta_s_per_layer * self.model.num_layers
 
-    def compute_time_s(self, flops: float) -> float:
-        """``T_comp`` (eq. 14) of a packed group of sequences; nothing to run costs nothing."""
+    @property
+    def compute_floor_s(self) -> float:
+        """The launch-bound floor of one packed group, ``floor·L`` (0 for additive profiles)."""
+        return self.profile.compute.floor_s_per_layer * self.model.num_layers
+
+    def device_time_s(self, flops: float) -> float:
+        """``T_comp`` (eq. 14) of a packed group of sequences: the device's work, whatever the host's dispatch;
+        nothing to run costs nothing."""
         if flops <= 0:
             return 0.0
         return self.profile.compute.alpha_s_per_flop * flops + self.compute_beta_s
+
+    def compute_time_s(self, flops: float) -> float:
+        """The time of a packed group of sequences: its device time, at least the launch-bound floor."""
+        if flops <= 0:
+            return 0.0
+        return max(self.compute_floor_s, self.device_time_s(flops))
 
     # -- communication ----------------------------------------------------------
     def comm_bytes_per_layer(self, num_tokens: float) -> float:
@@ -372,10 +392,12 @@ class ComputeFit:
     median_relative_error: float
     max_relative_error: float
     num_points: int
+    floor_s_per_layer: float = 0.0  # the launch-bound floor; 0: the additive form
 
     def predict_s(self, point: ComputePoint, num_layers: int) -> float:
-        return (self.alpha_s_per_flop * point.flops + self.alpha_s_per_token * point.num_tokens
-                + self.alpha_s_per_sequence * point.num_sequences + self.beta_s_per_layer * num_layers)
+        device_s = (self.alpha_s_per_flop * point.flops + self.alpha_s_per_token * point.num_tokens
+                    + self.alpha_s_per_sequence * point.num_sequences + self.beta_s_per_layer * num_layers)
+        return max(self.floor_s_per_layer * num_layers, device_s)
 
 
 def _nonnegative_relative_lstsq(
@@ -407,10 +429,18 @@ def _nonnegative_relative_lstsq(
     return best
 
 
-def fit_compute(points: Sequence[ComputePoint], *, num_layers: int, extended: bool = True) -> ComputeFit:
-    """Fit ``T = α·FLOPs + β·L`` (eq. 14; ``extended=False``) or with the per-token and per-sequence terms."""
-    if len(points) < (4 if extended else 2):
-        raise InvalidRequestError(f"fitting compute needs at least {4 if extended else 2} points, got {len(points)}",
+def fit_compute(points: Sequence[ComputePoint], *, num_layers: int, extended: bool = True,
+                floor: bool = False) -> ComputeFit:
+    """Fit ``T = α·FLOPs + β·L`` (eq. 14; ``extended=False``) or with the per-token and per-sequence terms; with
+    ``floor``, ``T = max(F, that)``, the launch-bound form (module docstring).
+
+    The floor form is fitted exactly over its one non-linear choice, which points are floor-bound: for each
+    ``k``, the ``k`` fastest points are held at the ``F`` that fits them best on relative error
+    (``Σ(1/t) / Σ(1/t²)``) and the linear part is fitted to the others; the ``k`` (0 included: no floor) whose
+    ``max(F, linear)`` fits all points best wins."""
+    num_unknowns = 4 if extended else 2
+    if len(points) < num_unknowns:
+        raise InvalidRequestError(f"fitting compute needs at least {num_unknowns} points, got {len(points)}",
                                   field="points")
     columns = [[p.flops for p in points]]
     if extended:
@@ -418,14 +448,29 @@ def fit_compute(points: Sequence[ComputePoint], *, num_layers: int, extended: bo
     columns.append([num_layers] * len(points))
     features = np.array(columns, dtype=np.float64).T
     targets = np.array([p.time_s for p in points], dtype=np.float64)
-    coefficients = _nonnegative_relative_lstsq(features, targets, required=0)
-    errors = np.abs(features @ coefficients - targets) / targets
+    order = np.argsort(targets)
+    best: tuple[float, float, npt.NDArray[np.float64]] | None = None  # (cost, floor, coefficients)
+    for num_floor_bound in range(len(points) - num_unknowns + 1 if floor else 1):
+        held = targets[order[:num_floor_bound]]
+        floor_s = float((1 / held).sum() / (1 / held ** 2).sum()) if num_floor_bound else 0.0
+        rest = order[num_floor_bound:]
+        try:
+            coefficients = _nonnegative_relative_lstsq(features[rest], targets[rest], required=0)
+        except InvalidRequestError:
+            continue  # what is left does not grow with work: more of it is floor-bound, or none of it is
+        cost = float(np.sum((np.maximum(floor_s, features @ coefficients) / targets - 1.0) ** 2))
+        if best is None or cost < best[0]:
+            best = (cost, floor_s, coefficients)
+    if best is None:
+        raise InvalidRequestError("no non-negative fit exists: measured times do not grow with work", field="points")
+    _, floor_s, coefficients = best
+    errors = np.abs(np.maximum(floor_s, features @ coefficients) - targets) / targets
     alpha_token, alpha_sequence = (coefficients[1], coefficients[2]) if extended else (0.0, 0.0)
     return ComputeFit(
         alpha_s_per_flop=float(coefficients[0]), alpha_s_per_token=float(alpha_token),
         alpha_s_per_sequence=float(alpha_sequence), beta_s_per_layer=float(coefficients[-1]),
         median_relative_error=float(np.median(errors)), max_relative_error=float(errors.max()),
-        num_points=len(points),
+        num_points=len(points), floor_s_per_layer=floor_s / num_layers,
     )
 
 

@@ -256,6 +256,11 @@ class PlanningProblem:
         """β·L, paid once per micro-batch by each CP rank with work."""
         return self.tables.beta_s
 
+    @property
+    def floor_s(self) -> float:
+        """The launch-bound floor: no CP rank with work takes less (0 in additive profiles)."""
+        return self.tables.floor_s
+
     def rank_flops_at(self, degree: int) -> FloatArray:
         """(N,) what each rank of a block of ``degree`` ranks computes for each sequence sharded over it."""
         return self.rank_flops[self.degrees.index(degree)]

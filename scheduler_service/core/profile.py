@@ -19,6 +19,11 @@ paper's model:
   0): the measured cost eq. 13 leaves out (the LM head, norms and element-wise
   kernels per token; one attention call per sequence per layer where the
   kernel is not varlen, as SDPA on CPU);
+* ``compute.floor_s_per_layer`` (default 0): the launch-bound floor of eager
+  execution on a GPU, where the host dispatches the kernels while the device
+  runs earlier ones: a packed group then takes ``max(floor·L, T_comp)``
+  (``PerformanceModel.compute_time_s``). 0 keeps the additive form, host and
+  device one after the other, as on a CPU;
 * ``communication.tables`` may be empty (a single-process profile measured no
   collective): communication then costs nothing in the model;
 * ``communication.fit``: ``"absolute"`` (default, least squares on seconds) or
@@ -79,6 +84,9 @@ class ComputeProfile:
     beta_s_per_layer: float
     alpha_s_per_token: float = 0.0
     alpha_s_per_sequence: float = 0.0
+    # The host's dispatch per layer that the device's work overlaps (eager execution on a GPU): a packed group takes
+    # at least floor·layers. 0: the additive form, host and device one after the other (CPU).
+    floor_s_per_layer: float = 0.0
     # (query tokens, relative throughput), ascending in tokens; empty: the kernel is equally efficient at every length
     attention_efficiency: tuple[tuple[float, float], ...] = ()
 
@@ -139,7 +147,7 @@ class Profile:
         if not compute.alpha_s_per_flop > 0:
             raise InvalidRequestError(
                 f"profile compute.alpha_s_per_flop must be positive, got {compute.alpha_s_per_flop}", field="profile")
-        for name in ("beta_s_per_layer", "alpha_s_per_token", "alpha_s_per_sequence"):
+        for name in ("beta_s_per_layer", "alpha_s_per_token", "alpha_s_per_sequence", "floor_s_per_layer"):
             if not getattr(compute, name) >= 0:
                 raise InvalidRequestError(f"profile compute.{name} must not be negative, got {getattr(compute, name)}",
                                           field="profile")
@@ -236,6 +244,7 @@ def parse_profile(data: dict[str, Any]) -> Profile:
             beta_s_per_layer=float(compute["beta_s_per_layer"]),
             alpha_s_per_token=float(compute.get("alpha_s_per_token", 0.0)),
             alpha_s_per_sequence=float(compute.get("alpha_s_per_sequence", 0.0)),
+            floor_s_per_layer=float(compute.get("floor_s_per_layer", 0.0)),
             attention_efficiency=_points(efficiency.get("points", ())),
         ),
         memory=MemoryProfile(

@@ -51,8 +51,9 @@ def predicted_shard_s(perf: PerformanceModel, num_tokens: int, degree: int) -> f
     """The model's time of a rank holding only its shard of one sequence sharded over ``degree`` ranks: no local
     attention hides the collectives, so all of them are exposed (``costing.rank_time_s``)."""
     cost = perf.collective_cost(degree)
-    return (perf.compute_time_s(float(perf.placement_flops([num_tokens], degree)[0]))
-            + cost.all_gather_s(num_tokens) + cost.reduce_scatter_s(num_tokens))
+    device_s = (perf.device_time_s(float(perf.placement_flops([num_tokens], degree)[0]))
+                + cost.all_gather_s(num_tokens) + cost.reduce_scatter_s(num_tokens))
+    return max(perf.compute_floor_s, device_s)
 
 
 def shard_effect_rows(perf: PerformanceModel, shards: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -126,8 +127,9 @@ def efficiency_candidate(perf: PerformanceModel, num_tokens: int, degree: int, t
     ``degree`` ranks."""
     alpha = perf.profile.compute.alpha_s_per_flop
     ideal_flops = float(perf.local_attention_flops([num_tokens])[0]) / degree
-    # placement_flops minus its attention at efficiency 1: what the model says besides attention (β included)
-    other_s = perf.compute_time_s(float(perf.placement_flops([num_tokens], degree)[0])) - alpha * ideal_flops
+    # placement_flops minus its attention at efficiency 1: what the model says the device does besides attention
+    # (β included; a time at the launch-bound floor leaves attention too small a share to be a candidate)
+    other_s = perf.device_time_s(float(perf.placement_flops([num_tokens], degree)[0])) - alpha * ideal_flops
     if degree > 1:
         other_s += perf.comm_time_s(num_tokens, group_size=degree)  # no local attention hides it
     return EfficiencyCandidate(

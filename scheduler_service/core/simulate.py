@@ -59,7 +59,8 @@ class CPRankEstimate:
     fixed_s: float  # β: once per micro-batch with work
     comm_s: float  # every collective this rank takes part in, forward and backward
     exposed_comm_s: float  # the part local attention does not hide
-    time_s: float
+    launch_bound_s: float  # what the launch-bound floor adds beyond the device's work (0 when compute-bound)
+    time_s: float  # local + distributed + sharded + fixed + exposed_comm + launch_bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,15 +81,15 @@ class _PerRank:
         time_s = float(self.times_s[m, r])
         busy = sums.work_flops[m, r] > 0
         fixed_s = tables.beta_s if busy else 0.0
+        local_s, distributed_s, sharded_s = (alpha * float(self.compute_flops[part, m, r]) for part in range(3))
+        exposed_s = (exposed_comm_s(tables, float(sums.attention_flops[m, r]), all_gather_s, reduce_scatter_s)
+                     if comm_s else 0.0)
+        device_s = local_s + distributed_s + sharded_s + fixed_s + exposed_s
         return CPRankEstimate(
             local_tokens=int(self.local_tokens[m, r]), tokens=int(sums.units[m, r]) / tables.cp_size,
-            local_compute_s=alpha * float(self.compute_flops[0, m, r]),
-            distributed_compute_s=alpha * float(self.compute_flops[1, m, r]),
-            sharded_compute_s=alpha * float(self.compute_flops[2, m, r]),
-            fixed_s=fixed_s, comm_s=comm_s,
-            exposed_comm_s=exposed_comm_s(tables, float(sums.attention_flops[m, r]), all_gather_s,
-                                          reduce_scatter_s) if comm_s else 0.0,
-            time_s=time_s)
+            local_compute_s=local_s, distributed_compute_s=distributed_s, sharded_compute_s=sharded_s,
+            fixed_s=fixed_s, comm_s=comm_s, exposed_comm_s=exposed_s,
+            launch_bound_s=max(0.0, time_s - device_s) if busy else 0.0, time_s=time_s)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -193,12 +194,15 @@ def micro_batch_time_s(problem: PlanningProblem, micro_batch: MicroBatch) -> flo
 def iteration_lower_bound_s(problem: PlanningProblem) -> float:
     """No plan is faster: every sequence at its cheapest placement (``area``) and the work spread evenly over all
     DP × CP ranks (the max replaced by the mean), no communication exposed, one β per micro-batch of the fewest
-    micro-batches the tokens need; and no faster than the costliest sequence at its cheapest placement."""
+    micro-batches the tokens need; no faster than the costliest sequence at its cheapest placement; and no faster
+    than the launch-bound floor of as many micro-batches as the busiest DP rank must run (at least the fewest
+    micro-batches the tokens need, over the DP ranks)."""
     num_ranks = problem.dp_size * problem.cp_size
     min_micro_batches = -(-int(problem.lengths.sum()) // problem.micro_batch_capacity)
     spread_s = (problem.alpha_s_per_flop * float(problem.area.sum()) / num_ranks
                 + problem.beta_s * min_micro_batches / problem.dp_size)
     degrees = np.asarray(problem.degrees)[:, None]
     cheapest_flops = np.where(problem.lengths <= degrees * problem.bucket_size, problem.rank_flops, np.inf).min(axis=0)
-    longest_s = problem.alpha_s_per_flop * float(cheapest_flops.max()) + problem.beta_s
-    return max(spread_s, longest_s)
+    longest_s = max(problem.floor_s, problem.alpha_s_per_flop * float(cheapest_flops.max()) + problem.beta_s)
+    floor_bound_s = problem.floor_s * -(-min_micro_batches // problem.dp_size)
+    return max(spread_s, longest_s, floor_bound_s)

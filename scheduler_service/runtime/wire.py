@@ -109,12 +109,16 @@ def _ms(seconds: float) -> float:
 
 
 def _cp_rank_data(rank: CPRankEstimate) -> dict[str, Any]:
-    return {
+    data = {
         "tokens": round(float(rank.tokens), 6), "local_tokens": int(rank.local_tokens),
         "local_ms": _ms(rank.local_compute_s), "distributed_ms": _ms(rank.distributed_compute_s),
         "sharded_ms": _ms(rank.sharded_compute_s), "fixed_ms": _ms(rank.fixed_s), "comm_ms": _ms(rank.comm_s),
-        "exposed_comm_ms": _ms(rank.exposed_comm_s), "time_ms": _ms(rank.time_s),
+        "exposed_comm_ms": _ms(rank.exposed_comm_s),
     }
+    if launch_bound_ms := _ms(rank.launch_bound_s):  # left out when 0, as CPRankEstimateModel serialises it
+        data["launch_bound_ms"] = launch_bound_ms
+    data["time_ms"] = _ms(rank.time_s)
+    return data
 
 
 def _micro_batch_data(micro_batch: MicroBatch, estimate: MicroBatchEstimate, breakdown: bool) -> dict[str, Any]:

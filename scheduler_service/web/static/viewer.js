@@ -13,7 +13,8 @@ const PARTS = [
   { key: "local", label: "local (whole sequences)", fields: ["local_ms"] },
   { key: "distributed", label: "distributed (whole CP group)", fields: ["distributed_ms"] },
   { key: "sharded", label: "sharded (hybrid group)", fields: ["sharded_ms"] },
-  { key: "overhead", label: "fixed + exposed communication", fields: ["fixed_ms", "exposed_comm_ms"] },
+  { key: "overhead", label: "fixed, launch-bound floor + exposed communication",
+    fields: ["fixed_ms", "launch_bound_ms", "exposed_comm_ms"] },
 ];
 
 // A problem's "field" (its first name) → the plan form's field (data-field) that shows it.
