@@ -35,7 +35,7 @@ from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.measure import check_profile_machine, local_pack, peak_bytes
 from trainer_client.plan_client import PlanSource
-from trainer_client.profile_document import compute_section, document_json, with_shard_effect
+from trainer_client.profile_document import compute_section, document_json, refit_compute, with_shard_effect
 from trainer_client.profile_sweeps import (
     ProfileOptions,
     collective_lead_s,
@@ -404,3 +404,31 @@ def test_a_gpu_profile_keeps_the_launch_bound_form_where_it_fits_better_and_a_cp
     assert extra["fit"]["launch_bound"]["max_relative_error"] < extra["fit"]["extended"]["max_relative_error"]
     cpu = compute_section(points, num_layers=shape.num_layers, on_gpu=False, timing="synthetic")
     assert (cpu.model_extra or {})["fit"]["form"] == "extended" and cpu.floor_s_per_layer == 0.0
+
+
+def test_refit_fits_a_profile_again_from_its_own_points_and_records_it(measured: Path, tmp_path: Path) -> None:
+    out = tmp_path / "refit.json"
+    assert profiler.main(["--refit", str(measured), "--name", "cpu-tiny-refit", "--out", str(out)]) == 0
+    original, refit = json.loads(measured.read_text()), json.loads(out.read_text())
+    assert refit["name"] == "cpu-tiny-refit" and refit["memory"] == original["memory"]
+    assert refit["compute"]["points"] == original["compute"]["points"]
+    assert refit["compute"]["alpha_s_per_flop"] == pytest.approx(original["compute"]["alpha_s_per_flop"])
+    (record,) = refit["provenance"]["refits"]
+    assert record["from"] == "cpu-tiny-test" and "--refit" in record["command"]
+    assert refit["provenance"]["date"] == original["provenance"]["date"]  # the measurement's, kept
+    load_profile(out)
+
+
+def test_the_shipped_h200_profile_is_this_versions_launch_bound_fit_of_its_own_sweep() -> None:
+    """h200-qwen2.5-0.5b: the 2026-11-26 H200 sweep, refit in the launch-bound form by this version's code."""
+    shipped = builtin_profiles()["h200-qwen2.5-0.5b"]
+    again = refit_compute(shipped.raw, name=shipped.name, command="test", date="now")
+    fit = again["compute"]["fit"]
+    assert fit["form"] == "launch_bound"
+    for name in ("alpha_s_per_flop", "alpha_s_per_token", "alpha_s_per_sequence", "beta_s_per_layer",
+                 "floor_s_per_layer"):
+        assert again["compute"][name] == pytest.approx(shipped.raw["compute"][name], rel=1e-9), name
+    assert fit["launch_bound"]["median_relative_error"] < 0.03 < fit["extended"]["median_relative_error"]
+    perf = PerformanceModel(model=MODEL_CATALOGUE["qwen2.5-0.5b"], profile=shipped)
+    assert 90e-3 < perf.compute_floor_s < 100e-3  # the host's dispatch of 24 eager layers
+    assert perf.bucket_size(1) == 77_948  # zero2, bf16, one H200
