@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo test test-fast docs bench bench-advise load stress serve schema profile accuracy gpu-check feedback lint clean images docker-smoke
+.PHONY: install system-deps demo test test-fast docs bench bench-advise bench-profiles load stress serve schema profile accuracy gpu-check feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -47,6 +47,9 @@ bench: install
 
 bench-advise: install
 	$(PY) -m benchmarks.advise_cpu
+
+bench-profiles: install
+	$(PY) -m benchmarks.profiles
 
 load: install
 	$(PY) -m benchmarks.load
