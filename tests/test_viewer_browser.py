@@ -104,7 +104,8 @@ def test_viewer_plans_an_uploaded_batch_and_draws_what_plan_answers(
         planned_ms = {"local": sum(r["local_ms"] for r in ranks),
                       "distributed": sum(r["distributed_ms"] for r in ranks),
                       "sharded": sum(r["sharded_ms"] for r in ranks),
-                      "overhead": sum(r["fixed_ms"] + r["launch_bound_ms"] + r["exposed_comm_ms"] for r in ranks)}
+                      "overhead": sum(r["fixed_ms"] + r.get("launch_bound_ms", 0.0) + r["exposed_comm_ms"]
+                                      for r in ranks)}
         assert drawn_ms == pytest.approx({part: ms for part, ms in planned_ms.items() if ms > 0})
         memory = page.find_element(By.CSS_SELECTOR, f'svg.memory[data-scheduler="{scheduler}"]')
         tokens = [float(str(bar.get_attribute("data-tokens"))) for bar in memory.find_elements(By.CSS_SELECTOR, "rect")]

@@ -152,7 +152,8 @@ async function planAll(event) {
 const microBatches = (plan) => plan.dp_ranks.flatMap((dp) => dp.micro_batches);
 const sum = (values) => values.reduce((total, value) => total + value, 0);
 const mean = (values) => sum(values) / values.length;
-const partMs = (rank, part) => sum(part.fields.map((field) => rank[field]));
+// A field left out is 0 (launch_bound_ms, under a profile without a launch-bound floor).
+const partMs = (rank, part) => sum(part.fields.map((field) => rank[field] ?? 0));
 
 function balances(plan) {
   const dpTimes = plan.dp_ranks.map((dp) => dp.estimated_time_ms);
