@@ -49,11 +49,11 @@ from scheduler_service.core.simulate import simulate
 from scheduler_service.runtime.profiles import load_profile
 from trainer_client.distributed import ParallelDims, init_parallel, max_over_ranks, spawn_ranks
 from trainer_client.loading import ModelLayout, build_training_module
+from trainer_client.loss import run_micro_batch
 from trainer_client.measure import local_pack, random_samples, timed_runs
 from trainer_client.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.parallelize import ActivationCheckpointing, Sharding, prepare_micro_batch
 from trainer_client.profile import ProfileOptions, measure_profile
-from trainer_client.trainer import run_micro_batch
 
 __all__ = ["EXIT_TARGET_MISSED", "AccuracyOptions", "main", "run_accuracy"]
 

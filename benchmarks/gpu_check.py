@@ -1,4 +1,4 @@
-"""``make gpu-check``: the project on a CUDA machine in one command, within 6 minutes on one H100 or H200.
+"""``make gpu-check``: the project on a CUDA machine in one command, within 8 minutes on one H100 or H200.
 
     make gpu-check                                   # the machine's own python3; artefacts in gpu-check/
     make gpu-check GPU_PYTHON=/opt/py/bin/python GPU_CHECK_ARGS="--wheels /data/wheels"
@@ -11,14 +11,18 @@ Each step runs as its own process, under a deadline, and what it printed is kept
    there are 2 or more, so that the profile holds collectives);
 3. ``accuracy``: ``benchmarks.accuracy`` on CUDA with that profile: every micro-batch of ``skrull`` and
    ``deepspeed`` plans of three length distributions run as the trainer runs it, its time predicted vs measured;
-4. ``train-…``: the trainer (``trainer_client.train`` under torchrun) with ``skrull`` and with ``deepspeed`` for a
-   few steps at DP 1 × CP 1 with that profile, and where there are 2 GPUs at DP 1 × CP 2.
+4. ``train-skrull-…``: the trainer (``trainer_client.train`` under torchrun) with ``skrull`` for a few steps at
+   DP 1 × CP 1 with that profile, and where there are 2 GPUs at DP 1 × CP 2;
+5. ``train-skrull-dp1-cp1-compiled-auto``: the trainer as a user runs it on a GPU, ``--profile auto`` (it measures
+   its own profile, cached in ``gpu-check/cache``) with ``--compile``: how long ``auto`` takes, and what compiled
+   blocks gain against step 4's eager run, on the launch-bound floor and in tokens/s;
+6. ``train-deepspeed-…``: step 4 with ``deepspeed``'s plans: the same losses, another schedule.
 
 Then it prints one summary and writes it as ``gpu-check/summary.json``: the machine and software, each step's
 outcome and time, the GPU tests' result, the profile's fits and BucketSize, the predicted against the measured
 time per micro-batch (median and worst error, by size class) and per step, tokens/s, how far the two schedulers'
-losses are apart, and the peak memory per GPU. Exit status 0 when every step ran, 1 when one failed, 2 when this
-machine cannot run the check (no CUDA; a dependency missing).
+losses are apart, the peak memory per GPU, and what ``--compile`` gained. Exit status 0 when every step ran, 1
+when one failed, 2 when this machine cannot run the check (no CUDA; a dependency missing).
 
 It runs on the machine's own Python: no virtual environment is made and nothing is downloaded. The trainer's
 dependencies must be importable (torch, transformers, peft, numpy, numba, pydantic, safetensors, httpx, tenacity,
@@ -79,7 +83,7 @@ class Settings:
                    bucket_size=16384,
                    profile_args=("--sizes", "512,1024,2048,4096,8192,16384", "--short-length", "512",
                                  "--memory-sizes", "4096,8192,16384", "--shard-sizes", "2048,8192", "--repeats", "3"),
-                   accuracy_args=("--global-batch", "32", "--bucket-size", "16384", "--repeats", "3"))
+                   accuracy_args=("--global-batch", "32", "--bucket-size", "16384", "--repeats", "2"))
 
     @classmethod
     def for_rehearsal(cls, steps: int) -> Settings:
@@ -117,6 +121,7 @@ class Check:
     accuracy: list[dict[str, Any]] = field(default_factory=list)
     training: list[dict[str, Any]] = field(default_factory=list)
     loss_agreement: list[dict[str, Any]] = field(default_factory=list)
+    compiled: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "steps": [{**asdict(step), "ok": step.ok} for step in self.steps]}
@@ -253,6 +258,30 @@ def _training_summary(name: str, metrics_path: Path) -> dict[str, Any]:
             "peak_memory_bytes": max(peaks) if peaks else None, "memory_kind": steps[-1]["memory_kind"]}
 
 
+def _compiled_summary(log: Path, cache: Path, eager_profile: dict[str, Any], training: Sequence[dict[str, Any]],
+                      name: str) -> dict[str, Any]:
+    """The ``--profile auto --compile`` run against the eager one: auto's measuring time, the compiled profile's
+    floor and fit beside the eager profile's, tokens/s, and how far its losses are from the eager run's."""
+    measured = re.search(r"--profile auto: measured in (\d+) s", log.read_text())
+    profiles = sorted(cache.glob("skrull/profiles/auto-*.json"))
+    summary: dict[str, Any] = {"auto_profile_s": int(measured.group(1)) if measured else None,
+                               "auto_profile": str(profiles[-1]) if profiles else None}
+    if profiles:
+        fit = json.loads(profiles[-1].read_text())["compute"]["fit"]
+        summary["fit"] = fit[fit.get("form", "extended")]
+        eager_fit = eager_profile["fit"][eager_profile["fit"].get("form", "extended")]
+        summary["eager_fit"] = eager_fit
+    by_run = {run["run"]: run for run in training}
+    compiled, eager = by_run.get(name), by_run.get("train-skrull-dp1-cp1")
+    if compiled is not None and eager is not None:
+        summary["tokens_per_s"] = compiled["tokens_per_s"]
+        summary["eager_tokens_per_s"] = eager["tokens_per_s"]
+        summary["speedup_tokens_per_s"] = compiled["tokens_per_s"] / eager["tokens_per_s"]
+        summary["max_relative_loss_difference"] = max(
+            abs(a - b) / abs(b) for a, b in zip(compiled["losses"], eager["losses"], strict=False))
+    return summary
+
+
 def _loss_agreement(training: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per layout, how far ``skrull``'s losses are from ``deepspeed``'s: the same batches, another schedule."""
     by_run = {run["run"]: run for run in training}
@@ -276,6 +305,8 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
               deadline_s: float) -> Check:
     """Every step in order; a step that fails leaves the ones that need its output out."""
     from benchmarks.accuracy import EXIT_TARGET_MISSED  # imports torch: only once the machine was checked
+    from scheduler_service.core.jit import CACHE_DIR_VARIABLE
+    from scheduler_service.core.jit import cache_dir as jit_cache_dir
 
     check = Check(machine=_machine(settings.device))
     started = time.perf_counter()
@@ -283,7 +314,8 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
     def remaining() -> float:
         return max(deadline_s - (time.perf_counter() - started), 1.0)
 
-    def run(name: str, command: list[str], succeeded: tuple[int, ...] = (0,)) -> Step:
+    def run(name: str, command: list[str], succeeded: tuple[int, ...] = (0,),
+            env: dict[str, str] = env) -> Step:
         step = _run(Step(name=name, command=command, succeeded=succeeded), out_dir=out_dir, env=env,
                     deadline_s=remaining())
         check.steps.append(step)
@@ -314,18 +346,37 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
         check.accuracy = _accuracy_summary(accuracy_path)
 
     layouts = [(1, 1), (1, 2)] if num_gpus >= 2 else [(1, 1)]
+
+    def train(dp: int, cp: int, scheduler: str, *flags: str, suffix: str = "",
+              step_env: dict[str, str] = env) -> str:
+        name = f"train-{scheduler}-dp{dp}-cp{cp}{suffix}"
+        metrics = out_dir / f"{name}.jsonl"
+        metrics.unlink(missing_ok=True)
+        step = run(name, _torchrun(dp * cp, "trainer_client.train", "--dp", str(dp), "--cp", str(cp), "--model",
+                                   settings.model, "--data", settings.data, "--global-batch",
+                                   str(settings.global_batch), "--steps", str(settings.steps), "--scheduler",
+                                   scheduler, "--bucket-size", str(settings.bucket_size), "--metrics-out",
+                                   str(metrics), "--no-progress", *flags),
+                   env=step_env)
+        if step.ok and metrics.is_file() and metrics.read_text().strip():
+            check.training.append(_training_summary(name, metrics))
+        return name
+
     for dp, cp in layouts:
-        for scheduler in ("skrull", "deepspeed"):
-            name = f"train-{scheduler}-dp{dp}-cp{cp}"
-            metrics = out_dir / f"{name}.jsonl"
-            metrics.unlink(missing_ok=True)
-            train = run(name, _torchrun(dp * cp, "trainer_client.train", "--dp", str(dp), "--cp", str(cp),
-                                       "--model", settings.model, "--data", settings.data, "--global-batch",
-                                       str(settings.global_batch), "--steps", str(settings.steps), "--scheduler",
-                                       scheduler, "--profile", str(profile_path), "--bucket-size",
-                                       str(settings.bucket_size), "--metrics-out", str(metrics), "--no-progress"))
-            if train.ok and metrics.is_file() and metrics.read_text().strip():
-                check.training.append(_training_summary(name, metrics))
+        train(dp, cp, "skrull", "--profile", str(profile_path))
+    # As a user runs it on a GPU: the profile measured by the run itself (afresh, into the check's cache: its time
+    # is reported), the blocks compiled; before the deepspeed runs, whose figures an earlier check has too.
+    cache = out_dir / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    # The planner's compiled kernels stay where the other steps cached them: only the profile is measured afresh.
+    kernels = {CACHE_DIR_VARIABLE: str(jit_cache_dir().parent)}
+    compiled = train(1, 1, "skrull", "--profile", "auto", "--compile", suffix="-compiled-auto",
+                     step_env={**env, "XDG_CACHE_HOME": str(cache), **kernels})
+    if any(run["run"] == compiled for run in check.training):
+        check.compiled = _compiled_summary(out_dir / f"{compiled}.log", cache, check.profile, check.training,
+                                           compiled)
+    for dp, cp in layouts:
+        train(dp, cp, "deepspeed", "--profile", str(profile_path))
     check.loss_agreement = _loss_agreement(check.training)
     return check
 
@@ -360,6 +411,18 @@ def _print_summary(check: Check) -> None:
     for agreement in check.loss_agreement:
         print(f"losses skrull vs deepspeed at {agreement['layout']}: max relative difference "
               f"{agreement['max_relative_difference']:.1e}; skrull ×{agreement['speedup_tokens_per_s']:.2f} tokens/s")
+    compiled = check.compiled
+    if compiled:
+        print(f"--profile auto measured in {compiled['auto_profile_s']} s")
+        if "fit" in compiled:
+            floors = [fit.get("floor_s_per_layer") or fit["beta_s_per_layer"]
+                      for fit in (compiled["eager_fit"], compiled["fit"])]
+            print(f"--compile: launch-bound floor (or beta) {floors[0] * 1e3:.2f} -> {floors[1] * 1e3:.2f} ms/layer, "
+                  f"fit median {compiled['fit']['median_relative_error']:.1%}")
+        if "speedup_tokens_per_s" in compiled:
+            print(f"--compile: {compiled['eager_tokens_per_s']:,.0f} -> {compiled['tokens_per_s']:,.0f} tokens/s "
+                  f"(x{compiled['speedup_tokens_per_s']:.2f}); losses within "
+                  f"{compiled['max_relative_loss_difference']:.1e} of eager")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -49,13 +49,19 @@ def test_the_rehearsal_runs_every_step_and_fills_the_summary(tmp_path: Path) -> 
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [step["name"] for step in summary["steps"]] == [
-        "gpu-tests", "profile", "accuracy", "train-skrull-dp1-cp1", "train-deepspeed-dp1-cp1"]
+        "gpu-tests", "profile", "accuracy", "train-skrull-dp1-cp1", "train-skrull-dp1-cp1-compiled-auto",
+        "train-deepspeed-dp1-cp1"]
     assert all(step["ok"] for step in summary["steps"])
     assert summary["gpu_tests"]["skipped"] == 2  # no CUDA: the GPU tests skip, and say so
     assert summary["profile"]["fit"]["extended"]["median_relative_error"] >= 0
     (accuracy,) = summary["accuracy"]
     assert accuracy["cp_size"] == 1 and accuracy["micro_batches"] > 0 and accuracy["by_size"]
-    assert [run["steps"] for run in summary["training"]] == [2, 2]
+    assert [run["steps"] for run in summary["training"]] == [2, 2, 2]
     (agreement,) = summary["loss_agreement"]
     assert agreement["layout"] == "dp1-cp1" and agreement["max_relative_difference"] < 1e-5
     assert "losses skrull vs deepspeed at dp1-cp1" in result.stdout
+    compiled = summary["compiled"]  # --profile auto measured its profile into the check's cache, then trained
+    assert compiled["auto_profile_s"] is not None and Path(compiled["auto_profile"]).is_file()
+    assert compiled["fit"]["median_relative_error"] >= 0 and compiled["speedup_tokens_per_s"] > 0
+    assert compiled["max_relative_loss_difference"] < 1e-4  # compiled blocks train as the eager ones
+    assert "--compile:" in result.stdout and "--profile auto measured in" in result.stdout

@@ -33,6 +33,7 @@ from trainer_client import profile as profiler
 from trainer_client import profile_sweeps
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.loading import ModelLayout, build_training_module
+from trainer_client.loss import run_micro_batch
 from trainer_client.measure import check_profile_machine, local_pack, peak_bytes
 from trainer_client.plan_client import PlanSource
 from trainer_client.profile_document import compute_section, document_json, refit_compute, with_shard_effect
@@ -43,7 +44,6 @@ from trainer_client.profile_sweeps import (
     shard_degrees,
     shard_micro_batch,
 )
-from trainer_client.trainer import run_micro_batch
 
 # Small and quick: a few seconds on 2 cores. The numbers are whatever this machine measures; tests check shape.
 QUICK = ["--model", "tiny", "--sizes", "32,64,128", "--short-length", "16", "--memory-sizes", "32,96",

@@ -16,7 +16,7 @@ from trainer_client.data import SYNTHETIC_PREFIX
 from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelDims
 from trainer_client.lora import LORA_TARGETS, LoraExport, LoraSettings
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS
-from trainer_client.parallelize import ActivationCheckpointing, Sharding
+from trainer_client.parallelize import ActivationCheckpointing, Sharding, check_compile_layout
 
 __all__ = ["TrainConfig", "check_output_dir"]
 
@@ -38,7 +38,7 @@ class TrainConfig:
     scheduler: str = SchedulerName.SKRULL.value
     scheduler_url: str | None = None
     bucket_size: int | None = None
-    profile: str | None = None  # a profile name, or a profile file (the profiler's output)
+    profile: str | None = None  # auto, a profile name, or a profile file; None: auto on CUDA, the planner's on CPU
     seed: int = 0
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -48,6 +48,7 @@ class TrainConfig:
     sharding: str = Sharding.ZERO2.value
     activation_checkpointing: str = ActivationCheckpointing.NONE.value
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    compile: bool = False  # torch.compile each decoder layer (parallelize.apply_compile)
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0: only after the last step (with --checkpoint-dir)
     resume: bool = False  # continue from the latest checkpoint in checkpoint_dir, if there is one
@@ -105,7 +106,9 @@ class TrainConfig:
         if self.max_grad_norm < 0:
             raise ValueError(f"--max-grad-norm must not be negative, got {self.max_grad_norm}")
         Sharding(self.sharding)
-        ActivationCheckpointing(self.activation_checkpointing)
+        checkpointing = ActivationCheckpointing(self.activation_checkpointing)
+        if self.compile:
+            check_compile_layout(checkpointing)
         if self.loss_chunk_tokens < 1:
             raise ValueError(f"--loss-chunk-tokens must be positive, got {self.loss_chunk_tokens}")
         if self.checkpoint_every < 0:

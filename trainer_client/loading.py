@@ -60,17 +60,18 @@ class ModelLayout:
     activation_checkpointing: ActivationCheckpointing
     param_dtype: torch.dtype  # what the model computes in; the master weights stay float32
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    compiled: bool = False  # each decoder layer under torch.compile (--compile)
 
     @classmethod
     def on(cls, device: torch.device, *, dtype: str | None, sharding: Sharding,
            activation_checkpointing: ActivationCheckpointing,
-           loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> ModelLayout:
+           loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS, compiled: bool = False) -> ModelLayout:
         """The layout on ``device``: computing in ``dtype`` (float32 or bfloat16), by default bfloat16 on CUDA and
         float32 on CPU."""
         dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
         return cls(sharding=sharding, activation_checkpointing=activation_checkpointing,
                    param_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32,
-                   loss_chunk_tokens=loss_chunk_tokens)
+                   loss_chunk_tokens=loss_chunk_tokens, compiled=compiled)
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -90,7 +91,7 @@ def build_training_module(
         apply_lora(lm, lora)  # in place, before sharding: frozen weights and adapters in FSDP's units
     module = parallelize(CausalLMLoss(lm, chunk_tokens=layout.loss_chunk_tokens), parallel.shard_mesh,
                          sharding=layout.sharding, activation_checkpointing=layout.activation_checkpointing,
-                         param_dtype=layout.param_dtype)
+                         param_dtype=layout.param_dtype, compile=layout.compiled)
     module.to_empty(device=parallel.device)
     lm.tie_weights()  # to_empty allocates each module's parameters apart: an unsharded tied LM head comes untied
     _fill_from_rank_0(lm, reference)

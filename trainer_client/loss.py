@@ -15,16 +15,19 @@ Shape legend: T tokens of the packed row, D hidden size, V vocabulary.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from trainer_client.attention import AttentionBackend
 from trainer_client.data import IGNORE_INDEX
 from trainer_client.model import model_inputs
 from trainer_client.packing import PackedMicroBatch
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "CausalLMLoss", "chunked_cross_entropy"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "CausalLMLoss", "chunked_cross_entropy", "micro_batch_loss", "run_micro_batch"]
 
 DEFAULT_CHUNK_TOKENS = 4096
 
@@ -71,3 +74,31 @@ class CausalLMLoss(torch.nn.Module):
         hidden_1TD = self.lm.get_decoder()(**model_inputs(pack, attention_backend)).last_hidden_state
         weight_VD = self.lm.get_output_embeddings().weight
         return chunked_cross_entropy(hidden_1TD[0], weight_VD, pack.targets_T, chunk_tokens=self.chunk_tokens)
+
+
+def micro_batch_loss(
+    module: CausalLMLoss, pack: PackedMicroBatch, *, autocast_dtype: torch.dtype | None = None,
+    attention_backend: str = AttentionBackend.AUTO.value,
+) -> torch.Tensor:
+    """The forward of one packed micro-batch: its summed token loss (autocast when the run computes in it)."""
+    device_type = pack.input_ids_T.device.type
+    autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
+                else nullcontext())
+    with autocast:
+        token_loss_sum: torch.Tensor = module(pack, attention_backend)
+    return token_loss_sum
+
+
+def run_micro_batch(
+    module: CausalLMLoss, pack: PackedMicroBatch, *, num_loss_tokens: int,
+    autocast_dtype: torch.dtype | None = None, attention_backend: str = AttentionBackend.AUTO.value,
+) -> torch.Tensor:
+    """Forward and backward of one packed micro-batch (gradients accumulate); returns its summed token loss.
+
+    The loss is divided by the global batch's ``num_loss_tokens`` before backward (appendix A). The profiler and
+    the accuracy benchmark time exactly this.
+    """
+    token_loss_sum = micro_batch_loss(module, pack, autocast_dtype=autocast_dtype,
+                                      attention_backend=attention_backend)
+    (token_loss_sum / max(num_loss_tokens, 1)).backward()
+    return token_loss_sum.detach()

@@ -49,6 +49,7 @@ DACP_ATTENTION = "dacp"
 MAX_POSITION_EMBEDDINGS = 1 << 20  # RoPE is computed from position ids on the fly; this only bounds them
 
 
+@torch.compiler.disable(recursive=True)
 def dacp_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -59,7 +60,11 @@ def dacp_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: q/k/v ``[1, heads, T, D]`` → output ``[1, T, heads, D]``."""
+    """transformers' attention-function signature: q/k/v ``[1, heads, T, D]`` → output ``[1, T, heads, D]``.
+
+    Never compiled (``--compile`` compiles the blocks around it): the kernels are fused already, and the DACP
+    collectives, their autograd functions and the per-segment Python are not traceable.
+    """
     metadata: DacpMetadata | None = kwargs.get("dacp_metadata")
     if metadata is None:
         raise ValueError("DACP attention needs the packing metadata: call the model with dacp_metadata=… "

@@ -8,7 +8,13 @@
    and its all-gather included (Megatron's full recomputation). Composable checkpointing
    (``torch.distributed._composable.checkpoint``) hooks the module, so parameter names do not change and
    checkpoints stay interchangeable between modes.
-2. shards with FSDP2 (``fully_shard``) over the flattened DP × CP mesh (``Sharding``): every decoder layer is
+2. compiles each decoder layer (``compile=True``, the trainer's ``--compile``): ``torch.compile`` per block, in
+   place (``Module.compile``: parameter names, and so checkpoints, do not change), with dynamic shapes, since
+   every packed row has another length. Compiled blocks fuse the norms, projections, RoPE and MLP into a few
+   kernels, which is what the eager trainer's launch-bound floor pays for on a GPU (one kernel launch per
+   operator); attention itself stays eager (``model.dacp_attention_forward`` is excluded from compilation:
+   its kernels are already fused and its collectives and per-collective Python cannot be traced).
+3. shards with FSDP2 (``fully_shard``) over the flattened DP × CP mesh (``Sharding``): every decoder layer is
    one unit, the root (embeddings, final norm, the tied LM head) another. CP ranks hold different tokens of
    the same global batch, so for the optimizer they are data-parallel ranks like any other.
 
@@ -39,6 +45,7 @@ advisor derive BucketSize from it.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 
 import torch
@@ -54,7 +61,10 @@ __all__ = [
     "ActivationCheckpointing",
     "Sharding",
     "apply_activation_checkpointing",
+    "apply_compile",
     "apply_fsdp",
+    "check_compile",
+    "check_compile_layout",
     "num_padding_micro_batches",
     "parallelize",
     "prepare_micro_batch",
@@ -64,10 +74,13 @@ __all__ = [
 
 def parallelize(
     module: CausalLMLoss, mesh: DeviceMesh, *, sharding: Sharding, activation_checkpointing: ActivationCheckpointing,
-    param_dtype: torch.dtype,
+    param_dtype: torch.dtype, compile: bool = False,
 ) -> CausalLMLoss:
-    """Activation checkpointing, then FSDP2 over ``mesh`` (1-D: the flattened DP × CP ranks); in place."""
+    """Activation checkpointing, then (``compile``) ``torch.compile`` per block, then FSDP2 over ``mesh`` (1-D: the
+    flattened DP × CP ranks), torchtitan's order; in place."""
     apply_activation_checkpointing(module, activation_checkpointing)
+    if compile:
+        apply_compile(module)
     if sharding is not Sharding.NONE:
         apply_fsdp(module, mesh, reshard_after_forward=sharding is Sharding.ZERO3, param_dtype=param_dtype)
     return module
@@ -79,6 +92,42 @@ def apply_activation_checkpointing(module: CausalLMLoss, mode: ActivationCheckpo
             checkpoint(layer, early_stop=False)  # recompute everything: the K/V all-gather of every rank must rerun
         elif mode is ActivationCheckpointing.SELECTIVE:
             checkpoint(layer.get_submodule("mlp"))
+
+
+def apply_compile(module: CausalLMLoss) -> None:
+    """Compile each decoder layer in place, shapes dynamic from the first call: packed rows differ in length at
+    every micro-batch, and a graph specialised to each length would recompile at every one. FSDP2's hooks run
+    outside the compiled graph (``torch._dynamo.config.skip_fsdp_hooks``, on by default)."""
+    for layer in module.decoder_layers():
+        layer.compile(dynamic=True)
+
+
+def check_compile_layout(activation_checkpointing: ActivationCheckpointing) -> None:
+    """Raise ``ValueError`` for a checkpointing mode compiled blocks cannot run under: selective checkpointing's
+    hooks on the MLP inside a compiled block can recompute through another compiled graph than the forward took,
+    and fail (pytorch/pytorch#166926)."""
+    if activation_checkpointing is ActivationCheckpointing.SELECTIVE:
+        raise ValueError("--compile with --activation-checkpointing selective is not supported: use full (each "
+                         "compiled block recomputed whole) or none")
+
+
+def check_compile(device: torch.device) -> None:
+    """Raise ``ValueError`` saying why ``--compile`` cannot run here, before any model is built: a torch without
+    a working ``torch.compile`` (Windows; Python newer than it supports), or a CPU with no C++ compiler for
+    inductor's kernels."""
+    from torch._dynamo import is_dynamo_supported  # imports sympy and the compiler stack: only when asked
+
+    if not is_dynamo_supported():
+        raise ValueError(f"--compile needs torch.compile, which torch {torch.__version__} does not support on "
+                         "this platform or Python")
+    if device.type == "cpu" and not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
+        raise ValueError("--compile on CPU needs a C++ compiler (g++ or clang++) for inductor's kernels; none is "
+                         "on PATH")
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        if major < 7:
+            raise ValueError(f"--compile needs a GPU of compute capability 7.0 or more for Triton; "
+                             f"{torch.cuda.get_device_name(device)} has {major}.x")
 
 
 def apply_fsdp(

@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure activations as the trainer will run with this --activation-checkpointing")
     parser.add_argument("--sharding", default=defaults.sharding, choices=[s.value for s in Sharding],
                         help="lay the model over the profiling ranks as the trainer will with this --sharding")
+    parser.add_argument("--compile", action="store_true",
+                        help="measure each decoder layer under torch.compile, as the trainer will run with --compile")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -211,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shard_sizes=args.shard_sizes, warmup=args.warmup, repeats=args.repeats,
             memory_budget_bytes=args.memory_budget_bytes, dtype=args.dtype,
             attention_backend=args.attention_backend, activation_checkpointing=args.activation_checkpointing,
-            sharding=args.sharding,
+            sharding=args.sharding, compile=args.compile,
             seed=args.seed, progress=not args.no_progress,
         )
         if args.threads is not None:

@@ -59,7 +59,8 @@ def build_document(options: ProfileOptions, measured: Measurements, *, command: 
         name=options.name or f"{measured.device_type}-{shape.name}",
         description=f"{shape.name} measured on {measured.device_name} ({measured.device_type}, "
                     f"{measured.threads_per_rank} threads per rank, {measured.world_size} rank(s), "
-                    f"{measured.dtype_name}, {measured.attention_backend} attention) by {TOOL} on "
+                    f"{measured.dtype_name}, {measured.attention_backend} attention"
+                    f"{', blocks compiled' if options.compile else ''}) by {TOOL} on "
                     f"{measured.measured_at[:10]}. Holds for this model only.",
         model=shape.name,
         hardware=_hardware_section(options, measured),

@@ -1,7 +1,7 @@
 """The profiler's sweeps: what it measures with torch on this machine, each with warm-up and repeated timings
 summarised by the median (CUDA events on CUDA), running exactly what the trainer runs: its model laid out as
 the trainer lays it out (``loading.build_training_module``: FSDP2 over the profiling ranks in the ``--sharding``
-asked for, computing in the trainer's dtype) and its micro-batch step (``trainer.run_micro_batch``: HF model,
+asked for, computing in the trainer's dtype) and its micro-batch step (``loss.run_micro_batch``: HF model,
 DACP attention, loss, backward).
 
 * **compute**: forward + backward of packed micro-batches over a sweep of sizes and sequence mixes (one long
@@ -53,6 +53,7 @@ from scheduler_service.core.plan import MicroBatch, ShardedGroup, block_degrees,
 from trainer_client.attention import AttentionBackend, resolve_backend
 from trainer_client.distributed import ParallelContext, ParallelDims, init_parallel, max_over_ranks
 from trainer_client.loading import ModelLayout, build_training_module
+from trainer_client.loss import run_micro_batch
 from trainer_client.measure import (
     COLLECTIVES,
     collective_latency_s,
@@ -68,8 +69,13 @@ from trainer_client.measure import (
 )
 from trainer_client.model import model_shape
 from trainer_client.packing import PackedMicroBatch, pack_micro_batch
-from trainer_client.parallelize import ActivationCheckpointing, Sharding, prepare_micro_batch
-from trainer_client.trainer import run_micro_batch
+from trainer_client.parallelize import (
+    ActivationCheckpointing,
+    Sharding,
+    check_compile,
+    check_compile_layout,
+    prepare_micro_batch,
+)
 
 __all__ = [
     "GROUP_COLLECTIVES",
@@ -111,16 +117,20 @@ class ProfileOptions:
     attention_backend: str = AttentionBackend.AUTO.value
     activation_checkpointing: str = ActivationCheckpointing.NONE.value  # as the trainer will run; recorded
     sharding: str = Sharding.ZERO2.value  # as the trainer will run (FSDP2 over the profiling ranks); recorded
+    compile: bool = False  # each decoder layer under torch.compile, as the trainer's --compile; recorded
     seed: int = 0
     progress: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        ActivationCheckpointing(self.activation_checkpointing)
+        checkpointing = ActivationCheckpointing(self.activation_checkpointing)
         Sharding(self.sharding)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is visible to torch")
+        if self.compile:
+            check_compile_layout(checkpointing)
+            check_compile(torch.device(self.device))
         if not self.sizes:
             object.__setattr__(self, "sizes", CUDA_SIZES if self.device == "cuda" else CPU_SIZES)
         for name in ("sizes", "memory_sizes", "comm_sizes", "shard_sizes"):
@@ -460,7 +470,8 @@ def run_sweeps(options: ProfileOptions) -> Measurements | None:
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if options.device == "cuda"
               else torch.device("cpu"))
     layout = ModelLayout.on(device, dtype=options.dtype, sharding=Sharding(options.sharding),
-                            activation_checkpointing=ActivationCheckpointing(options.activation_checkpointing))
+                            activation_checkpointing=ActivationCheckpointing(options.activation_checkpointing),
+                            compiled=options.compile)
     # On CPU the ranks of a node share its memory; a GPU is its rank's alone.
     ranks_per_memory = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     check_states_fit(shape, layout, world_size=world_size,

@@ -70,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scheduler", default="skrull", choices=[s.value for s in SchedulerName])
     parser.add_argument("--scheduler-url", help="the scheduler service; absent: plan with the embedded core")
     parser.add_argument("--bucket-size", type=int, help="tokens per CP rank per micro-batch (default: from profile)")
-    parser.add_argument("--profile", help="hardware profile for the performance model: a name, or a profile file "
-                                          "from python -m trainer_client.profile (default: the planner's)")
+    parser.add_argument("--profile", help="hardware profile for the performance model: auto (measured by every rank "
+                                          "before the first step, cached per machine and layout), a name, or a "
+                                          "profile file from python -m trainer_client.profile (default: auto on "
+                                          "CUDA, the planner's on CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.0)
@@ -84,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--activation-checkpointing", default=ActivationCheckpointing.NONE.value,
                         choices=[a.value for a in ActivationCheckpointing],
                         help="per decoder layer: selective recomputes the MLP, full the whole layer")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each decoder layer (dynamic shapes; attention stays eager): fewer, "
+                             "fused kernels, so a GPU's launch-bound micro-batches run faster; the first steps "
+                             "pay the compilation")
     parser.add_argument("--loss-chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
                         help="tokens per chunk of the LM head + cross-entropy (bounds the fp32 logits held)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save DCP checkpoints here")
@@ -150,7 +156,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         profile=args.profile, seed=args.seed, lr=args.lr, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm,
         sharding=args.sharding, activation_checkpointing=args.activation_checkpointing,
-        loss_chunk_tokens=args.loss_chunk_tokens, checkpoint_dir=args.checkpoint_dir,
+        loss_chunk_tokens=args.loss_chunk_tokens, compile=args.compile, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
         resume_accept_data_change=args.resume_accept_data_change, output_dir=args.output_dir,
         export_every=args.export_every, eval_data=args.eval_data, eval_every=args.eval_every,

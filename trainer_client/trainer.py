@@ -63,7 +63,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Protocol
 
@@ -77,7 +76,7 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, builtin_profiles, resolve_profile
 from scheduler_service.runtime.profiles import load_profile
-from trainer_client.attention import AttentionBackend
+from trainer_client.auto_profile import AUTO_PROFILE, auto_profile, default_profile
 from trainer_client.checkpoint import (
     TrainState,
     latest_checkpoint,
@@ -102,7 +101,7 @@ from trainer_client.export import export_model, load_export_tokenizer
 from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.loop import decide_plan, micro_batch_packers
 from trainer_client.lora import LoraExport
-from trainer_client.loss import CausalLMLoss
+from trainer_client.loss import micro_batch_loss, run_micro_batch
 from trainer_client.measure import check_profile_machine
 from trainer_client.model import model_shape
 from trainer_client.optim import clip_gradients, warmup_cosine_schedule
@@ -110,6 +109,7 @@ from trainer_client.packing import PackedMicroBatch
 from trainer_client.parallelize import (
     ActivationCheckpointing,
     Sharding,
+    check_compile,
     prepare_micro_batch,
     reduce_gradients,
     reshard,
@@ -119,7 +119,7 @@ from trainer_client.prefetch import PrefetchedMicroBatches
 from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume
 from trainer_client.step_metrics import MetricsFile, MicroBatchTimer, StepMetrics, TensorBoardLog
 
-__all__ = ["InjectedFault", "MicroBatches", "Trainer", "micro_batch_loss", "run_micro_batch"]
+__all__ = ["InjectedFault", "MicroBatches", "Trainer"]
 
 logger = logging.getLogger("trainer_client.trainer")
 
@@ -136,34 +136,6 @@ class InjectedFault(RuntimeError):
     """Raised by ``--fail-rank``/``--fail-at-step``: one rank failing alone, as a crash or a bad record would."""
 
 
-def micro_batch_loss(
-    module: CausalLMLoss, pack: PackedMicroBatch, *, autocast_dtype: torch.dtype | None = None,
-    attention_backend: str = AttentionBackend.AUTO.value,
-) -> torch.Tensor:
-    """The forward of one packed micro-batch: its summed token loss (autocast when the run computes in it)."""
-    device_type = pack.input_ids_T.device.type
-    autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
-                else nullcontext())
-    with autocast:
-        token_loss_sum: torch.Tensor = module(pack, attention_backend)
-    return token_loss_sum
-
-
-def run_micro_batch(
-    module: CausalLMLoss, pack: PackedMicroBatch, *, num_loss_tokens: int,
-    autocast_dtype: torch.dtype | None = None, attention_backend: str = AttentionBackend.AUTO.value,
-) -> torch.Tensor:
-    """Forward and backward of one packed micro-batch (gradients accumulate); returns its summed token loss.
-
-    The loss is divided by the global batch's ``num_loss_tokens`` before backward (appendix A). The profiler and
-    the accuracy benchmark time exactly this.
-    """
-    token_loss_sum = micro_batch_loss(module, pack, autocast_dtype=autocast_dtype,
-                                      attention_backend=attention_backend)
-    (token_loss_sum / max(num_loss_tokens, 1)).backward()
-    return token_loss_sum.detach()
-
-
 class Trainer:
     def __init__(self, config: TrainConfig, parallel: ParallelContext) -> None:
         self.config = config
@@ -171,13 +143,13 @@ class Trainer:
         self.device = parallel.device
         self.sharding = Sharding(config.sharding)
         shape = model_shape(config.model)
+        if config.compile:
+            check_compile(self.device)  # before anything is built
         self.layout = ModelLayout.on(self.device, dtype=config.dtype, sharding=self.sharding,
                                      activation_checkpointing=ActivationCheckpointing(config.activation_checkpointing),
-                                     loss_chunk_tokens=config.loss_chunk_tokens)
+                                     loss_chunk_tokens=config.loss_chunk_tokens, compiled=config.compile)
         self.autocast_dtype = self.layout.autocast_dtype
-        # A file is read here: the embedded planner plans with it, the service is asked for it by name.
-        self.profile: str | Profile | None = (load_profile(config.profile) if config.profile is not None
-                                              and Path(config.profile).is_file() else config.profile)
+        self.profile = self._profile(config.profile or default_profile(self.device))
         # A file, or a shipped profile by name; another name is the service's, which this process cannot read.
         known = (self.profile if isinstance(self.profile, Profile)
                  else builtin_profiles().get(self.profile or DEFAULT_PROFILE))
@@ -239,6 +211,14 @@ class Trainer:
         self._tensorboard: TensorBoardLog | None = None
         if parallel.is_main and config.tensorboard_dir is not None:
             self._tensorboard = TensorBoardLog(config.tensorboard_dir, first_step=self.first_step)
+
+    def _profile(self, choice: str | None) -> str | Profile | None:
+        """``auto``: measured here (every rank, or read from the cache); a file is read here: the embedded planner
+        plans with it and the service gets it for this run's job; a name is a shipped or a service's profile."""
+        if choice == AUTO_PROFILE:
+            return auto_profile(self.config.model, parallel=self.parallel, layout=self.layout,
+                                progress=self.config.progress)
+        return load_profile(choice) if choice is not None and Path(choice).is_file() else choice
 
     def _derived_bucket_size(self, shape: ModelShape, param_dtype: torch.dtype) -> int:
         """BucketSize from the profile, as the planner derives it when a request leaves it out, with the static

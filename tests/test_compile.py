@@ -1,0 +1,112 @@
+"""``--compile``: each decoder block under ``torch.compile`` trains as the eager trainer does (2 gloo ranks, CP 2, so
+the compiled blocks sit around DACP attention and its collectives), and a machine that cannot compile is told so
+before anything is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer_client.config import TrainConfig
+from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.loading import ModelLayout
+from trainer_client.loss import CausalLMLoss
+from trainer_client.model import build_model
+from trainer_client.parallelize import ActivationCheckpointing, Sharding, apply_compile, check_compile
+from trainer_client.trainer import Trainer
+
+STEPS = 3
+
+
+def _config(*, compile: bool) -> TrainConfig:
+    # BucketSize 512 over CP 2: the longer sequences are sharded, the rest stay local, several micro-batches a step;
+    # full checkpointing recomputes each compiled block in backward, collectives included.
+    return TrainConfig(dp=1, cp=2, model="tiny", data="synthetic:lmsys", global_batch=8, steps=STEPS,
+                       bucket_size=512, seed=0, progress=False, compile=compile,
+                       activation_checkpointing=ActivationCheckpointing.FULL.value)
+
+
+def _train_eager_and_compiled(out_dir: Path) -> None:
+    parallel = init_parallel(_config(compile=False).dims)
+    for compiled in (False, True):
+        trainer = Trainer(_config(compile=compiled), parallel)
+        history = trainer.train()
+        weights = {name: param.full_tensor() for name, param in trainer.module.lm.named_parameters()}
+        if parallel.is_main:
+            torch.save({"losses": [m.loss for m in history], "weights": weights,
+                        "plans": [m.plan_source for m in history]}, out_dir / f"compiled-{compiled}.pt")
+        trainer.close()
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, dict]:
+    out_dir = tmp_path_factory.mktemp("compile")
+    spawn_gloo(_train_eager_and_compiled, 2, out_dir)
+    return {compiled: torch.load(out_dir / f"compiled-{compiled}.pt") for compiled in (False, True)}
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_with_the_eager_losses_and_weights(runs: dict[bool, dict]) -> None:
+    eager, compiled = runs[False], runs[True]
+    assert len(compiled["losses"]) == STEPS
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    assert compiled["losses"][-1] != eager["losses"][0]  # the weights moved: the steps did train
+    for name, weight in eager["weights"].items():
+        # Adam divides by the gradients' root mean square: a float32 rounding apart in a tiny gradient moves a weight
+        # by up to lr × a few 1e-3 after 3 steps.
+        torch.testing.assert_close(compiled["weights"][name], weight, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_compiling_keeps_parameter_names_so_checkpoints_stay_interchangeable() -> None:
+    module = CausalLMLoss(build_model("tiny", seed=0))
+    names = [name for name, _ in module.named_parameters()]
+    apply_compile(module)
+    assert [name for name, _ in module.named_parameters()] == names
+    assert all(layer._compiled_call_impl is not None for layer in module.decoder_layers())
+
+
+def test_the_layout_carries_the_compile_choice() -> None:
+    layout = ModelLayout.on(torch.device("cpu"), dtype=None, sharding=Sharding.ZERO2,
+                            activation_checkpointing=ActivationCheckpointing.NONE, compiled=True)
+    assert layout.compiled
+    assert not ModelLayout.on(torch.device("cpu"), dtype=None, sharding=Sharding.ZERO2,
+                              activation_checkpointing=ActivationCheckpointing.NONE).compiled
+
+
+def test_selective_checkpointing_is_refused_with_compile() -> None:
+    with pytest.raises(ValueError, match=r"--compile with --activation-checkpointing selective is not supported"):
+        TrainConfig(dp=1, cp=1, compile=True, activation_checkpointing=ActivationCheckpointing.SELECTIVE.value)
+
+
+def test_a_cpu_without_a_cpp_compiler_is_refused_before_anything_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("trainer_client.parallelize.shutil.which", lambda name: None)
+    with pytest.raises(ValueError, match=r"--compile on CPU needs a C\+\+ compiler"):
+        check_compile(torch.device("cpu"))
+
+
+def test_a_torch_without_dynamo_support_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("torch._dynamo.is_dynamo_supported", lambda: False)
+    with pytest.raises(ValueError, match=r"--compile needs torch.compile, which torch .* does not support"):
+        check_compile(torch.device("cpu"))
+
+
+def test_a_gpu_too_old_for_triton_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla P100")
+    with pytest.raises(ValueError, match=r"compute capability 7.0 or more .* Tesla P100 has 6.x"):
+        check_compile(torch.device("cuda", 0))
+
+
+def test_the_trainer_checks_compile_before_building_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("trainer_client.parallelize.shutil.which", lambda name: None)
+    monkeypatch.setattr("trainer_client.trainer.build_training_module",
+                        lambda *args, **kwargs: pytest.fail("the model was built before --compile was checked"))
+    cpu_rank = SimpleNamespace(device=torch.device("cpu"))  # no process group: nothing may get that far
+    with pytest.raises(ValueError, match=r"C\+\+ compiler"):
+        Trainer(TrainConfig(dp=1, cp=1, compile=True, progress=False), cpu_rank)  # type: ignore[arg-type]
