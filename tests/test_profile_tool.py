@@ -420,7 +420,7 @@ def test_refit_fits_a_profile_again_from_its_own_points_and_records_it(measured:
 
 
 def test_the_shipped_h200_profile_is_this_versions_launch_bound_fit_of_its_own_sweep() -> None:
-    """h200-qwen2.5-0.5b: the 2026-11-26 H200 sweep, refit in the launch-bound form by this version's code."""
+    """h200-qwen2.5-0.5b: measured by make gpu-check on one H200 (2026-11-26), this version's profiler and fit."""
     shipped = builtin_profiles()["h200-qwen2.5-0.5b"]
     again = refit_compute(shipped.raw, name=shipped.name, command="test", date="now")
     fit = again["compute"]["fit"]
@@ -428,7 +428,8 @@ def test_the_shipped_h200_profile_is_this_versions_launch_bound_fit_of_its_own_s
     for name in ("alpha_s_per_flop", "alpha_s_per_token", "alpha_s_per_sequence", "beta_s_per_layer",
                  "floor_s_per_layer"):
         assert again["compute"][name] == pytest.approx(shipped.raw["compute"][name], rel=1e-9), name
-    assert fit["launch_bound"]["median_relative_error"] < 0.03 < fit["extended"]["median_relative_error"]
+    assert fit["launch_bound"]["median_relative_error"] < 0.05 < fit["extended"]["median_relative_error"]
+    assert min(size for size in shipped.raw["provenance"]["options"]["sizes"]) < 1024  # the floor was swept
     perf = PerformanceModel(model=MODEL_CATALOGUE["qwen2.5-0.5b"], profile=shipped)
-    assert 90e-3 < perf.compute_floor_s < 100e-3  # the host's dispatch of 24 eager layers
-    assert perf.bucket_size(1) == 77_948  # zero2, bf16, one H200
+    assert 100e-3 < perf.compute_floor_s < 110e-3  # the host's dispatch of 24 eager layers
+    assert perf.bucket_size(1) == 87_970  # zero2, bf16, one H200, its reserved memory measured
