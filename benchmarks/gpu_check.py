@@ -15,7 +15,8 @@ Each step runs as its own process, under a deadline, and what it printed is kept
    DP 1 × CP 1 with that profile, and where there are 2 GPUs at DP 1 × CP 2;
 5. ``train-skrull-dp1-cp1-compiled-auto``: the trainer as a user runs it on a GPU, ``--profile auto`` (it measures
    its own profile, cached in ``gpu-check/cache``) with ``--compile``: how long ``auto`` takes, and what compiled
-   blocks gain against step 4's eager run, on the launch-bound floor and in tokens/s;
+   blocks gain against step 4's eager run, on the launch-bound floor and in tokens/s (the CPU rehearsal runs it
+   without ``--compile``, as ``train-skrull-dp1-cp1-auto``);
 6. ``train-deepspeed-…``: step 4 with ``deepspeed``'s plans: the same losses, another schedule.
 
 Then it prints one summary and writes it as ``gpu-check/summary.json``: the machine and software, each step's
@@ -76,6 +77,7 @@ class Settings:
     bucket_size: int
     profile_args: tuple[str, ...]
     accuracy_args: tuple[str, ...]
+    compile: bool  # step 5 with --compile (the CPU rehearsal leaves it out: tests/test_compile.py covers it there)
 
     @classmethod
     def for_gpu(cls, model: str, steps: int) -> Settings:
@@ -83,7 +85,7 @@ class Settings:
                    bucket_size=16384,
                    profile_args=("--sizes", "512,1024,2048,4096,8192,16384", "--short-length", "512",
                                  "--memory-sizes", "4096,8192,16384", "--shard-sizes", "2048,8192", "--repeats", "3"),
-                   accuracy_args=("--global-batch", "32", "--bucket-size", "16384", "--repeats", "2"))
+                   accuracy_args=("--global-batch", "32", "--bucket-size", "16384", "--repeats", "2"), compile=True)
 
     @classmethod
     def for_rehearsal(cls, steps: int) -> Settings:
@@ -92,7 +94,7 @@ class Settings:
                    profile_args=("--sizes", "32,128,512", "--short-length", "16", "--memory-sizes", "64,256",
                                  "--repeats", "1", "--warmup", "0", "--threads", "1"),
                    accuracy_args=("--global-batch", "8", "--bucket-size", "512", "--repeats", "1",
-                                  "--datasets", "lmsys"))
+                                  "--datasets", "lmsys"), compile=False)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -260,8 +262,8 @@ def _training_summary(name: str, metrics_path: Path) -> dict[str, Any]:
 
 def _compiled_summary(log: Path, cache: Path, eager_profile: dict[str, Any], training: Sequence[dict[str, Any]],
                       name: str) -> dict[str, Any]:
-    """The ``--profile auto --compile`` run against the eager one: auto's measuring time, the compiled profile's
-    floor and fit beside the eager profile's, tokens/s, and how far its losses are from the eager run's."""
+    """The ``--profile auto`` (``--compile``) run against the eager one with the sweep's profile: auto's measuring
+    time, its profile's floor and fit beside the sweep's, tokens/s, and how far its losses are from the other's."""
     measured = re.search(r"--profile auto: measured in (\d+) s", log.read_text())
     profiles = sorted(cache.glob("skrull/profiles/auto-*.json"))
     summary: dict[str, Any] = {"auto_profile_s": int(measured.group(1)) if measured else None,
@@ -370,11 +372,12 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
     shutil.rmtree(cache, ignore_errors=True)
     # The planner's compiled kernels stay where the other steps cached them: only the profile is measured afresh.
     kernels = {CACHE_DIR_VARIABLE: str(jit_cache_dir().parent)}
-    compiled = train(1, 1, "skrull", "--profile", "auto", "--compile", suffix="-compiled-auto",
+    compiled = train(1, 1, "skrull", "--profile", "auto", *(["--compile"] if settings.compile else []),
+                     suffix="-compiled-auto" if settings.compile else "-auto",
                      step_env={**env, "XDG_CACHE_HOME": str(cache), **kernels})
     if any(run["run"] == compiled for run in check.training):
-        check.compiled = _compiled_summary(out_dir / f"{compiled}.log", cache, check.profile, check.training,
-                                           compiled)
+        check.compiled = {"compiled": settings.compile, **_compiled_summary(
+            out_dir / f"{compiled}.log", cache, check.profile, check.training, compiled)}
     for dp, cp in layouts:
         train(dp, cp, "deepspeed", "--profile", str(profile_path))
     check.loss_agreement = _loss_agreement(check.training)
@@ -414,13 +417,14 @@ def _print_summary(check: Check) -> None:
     compiled = check.compiled
     if compiled:
         print(f"--profile auto measured in {compiled['auto_profile_s']} s")
+        label = "--compile" if compiled["compiled"] else "--profile auto"
         if "fit" in compiled:
             floors = [fit.get("floor_s_per_layer") or fit["beta_s_per_layer"]
                       for fit in (compiled["eager_fit"], compiled["fit"])]
-            print(f"--compile: launch-bound floor (or beta) {floors[0] * 1e3:.2f} -> {floors[1] * 1e3:.2f} ms/layer, "
+            print(f"{label}: launch-bound floor (or beta) {floors[0] * 1e3:.2f} -> {floors[1] * 1e3:.2f} ms/layer, "
                   f"fit median {compiled['fit']['median_relative_error']:.1%}")
         if "speedup_tokens_per_s" in compiled:
-            print(f"--compile: {compiled['eager_tokens_per_s']:,.0f} -> {compiled['tokens_per_s']:,.0f} tokens/s "
+            print(f"{label}: {compiled['eager_tokens_per_s']:,.0f} -> {compiled['tokens_per_s']:,.0f} tokens/s "
                   f"(x{compiled['speedup_tokens_per_s']:.2f}); losses within "
                   f"{compiled['max_relative_loss_difference']:.1e} of eager")
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from skrull_proto import (
     FeedbackRequest,
     FeedbackResponse,
+    JobProfileRequest,
     ModelsResponse,
     PlanRequest,
     PlanResponse,
@@ -40,7 +41,8 @@ _SCHEMA_MODELS: dict[str, type[BaseModel]] = {
     "problem.schema.json": Problem,
     "models_response.schema.json": ModelsResponse,
     "feedback_request.schema.json": FeedbackRequest,
-    "feedback_response.schema.json": FeedbackResponse,
+    "feedback_response.schema.json": FeedbackResponse,  # also the answer of PUT /jobs/{job_id}/profile
+    "job_profile_request.schema.json": JobProfileRequest,
     "profile.schema.json": ProfileDocument,  # the profile file format
     "advise_request.schema.json": AdviseRequest,
     "advice.schema.json": AdviceDocument,  # the answer of POST /advise and skrull-advise --json

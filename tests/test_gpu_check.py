@@ -49,7 +49,7 @@ def test_the_rehearsal_runs_every_step_and_fills_the_summary(tmp_path: Path) -> 
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [step["name"] for step in summary["steps"]] == [
-        "gpu-tests", "profile", "accuracy", "train-skrull-dp1-cp1", "train-skrull-dp1-cp1-compiled-auto",
+        "gpu-tests", "profile", "accuracy", "train-skrull-dp1-cp1", "train-skrull-dp1-cp1-auto",
         "train-deepspeed-dp1-cp1"]
     assert all(step["ok"] for step in summary["steps"])
     assert summary["gpu_tests"]["skipped"] == 2  # no CUDA: the GPU tests skip, and say so
@@ -60,8 +60,9 @@ def test_the_rehearsal_runs_every_step_and_fills_the_summary(tmp_path: Path) -> 
     (agreement,) = summary["loss_agreement"]
     assert agreement["layout"] == "dp1-cp1" and agreement["max_relative_difference"] < 1e-5
     assert "losses skrull vs deepspeed at dp1-cp1" in result.stdout
-    compiled = summary["compiled"]  # --profile auto measured its profile into the check's cache, then trained
-    assert compiled["auto_profile_s"] is not None and Path(compiled["auto_profile"]).is_file()
-    assert compiled["fit"]["median_relative_error"] >= 0 and compiled["speedup_tokens_per_s"] > 0
-    assert compiled["max_relative_loss_difference"] < 1e-4  # compiled blocks train as the eager ones
-    assert "--compile:" in result.stdout and "--profile auto measured in" in result.stdout
+    auto = summary["compiled"]  # --profile auto measured its profile into the check's cache, then trained
+    assert auto["compiled"] is False  # on a GPU with --compile; tests/test_compile.py compiles on the CPU
+    assert auto["auto_profile_s"] is not None and Path(auto["auto_profile"]).is_file()
+    assert auto["fit"]["median_relative_error"] >= 0 and auto["speedup_tokens_per_s"] > 0
+    assert auto["max_relative_loss_difference"] < 1e-5  # the same model and batches, another profile's plans
+    assert "--profile auto measured in" in result.stdout

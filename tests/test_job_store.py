@@ -15,7 +15,7 @@ import pytest
 from scheduler_service.core import feedback
 from scheduler_service.core.feedback import JobFeedback, MicroBatchMeasurement
 from scheduler_service.core.models import MODEL_CATALOGUE
-from scheduler_service.core.profile import builtin_profiles
+from scheduler_service.core.profile import builtin_profiles, parse_profile
 from scheduler_service.runtime.errors import JobStoreUnavailableError, ServiceUnavailableError
 from scheduler_service.runtime.job_store import (
     JobStore,
@@ -27,6 +27,7 @@ from scheduler_service.runtime.job_store import (
 )
 from scheduler_service.web.metrics import ServiceMetrics
 from tests.job_store_backends import corrupted
+from tests.service_inputs import measured_document
 
 StoreFactory = Callable[..., JobStore]
 
@@ -34,6 +35,13 @@ StoreFactory = Callable[..., JobStore]
 def new_job(job_id: str = "job-1", *, cp_size: int = 2) -> JobFeedback:
     return feedback.start_job(job_id, base=builtin_profiles()["h100-paper"], model=MODEL_CATALOGUE["tiny"],
                               dp_size=1, cp_size=cp_size)
+
+
+def registered_job(job_id: str = "job-1", *, scale: float = 1.0) -> JobFeedback:
+    """A job whose trainer registered a profile it measured (PUT /jobs/{job_id}/profile) as its base."""
+    base = parse_profile(measured_document(name="trainer-tiny", scale=scale))
+    return feedback.start_job(job_id, base=base, model=MODEL_CATALOGUE["tiny"], dp_size=1, cp_size=2,
+                              base_registered=True)
 
 
 def refit(job: JobFeedback, *, num_reports: int = 3) -> JobFeedback:
@@ -126,6 +134,34 @@ def test_keeping_the_same_job_again_keeps_its_refit_and_another_shape_restarts_i
     assert (kept := store.get("job-1")) is not None and kept.job == refitted
     store.keep(new_job(cp_size=4))  # a plan with other sizes: a fresh job
     assert (kept := store.get("job-1")) is not None and kept.job == new_job(cp_size=4)
+
+
+def test_a_registered_base_survives_a_reopen_as_registered(open_store: StoreFactory) -> None:
+    store = open_store()
+    job = refit(registered_job())
+    store.keep(job)
+    reopened = open_store().get("job-1")
+    assert reopened is not None and reopened.job == job and reopened.job.base_registered
+
+
+def test_a_record_written_before_registered_bases_reads_as_a_shared_base(tmp_path: Path) -> None:
+    store = SQLiteJobStore(tmp_path / "jobs.sqlite3", max_jobs=8, events=ServiceMetrics())
+    store.keep(new_job())
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
+        db.execute("UPDATE jobs SET document = json_remove(document, '$.base_registered'), revision = 'other'")
+    stored = store.get("job-1")
+    assert stored is not None and stored.job == new_job()
+    store.close()
+
+
+def test_registering_rewrites_a_job_that_keeping_would_leave_as_it_is(open_store: StoreFactory) -> None:
+    store = open_store()
+    store.keep(registered_job())
+    slower = registered_job(scale=10.0)  # the same name, model and sizes: the same job_key, other numbers
+    store.keep(slower)
+    assert (kept := store.get("job-1")) is not None and kept.job == registered_job()
+    assert store.register(slower) == 1
+    assert (kept := open_store().get("job-1")) is not None and kept.job == slower
 
 
 def test_a_refit_from_an_outdated_revision_is_refused(open_store: StoreFactory) -> None:

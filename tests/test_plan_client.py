@@ -16,8 +16,10 @@ from skrull_proto.models import MAX_FEEDBACK_MICRO_BATCHES
 
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
+from scheduler_service.core.profile import parse_profile
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
+from tests.service_inputs import measured_document
 from trainer_client import plan_client
 from trainer_client.distributed import free_port
 from trainer_client.plan_client import (
@@ -283,6 +285,103 @@ def test_any_service_path_failure_falls_back_to_embedded() -> None:
     decision = source.decide(0, LENGTHS)
     assert decision.origin is PlanOrigin.EMBEDDED and decision.plan is not None and source.num_fallbacks == 1
     source.close()
+
+
+# A profile the trainer measured, which the service cannot know by its name: three times the compute cost of the
+# test's other measured profile.
+MEASURED = parse_profile(measured_document(name="trainer-tiny", scale=3.0))
+
+
+def _measured_source(client: PlanClient, job_id: str | None = None) -> PlanSource:
+    return PlanSource(scheduler="skrull", dp_size=DP, cp_size=CP, model="tiny", bucket_size=BUCKET_SIZE,
+                      profile=MEASURED, client=client, job_id=job_id)
+
+
+def _recorded(service: TestClient, calls: list[tuple[str, str]],
+              answer: Callable[[httpx.Request], httpx.Response | None] = lambda request: None) -> PlanClient:
+    """A client of the real service that records each request as (method, path); ``answer`` may answer one in the
+    service's place."""
+    def forward(request: httpx.Request) -> httpx.Response:
+        calls.append((request.method, request.url.path))
+        if (answered := answer(request)) is not None:
+            return answered
+        real = service.request(request.method, request.url.path, content=request.content,
+                               headers={"content-type": "application/json"})
+        return httpx.Response(real.status_code, content=real.content)
+
+    http = httpx.Client(base_url="http://planner", transport=httpx.MockTransport(forward))
+    return PlanClient("http://planner", client=http, max_attempts=1)
+
+
+@pytest.mark.parametrize("job_id", [None, "trainer-job"])
+def test_a_profile_object_is_registered_once_and_the_service_plans_with_it(
+    service: TestClient, job_id: str | None
+) -> None:
+    calls: list[tuple[str, str]] = []
+    source = _measured_source(_recorded(service, calls), job_id)
+    decisions = [source.decide(step, LENGTHS) for step in range(3)]
+    assert [decision.origin for decision in decisions] == [PlanOrigin.SERVICE] * 3 and source.num_fallbacks == 0
+    # without a job id of the trainer's (feedback off), one made up for the run's plans
+    method, path = calls[0]
+    assert method == "PUT" and (path == f"/jobs/{job_id}/profile" if job_id else path.startswith("/jobs/run-"))
+    assert calls[1:] == [("POST", "/plan")] * 3
+    embedded = source._plan_embedded(0, LENGTHS)
+    default = make_plan(make_problem(sequence_lengths=LENGTHS, dp_size=DP, cp_size=CP, model="tiny",
+                                     bucket_size=BUCKET_SIZE), "skrull")
+    assert decisions[0].plan == embedded.plan
+    assert decisions[0].estimated_time_ms == pytest.approx(embedded.estimated_time_ms)
+    assert decisions[0].estimated_time_ms != pytest.approx(default.estimate.iteration_time_s * 1e3)
+    if job_id is None:  # the made-up job is never reported
+        timings = [MicroBatchTiming(dp_rank=0, index=0, time_s=0.1)]
+        assert source.report(3, decisions[0].plan, LENGTHS, timings) is None
+    source.close()
+
+
+def test_a_registration_the_service_refuses_is_warned_once_and_the_run_plans_embedded(
+    service: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[tuple[str, str]] = []
+    shadowing = parse_profile(measured_document(name="h100-paper", model=None))  # a shared name, other numbers
+    source = PlanSource(scheduler="skrull", dp_size=DP, cp_size=CP, model="tiny", bucket_size=BUCKET_SIZE,
+                        profile=shadowing, client=_recorded(service, calls))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        decisions = [source.decide(step, LENGTHS) for step in range(3)]
+    assert [decision.origin for decision in decisions] == [PlanOrigin.EMBEDDED] * 3 and source.num_fallbacks == 3
+    assert decisions[0].plan == source._plan_embedded(0, LENGTHS).plan  # planned with the trainer's profile
+    assert [method for method, _ in calls] == ["PUT"]  # refused once: never asked again, no plan asked for
+    (warning,) = [record.getMessage() for record in caplog.records
+                  if record.name == LOGGER and record.levelno == logging.WARNING]
+    assert "cannot plan with profile h100-paper" in warning and "422" in warning and "profile.name" in warning
+    source.close()
+
+
+def test_a_registration_the_service_could_not_answer_is_sent_again_at_the_next_batch(service: TestClient) -> None:
+    calls: list[tuple[str, str]] = []
+
+    def unavailable_once(request: httpx.Request) -> httpx.Response | None:
+        if calls != [("PUT", request.url.path)]:
+            return None
+        return httpx.Response(503, json={"title": "Service Unavailable", "detail": "the job store is unavailable"})
+
+    source = _measured_source(_recorded(service, calls, unavailable_once), "flaky-job")
+    assert source.decide(0, LENGTHS).origin is PlanOrigin.EMBEDDED
+    assert source.decide(1, LENGTHS).origin is PlanOrigin.SERVICE
+    assert calls == [("PUT", "/jobs/flaky-job/profile"), ("PUT", "/jobs/flaky-job/profile"), ("POST", "/plan")]
+    source.close()
+
+
+def test_a_job_the_service_forgot_is_registered_again_before_the_next_plan() -> None:
+    calls: list[tuple[str, str]] = []
+    with TestClient(create_app(Settings(cpsat_warmup=False, access_log=False, feedback_max_jobs=1))) as service:
+        source = _measured_source(_recorded(service, calls), "forgotten-job")
+        assert source.decide(0, LENGTHS).origin is PlanOrigin.SERVICE
+        other = {"sequence_lengths": list(LENGTHS), "dp_size": DP, "cp_size": CP, "model": "tiny", "job_id": "other"}
+        assert service.post("/plan", json=other).status_code == 200  # the one job the service keeps now
+        assert source.decide(1, LENGTHS).origin is PlanOrigin.EMBEDDED  # 422: the profile is unknown without the job
+        assert source.decide(2, LENGTHS).origin is PlanOrigin.SERVICE
+        source.close()
+    put, plan = ("PUT", "/jobs/forgotten-job/profile"), ("POST", "/plan")
+    assert calls == [put, plan, plan, put, plan]
 
 
 class _TricklingServer:

@@ -95,42 +95,56 @@ def test_provenance_is_carried() -> None:
 
 
 @pytest.mark.parametrize(
-    ("mutate", "message"),
+    ("mutate", "message", "field"),
     [
-        pytest.param(lambda d: d["compute"].update(alpha_s_per_flop=float("nan")), "finite", id="nan-alpha"),
-        pytest.param(lambda d: d["compute"].update(alpha_s_per_token=-1.0), "alpha_s_per_token", id="negative"),
-        pytest.param(lambda d: d["compute"].update(beta_s_per_layer="fast"), "beta_s_per_layer", id="not-a-number"),
+        pytest.param(lambda d: d["compute"].update(alpha_s_per_flop=float("nan")), "finite",
+                     "compute.alpha_s_per_flop", id="nan-alpha"),
+        pytest.param(lambda d: d["compute"].update(alpha_s_per_token=-1.0), "alpha_s_per_token",
+                     "compute.alpha_s_per_token", id="negative"),
+        pytest.param(lambda d: d["compute"].update(beta_s_per_layer="fast"), "beta_s_per_layer",
+                     "compute.beta_s_per_layer", id="not-a-number"),
         pytest.param(lambda d: d["communication"].update(tables={"all_gather": [[1, 1e-5]]}), "at least 2",
-                     id="one-point-table"),
-        pytest.param(lambda d: d["communication"].update(fit="cubic"), "communication.fit", id="unknown-fit"),
+                     "communication.tables.all_gather", id="one-point-table"),
+        pytest.param(lambda d: d["communication"].update(fit="cubic"), "communication.fit", "communication.fit",
+                     id="unknown-fit"),
         # a section that is not a JSON object is a named 4xx, not an AttributeError (500)
-        pytest.param(lambda d: d.update(hardware=[]), "hardware: must be a JSON object", id="hardware-list"),
-        pytest.param(lambda d: d.update(compute=3), "compute: must be a JSON object", id="compute-number"),
-        pytest.param(lambda d: d.update(memory="big"), "memory: must be a JSON object", id="memory-string"),
-        pytest.param(lambda d: d.update(communication=None), "communication: must be a JSON object",
+        pytest.param(lambda d: d.update(hardware=[]), "hardware: must be a JSON object", "hardware",
+                     id="hardware-list"),
+        pytest.param(lambda d: d.update(compute=3), "compute: must be a JSON object", "compute", id="compute-number"),
+        pytest.param(lambda d: d.update(memory="big"), "memory: must be a JSON object", "memory", id="memory-string"),
+        pytest.param(lambda d: d.update(communication=None), "communication: must be a JSON object", "communication",
                      id="communication-null"),
         pytest.param(lambda d: d["communication"].update(tables=[]), "communication.tables: must be a JSON object",
-                     id="tables-list"),
+                     "communication.tables", id="tables-list"),
         pytest.param(lambda d: d["memory"].update(activation_bytes_per_token=[1, 2]),
-                     "memory.activation_bytes_per_token: must be a JSON object", id="activation-list"),
+                     "memory.activation_bytes_per_token: must be a JSON object",
+                     "memory.activation_bytes_per_token", id="activation-list"),
         pytest.param(lambda d: d["communication"].update(tables={"all_gather": 5}), "tables.all_gather",
-                     id="table-not-a-list"),
+                     "communication.tables.all_gather", id="table-not-a-list"),
         pytest.param(lambda d: d["communication"].update(tables={"all_gather": [[1, 2, 3]]}), "tables.all_gather",
-                     id="table-triple"),
+                     "communication.tables.all_gather[0]", id="table-triple"),
         # duplicated sizes leave one distinct point: the line fit would be degenerate (np.polyfit RankWarning)
         pytest.param(lambda d: d["communication"].update(tables={
             "all_gather": [[4096, 1e-5], [4096, 2e-5]], "reduce_scatter": [[4096, 1e-5], [8192, 2e-5]]}),
-            "all_gather needs .* 2 distinct sizes", id="duplicate-sizes"),
-        pytest.param(lambda d: d.update(model=17), "model", id="model-not-a-name"),
-        pytest.param(lambda d: d.update(schema_version=2), "schema_version", id="other-version"),
+            "all_gather needs .* 2 distinct sizes", "communication.tables.all_gather", id="duplicate-sizes"),
+        # beyond any device: planning with it would overflow
+        pytest.param(lambda d: d["compute"].update(beta_s_per_layer=1e308), "less than or equal to 3600",
+                     "compute.beta_s_per_layer", id="absurd-seconds"),
+        pytest.param(lambda d: d["hardware"].update(device_memory_bytes=1e300), "less than or equal to",
+                     "hardware.device_memory_bytes", id="absurd-bytes"),
+        pytest.param(lambda d: d["compute"].update(alpha_s_per_flop=5e-324), "at least 1e-24",
+                     "compute.alpha_s_per_flop", id="denormal-alpha"),
+        pytest.param(lambda d: d.update(model=17), "model", "model", id="model-not-a-name"),
+        pytest.param(lambda d: d.update(schema_version=2), "schema_version", "schema_version", id="other-version"),
     ],
 )
-def test_bad_profile_fields_are_named(mutate: Any, message: str) -> None:
+def test_bad_profile_fields_are_named(mutate: Any, message: str, field: str) -> None:
+    """Shape errors (the format's model) and range errors (the core's ``Profile``) alike name the field."""
     document = measured_document()
     mutate(document)
     with pytest.raises(InvalidRequestError, match=message) as caught:
         profile_from_document(document)
-    assert caught.value.field == "profile"
+    assert caught.value.field == f"profile.{field}"
 
 
 def test_profile_folder_is_read_whole_or_not_at_all(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ def test_openapi_documents_every_endpoint_and_problem_responses() -> None:
     document = json.loads((CONTRACT_DIR / "openapi.json").read_text())
     assert set(document["paths"]) == {
         "/plan", "/models", "/healthz", "/readyz", "/metrics", "/feedback", "/feedback/{job_id}", "/profiles/reload",
-        "/samplers", "/samplers/{name}", "/advise",
+        "/jobs/{job_id}/profile", "/samplers", "/samplers/{name}", "/advise",
     }
     plan = document["paths"]["/plan"]["post"]
     assert plan["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/PlanRequest"}
@@ -55,6 +55,7 @@ def test_openapi_operation_ids_are_readable() -> None:
     assert operation_ids == {
         ("POST", "/plan"): "plan", ("GET", "/models"): "listModels", ("POST", "/profiles/reload"): "reloadProfiles",
         ("POST", "/feedback"): "postFeedback", ("GET", "/feedback/{job_id}"): "getJobFeedback",
+        ("PUT", "/jobs/{job_id}/profile"): "putJobProfile",
         ("GET", "/healthz"): "healthz", ("GET", "/readyz"): "readyz", ("GET", "/metrics"): "metrics",
         ("GET", "/samplers"): "listSamplers", ("GET", "/samplers/{name}"): "drawSamples", ("POST", "/advise"): "advise",
     }

@@ -11,6 +11,7 @@ from skrull_proto import FeedbackRequest, Problem
 
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
+from tests.service_inputs import measured_document
 from trainer_client.plan_client import PlanClient, PlanRejected
 
 TOKEN = "s3cret-token-for-tests"
@@ -19,6 +20,12 @@ PLAN: dict[str, Any] = {"sequence_lengths": [637, 208, 90, 1742], "dp_size": 1, 
 REPORT: dict[str, Any] = {"job_id": "auth-job", "micro_batches": [
     {"local_lengths": [[100 + 150 * i], [50 + 75 * i]], "distributed_lengths": [], "time_ms": 5.0 + i}
     for i in range(4)]}
+REGISTRATION: dict[str, Any] = {"profile": measured_document(name="auth-tiny"), "model": "tiny", "dp_size": 1,
+                                "cp_size": 2}
+# The endpoints that change state, each with a body it accepts.
+GUARDED = [pytest.param("POST", "/feedback", REPORT, id="feedback"),
+           pytest.param("PUT", "/jobs/auth-job/profile", REGISTRATION, id="job-profile"),
+           pytest.param("POST", "/profiles/reload", None, id="profiles-reload")]
 
 
 def settings(**overrides: object) -> Settings:
@@ -45,22 +52,28 @@ def test_auth_is_off_by_default() -> None:
     assert Settings().api_token is None
     with TestClient(create_app(settings())) as client:
         assert client.post("/plan", json=PLAN).status_code == 200
-        assert client.post("/feedback", json=REPORT).status_code == 200
-        assert client.post("/profiles/reload").status_code == 200
+        for method, path, body in (param.values for param in GUARDED):
+            assert client.request(method, path, json=body).status_code == 200, path
 
 
-@pytest.mark.parametrize("path", ["/feedback", "/profiles/reload"])
-def test_state_changing_endpoints_refuse_a_request_without_the_token(guarded: TestClient, path: str) -> None:
-    assert_unauthorized(guarded.post(path, json=REPORT), "Bearer")
-    assert_unauthorized(guarded.post(path, json=REPORT, headers={"Authorization": f"Basic {TOKEN}"}), "Bearer")
+@pytest.mark.parametrize(("method", "path", "body"), GUARDED)
+def test_state_changing_endpoints_refuse_a_request_without_the_token(
+    guarded: TestClient, method: str, path: str, body: dict[str, Any] | None
+) -> None:
+    assert_unauthorized(guarded.request(method, path, json=body), "Bearer")
+    assert_unauthorized(guarded.request(method, path, json=body, headers={"Authorization": f"Basic {TOKEN}"}),
+                        "Bearer")
 
 
-@pytest.mark.parametrize("path", ["/feedback", "/profiles/reload"])
-def test_state_changing_endpoints_refuse_a_wrong_token(guarded: TestClient, path: str) -> None:
+@pytest.mark.parametrize(("method", "path", "body"), GUARDED)
+def test_state_changing_endpoints_refuse_a_wrong_token(
+    guarded: TestClient, method: str, path: str, body: dict[str, Any] | None
+) -> None:
     for wrong in ("nope", TOKEN[:-1], TOKEN + "x"):
-        response = guarded.post(path, json=REPORT, headers={"Authorization": f"Bearer {wrong}"})
+        response = guarded.request(method, path, json=body, headers={"Authorization": f"Bearer {wrong}"})
         assert_unauthorized(response, 'Bearer error="invalid_token"')
-    assert guarded.get("/feedback/auth-job").json()["num_observations"] == 0  # nothing was refit
+    state = guarded.get("/feedback/auth-job").json()
+    assert state["num_observations"] == 0 and state["base_profile"] == "h100-paper"  # nothing refit or registered
 
 
 def test_the_right_token_is_accepted(guarded: TestClient) -> None:
@@ -68,6 +81,9 @@ def test_the_right_token_is_accepted(guarded: TestClient) -> None:
     response = guarded.post("/feedback", json=REPORT, headers=headers)
     assert response.status_code == 200, response.text
     assert response.json()["num_observations"] == len(REPORT["micro_batches"])
+    response = guarded.put("/jobs/auth-job/profile", json=REGISTRATION, headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.json()["base_profile"] == "auth-tiny"
     assert guarded.post("/profiles/reload", headers=headers).status_code == 200
 
 
@@ -84,6 +100,7 @@ def test_the_openapi_document_declares_the_bearer_scheme_on_the_guarded_operatio
                           for method, operation in item.items() if operation.get("security")}
     # {}: the token is optional, needed only where the service sets one
     assert guarded_operations == {("/feedback", "post"): [{"HTTPBearer": []}, {}],
+                                  ("/jobs/{job_id}/profile", "put"): [{"HTTPBearer": []}, {}],
                                   ("/profiles/reload", "post"): [{"HTTPBearer": []}, {}]}
 
 

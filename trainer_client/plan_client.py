@@ -15,6 +15,9 @@ fetch fails with ``PlanTimeout`` (so the step plans with the embedded core). Its
     └── PlanRejected      the service answered, but not with a usable plan: a 4xx (problem+json detail
                           quoted), a body that is not a PlanResponse, or a plan that fails the checker
 
+``PlanClient`` also registers a job's profile (``PUT /jobs/{job_id}/profile``), retried as a plan is (a PUT
+changes nothing when repeated), and sends a step's report once (``POST /feedback``).
+
 ``PlanSource`` is rank 0's decision maker. For global batch ``s`` it asks the
 service (prefetched in a background thread while batch ``s − 1`` trains); on
 any ``PlanClientError`` it plans the batch with the embedded core — the same
@@ -29,6 +32,22 @@ the core's checker (aligned blocks, memory bound) before any rank sees it.
 Documented behaviour when the service is unreachable at start-up: one warning,
 training starts at once with embedded plans, and batches go back to the
 service as soon as it answers (the sidecar may come up later).
+
+A profile object (read from a file, or measured by the profiler) is one the
+service cannot know by its name. ``PlanSource`` registers it as the base
+profile of the job its plans name, on the background thread before the job's
+first plan (``PUT /jobs/{job_id}/profile``); its plans then name it and the
+service plans with it, the same numbers the embedded core plans with. The job
+is the trainer's ``job_id``; without one (feedback off) the plans name a job
+made up for the run (``run-<hex>``), for which no report is ever sent. Until
+the profile is registered, every batch plans with the embedded core: the
+service is asked again at the next batch while it is unreachable or failing;
+a registration the service refuses (a 4xx: a profile it finds invalid, a name
+one of its own profiles has, no token, feedback switched off) is warned once
+and ends the asking: the whole run then plans embedded. A plan the service
+refuses sends the registration again before the next plan (the service may
+have forgotten the job, its profile with it), which changes nothing where it
+had not.
 
 Feedback (opt-in, a ``job_id``): plan requests carry the job id, and
 ``PlanSource.report`` posts a step's measured micro-batches (``POST /feedback``)
@@ -57,6 +76,7 @@ import random
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -68,9 +88,12 @@ from pydantic import ValidationError
 from skrull_proto import (
     FeedbackRequest,
     FeedbackResponse,
+    JobProfileRequest,
     MicroBatchMeasurement,
+    ModelSpec,
     PlanRequest,
     PlanResponse,
+    ProfileDocument,
     SchedulerName,
 )
 from tenacity import (
@@ -251,29 +274,39 @@ class PlanClient:
         except httpx.HTTPError:
             return False
 
-    def _post(self, path: str, body: str, deadline: float) -> httpx.Response:
-        """POST ``body`` and read the whole answer before ``deadline`` (``time.monotonic``), else PlanTimeout."""
+    def _send(self, method: str, path: str, body: str, deadline: float) -> httpx.Response:
+        """Send ``body`` and read the whole answer before ``deadline`` (``time.monotonic``), else PlanTimeout."""
         remaining_s = deadline - time.monotonic()
         if remaining_s <= 0:
-            raise PlanTimeout(f"POST {self.base_url}{path} timed out: it passed its deadline of {self.deadline_s:g} s")
+            raise PlanTimeout(f"{method} {self.base_url}{path} timed out: it passed its deadline of "
+                              f"{self.deadline_s:g} s")
         watch = _Deadline()
         timer = threading.Timer(remaining_s, watch.expire)
         timer.daemon = True
         timer.start()
         try:
-            return self._client.post(path, content=body, headers=self._headers, extensions={"trace": watch.trace})
+            return self._client.request(method, path, content=body, headers=self._headers,
+                                        extensions={"trace": watch.trace})
         except httpx.HTTPError:
             if watch.expired:
-                raise PlanTimeout(f"POST {self.base_url}{path} timed out: it passed its deadline of "
+                raise PlanTimeout(f"{method} {self.base_url}{path} timed out: it passed its deadline of "
                                   f"{self.deadline_s:g} s (the answer was still arriving)") from None
             raise
         finally:
             timer.cancel()
 
     def plan(self, request: PlanRequest) -> PlanResponse:
-        """POST /plan, retried (tenacity) on a transport error, a timeout, 429 and 5xx until ``max_attempts`` or
+        """POST /plan, retried (``_retried``)."""
+        return self._retried("POST", "/plan", request.model_dump_json(exclude_none=True), PlanResponse)
+
+    def register_profile(self, job_id: str, request: JobProfileRequest) -> FeedbackResponse:
+        """PUT /jobs/{job_id}/profile, retried (``_retried``): a registration repeated changes nothing."""
+        return self._retried("PUT", f"/jobs/{job_id}/profile", request.model_dump_json(exclude_none=True),
+                             FeedbackResponse)
+
+    def _retried(self, method: str, path: str, body: str, answer: type[Answer]) -> Answer:
+        """The answer, retried (tenacity) on a transport error, a timeout, 429 and 5xx until ``max_attempts`` or
         until the next wait would pass the fetch's deadline; a 4xx is final."""
-        body = request.model_dump_json(exclude_none=True)
         deadline = time.monotonic() + self.deadline_s
         retrying = Retrying(
             retry=retry_if_exception_type(PlanUnavailable),
@@ -283,7 +316,7 @@ class PlanClient:
             reraise=False,
         )
         try:
-            return retrying(self._plan_once, body, deadline)
+            return retrying(self._once, method, path, body, deadline, answer)
         except RetryError as error:
             failure = error.last_attempt.exception()
             assert isinstance(failure, PlanUnavailable)
@@ -298,35 +331,27 @@ class PlanClient:
         delay_s = retry_after_s if retry_after_s is not None else self.backoff_s * 2 ** (state.attempt_number - 1)
         return delay_s * (1 + _JITTER * random.random())
 
-    def _plan_once(self, body: str, deadline: float) -> PlanResponse:
-        """One attempt: the plan, ``PlanUnavailable`` (retried) or ``PlanRejected`` (final)."""
+    def _once(self, method: str, path: str, body: str, deadline: float, answer: type[Answer]) -> Answer:
+        """One attempt: the answer, ``PlanUnavailable`` (worth retrying) or ``PlanRejected`` (final)."""
+        request = f"{method} {self.base_url}{path}"
         try:
-            response = self._post("/plan", body, deadline)
+            response = self._send(method, path, body, deadline)
         except httpx.TimeoutException as error:
-            raise PlanTimeout(f"POST {self.base_url}/plan timed out ({type(error).__name__})") from None
+            raise PlanTimeout(f"{request} timed out ({type(error).__name__})") from None
         except httpx.HTTPError as error:
-            raise PlanUnavailable(f"POST {self.base_url}/plan failed: {error!r}") from None
+            raise PlanUnavailable(f"{request} failed: {error!r}") from None
         if response.status_code in _RETRIED_STATUS:
-            raise PlanUnavailable(f"POST {self.base_url}/plan answered {response.status_code}: "
-                                  f"{_problem_detail(response)}", retry_after_s=_retry_after_s(response))
+            raise PlanUnavailable(f"{request} answered {response.status_code}: {_problem_detail(response)}",
+                                  retry_after_s=_retry_after_s(response))
         if response.status_code != 200:
-            raise PlanRejected(f"POST {self.base_url}/plan answered {response.status_code}: "
-                               f"{_problem_detail(response)}")
-        return _parsed(response, PlanResponse, f"POST {self.base_url}/plan")
+            raise PlanRejected(f"{request} answered {response.status_code}: {_problem_detail(response)}")
+        return _parsed(response, answer, request)
 
     def feedback(self, request: FeedbackRequest) -> FeedbackResponse:
         """POST /feedback once (a report is not worth retrying: the next step sends a fresh one)."""
-        try:
-            # A deadline here too: reports share the plan prefetch's thread, so a hung report would stall plans.
-            response = self._post("/feedback", request.model_dump_json(exclude_none=True),
-                                  time.monotonic() + self.deadline_s)
-        except httpx.HTTPError as error:
-            raise PlanUnavailable(f"POST {self.base_url}/feedback failed: {error!r}") from None
-        if response.status_code != 200:
-            error_type = PlanUnavailable if response.status_code in _RETRIED_STATUS else PlanRejected
-            raise error_type(f"POST {self.base_url}/feedback answered {response.status_code}: "
-                             f"{_problem_detail(response)}")
-        return _parsed(response, FeedbackResponse, f"POST {self.base_url}/feedback")
+        # A deadline here too: reports share the plan prefetch's thread, so a hung report would stall plans.
+        return self._once("POST", "/feedback", request.model_dump_json(exclude_none=True),
+                          time.monotonic() + self.deadline_s, FeedbackResponse)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -399,7 +424,13 @@ class PlanSource:
         self.bucket_size = bucket_size
         self.profile = profile
         self.client = client
-        self.job_id = job_id
+        self.job_id = job_id  # the trainer's: plans and reports name it (feedback)
+        # A profile object is one the service cannot know by its name: registered for the job the plans name, the
+        # trainer's or one made up for the run (which no report names).
+        self._registers_profile = client is not None and isinstance(profile, Profile)
+        self._plan_job_id = job_id if job_id is not None or not self._registers_profile else f"run-{uuid.uuid4().hex}"
+        self._profile_registered = False
+        self._registration_refused: str | None = None  # why the service cannot plan with the profile, once it said
         self.num_fallbacks = 0
         self.num_feedback_failures = 0
         self.last_feedback: FeedbackResponse | None = None
@@ -459,22 +490,57 @@ class PlanSource:
                            "the service for every later batch; fallbacks are counted in the metrics "
                            "(plan_fallbacks), this warning is shown once", reason)
 
+    def _wire_model(self) -> str | ModelSpec:
+        return self.model if isinstance(self.model, str) else shape_to_model_spec(self.model)
+
     def _request(self, sequence_lengths: Sequence[int]) -> PlanRequest:
-        model = self.model if isinstance(self.model, str) else shape_to_model_spec(self.model)
         return PlanRequest(sequence_lengths=[int(n) for n in sequence_lengths], dp_size=self.dp_size,
-                           cp_size=self.cp_size, model=model, bucket_size=self.bucket_size,
+                           cp_size=self.cp_size, model=self._wire_model(), bucket_size=self.bucket_size,
                            scheduler=SchedulerName(self.scheduler),
                            profile=self.profile.name if isinstance(self.profile, Profile) else self.profile,
-                           job_id=self.job_id)
+                           job_id=self._plan_job_id)
+
+    def _register_profile(self) -> None:
+        """Register the profile object as the base of the job the plans name (``PUT /jobs/{job_id}/profile``).
+        ``PlanUnavailable`` when the service is unreachable or failing (asked again at the next batch);
+        ``PlanRejected`` for good once it refused, warned once: it cannot plan with this profile."""
+        assert self.client is not None and isinstance(self.profile, Profile) and self._plan_job_id is not None
+        if self._registration_refused is not None:
+            raise PlanRejected(self._registration_refused)
+        try:
+            request = JobProfileRequest(profile=ProfileDocument.model_validate(self.profile.raw),
+                                        model=self._wire_model(), dp_size=self.dp_size, cp_size=self.cp_size)
+            self.client.register_profile(self._plan_job_id, request)
+        except (ValidationError, PlanRejected) as error:
+            reason = (f"it breaks the contract ({error.error_count()} errors, first: {error.errors()[0]['msg']})"
+                      if isinstance(error, ValidationError) else str(error))
+            self._registration_refused = (f"the scheduler service cannot plan with profile {self.profile.name}: "
+                                          f"registering it for job {self._plan_job_id} failed: {reason}")
+            self._warned = True  # this warning says all the fallback's would: the run's fallbacks start here
+            logger.warning("%s; every batch of this run is planned with the embedded core instead (same planner, "
+                           "same plans); fallbacks are counted in the metrics (plan_fallbacks)",
+                           self._registration_refused)
+            raise PlanRejected(self._registration_refused) from None
+        self._profile_registered = True
+        logger.info("profile %s registered for job %s at %s", self.profile.name, self._plan_job_id,
+                    self.client.base_url)
 
     def _ask_service(self, sequence_lengths: tuple[int, ...]) -> _ServicePlan:
         assert self.client is not None
+        if self._registers_profile and not self._profile_registered:
+            self._register_profile()
         try:
             request = self._request(sequence_lengths)
         except ValidationError as error:  # e.g. a job id the contract refuses: no service plan, the core plans
             raise PlanRejected(f"cannot build the plan request: {error.error_count()} errors, first: "
                                f"{error.errors()[0]['msg']}") from None
-        response = self.client.plan(request)
+        try:
+            response = self.client.plan(request)
+        except PlanRejected:
+            # The service may have forgotten the job, and its profile with it (the least recently used of many, or
+            # a new store): registered again before the next plan, which changes nothing where it had not.
+            self._profile_registered = False
+            raise
         # A smaller bucket is the service lowering this job's memory use (feedback); a larger one could OOM.
         if response.scheduler != self.scheduler or response.bucket_size > self.bucket_size:
             raise PlanRejected(f"the service planned with scheduler {response.scheduler} and bucket_size "

@@ -18,6 +18,8 @@ from typing import Annotated, ClassVar, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictInt, model_serializer
 
+from skrull_proto.profile import ProfileDocument
+
 __all__ = [
     "MAX_FEEDBACK_MICRO_BATCHES",
     "MAX_MEMORY_BYTES",
@@ -32,6 +34,8 @@ __all__ = [
     "FeedbackResponse",
     "FieldError",
     "HealthStatus",
+    "JobId",
+    "JobProfileRequest",
     "MemoryCoefficients",
     "MicroBatchMeasurement",
     "MicroBatchModel",
@@ -321,6 +325,22 @@ class FeedbackRequest(_Strict):
         Field(default=None, description="Device memory the job may use; the profile's device memory when absent."))
 
 
+class JobProfileRequest(_Strict):
+    """PUT /jobs/{job_id}/profile: the profile a trainer measured, as its job's base profile.
+
+    The job is keyed as its plans key it (model, dp_size, cp_size), so the job exists, planned with this profile,
+    before its first POST /plan."""
+
+    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Contract version.")
+    profile: ProfileDocument = Field(
+        description="The profile document, in the format of a profile file (`python -m trainer_client.profile` "
+        "writes one). Its `name` is what the job's POST /plan requests name in `profile` (or they name none).")
+    model: str | ModelSpec = Field(
+        default="qwen2.5-0.5b", description="The job's model, as its POST /plan requests name it.")
+    dp_size: PositiveInt = Field(description="The job's data-parallel degree, as its POST /plan requests give it.")
+    cp_size: PositiveInt = Field(description="The job's context-parallel degree, as its POST /plan requests give it.")
+
+
 class ComputeCoefficients(_Strict):
     alpha_s_per_flop: float
     alpha_s_per_token: float
@@ -333,13 +353,18 @@ class MemoryCoefficients(_Strict):
     fixed_bytes: float = Field(description="Refit peak at zero tokens: static, reserved and fixed memory.")
 
 
-class FeedbackResponse(_Strict):
-    """A job's refit state (POST /feedback and GET /feedback/{job_id})."""
+class FeedbackResponse(_OmitsEmpty):
+    """A job's refit state (POST /feedback, GET /feedback/{job_id} and PUT /jobs/{job_id}/profile)."""
+
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("base_registered",)
 
     schema_version: Literal[1] = SCHEMA_VERSION
     job_id: str
     model: str
     base_profile: str = Field(description="The profile the job's plans started from.")
+    base_registered: bool = Field(
+        default=False, description="The base profile is the job's own, registered by its trainer (PUT "
+        "/jobs/{job_id}/profile), not one the service shares; omitted otherwise.")
     profile: str = Field(description="The profile name its plans now report (the base's, + feedback).")
     num_observations: int = Field(description="Micro-batches reported so far.")
     num_in_window: int = Field(description="Observations the current fit uses (a bounded sliding window).")

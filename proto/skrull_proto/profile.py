@@ -2,10 +2,12 @@
 
 A profile is a versioned JSON document (the shipped ``h100-paper.json`` is
 the reference; ``python -m trainer_client.profile`` writes measured ones). This
-model checks its shape: sections are objects, coefficients finite numbers,
-latency tables ``[bytes, seconds]`` pairs, ``fit`` one of two names. The
-ranges that make a profile usable (a positive ``alpha_s_per_flop``, two
-distinct sizes per table, …) are the planning core's, checked when it builds
+model checks its shape: sections are objects, coefficients finite numbers
+within physical bounds (no time over an hour, no size over a PiB: beyond them
+a number is a broken measurement, and planning with it would overflow), latency
+tables ``[bytes, seconds]`` pairs, ``fit`` one of two names. The
+ranges that make a profile usable (an ``alpha_s_per_flop`` of at least 1e-24,
+two distinct sizes per table, …) are the planning core's, checked when it builds
 its ``Profile`` from the document. Members not declared here (each section's
 ``source``, the profiler's raw points and fit reports, ``provenance``) are
 carried, not checked.
@@ -18,6 +20,8 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "MAX_PROFILE_BYTES",
+    "MAX_PROFILE_SECONDS",
     "PROFILE_SCHEMA_VERSION",
     "ActivationBytesPerToken",
     "AttentionEfficiency",
@@ -32,10 +36,15 @@ __all__ = [
 
 PROFILE_SCHEMA_VERSION: Final = 1
 
-Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-# [x, y] with x > 0 and y >= 0: [message bytes, seconds] or [query tokens, relative throughput]
-Point = tuple[Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)],
-              Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]]
+MAX_PROFILE_SECONDS: Final = 3600.0  # any time a profile holds, per FLOP, token, sequence or layer, or a latency
+MAX_PROFILE_BYTES: Final = float(1 << 50)  # any size a profile holds: memory, bytes per token or parameter, a message
+
+# A coefficient's sign is the planning core's to check (it names the field); its size is bounded here.
+Seconds = Annotated[float, Field(strict=True, le=MAX_PROFILE_SECONDS, allow_inf_nan=False)]
+Bytes = Annotated[float, Field(strict=True, ge=-MAX_PROFILE_BYTES, le=MAX_PROFILE_BYTES, allow_inf_nan=False)]
+# [x, y] with x >= 1 and y >= 0: [message bytes, seconds] or [query tokens, relative throughput]
+Point = tuple[Annotated[float, Field(strict=True, ge=1, le=MAX_PROFILE_BYTES, allow_inf_nan=False)],
+              Annotated[float, Field(strict=True, ge=0, le=MAX_PROFILE_SECONDS, allow_inf_nan=False)]]
 # collective name ("all_gather", "reduce_scatter", …) -> its latency table
 Tables = dict[str, list[Point]]
 
@@ -46,7 +55,7 @@ class _Section(BaseModel):
 
 class HardwareSection(_Section):
     device: str = "unknown"
-    device_memory_bytes: Number = Field(description="Memory of one device, the plans' per-rank budget.")
+    device_memory_bytes: Bytes = Field(description="Memory of one device, the plans' per-rank budget.")
 
 
 class AttentionEfficiency(_Section):
@@ -57,31 +66,31 @@ class ComputeSection(_Section):
     """``T_comp = α·FLOPs + α_token·tokens + α_sequence·sequences + β·layers`` of one packed group, at least
     ``floor·layers`` where the host's dispatch overlaps the device's work."""
 
-    alpha_s_per_flop: Number
-    beta_s_per_layer: Number
-    alpha_s_per_token: Number = 0.0
-    alpha_s_per_sequence: Number = 0.0
-    floor_s_per_layer: Number = Field(
+    alpha_s_per_flop: Seconds
+    beta_s_per_layer: Seconds
+    alpha_s_per_token: Seconds = 0.0
+    alpha_s_per_sequence: Seconds = 0.0
+    floor_s_per_layer: Seconds = Field(
         default=0.0, description="The launch-bound floor per layer: a packed group takes max(floor·layers, T_comp) "
                                  "(eager execution on a GPU); 0: T_comp alone, host and device one after the other.")
     attention_efficiency: AttentionEfficiency | None = None
 
 
 class ActivationBytesPerToken(_Section):
-    fixed: Number
-    per_layer_hidden: Number
-    per_vocab: Number
+    fixed: Bytes
+    per_layer_hidden: Bytes
+    per_vocab: Bytes
 
 
 class StaticBytesPerParameter(_Section):
-    replicated: Number
-    sharded: Number
+    replicated: Bytes
+    sharded: Bytes
 
 
 class MemorySection(_Section):
     activation_bytes_per_token: ActivationBytesPerToken
-    beta_bytes: Number
-    reserved_bytes: Number
+    beta_bytes: Bytes
+    reserved_bytes: Bytes
     static_bytes_per_parameter: StaticBytesPerParameter
 
 

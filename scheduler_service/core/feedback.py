@@ -55,7 +55,7 @@ from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, ShardedGroup, cp_blocks
-from scheduler_service.core.profile import MemoryProfile, Profile
+from scheduler_service.core.profile import MIN_ALPHA_S_PER_FLOP, MemoryProfile, Profile
 from scheduler_service.core.simulate import micro_batch_sums
 
 # A micro-batch measured within this factor of the launch-bound floor was bound by it (the floor itself varies
@@ -178,6 +178,9 @@ class JobFeedback:
 
     job_id: str
     base: Profile
+    # The base is the job's own, registered by its trainer rather than named from the profiles the service shares:
+    # it stays the job's base for every plan that names no other profile.
+    base_registered: bool = False
     model: ModelShape
     dp_size: int
     cp_size: int
@@ -198,13 +201,13 @@ class JobFeedback:
 
 def start_job(
     job_id: str, *, base: Profile, model: ModelShape, dp_size: int, cp_size: int,
-    memory_budget_bytes: float | None = None, config: FeedbackConfig | None = None,
+    memory_budget_bytes: float | None = None, config: FeedbackConfig | None = None, base_registered: bool = False,
 ) -> JobFeedback:
     """A job with no report yet: plans use ``base`` unchanged."""
     PerformanceModel(model=model, profile=base)  # the base must fit the model (a measured profile names it)
     budget = memory_budget_bytes if memory_budget_bytes is not None else base.device_memory_bytes
-    return JobFeedback(job_id=job_id, base=base, model=model, dp_size=dp_size, cp_size=cp_size,
-                       memory_budget_bytes=budget, config=config or FeedbackConfig(), profile=base,
+    return JobFeedback(job_id=job_id, base=base, base_registered=base_registered, model=model, dp_size=dp_size,
+                       cp_size=cp_size, memory_budget_bytes=budget, config=config or FeedbackConfig(), profile=base,
                        fixed_s=base.compute.beta_s_per_layer * model.num_layers)
 
 
@@ -379,8 +382,10 @@ def _refit_compute(job: JobFeedback) -> JobFeedback:
     # β is identifiable only if the ratio fixed : variable varies between observations.
     two = len(window) >= job.config.min_two_parameter_samples and _spread(x1 / np.maximum(x2, 1.0)) > 0.05
     fit = _huber_fit(x1, x2, y, (1.0, base_fixed_s), two_parameters=two, huber_k=job.config.huber_k)
-    if not _usable(fit):
-        return job  # extreme (if valid) measurements: keep the coefficients the job had
+    # Extreme (if valid) measurements: keep the coefficients the job had, also where the refit α would be smaller
+    # than a profile's may be (its per-token costs would overflow as FLOP-equivalents).
+    if not _usable(fit) or job.base.compute.alpha_s_per_flop * fit.slope < MIN_ALPHA_S_PER_FLOP:
+        return job
     return replace(job, compute_scale=fit.slope, fixed_s=fit.intercept,
                    fit_median_relative_error=fit.median_relative_error, num_downweighted=fit.num_downweighted)
 

@@ -61,6 +61,7 @@ from scheduler_service.core.errors import InvalidRequestError, UnknownProfileErr
 
 __all__ = [
     "DEFAULT_PROFILE",
+    "MIN_ALPHA_S_PER_FLOP",
     "CommunicationProfile",
     "ComputeProfile",
     "InterNodeCommunication",
@@ -74,6 +75,9 @@ __all__ = [
 
 DEFAULT_PROFILE = "h100-paper"
 COLLECTIVES = ("all_gather", "reduce_scatter")
+# The per-token and per-sequence costs are priced as FLOP-equivalents, divided by α (``perf_model``): a smaller α,
+# a device a billion times faster than any there is, would overflow them.
+MIN_ALPHA_S_PER_FLOP = 1e-24
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,24 +146,26 @@ class Profile:
 
     def __post_init__(self) -> None:
         if not self.device_memory_bytes > 0:
-            raise InvalidRequestError("profile hardware.device_memory_bytes must be positive", field="profile")
+            raise InvalidRequestError("profile hardware.device_memory_bytes must be positive",
+                                      field="profile.hardware.device_memory_bytes")
         compute = self.compute
-        if not compute.alpha_s_per_flop > 0:
-            raise InvalidRequestError(
-                f"profile compute.alpha_s_per_flop must be positive, got {compute.alpha_s_per_flop}", field="profile")
+        if not compute.alpha_s_per_flop >= MIN_ALPHA_S_PER_FLOP:
+            raise InvalidRequestError(f"profile compute.alpha_s_per_flop must be at least {MIN_ALPHA_S_PER_FLOP:g} "
+                                      f"(a yottaFLOP/s device), got {compute.alpha_s_per_flop}",
+                                      field="profile.compute.alpha_s_per_flop")
         for name in ("beta_s_per_layer", "alpha_s_per_token", "alpha_s_per_sequence", "floor_s_per_layer"):
             if not getattr(compute, name) >= 0:
                 raise InvalidRequestError(f"profile compute.{name} must not be negative, got {getattr(compute, name)}",
-                                          field="profile")
+                                          field=f"profile.compute.{name}")
         memory = self.memory
         per_token = (memory.activation_fixed_bytes_per_token, memory.activation_per_layer_hidden,
                      memory.activation_per_vocab)
         if min(per_token) < 0 or max(per_token) <= 0:
             raise InvalidRequestError("profile memory.activation_bytes_per_token must be non-negative and not all 0",
-                                      field="profile")
+                                      field="profile.memory.activation_bytes_per_token")
         if self.communication.kv_bytes_per_element < 1:
             raise InvalidRequestError("profile communication.kv_bytes_per_element must be at least 1",
-                                      field="profile")
+                                      field="profile.communication.kv_bytes_per_element")
         communication = self.communication
         _check_link(communication.tables, communication.tables_by_group_size, communication.world_size,
                     "communication")
@@ -169,13 +175,14 @@ class Profile:
                         "communication.inter_node")
             if inter_node.num_nodes is not None and inter_node.num_nodes < 2:
                 raise InvalidRequestError("profile communication.inter_node.num_nodes must be at least 2, got "
-                                          f"{inter_node.num_nodes}", field="profile")
+                                          f"{inter_node.num_nodes}", field="profile.communication.inter_node.num_nodes")
         efficiency = compute.attention_efficiency
         if efficiency and (len(efficiency) < 2 or len({tokens for tokens, _ in efficiency}) < len(efficiency)
                            or any(not (tokens >= 1 and 0 < value <= 1) for tokens, value in efficiency)):
             raise InvalidRequestError(
                 "profile compute.attention_efficiency.points needs at least 2 [query_tokens, throughput] points at "
-                "distinct lengths >= 1 with relative throughputs in (0, 1]", field="profile")
+                "distinct lengths >= 1 with relative throughputs in (0, 1]",
+                field="profile.compute.attention_efficiency.points")
 
     @property
     def provenance(self) -> dict[str, Any]:
@@ -190,7 +197,8 @@ def _check_link(tables: Tables, by_group_size: dict[int, Tables], world_size: in
     for group_size, group_tables in by_group_size.items():
         _check_tables(group_tables, f"{path}.tables_by_group_size.{group_size}")
     if world_size is not None and world_size < 1:
-        raise InvalidRequestError(f"profile {path}.world_size must be at least 1, got {world_size}", field="profile")
+        raise InvalidRequestError(f"profile {path}.world_size must be at least 1, got {world_size}",
+                                  field=f"profile.{path}.world_size")
 
 
 def _check_tables(tables: Tables, path: str) -> None:
@@ -201,7 +209,7 @@ def _check_tables(tables: Tables, path: str) -> None:
         if len({size for size, _ in tables.get(collective, ())}) < 2:
             raise InvalidRequestError(
                 f"profile {path}.{collective} needs (bytes, seconds) points at at least 2 distinct sizes",
-                field="profile",
+                field=f"profile.{path}.{collective}",
             )
 
 

@@ -89,7 +89,8 @@ class JobStoreUnavailableError(ServiceUnavailableError):
     def __init__(self, reason: str, *, operation: str) -> None:
         super().__init__(f"the job store is unavailable: {reason}")
         self.reason = reason
-        self.operation = operation  # the store's method that failed: get, keep, replace (or open, at the start)
+        # the store's method that failed: get, keep, register, replace (or open, at the start)
+        self.operation = operation
 
 
 class UnknownJobError(Exception):

@@ -13,8 +13,10 @@ one JSON document, written and read only here (``encode_job``,
   computes).
 
 Both hold what the in-memory store held: at most ``max_jobs`` jobs, the least
-recently used forgotten first (a plan or an adopted refit uses a job), each
-bounded by its refit windows (``FeedbackConfig.window``).
+recently used forgotten first (a plan, an adopted refit or a registered profile
+uses a job), each bounded by its refit windows (``FeedbackConfig.window``) and,
+where its trainer registered its base profile, by that document's size
+(``profiles.MAX_PROFILE_FILE_BYTES``).
 
 Concurrency: every job carries a *revision*, a random token renewed on every
 write. A refit is adopted only if the job still has the revision it was refit
@@ -100,6 +102,7 @@ def encode_job(job: JobFeedback) -> str:
         "format": _FORMAT,
         "job_id": job.job_id,
         "base": job.base.raw,
+        "base_registered": job.base_registered,
         "model": asdict(job.model),
         "dp_size": job.dp_size,
         "cp_size": job.cp_size,
@@ -136,6 +139,7 @@ def _decode_document(document: dict[str, Any]) -> JobFeedback | None:
     return JobFeedback(
         job_id=document["job_id"],
         base=parse_profile(document["base"]),
+        base_registered=document.get("base_registered", False),  # absent from records written before it existed
         model=ModelShape(**document["model"]),
         dp_size=document["dp_size"],
         cp_size=document["cp_size"],
@@ -205,9 +209,19 @@ class JobStore(ABC):
         """Register or use a job after a successful plan: a kept job with the same ``job_key`` stays as it is
         (its refit included), any other is replaced by ``job``. Forgets the least recently used beyond
         ``max_jobs``; the number of jobs kept."""
+        return self._write("keep", job, overwrite=False)
+
+    def register(self, job: JobFeedback) -> int:
+        """Write ``job`` whatever is kept under its id, even with the same ``job_key`` (a trainer registered another
+        profile of that name: the job restarts from it), and use it. Forgets the least recently used beyond
+        ``max_jobs``; the number of jobs kept."""
+        return self._write("register", job, overwrite=True)
+
+    def _write(self, operation: str, job: JobFeedback, *, overwrite: bool) -> int:
         revision = _new_revision()
-        with self._call("keep"):
-            written, num_jobs = self._keep(job.job_id, _key_text(job), revision, lambda: encode_job(job))
+        with self._call(operation):
+            written, num_jobs = self._keep(job.job_id, _key_text(job), revision, lambda: encode_job(job),
+                                           overwrite=overwrite)
         if written:
             self._remember(StoredJob(job=job, revision=revision))
         return num_jobs
@@ -267,9 +281,11 @@ class JobStore(ABC):
         """The job's revision and document, read together; ``None`` if unknown."""
 
     @abstractmethod
-    def _keep(self, job_id: str, key: str, revision: str, document: Callable[[], str]) -> tuple[bool, int]:
-        """``keep``: write ``document()`` under ``revision`` unless the job is kept with ``key``; use the job;
-        forget beyond ``max_jobs``. Whether it wrote, and the number of jobs kept."""
+    def _keep(self, job_id: str, key: str, revision: str, document: Callable[[], str], *,
+              overwrite: bool) -> tuple[bool, int]:
+        """``keep`` (and ``register``, ``overwrite``): write ``document()`` under ``revision`` unless the job is kept
+        with ``key`` and not ``overwrite``; use the job; forget beyond ``max_jobs``. Whether it wrote, and the
+        number of jobs kept."""
 
     @abstractmethod
     def _replace(self, job_id: str, expected: str, revision: str, document: str) -> bool:
@@ -369,11 +385,12 @@ class SQLiteJobStore(JobStore):
     def _next_use(db: sqlite3.Connection) -> int:
         return int(db.execute("SELECT coalesce(max(used), 0) + 1 FROM jobs").fetchone()[0])
 
-    def _keep(self, job_id: str, key: str, revision: str, document: Callable[[], str]) -> tuple[bool, int]:
+    def _keep(self, job_id: str, key: str, revision: str, document: Callable[[], str], *,
+              overwrite: bool) -> tuple[bool, int]:
         with self._transaction() as db:
             used = self._next_use(db)
             kept = db.execute("SELECT job_key FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-            written = kept is None or kept[0] != key
+            written = overwrite or kept is None or kept[0] != key
             if written:
                 db.execute("INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?)",
                            (job_id, key, revision, used, document()))
@@ -397,11 +414,12 @@ class SQLiteJobStore(JobStore):
 # ---- Redis -------------------------------------------------------------------------------------------------
 
 # KEYS: the job's hash, the use order (a sorted set of job ids), the use clock. ARGV: job id, key, revision,
-# document (empty: only if the job is kept with this key, else answer -1 and the caller sends it), max_jobs, the
-# prefix of job hashes. Answers the number of jobs kept, negated when it wrote.
+# document (empty: only if the job is kept with this key, else answer nil and the caller sends it), max_jobs, the
+# prefix of job hashes, "1" to write the document even if the job is kept with this key. Answers whether it wrote
+# and the number of jobs kept.
 _KEEP = """
 local written = 0
-if redis.call('HGET', KEYS[1], 'key') ~= ARGV[2] then
+if ARGV[7] == '1' or redis.call('HGET', KEYS[1], 'key') ~= ARGV[2] then
   if ARGV[4] == '' then
     return false
   end
@@ -465,13 +483,16 @@ class RedisJobStore(JobStore):
         revision, document = self._client.hmget(self._job_hash(job_id), ["revision", "document"])
         return None if revision is None or document is None else (str(revision), str(document))
 
-    def _keep(self, job_id: str, key: str, revision: str, document: Callable[[], str]) -> tuple[bool, int]:
+    def _keep(self, job_id: str, key: str, revision: str, document: Callable[[], str], *,
+              overwrite: bool) -> tuple[bool, int]:
         keys = [self._job_hash(job_id), self._order, self._clock]
+        flag = "1" if overwrite else "0"
         # Most plans use a job already kept: try without the document first (encoding one costs ~1 ms).
-        answer = self._keep_script(keys=keys, args=[job_id, key, revision, "", self.max_jobs, self._job_hash("")])
+        answer = None if overwrite else self._keep_script(
+            keys=keys, args=[job_id, key, revision, "", self.max_jobs, self._job_hash(""), flag])
         if answer is None:
             answer = self._keep_script(keys=keys, args=[job_id, key, revision, document(), self.max_jobs,
-                                                        self._job_hash("")])
+                                                        self._job_hash(""), flag])
         written, num_jobs = answer
         return bool(written), int(num_jobs)
 

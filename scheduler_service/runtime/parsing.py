@@ -12,12 +12,19 @@ from typing import Any, TypeVar
 
 import pydantic_core
 from pydantic import BaseModel, ValidationError
-from skrull_proto import FeedbackRequest, PlanRequest
+from skrull_proto import FeedbackRequest, JobProfileRequest, PlanRequest
 from skrull_proto.advise import AdviseRequest
 
 from scheduler_service.runtime.errors import RequestBodyError, RequestLimitError, UnsupportedMediaTypeError
+from scheduler_service.runtime.profiles import MAX_PROFILE_FILE_BYTES
 
-__all__ = ["check_json_media_type", "parse_advise_request", "parse_feedback_request", "parse_plan_request"]
+__all__ = [
+    "check_json_media_type",
+    "parse_advise_request",
+    "parse_feedback_request",
+    "parse_job_profile_request",
+    "parse_plan_request",
+]
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -44,6 +51,15 @@ def parse_advise_request(body: bytes, content_type: str | None) -> AdviseRequest
 def parse_feedback_request(body: bytes, content_type: str | None) -> FeedbackRequest:
     """Parse POST /feedback's body (its size was bounded by the caller's cost estimate)."""
     return _validate(FeedbackRequest, _json(body, content_type))
+
+
+def parse_job_profile_request(body: bytes, content_type: str | None) -> JobProfileRequest:
+    """Parse PUT /jobs/{job_id}/profile's body, refusing one larger than a profile file may be before reading it:
+    the job store keeps the document with the job, and writes it again at every refit."""
+    if len(body) > MAX_PROFILE_FILE_BYTES:
+        raise RequestLimitError(f"the body holds {len(body)} bytes; a profile (as a profile file) holds at most "
+                                f"{MAX_PROFILE_FILE_BYTES}", field="profile", limit=MAX_PROFILE_FILE_BYTES)
+    return _validate(JobProfileRequest, _json(body, content_type))
 
 
 def check_json_media_type(content_type: str | None) -> None:

@@ -29,11 +29,11 @@ from skrull_proto import ProfileDocument
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.profile import Profile, builtin_profiles, parse_profile
 
-__all__ = ["ProfileFolder", "load_profile", "load_profile_dir", "profile_from_document"]
+__all__ = ["MAX_PROFILE_FILE_BYTES", "ProfileFolder", "load_profile", "load_profile_dir", "profile_from_document"]
 
 logger = logging.getLogger("scheduler_service.runtime.profiles")
 
-_MAX_PROFILE_BYTES = 1 << 20  # a profile is a few KiB; anything larger in a profile folder is not one
+MAX_PROFILE_FILE_BYTES = 1 << 20  # a profile is a few KiB; a larger file (or registered document) is not one
 # pydantic's words for "not an object", said the way a profile's author reads them
 _NOT_AN_OBJECT = frozenset({"model_type", "model_attributes_type", "dict_type"})
 
@@ -47,7 +47,8 @@ def profile_from_document(data: Any) -> Profile:
         path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"]).lstrip(".")
         reason = "must be a JSON object" if first["type"] in _NOT_AN_OBJECT else first["msg"]
         more = f" (and {len(others)} more)" if others else ""
-        raise InvalidRequestError(f"profile field {path or 'document'}: {reason}{more}", field="profile") from None
+        raise InvalidRequestError(f"profile field {path or 'document'}: {reason}{more}",
+                                  field=f"profile.{path}" if path else "profile") from None
     return parse_profile(data)
 
 
@@ -55,8 +56,8 @@ def load_profile(path: str | Path) -> Profile:
     """Read a profile file; errors name the file."""
     path = Path(path)
     try:
-        if path.stat().st_size > _MAX_PROFILE_BYTES:
-            raise InvalidRequestError(f"profile {path} is larger than {_MAX_PROFILE_BYTES} bytes", field="profile")
+        if path.stat().st_size > MAX_PROFILE_FILE_BYTES:
+            raise InvalidRequestError(f"profile {path} is larger than {MAX_PROFILE_FILE_BYTES} bytes", field="profile")
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InvalidRequestError(f"cannot read profile {path}: {error}", field="profile") from error

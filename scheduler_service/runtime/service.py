@@ -42,7 +42,11 @@ Profiles and feedback (state this service keeps):
   (``profiles.ProfileFolder``), and read again when the folder changed, so every
   uvicorn worker follows a reload that one of them answered.
 * a ``/plan`` request with a ``job_id`` registers the job (its base profile,
-  model, DP and CP sizes). ``POST /feedback`` refits that job's profile
+  model, DP and CP sizes). A trainer may register the job first with a profile
+  of its own (``PUT /jobs/{job_id}/profile``, ``register_profile``): a profile it
+  measured, which the service does not share (``GET /models`` never lists it),
+  stays the job's base while its plans name no other profile, and is forgotten
+  with the job. ``POST /feedback`` refits that job's profile
   (``core.feedback``, bounded per job) and its later plans use the refit and
   any lowered BucketSize. Jobs live in the job store (``job_store``: a SQLite
   file by default, Redis when ``state_url`` names one), so a restarted process
@@ -66,14 +70,14 @@ import logging
 import time
 from concurrent.futures import Future
 
-from skrull_proto import FeedbackResponse, PlanRequest, SchedulerName
+from skrull_proto import FeedbackResponse, JobProfileRequest, PlanRequest, ProfileDocument, SchedulerName
 from skrull_proto.advise import AdviseRequest
 
 from scheduler_service.core import feedback as core_feedback
 from scheduler_service.core import jit
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.feedback import FeedbackConfig, JobFeedback
-from scheduler_service.core.profile import Profile
+from scheduler_service.core.profile import Profile, builtin_profiles, resolve_profile
 from scheduler_service.runtime.advising import advise_in_worker, check_sample_size
 from scheduler_service.runtime.cost import baseline_cells, feedback_cells, search_seconds
 from scheduler_service.runtime.errors import (
@@ -96,7 +100,12 @@ from scheduler_service.runtime.pools import (
 )
 from scheduler_service.runtime.profiles import ProfileFolder
 from scheduler_service.runtime.settings import Settings
-from scheduler_service.runtime.wire import job_to_feedback_response, request_model_and_profile, request_to_problem
+from scheduler_service.runtime.wire import (
+    document_to_profile,
+    job_to_feedback_response,
+    request_model,
+    request_to_problem,
+)
 from scheduler_service.runtime.work import (
     CostLimits,
     PlannedBatch,
@@ -194,16 +203,52 @@ class PlanningService:
 
     def _job_for(self, request: PlanRequest, profiles: dict[str, Profile]) -> JobFeedback | None:
         """The request's job as its plan will use it: the one kept, or a new one when its model, profile or sizes
-        changed (or it is new). Kept only once the plan succeeds (``_keep_job``): a refused request changes no
-        job. Model and profile are resolved without validating the batch, so this is cheap for any batch."""
+        changed (or it is new). A base profile the job's trainer registered stays the base while the request names
+        no other profile (none, or that one's name). Kept only once the plan succeeds (``_keep_job``): a refused
+        request changes no job. Model and profile are resolved without validating the batch, so this is cheap for
+        any batch."""
         if request.job_id is None or not self.settings.feedback:
             return None
-        model, profile = request_model_and_profile(request, extra_profiles=profiles)
         stored = self.jobs.get(request.job_id)
-        if stored is not None and job_key(stored.job) == (profile.name, model, request.dp_size, request.cp_size):
-            return stored.job
+        kept = None if stored is None else stored.job
+        model = request_model(request.model)
+        if kept is not None and kept.base_registered and request.profile in (None, kept.base.name):
+            profile, registered = kept.base, True
+        else:
+            profile, registered = resolve_profile(request.profile, profiles), False
+        if kept is not None and job_key(kept) == (profile.name, model, request.dp_size, request.cp_size):
+            return kept
         return core_feedback.start_job(request.job_id, base=profile, model=model, dp_size=request.dp_size,
-                                       cp_size=request.cp_size, config=self.feedback_config)
+                                       cp_size=request.cp_size, config=self.feedback_config,
+                                       base_registered=registered)
+
+    def register_profile(self, job_id: str, request: JobProfileRequest) -> FeedbackResponse:
+        """Make a profile its trainer measured the job's base (``PUT /jobs/{job_id}/profile``), the job keyed by the
+        request's model and sizes as its plans key it. The same profile and key again change nothing (the refit
+        goes on); any other restarts the job from the profile. A name the service's shared profiles already use
+        is refused unless the numbers are the same: a plan that names it must mean one profile, also when the
+        job was forgotten."""
+        if not self.settings.feedback:
+            raise FeedbackDisabledError()
+        profile = document_to_profile(request.profile)
+        shared = {**builtin_profiles(), **self.profiles}.get(profile.name)
+        if shared is not None and document_to_profile(ProfileDocument.model_validate(shared.raw)) != profile:
+            raise InvalidRequestError(
+                f"profile {profile.name!r} is the name of a profile the service shares (shipped, or in its profile "
+                "folder), with other numbers: give the measured profile a name of its own", field="profile.name")
+        job = core_feedback.start_job(job_id, base=profile, model=request_model(request.model),
+                                      dp_size=request.dp_size, cp_size=request.cp_size, config=self.feedback_config,
+                                      base_registered=True)
+        stored = self.jobs.get(job_id)
+        if stored is not None and stored.job.base_registered and stored.job.base == profile \
+                and job_key(stored.job) == job_key(job):
+            self.events.jobs_kept(self.jobs.keep(stored.job))  # registered already: used, its refit kept
+            return job_to_feedback_response(stored.job)
+        self.events.jobs_kept(self.jobs.register(job))
+        logger.info("profile registered", extra={"job_id": job_id, "profile": profile.name,
+                                                 "model": job.model.name, "dp_size": job.dp_size,
+                                                 "cp_size": job.cp_size})
+        return job_to_feedback_response(job)
 
     def _keep_job(self, job: JobFeedback | None) -> str | None:
         """Register or refresh a job after a successful plan; a refit adopted meanwhile (same key) is kept. The
@@ -305,6 +350,11 @@ class PlanningService:
         except JobStoreUnavailableError:
             # Planned as a request without a job_id: the base profile. The state is the failure just raised.
             job, job_state = None, self.jobs.state
+        if job is not None and job.base_registered:
+            # The job's own base profile, which the shared profiles do not hold: the request names it, so that it
+            # is validated and planned (its BucketSize derived) with it, wherever it is planned.
+            profiles = {**profiles, job.base.name: job.base}
+            request = request.model_copy(update={"profile": job.base.name})
         search_budget = request.search_budget or 0
         if request.scheduler is SchedulerName.CPSAT:
             batch = await self._plan_cpsat(request, profiles, job, cost_limits, watch)

@@ -20,6 +20,7 @@ from skrull_proto import (
     ModelSpec,
     PlanRequest,
     PlanResponse,
+    ProfileDocument,
     ProfileSummary,
     SamplerSpec,
     ShardedGroupLengths,
@@ -39,16 +40,17 @@ from scheduler_service.core.plan import (
     make_problem,
 )
 from scheduler_service.core.planner import PlanResult
-from scheduler_service.core.profile import Profile, resolve_profile
+from scheduler_service.core.profile import Profile, parse_profile
 from scheduler_service.core.samplers import LengthDistribution
 from scheduler_service.core.simulate import CPRankEstimate, MicroBatchEstimate
 
 __all__ = [
+    "document_to_profile",
     "feedback_to_measurements",
     "job_to_feedback_response",
     "micro_batch_to_measurement",
     "profile_to_summary",
-    "request_model_and_profile",
+    "request_model",
     "request_to_problem",
     "response_to_plan",
     "result_to_response",
@@ -96,12 +98,17 @@ def request_to_problem(
     )
 
 
-def request_model_and_profile(
-    request: PlanRequest, *, extra_profiles: dict[str, Profile] | None = None
-) -> tuple[ModelShape, Profile]:
-    """The request's model and profile (unknown names raise), without validating its batch: cheap whatever its
-    size, and what a feedback job is keyed by."""
-    return resolve_model(_model_shape(request.model)), resolve_profile(request.profile, extra_profiles)
+def request_model(model: str | ModelSpec) -> ModelShape:
+    """The model a request names, a catalogue name or an inline shape (an unknown name raises), without validating
+    anything else of the request: cheap whatever its size, and what a feedback job is keyed by."""
+    return resolve_model(_model_shape(model))
+
+
+def document_to_profile(document: ProfileDocument) -> Profile:
+    """The core's profile of a document the contract validated (its ranges are checked here, each error naming its
+    field). Its ``raw`` is the document as the contract writes it, defaults included, so that two spellings of one
+    profile (a member left out, or given its default) are the same profile."""
+    return parse_profile(document.model_dump(mode="json"))
 
 
 def _ms(seconds: float) -> float:
@@ -232,7 +239,8 @@ def job_to_feedback_response(job: core_feedback.JobFeedback) -> FeedbackResponse
     if job.memory_slope is not None and job.memory_intercept is not None:
         memory = MemoryCoefficients(bytes_per_token=job.memory_slope, fixed_bytes=job.memory_intercept)
     return FeedbackResponse(
-        job_id=job.job_id, model=job.model.name, base_profile=job.base.name, profile=job.profile.name,
+        job_id=job.job_id, model=job.model.name, base_profile=job.base.name, base_registered=job.base_registered,
+        profile=job.profile.name,
         num_observations=job.num_observations, num_in_window=len(job.compute_window),
         num_downweighted=job.num_downweighted, compute_scale=job.compute_scale,
         compute=ComputeCoefficients(alpha_s_per_flop=compute.alpha_s_per_flop,

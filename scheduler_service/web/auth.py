@@ -1,4 +1,5 @@
-"""Optional bearer-token auth for the endpoints that change state (``POST /feedback``, ``POST /profiles/reload``).
+"""Optional bearer-token auth for the endpoints that change state: ``POST /feedback``, ``PUT /jobs/{job_id}/profile``
+and ``POST /profiles/reload``.
 
 Off by default: the sidecar listens on localhost, where every caller is the
 trainer beside it. A shared Deployment sets ``SKRULL_API_TOKEN`` (from a

@@ -23,7 +23,7 @@ each worker reports only its own.
     skrull_feedback_micro_batches_total                       measured micro-batches accepted by POST /feedback
     skrull_feedback_jobs                                      jobs whose refit the service keeps
     skrull_feedback_bucket_lowered_total                      plans whose bucket_size feedback lowered (memory)
-    skrull_job_store_errors_total{operation}                  failed job-store calls: get, keep, replace, open
+    skrull_job_store_errors_total{operation}                  failed job-store calls: get, keep, register, replace, open
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class ServiceMetrics:
         )
         self.job_store_errors = Counter(
             "skrull_job_store_errors", "Job-store calls that failed (the store unreachable, corrupt, full or "
-            "read-only), by operation: get, keep, replace, open.", ["operation"], registry=r,
+            "read-only), by operation: get, keep, register, replace, open.", ["operation"], registry=r,
         )
         self._pool_in_flight = {"cpsat": self.cpsat_in_flight, "heavy": self.heavy_in_flight}
         self._pool_rejected = {"cpsat": self.cpsat_rejected, "heavy": self.heavy_rejected}

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from skrull_proto import FeedbackRequest, PlanRequest, Problem
+from skrull_proto import FeedbackRequest, JobProfileRequest, PlanRequest, Problem
 from skrull_proto.advise import AdviseRequest
 
 __all__ = ["JSON", "json_request_body", "openapi_document"]
@@ -22,14 +22,15 @@ def json_request_body(schema: str) -> dict[str, Any]:
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document plus the schemas the routes refer to by hand: PlanRequest, FeedbackRequest and
-    AdviseRequest (POST /plan, /feedback and /advise parse their own bodies) and Problem (the problem+json
-    responses); the bearer token marked optional where it is asked for (``auth``). Built once per app."""
+    """FastAPI's document plus the schemas the routes refer to by hand: PlanRequest, FeedbackRequest,
+    JobProfileRequest and AdviseRequest (POST /plan, /feedback, PUT /jobs/{job_id}/profile and POST /advise parse
+    their own bodies) and Problem (the problem+json responses); the bearer token marked optional where it is asked
+    for (``auth``). Built once per app."""
     if app.openapi_schema is None:
         document = get_openapi(title=app.title, version=app.version, description=app.description,
                                routes=app.routes)
         schemas = document.setdefault("components", {}).setdefault("schemas", {})
-        for model in (PlanRequest, FeedbackRequest, AdviseRequest, Problem):
+        for model in (PlanRequest, FeedbackRequest, JobProfileRequest, AdviseRequest, Problem):
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema

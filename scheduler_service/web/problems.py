@@ -2,8 +2,9 @@
 problem+json.
 
     400 malformed-json          the body is not JSON (or is empty)
-    401 unauthorized            UnauthorizedError: SKRULL_API_TOKEN is set and POST /feedback or
-                                /profiles/reload came without it (WWW-Authenticate: Bearer)
+    401 unauthorized            UnauthorizedError: SKRULL_API_TOKEN is set and POST /feedback,
+                                PUT /jobs/{job_id}/profile or POST /profiles/reload came without it
+                                (WWW-Authenticate: Bearer)
     413 body-too-large          the body exceeds ``max_body_bytes`` (BodySizeLimitMiddleware)
     415 unsupported-media-type  a Content-Type other than JSON
     422 invalid-request         wrong types, missing or extra fields, out-of-range values
@@ -20,7 +21,8 @@ problem+json.
     499 (no body)               ClientDisconnectedError: the client hung up before its answer (logged and
                                 counted as 499, never as a server error; nobody reads the answer)
     503 unavailable             ServiceUnavailableError: not ready, or a pool broke; JobStoreUnavailableError:
-                                the job store failed a report or a read of a job (Retry-After; /plan plans on)
+                                the job store failed a report, a registration or a read of a job (Retry-After;
+                                /plan plans on)
     500 plan-check-failed       PlanCheckError: a scheduler produced an invalid plan (a bug, never bad input)
     500 internal-error          anything else (a bug); logged with its traceback (RequestContextMiddleware)
     4xx from Starlette          404, 405: the same body shape, type about:blank
@@ -71,6 +73,7 @@ from scheduler_service.web.auth import UnauthorizedError
 __all__ = [
     "CLIENT_CLOSED_REQUEST",
     "FEEDBACK_PROBLEM_RESPONSES",
+    "JOB_PROFILE_PROBLEM_RESPONSES",
     "MAX_DETAIL_CHARS",
     "PROBLEM_MEDIA_TYPE",
     "PROBLEM_RESPONSES",
@@ -122,6 +125,20 @@ FEEDBACK_PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     500: PROBLEM_RESPONSES[500],
     503: _problem_schema("The job store is unavailable: retry after the Retry-After header's seconds. A report "
                          "refused so changed nothing."),
+}
+
+JOB_PROFILE_PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: PROBLEM_RESPONSES[400],
+    401: UNAUTHORIZED_RESPONSE,
+    404: _problem_schema("Feedback disabled: the service keeps no job, so no profile of one."),
+    413: PROBLEM_RESPONSES[413],
+    415: PROBLEM_RESPONSES[415],
+    422: _problem_schema("Invalid registration (a profile document the format refuses, a value out of its range, a "
+                         "profile measured for another model than the job's, a name a shared profile has with other "
+                         "numbers, a bad job_id or model): the body names the field; the job is left unchanged."),
+    500: PROBLEM_RESPONSES[500],
+    503: _problem_schema("The job store is unavailable: retry after the Retry-After header's seconds. A "
+                         "registration refused so changed nothing."),
 }
 
 
