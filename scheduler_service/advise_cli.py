@@ -83,9 +83,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=handle)
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Each flag's default after its help, where it has one and its help does not already say it: argparse's own
+    ``ArgumentDefaultsHelpFormatter`` prints "(default: None)" after flags without one and a second default after
+    flags that name theirs."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text
+                or action.default is None or action.default is argparse.SUPPRESS or action.default is False):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="skrull-advise", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=_DefaultsHelp)
     add_arguments(parser)
     return parser
 

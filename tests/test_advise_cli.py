@@ -17,8 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto.advise import AdviceDocument
 
+from scheduler_service.advise_cli import build_parser, read_lengths
 from scheduler_service.advise_cli import main as advise_main
-from scheduler_service.advise_cli import read_lengths
 from scheduler_service.cli import main as cli_main
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
@@ -227,3 +227,10 @@ def test_the_commands_name_the_profile_file_and_model_folder_as_given(
     for layout in json.loads((tmp_path / "advice.json").read_text())["layouts"]:
         command = shlex.split(layout["trainer_command"])
         assert command[command.index("--profile") + 1] == str(profile)  # the trainer reads the file, not a name
+
+
+def test_help_shows_each_default_once_and_none_where_there_is_none() -> None:
+    text = build_parser().format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default 64)" in text and "(default: 64)" not in text  # the flag's own wording, not a second one
+    assert "(default: 8)" in text  # --gpus-per-node: argparse's, where the help names none

@@ -73,3 +73,12 @@ def test_design_citations_name_sections_of_the_design(folder: str) -> None:
         broken += [f"{path.relative_to(ROOT)} cites a section {section!r} the design does not have"
                    for section in _CITATION.findall(text) if section and section not in headings]
     assert broken == []
+
+
+def test_the_trainer_package_docstring_names_every_module() -> None:
+    import trainer_client
+
+    modules = {path.stem for path in Path(trainer_client.__file__).parent.glob("*.py")} - {"__init__"}
+    assert trainer_client.__doc__ is not None
+    unnamed = sorted(module for module in modules if f"``{module}``" not in trainer_client.__doc__)
+    assert not unnamed, f"trainer_client's docstring does not name {unnamed}"

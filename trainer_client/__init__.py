@@ -1,21 +1,23 @@
 """Skrull's training client: torchrun DP × CP training with DACP attention and plans from the scheduler.
 
-Modules, one concept each: ``zigzag`` (which tokens a CP rank owns), ``data``
-(global batches), ``packing`` (a CP rank's row of a micro-batch), ``attention``
-(DACP attention), ``model`` (transformers model + attention registration),
-``plan_client`` (service client, embedded fallback, feedback), ``distributed``
-(mesh, process launcher), ``parallelize`` (FSDP, activation checkpointing, the
-gradient all-reduce), ``loading`` (the trained module on every rank without a
-full copy per rank), ``torch_compat`` (the torch calls that differ between the
-supported releases), ``config`` (the trainer's settings), ``run_identity``
-(what a checkpoint must share with the run that resumes it), ``trainer`` (the
-loop), ``loop`` (Skrull's plans, packing and loss normaliser for a training
-loop of your own), ``step_metrics`` (what a step measures and reports),
-``export`` (a Hugging Face model folder from the
-trained model or a checkpoint), ``train`` (the torchrun entrypoint), ``profile`` (the offline profiler) with
-``profile_sweeps`` (what it measures), ``profile_document`` (the file it
-writes) and ``measure`` (its timing and memory probes), ``demo`` (the
-end-to-end job).
+Modules, one concept each:
+
+* DACP: ``zigzag`` (which tokens a CP rank owns), ``packing`` (a CP rank's row of a micro-batch), ``attention``
+  (DACP attention), ``prefetch`` (micro-batches packed and copied to the device ahead of the step);
+* the model: ``model`` (transformers model + attention registration), ``lora`` (adapters), ``loss`` (the chunked
+  loss of a micro-batch, its forward and backward), ``loading`` (the trained module on every rank without a full
+  copy per rank), ``parallelize`` (activation checkpointing, compiled blocks, FSDP, the gradient all-reduce),
+  ``torch_compat`` (the torch calls that differ between the supported releases);
+* the run: ``data`` (global batches), ``plan_client`` (service client, embedded fallback, profile registration,
+  feedback), ``distributed`` (mesh, process launcher), ``config`` (the trainer's settings), ``optim`` (the
+  schedule and clipping), ``trainer`` (the loop), ``loop`` (Skrull's plans, packing and loss normaliser for a
+  training loop of your own), ``step_metrics`` (what a step measures and reports), ``evaluation`` (held-out
+  loss), ``checkpoint`` (DCP save and resume), ``run_identity`` (what a checkpoint must share with the run that
+  resumes it), ``export`` (a Hugging Face model folder from the trained model or a checkpoint), ``train`` (the
+  torchrun entrypoint), ``demo`` (the end-to-end job);
+* profiles: ``profile`` (the profiler) with ``profile_sweeps`` (what it measures), ``profile_document`` (the file
+  it writes) and ``measure`` (its timing and memory probes), ``auto_profile`` (``--profile auto``: measured by the
+  run itself, cached per machine and layout).
 
 Public names resolve lazily, so ``import trainer_client`` does not import torch.
 """
@@ -91,7 +93,7 @@ _MODULE_OF = {
     "Sharding": "parallelize",
     "padded_length": "zigzag",
     "zigzag_positions": "zigzag",
-    "run_micro_batch": "trainer",
+    "run_micro_batch": "loss",
     "MicroBatchTiming": "plan_client",
     "ProfileOptions": "profile",
     "measure_profile": "profile",

@@ -276,12 +276,9 @@ def sum_rank_time_s(tables: CostTables, sums: RankSums, m: int, r: int) -> float
 @kernel(types.float64(TABLES, SUMS, types.int64))
 def micro_batch_time_s(tables: CostTables, sums: RankSums, m: int) -> float:
     """The slowest CP rank's ``T_r`` (eq. 1)."""
-    work, attention, all_gather, reduce_scatter = (sums.work_flops, sums.attention_flops, sums.all_gather_s,
-                                                   sums.reduce_scatter_s)
     slowest_s = 0.0
     for r in range(tables.cp_size):
-        slowest_s = max(slowest_s, rank_time_s(tables, work[m, r], attention[m, r], all_gather[m, r],
-                                               reduce_scatter[m, r]))
+        slowest_s = max(slowest_s, sum_rank_time_s(tables, sums, m, r))
     return slowest_s
 
 

@@ -58,6 +58,7 @@ from scheduler_service.core.costing import (
     place_delta,
     rank_compute_time_s,
     rank_time_s,
+    sum_rank_time_s,
     sums_of_places,
 )
 from scheduler_service.core.jit import FLOAT_1D, FLOAT_2D, INT_1D, INT_2D, kernel
@@ -102,11 +103,9 @@ def _retime(state: _State, m: int) -> None:
     tables, sums, times_s = state.tables, state.sums, state.times_s
     if state.micro_batch_sizes[m] == 0:
         clear_row(sums, m)
-    work, attention, all_gather, reduce_scatter = (sums.work_flops, sums.attention_flops, sums.all_gather_s,
-                                                   sums.reduce_scatter_s)
     slowest_s = 0.0
     for r in range(tables.cp_size):
-        times_s[m, r] = rank_time_s(tables, work[m, r], attention[m, r], all_gather[m, r], reduce_scatter[m, r])
+        times_s[m, r] = sum_rank_time_s(tables, sums, m, r)
         slowest_s = max(slowest_s, times_s[m, r])
     state.micro_batch_times_s[m] = slowest_s
 
@@ -491,8 +490,7 @@ def _kick(state: _State, seed: int) -> tuple[int, bool]:
     """Iterated local search's step out of a local optimum: swap a random sequence of the slowest DP rank with a
     random sequence of another micro-batch where each fits the other's place (bucket and memory), whatever that
     does to the time. The next random state, and whether a swap was made (``KICK_ATTEMPTS`` pairs are drawn)."""
-    tables, _sums = state.tables, state.sums
-    micro_batch, degree, _first_rank = state.micro_batch, state.degree, state.first_rank
+    tables, micro_batch, degree = state.tables, state.micro_batch, state.degree
     num_sequences = micro_batch.shape[0]
     slowest = np.argmax(state.dp_times_s)
     for _ in range(KICK_ATTEMPTS):

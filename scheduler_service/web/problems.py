@@ -15,9 +15,9 @@ problem+json.
     422 infeasible-plan         InfeasiblePlanError: no plan honours the memory bound
     404 unknown-job             UnknownJobError: POST /feedback for a job no POST /plan named
     404 feedback-disabled       FeedbackDisabledError: the service runs with SKRULL_FEEDBACK=false
-    429 busy                    ServiceBusyError: the cpsat or heavy pool and its queue are full (Retry-After)
     408 body-timeout            the body did not arrive within ``body_timeout_s`` (BodySizeLimitMiddleware)
-    429 busy                    ServiceBusyError from the heavy pool too, and a job's second report at once
+    429 busy                    ServiceBusyError: the cpsat or heavy pool and its queue are full, or a job's
+                                report arrived while its last is being refit (Retry-After)
     499 (no body)               ClientDisconnectedError: the client hung up before its answer (logged and
                                 counted as 499, never as a server error; nobody reads the answer)
     503 unavailable             ServiceUnavailableError: not ready, or a pool broke; JobStoreUnavailableError:
@@ -99,15 +99,16 @@ def _problem_schema(description: str) -> dict[str, Any]:
     }
 
 
-# OpenAPI ``responses`` for the routes; the Problem schema itself is added by app.custom_openapi.
+# OpenAPI ``responses`` for the routes; the Problem schema itself is added by ``openapi.openapi_document``.
 PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _problem_schema("Malformed JSON."),
     413: _problem_schema("Request body larger than the configured limit."),
     415: _problem_schema("The body is not sent as application/json."),
     422: _problem_schema("Invalid request: the body names the field (or index) and the limit."),
-    429: _problem_schema("The cpsat pool is full; retry after the Retry-After header's seconds."),
+    429: _problem_schema("The heavy or cpsat pool and its queue are full; retry after the Retry-After header's "
+                         "seconds."),
     500: _problem_schema("Internal error (a bug; never caused by bad input)."),
-    503: _problem_schema("Not ready yet, or the cpsat pool is unavailable."),
+    503: _problem_schema("Not ready yet, or a process pool broke (heavy or cpsat)."),
 }
 
 
