@@ -41,12 +41,12 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from scheduler_service.contract.profiles import load_profile
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import ComputeProfile, Profile, parse_profile
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import simulate
-from scheduler_service.runtime.profiles import load_profile
 from trainer_client.distributed import ParallelDims, init_parallel, max_over_ranks, spawn_ranks
 from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.loss import run_micro_batch

@@ -50,11 +50,11 @@ from pathlib import Path
 import numpy as np
 
 from scheduler_service.advise_cli import format_advice, read_lengths
+from scheduler_service.contract.profiles import load_profile
 from scheduler_service.core.advise import Advice, AdviseRequest, GlobalBatch, PricedLayout, advise
 from scheduler_service.core.memory import Sharding
 from scheduler_service.core.models import resolve_model
 from scheduler_service.core.samplers import sample_lengths
-from scheduler_service.runtime.profiles import load_profile
 from trainer_client.demo import demo_comm_sizes, profile_command, read_metrics, run_trainer
 
 __all__ = ["LayoutRun", "main", "measured_ranks", "spearman", "trainer_argv", "write_records"]

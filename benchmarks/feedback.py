@@ -49,8 +49,10 @@ from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import Profile, parse_profile
 from scheduler_service.core.samplers import sample_lengths
 from trainer_client.config import TrainConfig
+from trainer_client.data import GlobalBatch
 from trainer_client.demo import start_service, stop_service
 from trainer_client.distributed import free_port, init_parallel, spawn_gloo
+from trainer_client.plan_client import PlanDecision
 from trainer_client.profile import ProfileOptions, measure_profile
 from trainer_client.trainer import Trainer
 
@@ -106,8 +108,8 @@ def _train(url: str, job_id: str, steps: int, out_path: Path) -> None:
     decisions: dict[int, Any] = {}
     decide = trainer.decide
 
-    def recording_decide(step: int, batch: Any) -> Any:
-        decisions[step] = decision = decide(step, batch)
+    def recording_decide(batch: GlobalBatch) -> PlanDecision:
+        decisions[batch.step] = decision = decide(batch)
         return decision
 
     trainer.decide = recording_decide  # type: ignore[method-assign]

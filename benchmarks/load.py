@@ -36,11 +36,11 @@ import httpx
 import numpy as np
 from skrull_proto import PlanRequest, SchedulerName
 
+from scheduler_service.contract.wire import request_to_problem
 from scheduler_service.core.plan import PlanLimits
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.runtime.settings import default_workers
-from scheduler_service.runtime.wire import request_to_problem
 from scheduler_service.runtime.work import plan_request
 
 __all__ = ["free_port", "main", "process_tree", "start_server", "wait_ready"]

@@ -29,13 +29,13 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
+from scheduler_service.contract.profiles import load_profile
 from scheduler_service.core.advise import Advice, AdviseRequest, Exclusion, GlobalBatch, advise
 from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding
 from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape, resolve_model
 from scheduler_service.core.profile import Profile, resolve_profile
 from scheduler_service.core.samplers import DATASETS, sample_lengths
-from scheduler_service.runtime.profiles import load_profile
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

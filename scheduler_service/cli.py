@@ -21,13 +21,13 @@ from pydantic_core import PydanticUndefined
 from skrull_proto import PlanRequest, PlanResponse
 
 from scheduler_service import advise_cli
+from scheduler_service.contract.profiles import load_profile
+from scheduler_service.contract.wire import request_to_problem, result_to_response
 from scheduler_service.core.baselines import deepspeed
 from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.plan import MicroBatch
 from scheduler_service.core.planner import DEFAULT_CPSAT_TIME_LIMIT_S, PlanResult, make_plan
 from scheduler_service.core.simulate import CPRankEstimate, PlanEstimate, simulate
-from scheduler_service.runtime.profiles import load_profile
-from scheduler_service.runtime.wire import request_to_problem, result_to_response
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -11,8 +11,8 @@ import pytest
 from skrull_proto import PlanResponse
 
 from scheduler_service.cli import main
+from scheduler_service.contract.wire import response_to_plan
 from scheduler_service.core.check import find_violations
-from scheduler_service.runtime.wire import response_to_plan
 
 REQUEST = {
     "sequence_lengths": [812, 30311, 97, 4000, 150, 22000, 64, 900, 12000, 300],

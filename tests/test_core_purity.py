@@ -1,7 +1,8 @@
-"""The layers stay apart: the planning core imports no framework, the runtime no web framework.
+"""The layers stay apart: the planning core imports no framework, the contract no runtime, the runtime no web
+framework, and the trainer nothing of the service but the core and the contract.
 
-Each check imports every module of its layer in a fresh interpreter and lists the forbidden packages that came
-with them, so an import added anywhere in the layer (or anything it imports) fails here.
+Each check imports every module of its layer in a fresh interpreter and lists the forbidden packages (or
+subpackages) that came with them, so an import added anywhere in the layer (or anything it imports) fails here.
 """
 
 import json
@@ -10,8 +11,10 @@ import subprocess
 import sys
 from types import ModuleType
 
+import scheduler_service.contract
 import scheduler_service.core
 import scheduler_service.runtime
+import trainer_client
 
 
 def _modules(package: ModuleType) -> list[str]:
@@ -21,11 +24,14 @@ def _modules(package: ModuleType) -> list[str]:
 
 
 def _forbidden_imports(modules: list[str], forbidden: set[str]) -> list[str]:
+    """Which of ``forbidden`` (packages, or subpackages such as ``scheduler_service.web``) importing ``modules``
+    loads."""
     code = (
         "import importlib, sys\n"
         f"for name in {modules!r}: importlib.import_module(name)\n"
         "import json\n"
-        f"print(json.dumps(sorted({forbidden!r} & {{name.split('.')[0] for name in sys.modules}})))"
+        f"print(json.dumps(sorted(f for f in {forbidden!r} if any(m == f or m.startswith(f + '.') "
+        "for m in sys.modules))))"
     )
     output = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     found: list[str] = json.loads(output)
@@ -40,6 +46,14 @@ def test_the_planning_core_imports_no_framework_or_storage() -> None:
     assert _forbidden_imports(modules, forbidden) == []
 
 
+def test_the_contract_imports_neither_the_runtime_nor_a_web_framework() -> None:
+    forbidden = {"scheduler_service.runtime", "scheduler_service.web", "fastapi", "starlette", "uvicorn", "torch",
+                 "trainer_client"}
+    modules = _modules(scheduler_service.contract)
+    assert "scheduler_service.contract.wire" in modules and "scheduler_service.contract.profiles" in modules
+    assert _forbidden_imports(modules, forbidden) == []
+
+
 def test_the_runtime_imports_no_web_framework() -> None:
     forbidden = {"fastapi", "starlette", "uvicorn", "prometheus_client", "torch"}
     modules = _modules(scheduler_service.runtime)
@@ -48,8 +62,9 @@ def test_the_runtime_imports_no_web_framework() -> None:
 
 
 def test_the_trainer_and_the_gpu_check_need_nothing_of_the_service() -> None:
-    """A GPU machine has the trainer's dependencies, not the service's: ``make gpu-check`` runs on its Python."""
-    modules = ["trainer_client.train", "trainer_client.profile", "benchmarks.accuracy", "benchmarks.gpu_check"]
+    """A GPU machine has the trainer's dependencies, not the service's: ``make gpu-check`` runs on its Python. And
+    the trainer stands on the planning core and the contract, never on the service's runtime or web layers."""
+    modules = [*_modules(trainer_client), "benchmarks.accuracy", "benchmarks.gpu_check"]
     forbidden = {"fastapi", "starlette", "uvicorn", "ortools", "redis", "prometheus_client", "pydantic_settings",
-                 "orjson", "matplotlib"}
+                 "orjson", "matplotlib", "scheduler_service.runtime", "scheduler_service.web"}
     assert _forbidden_imports(modules, forbidden) == []

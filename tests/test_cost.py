@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from skrull_proto import PlanRequest
 
+from scheduler_service.contract.wire import request_to_problem
 from scheduler_service.core.plan import PlanLimits, SchedulerName
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.runtime.cost import baseline_cells, feedback_cells, plan_cost
-from scheduler_service.runtime.wire import request_to_problem
 from scheduler_service.runtime.work import plan_request
 
 # Schedulers the estimate bounds by one micro-batch per sequence: their answer may be far smaller than estimated.

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scheduler_service.contract.profiles import profile_from_document
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.feedback import (
     FeedbackConfig,
@@ -23,7 +24,6 @@ from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import Profile, builtin_profiles, parse_profile
 from scheduler_service.core.samplers import sample_lengths
-from scheduler_service.runtime.profiles import profile_from_document
 
 TINY = MODEL_CATALOGUE["tiny"]
 PAPER = builtin_profiles()["h100-paper"]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from skrull_proto import ProfileDocument
 
+from scheduler_service.contract.profiles import load_profile, load_profile_dir, profile_from_document
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import (
@@ -23,7 +24,6 @@ from scheduler_service.core.perf_model import (
 )
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import builtin_profiles, parse_profile
-from scheduler_service.runtime.profiles import load_profile, load_profile_dir, profile_from_document
 
 TINY = MODEL_CATALOGUE["tiny"]
 

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from skrull_proto import PlanResponse, ProfileDocument
 
 from scheduler_service import cli
+from scheduler_service.contract.profiles import load_profile, profile_from_document
 from scheduler_service.core.check import find_violations
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding, training_profile
 from scheduler_service.core.models import MODEL_CATALOGUE
@@ -25,7 +26,6 @@ from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGro
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles, parse_profile
 from scheduler_service.core.shard_effect import efficiency_candidate, predicted_shard_s
-from scheduler_service.runtime.profiles import load_profile, profile_from_document
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.shard_effect_cases import flat_and_true_models, rows_timed_by

@@ -12,12 +12,12 @@ from fastapi.testclient import TestClient
 from skrull_proto import PlanRequest, PlanResponse, Problem, SchedulerName
 
 from scheduler_service import cli
+from scheduler_service.contract.wire import response_to_plan
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import InfeasiblePlanError, PlanCheckError
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.profile import DEFAULT_PROFILE
 from scheduler_service.runtime.settings import Settings
-from scheduler_service.runtime.wire import response_to_plan
 from scheduler_service.web.app import create_app
 from tests.answers import assert_problem
 

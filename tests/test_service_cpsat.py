@@ -14,9 +14,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from skrull_proto import PlanResponse, Problem
 
+from scheduler_service.contract.wire import response_to_plan
 from scheduler_service.core.check import check_plan
 from scheduler_service.runtime.settings import Settings
-from scheduler_service.runtime.wire import response_to_plan
 from scheduler_service.web.app import create_app
 
 pytestmark = pytest.mark.cpsat

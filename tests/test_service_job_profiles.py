@@ -14,10 +14,10 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import FeedbackResponse, PlanResponse
 
+from scheduler_service.contract.profiles import MAX_PROFILE_FILE_BYTES
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles, parse_profile
-from scheduler_service.runtime.profiles import MAX_PROFILE_FILE_BYTES
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.answers import assert_problem

@@ -21,10 +21,10 @@ from pydantic import BaseModel
 from skrull_proto import PlanRequest, PlanResponse, SchedulerName
 from skrull_proto.advise import AdviceDocument, AdviseRequest, ExcludedLayoutModel, RankedLayoutModel
 
+from scheduler_service.contract.wire import request_to_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.samplers import DATASETS, sample_lengths
 from scheduler_service.runtime.settings import Settings
-from scheduler_service.runtime.wire import request_to_problem
 from scheduler_service.web.app import create_app
 from scheduler_service.web.routes.viewer import STATIC_DIR
 

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from skrull_proto import FeedbackRequest, PlanResponse, Problem
 
 from scheduler_service.cli import cp_rank_shares, format_table, plot_gantt
+from scheduler_service.contract.wire import response_to_plan, result_to_response
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.plan import (
     SchedulerName,
@@ -25,7 +26,6 @@ from scheduler_service.core.simulate import simulate
 from scheduler_service.export_schema import CONTRACT_DIR
 from scheduler_service.runtime import work
 from scheduler_service.runtime.settings import Settings
-from scheduler_service.runtime.wire import response_to_plan, result_to_response
 from scheduler_service.web.app import create_app
 from tests.grouped_plans import BINARY_PLAN, BUCKET_SIZE, CP, DP, GROUPED_PLAN, LENGTHS, problem, result_of
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanOrigin, PlanSource, measurements_of

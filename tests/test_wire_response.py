@@ -11,10 +11,10 @@ import orjson
 import pytest
 from skrull_proto import PlanResponse
 
+from scheduler_service.contract.wire import result_to_response, result_to_response_data
 from scheduler_service.core.plan import SolverReport, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, PlanResult, make_plan
 from scheduler_service.core.samplers import sample_lengths
-from scheduler_service.runtime.wire import result_to_response, result_to_response_data
 from tests.grouped_plans import GROUPED_PLAN, result_of
 from tests.problem_builders import with_floor
 

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from skrull_proto import PROFILE_SCHEMA_VERSION
 
+from scheduler_service.contract.profiles import profile_from_document
 from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.profile import Profile
-from scheduler_service.runtime.profiles import profile_from_document
 from trainer_client.distributed import ParallelContext
 from trainer_client.loading import ModelLayout
 from trainer_client.measure import hardware_info

@@ -105,6 +105,7 @@ from tenacity import (
     stop_before_delay,
 )
 
+from scheduler_service.contract.wire import micro_batch_to_measurement, response_to_plan, shape_to_model_spec
 from scheduler_service.core import jit
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import PlanCheckError, PlanningError
@@ -112,7 +113,6 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import Plan, make_problem
 from scheduler_service.core.planner import make_plan, warm_up
 from scheduler_service.core.profile import Profile
-from scheduler_service.runtime.wire import micro_batch_to_measurement, response_to_plan, shape_to_model_spec
 
 __all__ = [
     "MicroBatchTiming",

@@ -71,11 +71,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from scheduler_service.contract.profiles import load_profile
 from scheduler_service.core.memory import training_profile
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, builtin_profiles, resolve_profile
-from scheduler_service.runtime.profiles import load_profile
 from trainer_client.auto_profile import AUTO_PROFILE, auto_profile, default_profile
 from trainer_client.checkpoint import (
     TrainState,

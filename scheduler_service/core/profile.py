@@ -2,7 +2,7 @@
 
 A profile is a versioned JSON file (see ``profiles/h100-paper.json``; its
 shape is the model ``skrull_proto.ProfileDocument``, checked where files are
-read, ``scheduler_service.runtime.profiles``; the ranges are checked here): compute
+read, ``scheduler_service.contract.profiles``; the ranges are checked here): compute
 ``T_comp = α·FLOPs + β``, activation memory ``M(S) = α·S + β`` and the
 collective latency tables ``T_comm`` is fitted from. Numbers live in data, each
 with its source, never in code. The shipped ``h100-paper`` profile holds

@@ -8,7 +8,8 @@ above maps these to HTTP, and pool processes import this layer only. What the
 runtime reports (metrics) and how it learns that a client left go through the
 protocols of ``events``.
 
-    core/     the planning core: pure (dataclasses, numpy, numba kernels)
-    runtime/  this layer: the service without HTTP
-    web/      FastAPI: app factory, routes, problem+json, middleware, metrics, the plan viewer
+    core/      the planning core: pure (dataclasses, numpy, numba kernels)
+    contract/  wire <-> core conversion, profile documents (what the trainer shares with the service)
+    runtime/   this layer: the service without HTTP
+    web/       FastAPI: app factory, routes, problem+json, middleware, metrics, the plan viewer
 """

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ValidationError
 from skrull_proto import FeedbackRequest, JobProfileRequest, PlanRequest
 from skrull_proto.advise import AdviseRequest
 
+from scheduler_service.contract.profiles import MAX_PROFILE_FILE_BYTES
 from scheduler_service.runtime.errors import RequestBodyError, RequestLimitError, UnsupportedMediaTypeError
-from scheduler_service.runtime.profiles import MAX_PROFILE_FILE_BYTES
 
 __all__ = [
     "check_json_media_type",

@@ -73,6 +73,12 @@ from concurrent.futures import Future
 from skrull_proto import FeedbackResponse, JobProfileRequest, PlanRequest, ProfileDocument, SchedulerName
 from skrull_proto.advise import AdviseRequest
 
+from scheduler_service.contract.wire import (
+    document_to_profile,
+    job_to_feedback_response,
+    request_model,
+    request_to_problem,
+)
 from scheduler_service.core import feedback as core_feedback
 from scheduler_service.core import jit
 from scheduler_service.core.errors import InvalidRequestError
@@ -100,12 +106,6 @@ from scheduler_service.runtime.pools import (
 )
 from scheduler_service.runtime.profiles import ProfileFolder
 from scheduler_service.runtime.settings import Settings
-from scheduler_service.runtime.wire import (
-    document_to_profile,
-    job_to_feedback_response,
-    request_model,
-    request_to_problem,
-)
 from scheduler_service.runtime.work import (
     CostLimits,
     PlannedBatch,

@@ -15,6 +15,7 @@ from enum import StrEnum
 import orjson
 from skrull_proto import FeedbackRequest, PlanRequest, SchedulerName
 
+from scheduler_service.contract.wire import feedback_to_measurements, request_to_problem, result_to_response_data
 from scheduler_service.core import feedback as core_feedback
 from scheduler_service.core.check import block_violation
 from scheduler_service.core.errors import InvalidRequestError
@@ -26,7 +27,6 @@ from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan, warm
 from scheduler_service.core.profile import Profile
 from scheduler_service.runtime.cost import plan_cost
 from scheduler_service.runtime.errors import RequestLimitError
-from scheduler_service.runtime.wire import feedback_to_measurements, request_to_problem, result_to_response_data
 
 __all__ = [
     "CostLimits",

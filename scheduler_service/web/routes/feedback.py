@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from skrull_proto import FeedbackResponse
 
-from scheduler_service.runtime.wire import job_to_feedback_response
+from scheduler_service.contract.wire import job_to_feedback_response
 from scheduler_service.web.auth import require_api_token
 from scheduler_service.web.deps import PlannerDep
 from scheduler_service.web.disconnect import DisconnectWatch

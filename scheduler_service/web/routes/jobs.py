@@ -9,8 +9,8 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, Path, Request
 from skrull_proto import FeedbackResponse, JobId
 
+from scheduler_service.contract.profiles import MAX_PROFILE_FILE_BYTES
 from scheduler_service.runtime.parsing import parse_job_profile_request
-from scheduler_service.runtime.profiles import MAX_PROFILE_FILE_BYTES
 from scheduler_service.web.auth import require_api_token
 from scheduler_service.web.deps import PlannerDep
 from scheduler_service.web.openapi import json_request_body

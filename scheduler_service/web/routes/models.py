@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from skrull_proto import ModelsResponse, PlanRequest, SchedulerName, ServiceLimits
 
+from scheduler_service.contract.wire import profile_to_summary, shape_to_model_spec
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles
-from scheduler_service.runtime.wire import profile_to_summary, shape_to_model_spec
 from scheduler_service.web.deps import PlannerDep, SettingsDep
 
 __all__ = ["router"]

@@ -9,10 +9,10 @@ import numpy as np
 from fastapi import APIRouter, Query
 from skrull_proto import SampledBatch, SamplersResponse
 
+from scheduler_service.contract.wire import sampler_to_spec
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.samplers import DATASETS, sample_lengths
 from scheduler_service.runtime.errors import RequestLimitError
-from scheduler_service.runtime.wire import sampler_to_spec
 from scheduler_service.web.deps import SettingsDep
 from scheduler_service.web.problems import PROBLEM_RESPONSES
 
