@@ -46,6 +46,7 @@ import torch
 from scheduler_service.core.feedback import MicroBatchMeasurement, effective_bucket_size, observe, start_job
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
+from scheduler_service.core.plan import SchedulerName
 from scheduler_service.core.profile import Profile, parse_profile
 from scheduler_service.core.samplers import sample_lengths
 from trainer_client.config import TrainConfig
@@ -102,8 +103,8 @@ def _refit_profile(measured: Profile, state: dict[str, Any]) -> Profile:
 def _train(url: str, job_id: str, steps: int, out_path: Path) -> None:
     """One gloo rank: train with feedback; after every step record the measured micro-batches and the job."""
     config = TrainConfig(dp=1, cp=1, model=MODEL, data="synthetic:lmsys", global_batch=16, steps=steps,
-                         scheduler="skrull", scheduler_url=url, bucket_size=BUCKET_SIZE, profile="wrong-start",
-                         feedback=True, job_id=job_id, progress=False)
+                         scheduler=SchedulerName.SKRULL, scheduler_url=url, bucket_size=BUCKET_SIZE,
+                         profile="wrong-start", feedback=True, job_id=job_id, progress=False)
     trainer = Trainer(config, init_parallel(config.dims))
     decisions: dict[int, Any] = {}
     decide = trainer.decide

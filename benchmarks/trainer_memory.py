@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scheduler_service.core.memory import Sharding, static_bytes_per_parameter
+from scheduler_service.core.memory import ActivationCheckpointing, Sharding, static_bytes_per_parameter
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import init_parallel, spawn_gloo
 from trainer_client.trainer import Trainer
@@ -53,7 +53,7 @@ def _measure(out: Path, model: str, sharding: Sharding, checkpointing: str) -> N
     parallel = init_parallel(TrainConfig(dp=DP, cp=CP).dims)
     before = _rss_bytes()
     config = TrainConfig(dp=DP, cp=CP, model=model, global_batch=8, steps=2, bucket_size=1024, progress=False,
-                         sharding=sharding.value, activation_checkpointing=checkpointing)
+                         sharding=sharding, activation_checkpointing=ActivationCheckpointing(checkpointing))
     trainer = Trainer(config, parallel)
     trainer.train()
     params = list(trainer.module.parameters())

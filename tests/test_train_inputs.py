@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from scheduler_service.core.memory import ActivationCheckpointing, Sharding
+from scheduler_service.core.plan import SchedulerName
+from trainer_client.attention import AttentionBackend
 from trainer_client.config import TrainConfig
 from trainer_client.demo import read_metrics, trainer_env
 from trainer_client.distributed import free_port
@@ -104,3 +107,15 @@ def test_two_epochs_of_a_jsonl_file_train_every_record_twice(tmp_path: Path) -> 
     assert "2 epochs of 7 records: 4 steps" in result.stderr
     steps = read_metrics(metrics_out)
     assert [m["step"] for m in steps] == [0, 1, 2, 3]  # 14 records in batches of 4, the last reaching past them
+
+
+def test_closed_set_flags_hold_their_enums_and_an_unknown_value_names_the_flag_and_the_choices() -> None:
+    config = TrainConfig(dp=1, cp=1, scheduler="deepspeed", sharding="zero3", activation_checkpointing="full",
+                         attention_backend="sdpa")
+    assert (config.scheduler, config.sharding, config.activation_checkpointing, config.attention_backend) == (
+        SchedulerName.DEEPSPEED, Sharding.ZERO3, ActivationCheckpointing.FULL, AttentionBackend.SDPA)
+    assert isinstance(config.sharding, Sharding)
+    with pytest.raises(ValueError, match=r"--sharding 'zero4' is unknown; known: zero2, zero3, none"):
+        TrainConfig(dp=1, cp=1, sharding="zero4")
+    with pytest.raises(ValueError, match=r"--export-lora 'both' is unknown; known: merged, adapter"):
+        TrainConfig(dp=1, cp=1, export_lora="both")

@@ -1,11 +1,15 @@
 """The trainer's configuration (``TrainConfig``), checked on construction: every flag of ``train.py`` with the
-rule it must satisfy, so that a bad combination fails before any process group or model is built."""
+rule it must satisfy, so that a bad combination fails before any process group or model is built. A flag with a
+closed set of values holds its enum (a string given for it is converted, or refused naming the flag and the
+values it takes)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 from skrull_proto.models import JobId
@@ -35,7 +39,7 @@ class TrainConfig:
     steps: int = 20
     epochs: int | None = None  # train every record this many times (a record source): sets ``steps``
     shuffle: bool = True  # a record source's epochs in a seeded order, another each epoch
-    scheduler: str = SchedulerName.SKRULL.value
+    scheduler: SchedulerName = SchedulerName.SKRULL
     scheduler_url: str | None = None
     bucket_size: int | None = None
     profile: str | None = None  # auto, a profile name, or a profile file; None: auto on CUDA, the planner's on CPU
@@ -45,8 +49,8 @@ class TrainConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # the cosine ends at lr × this at the last step
     max_grad_norm: float = 1.0  # 0: no clipping (the norm is still reported)
-    sharding: str = Sharding.ZERO2.value
-    activation_checkpointing: str = ActivationCheckpointing.NONE.value
+    sharding: Sharding = Sharding.ZERO2
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     compile: bool = False  # torch.compile each decoder layer (parallelize.apply_compile)
     checkpoint_dir: Path | None = None
@@ -60,7 +64,7 @@ class TrainConfig:
     lora_rank: int | None = None  # train LoRA adapters of this rank on a frozen model (lora.py)
     lora_alpha: int | None = None  # adapters scaled by alpha / rank; default 2 × rank
     lora_targets: tuple[str, ...] = LORA_TARGETS
-    export_lora: str = LoraExport.MERGED.value  # what --output-dir holds after a LoRA run
+    export_lora: LoraExport = LoraExport.MERGED  # what --output-dir holds after a LoRA run
     tensorboard_dir: Path | None = None  # the step metrics as TensorBoard scalars, written by rank 0
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     max_length: int | None = None
@@ -69,7 +73,7 @@ class TrainConfig:
     metrics_out: Path | None = None
     plan_timeout_s: float = 5.0
     plan_attempts: int = 3
-    attention_backend: str = AttentionBackend.AUTO.value
+    attention_backend: AttentionBackend = AttentionBackend.AUTO
     dtype: str | None = None  # float32 | bfloat16; default float32 on CPU, bfloat16 autocast on CUDA
     progress: bool = True
     feedback: bool = False  # report measured micro-batch times and peak memory to the service
@@ -79,6 +83,8 @@ class TrainConfig:
     fail_at_step: int | None = None
 
     def __post_init__(self) -> None:
+        for name, enum, flag in _CHOICES:
+            object.__setattr__(self, name, _choice(enum, getattr(self, name), flag))
         ParallelDims(dp_size=self.dp, cp_size=self.cp)
         if self.global_batch < 1:
             raise ValueError(f"--global-batch must be positive, got {self.global_batch}")
@@ -89,8 +95,6 @@ class TrainConfig:
         if self.epochs is not None and self.data.startswith(SYNTHETIC_PREFIX):
             raise ValueError(f"--epochs needs a JSONL file or a datasets directory; --data {self.data} has no end: "
                              "give --steps")
-        if self.scheduler not in {s.value for s in SchedulerName}:
-            raise ValueError(f"--scheduler {self.scheduler!r} is unknown; known: {', '.join(SchedulerName)}")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"--bucket-size must be positive, got {self.bucket_size}")
         if self.max_length is not None and self.max_length < 1:
@@ -105,10 +109,8 @@ class TrainConfig:
             raise ValueError(f"--min-lr-ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if self.max_grad_norm < 0:
             raise ValueError(f"--max-grad-norm must not be negative, got {self.max_grad_norm}")
-        Sharding(self.sharding)
-        checkpointing = ActivationCheckpointing(self.activation_checkpointing)
         if self.compile:
-            check_compile_layout(checkpointing)
+            check_compile_layout(self.activation_checkpointing)
         if self.loss_chunk_tokens < 1:
             raise ValueError(f"--loss-chunk-tokens must be positive, got {self.loss_chunk_tokens}")
         if self.checkpoint_every < 0:
@@ -137,8 +139,7 @@ class TrainConfig:
         lora = self.lora  # LoraSettings checks --lora-rank, --lora-alpha and --lora-targets
         if lora is None and (self.lora_alpha is not None or self.lora_targets != LORA_TARGETS):
             raise ValueError("--lora-alpha and --lora-targets go with --lora-rank")
-        export_lora = LoraExport(self.export_lora)
-        if export_lora is LoraExport.ADAPTER:
+        if self.export_lora is LoraExport.ADAPTER:
             if lora is None or self.output_dir is None:
                 raise ValueError("--export-lora adapter needs --lora-rank and --output-dir")
             if not Path(self.model).is_dir():
@@ -147,7 +148,6 @@ class TrainConfig:
                                  "local checkpoint folder, or export the merged model")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"--collective-timeout must be positive, got {self.collective_timeout_s}")
-        AttentionBackend(self.attention_backend)
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.feedback and self.scheduler_url is None:
@@ -173,6 +173,21 @@ class TrainConfig:
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims(dp_size=self.dp, cp_size=self.cp)
+
+
+Choice = TypeVar("Choice", bound=StrEnum)
+_CHOICES: tuple[tuple[str, type[StrEnum], str], ...] = (
+    ("scheduler", SchedulerName, "--scheduler"), ("sharding", Sharding, "--sharding"),
+    ("activation_checkpointing", ActivationCheckpointing, "--activation-checkpointing"),
+    ("export_lora", LoraExport, "--export-lora"), ("attention_backend", AttentionBackend, "--attention-backend"),
+)
+
+
+def _choice(enum: type[Choice], value: str, flag: str) -> Choice:
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(f"{flag} {value!r} is unknown; known: {', '.join(enum)}") from None
 
 
 def check_output_dir(path: Path, *, flag: str) -> None:

@@ -100,15 +100,12 @@ from trainer_client.evaluation import EvalSet
 from trainer_client.export import export_model, load_export_tokenizer
 from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.loop import decide_plan, micro_batch_packers
-from trainer_client.lora import LoraExport
 from trainer_client.loss import micro_batch_loss, run_micro_batch
 from trainer_client.measure import check_profile_machine
 from trainer_client.model import model_shape
 from trainer_client.optim import clip_gradients, warmup_cosine_schedule
 from trainer_client.packing import PackedMicroBatch
 from trainer_client.parallelize import (
-    ActivationCheckpointing,
-    Sharding,
     check_compile,
     prepare_micro_batch,
     reduce_gradients,
@@ -141,12 +138,12 @@ class Trainer:
         self.config = config
         self.parallel = parallel
         self.device = parallel.device
-        self.sharding = Sharding(config.sharding)
+        self.sharding = config.sharding
         shape = model_shape(config.model)
         if config.compile:
             check_compile(self.device)  # before anything is built
         self.layout = ModelLayout.on(self.device, dtype=config.dtype, sharding=self.sharding,
-                                     activation_checkpointing=ActivationCheckpointing(config.activation_checkpointing),
+                                     activation_checkpointing=config.activation_checkpointing,
                                      loss_chunk_tokens=config.loss_chunk_tokens, compiled=config.compile)
         self.autocast_dtype = self.layout.autocast_dtype
         self.profile = self._profile(config.profile or default_profile(self.device))
@@ -226,7 +223,7 @@ class Trainer:
         lora = self.config.lora
         profile = training_profile(resolve_profile(self.profile), shape, sharding=self.sharding,
                                    compute_bytes=param_dtype.itemsize,
-                                   activation_checkpointing=ActivationCheckpointing(self.config.activation_checkpointing),
+                                   activation_checkpointing=self.config.activation_checkpointing,
                                    lora=lora.shape if lora is not None else None)
         return make_problem(sequence_lengths=[1], dp_size=self.config.dp, cp_size=self.config.cp, model=shape,
                             profile=profile).bucket_size
@@ -282,7 +279,7 @@ class Trainer:
         directory = (self.config.output_dir if num_steps_done == self.config.steps
                      else step_dir(self.config.output_dir, num_steps_done))
         export_model(self.module.lm, directory, tokenizer=self.export_tokenizer, model=self.config.model,
-                     lora=self.config.lora, lora_export=LoraExport(self.config.export_lora))
+                     lora=self.config.lora, lora_export=self.config.export_lora)
         if self.parallel.is_main:
             logger.info("exported the model after step %d of %d to %s", num_steps_done, self.config.steps,
                         directory)
