@@ -13,11 +13,12 @@ Each step runs as its own process, under a deadline, and what it printed is kept
    ``deepspeed`` plans of three length distributions run as the trainer runs it, its time predicted vs measured;
 4. ``train-skrull-…``: the trainer (``trainer_client.train`` under torchrun) with ``skrull`` for a few steps at
    DP 1 × CP 1 with that profile, and where there are 2 GPUs at DP 1 × CP 2;
-5. ``train-skrull-dp1-cp1-compiled-auto``: the trainer as a user runs it on a GPU, ``--profile auto`` (it measures
-   its own profile, cached in ``gpu-check/cache``) with ``--compile``: how long ``auto`` takes, and what compiled
-   blocks gain against step 4's eager run, on the launch-bound floor and in tokens/s (the CPU rehearsal runs it
-   without ``--compile``, as ``train-skrull-dp1-cp1-auto``);
-6. ``train-deepspeed-…``: step 4 with ``deepspeed``'s plans: the same losses, another schedule.
+5. ``train-skrull-dp1-cp1-auto``: the trainer as a user runs it on a GPU, ``--profile auto``: it measures its own
+   profile (afresh, into ``gpu-check/cache``) and plans with it; how long that takes, and its fit beside step 2's;
+6. ``train-skrull-dp1-cp1-compiled``: step 4 with ``--compile``, the same profile and so the same plans: what
+   compiled blocks gain in tokens/s, nothing else changed (not in the CPU rehearsal: tests/test_compile.py
+   compiles on the CPU);
+7. ``train-deepspeed-…``: step 4 with ``deepspeed``'s plans: the same losses, another schedule.
 
 Then it prints one summary and writes it as ``gpu-check/summary.json``: the machine and software, each step's
 outcome and time, the GPU tests' result, the profile's fits and BucketSize, the predicted against the measured
@@ -123,6 +124,7 @@ class Check:
     accuracy: list[dict[str, Any]] = field(default_factory=list)
     training: list[dict[str, Any]] = field(default_factory=list)
     loss_agreement: list[dict[str, Any]] = field(default_factory=list)
+    auto: dict[str, Any] = field(default_factory=dict)
     compiled: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -260,10 +262,8 @@ def _training_summary(name: str, metrics_path: Path) -> dict[str, Any]:
             "peak_memory_bytes": max(peaks) if peaks else None, "memory_kind": steps[-1]["memory_kind"]}
 
 
-def _compiled_summary(log: Path, cache: Path, eager_profile: dict[str, Any], training: Sequence[dict[str, Any]],
-                      name: str) -> dict[str, Any]:
-    """The ``--profile auto`` (``--compile``) run against the eager one with the sweep's profile: auto's measuring
-    time, its profile's floor and fit beside the sweep's, tokens/s, and how far its losses are from the other's."""
+def _auto_summary(log: Path, cache: Path, sweep_profile: dict[str, Any]) -> dict[str, Any]:
+    """The ``--profile auto`` run: how long measuring took, and its profile's fit beside the sweep's (step 2)."""
     measured = re.search(r"--profile auto: measured in (\d+) s", log.read_text())
     profiles = sorted(cache.glob("skrull/profiles/auto-*.json"))
     summary: dict[str, Any] = {"auto_profile_s": int(measured.group(1)) if measured else None,
@@ -271,17 +271,21 @@ def _compiled_summary(log: Path, cache: Path, eager_profile: dict[str, Any], tra
     if profiles:
         fit = json.loads(profiles[-1].read_text())["compute"]["fit"]
         summary["fit"] = fit[fit.get("form", "extended")]
-        eager_fit = eager_profile["fit"][eager_profile["fit"].get("form", "extended")]
-        summary["eager_fit"] = eager_fit
+        summary["sweep_fit"] = sweep_profile["fit"][sweep_profile["fit"].get("form", "extended")]
+    return summary
+
+
+def _compiled_summary(training: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The ``--compile`` run against the eager one of the same plans: tokens/s, losses, peak memory."""
     by_run = {run["run"]: run for run in training}
     compiled, eager = by_run.get(name), by_run.get("train-skrull-dp1-cp1")
-    if compiled is not None and eager is not None:
-        summary["tokens_per_s"] = compiled["tokens_per_s"]
-        summary["eager_tokens_per_s"] = eager["tokens_per_s"]
-        summary["speedup_tokens_per_s"] = compiled["tokens_per_s"] / eager["tokens_per_s"]
-        summary["max_relative_loss_difference"] = max(
-            abs(a - b) / abs(b) for a, b in zip(compiled["losses"], eager["losses"], strict=False))
-    return summary
+    if compiled is None or eager is None:
+        return {}
+    return {"tokens_per_s": compiled["tokens_per_s"], "eager_tokens_per_s": eager["tokens_per_s"],
+            "speedup_tokens_per_s": compiled["tokens_per_s"] / eager["tokens_per_s"],
+            "max_relative_loss_difference": max(
+                abs(a - b) / abs(b) for a, b in zip(compiled["losses"], eager["losses"], strict=False)),
+            "peak_memory_bytes": compiled["peak_memory_bytes"], "eager_peak_memory_bytes": eager["peak_memory_bytes"]}
 
 
 def _loss_agreement(training: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -367,17 +371,18 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
     for dp, cp in layouts:
         train(dp, cp, "skrull", "--profile", str(profile_path))
     # As a user runs it on a GPU: the profile measured by the run itself (afresh, into the check's cache: its time
-    # is reported), the blocks compiled; before the deepspeed runs, whose figures an earlier check has too.
+    # is reported); before the deepspeed runs, whose figures an earlier check has too. The planner's compiled
+    # kernels stay where the other steps cached them: only the profile is measured afresh.
     cache = out_dir / "cache"
     shutil.rmtree(cache, ignore_errors=True)
-    # The planner's compiled kernels stay where the other steps cached them: only the profile is measured afresh.
     kernels = {CACHE_DIR_VARIABLE: str(jit_cache_dir().parent)}
-    compiled = train(1, 1, "skrull", "--profile", "auto", *(["--compile"] if settings.compile else []),
-                     suffix="-compiled-auto" if settings.compile else "-auto",
-                     step_env={**env, "XDG_CACHE_HOME": str(cache), **kernels})
-    if any(run["run"] == compiled for run in check.training):
-        check.compiled = {"compiled": settings.compile, **_compiled_summary(
-            out_dir / f"{compiled}.log", cache, check.profile, check.training, compiled)}
+    auto = train(1, 1, "skrull", "--profile", "auto", suffix="-auto",
+                 step_env={**env, "XDG_CACHE_HOME": str(cache), **kernels})
+    if any(run["run"] == auto for run in check.training):
+        check.auto = _auto_summary(out_dir / f"{auto}.log", cache, check.profile)
+    if settings.compile:  # the same profile as step 4, so the same plans: the blocks' compilation alone differs
+        compiled = train(1, 1, "skrull", "--profile", str(profile_path), "--compile", suffix="-compiled")
+        check.compiled = _compiled_summary(check.training, compiled)
     for dp, cp in layouts:
         train(dp, cp, "deepspeed", "--profile", str(profile_path))
     check.loss_agreement = _loss_agreement(check.training)
@@ -414,20 +419,20 @@ def _print_summary(check: Check) -> None:
     for agreement in check.loss_agreement:
         print(f"losses skrull vs deepspeed at {agreement['layout']}: max relative difference "
               f"{agreement['max_relative_difference']:.1e}; skrull ×{agreement['speedup_tokens_per_s']:.2f} tokens/s")
+    auto = check.auto
+    if auto:
+        print(f"--profile auto measured in {auto['auto_profile_s']} s", end="")
+        if "fit" in auto:
+            floors = [fit.get("floor_s_per_layer") or fit["beta_s_per_layer"]
+                      for fit in (auto["sweep_fit"], auto["fit"])]
+            print(f": floor (or beta) {floors[1] * 1e3:.2f} ms/layer (the sweep's {floors[0] * 1e3:.2f}), fit median "
+                  f"{auto['fit']['median_relative_error']:.1%}", end="")
+        print()
     compiled = check.compiled
     if compiled:
-        print(f"--profile auto measured in {compiled['auto_profile_s']} s")
-        label = "--compile" if compiled["compiled"] else "--profile auto"
-        if "fit" in compiled:
-            floors = [fit.get("floor_s_per_layer") or fit["beta_s_per_layer"]
-                      for fit in (compiled["eager_fit"], compiled["fit"])]
-            print(f"{label}: launch-bound floor (or beta) {floors[0] * 1e3:.2f} -> {floors[1] * 1e3:.2f} ms/layer, "
-                  f"fit median {compiled['fit']['median_relative_error']:.1%}")
-        if "speedup_tokens_per_s" in compiled:
-            print(f"{label}: {compiled['eager_tokens_per_s']:,.0f} -> {compiled['tokens_per_s']:,.0f} tokens/s "
-                  f"(x{compiled['speedup_tokens_per_s']:.2f}); losses within "
-                  f"{compiled['max_relative_loss_difference']:.1e} of eager")
-
+        print(f"--compile (the same plans): {compiled['eager_tokens_per_s']:,.0f} -> {compiled['tokens_per_s']:,.0f} "
+              f"tokens/s (x{compiled['speedup_tokens_per_s']:.2f}); losses within "
+              f"{compiled['max_relative_loss_difference']:.1e} of eager")
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -49,19 +50,28 @@ def _every_rank(cache: Path, out: Path) -> None:
 
     auto.measure_profile = counting_measure
     key_path = cache_path(profile_key(_options(), parallel.device, world_size=2))
+    groups_before = len(dist.distributed_c10d._world.pg_map)
     results = []
-    for case in ("empty cache", "cached", "corrupt", "another key"):
+    for case in ("empty cache", "cached", "corrupt", "another key", "no provenance", "unwritable cache"):
         if parallel.is_main and case == "corrupt":
             key_path.write_text('{"name": "half a fi')
         if parallel.is_main and case == "another key":
             document = json.loads(key_path.read_text())
             document["provenance"]["auto_key"]["torch"] = "2.10.0"
             key_path.write_text(json.dumps(document))
+        if parallel.is_main and case == "no provenance":
+            document = json.loads(key_path.read_text())
+            document["provenance"] = None
+            key_path.write_text(json.dumps(document))
+        if parallel.is_main and case == "unwritable cache":  # a file where the cache's folder should be (root
+            shutil.rmtree(key_path.parent)                     # writes into read-only folders)
+            key_path.parent.write_text("not a folder")
         dist.barrier()
         measured.append(False)
         profile = auto_profile("tiny", parallel=parallel, layout=LAYOUT, options=_options())
         results.append({"case": case, "measured": measured[-1], "name": profile.name,
-                        "alpha": profile.compute.alpha_s_per_flop})
+                        "alpha": profile.compute.alpha_s_per_flop,
+                        "groups_left": len(dist.distributed_c10d._world.pg_map) - groups_before})
     (out / f"rank{parallel.global_rank}.json").write_text(json.dumps(results))
     dist.barrier()
 
@@ -83,10 +93,24 @@ def test_every_rank_measures_once_and_the_cache_serves_the_next_run(runs: dict[i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["corrupt", "another key"])
+@pytest.mark.parametrize("case", ["corrupt", "another key", "no provenance"])
 def test_an_untrustworthy_cache_entry_is_measured_again(runs: dict[int, list[dict[str, Any]]], case: str) -> None:
     for results in runs.values():
         assert next(r for r in results if r["case"] == case)["measured"]
+
+
+@pytest.mark.slow
+def test_a_cache_that_cannot_be_written_costs_a_measurement_not_the_run(runs: dict[int, list[dict[str, Any]]]) -> None:
+    for results in runs.values():
+        unwritable = results[-1]
+        assert unwritable["case"] == "unwritable cache" and unwritable["measured"]
+        assert unwritable["name"].startswith("auto-")
+
+
+@pytest.mark.slow
+def test_the_sweep_ends_the_process_groups_it_made_in_the_runs_world(runs: dict[int, list[dict[str, Any]]]) -> None:
+    for results in runs.values():
+        assert [r["groups_left"] for r in results] == [0] * len(results)
 
 
 def test_the_key_changes_with_everything_a_profile_depends_on() -> None:
@@ -98,10 +122,12 @@ def test_the_key_changes_with_everything_a_profile_depends_on() -> None:
                 profile_key(_options(dtype="bfloat16"), cpu, world_size=1),
                 profile_key(_options(repeats=3), cpu, world_size=1),
                 profile_key(_options(model="qwen2.5-0.5b"), cpu, world_size=1),
+                profile_key(_options(attention_backend="sdpa"), cpu, world_size=1),
                 profile_key(_options(), cpu, world_size=2)]
     digests = {key.digest() for key in [base, *variants]}
     assert len(digests) == 1 + len(variants)
     assert profile_key(_options(), cpu, world_size=1) == base  # and nothing else does
+    assert base.torch == torch.__version__ and base.transformers and base.profiler  # nor other code
 
 
 def test_gpus_default_to_auto_and_cpus_to_the_planners_profile() -> None:
@@ -116,8 +142,10 @@ def test_on_a_gpu_auto_sweeps_below_1k_tokens_in_the_runs_layout(monkeypatch: py
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     layout = ModelLayout.on(torch.device("cuda", 0), dtype=None, sharding=Sharding.ZERO3,
                             activation_checkpointing=ActivationCheckpointing.FULL, compiled=True)
-    options = auto.auto_profile_options("qwen2.5-0.5b", torch.device("cuda", 0), layout, progress=True)
+    options = auto.auto_profile_options("qwen2.5-0.5b", torch.device("cuda", 0), layout, attention_backend="sdpa",
+                                        progress=True)
     assert options.device == "cuda" and min(options.sizes) < 1024 and options.dtype == "bfloat16"
+    assert options.attention_backend == "sdpa"  # the run's backend is what is timed
     assert (options.sharding, options.activation_checkpointing, options.compile) == ("zero3", "full", True)
     key = profile_key(options, torch.device("cuda", 0), world_size=8)
     assert (key.device, key.compiled, key.world_size) == ("NVIDIA H200", True, 8)
@@ -138,7 +166,7 @@ def test_a_trainer_without_profile_on_cpu_plans_with_the_shipped_default(monkeyp
 def test_a_trainer_with_profile_auto_plans_with_what_it_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(auto, "auto_profile_options", lambda model, device, layout, progress: _options())
+    monkeypatch.setattr(auto, "auto_profile_options", lambda model, device, layout, **kwargs: _options())
     caplog.set_level(logging.INFO, logger="trainer_client.auto_profile")
     trainer = Trainer(TrainConfig(dp=1, cp=1, steps=1, global_batch=4, profile="auto", progress=False),
                       init_parallel(ParallelDims(dp_size=1, cp_size=1)))

@@ -60,9 +60,8 @@ def test_the_rehearsal_runs_every_step_and_fills_the_summary(tmp_path: Path) -> 
     (agreement,) = summary["loss_agreement"]
     assert agreement["layout"] == "dp1-cp1" and agreement["max_relative_difference"] < 1e-5
     assert "losses skrull vs deepspeed at dp1-cp1" in result.stdout
-    auto = summary["compiled"]  # --profile auto measured its profile into the check's cache, then trained
-    assert auto["compiled"] is False  # on a GPU with --compile; tests/test_compile.py compiles on the CPU
+    auto = summary["auto"]  # --profile auto measured its profile into the check's cache, then trained with it
     assert auto["auto_profile_s"] is not None and Path(auto["auto_profile"]).is_file()
-    assert auto["fit"]["median_relative_error"] >= 0 and auto["speedup_tokens_per_s"] > 0
-    assert auto["max_relative_loss_difference"] < 1e-5  # the same model and batches, another profile's plans
+    assert auto["fit"]["median_relative_error"] >= 0 and auto["sweep_fit"]["median_relative_error"] >= 0
+    assert summary["compiled"] == {}  # --compile runs on a GPU; tests/test_compile.py compiles on the CPU
     assert "--profile auto measured in" in result.stdout

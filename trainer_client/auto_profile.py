@@ -8,16 +8,22 @@ steps within 3 % (docs/known-limits.md). So on CUDA the trainer measures a short
 dtype, sharding, checkpointing, ``--compile``) and plans with it.
 
 The profile is cached under ``$XDG_CACHE_HOME/skrull/profiles`` (``~/.cache/skrull/profiles``), one file per
-``AutoProfileKey``: the GPU (or CPU) model, the model's shape, the compute dtype, the torch release, the
-checkpointing mode, whether blocks are compiled, the sharding, the world size and ranks per node, and the sweep
-itself. The key is stored in the file's provenance and compared when read: a file that does not parse, does not
-load as a profile, or was made for another key is measured again and replaced, never trusted. Rank 0 decides and
-every rank hears the outcome over the gloo group, so all measure or none does.
+``AutoProfileKey``: the GPU (or CPU) model, the model's shape, the compute dtype, the attention backend, the torch
+and transformers releases, the checkpointing mode, whether blocks are compiled, the sharding, the world size and
+ranks per node, the sweep itself and the profiler's own code (a digest of its sources: a profile fitted by other
+code is measured again). LoRA and the loss's chunking are not in it: the sweep measures full fine-tuning, and the
+planner derives a LoRA run's memory from the profile (``core.memory.training_profile``).
+
+The key is stored in the file's provenance and compared when read: a file that does not parse, does not load as a
+profile, or was made for another key is measured again and replaced, never trusted; a cache that cannot be written
+is warned of, and the run goes on with what it measured. Rank 0 decides and every rank hears the
+outcome over the gloo group, so all measure or none does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -31,8 +37,10 @@ import torch.distributed as dist
 from skrull_proto import PROFILE_SCHEMA_VERSION
 
 from scheduler_service.contract.profiles import profile_from_document
-from scheduler_service.core.errors import PlanningError
+from scheduler_service.core import perf_model
+from scheduler_service.core import profile as core_profile
 from scheduler_service.core.profile import Profile
+from trainer_client import measure, profile_document, profile_sweeps
 from trainer_client.distributed import ParallelContext
 from trainer_client.loading import ModelLayout
 from trainer_client.measure import hardware_info
@@ -47,7 +55,7 @@ AUTO_PROFILE = "auto"
 logger = logging.getLogger(__name__)
 
 # A short sweep: the sizes below 1k tokens show a GPU's launch-bound floor, the larger ones its FLOP rate; two
-# timed runs per case. About 40 s for a 0.5B model on one H200 (docs/guides/gpu.md).
+# timed runs per case. 49 s for a 0.5B model on one H200, compiled (docs/benchmarks.md, "On GPUs").
 _CUDA_SIZES = (512, 1024, 2048, 4096, 8192, 16384)
 _CPU_SIZES = (64, 256, 1024, 2048)
 
@@ -59,13 +67,16 @@ class AutoProfileKey:
     device: str  # the GPU's name, or the CPU's model
     model: dict[str, Any]  # the model's shape (its name, layers, widths): two checkpoints of one shape time alike
     dtype: str
+    attention_backend: str
     torch: str
+    transformers: str
     activation_checkpointing: str
     compiled: bool
     sharding: str
     world_size: int
     ranks_per_node: int
     sweep: dict[str, Any]  # the profiler's options less the ones above: another sweep is another profile
+    profiler: str  # a digest of the code that measures and fits (``_profiler_digest``)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def digest(self) -> str:
@@ -78,8 +89,9 @@ def default_profile(device: torch.device) -> str | None:
     return AUTO_PROFILE if device.type == "cuda" else None
 
 
-def auto_profile_options(model: str, device: torch.device, layout: ModelLayout, *, progress: bool) -> ProfileOptions:
-    """The short sweep ``auto`` measures, the model laid out as the run lays it out."""
+def auto_profile_options(model: str, device: torch.device, layout: ModelLayout, *, attention_backend: str,
+                         progress: bool) -> ProfileOptions:
+    """The short sweep ``auto`` measures, the model laid out as the run lays it out, its attention the run's."""
     cuda = device.type == "cuda"
     return ProfileOptions(
         model=model, device=device.type, sizes=_CUDA_SIZES if cuda else _CPU_SIZES, short_length=512 if cuda else 64,
@@ -87,20 +99,32 @@ def auto_profile_options(model: str, device: torch.device, layout: ModelLayout, 
         shard_sizes=(2048, 8192) if cuda else (256, 1024), warmup=1, repeats=2,
         dtype="bfloat16" if layout.param_dtype == torch.bfloat16 else "float32",
         activation_checkpointing=layout.activation_checkpointing.value, sharding=layout.sharding.value,
-        compile=layout.compiled, progress=progress,
+        compile=layout.compiled, attention_backend=attention_backend, progress=progress,
     )
 
 
 def profile_key(options: ProfileOptions, device: torch.device, world_size: int) -> AutoProfileKey:
     hardware = hardware_info(device)
     sweep = {name: value for name, value in asdict(options).items()
-             if name not in {"model", "dtype", "activation_checkpointing", "sharding", "compile", "progress", "name"}}
+             if name not in {"model", "dtype", "attention_backend", "activation_checkpointing", "sharding", "compile",
+                             "progress", "name"}}
     return AutoProfileKey(
         device=hardware["gpu"] if device.type == "cuda" else hardware["cpu"], model=asdict(model_shape(options.model)),
-        dtype=options.dtype or "", torch=torch.__version__, activation_checkpointing=options.activation_checkpointing,
-        compiled=options.compile, sharding=options.sharding, world_size=world_size,
-        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), sweep=sweep,
+        dtype=options.dtype or "", attention_backend=options.attention_backend, torch=torch.__version__,
+        transformers=importlib.metadata.version("transformers"),
+        activation_checkpointing=options.activation_checkpointing, compiled=options.compile, sharding=options.sharding,
+        world_size=world_size, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), sweep=sweep,
+        profiler=_profiler_digest(),
     )
+
+
+def _profiler_digest() -> str:
+    """A digest of the sources that measure and fit a profile: the sweeps, the document, the probes, the core's
+    fits and the profile format."""
+    digest = hashlib.sha256()
+    for module in (profile_sweeps, profile_document, measure, perf_model, core_profile):
+        digest.update(Path(module.__file__ or "").read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def cache_path(key: AutoProfileKey) -> Path:
@@ -108,11 +132,12 @@ def cache_path(key: AutoProfileKey) -> Path:
     return cache / f"auto-{key.digest()}.json"
 
 
-def auto_profile(model: str, *, parallel: ParallelContext, layout: ModelLayout, progress: bool = True,
-                 options: ProfileOptions | None = None) -> Profile:
+def auto_profile(model: str, *, parallel: ParallelContext, layout: ModelLayout, attention_backend: str = "auto",
+                 progress: bool = True, options: ProfileOptions | None = None) -> Profile:
     """This run's measured profile: the cached one for its key, or measured now by every rank and cached. Every rank
     calls it and gets the same profile. ``options`` replaces the short sweep (tests measure a shorter one)."""
-    options = options or auto_profile_options(model, parallel.device, layout, progress=progress)
+    options = options or auto_profile_options(model, parallel.device, layout, attention_backend=attention_backend,
+                                              progress=progress)
     key = profile_key(options, parallel.device, parallel.dims.world_size)
     path = cache_path(key)
     document: list[dict[str, Any] | None] = [_cached(path, key) if parallel.is_main else None]
@@ -144,10 +169,11 @@ def _cached(path: Path, key: AutoProfileKey) -> dict[str, Any] | None:
     try:
         document = json.loads(path.read_text())
         profile_from_document(document)  # the format and every value's range
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, PlanningError) as error:
+        stored_key = (document.get("provenance") or {}).get("auto_key")
+    except Exception as error:  # whatever the file holds: rank 0 must reach the broadcast the others wait in
         logger.warning("--profile auto: the cached profile %s is unreadable (%s); measuring again", path, error)
         return None
-    if document.get("provenance", {}).get("auto_key") != json.loads(json.dumps(asdict(key))):
+    if stored_key != json.loads(json.dumps(asdict(key))):
         logger.warning("--profile auto: the cached profile %s was measured for another machine or layout; "
                        "measuring again", path)
         return None
@@ -156,8 +182,12 @@ def _cached(path: Path, key: AutoProfileKey) -> dict[str, Any] | None:
 
 
 def _write(path: Path, document: dict[str, Any]) -> None:
-    """Write atomically: a run stopped mid-write leaves the old file or none, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(document, indent=2) + "\n")
-    partial.replace(path)
+    """Write atomically: a run stopped mid-write leaves the old file or none, never half of one. A cache that cannot
+    be written (read-only, full) costs the next run a measurement, not this run its start."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(document, indent=2) + "\n")
+        partial.replace(path)
+    except OSError as error:
+        logger.warning("--profile auto: cannot cache the profile in %s (%s); the next run measures again", path, error)

@@ -51,7 +51,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from scheduler_service.core.plan import block_degrees, cp_blocks
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "FirstFailure", "ParallelContext", "ParallelDims", "PeerFailed",
-           "free_port", "init_parallel", "max_over_ranks", "report_failure", "spawn_gloo", "spawn_ranks"]
+           "destroy_groups", "free_port", "init_parallel", "max_over_ranks", "report_failure", "spawn_gloo",
+           "spawn_ranks"]
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 _FIRST_FAILURE_KEY = "skrull/first_failure"  # in the default group's store: per job, and per torchrun restart
@@ -194,6 +195,17 @@ def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_T
     return ParallelContext(dims=dims, mesh=mesh, shard_mesh=shard_mesh, global_rank=global_rank, dp_rank=dp_rank,
                            cp_rank=cp_rank, device=device, cp_group=cp_group, cp_block_groups=cp_block_groups,
                            object_group=object_group, collective_timeout=timeout)
+
+
+def destroy_groups(parallel: ParallelContext) -> None:
+    """End the process groups ``init_parallel`` made for ``parallel``, the world group excepted: a context built for a
+    while inside a world that goes on (the profiler inside a trainer, ``--profile auto``) frees its communicators,
+    NCCL's buffers on the GPU among them. Every rank calls it, after the context's last collective."""
+    world = dist.group.WORLD
+    groups = [parallel.mesh.get_group("dp"), parallel.mesh.get_group("cp"), parallel.shard_mesh.get_group(),
+              *parallel.cp_block_groups.values(), parallel.object_group]
+    for group in {id(group): group for group in groups if group is not world}.values():
+        dist.destroy_process_group(group)
 
 
 def _new_cp_block_groups(

@@ -49,7 +49,6 @@ DACP_ATTENTION = "dacp"
 MAX_POSITION_EMBEDDINGS = 1 << 20  # RoPE is computed from position ids on the fly; this only bounds them
 
 
-@torch.compiler.disable(recursive=True)
 def dacp_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -60,11 +59,7 @@ def dacp_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: q/k/v ``[1, heads, T, D]`` → output ``[1, T, heads, D]``.
-
-    Never compiled (``--compile`` compiles the blocks around it): the kernels are fused already, and the DACP
-    collectives, their autograd functions and the per-segment Python are not traceable.
-    """
+    """transformers' attention-function signature: q/k/v ``[1, heads, T, D]`` → output ``[1, T, heads, D]``."""
     metadata: DacpMetadata | None = kwargs.get("dacp_metadata")
     if metadata is None:
         raise ValueError("DACP attention needs the packing metadata: call the model with dacp_metadata=… "
@@ -92,9 +87,15 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def register_dacp_attention() -> None:
-    """Make ``attn_implementation="dacp"`` available (idempotent)."""
-    AttentionInterface.register(DACP_ATTENTION, dacp_attention_forward)
+def register_dacp_attention(*, compiled_blocks: bool = False) -> None:
+    """Make ``attn_implementation="dacp"`` available (idempotent). With ``compiled_blocks`` (``--compile``) it is
+    registered behind ``torch.compiler.disable``, so compiled blocks call it eagerly: its kernels are fused already,
+    and the DACP collectives, their autograd functions and the per-segment Python cannot be traced. An eager run
+    calls the plain function, without the wrapper's per-call frame handling."""
+    forward = dacp_attention_forward
+    if compiled_blocks:
+        forward = torch.compiler.disable(dacp_attention_forward, recursive=True)
+    AttentionInterface.register(DACP_ATTENTION, forward)
     AttentionMaskInterface.register(DACP_ATTENTION, _no_mask)
 
 

@@ -12,8 +12,8 @@
    place (``Module.compile``: parameter names, and so checkpoints, do not change), with dynamic shapes, since
    every packed row has another length. Compiled blocks fuse the norms, projections, RoPE and MLP into a few
    kernels, which is what the eager trainer's launch-bound floor pays for on a GPU (one kernel launch per
-   operator); attention itself stays eager (``model.dacp_attention_forward`` is excluded from compilation:
-   its kernels are already fused and its collectives and per-collective Python cannot be traced).
+   operator); attention itself stays eager (``model.register_dacp_attention(compiled_blocks=True)``: its
+   kernels are already fused, and its collectives and per-collective Python cannot be traced).
 3. shards with FSDP2 (``fully_shard``) over the flattened DP × CP mesh (``Sharding``): every decoder layer is
    one unit, the root (embeddings, final norm, the tied LM head) another. CP ranks hold different tokens of
    the same global batch, so for the optimizer they are data-parallel ranks like any other.
@@ -56,6 +56,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding
 from trainer_client.loss import CausalLMLoss
+from trainer_client.model import register_dacp_attention
 
 __all__ = [
     "ActivationCheckpointing",
@@ -98,6 +99,7 @@ def apply_compile(module: CausalLMLoss) -> None:
     """Compile each decoder layer in place, shapes dynamic from the first call: packed rows differ in length at
     every micro-batch, and a graph specialised to each length would recompile at every one. FSDP2's hooks run
     outside the compiled graph (``torch._dynamo.config.skip_fsdp_hooks``, on by default)."""
+    register_dacp_attention(compiled_blocks=True)
     for layer in module.decoder_layers():
         layer.compile(dynamic=True)
 
@@ -115,7 +117,7 @@ def check_compile(device: torch.device) -> None:
     """Raise ``ValueError`` saying why ``--compile`` cannot run here, before any model is built: a torch without
     a working ``torch.compile`` (Windows; Python newer than it supports), or a CPU with no C++ compiler for
     inductor's kernels."""
-    from torch._dynamo import is_dynamo_supported  # imports sympy and the compiler stack: only when asked
+    from torch._dynamo import is_dynamo_supported  # torch's own __init__ leaves torch._dynamo out
 
     if not is_dynamo_supported():
         raise ValueError(f"--compile needs torch.compile, which torch {torch.__version__} does not support on "

@@ -51,7 +51,7 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import ComputeFit, ComputePoint, eq13_flops, fit_compute
 from scheduler_service.core.plan import MicroBatch, ShardedGroup, block_degrees, cp_blocks
 from trainer_client.attention import AttentionBackend, resolve_backend
-from trainer_client.distributed import ParallelContext, ParallelDims, init_parallel, max_over_ranks
+from trainer_client.distributed import ParallelContext, ParallelDims, destroy_groups, init_parallel, max_over_ranks
 from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.loss import run_micro_batch
 from trainer_client.measure import (
@@ -481,7 +481,9 @@ def run_sweeps(options: ProfileOptions) -> Measurements | None:
     try:
         return _sweep(options, parallel, layout)
     finally:
-        if not joined:  # the world this call made for itself ends with it
+        if joined:  # the caller's world goes on (a trainer measuring its own profile): this call's groups end
+            destroy_groups(parallel)
+        else:  # the world this call made for itself ends with it
             dist.destroy_process_group()
 
 

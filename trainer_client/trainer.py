@@ -214,7 +214,7 @@ class Trainer:
         plans with it and the service gets it for this run's job; a name is a shipped or a service's profile."""
         if choice == AUTO_PROFILE:
             return auto_profile(self.config.model, parallel=self.parallel, layout=self.layout,
-                                progress=self.config.progress)
+                                attention_backend=self.config.attention_backend, progress=self.config.progress)
         return load_profile(choice) if choice is not None and Path(choice).is_file() else choice
 
     def _derived_bucket_size(self, shape: ModelShape, param_dtype: torch.dtype) -> int:
