@@ -105,13 +105,14 @@ def test_silent_service_raises_plan_timeout() -> None:
         client.close()
 
 
-def test_service_errors_are_retried_then_succeed(service: TestClient) -> None:
+@pytest.mark.parametrize("status", [503, 408])  # 408: the service gave up waiting for a slow body
+def test_service_errors_are_retried_then_succeed(service: TestClient, status: int) -> None:
     calls = []
 
     def flaky(request: httpx.Request) -> httpx.Response:
         calls.append(request.url.path)
         if len(calls) == 1:
-            return httpx.Response(503, json={"title": "Service Unavailable", "detail": "warming up"})
+            return httpx.Response(status, json={"title": "Transient", "detail": "warming up"})
         real = service.post("/plan", content=request.content, headers={"content-type": "application/json"})
         return httpx.Response(real.status_code, content=real.content)
 

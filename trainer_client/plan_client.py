@@ -1,16 +1,16 @@
 """Plans for the trainer: the scheduler service over HTTP, the embedded planning core as fallback.
 
 ``PlanClient`` speaks the wire contract (``skrull_proto``) with httpx: a timeout
-per read, bounded retries (tenacity) on transport errors, timeouts, 429 and
-5xx, waiting the answer's Retry-After where it has one and exponential backoff
-otherwise, both with jitter; a 4xx is final; and a total deadline per fetch (all
+per read, bounded retries (tenacity) on transport errors, timeouts, 408, 429
+and 5xx, waiting the answer's Retry-After where it has one and exponential
+backoff otherwise, both with jitter; any other 4xx is final; and a total deadline per fetch (all
 attempts together), which httpx's timeouts alone do not give: they bound each
 read, so a server that trickles its answer a few bytes at a time would hold
 rank 0 forever. At the deadline the connection's socket is shut down and the
 fetch fails with ``PlanTimeout`` (so the step plans with the embedded core). Its errors:
 
     PlanClientError (Exception)
-    ├── PlanUnavailable   no usable answer: connection refused/reset, 5xx, 429 (after every retry)
+    ├── PlanUnavailable   no usable answer: connection refused/reset, 5xx, 429, 408 (after every retry)
     │   └── PlanTimeout   no answer within the timeout (after every retry)
     └── PlanRejected      the service answered, but not with a usable plan: a 4xx (problem+json detail
                           quoted), a body that is not a PlanResponse, or a plan that fails the checker
@@ -128,7 +128,8 @@ __all__ = [
 
 logger = logging.getLogger("trainer_client.plan_client")
 
-_RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
+# Transient answers worth another attempt: a body the service stopped waiting for (408), busy (429), failing (5xx).
+_RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _JITTER = 0.25  # a retry waits up to this fraction longer than its delay, at random
 
 
@@ -305,7 +306,7 @@ class PlanClient:
                              FeedbackResponse)
 
     def _retried(self, method: str, path: str, body: str, answer: type[Answer]) -> Answer:
-        """The answer, retried (tenacity) on a transport error, a timeout, 429 and 5xx until ``max_attempts`` or
+        """The answer, retried (tenacity) on a transport error, a timeout, 408, 429 and 5xx until ``max_attempts`` or
         until the next wait would pass the fetch's deadline; a 4xx is final."""
         deadline = time.monotonic() + self.deadline_s
         retrying = Retrying(
