@@ -49,13 +49,13 @@ from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import simulate
 from trainer_client.distributed import ParallelDims, init_parallel, max_over_ranks, spawn_ranks
 from trainer_client.loading import ModelLayout, build_training_module
-from trainer_client.loss import run_micro_batch
+from trainer_client.loss import CausalLMLoss, run_micro_batch
 from trainer_client.measure import local_pack, random_samples, timed_runs
 from trainer_client.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.parallelize import ActivationCheckpointing, Sharding, prepare_micro_batch
 from trainer_client.profile import ProfileOptions, measure_profile
 
-__all__ = ["EXIT_TARGET_MISSED", "AccuracyOptions", "main", "run_accuracy"]
+__all__ = ["EXIT_TARGET_MISSED", "AccuracyOptions", "main", "run_accuracy", "run_amid_step"]
 
 TARGET_MEDIAN_ERROR = 0.10
 EXIT_TARGET_MISSED = 3  # everything ran, and a median error is above the target (a crash exits 1)
@@ -107,6 +107,17 @@ def _paper_profile(document: dict[str, Any], profile: Profile) -> Profile:
     return replace(profile, name=f"{profile.name}-eq14", compute=compute)
 
 
+def run_amid_step(model: CausalLMLoss, layout: ModelLayout, pack: PackedMicroBatch) -> None:
+    """One micro-batch as the trainer runs one amid a step's, from no gradient: what this benchmark times.
+
+    Under zero2 the weights stay gathered and nothing is reduced, so a rank with nothing to run may skip it, as in
+    the trainer, joining no collective."""
+    for parameter in model.parameters():
+        parameter.grad = None
+    prepare_micro_batch(model, sharding=layout.sharding, is_last=False)
+    run_micro_batch(model, pack, num_loss_tokens=max(pack.num_loss_tokens, 1), autocast_dtype=layout.autocast_dtype)
+
+
 def _rank_main(options: AccuracyOptions, out_path: Path) -> None:
     """One rank: profile (unless given), plan, run and time every micro-batch; rank 0 writes the rows."""
     cp_size = dist.get_world_size()
@@ -129,14 +140,7 @@ def _rank_main(options: AccuracyOptions, out_path: Path) -> None:
     model = build_training_module(options.model, parallel=parallel, layout=layout, seed=options.seed)
     vocab_size = model.lm.config.vocab_size
 
-    def step(pack: PackedMicroBatch) -> None:
-        for parameter in model.parameters():
-            parameter.grad = None
-        # A micro-batch amid a step's: under zero2 the weights stay gathered and nothing is reduced, so a rank
-        # with nothing to run may skip it, as in the trainer, joining no collective.
-        prepare_micro_batch(model, sharding=layout.sharding, is_last=False)
-        run_micro_batch(model, pack, num_loss_tokens=max(pack.num_loss_tokens, 1),
-                        autocast_dtype=layout.autocast_dtype)
+    step = functools.partial(run_amid_step, model, layout)
 
     # Every rank gathers the weights once, together, before any rank may skip a micro-batch.
     step(local_pack((64,), vocab_size=vocab_size, device=device, seed=options.seed))

@@ -13,7 +13,7 @@ changes one of those, so the table says which the gap comes from:
 * ``accuracy's micro-batches``: the one-sequence micro-batches of ``deepspeed`` plans of LMSys-shaped batches, timed
   as ``benchmarks.accuracy`` times them (a warm-up, the median of two runs).
 
-Every time is a CUDA-event time of forward and backward (``loss.run_micro_batch``) on the trainer's layout.
+Every time is a CUDA-event time of forward and backward on the trainer's layout (``accuracy.run_amid_step``).
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from benchmarks.accuracy import run_amid_step
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.samplers import sample_lengths
 from trainer_client.distributed import ParallelDims, init_parallel
 from trainer_client.loading import ModelLayout, build_training_module
-from trainer_client.loss import run_micro_batch
 from trainer_client.measure import local_pack, random_samples, timed_runs
 from trainer_client.packing import PackedMicroBatch, pack_micro_batch
-from trainer_client.parallelize import ActivationCheckpointing, Sharding, prepare_micro_batch
+from trainer_client.parallelize import ActivationCheckpointing, Sharding
 
 __all__ = ["main"]
 
@@ -70,12 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab_size = model.lm.config.vocab_size
     tiny = args.model == "tiny"  # the CPU rehearsal: lengths a tenth as long
 
-    def step(pack: PackedMicroBatch) -> None:
-        for parameter in model.parameters():
-            parameter.grad = None
-        prepare_micro_batch(model, sharding=layout.sharding, is_last=False)
-        run_micro_batch(model, pack, num_loss_tokens=max(pack.num_loss_tokens, 1),
-                        autocast_dtype=layout.autocast_dtype)
+    step = functools.partial(run_amid_step, model, layout)  # timed as benchmarks.accuracy times it
 
     def pack_of(length: int, seed: int) -> PackedMicroBatch:
         return local_pack((length // 10 if tiny else length,), vocab_size=vocab_size, device=device, seed=seed)

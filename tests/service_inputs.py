@@ -1,4 +1,5 @@
-"""What the service tests send: a tiny job's batch and its measured reports, and a measured profile document."""
+"""What the service tests send: a tiny job's batch and its measured reports, and a measured profile document; and
+the settings of a service under test."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import builtin_profiles
+from scheduler_service.runtime.settings import Settings
 
-__all__ = ["LENGTHS", "measured_document", "report"]
+__all__ = ["LENGTHS", "measured_document", "report", "settings"]
 
 # The batch of a job on the tiny model (dp 1, cp 2); ``report`` measures micro-batches of these lengths.
 LENGTHS = [637, 208, 90, 138, 35, 1216, 326, 301, 270, 1742, 1014, 958, 344, 304, 347, 123]
@@ -33,3 +35,8 @@ def measured_document(name: str = "lab-tiny", model: str | None = "tiny", scale:
     document["compute"] = {"alpha_s_per_flop": 5e-11 * scale, "beta_s_per_layer": 5e-4,
                            "alpha_s_per_token": 2e-5, "alpha_s_per_sequence": 1e-4}
     return document
+
+
+def settings(**overrides: Any) -> Settings:
+    """A service for a test: no warm-ups (nothing to wait for) and no access log (quiet output)."""
+    return Settings(cpsat_warmup=False, warmup=False, access_log=False, **overrides)

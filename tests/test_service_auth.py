@@ -11,7 +11,7 @@ from skrull_proto import FeedbackRequest, Problem
 
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
-from tests.service_inputs import measured_document
+from tests.service_inputs import measured_document, settings
 from trainer_client.plan_client import PlanClient, PlanRejected
 
 TOKEN = "s3cret-token-for-tests"
@@ -26,10 +26,6 @@ REGISTRATION: dict[str, Any] = {"profile": measured_document(name="auth-tiny"), 
 GUARDED = [pytest.param("POST", "/feedback", REPORT, id="feedback"),
            pytest.param("PUT", "/jobs/auth-job/profile", REGISTRATION, id="job-profile"),
            pytest.param("POST", "/profiles/reload", None, id="profiles-reload")]
-
-
-def settings(**overrides: object) -> Settings:
-    return Settings(cpsat_warmup=False, warmup=False, access_log=False, **overrides)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -14,17 +14,12 @@ from skrull_proto import FeedbackRequest, FeedbackResponse, PlanResponse
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles
-from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.answers import assert_problem
-from tests.service_inputs import LENGTHS, report
+from tests.service_inputs import LENGTHS, report, settings
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanOrigin, PlanSource, measurements_of
 
 PAPER = builtin_profiles()["h100-paper"]
-
-
-def settings(**overrides: Any) -> Settings:
-    return Settings(cpsat_warmup=False, warmup=False, access_log=False, **overrides)
 
 
 @pytest.fixture

@@ -18,19 +18,14 @@ from scheduler_service.contract.profiles import MAX_PROFILE_FILE_BYTES
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles, parse_profile
-from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.answers import assert_problem
-from tests.service_inputs import LENGTHS, measured_document, report
+from tests.service_inputs import LENGTHS, measured_document, report, settings
 
 # Three times the compute cost of the test's other measured profile, on a device with a quarter of the H100's
 # memory: its plans, and the BucketSize it derives, differ from the default profile's.
 DOCUMENT = measured_document(name="trainer-tiny", scale=3.0)
 DOCUMENT["hardware"]["device_memory_bytes"] /= 4
-
-
-def settings(**overrides: Any) -> Settings:
-    return Settings(cpsat_warmup=False, warmup=False, access_log=False, **overrides)
 
 
 @pytest.fixture

@@ -15,10 +15,11 @@ from scheduler_service.runtime import profiles
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.service_inputs import measured_document
+from tests.service_inputs import settings as service_settings
 
 
 def settings(profile_dir: Path | None, **overrides: Any) -> Settings:
-    return Settings(cpsat_warmup=False, warmup=False, access_log=False, profile_dir=profile_dir, **overrides)
+    return service_settings(profile_dir=profile_dir, **overrides)
 
 
 def plan_body(**overrides: Any) -> dict[str, Any]:

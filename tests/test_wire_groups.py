@@ -25,9 +25,9 @@ from scheduler_service.core.plan import (
 from scheduler_service.core.simulate import simulate
 from scheduler_service.export_schema import CONTRACT_DIR
 from scheduler_service.runtime import work
-from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.grouped_plans import BINARY_PLAN, BUCKET_SIZE, CP, DP, GROUPED_PLAN, LENGTHS, problem, result_of
+from tests.service_inputs import settings
 from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanOrigin, PlanSource, measurements_of
 
 # ---- a JSON Schema reader, enough for the exported contract (no jsonschema dependency) ------------------------
@@ -131,9 +131,6 @@ def test_skrull_binary_is_a_wire_scheduler() -> None:
 
 
 # ---- the service ----------------------------------------------------------------------------------------------
-
-def settings(**overrides: Any) -> Settings:
-    return Settings(cpsat_warmup=False, warmup=False, access_log=False, **overrides)
 
 
 @pytest.fixture
