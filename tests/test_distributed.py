@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from trainer_client.distributed import ParallelDims, init_parallel
+from trainer_client.distributed import ParallelDims, free_port, init_parallel
 
 
 @pytest.mark.parametrize(("dp_size", "cp_size", "blocks_per_row"), [(2, 8, 4 + 2), (3, 4, 2), (1, 6, 3 + 2), (2, 2, 0)])
@@ -61,3 +63,21 @@ def test_the_world_group_is_bound_to_the_ranks_gpu(monkeypatch: pytest.MonkeyPat
     with pytest.raises(_Joined):
         init_parallel(ParallelDims(dp_size=1, cp_size=1))
     assert joined[0]["backend"] == "nccl" and joined[0]["device_id"] == torch.device("cuda", 0)
+
+
+def test_a_destroyed_group_is_freed_even_when_torch_dynamo_comes_later() -> None:
+    """torch._dynamo holds every group that exists when it is first imported; a held gloo group's worker threads
+    outlive the interpreter and can abort the process as it exits. Importing trainer_client.distributed imports
+    torch._dynamo first. A fresh interpreter, because this one imported torch._dynamo long ago."""
+    code = f"""
+import gc, weakref
+import torch.distributed as dist
+import trainer_client.distributed
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+import torch.nn.attention.varlen  # imports torch._dynamo, as the DACP attention does once a run is under way
+world = weakref.ref(dist.group.WORLD)
+dist.destroy_process_group()
+gc.collect()
+print("freed" if world() is None else "held")
+"""
+    assert subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout == "freed\n"

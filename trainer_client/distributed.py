@@ -30,6 +30,13 @@ wins, so a peer's consequential error never takes the blame. A rank killed
 outright (a signal, the OOM killer) reports nothing: the first peer whose
 collective breaks reports that, and torchrun's summary names the killed rank by
 its exit signal.
+
+Teardown: ``destroy_process_group`` frees a group only when nothing else holds it. ``torch._dynamo`` keeps every
+group that exists when it is first imported (torch 2.13; torch.nn.attention.varlen, FSDP2 and ``--compile`` import
+it). Such a group outlived its processes' interpreter, with gloo's worker threads still running; one that released a
+finished collective as the interpreter shut down aborted the process ("terminate called without an active
+exception", about one CP-2 attention test in twenty). This module imports ``torch._dynamo`` first, so every group
+is created after it and freed when it is destroyed.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch._dynamo  # before any process group exists; see the module docstring, "Teardown"
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._C._distributed_c10d import Backend
