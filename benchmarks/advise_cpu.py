@@ -49,15 +49,17 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler_service.advise_cli import format_advice, read_lengths
+from scheduler_service.contract.advice import TrainerSources, advice_document, global_batch_size, trainer_argv
 from scheduler_service.contract.profiles import load_profile
-from scheduler_service.core.advise import Advice, AdviseRequest, GlobalBatch, PricedLayout, advise
+from scheduler_service.core.advise import Advice, LayoutProblem, PricedLayout, advise
 from scheduler_service.core.memory import Sharding
 from scheduler_service.core.models import resolve_model
 from scheduler_service.core.samplers import sample_lengths
+from trainer_client.advise import format_advice
+from trainer_client.advise_inputs import read_lengths
 from trainer_client.demo import demo_comm_sizes, profile_command, read_metrics, run_trainer
 
-__all__ = ["LayoutRun", "main", "measured_ranks", "spearman", "trainer_argv", "write_records"]
+__all__ = ["LayoutRun", "local_argv", "main", "measured_ranks", "spearman", "write_records"]
 
 MODEL = "tiny"
 VOCAB_SIZE = 1024  # the tiny model's
@@ -74,11 +76,12 @@ def write_records(path: Path, lengths: Sequence[int], *, seed: int) -> None:
             records.write(json.dumps({"input_ids": rng.integers(1, VOCAB_SIZE, size=length).tolist()}) + "\n")
 
 
-def trainer_argv(priced: PricedLayout, *, profile_path: Path, steps: int, metrics_out: Path) -> list[str]:
+def local_argv(advice: Advice, priced: PricedLayout, sources: TrainerSources, *, steps: int,
+               metrics_out: Path) -> list[str]:
     """The advice's command for ``priced``, run by this Python (as ``tests/test_advise_cli.py`` runs it)."""
-    command = list(priced.trainer_command)
+    command = list(trainer_argv(advice, priced.layout, sources))
     assert command[:3] == ["torchrun", "--nproc-per-node", str(priced.num_gpus)], command
-    assert command[command.index("--profile") + 1] == str(profile_path), command
+    assert command[command.index("--profile") + 1] == sources.profile, command
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", *command[1:], "--steps", str(steps),
             "--no-progress", "--metrics-out", str(metrics_out)]
 
@@ -168,11 +171,11 @@ def _measure_profile(path: Path, *, num_processes: int, max_batch_tokens: int, r
 
 
 def _train(
-    priced: PricedLayout, *, profile_path: Path, steps: int, metrics_out: Path,
+    advice: Advice, priced: PricedLayout, sources: TrainerSources, *, steps: int, metrics_out: Path,
 ) -> tuple[list[dict[str, float]], float]:
     """Train ``priced`` with its command; each step's kept metrics, and the run's wall time (start-up included)."""
     started = time.perf_counter()
-    result = run_trainer(trainer_argv(priced, profile_path=profile_path, steps=steps, metrics_out=metrics_out),
+    result = run_trainer(local_argv(advice, priced, sources, steps=steps, metrics_out=metrics_out),
                          timeout_s=TRAINER_TIMEOUT_S)
     wall_time_s = time.perf_counter() - started
     if result.returncode != 0:
@@ -257,15 +260,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                              repeats=args.profile_repeats)
         profile = load_profile(profile_path)
 
-        request = AdviseRequest(
+        problem = LayoutProblem(
             sequence_lengths=read_lengths(str(records), sample_size=len(lengths), seed=args.seed),
             model=resolve_model(MODEL), profile=profile, num_gpus=args.processes,
             gpus_per_node=args.processes,
-            global_batch=GlobalBatch(num_sequences=args.global_batch), shardings=(Sharding.ZERO2,),
-            compute_bytes=4, seed=args.seed, data=str(records), profile_source=str(profile_path))
-        advice = advise(request)
+            global_batch=global_batch_size(sequences=args.global_batch, tokens=None), shardings=(Sharding.ZERO2,),
+            compute_bytes=4, seed=args.seed)
+        sources = TrainerSources(data=str(records), profile=str(profile_path))
+        advice = advise(problem)
         print()
-        print(format_advice(advice))
+        print(format_advice(advice, sources))
         print()
         for priced in advice.layouts:
             # Every record must fit: the trainer refuses a record longer than bucket_size × cp_size.
@@ -281,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 priced = advice.layouts[rank - 1]
                 print(f"training {args.steps} steps with {priced.layout.label} (round {round_index + 1} of "
                       f"{args.rounds}) …", flush=True)
-                metrics, wall_time_s = _train(priced, profile_path=profile_path, steps=args.steps,
+                metrics, wall_time_s = _train(advice, priced, sources, steps=args.steps,
                                               metrics_out=work / f"metrics-{rank}-{round_index}.jsonl")
                 steps[rank] += metrics[args.warmup:]
                 wall_times_s[rank] += wall_time_s
@@ -300,12 +304,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("training runs (start-up included): " + ", ".join(f"{run.label} {run.wall_time_s:.0f} s" for run in runs))
     print(f"load average {load_after[0]:.1f} (1 min) at the end; {time.perf_counter() - started:.0f} s in all")
     if args.out is not None:
+        document = advice_document(advice, sources)
+        placeholders = TrainerSources(data=sources.data, profile="PROFILE")
         args.out.write_text(json.dumps({
-            "advice": advice.to_json(), "profile": str(args.profile) if args.profile else "measured",
+            "advice": document, "profile": str(args.profile) if args.profile else "measured",
             "load_average": {"start": load_before, "end": load_after},
-            "runs": [{"layout": run.priced.layout.to_json(), "advised_rank": run.advised_rank,
-                      "steps": list(run.steps), "trainer_command": shlex.join(trainer_argv(
-                          run.priced, profile_path=Path("PROFILE"), steps=args.steps, metrics_out=Path("METRICS")))}
+            "runs": [{"layout": document["layouts"][run.advised_rank - 1], "advised_rank": run.advised_rank,
+                      "steps": list(run.steps), "trainer_command": shlex.join(local_argv(
+                          advice, run.priced, placeholders, steps=args.steps, metrics_out=Path("METRICS")))}
                      for run in runs],
             "verdict": _verdict(runs),
         }, indent=2) + "\n")

@@ -1,5 +1,6 @@
-"""Command line: ``python -m scheduler_service plan`` is the twin of POST /plan; ``serve`` runs the service;
-``advise`` ranks the layouts of N GPUs for a data set (``advise_cli``, also ``skrull-advise``).
+"""Command line: ``python -m scheduler_service plan`` is the twin of POST /plan; ``serve`` runs the service.
+(The twin of POST /advise, ``skrull-advise``, is the trainer's command, ``trainer_client.advise``: it reads data
+sets and checkpoints as the trainer does, and the service never imports the trainer.)
 
 ``plan`` reads a request (the wire contract) from a file or stdin and prints
 the response JSON, a readable table (``--table``) and/or draws a Gantt chart
@@ -20,7 +21,6 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from skrull_proto import PlanRequest, PlanResponse
 
-from scheduler_service import advise_cli
 from scheduler_service.contract.profiles import load_profile
 from scheduler_service.contract.wire import request_to_problem, result_to_response
 from scheduler_service.core.baselines import deepspeed
@@ -100,19 +100,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_advise_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("advise", help="rank the parallel layouts of N GPUs for a data set (skrull-advise)",
-                                   description=advise_cli.__doc__.splitlines()[0] if advise_cli.__doc__ else None,
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    advise_cli.add_arguments(parser)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m scheduler_service", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(subparsers)
     _add_serve_parser(subparsers)
-    _add_advise_parser(subparsers)
     return parser
 
 

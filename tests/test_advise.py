@@ -1,7 +1,7 @@
 """The layout advisor: every dp × cp layout is ranked or excluded with its reason, long samples exclude small CP
 degrees naming the sequences and the CP degree that holds them, the ranking is by throughput, layouts across
-nodes are priced with the inter-node tables, each layout's trainer command is one the trainer accepts, and every
-bad input names its field."""
+nodes are priced with the inter-node tables, each layout's trainer command (``contract.advice``) is one the trainer
+accepts, the document is the one the service's model describes, and every bad input names its field."""
 
 from __future__ import annotations
 
@@ -15,14 +15,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from skrull_proto.advise import AdviceDocument
 
+from scheduler_service.contract.advice import TrainerSources, advice_document, shell_command, trainer_argv, why
 from scheduler_service.core.advise import (
     Advice,
     AdviseLimits,
-    AdviseRequest,
     Exclusion,
-    GlobalBatch,
+    GlobalBatchSize,
     Layout,
+    LayoutProblem,
     advise,
     advise_cost,
     draw_batches,
@@ -40,18 +42,18 @@ advise_module = importlib.import_module("scheduler_service.core.advise")
 H100 = builtin_profiles()["h100-paper"]
 QWEN_7B = MODEL_CATALOGUE["qwen2.5-7b"]
 CHATQA2 = sample_lengths("chatqa2", 2048, np.random.default_rng(7))
+SOURCES = TrainerSources(data="synthetic:chatqa2")
 
 
-def _request(**overrides: Any) -> AdviseRequest:
+def _problem(**overrides: Any) -> LayoutProblem:
     fields: dict[str, Any] = {"sequence_lengths": CHATQA2, "model": QWEN_7B, "profile": H100, "num_gpus": 32,
-                              "global_batch": GlobalBatch(num_sequences=32), "num_batches": 3,
-                              "data": "synthetic:chatqa2"}
-    return AdviseRequest(**(fields | overrides))
+                              "global_batch": GlobalBatchSize(num_sequences=32), "num_batches": 3}
+    return LayoutProblem(**(fields | overrides))
 
 
 @pytest.fixture(scope="module")
 def chatqa2_advice() -> Advice:
-    return advise(_request())
+    return advise(_problem())
 
 
 def _key(layout: Layout) -> tuple[int, int, Sharding, ActivationCheckpointing]:
@@ -71,8 +73,8 @@ def test_layouts_are_ranked_by_throughput_and_the_winner_is_explained(chatqa2_ad
     throughputs = [item.tokens_per_s_per_gpu for item in chatqa2_advice.layouts]
     assert throughputs == sorted(throughputs, reverse=True) and len(throughputs) >= 2
     best, runner_up = chatqa2_advice.layouts[:2]
-    assert chatqa2_advice.why.startswith(f"{best.layout.label} trains fastest")
-    assert runner_up.layout.label in chatqa2_advice.why
+    assert why(chatqa2_advice).startswith(f"{best.layout.label} trains fastest")
+    assert runner_up.layout.label in why(chatqa2_advice)
     assert 0 <= chatqa2_advice.winner_batches_won <= 3
 
 
@@ -92,7 +94,7 @@ def test_each_layout_reports_memory_sharding_spread_and_span(chatqa2_advice: Adv
         assert 0 <= item.sharded_share <= 1
         assert sum(share for _, share in item.sharded_by_degree) == pytest.approx(item.sharded_share)
         assert all(1 < degree <= layout.cp_size for degree, _ in item.sharded_by_degree)
-        spread = item.confidence
+        spread = item.step_time_spread
         assert spread.min_s <= spread.p10_s <= item.predicted_step_time_s <= spread.p90_s <= spread.max_s
         assert spread.relative_spread >= 0
 
@@ -106,7 +108,7 @@ def test_the_static_memory_of_unsharded_states_excludes_a_7b_model(chatqa2_advic
 
 def test_long_sequences_exclude_small_cp_naming_them_and_the_cp_that_holds_them() -> None:
     lengths = [60000, 58000, *([900] * 40)]
-    advice = advise(_request(sequence_lengths=lengths, num_gpus=16, shardings=(Sharding.ZERO3,)))
+    advice = advise(_problem(sequence_lengths=lengths, num_gpus=16, shardings=(Sharding.ZERO3,)))
     too_long = {item.layout.cp_size: item for item in advice.excluded if item.exclusion is Exclusion.TOO_LONG}
     kept = {item.layout.cp_size: item.layout for item in advice.layouts}
     assert too_long and min(kept) > max(too_long)
@@ -124,7 +126,7 @@ def test_cp_groups_across_nodes_are_priced_with_the_inter_node_tables() -> None:
     CP group of 16 crosses nodes and pays more than on one node of 16."""
     priced = {}
     for gpus_per_node in (8, 16):
-        advice = advise(_request(num_gpus=16, cp_sizes=(16,), shardings=(Sharding.ZERO3,),
+        advice = advise(_problem(num_gpus=16, cp_sizes=(16,), shardings=(Sharding.ZERO3,),
                                  gpus_per_node=gpus_per_node))
         (priced[gpus_per_node],) = advice.layouts
     assert priced[8].layout.spans_nodes and not priced[16].layout.spans_nodes
@@ -134,9 +136,9 @@ def test_cp_groups_across_nodes_are_priced_with_the_inter_node_tables() -> None:
 
 
 def test_a_profile_without_inter_node_tables_excludes_the_layouts_across_nodes() -> None:
-    advice = advise(_request(sequence_lengths=[300, 120, 40, 900], model=MODEL_CATALOGUE["tiny"],
+    advice = advise(_problem(sequence_lengths=[300, 120, 40, 900], model=MODEL_CATALOGUE["tiny"],
                              profile=builtin_profiles()["cpu-tiny"], num_gpus=4, gpus_per_node=2,
-                             shardings=(Sharding.ZERO2,), global_batch=GlobalBatch(num_sequences=8),
+                             shardings=(Sharding.ZERO2,), global_batch=GlobalBatchSize(num_sequences=8),
                              compute_bytes=4))
     (across,) = advice.excluded
     assert across.layout.cp_size == 4 and across.exclusion is Exclusion.NO_INTER_NODE_TABLE
@@ -146,10 +148,10 @@ def test_a_profile_without_inter_node_tables_excludes_the_layouts_across_nodes()
 
 @pytest.mark.parametrize("num_gpus", [4, 16])
 def test_each_layouts_command_is_one_the_trainer_accepts(num_gpus: int) -> None:
-    advice = advise(_request(num_gpus=num_gpus, model=MODEL_CATALOGUE["qwen2.5-0.5b"],
+    advice = advise(_problem(num_gpus=num_gpus, model=MODEL_CATALOGUE["qwen2.5-0.5b"],
                              sequence_lengths=[2000, 300, 9000, 120]))
     for item in advice.layouts:
-        command = item.trainer_command
+        command = trainer_argv(advice, item.layout, SOURCES)
         split = command.index("trainer_client.train") + 1
         launcher, flags = command[:split], command[split:]
         args = build_parser().parse_args(list(flags))
@@ -160,13 +162,14 @@ def test_each_layouts_command_is_one_the_trainer_accepts(num_gpus: int) -> None:
             "qwen2.5-0.5b", 32, "h100-paper", "synthetic:chatqa2", "bfloat16")
         if num_gpus > 8:
             assert launcher[:5] == ("torchrun", "--nnodes", str(num_gpus // 8), "--nproc-per-node", "8")
-            assert "--node-rank $NODE_RANK --master-addr $MASTER_ADDR" in item.to_json()["trainer_command"]
+            assert "--node-rank $NODE_RANK --master-addr $MASTER_ADDR" in shell_command(command)
         else:
             assert launcher[:3] == ("torchrun", "--nproc-per-node", str(num_gpus))
 
 
 def test_the_document_has_the_interface_fields_and_is_json(chatqa2_advice: Advice) -> None:
-    document = json.loads(json.dumps(chatqa2_advice.to_json()))
+    document = json.loads(json.dumps(advice_document(chatqa2_advice, SOURCES)))
+    AdviceDocument.model_validate(document)
     assert (document["model"], document["profile"], document["gpus"], document["gpus_per_node"]) == (
         "qwen2.5-7b", "h100-paper", 32, 8)
     assert document["global_batch"] == {"sequences": 32} and (document["num_batches"], document["seed"]) == (3, 0)
@@ -180,34 +183,35 @@ def test_the_document_has_the_interface_fields_and_is_json(chatqa2_advice: Advic
 
 def test_progress_is_reported_after_each_priced_layout() -> None:
     calls: list[tuple[int, int]] = []
-    advice = advise(_request(num_gpus=8, shardings=(Sharding.ZERO3,)), progress=lambda done, total: calls.append(
+    advice = advise(_problem(num_gpus=8, shardings=(Sharding.ZERO3,)), progress=lambda done, total: calls.append(
         (done, total)))
     assert calls == [(done, len(advice.layouts)) for done in range(1, len(advice.layouts) + 1)]
 
 
 def test_the_cost_is_known_before_any_planning(monkeypatch: pytest.MonkeyPatch) -> None:
-    request = _request(num_gpus=16)
+    problem = _problem(num_gpus=16)
     planned: list[int] = []
     make_plan = advise_module.make_plan
     monkeypatch.setattr(advise_module, "make_plan", lambda *args, **kwargs: planned.append(1) or make_plan(
         *args, **kwargs))
-    cost = advise_cost(request)
+    cost = advise_cost(problem)
     assert planned == []
     assert cost.num_layouts == 5 * 3 and cost.num_plans == 15 * 3 and cost.sequences_per_batch == 32
     assert cost.cells == 3 * 3 * 32 * sum(2 * cp_size + 1 for cp_size in (1, 2, 4, 8, 16))
-    advise(request)
+    advise(problem)
     assert 0 < len(planned) <= cost.num_plans
 
 
 def test_a_token_budget_draws_batches_within_it_and_the_command_takes_their_mean() -> None:
-    request = _request(global_batch=GlobalBatch(num_tokens=200_000), num_gpus=16, shardings=(Sharding.ZERO3,))
-    batches = draw_batches(request)
+    problem = _problem(global_batch=GlobalBatchSize(num_tokens=200_000), num_gpus=16, shardings=(Sharding.ZERO3,))
+    batches = draw_batches(problem)
     assert all(int(batch.sum()) <= 200_000 or len(batch) == 1 for batch in batches)
-    assert [batch.tolist() for batch in batches] == [batch.tolist() for batch in draw_batches(request)]  # seeded
-    advice = advise(request)
+    assert [batch.tolist() for batch in batches] == [batch.tolist() for batch in draw_batches(problem)]  # seeded
+    advice = advise(problem)
     mean = round(np.mean([len(batch) for batch in batches]))
-    assert advice.layouts[0].trainer_command[advice.layouts[0].trainer_command.index("--global-batch") + 1] == str(mean)
-    assert advice.to_json()["global_batch"] == {"tokens": 200_000}
+    command = trainer_argv(advice, advice.layouts[0].layout, SOURCES)
+    assert command[command.index("--global-batch") + 1] == str(mean)
+    assert advice_document(advice, SOURCES)["global_batch"] == {"tokens": 200_000}
 
 
 @settings(max_examples=50, deadline=None)
@@ -215,9 +219,9 @@ def test_a_token_budget_draws_batches_within_it_and_the_command_takes_their_mean
        seed=st.integers(0, 2**16))
 def test_token_budget_batches_never_exceed_it_unless_one_sequence_does(lengths: list[int], budget: int,
                                                                        seed: int) -> None:
-    request = _request(sequence_lengths=lengths, global_batch=GlobalBatch(num_tokens=budget), seed=seed,
+    problem = _problem(sequence_lengths=lengths, global_batch=GlobalBatchSize(num_tokens=budget), seed=seed,
                        num_batches=4)
-    for batch in draw_batches(request):
+    for batch in draw_batches(problem):
         assert len(batch) >= 1 and (int(batch.sum()) <= budget or len(batch) == 1)
         assert set(batch.tolist()) <= set(lengths)
 
@@ -239,9 +243,10 @@ HUGE = ModelShape(name="huge", hidden_size=1 << 16, num_layers=1 << 10, num_atte
     ({"cp_sizes": (64,)}, "cp_sizes"),
     ({"num_batches": 0}, "num_batches"),
     ({"num_batches": 300}, "num_batches"),
-    ({"global_batch": GlobalBatch(num_sequences=100), "limits": AdviseLimits(plan=PlanLimits(max_sequences=64))},
+    ({"global_batch": GlobalBatchSize(num_sequences=100), "limits": AdviseLimits(plan=PlanLimits(max_sequences=64))},
      "global_batch"),
-    ({"global_batch": GlobalBatch(num_tokens=10_000_000), "limits": AdviseLimits(plan=PlanLimits(max_sequences=64))},
+    ({"global_batch": GlobalBatchSize(num_tokens=10_000_000),
+      "limits": AdviseLimits(plan=PlanLimits(max_sequences=64))},
      "global_batch"),
     ({"compute_bytes": 3}, "compute_bytes"),
     ({"shardings": ()}, "shardings"),
@@ -252,7 +257,7 @@ HUGE = ModelShape(name="huge", hidden_size=1 << 16, num_layers=1 << 10, num_atte
 ])
 def test_bad_input_names_its_field(overrides: dict[str, Any], field: str) -> None:
     with pytest.raises(InvalidRequestError) as error:
-        advise(_request(**overrides))
+        advise(_problem(**overrides))
     assert error.value.field == field
 
 
@@ -260,22 +265,22 @@ def test_bad_input_names_its_field(overrides: dict[str, Any], field: str) -> Non
                                    {"num_tokens": -5}])
 def test_a_global_batch_is_a_positive_count_of_sequences_or_tokens(batch: dict[str, int]) -> None:
     with pytest.raises(InvalidRequestError) as error:
-        GlobalBatch(**batch)
+        GlobalBatchSize(**batch)
     assert error.value.field == "global_batch"
 
 
 def test_modes_are_taken_by_name_as_the_wire_and_the_cli_give_them() -> None:
-    request = _request(num_gpus=8, shardings=("zero3",), activation_checkpointing=("none",))
-    assert request.shardings == (Sharding.ZERO3,) and request.checkpointing_modes == (ActivationCheckpointing.NONE,)
-    assert {item.layout.sharding for item in advise(request).layouts} == {Sharding.ZERO3}
+    problem = _problem(num_gpus=8, shardings=("zero3",), activation_checkpointing=("none",))
+    assert problem.shardings == (Sharding.ZERO3,) and problem.checkpointing_modes == (ActivationCheckpointing.NONE,)
+    assert {item.layout.sharding for item in advise(problem).layouts} == {Sharding.ZERO3}
 
 
 def test_a_profile_measured_with_other_checkpointing_refuses_that_mode() -> None:
     raw = json.loads(json.dumps(H100.raw))
     raw["memory"]["activation_checkpointing"] = "selective"
     measured = dataclasses.replace(H100, raw=raw)
-    advice = advise(_request(profile=measured, num_gpus=8, shardings=(Sharding.ZERO3,)))
+    advice = advise(_problem(profile=measured, num_gpus=8, shardings=(Sharding.ZERO3,)))
     assert {item.layout.activation_checkpointing for item in advice.layouts} == {ActivationCheckpointing.SELECTIVE}
     with pytest.raises(InvalidRequestError) as error:
-        advise(_request(profile=measured, num_gpus=8, activation_checkpointing=(ActivationCheckpointing.FULL,)))
+        advise(_problem(profile=measured, num_gpus=8, activation_checkpointing=(ActivationCheckpointing.FULL,)))
     assert error.value.field == "activation_checkpointing"

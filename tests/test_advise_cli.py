@@ -17,11 +17,11 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto.advise import AdviceDocument
 
-from scheduler_service.advise_cli import build_parser, read_lengths
-from scheduler_service.advise_cli import main as advise_main
-from scheduler_service.cli import main as cli_main
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
+from trainer_client.advise import build_parser
+from trainer_client.advise import main as advise_main
+from trainer_client.advise_inputs import read_lengths
 from trainer_client.demo import trainer_env
 
 LENGTHS = [120, 3000, 80, 45000, 700, 9000, 64, 30000, 1500, 250, 18000, 5000] * 8
@@ -97,13 +97,15 @@ def test_records_are_measured_as_the_trainer_encodes_them(tmp_path: Path) -> Non
     assert sorted(read_lengths(str(records), sample_size=2, seed=0).tolist()) in ([5, 17], [5, 300], [17, 300])
 
 
-def test_python_m_scheduler_service_advise_is_the_same_command(
+def test_python_m_trainer_client_advise_is_the_same_command(
     lengths_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--data", str(lengths_file), "--model", "qwen2.5-7b", "--gpus", "8", "--no-progress"]
-    assert cli_main(["advise", *argv, "--json", str(tmp_path / "a.json")]) == 0
+    module = subprocess.run([sys.executable, "-m", "trainer_client.advise", *argv, "--json", str(tmp_path / "a.json")],
+                            env=trainer_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert module.returncode == 0, module.stderr
     assert advise_main([*argv, "--json", str(tmp_path / "b.json")]) == 0
-    capsys.readouterr()
+    assert capsys.readouterr().out == module.stdout
     assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
 
 

@@ -1,16 +1,20 @@
 """The layers stay apart: the planning core imports no framework, the contract no runtime, the runtime no web
-framework, and the trainer nothing of the service but the core and the contract.
+framework, the trainer nothing of the service but the core and the contract, and the service (every module of
+it) never the trainer: what reads data sets, tokenizers and checkpoints is the trainer's.
 
 Each check imports every module of its layer in a fresh interpreter and lists the forbidden packages (or
 subpackages) that came with them, so an import added anywhere in the layer (or anything it imports) fails here.
 """
 
+import ast
 import json
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
+import scheduler_service
 import scheduler_service.contract
 import scheduler_service.core
 import scheduler_service.runtime
@@ -50,7 +54,8 @@ def test_the_contract_imports_neither_the_runtime_nor_a_web_framework() -> None:
     forbidden = {"scheduler_service.runtime", "scheduler_service.web", "fastapi", "starlette", "uvicorn", "torch",
                  "trainer_client"}
     modules = _modules(scheduler_service.contract)
-    assert "scheduler_service.contract.wire" in modules and "scheduler_service.contract.profiles" in modules
+    assert {"scheduler_service.contract.wire", "scheduler_service.contract.profiles",
+            "scheduler_service.contract.advice"} <= set(modules)
     assert _forbidden_imports(modules, forbidden) == []
 
 
@@ -68,3 +73,27 @@ def test_the_trainer_and_the_gpu_check_need_nothing_of_the_service() -> None:
     forbidden = {"fastapi", "starlette", "uvicorn", "ortools", "redis", "prometheus_client", "pydantic_settings",
                  "orjson", "matplotlib", "scheduler_service.runtime", "scheduler_service.web"}
     assert _forbidden_imports(modules, forbidden) == []
+
+
+def test_the_service_never_imports_the_trainer() -> None:
+    """Every module of ``scheduler_service`` (web, runtime, CLI and export included): the service image has no
+    torch, and the advisor's data-set and checkpoint readers live in ``trainer_client.advise_inputs``."""
+    modules = [name for name in _modules(scheduler_service) if not name.endswith(".__main__")]  # __main__ runs
+    assert {"scheduler_service.cli", "scheduler_service.runtime.advising", "scheduler_service.web.routes.advise",
+            "scheduler_service.contract.advice", "scheduler_service.core.advise"} <= set(modules)
+    forbidden = {"trainer_client", "torch", "transformers", "datasets"}
+    assert _forbidden_imports(modules, forbidden) == []
+    # Nor lazily: an import inside a function loads nothing above, so every import statement is read as well.
+    sources = sorted(Path(scheduler_service.__file__).parent.rglob("*.py"))
+    assert [f"{path}: {name}" for path in sources for name in _imported_packages(path) if name in forbidden] == []
+
+
+def _imported_packages(path: Path) -> set[str]:
+    """The top-level packages ``path`` imports absolutely, at any depth (functions included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.partition(".")[0])
+    return names

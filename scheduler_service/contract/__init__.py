@@ -1,5 +1,6 @@
 """The contract layer: the wire contract (``skrull_proto``) converted to and from the planning core (``wire``),
-and profile documents read from JSON, files and folders (``profiles``).
+the layout advisor's request, words, commands and document (``advice``), and profile documents read from JSON,
+files and folders (``profiles``).
 
 The one place where the wire's pydantic models meet the core's dataclasses. It imports the core and the contract
 only, no FastAPI and no runtime (a test proves it), so the service, the CLI and the trainer all stand on it, and

@@ -5,7 +5,7 @@ no FastAPI, pydantic or torch, so the service, the CLI and the trainer's
 embedded fallback share it.
 """
 
-from scheduler_service.core.advise import Advice, AdviseRequest, GlobalBatch, advise, advise_cost
+from scheduler_service.core.advise import Advice, GlobalBatchSize, LayoutProblem, advise, advise_cost
 from scheduler_service.core.check import check_plan, find_violations
 from scheduler_service.core.errors import (
     InfeasiblePlanError,
@@ -50,14 +50,14 @@ __all__ = [
     "DATASETS",
     "MODEL_CATALOGUE",
     "Advice",
-    "AdviseRequest",
     "DPRankPlan",
     "FeedbackConfig",
-    "GlobalBatch",
+    "GlobalBatchSize",
     "GroupLengths",
     "InfeasiblePlanError",
     "InvalidRequestError",
     "JobFeedback",
+    "LayoutProblem",
     "MicroBatch",
     "MicroBatchMeasurement",
     "ModelShape",

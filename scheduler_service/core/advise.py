@@ -2,8 +2,8 @@
 sharding mode and activation checkpointing that train the sample fastest under the performance model.
 
 1. Draw ``num_batches`` global batches from the sample once, seeded, with replacement: every layout is priced
-   on the same batches. A batch is ``GlobalBatch.num_sequences`` sequences, or sequences drawn in order while
-   their tokens stay within ``GlobalBatch.num_tokens`` (at least one).
+   on the same batches. A batch is ``GlobalBatchSize.num_sequences`` sequences, or sequences drawn in order while
+   their tokens stay within ``GlobalBatchSize.num_tokens`` (at least one).
 2. Enumerate the layouts ``dp × cp = GPUs`` for every allowed CP degree, sharding mode and activation
    checkpointing mode, each with the BucketSize the trainer derives (``memory.training_profile``, then
    ``PerformanceModel.bucket_size`` over ``dp × cp`` state shards, as ``plan.make_problem`` does). A layout that
@@ -14,28 +14,29 @@ sharding mode and activation checkpointing that train the sample fastest under t
    static-CP (``deepspeed``) time of the same batch on the same layout. The performance model knows the
    topology (``gpus_per_node``): a CP block larger than a node pays the profile's inter-node collectives.
 4. Rank by tokens per second per GPU over all batches (total tokens over total step time: the rate a run
-   sees), best first, and say why the winner beats the runner-up.
+   sees), best first.
 
-Step times are reported as the median over the batches, with their spread (min, p10, p90, max) as the
-estimate's confidence; the winner's lead is also counted batch by batch (the batches are the same for every
+Step times are reported as the median over the batches, with their spread (min, p10, p90, max: how far one
+step's time strays from it); the winner's lead is also counted batch by batch (the batches are the same for every
 layout). Skrull is not built to beat static CP on every batch (its search does not start from the static plan),
 but under the model it has been on every sample the tests draw.
 
-Work: one ``make_plan`` per kept layout and batch; ``advise_cost`` bounds it from the request's shape, before any
+Work: one ``make_plan`` per kept layout and batch; ``advise_cost`` bounds it from the problem's shape, before any
 of it is done. Measured on the 2-core development machine with the kernels loaded (``planner.warm_up``, 0.3 s
 from the JIT cache): qwen2.5-7b on 32 H100s, a ``chatqa2`` sample of 10,000, 8 batches of 64 sequences, 18
 layouts of which 5 are priced: 0.15 s (0.22 s with 128 sequences per batch).
+
+This module searches only: what the advice says in words, as a document and as the trainer's command lines is
+written once at the edge (``scheduler_service.contract.advice``), for the service and the CLI alike.
 """
 
 from __future__ import annotations
 
 import math
-import re
-import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -49,36 +50,30 @@ from scheduler_service.core.planner import PlanResult, make_plan
 from scheduler_service.core.profile import Profile
 
 __all__ = [
-    "ADVICE_SCHEMA_VERSION",
     "Advice",
     "AdviseCost",
     "AdviseLimits",
-    "AdviseRequest",
     "ExcludedLayout",
     "Exclusion",
-    "GlobalBatch",
+    "GlobalBatchSize",
     "Layout",
+    "LayoutProblem",
     "PricedLayout",
     "StepTimeSpread",
     "advise",
     "advise_cost",
     "draw_batches",
-    "shell_command",
-    "trainer_command",
 ]
 
-ADVICE_SCHEMA_VERSION = 1
 IntArray = npt.NDArray[np.int64]
 Mode = TypeVar("Mode", bound=StrEnum)
 GIB = float(1 << 30)
-MASTER_PORT = 29500
-# Words a shell expands in a printed command (the head node's address, this node's rank): left unquoted.
-_SHELL_VARIABLE = re.compile(r"\$[A-Z_]+")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class GlobalBatch:
-    """What one optimizer step trains: ``num_sequences`` sequences, or sequences up to ``num_tokens`` tokens."""
+class GlobalBatchSize:
+    """How much one optimizer step trains: ``num_sequences`` sequences, or sequences up to ``num_tokens`` tokens
+    (the size of a global batch; ``trainer_client.data.GlobalBatch`` is the batch itself)."""
 
     num_sequences: int | None = None
     num_tokens: int | None = None
@@ -91,13 +86,10 @@ class GlobalBatch:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidRequestError(f"global_batch must be a positive integer, got {value!r}", field="global_batch")
 
-    def to_json(self) -> dict[str, int]:
-        return {"sequences": self.num_sequences} if self.num_sequences is not None else {"tokens": self.num_tokens or 0}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AdviseLimits:
-    """Bounds on one request: the planner's own (``plan``), the sample and the batches drawn from it."""
+    """Bounds on one problem: the planner's own (``plan``), the sample and the batches drawn from it."""
 
     plan: PlanLimits = DEFAULT_LIMITS
     max_sample_sequences: int = 1 << 22
@@ -105,17 +97,18 @@ class AdviseLimits:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class AdviseRequest:
-    """A sample of sequence lengths, what trains it, and the layouts allowed. Empty ``activation_checkpointing``:
-    the mode the profile measured its activations with (none when it does not say); empty ``cp_sizes``: every
-    power of two that divides ``num_gpus``. The model's KV heads do not bound the CP degree: DACP gathers whole
-    K/V heads and splits tokens only."""
+class LayoutProblem:
+    """Which layout of ``num_gpus`` GPUs trains this sample fastest: a sample of sequence lengths, what trains it,
+    and the layouts allowed (the advisor's twin of the planner's ``PlanningProblem``). Empty
+    ``activation_checkpointing``: the mode the profile measured its activations with (none when it does not say);
+    empty ``cp_sizes``: every power of two that divides ``num_gpus``. The model's KV heads do not bound the CP
+    degree: DACP gathers whole K/V heads and splits tokens only."""
 
     sequence_lengths: Sequence[int] | IntArray
     model: ModelShape
     profile: Profile
     num_gpus: int
-    global_batch: GlobalBatch
+    global_batch: GlobalBatchSize
     gpus_per_node: int = 8
     shardings: tuple[Sharding, ...] = tuple(Sharding)  # names are taken too: the members are made from them
     activation_checkpointing: tuple[ActivationCheckpointing, ...] = ()
@@ -123,11 +116,6 @@ class AdviseRequest:
     num_batches: int = 8
     seed: int = 0
     compute_bytes: int = 2  # bytes of the dtype weights compute in: 2 bf16 (the trainer on CUDA), 4 float32
-    data: str | None = None  # the sample's source as the trainer's --data names it, for the printed commands
-    # How the trainer's --model and --profile name the model and profile (a checkpoint folder, a profile file);
-    # None: by the shape's and the profile's names, which the trainer finds among the built-in ones.
-    model_source: str | None = None
-    profile_source: str | None = None
     limits: AdviseLimits = field(default_factory=AdviseLimits)
     lengths: IntArray = field(init=False, repr=False)
     checkpointing_modes: tuple[ActivationCheckpointing, ...] = field(init=False)
@@ -214,17 +202,17 @@ def _validated_lengths(sequence_lengths: Sequence[int] | IntArray, limits: Advis
 # ---- batches and cost ------------------------------------------------------------------------------------------
 
 
-def draw_batches(request: AdviseRequest) -> list[IntArray]:
-    """The request's global batches, drawn from its sample with replacement (seeded: the same for every layout)."""
-    rng = np.random.default_rng(request.seed)
-    lengths, batch = request.lengths, request.global_batch
+def draw_batches(problem: LayoutProblem) -> list[IntArray]:
+    """The problem's global batches, drawn from its sample with replacement (seeded: the same for every layout)."""
+    rng = np.random.default_rng(problem.seed)
+    lengths, batch = problem.lengths, problem.global_batch
     if batch.num_sequences is not None:
-        return [rng.choice(lengths, size=batch.num_sequences) for _ in range(request.num_batches)]
+        return [rng.choice(lengths, size=batch.num_sequences) for _ in range(problem.num_batches)]
     budget = batch.num_tokens or 0
-    max_sequences = request.limits.plan.max_sequences
+    max_sequences = problem.limits.plan.max_sequences
     draw_size = min(max_sequences + 1, math.ceil(budget / lengths.min()) + 1)
     batches = []
-    for _ in range(request.num_batches):
+    for _ in range(problem.num_batches):
         drawn = rng.choice(lengths, size=draw_size)
         count = max(int(np.searchsorted(np.cumsum(drawn), budget, side="right")), 1)
         if count > max_sequences:
@@ -237,7 +225,7 @@ def draw_batches(request: AdviseRequest) -> list[IntArray]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AdviseCost:
-    """A request's work, from its shape alone: ``cells`` in ``runtime.cost``'s unit (one cell: 4-15 µs of
+    """A problem's work, from its shape alone: ``cells`` in ``runtime.cost``'s unit (one cell: 4-15 µs of
     planning on the development machine)."""
 
     num_layouts: int  # enumerated, before exclusions
@@ -246,16 +234,16 @@ class AdviseCost:
     cells: int
 
 
-def advise_cost(request: AdviseRequest) -> AdviseCost:
-    """An upper estimate of ``advise(request)``'s work: every layout priced on every batch, each plan costing its
+def advise_cost(problem: LayoutProblem) -> AdviseCost:
+    """An upper estimate of ``advise(problem)``'s work: every layout priced on every batch, each plan costing its
     static-CP baseline (a micro-batch of ``cp_size`` local lists per sequence) plus at most as many cells again
     (``runtime.cost.plan_cost``). A token budget's sequences per batch are estimated from the sample's mean."""
-    batch = request.global_batch
+    batch = problem.global_batch
     sequences = (batch.num_sequences if batch.num_sequences is not None
-                 else math.ceil((batch.num_tokens or 0) / float(request.lengths.mean())) + 1)
-    per_cp = len(request.shardings) * len(request.checkpointing_modes) * request.num_batches
-    cells = sum(per_cp * sequences * (2 * cp_size + 1) for cp_size in request.cp_options)
-    return AdviseCost(num_layouts=request.num_layouts, num_plans=request.num_layouts * request.num_batches,
+                 else math.ceil((batch.num_tokens or 0) / float(problem.lengths.mean())) + 1)
+    per_cp = len(problem.shardings) * len(problem.checkpointing_modes) * problem.num_batches
+    cells = sum(per_cp * sequences * (2 * cp_size + 1) for cp_size in problem.cp_options)
+    return AdviseCost(num_layouts=problem.num_layouts, num_plans=problem.num_layouts * problem.num_batches,
                       sequences_per_batch=sequences, cells=cells)
 
 
@@ -282,11 +270,6 @@ class Layout:
         return (f"dp {self.dp_size} × cp {self.cp_size} ({self.sharding}, activation checkpointing "
                 f"{self.activation_checkpointing})")
 
-    def to_json(self) -> dict[str, Any]:
-        return {"dp_size": self.dp_size, "cp_size": self.cp_size, "bucket_size": self.bucket_size,
-                "sharding": self.sharding.value, "activation_checkpointing": self.activation_checkpointing.value,
-                "longest_trainable_sequence": self.longest_trainable_sequence, "spans_nodes": self.spans_nodes}
-
 
 class Exclusion(StrEnum):
     """Why a layout is not priced."""
@@ -304,10 +287,6 @@ class ExcludedLayout:
     num_sequences_too_long: int = 0  # of the sample
     cp_size_needed: int | None = None  # the smallest allowed CP degree that holds them; None: none does
 
-    def to_json(self) -> dict[str, Any]:
-        return {**self.layout.to_json(), "exclusion": self.exclusion.value, "reason": self.reason,
-                "num_sequences_too_long": self.num_sequences_too_long, "cp_size_needed": self.cp_size_needed}
-
 
 @dataclass(frozen=True, slots=True)
 class _Candidate:
@@ -318,26 +297,26 @@ class _Candidate:
     perf: PerformanceModel
 
 
-def _candidates(request: AdviseRequest) -> tuple[list[_Candidate], list[ExcludedLayout]]:
+def _candidates(problem: LayoutProblem) -> tuple[list[_Candidate], list[ExcludedLayout]]:
     """Every layout with its BucketSize; those that leave no bucket, or cross nodes the profile cannot price,
     apart."""
     candidates, excluded = [], []
-    for cp_size in request.cp_options:
-        dp_size = request.num_gpus // cp_size
-        for sharding in request.shardings:
-            for checkpointing in request.checkpointing_modes:
-                profile = training_profile(request.profile, request.model, sharding=sharding,
-                                           compute_bytes=request.compute_bytes,
+    for cp_size in problem.cp_options:
+        dp_size = problem.num_gpus // cp_size
+        for sharding in problem.shardings:
+            for checkpointing in problem.checkpointing_modes:
+                profile = training_profile(problem.profile, problem.model, sharding=sharding,
+                                           compute_bytes=problem.compute_bytes,
                                            activation_checkpointing=checkpointing)
-                perf = PerformanceModel(model=request.model, profile=profile, gpus_per_node=request.gpus_per_node)
+                perf = PerformanceModel(model=problem.model, profile=profile, gpus_per_node=problem.gpus_per_node)
                 bucket_size = min(perf.bucket_size(num_state_shards=dp_size * cp_size, cp_size=cp_size),
-                                  request.limits.plan.max_sequence_length)
+                                  problem.limits.plan.max_sequence_length)
                 layout = Layout(dp_size=dp_size, cp_size=cp_size, sharding=sharding,
                                 activation_checkpointing=checkpointing, bucket_size=bucket_size,
                                 spans_nodes=perf.crosses_nodes(cp_size))
                 if bucket_size == 0:
                     excluded.append(ExcludedLayout(layout=layout, exclusion=Exclusion.NO_MEMORY,
-                                                   reason=_no_memory_reason(request, layout, perf)))
+                                                   reason=_no_memory_reason(problem, layout, perf)))
                     continue
                 try:
                     perf.collective_cost(cp_size)  # the widest block: refused when the profile cannot price it
@@ -349,22 +328,22 @@ def _candidates(request: AdviseRequest) -> tuple[list[_Candidate], list[Excluded
     return candidates, excluded
 
 
-def _no_memory_reason(request: AdviseRequest, layout: Layout, perf: PerformanceModel) -> str:
+def _no_memory_reason(problem: LayoutProblem, layout: Layout, perf: PerformanceModel) -> str:
     num_ranks = layout.dp_size * layout.cp_size
     static_gib = perf.static_bytes(num_ranks) / GIB
-    free_gib = (request.profile.device_memory_bytes - perf.bucket_bytes(0, num_ranks, layout.cp_size)) / GIB
-    return (f"model {request.model.name} does not fit with sharding {layout.sharding}: its weights, gradients and "
+    free_gib = (problem.profile.device_memory_bytes - perf.bucket_bytes(0, num_ranks, layout.cp_size)) / GIB
+    return (f"model {problem.model.name} does not fit with sharding {layout.sharding}: its weights, gradients and "
             f"optimizer states take {static_gib:.1f} GiB per rank over dp_size {layout.dp_size} × cp_size "
             f"{layout.cp_size} = {num_ranks} ranks, leaving {max(free_gib, 0.0):.2f} GiB of the "
-            f"{request.profile.device_memory_bytes / GIB:.1f} GiB of {request.profile.device} for activations, "
+            f"{problem.profile.device_memory_bytes / GIB:.1f} GiB of {problem.profile.device} for activations, "
             f"not enough for one token")
 
 
-def _exclude_too_long(request: AdviseRequest, candidates: list[_Candidate]) -> tuple[list[_Candidate],
+def _exclude_too_long(problem: LayoutProblem, candidates: list[_Candidate]) -> tuple[list[_Candidate],
                                                                                       list[ExcludedLayout]]:
     """The candidates that hold the sample's longest sequence, and the others with which sequences do not fit
     and the smallest CP degree (same sharding and checkpointing) whose layout would hold them."""
-    longest = int(request.lengths.max())
+    longest = int(problem.lengths.max())
     kept, excluded = [], []
     for candidate in candidates:
         layout = candidate.layout
@@ -376,7 +355,7 @@ def _exclude_too_long(request: AdviseRequest, candidates: list[_Candidate]) -> t
                       if (other.layout.sharding, other.layout.activation_checkpointing)
                       == (layout.sharding, layout.activation_checkpointing)
                       and other.layout.longest_trainable_sequence >= longest), default=None)
-        num_too_long = int(np.count_nonzero(request.lengths > capacity))
+        num_too_long = int(np.count_nonzero(problem.lengths > capacity))
         remedy = (f"cp_size {needed} would hold them" if needed is not None else
                   f"no allowed cp_size holds them with sharding {layout.sharding}")
         excluded.append(ExcludedLayout(
@@ -386,20 +365,20 @@ def _exclude_too_long(request: AdviseRequest, candidates: list[_Candidate]) -> t
     return kept, excluded
 
 
-def _no_layout_error(request: AdviseRequest, excluded: list[ExcludedLayout]) -> InvalidRequestError:
+def _no_layout_error(problem: LayoutProblem, excluded: list[ExcludedLayout]) -> InvalidRequestError:
     """Why nothing can be priced, naming the field to change and the limit it met."""
     too_long = [item for item in excluded if item.exclusion is Exclusion.TOO_LONG]
     if too_long:
         widest = max(too_long, key=lambda item: item.layout.longest_trainable_sequence).layout
         return InvalidRequestError(
-            f"the sample's longest sequence has {int(request.lengths.max())} tokens; no layout of {request.num_gpus} "
+            f"the sample's longest sequence has {int(problem.lengths.max())} tokens; no layout of {problem.num_gpus} "
             f"GPUs holds it: at most {widest.longest_trainable_sequence} tokens fit ({widest.label}, bucket_size "
             f"{widest.bucket_size})", field="sequence_lengths")
     if all(item.exclusion is Exclusion.NO_MEMORY for item in excluded):
-        return InvalidRequestError(f"model {request.model.name} fits in no layout of {request.num_gpus} GPUs: "
+        return InvalidRequestError(f"model {problem.model.name} fits in no layout of {problem.num_gpus} GPUs: "
                                    f"{excluded[-1].reason}", field="model")
     first = next(item for item in excluded if item.exclusion is Exclusion.NO_INTER_NODE_TABLE)
-    return InvalidRequestError(f"no layout of {request.num_gpus} GPUs can be priced: {first.reason}", field="profile")
+    return InvalidRequestError(f"no layout of {problem.num_gpus} GPUs can be priced: {first.reason}", field="profile")
 
 
 # ---- pricing -----------------------------------------------------------------------------------------------------
@@ -407,18 +386,13 @@ def _no_layout_error(request: AdviseRequest, excluded: list[ExcludedLayout]) -> 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepTimeSpread:
-    """How much the step time varies over the sampled batches: the estimate's confidence."""
+    """How much the step time varies over the sampled batches: how far one step's time strays from the median."""
 
     min_s: float
     p10_s: float
     p90_s: float
     max_s: float
     relative_spread: float  # (p90 − p10) / median
-
-    def to_json(self) -> dict[str, float]:
-        return {"step_time_ms_min": self.min_s * 1e3, "step_time_ms_p10": self.p10_s * 1e3,
-                "step_time_ms_p90": self.p90_s * 1e3, "step_time_ms_max": self.max_s * 1e3,
-                "relative_spread": self.relative_spread}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -435,7 +409,6 @@ class PricedLayout:
     sharded_share: float  # of the batches' sequences, sharded over more than one CP rank
     sharded_by_degree: tuple[tuple[int, float], ...]  # (degree, share of the sequences), ascending
     micro_batches_per_step: float  # mean over batches, all DP ranks together
-    trainer_command: tuple[str, ...]
 
     @property
     def predicted_step_time_s(self) -> float:
@@ -454,88 +427,43 @@ class PricedLayout:
         return sum(self.static_cp_step_times_s) / sum(self.step_times_s)
 
     @property
-    def confidence(self) -> StepTimeSpread:
+    def step_time_spread(self) -> StepTimeSpread:
+        """How far the batches' step times stray from the median this layout is ranked by."""
         times = np.asarray(self.step_times_s)
         p10, median, p90 = np.percentile(times, [10, 50, 90])
         return StepTimeSpread(min_s=float(times.min()), p10_s=float(p10), p90_s=float(p90), max_s=float(times.max()),
                               relative_spread=float((p90 - p10) / median))
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.layout.to_json(),
-            "predicted_step_time_ms": self.predicted_step_time_s * 1e3,
-            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
-            "speedup_vs_static_cp": self.speedup_vs_static_cp,
-            "static_cp_step_time_ms": self.static_cp_step_time_s * 1e3,
-            "memory_headroom_bytes": self.memory_headroom_bytes,
-            "memory_headroom_fraction": self.memory_headroom_fraction,
-            "sharded_share": self.sharded_share,
-            "sharded_by_degree": [{"degree": degree, "share": share} for degree, share in self.sharded_by_degree],
-            "micro_batches_per_step": self.micro_batches_per_step,
-            "confidence": self.confidence.to_json(),
-            "trainer_command": shell_command(self.trainer_command),
-        }
 
-
-def _price(request: AdviseRequest, candidate: _Candidate, batches: list[IntArray],
-           global_batch_sequences: int) -> PricedLayout:
+def _price(problem: LayoutProblem, candidate: _Candidate, batches: list[IntArray]) -> PricedLayout:
     """Plan every batch on the layout (Skrull, with the static-CP time of the same batch) and sum up."""
     layout = candidate.layout
     results: list[PlanResult] = []
     degree_counts: dict[int, int] = {}
     for batch in batches:
-        problem = make_problem(sequence_lengths=batch.tolist(), dp_size=layout.dp_size, cp_size=layout.cp_size,
-                               model=request.model, bucket_size=layout.bucket_size, profile=candidate.profile,
-                               limits=request.limits.plan, gpus_per_node=request.gpus_per_node)
-        result = make_plan(problem, SchedulerName.SKRULL)
-        degrees, counts = np.unique(result.plan.places(problem.num_sequences).degree, return_counts=True)
+        planning = make_problem(sequence_lengths=batch.tolist(), dp_size=layout.dp_size, cp_size=layout.cp_size,
+                                model=problem.model, bucket_size=layout.bucket_size, profile=candidate.profile,
+                                limits=problem.limits.plan, gpus_per_node=problem.gpus_per_node)
+        result = make_plan(planning, SchedulerName.SKRULL)
+        degrees, counts = np.unique(result.plan.places(planning.num_sequences).degree, return_counts=True)
         for degree, count in zip(degrees.tolist(), counts.tolist(), strict=True):
             degree_counts[degree] = degree_counts.get(degree, 0) + count
         results.append(result)
     num_sequences = sum(len(batch) for batch in batches)
     peak_tokens = max(result.estimate.peak_rank_tokens for result in results)
-    headroom = (request.profile.device_memory_bytes
+    headroom = (problem.profile.device_memory_bytes
                 - candidate.perf.bucket_bytes(peak_tokens, layout.dp_size * layout.cp_size, layout.cp_size))
     return PricedLayout(
         layout=layout,
         step_times_s=tuple(result.estimate.iteration_time_s for result in results),
         static_cp_step_times_s=tuple(result.baseline_time_s for result in results),
-        num_tokens=int(sum(int(batch.sum()) for batch in batches)), num_gpus=request.num_gpus,
-        memory_headroom_bytes=headroom, memory_headroom_fraction=headroom / request.profile.device_memory_bytes,
+        num_tokens=int(sum(int(batch.sum()) for batch in batches)), num_gpus=problem.num_gpus,
+        memory_headroom_bytes=headroom, memory_headroom_fraction=headroom / problem.profile.device_memory_bytes,
         sharded_share=sum(count for degree, count in degree_counts.items() if degree > 1) / num_sequences,
         sharded_by_degree=tuple((degree, count / num_sequences) for degree, count in sorted(degree_counts.items())
                                 if degree > 1),
         micro_batches_per_step=float(np.mean([result.plan.num_micro_batches for result in results])),
-        trainer_command=trainer_command(request, layout, global_batch_sequences=global_batch_sequences),
     )
-
-
-# ---- the trainer's command -----------------------------------------------------------------------------------------
-
-
-def trainer_command(request: AdviseRequest, layout: Layout, *, global_batch_sequences: int) -> tuple[str, ...]:
-    """``torchrun … -m trainer_client.train`` with this layout's flags (``trainer_client.train.build_parser``):
-    one node's ``--nproc-per-node``, or ``--nnodes`` nodes of ``gpus_per_node`` meeting at ``$MASTER_ADDR``, each
-    started with its ``$NODE_RANK`` (static rendezvous: node ``n`` holds global ranks ``n·gpus_per_node`` on, the
-    contiguous placement the topology model assumes). The trainer's global batch is a number of sequences: a token
-    budget's is the mean drawn per step."""
-    num_nodes = max(request.num_gpus // request.gpus_per_node, 1)
-    launcher = (["torchrun", "--nproc-per-node", str(request.num_gpus)] if num_nodes == 1 else
-                ["torchrun", "--nnodes", str(num_nodes), "--nproc-per-node", str(request.gpus_per_node),
-                 "--node-rank", "$NODE_RANK", "--master-addr", "$MASTER_ADDR", "--master-port", str(MASTER_PORT)])
-    data = ["--data", request.data] if request.data is not None else []
-    return (*launcher, "-m", "trainer_client.train", "--dp", str(layout.dp_size), "--cp", str(layout.cp_size),
-            "--model", request.model_source or request.model.name, *data,
-            "--global-batch", str(global_batch_sequences),
-            "--sharding", layout.sharding.value, "--activation-checkpointing", layout.activation_checkpointing.value,
-            "--bucket-size", str(layout.bucket_size), "--profile", request.profile_source or request.profile.name,
-            "--dtype", "bfloat16" if request.compute_bytes == 2 else "float32",
-            "--scheduler", SchedulerName.SKRULL.value)
-
-
-def shell_command(argv: Sequence[str]) -> str:
-    """``argv`` as one line a shell runs: quoted where needed, ``$VARIABLE`` words left for the shell."""
-    return " ".join(word if _SHELL_VARIABLE.fullmatch(word) else shlex.quote(word) for word in argv)
 
 
 # ---- the advice ------------------------------------------------------------------------------------------------------
@@ -543,7 +471,9 @@ def shell_command(argv: Sequence[str]) -> str:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Advice:
-    request: AdviseRequest
+    """The layouts of a problem, priced and ranked, and those left out with their reasons."""
+
+    problem: LayoutProblem
     layouts: tuple[PricedLayout, ...]  # best first
     excluded: tuple[ExcludedLayout, ...]
     mean_sequences_per_batch: float
@@ -553,80 +483,23 @@ class Advice:
     def winner_batches_won(self) -> int:
         """Batches on which the winner's step is faster than the runner-up's (all of them with one layout)."""
         if len(self.layouts) < 2:
-            return self.request.num_batches
+            return self.problem.num_batches
         best, runner_up = self.layouts[0], self.layouts[1]
         return sum(a < b for a, b in zip(best.step_times_s, runner_up.step_times_s, strict=True))
 
-    @property
-    def why(self) -> str:
-        """A sentence on why the winner wins, against the runner-up."""
-        best = self.layouts[0]
-        if len(self.layouts) == 1:
-            return f"{best.layout.label} is the only layout that holds the sample."
-        runner_up = self.layouts[1]
-        lead = best.tokens_per_s_per_gpu / runner_up.tokens_per_s_per_gpu - 1
-        verdict = (f"{best.layout.label} trains fastest: {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
-                   f"{lead:.1%} more than {runner_up.layout.label}, with {_advantages(best, runner_up)}; it is "
-                   f"faster on {self.winner_batches_won} of {self.request.num_batches} sampled batches.")
-        if 2 * self.winner_batches_won <= self.request.num_batches:
-            verdict += (" A near tie: the runner-up is as good a choice, within what these batches can tell apart "
-                        "(more --num-batches would).")
-        return verdict
 
-    def to_json(self) -> dict[str, Any]:
-        request = self.request
-        return {
-            "schema_version": ADVICE_SCHEMA_VERSION,
-            "model": request.model.name,
-            "profile": request.profile.name,
-            "gpus": request.num_gpus,
-            "gpus_per_node": request.gpus_per_node,
-            "global_batch": request.global_batch.to_json(),
-            "num_batches": request.num_batches,
-            "seed": request.seed,
-            "data": request.data,
-            "sample": {"num_sequences": int(request.lengths.size), "longest": int(request.lengths.max()),
-                       "mean_length": float(request.lengths.mean())},
-            "mean_sequences_per_batch": self.mean_sequences_per_batch,
-            "mean_tokens_per_batch": self.mean_tokens_per_batch,
-            "why": self.why,
-            "layouts": [{"rank": rank, **layout.to_json()} for rank, layout in enumerate(self.layouts, start=1)],
-            "excluded": [item.to_json() for item in self.excluded],
-        }
-
-
-def _advantages(best: PricedLayout, runner_up: PricedLayout) -> str:
-    """What the winner has that the runner-up lacks, as phrases."""
-    a, b = best.layout, runner_up.layout
-    phrases = []
-    if a.bucket_size > b.bucket_size:
-        phrases.append(f"a larger bucket ({a.bucket_size} vs {b.bucket_size} tokens per CP rank)")
-    if best.micro_batches_per_step < runner_up.micro_batches_per_step:
-        phrases.append(f"fewer micro-batches ({best.micro_batches_per_step:.1f} vs "
-                       f"{runner_up.micro_batches_per_step:.1f} per step)")
-    if best.sharded_share < runner_up.sharded_share:
-        phrases.append(f"fewer sequences sharded ({best.sharded_share:.1%} vs {runner_up.sharded_share:.1%})")
-    if b.spans_nodes and not a.spans_nodes:
-        phrases.append("no collectives across nodes (the runner-up's CP blocks span nodes)")
-    if a.dp_size > b.dp_size:
-        phrases.append(f"more DP ranks to balance over ({a.dp_size} vs {b.dp_size})")
-    return ", ".join(phrases) or "a better-balanced plan for the same work"
-
-
-def advise(request: AdviseRequest, *, progress: Callable[[int, int], None] | None = None) -> Advice:
-    """Rank every layout of ``request`` by predicted throughput (module docstring). ``progress(done, total)`` is
+def advise(problem: LayoutProblem, *, progress: Callable[[int, int], None] | None = None) -> Advice:
+    """Rank every layout of ``problem`` by predicted throughput (module docstring). ``progress(done, total)`` is
     called after each layout is priced. Raises ``InvalidRequestError`` when no layout can be priced."""
-    candidates, excluded = _candidates(request)
-    candidates, too_long = _exclude_too_long(request, candidates)
+    candidates, excluded = _candidates(problem)
+    candidates, too_long = _exclude_too_long(problem, candidates)
     excluded += too_long
     if not candidates:
-        raise _no_layout_error(request, excluded)
-    batches = draw_batches(request)
-    mean_sequences = float(np.mean([len(batch) for batch in batches]))
-    global_batch_sequences = request.global_batch.num_sequences or max(round(mean_sequences), 1)
+        raise _no_layout_error(problem, excluded)
+    batches = draw_batches(problem)
     priced = []
     for done, candidate in enumerate(candidates, start=1):
-        priced.append(_price(request, candidate, batches, global_batch_sequences))
+        priced.append(_price(problem, candidate, batches))
         if progress is not None:
             progress(done, len(candidates))
     sharding_order = list(Sharding)
@@ -634,6 +507,6 @@ def advise(request: AdviseRequest, *, progress: Callable[[int, int], None] | Non
     priced.sort(key=lambda item: (-item.tokens_per_s_per_gpu, item.layout.cp_size,
                                   sharding_order.index(item.layout.sharding),
                                   checkpointing_order.index(item.layout.activation_checkpointing)))
-    return Advice(request=request, layouts=tuple(priced), excluded=tuple(excluded),
-                  mean_sequences_per_batch=mean_sequences,
+    return Advice(problem=problem, layouts=tuple(priced), excluded=tuple(excluded),
+                  mean_sequences_per_batch=float(np.mean([len(batch) for batch in batches])),
                   mean_tokens_per_batch=float(np.mean([int(batch.sum()) for batch in batches])))

@@ -1,5 +1,5 @@
-"""``POST /advise`` without HTTP: the wire request to the core's ``AdviseRequest``, bounded before any work, and
-the advice as the JSON document the CLI writes.
+"""``POST /advise`` without HTTP: the wire request to the core's ``LayoutProblem`` (``contract.advice``), bounded
+before any work, and the advice as the document the CLI writes.
 
 The sample is bounded twice before anything is planned: its size from the request's shape (a histogram's counts
 are summed before any length is expanded), then the whole work (``core.advise.advise_cost``: layouts × batches ×
@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 from skrull_proto.advise import AdviceDocument
 from skrull_proto.advise import AdviseRequest as AdviseRequestModel
 
-from scheduler_service.core.advise import AdviseLimits, AdviseRequest, GlobalBatch, advise, advise_cost
-from scheduler_service.core.memory import ActivationCheckpointing, Sharding
-from scheduler_service.core.models import ModelShape, resolve_model
-from scheduler_service.core.profile import Profile, resolve_profile
+from scheduler_service.contract.advice import TrainerSources, advice_document, layout_problem
+from scheduler_service.core.advise import AdviseLimits, LayoutProblem, advise, advise_cost
+from scheduler_service.core.profile import Profile
 from scheduler_service.runtime.errors import RequestLimitError
 
-__all__ = ["DEFAULT_GLOBAL_BATCH", "advice_json", "advise_in_worker", "check_sample_size", "core_request"]
-
-DEFAULT_GLOBAL_BATCH = 64  # sequences per step when a request names neither a batch nor a token budget
+__all__ = ["advice_json", "advise_in_worker", "check_sample_size", "core_problem"]
 
 
 def check_sample_size(request: AdviseRequestModel, limits: AdviseLimits) -> None:
@@ -38,41 +34,25 @@ def check_sample_size(request: AdviseRequestModel, limits: AdviseLimits) -> None
                                 limit=limits.max_sample_sequences)
 
 
-def core_request(request: AdviseRequestModel, *, limits: AdviseLimits, max_cells: int,
-                 extra_profiles: dict[str, Profile] | None = None) -> AdviseRequest:
-    """The core's request, validated (which names the offending field), refused over the service's limits."""
+def core_problem(request: AdviseRequestModel, *, limits: AdviseLimits, max_cells: int,
+                 extra_profiles: dict[str, Profile] | None = None) -> LayoutProblem:
+    """The core's problem, validated (which names the offending field), refused over the service's limits."""
     check_sample_size(request, limits)
-    if request.sequence_lengths is not None:
-        lengths = np.asarray(request.sequence_lengths, dtype=np.int64)
-    else:
-        assert request.histogram is not None
-        lengths = np.repeat(np.asarray([bar.length for bar in request.histogram], dtype=np.int64),
-                            [bar.count for bar in request.histogram])
-    model = request.model if isinstance(request.model, str) else ModelShape(**request.model.model_dump())
-    global_batch = (GlobalBatch(num_tokens=request.tokens_per_step) if request.tokens_per_step is not None
-                    else GlobalBatch(num_sequences=request.global_batch or DEFAULT_GLOBAL_BATCH))
-    core = AdviseRequest(
-        sequence_lengths=lengths, model=resolve_model(model), profile=resolve_profile(request.profile, extra_profiles),
-        num_gpus=request.gpus, gpus_per_node=request.gpus_per_node, global_batch=global_batch,
-        shardings=tuple(Sharding(mode.value) for mode in request.shardings or Sharding),
-        activation_checkpointing=tuple(ActivationCheckpointing(mode.value)
-                                       for mode in request.activation_checkpointing or ()),
-        cp_sizes=tuple(request.cp_sizes or ()), num_batches=request.num_batches, seed=request.seed,
-        compute_bytes=2 if request.dtype == "bfloat16" else 4, limits=limits,
-    )
-    cost = advise_cost(core)
+    problem = layout_problem(request, limits=limits, extra_profiles=extra_profiles)
+    cost = advise_cost(problem)
     if cost.cells > max_cells:
         raise RequestLimitError(
-            f"pricing {cost.num_layouts} layouts on {core.num_batches} batches of about {cost.sequences_per_batch} "
+            f"pricing {cost.num_layouts} layouts on {problem.num_batches} batches of about {cost.sequences_per_batch} "
             f"sequences is estimated at {cost.cells} cells; the service advises on at most {max_cells}: ask for "
             "fewer num_batches, a smaller global batch, or fewer cp_sizes and shardings",
             field="num_batches", limit=max_cells)
-    return core
+    return problem
 
 
-def advice_json(request: AdviseRequest) -> bytes:
-    """The advice for ``request`` as the document ``AdviceDocument`` describes."""
-    document = advise(request).to_json()
+def advice_json(problem: LayoutProblem) -> bytes:
+    """The advice for ``problem`` as the document ``AdviceDocument`` describes, validated by it and in its field
+    order. The service has no ``--data`` and names models and profiles by name (``TrainerSources()``)."""
+    document = advice_document(advise(problem), TrainerSources())
     return json.dumps(AdviceDocument.model_validate(document).model_dump(mode="json")).encode()
 
 
@@ -80,4 +60,4 @@ def advise_in_worker(request_json: bytes, limits: AdviseLimits, max_cells: int,
                      extra_profiles: dict[str, Profile]) -> bytes:
     """``advice_json`` in a pool process, from the request's JSON (validated again there, cheaply)."""
     request = AdviseRequestModel.model_validate_json(request_json)
-    return advice_json(core_request(request, limits=limits, max_cells=max_cells, extra_profiles=extra_profiles))
+    return advice_json(core_problem(request, limits=limits, max_cells=max_cells, extra_profiles=extra_profiles))

@@ -1,0 +1,230 @@
+"""The layout advisor at its edges: the wire request (``skrull_proto.advise.AdviseRequest``) to the core's
+``LayoutProblem``, and the core's ``Advice`` to what a reader gets: the sentence on why the winner wins, each
+layout's torchrun command line, and the document ``POST /advise`` answers and ``skrull-advise --json`` writes.
+
+The core (``core.advise``) only searches; the service (``runtime.advising``) and the CLI
+(``trainer_client.advise``) both say what it found through this module, so the two never drift apart: the same
+defaults (``DEFAULT_GLOBAL_BATCH``, ``DTYPE_BYTES``), the same words and the same commands.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from skrull_proto.advise import ADVICE_SCHEMA_VERSION
+from skrull_proto.advise import AdviseRequest as AdviseRequestModel
+
+from scheduler_service.core.advise import (
+    Advice,
+    AdviseLimits,
+    ExcludedLayout,
+    GlobalBatchSize,
+    Layout,
+    LayoutProblem,
+    PricedLayout,
+)
+from scheduler_service.core.memory import ActivationCheckpointing, Sharding
+from scheduler_service.core.models import ModelShape, resolve_model
+from scheduler_service.core.plan import SchedulerName
+from scheduler_service.core.profile import Profile, resolve_profile
+
+__all__ = [
+    "DEFAULT_GLOBAL_BATCH",
+    "DTYPE_BYTES",
+    "MASTER_PORT",
+    "TrainerSources",
+    "advice_document",
+    "global_batch_size",
+    "layout_problem",
+    "shell_command",
+    "trainer_argv",
+    "why",
+]
+
+DEFAULT_GLOBAL_BATCH = 64  # sequences per step when a request names neither a batch nor a token budget
+# The dtypes the trainer computes in (its --dtype), by the bytes of a weight the memory model counts.
+DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float32": 4}
+MASTER_PORT = 29500
+# Words a shell expands in a printed command (the head node's address, this node's rank): left unquoted.
+_SHELL_VARIABLE = re.compile(r"\$[A-Z_]+")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerSources:
+    """How the trainer's ``--data``, ``--model`` and ``--profile`` name what was advised on (a data file, a
+    checkpoint folder, a profile file), as the CLI was given them. None: no ``--data`` (the service has only a
+    sample), and the model and profile by their names, which the trainer finds among the built-in ones."""
+
+    data: str | None = None
+    model: str | None = None
+    profile: str | None = None
+
+
+# ---- in: the core's problem ---------------------------------------------------------------------------------------
+
+
+def global_batch_size(*, sequences: int | None, tokens: int | None) -> GlobalBatchSize:
+    """A token budget when one is given, else ``sequences`` (``DEFAULT_GLOBAL_BATCH`` when absent): the rule of
+    the wire's ``global_batch``/``tokens_per_step`` and the CLI's ``--global-batch``/``--tokens-per-step``."""
+    if tokens is not None:
+        return GlobalBatchSize(num_tokens=tokens)
+    return GlobalBatchSize(num_sequences=sequences or DEFAULT_GLOBAL_BATCH)
+
+
+def layout_problem(request: AdviseRequestModel, *, limits: AdviseLimits,
+                   extra_profiles: dict[str, Profile] | None = None) -> LayoutProblem:
+    """The core's problem for a wire request, validated by the core (which names the offending field). A histogram
+    is expanded here: bound its size first (``runtime.advising.check_sample_size``)."""
+    if request.sequence_lengths is not None:
+        lengths = np.asarray(request.sequence_lengths, dtype=np.int64)
+    else:
+        assert request.histogram is not None  # the wire model requires one of the two
+        lengths = np.repeat(np.asarray([bar.length for bar in request.histogram], dtype=np.int64),
+                            [bar.count for bar in request.histogram])
+    model = request.model if isinstance(request.model, str) else ModelShape(**request.model.model_dump())
+    return LayoutProblem(
+        sequence_lengths=lengths, model=resolve_model(model), profile=resolve_profile(request.profile, extra_profiles),
+        num_gpus=request.gpus, gpus_per_node=request.gpus_per_node,
+        global_batch=global_batch_size(sequences=request.global_batch, tokens=request.tokens_per_step),
+        shardings=tuple(Sharding(mode.value) for mode in request.shardings or Sharding),
+        activation_checkpointing=tuple(ActivationCheckpointing(mode.value)
+                                       for mode in request.activation_checkpointing or ()),
+        cp_sizes=tuple(request.cp_sizes or ()), num_batches=request.num_batches, seed=request.seed,
+        compute_bytes=DTYPE_BYTES[request.dtype], limits=limits,
+    )
+
+
+# ---- out: the trainer's command ---------------------------------------------------------------------------------
+
+
+def trainer_argv(advice: Advice, layout: Layout, sources: TrainerSources) -> tuple[str, ...]:
+    """``torchrun … -m trainer_client.train`` with ``layout``'s flags (``trainer_client.train.build_parser``):
+    one node's ``--nproc-per-node``, or ``--nnodes`` nodes of ``gpus_per_node`` meeting at ``$MASTER_ADDR``, each
+    started with its ``$NODE_RANK`` (static rendezvous: node ``n`` holds global ranks ``n·gpus_per_node`` on, the
+    contiguous placement the topology model assumes). The trainer's global batch is a number of sequences: a token
+    budget's is the mean drawn per step."""
+    problem = advice.problem
+    num_nodes = max(problem.num_gpus // problem.gpus_per_node, 1)
+    launcher = (["torchrun", "--nproc-per-node", str(problem.num_gpus)] if num_nodes == 1 else
+                ["torchrun", "--nnodes", str(num_nodes), "--nproc-per-node", str(problem.gpus_per_node),
+                 "--node-rank", "$NODE_RANK", "--master-addr", "$MASTER_ADDR", "--master-port", str(MASTER_PORT)])
+    data = ["--data", sources.data] if sources.data is not None else []
+    global_batch = problem.global_batch.num_sequences or max(round(advice.mean_sequences_per_batch), 1)
+    dtype = next(name for name, num_bytes in DTYPE_BYTES.items() if num_bytes == problem.compute_bytes)
+    return (*launcher, "-m", "trainer_client.train", "--dp", str(layout.dp_size), "--cp", str(layout.cp_size),
+            "--model", sources.model or problem.model.name, *data,
+            "--global-batch", str(global_batch),
+            "--sharding", layout.sharding.value, "--activation-checkpointing", layout.activation_checkpointing.value,
+            "--bucket-size", str(layout.bucket_size), "--profile", sources.profile or problem.profile.name,
+            "--dtype", dtype, "--scheduler", SchedulerName.SKRULL.value)
+
+
+def shell_command(argv: Sequence[str]) -> str:
+    """``argv`` as one line a shell runs: quoted where needed, ``$VARIABLE`` words left for the shell."""
+    return " ".join(word if _SHELL_VARIABLE.fullmatch(word) else shlex.quote(word) for word in argv)
+
+
+# ---- out: why the winner wins -------------------------------------------------------------------------------------
+
+
+def why(advice: Advice) -> str:
+    """A sentence on why the winner wins, against the runner-up; a near tie is called one."""
+    best = advice.layouts[0]
+    if len(advice.layouts) == 1:
+        return f"{best.layout.label} is the only layout that holds the sample."
+    runner_up = advice.layouts[1]
+    num_batches = advice.problem.num_batches
+    lead = best.tokens_per_s_per_gpu / runner_up.tokens_per_s_per_gpu - 1
+    verdict = (f"{best.layout.label} trains fastest: {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+               f"{lead:.1%} more than {runner_up.layout.label}, with {_advantages(best, runner_up)}; it is "
+               f"faster on {advice.winner_batches_won} of {num_batches} sampled batches.")
+    if 2 * advice.winner_batches_won <= num_batches:
+        verdict += (" A near tie: the runner-up is as good a choice, within what these batches can tell apart "
+                    "(more --num-batches would).")
+    return verdict
+
+
+def _advantages(best: PricedLayout, runner_up: PricedLayout) -> str:
+    """What the winner has that the runner-up lacks, as phrases."""
+    a, b = best.layout, runner_up.layout
+    phrases = []
+    if a.bucket_size > b.bucket_size:
+        phrases.append(f"a larger bucket ({a.bucket_size} vs {b.bucket_size} tokens per CP rank)")
+    if best.micro_batches_per_step < runner_up.micro_batches_per_step:
+        phrases.append(f"fewer micro-batches ({best.micro_batches_per_step:.1f} vs "
+                       f"{runner_up.micro_batches_per_step:.1f} per step)")
+    if best.sharded_share < runner_up.sharded_share:
+        phrases.append(f"fewer sequences sharded ({best.sharded_share:.1%} vs {runner_up.sharded_share:.1%})")
+    if b.spans_nodes and not a.spans_nodes:
+        phrases.append("no collectives across nodes (the runner-up's CP blocks span nodes)")
+    if a.dp_size > b.dp_size:
+        phrases.append(f"more DP ranks to balance over ({a.dp_size} vs {b.dp_size})")
+    return ", ".join(phrases) or "a better-balanced plan for the same work"
+
+
+# ---- out: the document --------------------------------------------------------------------------------------------
+
+
+def advice_document(advice: Advice, sources: TrainerSources) -> dict[str, Any]:
+    """The advice as the document ``skrull_proto.advise.AdviceDocument`` describes, as plain JSON values in the
+    order the CLI writes them (each ranked layout's ``rank`` first); the service answers it in the model's own
+    order. Not validated here: each edge validates it with ``AdviceDocument`` before it leaves."""
+    problem = advice.problem
+    batch = problem.global_batch
+    return {
+        "schema_version": ADVICE_SCHEMA_VERSION,
+        "model": problem.model.name,
+        "profile": problem.profile.name,
+        "gpus": problem.num_gpus,
+        "gpus_per_node": problem.gpus_per_node,
+        "global_batch": ({"sequences": batch.num_sequences} if batch.num_sequences is not None
+                         else {"tokens": batch.num_tokens}),
+        "num_batches": problem.num_batches,
+        "seed": problem.seed,
+        "data": sources.data,
+        "sample": {"num_sequences": int(problem.lengths.size), "longest": int(problem.lengths.max()),
+                   "mean_length": float(problem.lengths.mean())},
+        "mean_sequences_per_batch": advice.mean_sequences_per_batch,
+        "mean_tokens_per_batch": advice.mean_tokens_per_batch,
+        "why": why(advice),
+        "layouts": [{"rank": rank, **_priced_layout(advice, priced, sources)}
+                    for rank, priced in enumerate(advice.layouts, start=1)],
+        "excluded": [_excluded_layout(item) for item in advice.excluded],
+    }
+
+
+def _layout(layout: Layout) -> dict[str, Any]:
+    return {"dp_size": layout.dp_size, "cp_size": layout.cp_size, "bucket_size": layout.bucket_size,
+            "sharding": layout.sharding.value, "activation_checkpointing": layout.activation_checkpointing.value,
+            "longest_trainable_sequence": layout.longest_trainable_sequence, "spans_nodes": layout.spans_nodes}
+
+
+def _priced_layout(advice: Advice, priced: PricedLayout, sources: TrainerSources) -> dict[str, Any]:
+    spread = priced.step_time_spread
+    return {
+        **_layout(priced.layout),
+        "predicted_step_time_ms": priced.predicted_step_time_s * 1e3,
+        "tokens_per_s_per_gpu": priced.tokens_per_s_per_gpu,
+        "speedup_vs_static_cp": priced.speedup_vs_static_cp,
+        "static_cp_step_time_ms": priced.static_cp_step_time_s * 1e3,
+        "memory_headroom_bytes": priced.memory_headroom_bytes,
+        "memory_headroom_fraction": priced.memory_headroom_fraction,
+        "sharded_share": priced.sharded_share,
+        "sharded_by_degree": [{"degree": degree, "share": share} for degree, share in priced.sharded_by_degree],
+        "micro_batches_per_step": priced.micro_batches_per_step,
+        # the wire's name for the spread: how far one step's time strays from the median
+        "confidence": {"step_time_ms_min": spread.min_s * 1e3, "step_time_ms_p10": spread.p10_s * 1e3,
+                       "step_time_ms_p90": spread.p90_s * 1e3, "step_time_ms_max": spread.max_s * 1e3,
+                       "relative_spread": spread.relative_spread},
+        "trainer_command": shell_command(trainer_argv(advice, priced.layout, sources)),
+    }
+
+
+def _excluded_layout(item: ExcludedLayout) -> dict[str, Any]:
+    return {**_layout(item.layout), "exclusion": item.exclusion.value, "reason": item.reason,
+            "num_sequences_too_long": item.num_sequences_too_long, "cp_size_needed": item.cp_size_needed}
