@@ -107,13 +107,13 @@ def _train(url: str, job_id: str, steps: int, out_path: Path) -> None:
                          profile="wrong-start", feedback=True, job_id=job_id, progress=False)
     trainer = Trainer(config, init_parallel(config.dims))
     decisions: dict[int, Any] = {}
-    decide = trainer.decide
+    decide = trainer.batches.decide
 
     def recording_decide(batch: GlobalBatch) -> PlanDecision:
         decisions[batch.step] = decision = decide(batch)
         return decision
 
-    trainer.decide = recording_decide  # type: ignore[method-assign]
+    trainer.batches.decide = recording_decide  # type: ignore[method-assign]
     records = []
     with httpx.Client(base_url=url, timeout=10.0) as client:
         seen = 0

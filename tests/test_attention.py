@@ -8,11 +8,11 @@ import torch.distributed as dist
 
 from scheduler_service.core.plan import MicroBatch
 from tests.attention_reference import reference_attention
-from trainer_client.attention import AttentionBackend, KVAllGather, dacp_attn_varlen_func, varlen_causal_attn_func
+from trainer_client.dacp.attention import AttentionBackend, KVAllGather, dacp_attn_varlen_func, varlen_causal_attn_func
+from trainer_client.dacp.packing import pack_micro_batch
+from trainer_client.dacp.zigzag import zigzag_positions
 from trainer_client.data import Sample
 from trainer_client.distributed import spawn_gloo
-from trainer_client.packing import pack_micro_batch
-from trainer_client.zigzag import zigzag_positions
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
 LENGTHS = (5, 17, 64, 33, 1, 100, 2, 9)

@@ -21,7 +21,7 @@ from trainer_client.config import TrainConfig
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.loading import ModelLayout
 from trainer_client.parallelize import ActivationCheckpointing, Sharding
-from trainer_client.profile_sweeps import ProfileOptions
+from trainer_client.profiler.sweeps import ProfileOptions
 from trainer_client.trainer import Trainer
 
 # As short as still fits every term: the tiny model, three sizes, one timed run each.
@@ -173,7 +173,7 @@ def test_a_trainer_with_profile_auto_plans_with_what_it_measured(tmp_path: Path,
     try:
         assert trainer.profile is not None and not isinstance(trainer.profile, str)
         assert trainer.profile.name.startswith("auto-")
-        assert trainer.plans is not None and trainer.plans.profile is trainer.profile
+        assert trainer.batches.plans is not None and trainer.batches.plans.profile is trainer.profile
         assert "measuring this machine" in caplog.text
         assert list((tmp_path / "skrull" / "profiles").glob("auto-*.json"))
     finally:

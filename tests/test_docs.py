@@ -4,6 +4,7 @@ names a section of ``docs/design.md``."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import shutil
 import subprocess
@@ -75,10 +76,17 @@ def test_design_citations_name_sections_of_the_design(folder: str) -> None:
     assert broken == []
 
 
-def test_the_trainer_package_docstring_names_every_module() -> None:
+def test_the_trainer_package_docstring_names_every_module_and_each_sub_package_its_own() -> None:
     import trainer_client
 
-    modules = {path.stem for path in Path(trainer_client.__file__).parent.glob("*.py")} - {"__init__"}
+    root = Path(trainer_client.__file__).parent
     assert trainer_client.__doc__ is not None
-    unnamed = sorted(module for module in modules if f"``{module}``" not in trainer_client.__doc__)
-    assert not unnamed, f"trainer_client's docstring does not name {unnamed}"
+    top = {path.stem for path in root.glob("*.py")} - {"__init__"}
+    sub_packages = {path.parent.name for path in root.glob("*/__init__.py")}
+    assert sub_packages == {"dacp", "profiler"}
+    unnamed = sorted(name for name in top | sub_packages if f"``{name}``" not in trainer_client.__doc__)
+    for package in sorted(sub_packages):
+        docstring = importlib.import_module(f"trainer_client.{package}").__doc__ or ""
+        unnamed += [f"{package}.{path.stem}" for path in sorted((root / package).glob("*.py"))
+                    if path.stem != "__init__" and f"``{path.stem}``" not in docstring]
+    assert not unnamed, f"not named in their package's docstring: {unnamed}"

@@ -74,7 +74,8 @@ def _train_with_refused_feedback(out_dir: Path, url: str) -> None:
     built: list[int] = []
     trainer.source = _CountingSource(trainer.source, built)  # type: ignore[assignment]
     history = trainer.train()
-    failures = trainer.plans.num_feedback_failures if trainer.plans is not None else None
+    plans = trainer.batches.plans
+    failures = plans.num_feedback_failures if plans is not None else None
     trainer.close()
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(
         {"steps": [m.step for m in history], "built": built, "feedback_failures": failures}))

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer_client.attention import AttentionBackend, _flash_attn_varlen_func, varlen_causal_attn_func
 from trainer_client.config import TrainConfig
+from trainer_client.dacp.attention import AttentionBackend, _flash_attn_varlen_func, varlen_causal_attn_func
 from trainer_client.distributed import free_port, init_parallel
 from trainer_client.trainer import Trainer
 

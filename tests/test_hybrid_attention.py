@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import trainer_client.attention as attention
+import trainer_client.dacp.attention as attention
 from scheduler_service.core.plan import MicroBatch, ShardedGroup
 from tests.attention_reference import reference_attention
-from trainer_client.attention import AttentionBackend, KVAllGather, dacp_attn_varlen_func
+from trainer_client.dacp.attention import AttentionBackend, KVAllGather, dacp_attn_varlen_func
+from trainer_client.dacp.packing import pack_micro_batch
+from trainer_client.dacp.zigzag import zigzag_positions
 from trainer_client.data import Sample
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
-from trainer_client.packing import pack_micro_batch
-from trainer_client.zigzag import zigzag_positions
 
 CP = 4
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8

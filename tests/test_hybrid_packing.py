@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from scheduler_service.core.plan import MicroBatch, ShardedGroup
+from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch
+from trainer_client.dacp.zigzag import padded_length, zigzag_positions
 from trainer_client.data import IGNORE_INDEX, Sample
-from trainer_client.packing import PackedMicroBatch, pack_micro_batch
-from trainer_client.zigzag import padded_length, zigzag_positions
 
 LENGTHS = (5, 17, 64, 33, 1, 100, 2, 9, 40, 3)
 

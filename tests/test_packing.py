@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from scheduler_service.core.plan import MicroBatch
+from trainer_client.dacp.packing import pack_micro_batch
+from trainer_client.dacp.zigzag import padded_length, zigzag_positions
 from trainer_client.data import IGNORE_INDEX, Sample
-from trainer_client.packing import pack_micro_batch
-from trainer_client.zigzag import padded_length, zigzag_positions
 
 LENGTHS = (5, 17, 64, 33, 1, 100, 2)
 

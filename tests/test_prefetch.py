@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from scheduler_service.core.plan import MicroBatch, ShardedGroup
+from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
+from trainer_client.dacp.prefetch import PrefetchedMicroBatches
 from trainer_client.data import IGNORE_INDEX, Sample
-from trainer_client.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
-from trainer_client.prefetch import PrefetchedMicroBatches
 
 CP_SIZE = 4
 LENGTHS = (5, 17, 64, 33, 1, 100, 2, 48)

@@ -25,8 +25,8 @@ from scheduler_service.core.profile import builtin_profiles, parse_profile
 from scheduler_service.core.simulate import simulate
 from trainer_client import profile as profiler
 from trainer_client.distributed import spawn_gloo
-from trainer_client.profile_document import split_by_node
-from trainer_client.profile_sweeps import ProfileOptions
+from trainer_client.profiler.document import split_by_node
+from trainer_client.profiler.sweeps import ProfileOptions
 
 H100 = builtin_profiles()["h100-paper"]
 QWEN_7B = MODEL_CATALOGUE["qwen2.5-7b"]

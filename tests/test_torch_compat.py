@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from scheduler_service.core.plan import MicroBatch, ShardedGroup
 from tests.torch_releases import RELEASES, emulated, reference_varlen, varlen_attn_top_left
-from trainer_client.attention import AttentionBackend, dacp_attn_varlen_func, varlen_causal_attn_func
+from trainer_client.dacp.attention import AttentionBackend, dacp_attn_varlen_func, varlen_causal_attn_func
+from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.data import Sample
 from trainer_client.distributed import spawn_gloo
-from trainer_client.packing import pack_micro_batch
 from trainer_client.torch_compat import (
     SUPPORTED_TORCH,
     CausalVarlenAttn,

@@ -11,9 +11,9 @@ import torch
 
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.plan import MicroBatch
+from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.data import Sample
 from trainer_client.model import build_model, model_shape
-from trainer_client.packing import pack_micro_batch
 
 LENGTHS = (40, 7, 129, 1, 64)
 

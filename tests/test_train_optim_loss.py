@@ -13,10 +13,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from trainer_client.data import IGNORE_INDEX
 from trainer_client.loss import CausalLMLoss, chunked_cross_entropy
-from trainer_client.measure import local_pack
 from trainer_client.model import build_model
 from trainer_client.optim import clip_gradients, lr_factor, warmup_cosine_schedule
 from trainer_client.parallelize import ActivationCheckpointing, apply_activation_checkpointing
+from trainer_client.profiler.measure import local_pack
 
 CPU = torch.device("cpu")
 

@@ -31,8 +31,8 @@ def _one_step_on_every_plan(out_dir: Path) -> None:
     for name, config in runs:
         trainer = Trainer(config, parallel)
         batch = trainer.source.batch(0)
-        decision = trainer.decide(batch)
-        packs = [pack() for pack in trainer.packers(batch, decision)]
+        decision = trainer.batches.decide(batch)
+        packs = [pack() for pack in trainer.batches.packers(batch, decision)]
         loss, num_loss_tokens = trainer.forward_backward(batch, packs)
         grads = trainer.gradients()  # collective under FSDP
         if parallel.is_main:

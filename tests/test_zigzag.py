@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer_client.zigzag import padded_length, zigzag_chunks, zigzag_positions
+from trainer_client.dacp.zigzag import padded_length, zigzag_chunks, zigzag_positions
 
 
 @given(num_tokens=st.integers(1, 5000), cp_size=st.integers(1, 16))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.attention.varlen
 
-from trainer_client import attention
+from trainer_client.dacp import attention
 from trainer_client.torch_compat import torch_apis
 
 RELEASES = ("2.10", "2.11", "2.12", "2.13")

@@ -2,8 +2,9 @@
 
 Modules, one concept each:
 
-* DACP: ``zigzag`` (which tokens a CP rank owns), ``packing`` (a CP rank's row of a micro-batch), ``attention``
-  (DACP attention), ``prefetch`` (micro-batches packed and copied to the device ahead of the step);
+* ``dacp``, the sub-package a loop of your own reuses: ``dacp.zigzag`` (which tokens a CP rank owns),
+  ``dacp.packing`` (a CP rank's row of a micro-batch), ``dacp.attention`` (DACP attention), ``dacp.prefetch``
+  (micro-batches packed and copied to the device ahead of the step);
 * the model: ``model`` (transformers model + attention registration), ``lora`` (adapters), ``loss`` (the chunked
   loss of a micro-batch, its forward and backward), ``loading`` (the trained module on every rank without a full
   copy per rank), ``parallelize`` (activation checkpointing, compiled blocks, FSDP, the gradient all-reduce),
@@ -15,9 +16,11 @@ Modules, one concept each:
   loss), ``checkpoint`` (DCP save and resume), ``run_identity`` (what a checkpoint must share with the run that
   resumes it), ``export`` (a Hugging Face model folder from the trained model or a checkpoint), ``train`` (the
   torchrun entrypoint), ``demo`` (the end-to-end job);
-* profiles: ``profile`` (the profiler) with ``profile_sweeps`` (what it measures), ``profile_document`` (the file
-  it writes) and ``measure`` (its timing and memory probes), ``auto_profile`` (``--profile auto``: measured by the
-  run itself, cached per machine and layout).
+* profiles: ``profile`` (the profiler's command) over the sub-package ``profiler``: ``profiler.sweeps`` (what it
+  measures), ``profiler.document`` (the file it writes) and ``profiler.measure`` (its timing and memory probes);
+  ``auto_profile`` (``--profile auto``: measured by the run itself, cached per machine and layout);
+* the layout advisor's command: ``advise`` (``skrull-advise``) over ``advise_inputs`` (a data set's lengths as
+  this trainer encodes them, a checkpoint's shape, a profile file).
 
 Public names resolve lazily, so ``import trainer_client`` does not import torch.
 """
@@ -64,12 +67,12 @@ __all__ = [
 ]
 
 _MODULE_OF = {
-    "AttentionBackend": "attention",
-    "dacp_attn_varlen_func": "attention",
-    "varlen_causal_attn_func": "attention",
-    "DacpMetadata": "packing",
-    "PackedMicroBatch": "packing",
-    "pack_micro_batch": "packing",
+    "AttentionBackend": "dacp.attention",
+    "dacp_attn_varlen_func": "dacp.attention",
+    "varlen_causal_attn_func": "dacp.attention",
+    "DacpMetadata": "dacp.packing",
+    "PackedMicroBatch": "dacp.packing",
+    "pack_micro_batch": "dacp.packing",
     "GlobalBatch": "data",
     "Sample": "data",
     "PlanClient": "plan_client",
@@ -91,8 +94,8 @@ _MODULE_OF = {
     "ParallelDims": "distributed",
     "init_parallel": "distributed",
     "Sharding": "parallelize",
-    "padded_length": "zigzag",
-    "zigzag_positions": "zigzag",
+    "padded_length": "dacp.zigzag",
+    "zigzag_positions": "dacp.zigzag",
     "run_micro_batch": "loss",
     "MicroBatchTiming": "plan_client",
     "ProfileOptions": "profile",

@@ -4,7 +4,7 @@ layout (the default on CUDA).
 A shipped profile describes someone else's machine and engine: on the first real GPU the shipped ``h100-paper``
 under-predicted the trainer's micro-batches by 94 %, while a profile the project measured there predicted its
 steps within 3 % (docs/known-limits.md). So on CUDA the trainer measures a short profile with every rank
-(``profile_sweeps.run_sweeps`` over the trainer's own process group, the model laid out as the run lays it out:
+(``profiler.sweeps.run_sweeps`` over the trainer's own process group, the model laid out as the run lays it out:
 dtype, sharding, checkpointing, ``--compile``) and plans with it.
 
 The profile is cached under ``$XDG_CACHE_HOME/skrull/profiles`` (``~/.cache/skrull/profiles``), one file per
@@ -40,13 +40,15 @@ from scheduler_service.contract.profiles import profile_from_document
 from scheduler_service.core import perf_model
 from scheduler_service.core import profile as core_profile
 from scheduler_service.core.profile import Profile
-from trainer_client import measure, profile_document, profile_sweeps
 from trainer_client.distributed import ParallelContext
 from trainer_client.loading import ModelLayout
-from trainer_client.measure import hardware_info
 from trainer_client.model import model_shape
 from trainer_client.profile import measure_profile
-from trainer_client.profile_sweeps import ProfileOptions
+from trainer_client.profiler import document as profiler_document
+from trainer_client.profiler import measure as profiler_measure
+from trainer_client.profiler import sweeps as profiler_sweeps
+from trainer_client.profiler.measure import hardware_info
+from trainer_client.profiler.sweeps import ProfileOptions
 
 __all__ = ["AUTO_PROFILE", "AutoProfileKey", "auto_profile", "auto_profile_options", "cache_path", "default_profile",
            "profile_key"]
@@ -122,7 +124,7 @@ def _profiler_digest() -> str:
     """A digest of the sources that measure and fit a profile: the sweeps, the document, the probes, the core's
     fits and the profile format."""
     digest = hashlib.sha256()
-    for module in (profile_sweeps, profile_document, measure, perf_model, core_profile):
+    for module in (profiler_sweeps, profiler_document, profiler_measure, perf_model, core_profile):
         digest.update(Path(module.__file__ or "").read_bytes())
     return digest.hexdigest()[:16]
 

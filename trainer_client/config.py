@@ -15,7 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 from skrull_proto.models import JobId
 
 from scheduler_service.core.plan import SchedulerName
-from trainer_client.attention import AttentionBackend
+from trainer_client.dacp.attention import AttentionBackend
 from trainer_client.data import SYNTHETIC_PREFIX
 from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelDims
 from trainer_client.lora import LORA_TARGETS, LoraExport, LoraSettings

@@ -15,6 +15,10 @@ which ``SkrullBatches.plan`` returns as a ``RankBatch``:
 The model sees each micro-batch through one attention function: ``register_dacp_attention`` (``build_model``
 calls it) makes ``attn_implementation="dacp"`` available to transformers, and ``model_inputs(pack)`` hands
 the metadata to it. ``examples/custom_loop.py`` is a whole loop; docs/guides/custom-loop.md walks through it.
+
+``Trainer`` is such a loop too: it takes the same three steps in finer grains (``decide``, then ``packed``: the
+micro-batches packed one ahead on a background thread), asks for the next batch's plan while a step trains
+(``prefetch``) and reports what the step measured (``report``), all through one ``SkrullBatches``.
 """
 
 from __future__ import annotations
@@ -24,17 +28,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
+import torch
 import torch.distributed as dist
 
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import MicroBatch, Plan, SchedulerName
 from scheduler_service.core.profile import Profile
+from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
+from trainer_client.dacp.prefetch import PrefetchedMicroBatches
 from trainer_client.data import GlobalBatch, Sample
 from trainer_client.distributed import ParallelContext
-from trainer_client.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
 from trainer_client.parallelize import Sharding, num_padding_micro_batches
-from trainer_client.plan_client import PlanClient, PlanDecision, PlanOrigin, PlanSource
+from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanOrigin, PlanSource
 
 __all__ = ["PlanningFailed", "RankBatch", "SkrullBatches", "decide_plan", "micro_batch_packers"]
 
@@ -53,10 +59,13 @@ class SkrullBatches:
 
     ``model``: a catalogue name, or the shape of a checkpoint (``model_shape``), which the planner costs
     sequences with. ``bucket_size``: the tokens one CP rank may hold in a micro-batch, what its memory allows.
-    ``scheduler_url``: the scheduler service; absent, the embedded planner plans alone. ``sharding``: how the
-    loop shards its model (``NONE`` replicated, ``ZERO2``/``ZERO3`` FSDP2 keeping parameters gathered for the
-    step or resharding them after every forward), which decides the padding micro-batches. Rank 0 compiles the
-    planner's kernels on construction (or loads them from the JIT cache), so that no plan waits for them.
+    ``scheduler_url``: the scheduler service; absent, the embedded planner plans alone. ``plan_timeout_s`` and
+    ``plan_attempts``: how long one request to it may take and how often it is tried before the embedded planner
+    plans the batch instead. ``job_id``: the service's job the plans and ``report`` name, which it refits its
+    profile for from what the steps measured (feedback); None reports nothing. ``sharding``: how the loop shards
+    its model (``NONE`` replicated, ``ZERO2``/``ZERO3`` FSDP2 keeping parameters gathered for the step or
+    resharding them after every forward), which decides the padding micro-batches. Rank 0 compiles the planner's
+    kernels on construction (or loads them from the JIT cache), so that no plan waits for them.
     """
 
     def __init__(
@@ -70,15 +79,20 @@ class SkrullBatches:
         profile: str | Profile | None = None,
         sharding: Sharding = Sharding.NONE,
         pad_token_id: int = 0,
+        plan_timeout_s: float = 5.0,
+        plan_attempts: int = 3,
+        job_id: str | None = None,
     ) -> None:
         self.parallel = parallel
         self.sharding = sharding
         self.pad_token_id = pad_token_id
         self.plans: PlanSource | None = None  # rank 0's alone: it decides, the others receive
         if parallel.is_main:
-            client = PlanClient(scheduler_url) if scheduler_url is not None else None
+            client = (PlanClient(scheduler_url, timeout_s=plan_timeout_s, max_attempts=plan_attempts)
+                      if scheduler_url is not None else None)
             self.plans = PlanSource(scheduler=scheduler, dp_size=parallel.dims.dp_size, cp_size=parallel.dims.cp_size,
-                                    model=model, bucket_size=bucket_size, profile=profile, client=client)
+                                    model=model, bucket_size=bucket_size, profile=profile, client=client,
+                                    job_id=job_id)
             self.plans.check_service()
             self.plans.warm_up()
 
@@ -88,20 +102,57 @@ class SkrullBatches:
         Collective: every rank calls it with the same batch. Raises ``PlanningFailed`` on every rank when rank 0
         cannot plan the batch (a sequence longer than ``bucket_size × cp_size``).
         """
-        decision = decide_plan(self.plans, batch, parallel=self.parallel)
-        assert decision.plan is not None
-        packers = micro_batch_packers(batch.samples, decision.plan, parallel=self.parallel, sharding=self.sharding,
-                                      pad_token_id=self.pad_token_id)
-        packs = (pack().to(self.parallel.device) for pack in packers)
+        decision = self.decide(batch)
+        packs = (pack().to(self.parallel.device) for pack in self.packers(batch, decision))
         # Only replicated training has idle micro-batches (no token, no collective): no peer waits for them.
         return RankBatch(decision=decision, micro_batches=tuple(pack for pack in packs if not pack.is_idle),
                          num_loss_tokens=batch.num_loss_tokens)
+
+    def decide(self, batch: GlobalBatch) -> PlanDecision:
+        """``batch``'s plan on every rank, checked (``decide_plan``). Collective, as ``plan``."""
+        return decide_plan(self.plans, batch, parallel=self.parallel)
+
+    def packers(self, batch: GlobalBatch, decision: PlanDecision) -> list[Callable[[], PackedMicroBatch]]:
+        """This rank's micro-batches of ``decision`` in plan order, each packed when called
+        (``micro_batch_packers``)."""
+        assert decision.plan is not None
+        return micro_batch_packers(batch.samples, decision.plan, parallel=self.parallel, sharding=self.sharding,
+                                   pad_token_id=self.pad_token_id)
+
+    def packed(self, batch: GlobalBatch, decision: PlanDecision) -> PrefetchedMicroBatches:
+        """This rank's micro-batches of ``decision``, packed (and on CUDA copied to the device) by a background
+        thread one ahead of the one the loop runs; iterate once inside ``with``. Idle ones are included (their
+        ``is_idle`` says so), as the loop's gradient synchronisation may need their count."""
+        return PrefetchedMicroBatches(self.packers(batch, decision), self.parallel.device)
 
     def prefetch(self, batch: GlobalBatch) -> None:
         """Start asking the service for ``batch``'s plan while the current step trains (rank 0; elsewhere, and
         without a service, nothing)."""
         if self.plans is not None:
             self.plans.prefetch(batch.step, batch.sequence_lengths)
+
+    def report(self, batch: GlobalBatch, decision: PlanDecision, timings: Sequence[MicroBatchTiming]) -> None:
+        """Report what this rank measured of ``batch``'s micro-batches to the service (feedback), in the
+        background. Collective: every rank's timings are gathered on rank 0, which posts them when there is a job
+        id and a service. Step 0 is not reported: it pays the one-off warm-up (kernels, allocator, caches)."""
+        parallel = self.parallel
+        gathered: list[list[MicroBatchTiming]] | None = ([[] for _ in range(dist.get_world_size())]
+                                                         if parallel.is_main else None)
+        dist.gather_object(list(timings), gathered, dst=0, group=parallel.object_group)
+        if self.plans is None or gathered is None or batch.step == 0:
+            return
+        assert decision.plan is not None
+        device = parallel.device
+        memory_budget = (float(torch.cuda.get_device_properties(device).total_memory)
+                         if device.type == "cuda" else None)
+        self.plans.report(batch.step, decision.plan, batch.sequence_lengths,
+                          [timing for rank_timings in gathered for timing in rank_timings],
+                          memory_budget_bytes=memory_budget)
+
+    @property
+    def num_fallbacks(self) -> int:
+        """Batches rank 0 planned with the embedded core because the service failed (0 on the other ranks)."""
+        return self.plans.num_fallbacks if self.plans is not None else 0
 
     def close(self) -> None:
         if self.plans is not None:
@@ -120,8 +171,10 @@ class PlanningFailed(ValueError):
 
 
 def decide_plan(plans: PlanSource | None, batch: GlobalBatch, *, parallel: ParallelContext) -> PlanDecision:
-    """Rank 0 decides with ``plans``; every rank receives the decision and checks the plan against its own copy of
-    the batch. A failure to plan reaches every rank as ``PlanningFailed``, so none is left in a collective."""
+    """Rank 0 decides with ``plans``; every rank receives the decision. Each plan is checked once per rank: rank 0's
+    ``PlanSource`` gives only checked plans (the embedded planner checks its own; a service plan that fails the
+    checker is replaced by the embedded one), every other rank checks the plan against its own copy of the batch.
+    A failure to plan reaches every rank as ``PlanningFailed``, so none is left in a collective."""
     decision: list[PlanDecision | None] = [None]
     if parallel.is_main:
         assert plans is not None
@@ -136,8 +189,9 @@ def decide_plan(plans: PlanSource | None, batch: GlobalBatch, *, parallel: Paral
     if received.error is not None:
         raise PlanningFailed(received.error)
     assert received.plan is not None
-    check_plan(received.plan, sequence_lengths=batch.sequence_lengths, dp_size=parallel.dims.dp_size,
-               cp_size=parallel.dims.cp_size, bucket_size=received.bucket_size)
+    if not parallel.is_main:
+        check_plan(received.plan, sequence_lengths=batch.sequence_lengths, dp_size=parallel.dims.dp_size,
+                   cp_size=parallel.dims.cp_size, bucket_size=received.bucket_size)
     return received
 
 
@@ -145,7 +199,7 @@ def micro_batch_packers(
     samples: Sequence[Sample], plan: Plan, *, parallel: ParallelContext, sharding: Sharding, pad_token_id: int,
 ) -> list[Callable[[], PackedMicroBatch]]:
     """This rank's micro-batches of ``plan`` in plan order, each packed when called (a prefetch thread may pack
-    ahead, ``prefetch.py``); under FSDP the idle ones are padding, and padding follows them where the sharding
+    ahead, ``dacp/prefetch.py``); under FSDP the idle ones are padding, and padding follows them where the sharding
     needs as many micro-batches as another DP rank runs (``num_padding_micro_batches``)."""
     micro_batches = plan.dp_ranks[parallel.dp_rank].micro_batches
     cp_size = parallel.dims.cp_size

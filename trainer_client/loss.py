@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from trainer_client.attention import AttentionBackend
+from trainer_client.dacp.attention import AttentionBackend
+from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.data import IGNORE_INDEX
 from trainer_client.model import model_inputs
-from trainer_client.packing import PackedMicroBatch
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "CausalLMLoss", "chunked_cross_entropy", "micro_batch_loss", "run_micro_batch"]
 

@@ -39,8 +39,8 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface
 
 from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape
-from trainer_client.attention import AttentionBackend, dacp_attn_varlen_func
-from trainer_client.packing import DacpMetadata, PackedMicroBatch
+from trainer_client.dacp.attention import AttentionBackend, dacp_attn_varlen_func
+from trainer_client.dacp.packing import DacpMetadata, PackedMicroBatch
 
 __all__ = ["DACP_ATTENTION", "build_empty_model", "build_model", "checkpoint_dir", "model_config", "model_inputs",
            "model_shape", "register_dacp_attention"]
@@ -63,7 +63,7 @@ def dacp_attention_forward(
     metadata: DacpMetadata | None = kwargs.get("dacp_metadata")
     if metadata is None:
         raise ValueError("DACP attention needs the packing metadata: call the model with dacp_metadata=… "
-                         "(trainer_client.packing.pack_micro_batch)")
+                         "(trainer_client.dacp.packing.pack_micro_batch)")
     if query.shape[0] != 1:
         raise ValueError(f"DACP attention takes one packed row (batch size 1), got batch size {query.shape[0]}")
     if dropout:

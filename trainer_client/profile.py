@@ -3,9 +3,9 @@
     python -m trainer_client.profile --model tiny --device cpu --out profiles/cpu-tiny.json
     torchrun --nproc-per-node 2 -m trainer_client.profile --model tiny --device cpu --out cpu-tiny.json
 
-It runs the sweeps (``profile_sweeps``: compute, memory and, with more than one rank, the collectives and the
+It runs the sweeps (``profiler.sweeps``: compute, memory and, with more than one rank, the collectives and the
 shard-size effect, all through the trainer's own micro-batch code) and writes what they measured as a profile
-document (``profile_document``), every fit beside its raw points; the attention efficiency per query length is
+document (``profiler.document``), every fit beside its raw points; the attention efficiency per query length is
 derived from the shard-size effect by the planning core (``scheduler_service.core.shard_effect``).
 
 Under ``torchrun`` every rank measures and rank 0 writes the file. One process profiles no collective: its file
@@ -43,11 +43,11 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import parse_profile
 from scheduler_service.core.shard_effect import predicted_shard_s
-from trainer_client.attention import AttentionBackend
-from trainer_client.measure import utc_now
+from trainer_client.dacp.attention import AttentionBackend
 from trainer_client.parallelize import ActivationCheckpointing, Sharding
-from trainer_client.profile_document import build_document, document_json, refit_compute
-from trainer_client.profile_sweeps import CPU_SIZES, CUDA_SIZES, ProfileOptions, run_sweeps
+from trainer_client.profiler.document import build_document, document_json, refit_compute
+from trainer_client.profiler.measure import utc_now
+from trainer_client.profiler.sweeps import CPU_SIZES, CUDA_SIZES, ProfileOptions, run_sweeps
 from trainer_client.torch_compat import check_torch_version
 
 __all__ = ["EXIT_USER_ERROR", "ProfileOptions", "build_parser", "main", "measure_profile", "summary"]

@@ -15,7 +15,7 @@ reduce-scatter, one tensor  ``reduce_scatter_tensor``   the same                
 The single-tensor collectives were renamed in 2.13 (pytorch #186123), where the old names still work but warn
 that they are deprecated; the new names are used wherever they exist. Every ``varlen_attn`` above runs the flash
 kernel, which aligns a causal mask to the bottom right when a segment has fewer queries than keys, as DACP's
-zigzag chunks need (``packing.py``); ``CausalVarlenAttn`` checks that once per device and takes an exact path
+zigzag chunks need (``dacp/packing.py``); ``CausalVarlenAttn`` checks that once per device and takes an exact path
 where a kernel aligns top-left.
 
 Features are detected, not versions compared: ``varlen_attn``'s parameters say which call it takes, the

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from scheduler_service.core.plan import SchedulerName
-from trainer_client.attention import AttentionBackend
 from trainer_client.config import TrainConfig
+from trainer_client.dacp.attention import AttentionBackend
 from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, PeerFailed, init_parallel, report_failure
 from trainer_client.lora import LORA_TARGETS, LoraExport
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS

@@ -3,14 +3,16 @@
 Per global batch ``s`` (identical data on every rank, ``data.py``):
 
 1. rank 0 decides the plan (``PlanSource``: service, else embedded core) and
-   broadcasts the *decision* over a gloo group; every rank checks the plan
-   with the core's checker. An error decision stops every rank cleanly.
+   broadcasts the *decision* over a gloo group; the plan is checked once on
+   every rank with the core's checker. An error decision stops every rank
+   cleanly. Planning, packing, the plan prefetch and feedback are the loop
+   API's (``loop.SkrullBatches``), which a loop of one's own uses as well.
 2. DP rank ``i``, CP rank ``j`` packs each of its micro-batches
    (``plan.dp_ranks[i]``, column ``j``; sequences sharded over the whole CP
    group or over a hybrid group's block of it) and runs forward + backward on
    them in order (gradient accumulation). A background thread packs (and on
    CUDA copies to the device) micro-batch ``m + 1`` while ``m`` computes
-   (``prefetch.py``). Sharded (``--sharding zero2|zero3``,
+   (``dacp/prefetch.py``). Sharded (``--sharding zero2|zero3``,
    FSDP2, ``parallelize.py``): a micro-batch where the rank holds no token and
    is a member of no collective runs as a zero-loss padding micro-batch, and
    ranks add padding micro-batches so that their FSDP collectives match (zero3:
@@ -62,7 +64,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -86,6 +88,7 @@ from trainer_client.checkpoint import (
     step_dir,
 )
 from trainer_client.config import TrainConfig
+from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.data import (
     DataSource,
     GlobalBatch,
@@ -99,20 +102,18 @@ from trainer_client.distributed import ParallelContext, max_over_ranks
 from trainer_client.evaluation import EvalSet
 from trainer_client.export import export_model, load_export_tokenizer
 from trainer_client.loading import ModelLayout, build_training_module
-from trainer_client.loop import decide_plan, micro_batch_packers
+from trainer_client.loop import SkrullBatches
 from trainer_client.loss import micro_batch_loss, run_micro_batch
-from trainer_client.measure import check_profile_machine
 from trainer_client.model import model_shape
 from trainer_client.optim import clip_gradients, warmup_cosine_schedule
-from trainer_client.packing import PackedMicroBatch
 from trainer_client.parallelize import (
     check_compile,
     prepare_micro_batch,
     reduce_gradients,
     reshard,
 )
-from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanSource
-from trainer_client.prefetch import PrefetchedMicroBatches
+from trainer_client.plan_client import MicroBatchTiming
+from trainer_client.profiler.measure import check_profile_machine
 from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume
 from trainer_client.step_metrics import MetricsFile, MicroBatchTimer, StepMetrics, TensorBoardLog
 
@@ -185,18 +186,14 @@ class Trainer:
         self.lr_schedule = warmup_cosine_schedule(self.optimizer, lr=config.lr, warmup_steps=config.warmup_steps,
                                                   total_steps=config.steps, min_lr_ratio=config.min_lr_ratio,
                                                   first_step=self.first_step)
-        self.plans: PlanSource | None = None
-        if parallel.is_main:
-            client = None
-            if config.scheduler_url:
-                client = PlanClient(config.scheduler_url, timeout_s=config.plan_timeout_s,
-                                    max_attempts=config.plan_attempts)
-            self.plans = PlanSource(scheduler=config.scheduler, dp_size=config.dp, cp_size=config.cp,
-                                    model=shape if Path(config.model).is_dir() else config.model,
-                                    bucket_size=self.bucket_size, profile=self.profile, client=client,
-                                    job_id=(config.job_id or uuid.uuid4().hex) if config.feedback else None)
-            self.plans.check_service()
-            self.plans.warm_up()
+        # Plans, packing, plan prefetch and feedback: the loop API a training loop of one's own uses (loop.py).
+        self.batches = SkrullBatches(
+            parallel, model=shape if Path(config.model).is_dir() else config.model, bucket_size=self.bucket_size,
+            scheduler=config.scheduler, scheduler_url=config.scheduler_url or None, profile=self.profile,
+            sharding=self.sharding, pad_token_id=self.pad_token_id, plan_timeout_s=config.plan_timeout_s,
+            plan_attempts=config.plan_attempts,
+            job_id=(config.job_id or uuid.uuid4().hex) if config.feedback and parallel.is_main else None,
+        )
         # On CUDA the timing waits for the device, so only a run that reports it pays for the waits.
         self.timer = MicroBatchTimer(self.device, dp_rank=parallel.dp_rank,
                                      enabled=self.device.type != "cuda" or config.feedback)
@@ -294,19 +291,7 @@ class Trainer:
                 grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
         return grads
 
-    # ------------------------------------------------------------------------------------------------ planning
-
-    def decide(self, batch: GlobalBatch) -> PlanDecision:
-        """Rank 0 decides; every rank receives the decision and checks the plan (``loop.decide_plan``)."""
-        return decide_plan(self.plans, batch, parallel=self.parallel)
-
     # ------------------------------------------------------------------------------------------------ compute
-
-    def packers(self, batch: GlobalBatch, decision: PlanDecision) -> list[Callable[[], PackedMicroBatch]]:
-        """This rank's micro-batches in plan order, each packed when called (``loop.micro_batch_packers``)."""
-        assert decision.plan is not None
-        return micro_batch_packers(batch.samples, decision.plan, parallel=self.parallel, sharding=self.sharding,
-                                   pad_token_id=self.pad_token_id)
 
     def forward_backward(self, batch: GlobalBatch, packs: MicroBatches) -> tuple[float, int]:
         """Accumulate this rank's gradients over ``packs`` (iterated once, in order) and reduce them over all ranks;
@@ -354,7 +339,7 @@ class Trainer:
         self.module.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in self.eval_set.batches:
-            with PrefetchedMicroBatches(self.packers(batch, self.decide(batch)), self.device) as packs:
+            with self.batches.packed(batch, self.batches.decide(batch)) as packs:
                 for pack in packs:
                     if not pack.is_idle:
                         loss_sum += micro_batch_loss(self.module, pack, autocast_dtype=self.autocast_dtype,
@@ -368,11 +353,11 @@ class Trainer:
 
     def train_step(self, step: int, batch: GlobalBatch) -> StepMetrics:
         started = time.perf_counter()
-        decision = self.decide(batch)
-        if self.plans is not None and step + 1 < self.config.steps:
+        decision = self.batches.decide(batch)
+        if self.parallel.is_main and step + 1 < self.config.steps:
             self._next_batch = self.source.batch(step + 1)
-            self.plans.prefetch(step + 1, self._next_batch.sequence_lengths)
-        with PrefetchedMicroBatches(self.packers(batch, decision), self.device) as packs:
+            self.batches.prefetch(self._next_batch)
+        with self.batches.packed(batch, decision) as packs:
             loss, num_loss_tokens = self.forward_backward(batch, packs)
         assert num_loss_tokens == batch.num_loss_tokens, "packing lost or repeated loss tokens"
         grad_norm = clip_gradients(self.params, max_norm=self.config.max_grad_norm)
@@ -383,29 +368,16 @@ class Trainer:
         peak, memory_kind = self.timer.step_peak_memory()
         assert decision.plan is not None
         if self.config.feedback:
-            self.report_feedback(step, batch, decision)
+            self.batches.report(batch, decision, self.micro_batch_timings)
         return StepMetrics(
             step=step, loss=loss, tokens=batch.num_tokens, loss_tokens=num_loss_tokens, step_time_s=step_time_s,
             tokens_per_s=batch.num_tokens / step_time_s, plan_source=decision.origin.value,
             scheduler=decision.scheduler, estimated_time_ms=decision.estimated_time_ms,
             num_micro_batches=decision.plan.num_micro_batches, micro_batch_time_s=self.micro_batch_time_s,
             num_padding_micro_batches=self.num_padding_micro_batches,
-            plan_fallbacks=self.plans.num_fallbacks if self.plans is not None else 0, lr=lr, grad_norm=grad_norm,
+            plan_fallbacks=self.batches.num_fallbacks, lr=lr, grad_norm=grad_norm,
             peak_memory_bytes=peak, memory_kind=memory_kind,
         )
-
-    def report_feedback(self, step: int, batch: GlobalBatch, decision: PlanDecision) -> None:
-        """Gather every rank's micro-batch timings on rank 0, which reports them (every rank must call this)."""
-        gathered: list[list[MicroBatchTiming]] | None = [[] for _ in range(dist.get_world_size())] \
-            if self.parallel.is_main else None
-        dist.gather_object(self.micro_batch_timings, gathered, dst=0, group=self.parallel.object_group)
-        if self.plans is not None and gathered is not None and step > 0:  # step 0 pays one-off warm-up
-            assert decision.plan is not None
-            timings = [timing for rank_timings in gathered for timing in rank_timings]
-            memory_budget = (float(torch.cuda.get_device_properties(self.device).total_memory)
-                             if self.device.type == "cuda" else None)
-            self.plans.report(step, decision.plan, batch.sequence_lengths, timings,
-                              memory_budget_bytes=memory_budget)
 
     def batch(self, step: int) -> GlobalBatch:
         """Global batch ``step``, built once: rank 0 reuses the one it built for the prefetch."""
@@ -454,8 +426,7 @@ class Trainer:
         return history
 
     def close(self) -> None:
-        if self.plans is not None:
-            self.plans.close()
+        self.batches.close()
         if self._metrics_file is not None:
             self._metrics_file.close()
         if self._tensorboard is not None:

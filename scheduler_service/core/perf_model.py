@@ -45,7 +45,7 @@
   nodes reads the profile's inter-node tables (``communication.inter_node``) by the same rules; a profile
   without them refuses such a group (``InvalidRequestError`` naming the profile and the field) rather than
   pricing it at intra-node speed. ``gpus_per_node`` None: every group lies on one node.
-* Overlap (what the trainer does, ``trainer_client/attention.py``): per layer
+* Overlap (what the trainer does, ``trainer_client/dacp/attention.py``): per layer
   the all-gather of K/V runs while the rank's local attention forward runs, and
   the reduce-scatter of dK/dV while its local attention backward runs; the
   linear layers overlap nothing. ``costing.exposed_comm_s`` is what is left visible.

@@ -11,7 +11,7 @@ The profiler measures one sequence of ``S`` tokens run whole on a rank and zigza
   FLOPs and ``other`` the model's remaining terms; per query length the median, relative to the longest query
   measured. The result is the profile's ``compute.attention_efficiency`` curve, or the reason there is none.
 
-Pure: the model in, numbers and verdicts out; the profiler (``trainer_client.profile_document``) writes them.
+Pure: the model in, numbers and verdicts out; the profiler (``trainer_client.profiler.document``) writes them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ follows every tensor storage's life) counts the bytes live at the peak —
 exact for tensors, blind to the allocator's own slack, and blind to tensors
 made before it starts, which are counted apart. Either counts every tensor
 alive, the model's shards and optimizer states included: what of it is static
-memory is the memory model's to say (``profile_sweeps``). Collectives time the
+memory is the memory model's to say (``sweeps``). Collectives time the
 exact calls DACP attention makes (``torch_compat``'s ``all_gather_single`` and ``reduce_scatter_single``;
 ``all_to_all_single`` for the Ulysses comparison), launched and waited as it
 does, after a lead of compute where the caller gives one (the collectives of
@@ -35,8 +35,8 @@ from torch.distributed.tensor import DTensor
 
 from scheduler_service.core.plan import MicroBatch
 from scheduler_service.core.profile import Profile
+from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.data import Sample
-from trainer_client.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.torch_compat import torch_apis, torch_release
 
 __all__ = [

@@ -29,7 +29,7 @@ from types import TracebackType
 
 import torch
 
-from trainer_client.packing import PackedMicroBatch
+from trainer_client.dacp.packing import PackedMicroBatch
 
 __all__ = ["PrefetchedMicroBatches"]
 

@@ -1,4 +1,4 @@
-"""The profile document: what the sweeps measured (``profile_sweeps.Measurements``), fitted and written as a
+"""The profile document: what the sweeps measured (``sweeps.Measurements``), fitted and written as a
 ``skrull_proto.ProfileDocument``, section by section, each checked by the format's model as it is built.
 
 Every fit sits beside the points it was fitted to and a ``source`` saying how they were measured: ``compute``
@@ -37,7 +37,7 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, fit_compute, fit_memory
 from scheduler_service.core.profile import parse_profile
 from scheduler_service.core.shard_effect import derive_attention_efficiency, shard_effect_rows
-from trainer_client.profile_sweeps import Measurements, ProfileOptions, compute_points
+from trainer_client.profiler.sweeps import Measurements, ProfileOptions, compute_points
 
 __all__ = ["LinkTables", "build_document", "compute_form", "compute_section", "document_json", "refit_compute",
            "split_by_node", "with_shard_effect"]

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainer_client.packing import DacpMetadata, ShardedSpec
+from trainer_client.dacp.packing import DacpMetadata, ShardedSpec
 from trainer_client.torch_compat import torch_apis
 
 __all__ = [

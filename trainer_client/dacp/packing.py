@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from scheduler_service.core.plan import MicroBatch, cp_blocks
+from trainer_client.dacp.zigzag import padded_length, zigzag_positions
 from trainer_client.data import IGNORE_INDEX, Sample
-from trainer_client.zigzag import padded_length, zigzag_positions
 
 __all__ = [
     "DacpMetadata",

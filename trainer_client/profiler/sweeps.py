@@ -20,7 +20,7 @@ DACP attention, loss, backward).
   Timed from a barrier instead, with the other ranks idle, the collectives of 4 ranks sharing 2 cores measure a
   quarter of what the trainer waits in them (dp 1 × cp 4, deepspeed's micro-batches). When the world spans
   nodes (``LOCAL_WORLD_SIZE`` < ``WORLD_SIZE``, as torchrun sets them), the world and the blocks larger than a
-  node cross nodes: the profile document files those tables as inter-node ones (``profile_document``);
+  node cross nodes: the profile document files those tables as inter-node ones (``document``);
 * **the shard-size effect** of the paper's Figure 1(b) (world size > 1): one sequence computed whole on every
   rank vs as zigzag shards over every aligned block of ``d`` ranks at once (each block its own copy, so every
   rank works), for ``d`` each hybrid group size and the whole world (``shard_degrees``, ``shard_micro_batch``).
@@ -50,11 +50,20 @@ from scheduler_service.core.memory import static_bytes_per_parameter
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import ComputeFit, ComputePoint, eq13_flops, fit_compute
 from scheduler_service.core.plan import MicroBatch, ShardedGroup, block_degrees, cp_blocks
-from trainer_client.attention import AttentionBackend, resolve_backend
+from trainer_client.dacp.attention import AttentionBackend, resolve_backend
+from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.distributed import ParallelContext, ParallelDims, destroy_groups, init_parallel, max_over_ranks
 from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.loss import run_micro_batch
-from trainer_client.measure import (
+from trainer_client.model import model_shape
+from trainer_client.parallelize import (
+    ActivationCheckpointing,
+    Sharding,
+    check_compile,
+    check_compile_layout,
+    prepare_micro_batch,
+)
+from trainer_client.profiler.measure import (
     COLLECTIVES,
     collective_latency_s,
     device_memory_bytes,
@@ -66,15 +75,6 @@ from trainer_client.measure import (
     state_bytes,
     timed_runs,
     utc_now,
-)
-from trainer_client.model import model_shape
-from trainer_client.packing import PackedMicroBatch, pack_micro_batch
-from trainer_client.parallelize import (
-    ActivationCheckpointing,
-    Sharding,
-    check_compile,
-    check_compile_layout,
-    prepare_micro_batch,
 )
 
 __all__ = [
@@ -90,7 +90,7 @@ __all__ = [
     "shard_micro_batch",
 ]
 
-GROUP_COLLECTIVES = ("all_gather", "reduce_scatter")  # what a hybrid group's attention runs (attention.py)
+GROUP_COLLECTIVES = ("all_gather", "reduce_scatter")  # what a hybrid group's attention runs (dacp/attention.py)
 
 
 CPU_SIZES = (64, 128, 256, 512, 1024, 2048)

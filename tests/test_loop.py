@@ -1,0 +1,47 @@
+"""The loop API on 2 gloo ranks: every plan is checked exactly once on every rank, whichever rank planned it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch.distributed as dist
+
+import scheduler_service.core.planner
+import trainer_client.loop
+from trainer_client.data import make_source
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
+from trainer_client.loop import SkrullBatches
+
+BUCKET_SIZE = 1024
+SCHEDULERS = ("skrull", "deepspeed")  # the compiled path (checked as places) and a plan checked as it is
+
+
+def _count_checks(out_dir: Path) -> None:
+    parallel = init_parallel(ParallelDims(dp_size=2, cp_size=1))
+    counts: dict[str, int] = {}
+    where = {"loop": (trainer_client.loop, ("check_plan",)),
+             "planner": (scheduler_service.core.planner, ("check_plan", "check_places"))}
+    for module, names in where.values():
+        for name in names:
+            checker = getattr(module, name)
+
+            def counted(*args: object, _checker=checker, **kwargs: object) -> object:
+                counts[scheduler] = counts.get(scheduler, 0) + 1
+                return _checker(*args, **kwargs)
+
+            setattr(module, name, counted)
+    source = make_source("synthetic:lmsys", global_batch_size=8, vocab_size=1024, max_length=BUCKET_SIZE, seed=0)
+    for scheduler in SCHEDULERS:
+        with SkrullBatches(parallel, model="tiny", bucket_size=BUCKET_SIZE, scheduler=scheduler) as batches:
+            counts[scheduler] = 0  # rank 0's warm-up plans are checked too; only the batches' plans are counted
+            for step in range(2):
+                batches.plan(source.batch(step))
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(counts))
+
+
+def test_each_plan_is_checked_once_on_every_rank(tmp_path: Path) -> None:
+    spawn_gloo(_count_checks, 2, tmp_path)
+    for rank in range(2):
+        counts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert counts == {scheduler: 2 for scheduler in SCHEDULERS}, f"rank {rank}: checks per scheduler {counts}"
