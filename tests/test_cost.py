@@ -38,7 +38,7 @@ def test_estimate_bounds_the_plan_and_sizes_its_answer(scheduler: SchedulerName)
         request = request.model_copy(update={"scheduler": scheduler.value})
         problem = request_to_problem(request)
         cost = plan_cost(problem, scheduler)
-        body = plan_request(request, PlanLimits()).body
+        body = plan_request(request, PlanLimits()).answer(job_state=None)
         num_micro_batches = sum(len(dp_rank["micro_batches"]) for dp_rank in json.loads(body)["dp_ranks"])
         assert num_micro_batches <= cost.num_micro_batches
         assert cost.cells >= baseline_cells(problem.num_sequences, problem.cp_size)
@@ -50,7 +50,7 @@ def test_estimate_bounds_the_plan_and_sizes_its_answer(scheduler: SchedulerName)
 def test_breakdown_answers_are_estimated_with_their_per_rank_estimates() -> None:
     request = PlanRequest(sequence_lengths=[1000] * 32, dp_size=1, cp_size=64, bucket_size=16, breakdown=True)
     cost = plan_cost(request_to_problem(request), SchedulerName.SKRULL, breakdown=True)
-    body = plan_request(request, PlanLimits()).body
+    body = plan_request(request, PlanLimits()).answer(job_state=None)
     assert len(body) / 2 <= cost.answer_bytes <= 2 * len(body)
 
 

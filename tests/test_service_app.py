@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -449,29 +452,96 @@ def test_a_capped_job_plans_with_or_without_bucket_size_alike() -> None:
         assert "skrull_feedback_bucket_lowered_total 2.0" in client.get("/metrics").text
 
 
-def test_a_plan_validates_its_request_once(monkeypatch: pytest.MonkeyPatch) -> None:
+# What admitting a /plan request does, each exactly once wherever it runs (``_count_admission``).
+_ADMISSION_STEPS = ("parse", "search_budget", "validate", "cost")
+_ADMISSION_LOG_ENV = "SKRULL_TEST_ADMISSION_LOG"
+
+
+def _count_admission(log: Path, patch: Callable[[object, str, Any], None]) -> None:
+    """Make this process append a line ``<pid> <step>`` to ``log`` at every step of a /plan request's admission:
+    its parse (any validation of a ``PlanRequest``), its search budget's check, its validation by the core
+    (``make_problem``) and its cost estimate."""
+    from scheduler_service.contract import wire
     from scheduler_service.runtime import service, work
 
-    calls: list[PlanRequest] = []
-    build = service.request_to_problem
+    def write(step: str) -> None:
+        with log.open("a") as file:
+            file.write(f"{os.getpid()} {step}\n")
 
-    def counting(request: PlanRequest, **kwargs: Any) -> Any:
-        calls.append(request)
-        return build(request, **kwargs)
+    def counted(step: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            write(step)
+            return fn(*args, **kwargs)
+        return counting
 
-    # Validated in the facade (cpsat, before taking a solver slot) or where it is planned, never in both.
-    monkeypatch.setattr(service, "request_to_problem", counting)
-    monkeypatch.setattr(work, "request_to_problem", counting)
+    class CountingValidator:
+        def __init__(self, validator: Any) -> None:
+            self._validator = validator
+
+        def __getattr__(self, name: str) -> Any:
+            attribute = getattr(self._validator, name)
+            return counted("parse", attribute) if name.startswith("validate_") else attribute
+
+    patch(PlanRequest, "__pydantic_validator__", CountingValidator(PlanRequest.__pydantic_validator__))
+    patch(wire, "make_problem", counted("validate", wire.make_problem))
+    patch(work, "plan_cost", counted("cost", work.plan_cost))
+    for module in (service, work):
+        patch(module, "check_search_budget", counted("search_budget", module.check_search_budget))
+    write("started")
+
+
+def _init_counting_worker() -> None:
+    """A pool process's own initializer, then the counters (the pools spawn: nothing patched here reaches them)."""
+    from scheduler_service.runtime import pools
+
+    pools._init_worker()  # this process's own module, not the test's patched one
+    _count_admission(Path(os.environ[_ADMISSION_LOG_ENV]), setattr)
+
+
+def test_a_plan_is_parsed_validated_and_costed_once_in_every_process(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    from scheduler_service.runtime import pools
+
+    log = tmp_path / "admission.log"
+    monkeypatch.setenv(_ADMISSION_LOG_ENV, str(log))
+    monkeypatch.setattr(pools, "_init_worker", _init_counting_worker)
+    _count_admission(log, monkeypatch.setattr)
+
+    def steps() -> dict[str, Counter[str]]:
+        """Steps of the requests since the last call, by step: how many in this process and in pool processes."""
+        lines = [line.split() for line in log.read_text().splitlines()]
+        log.write_text("")
+        counts: dict[str, Counter[str]] = {step: Counter() for step in (*_ADMISSION_STEPS, "started")}
+        for pid, step in lines:
+            counts[step]["here" if int(pid) == os.getpid() else "pool"] += 1
+        return counts
+
     body: dict[str, Any] = {"sequence_lengths": FEEDBACK_LENGTHS, "dp_size": 1, "cp_size": 2, "model": "tiny",
                             "job_id": "once", "bucket_size": 4096}
-    with TestClient(create_app(service_settings(warmup=False, access_log=False))) as client:
+    # A search budget over inline_max_search_budget sends a plan to the heavy pool.
+    settings = service_settings(warmup=False, access_log=False, inline_max_search_budget=8)
+    with TestClient(create_app(settings)) as client:
         assert client.post("/plan", json=body).status_code == 200
         client.post("/feedback", json=_memory_report("once"))
-        calls.clear()
-        response = client.post("/plan", json=body)  # a job with a refit profile and a lowered bucket
-        assert response.status_code == 200 and response.json()["bucket_size"] == 871
-        assert len(calls) == 1
-        calls.clear()
-        response = client.post("/plan", json={**body, "scheduler": "cpsat", "time_limit_s": 0.5})
-        assert response.status_code == 200, response.text
-        assert len(calls) == 1  # here; the solver process builds its own
+        steps()
+        for where, request in (("inline", body), ("heavy pool", {**body, "search_budget": 16}),
+                               ("cpsat pool", {**body, "scheduler": "cpsat", "time_limit_s": 0.5})):
+            response = client.post("/plan", json=request)  # a job with a refit profile and a lowered bucket
+            assert response.status_code == 200, response.text
+            assert response.json()["bucket_size"] == 871
+            counts = steps()
+            if where != "inline":  # the pool's process counts too: it was started with the counters
+                assert counts.pop("started") == Counter(pool=1), where
+            once_here = {step: {"here": 1} for step in _ADMISSION_STEPS}
+            assert {step: dict(counts[step]) for step in _ADMISSION_STEPS} == once_here, where
+
+
+def test_a_heavy_request_refused_while_validated_frees_its_pool_slot() -> None:
+    # The heavy pool's only slot is taken before validation; a refused request must give it back.
+    settings = service_settings(warmup=False, access_log=False, inline_max_cells=0, heavy_workers=1, heavy_queue=0)
+    with TestClient(create_app(settings)) as client:
+        for _ in range(2):
+            bad = client.post("/plan", json=plan_body(sequence_lengths=[*MIXED_LENGTHS, 10**9]))
+            assert_problem(bad, 422, field="sequence_lengths[16]")
+        assert client.app.state.planner.heavy_pool.in_flight == 0
+        assert client.post("/plan", json=plan_body()).status_code == 200

@@ -70,7 +70,7 @@ def test_cpsat_time_limit_is_capped_by_settings() -> None:
         run = pool.run
 
         async def recording_run(fn: Any, *args: Any, expected_s: float, watch: Any) -> Any:
-            given.append((args[2], expected_s))  # plan_in_worker(request, limits, time_limit_s, ...)
+            given.append((args[0].time_limit_s, expected_s))  # plan_validated(validated)
             return await run(fn, *args, expected_s=expected_s, watch=watch)
 
         pool.run = recording_run

@@ -1,6 +1,6 @@
 """The service writes a plan's answer from plain data with orjson (``wire.result_to_response_data``), not through
 the pydantic models: it must be byte for byte what ``PlanResponse`` would serialise, for every scheduler, with
-hybrid groups, a per-CP-rank breakdown and a CP-SAT report."""
+hybrid groups, a per-CP-rank breakdown, a CP-SAT report and a job store's state."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import dataclasses
 import numpy as np
 import orjson
 import pytest
-from skrull_proto import PlanResponse
+from skrull_proto import PlanRequest, PlanResponse
 
 from scheduler_service.contract.wire import result_to_response, result_to_response_data
-from scheduler_service.core.plan import SolverReport, make_problem
+from scheduler_service.core.plan import PlanLimits, SolverReport, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, PlanResult, make_plan
 from scheduler_service.core.samplers import sample_lengths
+from scheduler_service.runtime.work import plan_validated, validate_request
 from tests.grouped_plans import GROUPED_PLAN, result_of
 from tests.problem_builders import with_floor
 
@@ -54,3 +55,13 @@ def test_a_launch_bound_breakdown_adds_up_and_names_the_floor_only_where_there_i
         for rank in ranks:
             parts = ("local_ms", "distributed_ms", "sharded_ms", "fixed_ms", "exposed_comm_ms", "launch_bound_ms")
             assert sum(rank.get(part, 0.0) for part in parts) == pytest.approx(rank["time_ms"], abs=1e-5)
+
+
+@pytest.mark.parametrize("job_state", [None, "unavailable: file is not a database"])
+def test_the_services_answer_carries_job_state_where_the_model_writes_it(job_state: str | None) -> None:
+    request = PlanRequest(sequence_lengths=[812, 30311, 97, 4096, 1500, 256], dp_size=2, cp_size=4, breakdown=True)
+    batch = plan_validated(validate_request(request, PlanLimits(), search_budget=None))
+    plan = PlanResponse.model_validate_json(batch.answer(None))
+    assert plan.job_state is None
+    expected = plan.model_copy(update={"job_state": job_state}).model_dump_json().encode()
+    assert batch.answer(job_state) == expected

@@ -4,9 +4,13 @@ A ``WorkerPool`` is a bounded ``ProcessPoolExecutor`` (spawned, niced
 processes) with admission control: at most ``workers + queue`` tasks are
 admitted at once, and the next is refused at once with ``ServiceBusyError``
 (429) and the seconds until the soonest admitted one should end
-(Retry-After). Its tasks call ``work`` in the pool process and send
-back a plan's bytes, a job id or a refit job; a planning error is raised in
-the caller as it was raised in the process (core errors pickle).
+(Retry-After); ``admit`` takes the slot before a task's arguments are
+prepared, so a request refused for a full pool costs no more work. Its tasks
+call ``work`` in the pool process: they plan a request validated before it
+was sent (``work.plan_validated``) and send back the plan, its bulk as JSON
+bytes, or they parse and refit a report and send back a job id or a refit
+job; an error is raised in the caller as it was raised in the process (core
+errors pickle).
 
 Pool processes exit when the server process is gone, even after a SIGKILL
 (``lifeline``).
@@ -30,14 +34,13 @@ from skrull_proto import PlanRequest, SchedulerName
 
 from scheduler_service.core.feedback import JobFeedback
 from scheduler_service.core.plan import PlanLimits
-from scheduler_service.core.profile import Profile
 from scheduler_service.runtime.errors import ServiceBusyError, ServiceUnavailableError
 from scheduler_service.runtime.events import ClientWatch, ServiceEvents
 from scheduler_service.runtime.lifeline import end_with_parent, exit_now
 from scheduler_service.runtime.parsing import parse_feedback_request
-from scheduler_service.runtime.work import CostLimits, PlannedBatch, plan_request, refit_job
+from scheduler_service.runtime.work import plan_request, refit_job
 
-__all__ = ["WorkerPool", "feedback_job_id_in_worker", "plan_in_worker", "refit_in_worker", "warm_cpsat_worker"]
+__all__ = ["PoolSlot", "WorkerPool", "feedback_job_id_in_worker", "refit_in_worker", "warm_cpsat_worker"]
 
 logger = logging.getLogger("scheduler_service.runtime.pools")
 
@@ -89,10 +92,10 @@ class WorkerPool:
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_init_worker)
 
-    async def run(self, fn: Callable[..., T], *args: object, expected_s: float, watch: ClientWatch | None) -> T:
-        """``fn(*args)`` in a pool process, admitted or refused at once. The slot is held until the task really
-        ends, even if its request stops waiting (``watch``: the client hung up): the process is busy until then.
-        A task still queued when its request stops waiting is dropped."""
+    def admit(self, *, expected_s: float) -> PoolSlot:
+        """A slot for one task, or ``ServiceBusyError`` (429) at once, before the task's arguments are prepared:
+        a request the pool cannot take costs no more work. Used as a context manager, which frees a slot no task
+        was run in."""
         now = time.monotonic()
         if self.in_flight >= self.capacity:
             self._events.pool_refused(self.name)
@@ -100,8 +103,7 @@ class WorkerPool:
             raise ServiceBusyError(
                 f"the {self.name} pool is full ({self.workers} working + {self.capacity - self.workers} waiting); "
                 f"retry later{self._alternative}", retry_after_s=max(1, math.ceil(soonest_s)), limit=self.capacity)
-        executor = self._executor
-        if executor is None:
+        if self._executor is None:
             raise ServiceUnavailableError(f"the {self.name} pool is not running")
         ticket = self._next_ticket
         self._next_ticket += 1
@@ -109,13 +111,30 @@ class WorkerPool:
         queued_behind = max(0, self.in_flight - self.workers + 1)
         self._deadlines[ticket] = now + expected_s * (1 + queued_behind)
         self._events.pool_admitted(self.name)
+        return PoolSlot(self, ticket, patience_s=_POOL_PATIENCE * expected_s * (1 + queued_behind) + _POOL_GRACE_S,
+                        expected_s=expected_s)
+
+    async def run(self, fn: Callable[..., T], *args: object, expected_s: float, watch: ClientWatch | None) -> T:
+        """``fn(*args)`` in a pool process, admitted or refused at once (``admit``)."""
+        with self.admit(expected_s=expected_s) as slot:
+            return await slot.run(fn, *args, watch=watch)
+
+    async def _run_admitted(self, slot: PoolSlot, fn: Callable[..., T], *args: object,
+                            watch: ClientWatch | None) -> T:
+        """The slot is held until the task really ends, even if its request stops waiting (``watch``: the client
+        hung up): the process is busy until then. A task still queued when its request stops waiting is
+        dropped."""
+        executor = self._executor
+        if executor is None:
+            raise ServiceUnavailableError(f"the {self.name} pool is not running")
         try:
             future = executor.submit(fn, *args)
         except (BrokenProcessPool, RuntimeError) as error:
-            self._release(ticket)
             self._replace_broken(executor)
             raise ServiceUnavailableError(f"the {self.name} pool is unavailable; retry") from error
+        slot.submitted = True
         loop = asyncio.get_running_loop()
+        ticket = slot.ticket
 
         def release_on_loop(_: Future[T]) -> None:
             # Runs on the pool's manager thread; the bookkeeping stays on the event loop. A closed loop means the
@@ -127,13 +146,13 @@ class WorkerPool:
         try:
             result = asyncio.wrap_future(future)
             return await asyncio.wait_for(result if watch is None else watch.until_gone(result),
-                                          timeout=_POOL_PATIENCE * expected_s * (1 + queued_behind) + _POOL_GRACE_S)
+                                          timeout=slot.patience_s)
         except BrokenProcessPool as error:
             self._replace_broken(executor)
             raise ServiceUnavailableError(f"a {self.name} pool process died; retry") from error
         except TimeoutError as error:
             raise ServiceUnavailableError(f"the {self.name} pool did not finish within {_POOL_PATIENCE:g} × "
-                                          f"{expected_s:g} s plus grace") from error
+                                          f"{slot.expected_s:g} s plus grace") from error
 
     def _release(self, ticket: int) -> None:
         if self._deadlines.pop(ticket, None) is not None:
@@ -146,6 +165,30 @@ class WorkerPool:
             logger.error("a pool broke; started a new one", extra={"pool": self.name})
 
 
+class PoolSlot:
+    """One task's admission to a ``WorkerPool`` (``admit``), held until the task it runs ends; freed on leaving
+    the ``with`` block when no task was run in it (its request was refused while it was prepared)."""
+
+    def __init__(self, pool: WorkerPool, ticket: int, *, patience_s: float, expected_s: float) -> None:
+        self.pool = pool
+        self.ticket = ticket
+        self.patience_s = patience_s  # how long the request waits for its task before giving it up (503)
+        self.expected_s = expected_s
+        self.submitted = False  # from then on the task's end frees the slot
+
+    def __enter__(self) -> PoolSlot:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if not self.submitted:
+            self.pool._release(self.ticket)
+
+    async def run(self, fn: Callable[..., T], *args: object, watch: ClientWatch | None) -> T:
+        """``fn(*args)`` in a pool process, in this slot (once)."""
+        assert not self.submitted, "a slot runs one task"
+        return await self.pool._run_admitted(self, fn, *args, watch=watch)
+
+
 # ---- the pool process side -----------------------------------------------------------------------------------
 
 def _init_worker() -> None:
@@ -153,16 +196,6 @@ def _init_worker() -> None:
     # A pool process otherwise outlives a server killed with SIGKILL: it holds both ends of its task queue, so it
     # never reads an end of file.
     end_with_parent(exit_now)
-
-
-def plan_in_worker(
-    request_json: bytes, limits: PlanLimits, time_limit_s: float | None, extra_profiles: dict[str, Profile],
-    job: JobFeedback | None, cost_limits: CostLimits,
-) -> PlannedBatch:
-    """``plan_request`` in a pool process; a planning error is raised to the caller as it is (errors pickle)."""
-    request = PlanRequest.model_validate_json(request_json)
-    return plan_request(request, limits, time_limit_s, extra_profiles=extra_profiles, job=job,
-                        cost_limits=cost_limits)
 
 
 def feedback_job_id_in_worker(body: bytes) -> str:

@@ -1,5 +1,12 @@
 """Where plans are made: inline on the event loop, in the heavy pool, or in the CP-SAT pool.
 
+A ``/plan`` body has one admission path (``PlanningService.plan``): it is
+parsed, its shape bounded, its job read, and its values validated and costed
+(``work.validate_request``), each exactly once and in this process; the pools
+receive what was validated (``work.ValidatedPlan``) and only plan it. Bodies
+over 64 KB are parsed, and batches larger than an inline plan validated, in a
+worker thread, so the event loop keeps answering.
+
 Every plan's cost is estimated from its shape before any work (``cost``:
 cells = micro-batches × ``cp_size`` local lists, plus sequences; and the
 answer's bytes):
@@ -14,20 +21,21 @@ answer's bytes):
   any work; one over ``inline_max_search_budget`` (a larger budget searches
   longer: up to about a second on 256 sequences) sends the request to the
   heavy pool whatever its size;
-* anything larger is validated and planned in the *heavy pool*, a bounded
+* anything larger is planned in the *heavy pool*, a bounded
   ``ProcessPoolExecutor`` (spawned, niced processes), so the event loop keeps
   answering ``/healthz``, ``/readyz`` and ``/metrics`` whatever the load, and
-  the server's own memory does not grow with the plans (the answer comes back
+  the server's own memory does not grow with the plans (the plan comes back
   as bytes, with a small summary for the metrics). At most ``heavy_workers +
-  heavy_queue`` requests are admitted; the next gets ``ServiceBusyError`` (429)
-  with the seconds until the soonest admitted one should end (Retry-After).
-* wherever it is validated, the full estimate (micro-batches from the bucket
-  size, answer bytes with or without a breakdown) is checked against
-  ``max_plan_cells`` and ``max_answer_bytes`` before planning.
+  heavy_queue`` requests are admitted, before they are validated; the next
+  gets ``ServiceBusyError`` (429) with the seconds until the soonest admitted
+  one should end (Retry-After).
+* the full estimate (micro-batches from the bucket size, answer bytes with or
+  without a breakdown) is checked against ``max_plan_cells`` and
+  ``max_answer_bytes`` as the request is validated, before planning.
 * ``cpsat`` runs in its own pool of the same kind (``cpsat_workers`` +
   ``cpsat_queue``), with the request's time limit capped by the settings, so
   exact solves never delay heuristic plans; its batches are small, so they are
-  validated here first and bad input never costs a solver slot.
+  validated before taking a slot and bad input never costs a solver slot.
 * ``/feedback`` reports are estimated from their raw body (``cost``), refused
   over ``max_feedback_cells``, and parsed and refit in the heavy pool above
   ``inline_max_cells``.
@@ -66,19 +74,18 @@ Profiles and feedback (state this service keeps):
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TypeVar
 
+import anyio.to_thread
 from skrull_proto import FeedbackResponse, JobProfileRequest, PlanRequest, ProfileDocument, SchedulerName
 from skrull_proto.advise import AdviseRequest
 
-from scheduler_service.contract.wire import (
-    document_to_profile,
-    job_to_feedback_response,
-    request_model,
-    request_to_problem,
-)
+from scheduler_service.contract.wire import document_to_profile, job_to_feedback_response, request_model
 from scheduler_service.core import feedback as core_feedback
 from scheduler_service.core import jit
 from scheduler_service.core.errors import InvalidRequestError
@@ -96,30 +103,27 @@ from scheduler_service.runtime.errors import (
 )
 from scheduler_service.runtime.events import ClientWatch, ServiceEvents
 from scheduler_service.runtime.job_store import StoredJob, job_key, open_job_store
-from scheduler_service.runtime.parsing import check_json_media_type, parse_feedback_request
-from scheduler_service.runtime.pools import (
-    WorkerPool,
-    feedback_job_id_in_worker,
-    plan_in_worker,
-    refit_in_worker,
-    warm_cpsat_worker,
-)
+from scheduler_service.runtime.parsing import check_json_media_type, parse_feedback_request, parse_plan_request
+from scheduler_service.runtime.pools import WorkerPool, feedback_job_id_in_worker, refit_in_worker, warm_cpsat_worker
 from scheduler_service.runtime.profiles import ProfileFolder
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.runtime.work import (
     CostLimits,
-    PlannedBatch,
     check_search_budget,
-    job_problem,
-    plan_request,
+    plan_validated,
     refit_job,
+    validate_request,
     warm_planner,
 )
 
 __all__ = ["PlanningService"]
 
+T = TypeVar("T")
+
 logger = logging.getLogger("scheduler_service.runtime.service")
 
+# Bodies up to this size (about 10,000 sequences) are parsed on the event loop; larger ones in a thread.
+_INLINE_MAX_BODY_BYTES = 64 << 10
 # Seconds per cell of the slowest measured plans (2 cores): only feeds Retry-After and the give-up time.
 _SECONDS_PER_CELL = 15e-6
 
@@ -325,17 +329,26 @@ class PlanningService:
 
     # -- planning
 
-    async def plan(self, request: PlanRequest, *, watch: ClientWatch | None = None) -> PlannedBatch:
-        """Where a plan runs is decided from the request's shape, before validating it (~3 µs per sequence):
-        small ones inline; anything larger, validation included, in the heavy pool. ``watch``: stop waiting
-        for a pool when the client hangs up."""
+    async def plan(self, body: bytes, content_type: str | None, *, watch: ClientWatch | None = None,
+                   named: Callable[[SchedulerName], None] | None = None) -> bytes:
+        """The answer to one ``POST /plan`` body: its one admission path. The body is parsed, its shape bounded,
+        its job read, and its values validated and costed, each once and in that order; it is then planned
+        inline, in the heavy pool or in the CP-SAT pool, which receive what was validated. A heavy request takes
+        its pool slot before it is validated (a full pool refuses it before that work); a cpsat request after
+        (bad input never takes a solver slot). ``named``: told the request's scheduler as soon as it is parsed
+        (the metrics label every answer with it). ``watch``: stop waiting for a pool when the client hangs
+        up."""
+        # Parsing (or describing the errors of) a huge body must not stall the event loop.
+        request = await _maybe_in_thread(
+            functools.partial(parse_plan_request, body, content_type, max_sequences=self.settings.max_sequences),
+            inline=len(body) <= _INLINE_MAX_BODY_BYTES)
+        if named is not None:
+            named(request.scheduler)
         if not self.ready:
             raise ServiceUnavailableError("the planner is still warming up")
         profiles = self.profiles  # once: one request sees one version of the folder
         settings = self.settings
-        if request.search_budget is None and settings.search_budget is not None:
-            request = request.model_copy(update={"search_budget": settings.search_budget})
-        cost_limits = CostLimits(max_cells=settings.max_plan_cells, max_answer_bytes=settings.max_answer_bytes)
+        search_budget = settings.search_budget if request.search_budget is None else request.search_budget
         # A cp_size over its limit is left to validation, which names that limit.
         at_least = baseline_cells(len(request.sequence_lengths), min(request.cp_size, self.limits.max_cp_size))
         if at_least > settings.max_plan_cells:  # over the limit whatever the micro-batches: refused at once
@@ -344,7 +357,7 @@ class PlanningService:
                 f"least {at_least} cells (the deepspeed baseline's sequences × cp_size local lists); the service "
                 f"plans at most {settings.max_plan_cells}: use a smaller cp_size or a smaller batch",
                 field="sequence_lengths", limit=settings.max_plan_cells)
-        check_search_budget(request, self.limits)
+        check_search_budget(search_budget, self.limits)
         try:
             job, job_state = self._job_for(request, profiles), None
         except JobStoreUnavailableError:
@@ -352,26 +365,31 @@ class PlanningService:
             job, job_state = None, self.jobs.state
         if job is not None and job.base_registered:
             # The job's own base profile, which the shared profiles do not hold: the request names it, so that it
-            # is validated and planned (its BucketSize derived) with it, wherever it is planned.
+            # is validated (its BucketSize derived) with it.
             profiles = {**profiles, job.base.name: job.base}
             request = request.model_copy(update={"profile": job.base.name})
-        search_budget = request.search_budget or 0
-        if request.scheduler is SchedulerName.CPSAT:
-            batch = await self._plan_cpsat(request, profiles, job, cost_limits, watch)
-        elif at_least <= settings.inline_max_cells and search_budget <= settings.inline_max_search_budget:
-            batch = plan_request(request, self.limits, extra_profiles=profiles, job=job,
-                                 cost_limits=cost_limits)
+        time_limit_s = self._cpsat_time_limit_s(request) if request.scheduler is SchedulerName.CPSAT else None
+        validate = functools.partial(
+            validate_request, request, self.limits, search_budget=search_budget, time_limit_s=time_limit_s,
+            extra_profiles=profiles, job=job,
+            cost_limits=CostLimits(max_cells=settings.max_plan_cells, max_answer_bytes=settings.max_answer_bytes))
+        # Validation costs ~3 µs per sequence: off the event loop for anything larger than an inline plan.
+        validate_inline = at_least <= settings.inline_max_cells
+        if time_limit_s is not None:  # cpsat: validated before taking a slot, so bad input never takes one
+            validated = await _maybe_in_thread(validate, inline=validate_inline)
+            batch = await self.cpsat_pool.run(plan_validated, validated, expected_s=time_limit_s, watch=watch)
+        elif validate_inline and (search_budget or 0) <= settings.inline_max_search_budget:
+            batch = plan_validated(validate())
         else:
             # Planning costs about twice the baseline's cells, plus the search asked for; the estimate only feeds
             # Retry-After and the give-up.
-            expected_s = 2 * at_least * _SECONDS_PER_CELL + search_seconds(search_budget, at_least)
-            batch = await self.heavy_pool.run(plan_in_worker, request.model_dump_json().encode(), self.limits,
-                                              None, profiles, job, cost_limits, expected_s=expected_s, watch=watch)
+            expected_s = 2 * at_least * _SECONDS_PER_CELL + search_seconds(search_budget or 0, at_least)
+            with self.heavy_pool.admit(expected_s=expected_s) as slot:  # a full pool refuses before validation
+                validated = await _maybe_in_thread(validate, inline=validate_inline)
+                batch = await slot.run(plan_validated, validated, watch=watch)
         job_state = self._keep_job(job) or job_state
-        if job_state is not None:
-            batch = batch.with_job_state(job_state)
         self.events.plan_made(batch.summary, num_sequences=len(request.sequence_lengths))
-        return batch
+        return batch.answer(job_state)
 
     async def advise(self, request: AdviseRequest, *, watch: ClientWatch | None = None) -> bytes:
         """The advice document for ``request`` (``advising``): the sample's size is checked here, the request's
@@ -387,10 +405,9 @@ class PlanningService:
             expected_s=expected_s, watch=watch)
         return document
 
-    async def _plan_cpsat(self, request: PlanRequest, profiles: dict[str, Profile], job: JobFeedback | None,
-                          cost_limits: CostLimits, watch: ClientWatch | None) -> PlannedBatch:
-        """Validated here first (a cpsat batch is small): bad input never takes a solver slot. The solver process
-        builds its own problem (it cannot share this one)."""
+    def _cpsat_time_limit_s(self, request: PlanRequest) -> float:
+        """The solver's time limit: the request's, capped by the settings. A batch over ``cpsat_max_sequences`` is
+        refused."""
         settings = self.settings
         if len(request.sequence_lengths) > settings.cpsat_max_sequences:
             raise InvalidRequestError(
@@ -398,10 +415,11 @@ class PlanningService:
                 f"{len(request.sequence_lengths)}; use a heuristic scheduler for larger batches",
                 field="sequence_lengths",
             )
-        problem = request_to_problem(request, limits=self.limits, extra_profiles=profiles)
-        cost_limits.check(job_problem(problem, job), request)
         requested_s = request.time_limit_s or settings.cpsat_default_time_limit_s
-        time_limit_s = min(float(requested_s), settings.cpsat_max_time_limit_s)
-        return await self.cpsat_pool.run(plan_in_worker, request.model_dump_json().encode(), self.limits,
-                                         time_limit_s, profiles, job, cost_limits, expected_s=time_limit_s,
-                                         watch=watch)
+        return min(float(requested_s), settings.cpsat_max_time_limit_s)
+
+
+async def _maybe_in_thread(fn: Callable[[], T], *, inline: bool) -> T:
+    """``fn()`` on the event loop when it is cheap (``inline``), else in a worker thread, which keeps the loop
+    answering probes and small plans meanwhile."""
+    return fn() if inline else await anyio.to_thread.run_sync(fn)

@@ -1,16 +1,18 @@
 """One request's work, synchronously, wherever it runs: planning a batch, refitting a job.
 
-``plan_request`` validates, estimates, plans, checks and simulates one
-``/plan`` request; ``refit_job`` refits a job from one ``/feedback`` report.
-Both are pure functions of their arguments, so ``service.PlanningService``
-calls them inline on the event loop for small requests and ``pools`` runs them
-in pool processes for large ones, with the same results.
+``validate_request`` validates and costs one ``/plan`` request, once, where
+``service.PlanningService`` admits it; ``plan_validated`` plans, checks and
+simulates what it validated; ``refit_job`` refits a job from one ``/feedback``
+report. They are pure functions of their arguments, so the service calls them
+inline on the event loop for small requests and ``pools`` runs the planning and
+the refits in pool processes for large ones, with the same results.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
 import orjson
 from skrull_proto import FeedbackRequest, PlanRequest, SchedulerName
@@ -33,10 +35,13 @@ __all__ = [
     "Placement",
     "PlanSummary",
     "PlannedBatch",
+    "ValidatedPlan",
     "check_search_budget",
     "job_problem",
     "plan_request",
+    "plan_validated",
     "refit_job",
+    "validate_request",
     "warm_planner",
 ]
 
@@ -71,13 +76,33 @@ class PlanSummary:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannedBatch:
-    body: bytes  # the response's JSON, serialized where it was planned: never parsed again on the event loop
+    """A plan made, wherever it was made. ``response`` holds the answer's fields as ``result_to_response_data``
+    spells them, but for ``dp_ranks``, which holds that field's JSON already: the bulk of the answer crosses
+    processes as bytes and is never built again on the event loop. ``job_state`` is known only once the job store
+    was used, after planning: ``answer`` adds it."""
+
+    response: dict[str, Any]
     summary: PlanSummary
 
-    def with_job_state(self, job_state: str) -> PlannedBatch:
-        """The answer with ``job_state``, which the job store's failure sets after the body was written. It is
-        ``PlanResponse``'s last field, and orjson writes no space: it goes before the closing brace."""
-        return replace(self, body=self.body[:-1] + b',"job_state":' + orjson.dumps(job_state) + b"}")
+    def answer(self, job_state: str | None) -> bytes:
+        """The answer's JSON; ``job_state`` is left out when there is none, as ``PlanResponse`` leaves it out."""
+        data = {**self.response, "dp_ranks": orjson.Fragment(self.response["dp_ranks"])}  # in its place
+        if job_state is not None:
+            data["job_state"] = job_state
+        return orjson.dumps(data)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValidatedPlan:
+    """A ``/plan`` request once validated and costed (``validate_request``): what ``plan_validated`` plans, inline
+    or in a pool process, without validating anything again. Picklable: a pool receives it as it is."""
+
+    problem: PlanningProblem  # as the job plans it (``job_problem``)
+    scheduler: CoreSchedulerName
+    search_budget: int | None
+    time_limit_s: float | None  # cpsat's, capped by the service; None: the core's default
+    breakdown: bool
+    bucket_lowered: bool  # the job's memory feedback lowered the bucket_size (requested or derived)
 
 
 def job_problem(problem: PlanningProblem, job: JobFeedback | None) -> PlanningProblem:
@@ -102,9 +127,9 @@ class CostLimits:
     max_cells: int
     max_answer_bytes: int
 
-    def check(self, problem: PlanningProblem, request: PlanRequest) -> None:
+    def check(self, problem: PlanningProblem, scheduler: CoreSchedulerName, *, breakdown: bool) -> None:
         """Refuse ``problem`` (as the job plans it) when its estimate is over a limit, naming limit and estimate."""
-        cost = plan_cost(problem, CoreSchedulerName(request.scheduler.value), breakdown=request.breakdown)
+        cost = plan_cost(problem, scheduler, breakdown=breakdown)
         shape = (f"this plan would hold about {cost.num_micro_batches} micro-batches × cp_size {problem.cp_size} "
                  f"local lists for {problem.num_sequences} sequences, beside the deepspeed baseline's "
                  f"{problem.num_sequences} × {problem.cp_size}: an estimated {cost.cells} cells and a "
@@ -119,42 +144,55 @@ class CostLimits:
                                     limit=self.max_answer_bytes)
 
 
-def check_search_budget(request: PlanRequest, limits: PlanLimits) -> None:
-    """A search budget over the limit is refused before any work."""
-    if request.search_budget is not None and request.search_budget > limits.max_search_budget:
-        raise RequestLimitError(f"search_budget {request.search_budget} is over the service's limit "
+def check_search_budget(search_budget: int | None, limits: PlanLimits) -> None:
+    """A search budget (the request's, or the service's default) over the limit is refused before any work."""
+    if search_budget is not None and search_budget > limits.max_search_budget:
+        raise RequestLimitError(f"search_budget {search_budget} is over the service's limit "
                                 f"{limits.max_search_budget}", field="search_budget", limit=limits.max_search_budget)
 
 
-def plan_request(
-    request: PlanRequest, limits: PlanLimits, time_limit_s: float | None = None,
+def validate_request(
+    request: PlanRequest, limits: PlanLimits, *, search_budget: int | None, time_limit_s: float | None = None,
     extra_profiles: dict[str, Profile] | None = None, job: JobFeedback | None = None,
     cost_limits: CostLimits | None = None,
-) -> PlannedBatch:
-    """Validate, estimate, plan, check and simulate one request (any scheduler), synchronously.
-
-    ``job``: the request's feedback state; its refit profile replaces the named one and its memory cap lowers
-    the BucketSize. ``cost_limits``: refuse the request before planning when its estimate is over them.
-    """
+) -> ValidatedPlan:
+    """Validate a request's values with the core, as ``job`` plans it (its refit profile, its memory cap on the
+    BucketSize), and refuse it when its estimate is over ``cost_limits``: the one place a ``/plan`` request's
+    values are validated and costed, once per request, before it is planned anywhere."""
     base = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
     problem = job_problem(base, job)
-    check_search_budget(request, limits)
+    scheduler = CoreSchedulerName(request.scheduler)
     if cost_limits is not None:
-        cost_limits.check(problem, request)
-    if time_limit_s is None:
-        result = make_plan(problem, request.scheduler, search_budget=request.search_budget)
+        cost_limits.check(problem, scheduler, breakdown=request.breakdown)
+    return ValidatedPlan(problem=problem, scheduler=scheduler, search_budget=search_budget,
+                         time_limit_s=time_limit_s, breakdown=request.breakdown,
+                         bucket_lowered=problem.bucket_size < base.bucket_size)
+
+
+def plan_validated(validated: ValidatedPlan) -> PlannedBatch:
+    """Plan, check and simulate a validated request (any scheduler), synchronously: inline or in a pool process."""
+    problem = validated.problem
+    if validated.time_limit_s is None:
+        result = make_plan(problem, validated.scheduler, search_budget=validated.search_budget)
     else:
-        result = make_plan(problem, request.scheduler, time_limit_s=time_limit_s,
-                           search_budget=request.search_budget)
+        result = make_plan(problem, validated.scheduler, time_limit_s=validated.time_limit_s,
+                           search_budget=validated.search_budget)
     # Written by orjson from plain data, not through the pydantic models (a test checks it is the same JSON).
-    response = result_to_response_data(result, breakdown=request.breakdown)
+    response = result_to_response_data(result, breakdown=validated.breakdown)
     placements, group_degrees = _placements(result.plan)
     summary = PlanSummary(scheduler=response["scheduler"], bucket_size=response["bucket_size"],
-                          bucket_lowered=problem.bucket_size < base.bucket_size,
-                          solve_time_s=result.solve_time_s, speedup=response["speedup_vs_deepspeed"],
+                          bucket_lowered=validated.bucket_lowered, solve_time_s=result.solve_time_s,
+                          speedup=response["speedup_vs_deepspeed"],
                           solver_status=response["solver"]["status"] if response["solver"] else None,
                           placements=placements, group_degrees=tuple(group_degrees))
-    return PlannedBatch(body=orjson.dumps(response), summary=summary)
+    return PlannedBatch(response={**response, "dp_ranks": orjson.dumps(response["dp_ranks"])}, summary=summary)
+
+
+def plan_request(request: PlanRequest, limits: PlanLimits) -> PlannedBatch:
+    """One request planned in this process as it is, without a service's settings, jobs or cost limits (warm-ups,
+    benchmarks)."""
+    check_search_budget(request.search_budget, limits)
+    return plan_validated(validate_request(request, limits, search_budget=request.search_budget))
 
 
 def warm_planner() -> None:
