@@ -2,10 +2,13 @@
 
 1. Uses the Docker engine that answers, or starts ``dockerd`` (root) and stops it at the end.
 2. Builds both images (``deploy/build-images.sh``, timed).
-3. Runs the scheduler image with its port published on the loopback, waits until Docker reports its health
+3. Looks inside each image, as the user it runs as: not root; the scheduler holds the service and not torch or
+   transformers; the trainer holds the CPU build of the pinned torch and torchrun; neither keeps the build's pip
+   CA secret or settings; the planner's kernel cache is there and the image's user can write it.
+4. Runs the scheduler image with its port published on the loopback, waits until Docker reports its health
    check healthy, then plans a batch through the port (every sequence scheduled exactly once), and loads the
    plan viewer from it.
-4. Runs the compose demo (scheduler + CPU trainer, ``docker-compose.yml``) to completion: every step's loss is
+5. Runs the compose demo (scheduler + CPU trainer, ``docker-compose.yml``) to completion: every step's loss is
    finite and every plan came from the service.
 
 Everything it starts (containers, the compose project, dockerd) is removed or stopped, also on failure. It
@@ -105,6 +108,57 @@ def image_size_mb(image: str) -> float:
     return int(run(DOCKER, "image", "inspect", "-f", "{{.Size}}", image).stdout) / 1e6
 
 
+# Run inside an image by its own user and Python: what a container of it would find.
+PROBE = """
+import importlib.util, json, os, shutil
+present = {name: importlib.util.find_spec(name) is not None
+           for name in ("scheduler_service", "skrull_proto", "fastapi", "uvicorn", "trainer_client", "torch",
+                        "transformers")}
+torch = importlib.import_module("torch") if present["torch"] else None
+cache = os.environ.get("SKRULL_JIT_CACHE_DIR", "")
+print(json.dumps({
+    "uid": os.getuid(), "present": present, "torchrun": shutil.which("torchrun") is not None,
+    "torch": torch.__version__ if torch else None, "cuda": torch.version.cuda if torch else None,
+    "pip_settings": sorted(k for k in os.environ if k.startswith("PIP_")),
+    "ca_secret": [os.path.join(folder, name) for folder, _, files in os.walk("/run/secrets") for name in files
+                  if os.path.getsize(os.path.join(folder, name))],  # BuildKit leaves empty mount points
+    "jit_cache_files": sum(len(files) for _, _, files in os.walk(cache)) if cache else 0,
+    "jit_cache_writable": bool(cache) and os.access(cache, os.W_OK),
+}))
+"""
+
+
+def image_facts(image: str) -> dict[str, object]:
+    """``PROBE``'s findings in ``image``, run as the image's own user."""
+    facts: dict[str, object] = json.loads(run(DOCKER, "run", "--rm", "--entrypoint", "python", image, "-c",
+                                              PROBE).stdout)
+    return facts
+
+
+def check_image_contents() -> None:
+    """Each image holds what its job needs and nothing of the build's secrets, and runs as a user, not root."""
+    [pin] = [line.split("==")[1] for line in (ROOT / "constraints.txt").read_text().splitlines()
+             if line.startswith("torch==")]
+    expected = {
+        SCHEDULER_IMAGE: {"scheduler_service": True, "skrull_proto": True, "fastapi": True, "uvicorn": True,
+                          "torch": False, "transformers": False},
+        TRAINER_IMAGE: {"scheduler_service": True, "skrull_proto": True, "trainer_client": True, "torch": True,
+                        "transformers": True},
+    }
+    for image, modules in expected.items():
+        facts = image_facts(image)
+        present = facts["present"]
+        assert isinstance(present, dict)
+        wrong = {name: present[name] for name, wanted in modules.items() if present[name] != wanted}
+        assert not wrong, f"{image}: modules present (True) or missing (False) against what it needs: {wrong}"
+        assert facts["uid"] != 0, f"{image} runs as root"
+        assert not facts["pip_settings"] and not facts["ca_secret"], f"{image} keeps build settings: {facts}"
+        assert facts["jit_cache_files"] and facts["jit_cache_writable"], f"{image}: no warm kernel cache {facts}"
+        if image == TRAINER_IMAGE:
+            assert str(facts["torch"]).split("+")[0] == pin and facts["cuda"] is None and facts["torchrun"], facts
+        print(f"{image}: uid {facts['uid']}, torch {facts['torch']}, kernel cache {facts['jit_cache_files']} files")
+
+
 def check_scheduler_container() -> dict[str, float]:
     """Run the scheduler image, wait for healthy, plan through the published port; seconds to ready / healthy."""
     port = free_port()
@@ -185,6 +239,7 @@ def main() -> int:
     with docker_engine():
         build_s = build_images()
         sizes = {image: image_size_mb(image) for image in (SCHEDULER_IMAGE, TRAINER_IMAGE)}
+        check_image_contents()
         container = check_scheduler_container()
         compose_s = check_compose_demo()
     images = ", ".join(f"{image} {mb:.0f} MB" for image, mb in sizes.items())

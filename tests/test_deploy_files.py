@@ -1,8 +1,11 @@
-"""Checks of the deployment files that need no Docker engine or cluster (``make docker-smoke`` runs the images).
+"""Checks of the deployment files that need no Docker engine or cluster.
 
-They parse, name the right images, commands, ports and probes, point at modules and flags that exist, the
-Kubernetes manifests validate against the Kubernetes API's own schemas (offline, kubernetes-validate), and the
-health-check one-liners they embed really probe a running service.
+What the Dockerfile's images are and do (non-root, what each holds, the pinned CPU torch, no build secret left,
+serving and training) is checked by building and running them: ``make docker-smoke`` (deploy/docker_smoke.py).
+Here: compose and the Kubernetes manifests parse, name the right images, commands, ports and probes, point at
+modules and flags that exist, the manifests validate against the Kubernetes API's own schemas (offline,
+kubernetes-validate), and the health-check one-liners they and the Dockerfile embed really probe a running
+service.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import importlib.util
 import json
 import re
 import shlex
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,75 +64,6 @@ def exec_form(arguments: str) -> list[str]:
     value = json.loads(arguments)
     assert isinstance(value, list) and all(isinstance(part, str) for part in value), arguments
     return value
-
-
-def test_dockerfile_default_target_is_the_slim_non_root_scheduler() -> None:
-    stages = dockerfile_stages()
-    assert list(stages)[-1] == "scheduler", "the last stage is what a plain `docker build` produces"
-    assert instruction(stages["runtime"], "FROM") == ["${PYTHON_IMAGE} AS runtime"]
-    assert re.search(r"ARG PYTHON_IMAGE=python:3\.11-slim", DOCKERFILE.read_text())
-    scheduler = stages["scheduler"]
-    assert instruction(scheduler, "FROM") == ["runtime AS scheduler"]
-    [user] = instruction(scheduler, "USER")
-    assert user.isdigit() and int(user) != 0, "numeric, so Kubernetes' runAsNonRoot can verify it"
-    assert exec_form(instruction(scheduler, "ENTRYPOINT")[0]) == ["python", "-m", "scheduler_service", "serve"]
-    cmd = exec_form(instruction(scheduler, "CMD")[0])
-    args = cli.build_parser().parse_args(["serve", *cmd])
-    assert (args.host, args.port) == ("0.0.0.0", PORT)
-    assert instruction(scheduler, "EXPOSE") == [str(PORT)]
-    assert importlib.util.find_spec("scheduler_service.__main__") is not None
-
-
-def test_dockerfile_installs_into_a_venv_that_any_debian_python_base_can_make() -> None:
-    runtime = dockerfile_stages()["runtime"]
-    [setup] = instruction(runtime, "RUN")
-    assert setup.startswith("python3 -m venv /opt/venv"), "python:*-slim and Debian's python3 both have python3"
-    assert "apt-get" not in DOCKERFILE.read_text(), "the local Debian base has no package lists"
-    assert any("PATH=/opt/venv/bin:$PATH" in env for env in instruction(runtime, "ENV"))
-    for name, stage in dockerfile_stages().items():
-        assert instruction(stage, "FROM")[0].split()[0] in ("${PYTHON_IMAGE}", "runtime"), name
-
-
-def test_dockerfile_never_bakes_the_ca_bundle_into_a_layer() -> None:
-    for name, stage in dockerfile_stages().items():
-        for arguments in instruction(stage, "RUN"):
-            if "pip-ca " in arguments:
-                assert "--mount=type=secret,id=pip_ca" in arguments, f"{name}: pip-ca without the secret mount"
-        copied = " ".join(instruction(stage, "COPY") + instruction(stage, "ADD"))
-        assert ".crt" not in copied and "secret" not in copied, name
-    helper = (ROOT / "deploy" / "pip-ca.sh").read_text()
-    assert "PIP_CERT=/run/secrets/pip_ca" in helper
-
-
-def test_dockerfile_installs_only_the_service_extra() -> None:
-    stages = dockerfile_stages()
-    runs = " ".join(instruction(stages["scheduler"], "RUN"))
-    assert '"skrull[service]"' in runs and "torch" not in runs and "[dev]" not in runs
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert "service" in extras and "trainer" in extras
-    assert not any(dep.startswith(("torch", "transformers")) for dep in extras["service"])
-
-
-def test_dockerfile_copies_files_that_exist() -> None:
-    for stage in dockerfile_stages().values():
-        for arguments in instruction(stage, "COPY"):
-            if arguments.startswith("--from"):
-                continue
-            *sources, _ = arguments.split()
-            for source in sources:
-                assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
-
-
-def test_dockerfile_trainer_stage_installs_the_pinned_cpu_torch_and_runs_torchrun() -> None:
-    trainer = dockerfile_stages()["trainer"]
-    [pin] = [line for line in (ROOT / "constraints.txt").read_text().splitlines() if line.startswith("torch==")]
-    [torch_run] = [run for run in instruction(trainer, "RUN") if "torch==" in run]
-    assert pin in torch_run.split() and "--no-deps" in torch_run
-    assert "source=deploy/wheels" in torch_run and (ROOT / "deploy" / "wheels").is_dir()
-    assert instruction(trainer, "ARG") == ["TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"]
-    assert exec_form(instruction(trainer, "CMD")[0])[0] == "torchrun"
-    [user] = instruction(trainer, "USER")
-    assert user.isdigit() and int(user) != 0
 
 
 # ---- compose -----------------------------------------------------------------------------------------------------
