@@ -62,7 +62,7 @@ def _planner_buckets(parallel: ParallelContext) -> dict[str, list[int]]:
         config = TrainConfig(dp=DP, cp=CP, model="tiny", global_batch=4, steps=1, profile="h100-paper",
                              progress=False, sharding=sharding)
         trainer = Trainer(config, parallel)
-        decision = trainer.decide(trainer.source.batch(0))
+        decision = trainer.batches.decide(trainer.source.batch(0))
         buckets[sharding] = [trainer.bucket_size, decision.bucket_size]
         trainer.close()
     return buckets
