@@ -21,6 +21,7 @@ from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelDim
 from trainer_client.lora import LORA_TARGETS, LoraExport, LoraSettings
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS
 from trainer_client.parallelize import ActivationCheckpointing, Sharding, check_compile_layout
+from trainer_client.plan_client import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 
 __all__ = ["TrainConfig", "check_output_dir"]
 
@@ -71,8 +72,8 @@ class TrainConfig:
     truncate: bool = False
     tokenizer: str | None = None  # a local tokenizer directory, for text and chat records
     metrics_out: Path | None = None
-    plan_timeout_s: float = 5.0
-    plan_attempts: int = 3
+    plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S
+    plan_attempts: int = DEFAULT_PLAN_ATTEMPTS
     attention_backend: AttentionBackend = AttentionBackend.AUTO
     dtype: str | None = None  # float32 | bfloat16; default float32 on CPU, bfloat16 autocast on CUDA
     progress: bool = True

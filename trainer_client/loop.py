@@ -40,7 +40,15 @@ from trainer_client.dacp.prefetch import PrefetchedMicroBatches
 from trainer_client.data import GlobalBatch, Sample
 from trainer_client.distributed import ParallelContext
 from trainer_client.parallelize import Sharding, num_padding_micro_batches
-from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanDecision, PlanOrigin, PlanSource
+from trainer_client.plan_client import (
+    DEFAULT_PLAN_ATTEMPTS,
+    DEFAULT_PLAN_TIMEOUT_S,
+    MicroBatchTiming,
+    PlanClient,
+    PlanDecision,
+    PlanOrigin,
+    PlanSource,
+)
 
 __all__ = ["PlanningFailed", "RankBatch", "SkrullBatches", "decide_plan", "micro_batch_packers"]
 
@@ -79,8 +87,8 @@ class SkrullBatches:
         profile: str | Profile | None = None,
         sharding: Sharding = Sharding.NONE,
         pad_token_id: int = 0,
-        plan_timeout_s: float = 5.0,
-        plan_attempts: int = 3,
+        plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S,
+        plan_attempts: int = DEFAULT_PLAN_ATTEMPTS,
         job_id: str | None = None,
     ) -> None:
         self.parallel = parallel

@@ -115,6 +115,8 @@ from scheduler_service.core.planner import make_plan, warm_up
 from scheduler_service.core.profile import Profile
 
 __all__ = [
+    "DEFAULT_PLAN_ATTEMPTS",
+    "DEFAULT_PLAN_TIMEOUT_S",
     "MicroBatchTiming",
     "PlanClient",
     "PlanClientError",
@@ -127,6 +129,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("trainer_client.plan_client")
+
+DEFAULT_PLAN_TIMEOUT_S = 5.0  # per POST /plan attempt
+DEFAULT_PLAN_ATTEMPTS = 3  # before the embedded planner plans the batch
 
 # Transient answers worth another attempt: a body the service stopped waiting for (408), busy (429), failing (5xx).
 _RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -232,8 +237,8 @@ class PlanClient:
         self,
         base_url: str,
         *,
-        timeout_s: float = 5.0,
-        max_attempts: int = 3,
+        timeout_s: float = DEFAULT_PLAN_TIMEOUT_S,
+        max_attempts: int = DEFAULT_PLAN_ATTEMPTS,
         backoff_s: float = 0.1,
         deadline_s: float | None = None,
         client: httpx.Client | None = None,

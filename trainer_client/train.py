@@ -37,6 +37,7 @@ from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, PeerFailed,
 from trainer_client.lora import LORA_TARGETS, LoraExport
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS
 from trainer_client.parallelize import ActivationCheckpointing, Sharding
+from trainer_client.plan_client import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 from trainer_client.torch_compat import check_torch_version
 from trainer_client.trainer import Trainer
 
@@ -132,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-length", type=int, help="longest record accepted (default: bucket_size × cp)")
     parser.add_argument("--truncate", action="store_true", help="cut records longer than --max-length")
     parser.add_argument("--metrics-out", type=Path, help="write one JSON line of metrics per step here")
-    parser.add_argument("--plan-timeout", type=float, default=5.0, help="seconds per POST /plan attempt")
-    parser.add_argument("--plan-attempts", type=int, default=3, help="POST /plan attempts before falling back")
+    parser.add_argument("--plan-timeout", type=float, default=DEFAULT_PLAN_TIMEOUT_S,
+                        help="seconds per POST /plan attempt")
+    parser.add_argument("--plan-attempts", type=int, default=DEFAULT_PLAN_ATTEMPTS,
+                        help="POST /plan attempts before falling back")
     parser.add_argument("--attention-backend", default="auto", choices=[b.value for b in AttentionBackend])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
