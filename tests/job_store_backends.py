@@ -1,12 +1,13 @@
 """The job store's real backends, and their real faults, for tests: a ``redis-server`` that a test can stop and
-start again on its port, a SQLite file corrupted and restored, and a small tmpfs that fills up or turns read-only
-(mounting needs root; the tests that need it skip, saying why, elsewhere)."""
+start again on its port, or pause (it hangs), a SQLite file corrupted and restored, and a small tmpfs that fills up
+or turns read-only (mounting needs root; the tests that need it skip, saying why, elsewhere)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 
 __all__ = ["RedisServer", "corrupted", "filled", "read_only", "small_tmpfs"]
+
+_ESTABLISHED = "01"  # a TCP state in /proc/net/tcp (include/net/tcp_states.h); a closed peer leaves 08, CLOSE_WAIT
 
 
 class RedisServer:
@@ -59,6 +62,27 @@ class RedisServer:
             self._process.terminate()
             self._process.wait(timeout=30)
             self._process = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Stopped with SIGSTOP, and continued (SIGCONT) afterwards: meanwhile it hangs as a wedged server does. The
+        kernel still accepts connections and receives what clients send (``num_waiting_connections``), and nothing
+        answers."""
+        assert self._process is not None, "not running"
+        self._process.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self._process.send_signal(signal.SIGCONT)
+
+    def num_waiting_connections(self) -> int:
+        """Its open connections that hold bytes it has not read: while it is paused, the clients waiting for its
+        answer. A client that gave up and closed its connection is no longer counted. Read from the kernel's table of
+        TCP sockets (``/proc/net/tcp``: local address, remote address, state, send and receive queues)."""
+        rows = (line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:])
+        return sum(1 for _, local, _, state, queues, *_ in rows
+                   if int(local.split(":")[1], 16) == self.port and state == _ESTABLISHED
+                   and int(queues.split(":")[1], 16) > 0)
 
     def _accepts(self) -> bool:
         with socket.socket() as probe:

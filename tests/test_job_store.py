@@ -1,10 +1,12 @@
 """The job store: jobs' feedback state kept as explicit JSON in SQLite (always) or Redis (against a real
 ``redis-server``; skipped where none is installed), bounded as the in-memory store was, never losing a
-refit to a concurrent one, and failing call by call (not for good) when its file breaks."""
+refit to a concurrent one, and failing call by call (not for good) when its file breaks. Its document is
+read and written by a pydantic ``TypeAdapter``, and records the hand-written codec before it wrote read back."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -30,6 +32,10 @@ from tests.job_store_backends import corrupted
 from tests.service_inputs import measured_document
 
 StoreFactory = Callable[..., JobStore]
+
+# A record as the first, hand-written codec wrote it (a registered base, refit from two reports: both windows, the
+# memory fit and a BucketSize cap), before the TypeAdapter replaced that codec.
+FORMAT_1_RECORD = Path(__file__).with_name("job_record_format1.json")
 
 
 def new_job(job_id: str = "job-1", *, cp_size: int = 2) -> JobFeedback:
@@ -73,6 +79,15 @@ def test_a_refit_job_survives_encoding_exactly() -> None:
     job = refit(new_job())
     assert job.bucket_cap is not None and job.memory_window and job.compute_window  # every part is exercised
     assert decode_job(encode_job(job)) == job
+
+
+def test_a_record_of_the_hand_written_codec_reads_back_and_is_written_as_the_same_document() -> None:
+    text = FORMAT_1_RECORD.read_text()
+    job = decode_job(text)
+    assert job is not None and job.base_registered and job.bucket_cap is not None
+    assert job.memory_slope is not None and job.compute_window and job.memory_window
+    # The same JSON value; the text may differ in how a float is spelled (5e-05 or 0.00005).
+    assert json.loads(encode_job(job)) == json.loads(text)
 
 
 @pytest.mark.parametrize("damage", ["'{'", "json_set(document, '$.model', 'tiny')", "json_remove(document, '$.base')",

@@ -1,12 +1,15 @@
 """The job store fails soft: while its SQLite file is corrupt, its disk full or its folder read-only, or its Redis
 server down, POST /plan answers with the base profile and says why, reports are refused (503, Retry-After) and
 change nothing, /readyz stays ready and names the store's state, and /metrics counts the failures; once the store
-is back the same service uses it again. Real stores: a SQLite file, a small tmpfs (root only; skipped elsewhere),
-a ``redis-server`` stopped and started again on its port (skipped where none is installed)."""
+is back the same service uses it again. While the store hangs, only the requests that need it wait. Real stores: a
+SQLite file, a small tmpfs (root only; skipped elsewhere), a ``redis-server`` stopped and started again on its port,
+or paused (skipped where none is installed)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +21,22 @@ from skrull_proto import FeedbackResponse, PlanResponse, Problem
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.job_store_backends import RedisServer, corrupted, filled, read_only, small_tmpfs
+from tests.servers import uvicorn_in_thread
 from tests.service_inputs import LENGTHS, report
+
+# The app in process (Starlette's test client), or a real server over a socket (an httpx client).
+HttpClient = TestClient | httpx.Client
 
 BASE_PROFILE = "h100-paper"
 REFIT_PROFILE = "h100-paper+feedback"
 
 
+def settings_on(state_url: str) -> Settings:
+    return Settings(state_url=state_url, cpsat_warmup=False, warmup=False, access_log=False)
+
+
 def app_on(state_url: str) -> TestClient:
-    return TestClient(create_app(Settings(state_url=state_url, cpsat_warmup=False, warmup=False,
-                                          access_log=False)))
+    return TestClient(create_app(settings_on(state_url)))
 
 
 def plan_body(job_id: str | None) -> dict[str, Any]:
@@ -34,13 +44,13 @@ def plan_body(job_id: str | None) -> dict[str, Any]:
             **({"job_id": job_id} if job_id else {})}
 
 
-def plan(client: TestClient, job_id: str | None = "job-1") -> PlanResponse:
+def plan(client: HttpClient, job_id: str | None = "job-1") -> PlanResponse:
     response = client.post("/plan", json=plan_body(job_id))
     assert response.status_code == 200, response.text
     return PlanResponse.model_validate_json(response.content)
 
 
-def refit(client: TestClient) -> FeedbackResponse:
+def refit(client: HttpClient) -> FeedbackResponse:
     """The job planned and one report adopted: its later plans use the refit profile."""
     plan(client)
     answer = client.post("/feedback", json=report())
@@ -56,14 +66,14 @@ def assert_unavailable(response: httpx.Response, reason: str) -> None:
     assert problem.type.endswith("unavailable") and problem.detail == f"the job store is unavailable: {reason}"
 
 
-def job_store_errors(client: TestClient, operation: str) -> float:
+def job_store_errors(client: HttpClient, operation: str) -> float:
     for line in client.get("/metrics").text.splitlines():
         if line.startswith(f'skrull_job_store_errors_total{{operation="{operation}"}}'):
             return float(line.split()[-1])
     return 0.0
 
 
-def readiness(client: TestClient) -> dict[str, Any]:
+def readiness(client: HttpClient) -> dict[str, Any]:
     response = client.get("/readyz")
     assert response.status_code == 200, response.text
     body: dict[str, Any] = response.json()
@@ -206,3 +216,33 @@ def test_plans_go_on_while_redis_is_down_and_it_is_used_again_once_back(restarta
         answer = client.post("/feedback", json=report())
         assert answer.json()["num_observations"] == acknowledged.num_observations + 4
         assert readiness(client)["checks"]["job_store"] == "ok"
+
+
+# ---- Redis hung ---------------------------------------------------------------------------------------------
+
+def test_a_hung_redis_holds_only_the_requests_that_need_it_until_their_timeout(restartable_redis: RedisServer) -> None:
+    """Redis paused (SIGSTOP: it keeps its connections and answers nothing) while a report reads its job: the probes
+    and a plan without a job_id answer while the report still waits for Redis, which then gets its 503 when the
+    store's call times out (1 s here, from the URL; 2 s by default). Redis continued, nothing was lost. A real
+    server on a port, so that every request has its own connection."""
+    state_url = f"{restartable_redis.url}?socket_timeout=1"
+    with uvicorn_in_thread(create_app(settings_on(state_url))) as port, \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client, \
+            ThreadPoolExecutor(max_workers=1) as background:
+        acknowledged = refit(client)
+        with restartable_redis.paused():
+            report_sent = background.submit(client.post, "/feedback", json=report())
+            deadline = time.monotonic() + 30
+            while restartable_redis.num_waiting_connections() == 0:  # until the report's read reached Redis
+                assert time.monotonic() < deadline and not report_sent.done(), "the report never reached Redis"
+                time.sleep(0.01)
+            assert client.get("/healthz").status_code == 200
+            assert readiness(client)["status"] == "ready"
+            assert plan(client, job_id=None).job_state is None
+            assert restartable_redis.num_waiting_connections() == 1, "answered only once the report's read gave up"
+            assert_unavailable(report_sent.result(timeout=30), "TimeoutError")
+            assert readiness(client)["checks"]["job_store"] == "unavailable: TimeoutError"
+        assert FeedbackResponse.model_validate_json(client.get("/feedback/job-1").content) == acknowledged
+        answer = client.post("/feedback", json=report())
+        assert answer.json()["num_observations"] == acknowledged.num_observations + 4
+        assert job_store_errors(client, "get") == 1

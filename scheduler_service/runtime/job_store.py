@@ -2,15 +2,17 @@
 
 A job's state (``core.feedback.JobFeedback``: base and refit profile, the
 observation windows, the refit coefficients, the BucketSize cap) is stored as
-one JSON document, written and read only here (``encode_job``,
-``decode_job``); nothing is pickled. ``SKRULL_STATE_URL`` picks the store:
+one JSON document, described once (``_JobDocument``, read and written by a
+pydantic ``TypeAdapter``: ``encode_job``, ``decode_job``); nothing is pickled.
+``SKRULL_STATE_URL`` picks the store:
 
 * a file path, or ``sqlite://`` followed by one (the default,
   ``settings.default_state_url``): an embedded SQLite database in WAL mode,
   shared by the workers of one host;
 * ``redis://`` or ``rediss://``: a Redis server, shared by workers and
   replicas alike (standalone, or one shard: eviction deletes keys a script
-  computes).
+  computes). Options of redis-py's URL apply (``?socket_timeout=0.5`` lowers
+  the 2 s a call may wait for an answer).
 
 Both hold what the in-memory store held: at most ``max_jobs`` jobs, the least
 recently used forgotten first (a plan, an adopted refit or a registered profile
@@ -24,14 +26,24 @@ from (``replace``: a compare-and-set, in a SQLite transaction or a Redis Lua
 script), so two workers refitting the same job never overwrite each other:
 the later refit is refused (the service answers 429, and the report can be
 sent again onto the newer state). A record written by another format version
-reads as absent (the job starts again). The stores are called from the event
-loop; measured on the 2-core development machine with full windows (256), a
-plan of a known job costs p50 0.1 ms in SQLite and 0.3 ms in a local Redis,
-adopting a refit 0.8 ms and 1.1 ms (mostly encoding), and a job another worker
-changed is decoded again once (about 1.3 ms).
+reads as absent (the job starts again).
+
+Off the event loop: the service calls a store through ``AsyncJobStore``,
+each call in a worker thread, at most 4 at once (``_STORE_THREADS``). A store
+that hangs (a stopped Redis holds a call up to its 2 s timeout, a SQLite file
+another process locked up to 5 s) holds those threads and the requests that
+wait for them, never the event loop (``/healthz``, ``/readyz``, ``/metrics``
+and plans without a ``job_id`` answer meanwhile) nor the threads that parse
+large bodies. A store may be called from several threads at once.
+
+Cost, measured on the 2-core development machine with full windows (256):
+encoding a job takes about 0.15 ms and decoding one 0.6 ms; a plan of a known
+job costs p50 0.1 ms in SQLite and 0.3 ms in a local Redis, plus about 0.1 ms
+for each of its two hops to a worker thread and back; a job another worker
+changed is decoded again once (about 1 ms with its read).
 
 Failures: a call that meets its backend's own failure (a corrupt, locked, full
-or read-only file or folder; an unreachable server) raises
+or read-only file or folder; an unreachable or unanswering server) raises
 ``JobStoreUnavailableError``, is counted (``ServiceEvents.job_store_failed``),
 and leaves ``state`` saying why until a call succeeds. The service then plans
 without the job's state and says so in the answer, and refuses reports (503):
@@ -48,24 +60,29 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import operator
 import sqlite3
 import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, TypeVarTuple
 
+import anyio
+import anyio.to_thread
 import redis
+from pydantic import BeforeValidator, ConfigDict, PlainSerializer, PlainValidator, TypeAdapter
 
 from scheduler_service.core.feedback import ComputeObservation, FeedbackConfig, JobFeedback, MemoryObservation
 from scheduler_service.core.models import ModelShape
-from scheduler_service.core.profile import parse_profile
+from scheduler_service.core.profile import Profile, parse_profile
 from scheduler_service.runtime.errors import JobStoreUnavailableError
 from scheduler_service.runtime.events import ServiceEvents
 
 __all__ = [
+    "AsyncJobStore",
     "JobStore",
     "RedisJobStore",
     "SQLiteJobStore",
@@ -78,9 +95,13 @@ __all__ = [
 
 logger = logging.getLogger("scheduler_service.runtime.job_store")
 
-_FORMAT = 1  # of the stored document; a record of another format reads as absent
+# Store calls in flight at once (``AsyncJobStore``): a hung store holds at most these threads.
+_STORE_THREADS = 4
 _SQLITE_BUSY_TIMEOUT_S = 5.0  # how long a write waits for another worker's transaction before it fails
-_REDIS_TIMEOUT_S = 2.0  # a Redis call that takes longer fails rather than holding the event loop
+_REDIS_TIMEOUT_S = 2.0  # a Redis call that takes longer fails rather than holding its request
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 
 def job_key(job: JobFeedback) -> tuple[str, ModelShape, int, int]:
@@ -96,69 +117,80 @@ class StoredJob:
 
 # ---- the stored document ----------------------------------------------------------------------------------
 
+def _from_rows(observation_type: type[Any]) -> Callable[[Any], list[dict[str, Any]]]:
+    """Reads a window's rows of numbers as ``observation_type``'s fields, in their order."""
+    names = tuple(field.name for field in fields(observation_type))
+    return lambda rows: [dict(zip(names, row, strict=True)) for row in rows]
+
+
+def _to_rows(observation_type: type[Any]) -> Callable[[Any], list[tuple[Any, ...]]]:
+    """Writes a window of ``observation_type`` as it is stored: each one's fields' values, in their order."""
+    row = operator.attrgetter(*(field.name for field in fields(observation_type)))
+    return lambda window: [row(observation) for observation in window]
+
+
+def _profile_document(profile: Profile) -> dict[str, Any]:
+    return profile.raw
+
+
+# A profile is stored as its own document, which ``parse_profile`` reads (it checks the values' ranges).
+_StoredProfile = Annotated[Profile, PlainValidator(parse_profile), PlainSerializer(_profile_document)]
+# A window is stored as rows of numbers ([work_s, num_fixed, time_s]; [tokens, peak_bytes]), up to 256 by default.
+_ComputeWindow = Annotated[tuple[ComputeObservation, ...], BeforeValidator(_from_rows(ComputeObservation)),
+                           PlainSerializer(_to_rows(ComputeObservation))]
+_MemoryWindow = Annotated[tuple[MemoryObservation, ...], BeforeValidator(_from_rows(MemoryObservation)),
+                          PlainSerializer(_to_rows(MemoryObservation))]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _JobDocument:
+    """A job as it is stored: ``format``, then ``JobFeedback``'s fields by name (``encode_job`` passes every one, so
+    a field added there and not here fails the first write). Model and config as their fields by name."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
+
+    format: Literal[1]  # of this document: a record of another format reads as absent
+    job_id: str
+    base: _StoredProfile
+    base_registered: bool = False  # absent from records written before it existed
+    model: ModelShape
+    dp_size: int
+    cp_size: int
+    memory_budget_bytes: float
+    config: FeedbackConfig
+    profile: _StoredProfile
+    compute_scale: float
+    fixed_s: float
+    memory_slope: float | None
+    memory_intercept: float | None
+    bucket_cap: int | None
+    fit_median_relative_error: float | None
+    num_observations: int
+    num_downweighted: int
+    compute_window: _ComputeWindow
+    memory_window: _MemoryWindow
+
+
+_DOCUMENT = TypeAdapter(_JobDocument)
+
+
 def encode_job(job: JobFeedback) -> str:
-    """The job as JSON: every field by name, profiles as their own documents, windows as rows of numbers."""
-    document = {
-        "format": _FORMAT,
-        "job_id": job.job_id,
-        "base": job.base.raw,
-        "base_registered": job.base_registered,
-        "model": asdict(job.model),
-        "dp_size": job.dp_size,
-        "cp_size": job.cp_size,
-        "memory_budget_bytes": job.memory_budget_bytes,
-        "config": asdict(job.config),
-        "profile": job.profile.raw,
-        "compute_scale": job.compute_scale,
-        "fixed_s": job.fixed_s,
-        "memory_slope": job.memory_slope,
-        "memory_intercept": job.memory_intercept,
-        "bucket_cap": job.bucket_cap,
-        "fit_median_relative_error": job.fit_median_relative_error,
-        "num_observations": job.num_observations,
-        "num_downweighted": job.num_downweighted,
-        "compute_window": [[obs.work_s, obs.num_fixed, obs.time_s] for obs in job.compute_window],
-        "memory_window": [[obs.tokens, obs.peak_bytes] for obs in job.memory_window],
-    }
-    return json.dumps(document, allow_nan=False, separators=(",", ":"))
+    """The job as JSON (``_JobDocument``)."""
+    document = _JobDocument(format=1, **{field.name: getattr(job, field.name) for field in fields(JobFeedback)})
+    return _DOCUMENT.dump_json(document).decode()
 
 
 def decode_job(text: str) -> JobFeedback | None:
     """The job ``encode_job`` wrote; ``None`` for a document of another format, or one damaged in the store (the
     job then starts again, as a forgotten one does)."""
     try:
-        return _decode_document(json.loads(text))
-    except (ValueError, KeyError, TypeError, AttributeError) as error:  # a PlanningError is a ValueError
+        document = _DOCUMENT.validate_json(text)
+    # A ValidationError (and a PlanningError of a profile or model) is a ValueError; ``parse_profile`` raises the
+    # others on a profile document of the wrong shape.
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         logger.warning("a stored job could not be read; it starts again", extra={"error": repr(error)[:200]})
         return None
-
-
-def _decode_document(document: dict[str, Any]) -> JobFeedback | None:
-    if document.get("format") != _FORMAT:
-        return None
-    return JobFeedback(
-        job_id=document["job_id"],
-        base=parse_profile(document["base"]),
-        base_registered=document.get("base_registered", False),  # absent from records written before it existed
-        model=ModelShape(**document["model"]),
-        dp_size=document["dp_size"],
-        cp_size=document["cp_size"],
-        memory_budget_bytes=document["memory_budget_bytes"],
-        config=FeedbackConfig(**document["config"]),
-        profile=parse_profile(document["profile"]),
-        compute_scale=document["compute_scale"],
-        fixed_s=document["fixed_s"],
-        memory_slope=document["memory_slope"],
-        memory_intercept=document["memory_intercept"],
-        bucket_cap=document["bucket_cap"],
-        fit_median_relative_error=document["fit_median_relative_error"],
-        num_observations=document["num_observations"],
-        num_downweighted=document["num_downweighted"],
-        compute_window=tuple(ComputeObservation(work_s=work_s, num_fixed=num_fixed, time_s=time_s)
-                             for work_s, num_fixed, time_s in document["compute_window"]),
-        memory_window=tuple(MemoryObservation(tokens=tokens, peak_bytes=peak_bytes)
-                            for tokens, peak_bytes in document["memory_window"]),
-    )
+    return JobFeedback(**{field.name: getattr(document, field.name) for field in fields(JobFeedback)})
 
 
 def _key_text(job: JobFeedback) -> str:
@@ -176,9 +208,11 @@ def _new_revision() -> str:
 class JobStore(ABC):
     """Jobs by id, least recently used forgotten first beyond ``max_jobs``.
 
-    Decoding a job with full windows costs about a millisecond, so each process keeps the jobs it decoded last
-    (at most ``max_jobs``) and reads a job's document again only when its revision changed. Every public call
-    raises ``JobStoreUnavailableError`` when its backend fails."""
+    Decoding a job with full windows costs about 0.6 ms, so each process keeps the jobs it decoded last
+    (at most ``max_jobs``) and reads a job's document again only when its revision changed: a job decoded by a
+    call that another thread's write overtook is read again at its next use. Every public call raises
+    ``JobStoreUnavailableError`` when its backend fails. Calls block (``AsyncJobStore`` runs them off the event
+    loop) and may come from several threads at once."""
 
     _failures: ClassVar[tuple[type[Exception], ...]]  # the backend's own failures (not a bug of this module)
 
@@ -187,6 +221,7 @@ class JobStore(ABC):
         self._events = events
         self._decoded: dict[str, StoredJob] = {}
         self._unavailable: str | None = None  # why the last call failed; None once a call succeeds
+        self._state_lock = threading.Lock()  # guards the two above against calls in other threads
 
     @property
     def state(self) -> str:
@@ -201,7 +236,8 @@ class JobStore(ABC):
                 return cached
             record = self._record(job_id)
         if record is None or (job := decode_job(record[1])) is None:
-            self._decoded.pop(job_id, None)
+            with self._state_lock:
+                self._decoded.pop(job_id, None)
             return None
         return self._remember(StoredJob(job=job, revision=record[0]))
 
@@ -238,10 +274,11 @@ class JobStore(ABC):
         return True
 
     def _remember(self, stored: StoredJob) -> StoredJob:
-        self._decoded.pop(stored.job.job_id, None)
-        self._decoded[stored.job.job_id] = stored
-        if len(self._decoded) > self.max_jobs:
-            del self._decoded[next(iter(self._decoded))]
+        with self._state_lock:
+            self._decoded.pop(stored.job.job_id, None)
+            self._decoded[stored.job.job_id] = stored
+            if len(self._decoded) > self.max_jobs:
+                del self._decoded[next(iter(self._decoded))]
         return stored
 
     @contextlib.contextmanager
@@ -254,14 +291,16 @@ class JobStore(ABC):
         except self._failures as error:
             reason = self._reason(error)
             self._let_go()
-            if self._unavailable is None:
-                logger.warning("job store unavailable", extra={"operation": operation, "reason": reason})
-            self._unavailable = reason
+            with self._state_lock:
+                if self._unavailable is None:
+                    logger.warning("job store unavailable", extra={"operation": operation, "reason": reason})
+                self._unavailable = reason
             self._events.job_store_failed(operation)
             raise JobStoreUnavailableError(reason, operation=operation) from error
-        if self._unavailable is not None:
-            logger.info("job store available again", extra={"operation": operation})
-            self._unavailable = None
+        with self._state_lock:
+            if self._unavailable is not None:
+                logger.info("job store available again", extra={"operation": operation})
+                self._unavailable = None
 
     @staticmethod
     @abstractmethod
@@ -306,6 +345,45 @@ def open_job_store(url: str, *, max_jobs: int, events: ServiceEvents) -> JobStor
     return SQLiteJobStore(Path(path), max_jobs=max_jobs, events=events)
 
 
+# ---- the event loop's view ----------------------------------------------------------------------------------
+
+class AsyncJobStore:
+    """A ``JobStore`` as the event loop calls it: each call in a worker thread, at most ``_STORE_THREADS`` at once
+    (a limiter of its own, so a hung store never holds the threads that parse large bodies); the next call waits
+    for a free one."""
+
+    def __init__(self, store: JobStore) -> None:
+        self._store = store
+        self._limiter = anyio.CapacityLimiter(_STORE_THREADS)
+
+    @property
+    def state(self) -> str:
+        """``JobStore.state``: read without calling the store, so a hung store cannot hold a probe."""
+        return self._store.state
+
+    async def get(self, job_id: str) -> StoredJob | None:
+        """``JobStore.get``."""
+        return await self._in_thread(self._store.get, job_id)
+
+    async def keep(self, job: JobFeedback) -> int:
+        """``JobStore.keep``."""
+        return await self._in_thread(self._store.keep, job)
+
+    async def register(self, job: JobFeedback) -> int:
+        """``JobStore.register``."""
+        return await self._in_thread(self._store.register, job)
+
+    async def replace(self, stored: StoredJob, updated: JobFeedback) -> bool:
+        """``JobStore.replace``."""
+        return await self._in_thread(self._store.replace, stored, updated)
+
+    async def _in_thread(self, call: Callable[[*Ts], T], *args: *Ts) -> T:
+        return await anyio.to_thread.run_sync(call, *args, limiter=self._limiter)
+
+    def close(self) -> None:
+        self._store.close()
+
+
 # ---- SQLite ------------------------------------------------------------------------------------------------
 
 class SQLiteJobStore(JobStore):
@@ -320,8 +398,8 @@ class SQLiteJobStore(JobStore):
         super().__init__(max_jobs=max_jobs, events=events)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._path = path
-        # One connection per process, used from the event loop; the lock only guards against a caller on another
-        # thread (the test client's portal).
+        # One connection per process, shared by the threads that call the store (``AsyncJobStore``), one call at a
+        # time: SQLite lets one writer in at once anyway.
         self._db: sqlite3.Connection | None = None
         self._lock = threading.Lock()
         with self._call("open"), self._lock:

@@ -59,17 +59,20 @@ Profiles and feedback (state this service keeps):
   any lowered BucketSize. Jobs live in the job store (``job_store``: a SQLite
   file by default, Redis when ``state_url`` names one), so a restarted process
   resumes every job's refit and workers sharing the store share the jobs; at
-  most ``feedback_max_jobs`` are kept, least recently used dropped. A report
+  most ``feedback_max_jobs`` are kept, least recently used dropped. Every call
+  of the store runs in a worker thread (``job_store.AsyncJobStore``): a store
+  that hangs holds the requests that need a job until its call times out, and
+  nothing else (not ``/healthz``, not a plan without a ``job_id``). A report
   is adopted only onto the state it was refit from: a report that another
   (worker's) report or plan of the same job overtook is a 429, never a lost
   update.
 * a job store that fails (a corrupt or full file, a read-only folder, an
-  unreachable server) does not stop planning: a plan whose job could not be
-  read plans as a request without a ``job_id`` (the base profile), and every
-  plan that met the failure says so in its answer (``job_state``). Reports and
-  reads of a job answer 503 with Retry-After, and apply nothing. The store
-  reports its state to ``/readyz`` and its failures to the metrics, and is used
-  again at the next request once it is back (``job_store``).
+  unreachable or hung server) does not stop planning: a plan whose job could
+  not be read plans as a request without a ``job_id`` (the base profile), and
+  every plan that met the failure says so in its answer (``job_state``).
+  Reports and reads of a job answer 503 with Retry-After, and apply nothing.
+  The store reports its state to ``/readyz`` and its failures to the metrics,
+  and is used again at the next request once it is back (``job_store``).
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ from scheduler_service.runtime.errors import (
     UnknownJobError,
 )
 from scheduler_service.runtime.events import ClientWatch, ServiceEvents
-from scheduler_service.runtime.job_store import StoredJob, job_key, open_job_store
+from scheduler_service.runtime.job_store import AsyncJobStore, StoredJob, job_key, open_job_store
 from scheduler_service.runtime.parsing import check_json_media_type, parse_feedback_request, parse_plan_request
 from scheduler_service.runtime.pools import WorkerPool, feedback_job_id_in_worker, refit_in_worker, warm_cpsat_worker
 from scheduler_service.runtime.profiles import ProfileFolder
@@ -144,9 +147,10 @@ class PlanningService:
         self.profile_folder = ProfileFolder(settings.profile_dir)
         self.feedback_config = FeedbackConfig(window=settings.feedback_window,
                                               memory_headroom=settings.feedback_memory_headroom)
-        # Called on the event loop only (the endpoints are async); refits and plans run in pool processes only
-        # receive a job, an immutable snapshot.
-        self.jobs = open_job_store(settings.state_url, max_jobs=settings.feedback_max_jobs, events=events)
+        # Each call in a worker thread (a hung store holds only the requests that wait for it); refits and plans
+        # run in pool processes only receive a job, an immutable snapshot.
+        self.jobs = AsyncJobStore(open_job_store(settings.state_url, max_jobs=settings.feedback_max_jobs,
+                                                 events=events))
         self._refitting: set[str] = set()  # jobs whose report is being refit in the heavy pool
 
     @property
@@ -205,7 +209,7 @@ class PlanningService:
 
     # -- feedback
 
-    def _job_for(self, request: PlanRequest, profiles: dict[str, Profile]) -> JobFeedback | None:
+    async def _job_for(self, request: PlanRequest, profiles: dict[str, Profile]) -> JobFeedback | None:
         """The request's job as its plan will use it: the one kept, or a new one when its model, profile or sizes
         changed (or it is new). A base profile the job's trainer registered stays the base while the request names
         no other profile (none, or that one's name). Kept only once the plan succeeds (``_keep_job``): a refused
@@ -213,7 +217,7 @@ class PlanningService:
         any batch."""
         if request.job_id is None or not self.settings.feedback:
             return None
-        stored = self.jobs.get(request.job_id)
+        stored = await self.jobs.get(request.job_id)
         kept = None if stored is None else stored.job
         model = request_model(request.model)
         if kept is not None and kept.base_registered and request.profile in (None, kept.base.name):
@@ -226,7 +230,7 @@ class PlanningService:
                                        cp_size=request.cp_size, config=self.feedback_config,
                                        base_registered=registered)
 
-    def register_profile(self, job_id: str, request: JobProfileRequest) -> FeedbackResponse:
+    async def register_profile(self, job_id: str, request: JobProfileRequest) -> FeedbackResponse:
         """Make a profile its trainer measured the job's base (``PUT /jobs/{job_id}/profile``), the job keyed by the
         request's model and sizes as its plans key it. The same profile and key again change nothing (the refit
         goes on); any other restarts the job from the profile. A name the service's shared profiles already use
@@ -243,36 +247,36 @@ class PlanningService:
         job = core_feedback.start_job(job_id, base=profile, model=request_model(request.model),
                                       dp_size=request.dp_size, cp_size=request.cp_size, config=self.feedback_config,
                                       base_registered=True)
-        stored = self.jobs.get(job_id)
+        stored = await self.jobs.get(job_id)
         if stored is not None and stored.job.base_registered and stored.job.base == profile \
                 and job_key(stored.job) == job_key(job):
-            self.events.jobs_kept(self.jobs.keep(stored.job))  # registered already: used, its refit kept
+            self.events.jobs_kept(await self.jobs.keep(stored.job))  # registered already: used, its refit kept
             return job_to_feedback_response(stored.job)
-        self.events.jobs_kept(self.jobs.register(job))
+        self.events.jobs_kept(await self.jobs.register(job))
         logger.info("profile registered", extra={"job_id": job_id, "profile": profile.name,
                                                  "model": job.model.name, "dp_size": job.dp_size,
                                                  "cp_size": job.cp_size})
         return job_to_feedback_response(job)
 
-    def _keep_job(self, job: JobFeedback | None) -> str | None:
+    async def _keep_job(self, job: JobFeedback | None) -> str | None:
         """Register or refresh a job after a successful plan; a refit adopted meanwhile (same key) is kept. The
         store's state if it failed: the plan stands (it used the job as read, or a new job's base profile), and
         its answer says so."""
         if job is None:
             return None
         try:
-            self.events.jobs_kept(self.jobs.keep(job))
+            self.events.jobs_kept(await self.jobs.keep(job))
         except JobStoreUnavailableError:
             return self.jobs.state
         return None
 
-    def job(self, job_id: str) -> JobFeedback:
-        return self._stored_job(job_id).job
+    async def job(self, job_id: str) -> JobFeedback:
+        return (await self._stored_job(job_id)).job
 
-    def _stored_job(self, job_id: str) -> StoredJob:
+    async def _stored_job(self, job_id: str) -> StoredJob:
         if not self.settings.feedback:
             raise FeedbackDisabledError()
-        stored = self.jobs.get(job_id)
+        stored = await self.jobs.get(job_id)
         if stored is None:
             raise UnknownJobError(job_id, max_jobs=self.settings.feedback_max_jobs)
         return stored
@@ -292,13 +296,13 @@ class PlanningService:
                 field="micro_batches", limit=self.settings.max_feedback_cells)
         if cells <= self.settings.inline_max_cells:
             request = parse_feedback_request(body, content_type)
-            stored = self._admit_refit(request.job_id)
+            stored = await self._admit_refit(request.job_id)
             updated = refit_job(stored.job, request, self.settings.max_sequence_length)
-            return self._adopt_refit(stored, updated, len(request.micro_batches), request.step)
+            return await self._adopt_refit(stored, updated, len(request.micro_batches), request.step)
         check_json_media_type(content_type)  # here: the pool processes parse the JSON only
         expected_s = cells * _SECONDS_PER_CELL
         job_id = await self.heavy_pool.run(feedback_job_id_in_worker, body, expected_s=expected_s, watch=watch)
-        stored = self._admit_refit(job_id)
+        stored = await self._admit_refit(job_id)
         job = stored.job
         self._refitting.add(job.job_id)
         try:
@@ -306,19 +310,19 @@ class PlanningService:
                                                 expected_s=expected_s, watch=watch)
         finally:
             self._refitting.discard(job.job_id)
-        return self._adopt_refit(stored, updated, updated.num_observations - job.num_observations, None)
+        return await self._adopt_refit(stored, updated, updated.num_observations - job.num_observations, None)
 
-    def _admit_refit(self, job_id: str) -> StoredJob:
-        stored = self._stored_job(job_id)
+    async def _admit_refit(self, job_id: str) -> StoredJob:
+        stored = await self._stored_job(job_id)
         if job_id in self._refitting:
             raise ServiceBusyError(f"job {job_id!r} has a report being refit; send the next one after it",
                                    retry_after_s=1, limit=1)
         return stored
 
-    def _adopt_refit(self, stored: StoredJob, updated: JobFeedback, num_micro_batches: int,
-                     step: int | None) -> FeedbackResponse:
+    async def _adopt_refit(self, stored: StoredJob, updated: JobFeedback, num_micro_batches: int,
+                           step: int | None) -> FeedbackResponse:
         job_id = updated.job_id
-        if not self.jobs.replace(stored, updated):
+        if not await self.jobs.replace(stored, updated):
             raise ServiceBusyError(f"job {job_id!r} was refit (or restarted by a plan) by another request while "
                                    "this report was refit; send it again", retry_after_s=1, limit=1)
         self.events.feedback_adopted(num_micro_batches)
@@ -359,7 +363,7 @@ class PlanningService:
                 field="sequence_lengths", limit=settings.max_plan_cells)
         check_search_budget(search_budget, self.limits)
         try:
-            job, job_state = self._job_for(request, profiles), None
+            job, job_state = await self._job_for(request, profiles), None
         except JobStoreUnavailableError:
             # Planned as a request without a job_id: the base profile. The state is the failure just raised.
             job, job_state = None, self.jobs.state
@@ -387,7 +391,7 @@ class PlanningService:
             with self.heavy_pool.admit(expected_s=expected_s) as slot:  # a full pool refuses before validation
                 validated = await _maybe_in_thread(validate, inline=validate_inline)
                 batch = await slot.run(plan_validated, validated, watch=watch)
-        job_state = self._keep_job(job) or job_state
+        job_state = await self._keep_job(job) or job_state
         self.events.plan_made(batch.summary, num_sequences=len(request.sequence_lengths))
         return batch.answer(job_state)
 

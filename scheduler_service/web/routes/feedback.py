@@ -46,4 +46,4 @@ async def feedback(request: Request, planner: PlannerDep) -> FeedbackResponse:
     summary="A job's refit state",
 )
 async def job_feedback(job_id: str, planner: PlannerDep) -> FeedbackResponse:
-    return job_to_feedback_response(planner.job(job_id))
+    return job_to_feedback_response(await planner.job(job_id))

@@ -47,4 +47,4 @@ async def put_job_profile(
     # A profile is a few KiB, but a body up to the service's limit would stall the event loop while it is parsed.
     body = await anyio.to_thread.run_sync(
         functools.partial(parse_job_profile_request, raw, request.headers.get("content-type")))
-    return planner.register_profile(job_id, body)
+    return await planner.register_profile(job_id, body)
