@@ -53,10 +53,10 @@ import torch
 import torch._dynamo  # before any process group exists; see the module docstring, "Teardown"
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch._C._distributed_c10d import Backend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scheduler_service.core.plan import block_degrees, cp_blocks
+from trainer_client.torch_compat import default_store, group_options
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "FirstFailure", "ParallelContext", "ParallelDims", "PeerFailed",
            "destroy_groups", "free_port", "init_parallel", "max_over_ranks", "report_failure", "spawn_gloo",
@@ -138,14 +138,6 @@ class ParallelContext:
         return group
 
 
-def _group_options(backend: str, timeout: timedelta) -> Backend.Options:
-    """Backend options carrying ``timeout``: how ``DeviceMesh`` is told a timeout for the groups it creates."""
-    options: Backend.Options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
-                                else dist.ProcessGroupGloo._Options())  # type: ignore[attr-defined]
-    options._timeout = timeout
-    return options
-
-
 def _world_store(world_size: int, timeout: timedelta) -> dict[str, Any]:
     """The store the world group meets in (``init_process_group`` arguments).
 
@@ -190,7 +182,7 @@ def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_T
         dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None,
                                 **_world_store(world_size, timeout))
     dims.check_world_size(dist.get_world_size())
-    override = (backend, _group_options(backend, timeout))
+    override = (backend, group_options(backend, timeout))
     mesh = init_device_mesh(device.type, (dims.dp_size, dims.cp_size), mesh_dim_names=("dp", "cp"),
                             backend_override={"dp": override, "cp": override})
     shard_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=override)
@@ -268,7 +260,7 @@ def report_failure(error: Exception) -> FirstFailure | None:
     mine = json.dumps({"global_rank": dist.get_rank(), "reason": f"{type(error).__name__}: {error}"})
     try:
         # compare_set with expected "" sets the key only if it is absent, atomically; it returns the stored value.
-        first = dist.distributed_c10d._get_default_store().compare_set(_FIRST_FAILURE_KEY, "", mine)
+        first = default_store().compare_set(_FIRST_FAILURE_KEY, "", mine)
     except (RuntimeError, dist.DistError):
         return None
     return FirstFailure(**json.loads(first))

@@ -20,13 +20,15 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel
 
 from scheduler_service.core.memory import LORA_TARGETS, LoraShape
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 __all__ = ["LORA_TARGETS", "LoraExport", "LoraSettings", "apply_lora", "check_lora_targets"]
 
@@ -82,7 +84,10 @@ def check_lora_targets(lm: torch.nn.Module, targets: tuple[str, ...]) -> None:
 
 def apply_lora(lm: PreTrainedModel, settings: LoraSettings) -> PeftModel:
     """Freeze ``lm`` and inject the adapters into it in place; returns the peft wrapper (for export), whose
-    ``base_model.model`` is ``lm``."""
+    ``base_model.model`` is ``lm``. peft is imported here, not with the module: it takes a second or more per
+    process, which runs without LoRA need not pay."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
     check_lora_targets(lm, settings.targets)
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, target_modules=list(settings.targets),
                         lora_dropout=0.0, bias="none")

@@ -50,13 +50,13 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding
 from trainer_client.loss import CausalLMLoss
 from trainer_client.model import register_dacp_attention
+from trainer_client.torch_compat import composable_checkpoint
 
 __all__ = [
     "ActivationCheckpointing",
@@ -90,9 +90,10 @@ def parallelize(
 def apply_activation_checkpointing(module: CausalLMLoss, mode: ActivationCheckpointing) -> None:
     for layer in module.decoder_layers():
         if mode is ActivationCheckpointing.FULL:
-            checkpoint(layer, early_stop=False)  # recompute everything: the K/V all-gather of every rank must rerun
+            # Recompute everything: the K/V all-gather of every rank must rerun.
+            composable_checkpoint(layer, early_stop=False)
         elif mode is ActivationCheckpointing.SELECTIVE:
-            checkpoint(layer.get_submodule("mlp"))
+            composable_checkpoint(layer.get_submodule("mlp"))
 
 
 def apply_compile(module: CausalLMLoss) -> None:

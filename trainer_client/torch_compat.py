@@ -25,6 +25,13 @@ keeps them; tests that emulate a release clear it (``torch_apis.cache_clear()``)
 ``SUPPORTED_TORCH`` is the range the project tests (pyproject's ``trainer`` extra declares the same);
 ``check_torch_version`` names a torch outside it at start-up: an older one is refused, a newer one warned of.
 
+The few private torch APIs the trainer needs (no public form exists in the supported releases) are reached only
+through this module too, each with why it is needed: ``group_options`` (a timeout for the groups ``DeviceMesh``
+creates), ``default_store`` (the rendezvous store, where the first failing rank leaves its reason),
+``composable_checkpoint`` (activation checkpointing that keeps parameter names, so FSDP2 and DCP see the same
+state dict) and ``memory_tracker`` (the peak of tensors on CPU, for the profiler). A release that drops one fails
+here with its name, not deep in a run.
+
 Shape legend: T query tokens, S key tokens, H query heads, G key/value heads, D head dim.
 """
 
@@ -36,6 +43,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -47,6 +55,10 @@ __all__ = [
     "TorchApis",
     "UnsupportedTorch",
     "check_torch_version",
+    "composable_checkpoint",
+    "default_store",
+    "group_options",
+    "memory_tracker",
     "torch_apis",
     "torch_release",
 ]
@@ -203,3 +215,33 @@ def _padded_to_keys(
     padded_SHD = q_THD.new_zeros((k_SGD.shape[0], *q_THD.shape[1:])).index_copy(0, rows_T, q_THD)
     out_SHD = attend(padded_SHD, k_SGD, v_SGD, cu_seqlens_k, cu_seqlens_k, max_seqlen_k, max_seqlen_k, softmax_scale)
     return out_SHD.index_select(0, rows_T)
+
+
+def group_options(backend: str, timeout: timedelta) -> Any:
+    """Backend options carrying ``timeout``: how ``DeviceMesh`` is told a timeout for the groups it creates
+    (``init_device_mesh`` takes no timeout; its ``backend_override`` takes options, whose timeout is private)."""
+    options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
+               else dist.ProcessGroupGloo._Options())  # type: ignore[attr-defined]
+    options._timeout = timeout
+    return options
+
+
+def default_store() -> dist.Store:
+    """The default process group's rendezvous store (private in every supported release)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def composable_checkpoint(module: torch.nn.Module, **options: Any) -> torch.nn.Module:
+    """Activation checkpointing as a module hook (``torch.distributed._composable.checkpoint``): unlike
+    ``checkpoint_wrapper`` it keeps parameter names, so FSDP2, DCP and the exported state dict agree."""
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint(module, **options)
+
+
+def memory_tracker() -> Any:
+    """A ``MemTracker`` (``torch.distributed._tools.mem_tracker``): the peak bytes of tensors made while it is
+    entered, per device, which the CPU allocator does not report."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()

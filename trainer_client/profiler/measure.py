@@ -37,7 +37,7 @@ from scheduler_service.core.plan import MicroBatch
 from scheduler_service.core.profile import Profile
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.data import Sample
-from trainer_client.torch_compat import torch_apis, torch_release
+from trainer_client.torch_compat import memory_tracker, torch_apis, torch_release
 
 __all__ = [
     "COLLECTIVES",
@@ -88,10 +88,8 @@ def peak_bytes(fn: Callable[[], object], *, device: torch.device, model: torch.n
         fn()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device))
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     alive_before = _live_tensor_bytes(device, model, optimizer)
-    tracker = MemTracker()  # the tensors made while fn runs; it cannot see those made before it
+    tracker = memory_tracker()  # the tensors made while fn runs; it cannot see those made before it
     with tracker:
         fn()
     made = tracker.get_tracker_snapshot("peak").get(device, {})  # nothing there when fn made no tensor
