@@ -1,6 +1,7 @@
 """``skrull-advise`` and ``POST /advise``: the same advice from a data set, a lengths file, a synthetic sample or an
 HTTP request; the table, the JSON document and the chart; every bad input a clear error naming its field or
-flag, never a traceback or a 500; and the winner's printed command trains under torchrun."""
+flag, never a traceback or a 500; and the winner's config file holds the run its printed command line describes,
+and trains under torchrun."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from scheduler_service.web.app import create_app
 from trainer_client.advise import build_parser
 from trainer_client.advise import main as advise_main
 from trainer_client.advise_inputs import read_lengths
+from trainer_client.config import config_from_args
 from trainer_client.demo import trainer_env
+from trainer_client.train import build_parser as build_train_parser
 
 LENGTHS = [120, 3000, 80, 45000, 700, 9000, 64, 30000, 1500, 250, 18000, 5000] * 8
 
@@ -182,18 +185,35 @@ def test_bad_requests_get_a_4xx_naming_the_field_never_a_500(
         assert "at most" in problem["detail"]  # the limit is named
 
 
+def test_the_winners_config_file_holds_the_run_of_its_printed_command_line(
+    lengths_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_file = tmp_path / "winner.yaml"
+    status, out, err = _advise(["--data", str(lengths_file), "--model", "qwen2.5-7b", "--gpus", "16",
+                                "--emit-config", str(config_file), "--json", str(tmp_path / "advice.json")], capsys)
+    assert status == 0, err
+    by_flags = shlex.split(json.loads((tmp_path / "advice.json").read_text())["layouts"][0]["trainer_command"])
+    split = by_flags.index("trainer_client.train") + 1
+    launcher, flags = by_flags[:split], by_flags[split:]
+    assert out.splitlines()[-2] == f"or with its config file {config_file}:"
+    assert shlex.split(out.splitlines()[-1]) == [*launcher, "--config", str(config_file)]  # two nodes of 8
+    parser = build_train_parser()
+    from_file = config_from_args(parser.parse_args(["--config", str(config_file)]))
+    assert from_file == config_from_args(parser.parse_args(flags)) and from_file.dp * from_file.cp == 16
+
+
 @pytest.mark.slow
-def test_the_winners_printed_command_trains_under_torchrun(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_winners_config_file_trains_under_torchrun(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     records = tmp_path / "records.jsonl"
     generator = random.Random(0)
     records.write_text("".join(json.dumps({"input_ids": [generator.randrange(1, 1024) for _ in range(length)]})
                                + "\n" for length in [generator.choice((12, 40, 150, 900)) for _ in range(32)]))
+    config_file = tmp_path / "winner.yaml"
     assert advise_main(["--data", str(records), "--model", "tiny", "--gpus", "4", "--profile", "cpu-tiny",
                         "--dtype", "float32", "--global-batch", "8", "--no-progress",
-                        "--json", str(tmp_path / "advice.json")]) == 0
-    capsys.readouterr()
-    command = shlex.split(json.loads((tmp_path / "advice.json").read_text())["layouts"][0]["trainer_command"])
-    assert command[:3] == ["torchrun", "--nproc-per-node", "4"]
+                        "--emit-config", str(config_file)]) == 0
+    command = shlex.split(capsys.readouterr().out.splitlines()[-1])
+    assert command == ["torchrun", "--nproc-per-node", "4", "-m", "trainer_client.train", "--config", str(config_file)]
     metrics = tmp_path / "metrics.jsonl"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", *command[1:], "--steps", "2",

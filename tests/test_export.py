@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from torch.multiprocessing import ProcessRaisedException
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from tests.job_store_backends import read_only, small_tmpfs
-from trainer_client.checkpoint import RUN_IDENTITY, saved_run_identity, step_dir
+from trainer_client.checkpoint import COMPLETE, RUN_IDENTITY, saved_run_identity, step_dir
 from trainer_client.config import TrainConfig
 from trainer_client.demo import trainer_env
 from trainer_client.distributed import init_parallel, spawn_gloo
@@ -260,8 +261,8 @@ def test_skrull_export_refuses_a_folder_that_is_no_checkpoint(
     elif kind == "file":
         path.write_text("")
     assert export_main([str(path), str(tmp_path / "model")]) == 2
-    assert capsys.readouterr().err == (f"error: {path} is not a checkpoint of the trainer: it holds neither a latest "
-                                       "file (a --checkpoint-dir) nor DCP metadata (a step-<n> folder)\n")
+    assert capsys.readouterr().err == (f"error: {path} is not a checkpoint of the trainer: it holds neither a complete "
+                                       "step-<n> folder (a --checkpoint-dir) nor DCP metadata (a step-<n> folder)\n")
     assert not (tmp_path / "model").exists()
 
 
@@ -272,15 +273,14 @@ def test_skrull_export_refuses_bad_arguments_naming_them(
     checkpoints = runs / "checkpoints-zero2"
     latest = step_dir(checkpoints, STEPS)
     without_record = _checkpoint_with_record(latest, tmp_path / "without-record" / latest.name, None)
-    without_latest = tmp_path / "without-latest"  # its steps are whole, but which is the latest is not said
-    without_latest.mkdir()
+    cut_short = tmp_path / "cut-short"  # its steps' data is whole, but none was marked complete
     for step in (1, STEPS):
-        step_dir(without_latest, step).symlink_to(step_dir(checkpoints, step))
+        shutil.copytree(step_dir(checkpoints, step), step_dir(cut_short, step), ignore=shutil.ignore_patterns(COMPLETE))
     cases = [
-        ([str(without_latest), str(tmp_path / "model")],
-         f"{without_latest} is not a checkpoint of the trainer: it holds neither a latest file (a --checkpoint-dir) "
-         f"nor DCP metadata (a step-<n> folder); give one of its step folders: {step_dir(without_latest, 1).name}, "
-         f"{step_dir(without_latest, STEPS).name}"),
+        ([str(cut_short), str(tmp_path / "model")],
+         f"{cut_short} is not a checkpoint of the trainer: it holds neither a complete step-<n> folder (a "
+         f"--checkpoint-dir) nor DCP metadata (a step-<n> folder); none of its step folders is complete "
+         f"({step_dir(cut_short, 1).name}, {step_dir(cut_short, STEPS).name}): give one to read it as it is"),
         ([str(checkpoints), str(tmp_path / "missing" / "model")],
          f"OUT_DIR {tmp_path / 'missing' / 'model'}: its parent directory {tmp_path / 'missing'} does not exist"),
         ([str(checkpoints), str(tmp_path / "model"), "--model", "small"],
@@ -289,7 +289,8 @@ def test_skrull_export_refuses_bad_arguments_naming_them(
         ([str(without_record), str(tmp_path / "model")],
          f"checkpoint {without_record} has no record of the model that trained it: give --model"),
         ([str(checkpoints), str(tmp_path / "model"), "--tokenizer", str(tmp_path / "no-tokenizer")],
-         f"--tokenizer {str(tmp_path / 'no-tokenizer')!r} is not a local tokenizer directory (no hub downloads)"),
+         f"--tokenizer {str(tmp_path / 'no-tokenizer')!r} is not a local tokenizer directory, nor a Hugging Face Hub "
+         "id (ORG/NAME[@REVISION])"),
     ]
     for argv, message in cases:
         assert export_main(argv) == 2, argv

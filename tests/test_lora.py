@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from trainer_client.checkpoint import saved_run_identity
+from trainer_client.checkpoint import latest_checkpoint, saved_run_identity
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity
 from trainer_client.distributed import init_parallel, spawn_gloo
@@ -179,7 +179,9 @@ def test_skrull_export_refuses_an_adapter_of_a_run_without_lora(
 ) -> None:
     out_dir, _ = runs
     checkpoint = out_dir / "checkpoints-zero2"
-    saved = saved_run_identity(checkpoint / (checkpoint / "latest").read_text().strip())
+    newest = latest_checkpoint(checkpoint)
+    assert newest is not None
+    saved = saved_run_identity(newest)
     assert saved is not None and saved.lora == LoraSettings(rank=RANK, alpha=ALPHA)
     assert export_main([str(checkpoint), str(tmp_path / "adapter"), "--lora", "adapter"]) == 2
     assert "give the folder the run was trained from as --model" in capsys.readouterr().err

@@ -3,48 +3,37 @@ masking, text) with a tokenizer built here, resumable positions, clear errors.""
 
 from __future__ import annotations
 
+import csv
 import json
+import os
 from pathlib import Path
 
+import datasets.config
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerFast
 
 from scheduler_service.core.samplers import sample_lengths
+from tests.hub_cache import save_tokenizer
 from trainer_client.data import (
     IGNORE_INDEX,
     DataSource,
+    JsonlRecords,
     LengthStats,
     RecordSource,
     RecordTooLongError,
     Sample,
+    load_tokenizer,
     make_source,
 )
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-WORDS = ("the", "model", "reads", "long", "documents", "and", "answers", "questions", "about", "them", "while",
-         "the", "scheduler", "packs", "short", "chats", "beside", "long", "ones", "so", "that", "every", "rank",
-         "finishes", "its", "micro", "batches", "at", "the", "same", "time")
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A byte-level BPE tokenizer trained on a few KB of text, with a ChatML template, saved like a hub one."""
-    rng = np.random.default_rng(0)
-    corpus = [" ".join(rng.choice(WORDS, size=12)) for _ in range(400)]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<pad>",
-                                        chat_template=CHATML)
-    folder = tmp_path_factory.mktemp("tokenizer")
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def _write(path: Path, records: list[dict[str, object]]) -> Path:
@@ -170,8 +159,13 @@ def test_rejects_malformed_records(tmp_path: Path, record: dict[str, object], me
 def test_rejects_unknown_data_spec() -> None:
     with pytest.raises(ValueError, match="unknown synthetic data set 'imdb'"):
         make_source("synthetic:imdb", global_batch_size=1, vocab_size=8, max_length=8, seed=0)
-    with pytest.raises(ValueError, match="neither synthetic:NAME"):
-        make_source("/no/such/file.jsonl", global_batch_size=1, vocab_size=8, max_length=8, seed=0)
+    # a missing file is named as one, not looked up on the Hub as an id with a suffix
+    with pytest.raises(ValueError, match=r"--data data/train.jsonl: 'data/train.jsonl' is neither a JSONL file, nor "
+                                         r"a parquet, CSV or JSON file, nor a dataset folder \(DIR\[:SPLIT\]\), nor a "
+                                         r"Hugging Face Hub dataset id \(ORG/NAME\[@REVISION\]\[:SPLIT\]\)"):
+        make_source("data/train.jsonl", global_batch_size=1, vocab_size=8, max_length=8, seed=0)
+    with pytest.raises(ValueError, match="'lmsys' is neither a JSONL file"):
+        make_source("lmsys", global_batch_size=1, vocab_size=8, max_length=8, seed=0)
 
 
 CHAT = {"messages": [
@@ -207,6 +201,11 @@ def test_text_records_train_every_token_and_end_with_end_of_text(tmp_path: Path,
     assert np.array_equal(sample.labels, sample.input_ids)
 
 
+def test_a_folder_that_holds_no_tokenizer_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=f"--tokenizer {tmp_path}: transformers cannot load a tokenizer from "):
+        load_tokenizer(str(tmp_path))
+
+
 def test_a_datasets_directory_gives_the_batches_of_the_same_records_in_jsonl(tmp_path: Path,
                                                                             tokenizer_dir: Path) -> None:
     from datasets import Dataset
@@ -221,6 +220,77 @@ def test_a_datasets_directory_gives_the_batches_of_the_same_records_in_jsonl(tmp
     for step in range(3):  # two epochs, each shuffled alike
         for expected, got in zip(jsonl.batch(step).samples, folder.batch(step).samples, strict=True):
             assert np.array_equal(expected.input_ids, got.input_ids) and np.array_equal(expected.labels, got.labels)
+
+
+TOKEN_RECORDS = [{"input_ids": [k + 1, 7, 1000 - k], "labels": [-100, 7, 1000 - k]} for k in range(5)]
+TEXT_RECORDS = [{"text": text} for text in ("the model reads", "long documents, and answers", "every rank finishes",
+                                            "the scheduler packs", "short chats beside long ones")]
+
+
+def _write_as(path: Path, records: list[dict[str, object]]) -> Path:
+    """``records`` as a parquet, CSV (one column) or JSON-array file, by ``path``'s suffix."""
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(records), path)
+    elif path.suffix == ".csv":
+        with path.open("w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=list(records[0]))
+            writer.writeheader()
+            writer.writerows(records)
+    else:
+        path.write_text(json.dumps(records, indent=1))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _arrow_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """datasets converts a file into Arrow in its cache once: this module's own cache, never the user's."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.mktemp("arrow"))
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".json", ".csv"])
+def test_parquet_csv_and_json_array_files_give_the_batches_of_the_same_records_in_jsonl(
+    tmp_path: Path, tokenizer_dir: Path, suffix: str
+) -> None:
+    records = TEXT_RECORDS if suffix == ".csv" else TOKEN_RECORDS  # a CSV cell holds text, not a list of ids
+    jsonl = _source(_write(tmp_path / "d.jsonl", records), max_length=512, tokenizer=tokenizer_dir, shuffle=True)
+    other = _source(_write_as(tmp_path / f"d{suffix}", records), max_length=512, tokenizer=tokenizer_dir,
+                    shuffle=True)
+    for step in range(4):  # two epochs, each shuffled alike
+        for expected, got in zip(jsonl.batch(step).samples, other.batch(step).samples, strict=True):
+            assert np.array_equal(expected.input_ids, got.input_ids) and np.array_equal(expected.labels, got.labels)
+
+
+def test_a_json_file_of_json_lines_is_read_as_jsonl(tmp_path: Path) -> None:
+    source = _source(_write(tmp_path / "d.json", TOKEN_RECORDS))
+    assert isinstance(source, RecordSource) and isinstance(source.records, JsonlRecords)
+
+
+def test_a_file_read_through_datasets_is_known_by_its_content_not_its_modification_time(tmp_path: Path) -> None:
+    path = _write_as(tmp_path / "d.parquet", TOKEN_RECORDS)
+    identity = _source(path).identity()
+    assert identity.source == str(path.resolve())
+    assert identity.fingerprint.startswith("5 rows, ") and "first and last 64 KiB sha256" in identity.fingerprint
+    os.utime(path, (0, 0))
+    assert _source(path).identity() == identity
+    _write_as(path, [*TOKEN_RECORDS[:-1], {"input_ids": [9, 9, 9], "labels": [9, 9, 9]}])
+    assert _source(path).identity() != identity
+
+
+def test_a_dataset_folder_takes_a_split_after_a_colon(tmp_path: Path) -> None:
+    DatasetDict({"train": Dataset.from_list(TOKEN_RECORDS[:3]), "test": Dataset.from_list(TOKEN_RECORDS[3:])}
+                ).save_to_disk(tmp_path / "saved")
+    (tmp_path / "files" / "data").mkdir(parents=True)  # data files laid out as a Hub data set's
+    _write_as(tmp_path / "files" / "data" / "train-00000-of-00001.parquet", TOKEN_RECORDS[:3])
+    _write_as(tmp_path / "files" / "data" / "test-00000-of-00001.parquet", TOKEN_RECORDS[3:])
+    for folder in (tmp_path / "saved", tmp_path / "files"):
+        test = _source(f"{folder}:test", shuffle=False)
+        assert _first_tokens(test, range(1)) == [3, 4]
+        assert test.identity().source == f"{folder.resolve()}:test"
+    assert _first_tokens(_source(tmp_path / "files"), range(1)) == [0, 1]  # train without a split
+    with pytest.raises(ValueError, match=f"{tmp_path / 'saved'} holds the splits train, test; give one: "):
+        _source(tmp_path / "saved")
+    with pytest.raises(ValueError, match=r"cannot be read as a data set: Unknown split \"validation\""):
+        _source(f"{tmp_path / 'files'}:validation")
 
 
 def test_length_stats_summarise_what_was_trained() -> None:

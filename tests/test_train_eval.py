@@ -1,6 +1,7 @@
-"""Evaluation (``--eval-data``) and TensorBoard (``--tensorboard-dir``): the held-out mean token loss is the same under
-every scheduler and sharding mode and equals the unsharded model's, it is logged beside the training loss, and
-a held-out record too long for the layout stops every rank before any step (4 gloo ranks, dp 2 × cp 2, fp32)."""
+"""Evaluation (``--eval-data``) and TensorBoard (``--report-to tensorboard``): the held-out mean token loss is the
+same under every scheduler and sharding mode and equals the unsharded model's, it is logged beside the training
+loss, and a held-out record too long for the layout stops every rank before any step (4 gloo ranks, dp 2 × cp 2,
+fp32)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _train_every_run(data: Path, out_dir: Path) -> None:
     results = {}
     for name, scheduler, sharding in RUNS:
         config = _config(data, scheduler=scheduler, sharding=sharding, metrics_out=out_dir / f"{name}.jsonl",
-                         tensorboard_dir=out_dir / f"tensorboard-{name}")
+                         report_to=("tensorboard",), logging_dir=out_dir / f"tensorboard-{name}")
         trainer = Trainer(config, parallel)
         try:
             history = trainer.train()

@@ -86,8 +86,8 @@ def test_accepts_job_ids_of_the_contract() -> None:
 
 
 def test_epochs_need_records_and_exclude_steps(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(ValueError, match=r"--epochs needs a JSONL file or a datasets directory; --data "
-                                         r"synthetic:lmsys has no end"):
+    with pytest.raises(ValueError, match=r"--epochs needs records \(a data file, a dataset folder or a Hub data "
+                                         r"set\); --data synthetic:lmsys has no end"):
         TrainConfig(dp=1, cp=1, data="synthetic:lmsys", epochs=2)
     with pytest.raises(ValueError, match=r"--epochs must be positive, got 0"):
         TrainConfig(dp=1, cp=1, data="records.jsonl", epochs=0)

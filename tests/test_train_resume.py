@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from trainer_client.checkpoint import LATEST, RUN_IDENTITY, saved_run_identity
+from trainer_client.checkpoint import COMPLETE, RUN_IDENTITY, saved_run_identity
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource, make_source
 from trainer_client.distributed import init_parallel, spawn_gloo
@@ -226,7 +226,7 @@ def test_every_rank_refuses_a_checkpoint_of_another_global_batch_before_reading_
     step.mkdir(parents=True)
     saved = dataclasses.replace(RunIdentity.of(config, _source(data, shuffle=config.shuffle)), global_batch=16)
     (step / RUN_IDENTITY).write_text(saved.to_json())
-    (checkpoints / LATEST).write_text(step.name + "\n")
+    (step / COMPLETE).touch()
     spawn_gloo(_resume_on_every_rank, DP * CP, config, tmp_path)
     outcomes = {(tmp_path / f"rank{rank}.txt").read_text() for rank in range(DP * CP)}
     assert outcomes == {f"ResumeMismatch: checkpoint {step} was written by another run:\n"

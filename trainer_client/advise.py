@@ -3,8 +3,9 @@
 It reads a sample of sequence lengths from ``--data`` (what the trainer's ``--data`` takes, plus a file of lengths
 or a synthetic sample: ``advise_inputs``), prices every layout with the planning core (``core.advise``), prints
 the ranked table with the reason the winner wins and the layouts left out, and writes the document
-``POST /advise`` answers (``--json``, validated by the service's model) and a chart of throughput per layout,
-Skrull against static CP (``--plot``). The words, the commands and the document are the service's
+``POST /advise`` answers (``--json``, validated by the service's model), the winner's trainer config file
+(``--emit-config``, validated by the trainer's ``TrainConfig``) and a chart of throughput per layout, Skrull
+against static CP (``--plot``). The words, the commands and the document are the service's
 (``scheduler_service.contract.advice``).
 
 It is the trainer's command, not the service's, because reading a data set or a checkpoint is the trainer's
@@ -34,6 +35,8 @@ from scheduler_service.contract.advice import (
     global_batch_size,
     shell_command,
     trainer_argv,
+    trainer_launcher,
+    trainer_settings,
     why,
 )
 from scheduler_service.core.advise import Advice, Exclusion, LayoutProblem, advise
@@ -46,7 +49,8 @@ from trainer_client.advise_inputs import read_lengths, read_model, read_profile
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["build_parser", "format_advice", "main", "plot_advice", "run", "write_document"]
+__all__ = ["build_parser", "config_command", "format_advice", "main", "plot_advice", "run", "write_config",
+           "write_document"]
 
 EXIT_BAD_INPUT = 2
 DEFAULT_SAMPLE_SIZE = 20_000
@@ -69,10 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="skrull-advise", description=__doc__.splitlines()[0],
                                      formatter_class=_DefaultsHelp)
     parser.add_argument("--data", required=True, metavar="SOURCE",
-                        help=f"synthetic:{{{','.join(DATASETS)}}}, a JSONL file or a datasets directory of records "
-                             "(as the trainer's --data), or a file of lengths (one integer per line)")
+                        help=f"synthetic:{{{','.join(DATASETS)}}}, records as the trainer's --data takes them (a "
+                             "JSONL, parquet, CSV or JSON file, a dataset folder, a Hugging Face Hub dataset "
+                             "ORG/NAME[@REVISION][:SPLIT]), or a file of lengths (one integer per line)")
     parser.add_argument("--model", required=True, metavar="NAME_OR_DIR",
-                        help=f"a built-in model ({', '.join(MODEL_CATALOGUE)}) or a local HF checkpoint directory")
+                        help=f"a built-in model ({', '.join(MODEL_CATALOGUE)}), a local HF checkpoint directory or "
+                             "a Hugging Face Hub id ORG/NAME[@REVISION]")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs to lay out as dp × cp")
     parser.add_argument("--gpus-per-node", type=int, default=8,
                         help="GPUs per node: CP blocks larger than a node pay inter-node collectives")
@@ -93,10 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seeds the sample and the batches")
     parser.add_argument("--sample-size", type=int, default=DEFAULT_SAMPLE_SIZE,
                         help="lengths drawn from a synthetic source; most records read from a larger data set")
-    parser.add_argument("--tokenizer", help="a local tokenizer directory (for messages and text records)")
+    parser.add_argument("--tokenizer", help="a local tokenizer directory or a Hugging Face Hub id (for messages and "
+                                            "text records)")
     parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bfloat16",
                         help="the dtype the trainer computes in (float32 on CPU)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the advice document here")
+    parser.add_argument("--emit-config", type=Path, metavar="FILE.yaml",
+                        help="write the winner's trainer settings here, a config file for python -m "
+                             "trainer_client.train --config (the command line printed, as a file)")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw throughput per layout here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -105,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- output ----------------------------------------------------------------------------------------------------------
 
 
-def format_advice(advice: Advice, sources: TrainerSources) -> str:
-    """The ranked layouts, why the winner wins, the layouts left out and the winner's command."""
+def format_advice(advice: Advice, sources: TrainerSources, *, config_file: Path | None = None) -> str:
+    """The ranked layouts, why the winner wins, the layouts left out and the winner's command, and the command
+    that trains from ``config_file`` when the winner's settings are written there."""
     problem = advice.problem
     lines = [f"{problem.model.name} on {problem.num_gpus} GPUs ({problem.gpus_per_node} per node), profile "
              f"{problem.profile.name}: {problem.num_batches} global batches of {advice.mean_sequences_per_batch:.0f} "
@@ -128,7 +139,14 @@ def format_advice(advice: Advice, sources: TrainerSources) -> str:
         lines += ["", "left out:", *_excluded_lines(advice)]
     winner_command = shell_command(trainer_argv(advice, advice.layouts[0].layout, sources))
     lines += ["", "train with the winner:", f"  {winner_command}"]
+    if config_file is not None:
+        lines += [f"or with its config file {config_file}:", f"  {config_command(advice, config_file)}"]
     return "\n".join(lines)
+
+
+def config_command(advice: Advice, config_file: Path) -> str:
+    """The winner's command line that reads its settings from ``config_file``."""
+    return shell_command((*trainer_launcher(advice.problem), "--config", str(config_file)))
 
 
 def _excluded_lines(advice: Advice) -> list[str]:
@@ -155,6 +173,23 @@ def write_document(advice: Advice, sources: TrainerSources, path: Path) -> None:
     document = advice_document(advice, sources)
     AdviceDocument.model_validate(document)
     path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+def write_config(advice: Advice, sources: TrainerSources, path: Path) -> None:
+    """The winner's trainer settings as a YAML config file, the values its printed command line gives as flags
+    (``trainer_settings``). They are checked by the trainer's own ``TrainConfig`` before the file is written, so
+    that a file the trainer would refuse is never left behind; that import brings torch, as only this output
+    needs."""
+    import yaml
+
+    from trainer_client.config import TrainConfig
+
+    winner = advice.layouts[0]
+    settings = trainer_settings(advice, winner.layout, sources)
+    TrainConfig(**settings)
+    header = (f"# skrull-advise's winner: {winner.layout.label}, {winner.tokens_per_s_per_gpu:,.0f} tokens/s per GPU "
+              f"predicted\n# {config_command(advice, path)}\n")
+    path.write_text(header + yaml.safe_dump(settings, sort_keys=False))
 
 
 def plot_advice(advice: Advice, path: Path) -> None:
@@ -209,7 +244,9 @@ def run(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
 
         advice = advise(problem, progress=progress)
-    print(format_advice(advice, sources))
+    if args.emit_config is not None:  # before the text that names it
+        write_config(advice, sources, args.emit_config)
+    print(format_advice(advice, sources, config_file=args.emit_config))
     if args.json is not None:
         write_document(advice, sources, args.json)
     if args.plot is not None:

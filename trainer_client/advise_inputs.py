@@ -4,14 +4,15 @@
 They live on the trainer's side because a data set's lengths are the lengths the trainer encodes
 (``data.RecordEncoder``, with the run's tokenizer) and a checkpoint's shape is the one the trainer builds
 (``model.model_shape``); the service never imports the trainer. torch and transformers are imported only for
-records and checkpoint folders, so a synthetic sample or a file of lengths needs neither.
+records and checkpoints, so a synthetic sample or a file of lengths needs neither.
 
 ``--data`` sources:
 
 * ``synthetic:NAME``: ``sample_size`` lengths drawn from the planning core's Table-1-shaped samplers;
-* a JSONL file or a ``datasets`` directory of records: each record's length as the trainer encodes it
-  (``input_ids``, ``messages`` or ``text`` with ``--tokenizer``), at most ``sample_size`` records chosen evenly
-  (seeded) from a larger set;
+* records, in any form the trainer's ``--data`` takes (a JSONL, parquet, CSV or JSON file, a dataset folder, a
+  Hugging Face Hub data set ``ORG/NAME[@REVISION][:SPLIT]``, ``data.open_records``): each record's length as the
+  trainer encodes it (``input_ids``, ``messages`` or ``text`` with ``--tokenizer``), at most ``sample_size``
+  records chosen evenly (seeded) from a larger set;
 * a file of lengths: one positive integer per line (a first line that is a number marks it).
 
 Every error is a ``ValueError`` naming the flag, or the core's ``PlanningError`` naming the field.
@@ -28,6 +29,7 @@ from scheduler_service.contract.profiles import load_profile
 from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.profile import Profile, resolve_profile
 from scheduler_service.core.samplers import DATASETS, sample_lengths
+from trainer_client.hub import RepoKind, hub_ref
 
 __all__ = ["SYNTHETIC_PREFIX", "read_lengths", "read_model", "read_profile"]
 
@@ -44,8 +46,9 @@ def read_lengths(source: str, *, sample_size: int, seed: int, tokenizer: str | N
             raise ValueError(f"--data {source}: unknown synthetic set; known: {', '.join(DATASETS)}")
         return sample_lengths(name, sample_size, np.random.default_rng(seed))
     path = Path(source)
-    if not path.exists():
-        raise ValueError(f"--data {source!r} is neither synthetic:NAME nor a file nor a datasets directory")
+    if not (path.exists() or Path(source.partition(":")[0]).is_dir() or hub_ref(source, RepoKind.DATASET)):
+        raise ValueError(f"--data {source!r} is neither synthetic:NAME nor a file nor a dataset folder (DIR[:SPLIT]) "
+                         "nor a Hugging Face Hub dataset id (ORG/NAME[@REVISION][:SPLIT])")
     if path.is_file() and _is_lengths_file(path):
         return _lengths_file(path)
     return _record_lengths(source, sample_size=sample_size, seed=seed, tokenizer=tokenizer)
@@ -78,7 +81,10 @@ def _record_lengths(source: str, *, sample_size: int, seed: int, tokenizer: str 
     except ImportError as error:  # an install without the trainer extra (torch)
         raise ValueError(f"--data {source}: reading records needs the trainer extra (pip install 'skrull[trainer]'): "
                          f"{error}") from None
-    records = open_records(source)
+    try:
+        records = open_records(source)
+    except ValueError as error:
+        raise ValueError(f"--data {source}: {error}") from None
     encoder = RecordEncoder(max_length=1 << 62, tokenizer=load_tokenizer(tokenizer) if tokenizer else None)
     num_records = records.num_records
     chosen = (np.arange(num_records) if num_records <= sample_size
@@ -91,8 +97,9 @@ def _record_lengths(source: str, *, sample_size: int, seed: int, tokenizer: str 
 
 
 def read_model(name_or_dir: str) -> ModelShape:
-    """A built-in model by name, or a local checkpoint folder's shape as the trainer reads its config."""
-    if Path(name_or_dir).is_dir():
+    """A built-in model by name, or a checkpoint's shape as the trainer reads its config: a local folder, or a
+    Hugging Face Hub id (``ORG/NAME[@REVISION]``)."""
+    if Path(name_or_dir).is_dir() or hub_ref(name_or_dir, RepoKind.MODEL) is not None:
         try:
             from trainer_client.model import model_shape
         except ImportError as error:

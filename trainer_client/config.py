@@ -1,168 +1,325 @@
-"""The trainer's configuration (``TrainConfig``), checked on construction: every flag of ``train.py`` with the
-rule it must satisfy, so that a bad combination fails before any process group or model is built. A flag with a
-closed set of values holds its enum (a string given for it is converted, or refused naming the flag and the
-values it takes)."""
+"""The trainer's configuration, declared once: ``TrainConfig``, a frozen pydantic model of one training run, from
+which the command line and the config file both come.
+
+- **Checks.** A field's own rule is declared on the field (``Annotated[int, Positive]``); the rules across fields
+  are ``TrainConfig._check_combination``. Both run on construction, so a bad run fails before any process group
+  or model is built. A closed set of values is a ``StrEnum`` field: a string given for it is converted, or refused
+  with the values it takes.
+- **Flags** (``add_flags``): one per field, ``--field-name`` unless the field's ``Flag`` spells it otherwise
+  (``plan_timeout_s`` is ``--plan-timeout``, ``shuffle`` is turned off by ``--no-shuffle``); its help is the
+  field's description, with the default shown once; a tuple is comma-separated; an enum offers its values.
+- **Config file** (``--config run.yaml``, or ``.toml`` / ``.json``): a mapping of field names to values. A flag
+  given on the command line overrides the file's key (and, for ``--steps``/``--epochs``, the file's choice of
+  the other).
+
+Errors are ``ConfigError`` (a ``ValueError``), one line naming each wrong value where it was given: by its flag
+(``--lora-rank must be positive, got 0``), or by its key in the file (``run.yaml: lora_rank: must be positive,
+got 0``); an unknown key is named with the closest known one. A rule across fields names the flags, and the keys
+the file gave them.
+
+The flags are generated here, from each field's type, description and ``Flag``, rather than by pydantic-settings'
+CLI: that keeps every flag's spelling and meaning (``--no-shuffle``, ``--plan-timeout`` for ``plan_timeout_s``,
+comma-separated lists, the ``--steps``/``--epochs`` exclusion, argument groups), keeps ``train.build_parser`` a
+plain argparse parser for the docs, and adds no dependency to the trainer (GPU machines often lack
+pydantic-settings).
+"""
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import json
 import os
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import TypeVar
+from types import NoneType, UnionType
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import ErrorDetails
 from skrull_proto.models import JobId
 
+from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.plan import SchedulerName
 from trainer_client.dacp.attention import AttentionBackend
 from trainer_client.data import SYNTHETIC_PREFIX
 from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelDims
 from trainer_client.lora import LORA_TARGETS, LoraExport, LoraSettings
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS
+from trainer_client.optim import LRSchedulerName
 from trainer_client.parallelize import ActivationCheckpointing, Sharding, check_compile_layout
 from trainer_client.plan_client import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
+from trainer_client.reporting import Tracker, check_installed
 
-__all__ = ["TrainConfig", "check_output_dir"]
+__all__ = [
+    "CONFIG_SUFFIXES",
+    "ConfigError",
+    "Flag",
+    "TrainConfig",
+    "add_flags",
+    "check_output_dir",
+    "config_from_args",
+    "load_config",
+    "read_config_file",
+]
 
+CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+DTYPES = ("float32", "bfloat16")
+# The argument groups of --help, in their order, each with its description; the other flags come first.
+GROUPS: dict[str, str] = {
+    "evaluation": "mean token loss on held-out records, planned and sharded like training, no optimizer step",
+    "LoRA": "train low-rank adapters (peft) on a frozen model: only the adapters carry gradients and optimizer "
+            "state, so the BucketSize grows",
+    "reporting": "the step metrics (loss, eval loss, learning rate, gradient norm, tokens/s, plan source, predicted "
+                 "and measured step time, peak memory) in experiment trackers, from rank 0",
+    "fault injection": "for tests of failure handling; never in real runs",
+}
 _JOB_ID: TypeAdapter[str] = TypeAdapter(JobId)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TrainConfig:
-    """One training run: a field per ``train.py`` flag (``--plan-timeout`` → ``plan_timeout_s``)."""
+class Flag:
+    """How a field appears on the command line, where it is not ``--field-name`` taking a value in the main
+    group."""
 
-    dp: int
-    cp: int
-    model: str = "tiny"
-    data: str = "synthetic:lmsys"
-    global_batch: int = 16
-    steps: int = 20
-    epochs: int | None = None  # train every record this many times (a record source): sets ``steps``
-    shuffle: bool = True  # a record source's epochs in a seeded order, another each epoch
-    scheduler: SchedulerName = SchedulerName.SKRULL
-    scheduler_url: str | None = None
-    bucket_size: int | None = None
-    profile: str | None = None  # auto, a profile name, or a profile file; None: auto on CUDA, the planner's on CPU
-    seed: int = 0
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # the cosine ends at lr × this at the last step
-    max_grad_norm: float = 1.0  # 0: no clipping (the norm is still reported)
-    sharding: Sharding = Sharding.ZERO2
-    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
-    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    compile: bool = False  # torch.compile each decoder layer (parallelize.apply_compile)
-    checkpoint_dir: Path | None = None
-    checkpoint_every: int = 0  # steps between checkpoints; 0: only after the last step (with --checkpoint-dir)
-    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir, if there is one
-    resume_accept_data_change: bool = False  # resume although --data differs from the checkpoint's
-    output_dir: Path | None = None  # the trained model as a Hugging Face folder, after the last step (export.py)
-    export_every: int | None = None  # steps between earlier exports, into output_dir/step-<n>
-    eval_data: str | None = None  # a held-out JSONL file or datasets directory, evaluated as training is planned
-    eval_every: int = 0  # steps between evaluations; 0: after the last step only (with eval_data)
-    lora_rank: int | None = None  # train LoRA adapters of this rank on a frozen model (lora.py)
-    lora_alpha: int | None = None  # adapters scaled by alpha / rank; default 2 × rank
-    lora_targets: tuple[str, ...] = LORA_TARGETS
-    export_lora: LoraExport = LoraExport.MERGED  # what --output-dir holds after a LoRA run
-    tensorboard_dir: Path | None = None  # the step metrics as TensorBoard scalars, written by rank 0
-    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
-    max_length: int | None = None
-    truncate: bool = False
-    tokenizer: str | None = None  # a local tokenizer directory, for text and chat records
-    metrics_out: Path | None = None
-    plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S
-    plan_attempts: int = DEFAULT_PLAN_ATTEMPTS
-    attention_backend: AttentionBackend = AttentionBackend.AUTO
-    dtype: str | None = None  # float32 | bfloat16; default float32 on CPU, bfloat16 autocast on CUDA
-    progress: bool = True
-    feedback: bool = False  # report measured micro-batch times and peak memory to the service
-    job_id: str | None = None  # names this run for the service's feedback; random when absent
-    # Fault injection (tests of failure handling): this global rank raises InjectedFault at the start of this step.
-    fail_rank: int | None = None
-    fail_at_step: int | None = None
+    name: str | None = None  # the flag's spelling: --plan-timeout for plan_timeout_s
+    negated: bool = False  # a bool field the flag turns off (--no-shuffle), not on
+    group: str | None = None  # one of GROUPS
+    exclusive: str | None = None  # fields sharing this name are given at most one at a time (--steps, --epochs)
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None  # a str field's values (an enum field offers its own)
 
-    def __post_init__(self) -> None:
-        for name, enum, flag in _CHOICES:
-            object.__setattr__(self, name, _choice(enum, getattr(self, name), flag))
-        ParallelDims(dp_size=self.dp, cp_size=self.cp)
-        if self.global_batch < 1:
-            raise ValueError(f"--global-batch must be positive, got {self.global_batch}")
-        if self.steps < 1:
-            raise ValueError(f"--steps must be positive, got {self.steps}")
-        if self.epochs is not None and self.epochs < 1:
-            raise ValueError(f"--epochs must be positive, got {self.epochs}")
-        if self.epochs is not None and self.data.startswith(SYNTHETIC_PREFIX):
-            raise ValueError(f"--epochs needs a JSONL file or a datasets directory; --data {self.data} has no end: "
-                             "give --steps")
-        if self.bucket_size is not None and self.bucket_size < 1:
-            raise ValueError(f"--bucket-size must be positive, got {self.bucket_size}")
-        if self.max_length is not None and self.max_length < 1:
-            raise ValueError(f"--max-length must be positive, got {self.max_length}")
-        if self.scheduler_url is not None and not self.scheduler_url.startswith(("http://", "https://")):
-            raise ValueError(f"--scheduler-url {self.scheduler_url!r} must start with http:// or https://")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"--min-lr-ratio must lie in [0, 1], got {self.min_lr_ratio}")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"--max-grad-norm must not be negative, got {self.max_grad_norm}")
-        if self.compile:
-            check_compile_layout(self.activation_checkpointing)
-        if self.loss_chunk_tokens < 1:
-            raise ValueError(f"--loss-chunk-tokens must be positive, got {self.loss_chunk_tokens}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every must not be negative, got {self.checkpoint_every}")
-        if (self.checkpoint_every or self.resume) and self.checkpoint_dir is None:
-            raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
-        if self.resume_accept_data_change and not self.resume:
-            raise ValueError("--resume-accept-data-change goes with --resume")
-        if self.export_every is not None:
-            if self.output_dir is None:
-                raise ValueError("--export-every needs --output-dir")
-            if self.export_every < 1:
-                raise ValueError(f"--export-every must be positive, got {self.export_every}")
-        if self.output_dir is not None:
-            check_output_dir(self.output_dir, flag="--output-dir")
-            if self.checkpoint_dir is not None and self.output_dir.resolve() == self.checkpoint_dir.resolve():
-                raise ValueError(f"--output-dir and --checkpoint-dir are both {self.output_dir}: both write "
-                                 "step-<n> folders, so give each its own")
-        if self.eval_data is not None and self.eval_data.startswith(SYNTHETIC_PREFIX):
-            raise ValueError(f"--eval-data {self.eval_data} is synthetic; evaluation needs held-out records: a JSONL "
-                             "file or a datasets directory")
-        if self.eval_every < 0:
-            raise ValueError(f"--eval-every must not be negative, got {self.eval_every}")
-        if self.eval_every and self.eval_data is None:
-            raise ValueError("--eval-every needs --eval-data")
-        lora = self.lora  # LoraSettings checks --lora-rank, --lora-alpha and --lora-targets
-        if lora is None and (self.lora_alpha is not None or self.lora_targets != LORA_TARGETS):
-            raise ValueError("--lora-alpha and --lora-targets go with --lora-rank")
-        if self.export_lora is LoraExport.ADAPTER:
-            if lora is None or self.output_dir is None:
-                raise ValueError("--export-lora adapter needs --lora-rank and --output-dir")
-            if not Path(self.model).is_dir():
-                raise ValueError(f"--export-lora adapter writes an adapter for the base model folder it was trained "
-                                 f"on, and --model {self.model} is a built-in random-init model: give --model a "
-                                 "local checkpoint folder, or export the merged model")
-        if self.collective_timeout_s <= 0:
-            raise ValueError(f"--collective-timeout must be positive, got {self.collective_timeout_s}")
-        if self.dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.feedback and self.scheduler_url is None:
-            raise ValueError("--feedback reports to the scheduler service: give --scheduler-url too")
-        if self.job_id is not None:
-            try:
-                _JOB_ID.validate_python(self.job_id)
-            except ValidationError:
-                raise ValueError(f"--job-id {self.job_id!r} is not a valid job id: 1 to 128 characters, letters, "
-                                 "digits and . _ : - only, starting with a letter or digit") from None
-        if (self.fail_rank is None) != (self.fail_at_step is None):
-            raise ValueError("--fail-rank and --fail-at-step go together")
-        if self.fail_rank is not None and not 0 <= self.fail_rank < self.dp * self.cp:
-            raise ValueError(f"--fail-rank {self.fail_rank} is not a global rank of dp {self.dp} × cp {self.cp}")
+
+# ---- a field's own rules: messages follow the flag or the file's key that names the value ----------------------------
+
+Number = TypeVar("Number", int, float)
+Choice = TypeVar("Choice", bound=StrEnum)
+
+
+def _positive(value: Number) -> Number:
+    if value <= 0:
+        raise ValueError(f"must be positive, got {value}")
+    return value
+
+
+def _non_negative(value: Number) -> Number:
+    if value < 0:
+        raise ValueError(f"must not be negative, got {value}")
+    return value
+
+
+def _fraction(value: float) -> float:
+    if not 0 <= value <= 1:
+        raise ValueError(f"must lie in [0, 1], got {value}")
+    return value
+
+
+def _member(enum: type[Choice], value: object) -> Choice:
+    try:
+        return enum(value if isinstance(value, str) else repr(value))  # a StrEnum member is its str value
+    except ValueError:
+        raise ValueError(f"{value!r} is unknown; known: {', '.join(enum)}") from None
+
+
+def _one_of(enum: type[StrEnum]) -> BeforeValidator:
+    """The value of a closed set, refused naming the values it takes."""
+    return BeforeValidator(lambda value: _member(enum, value))
+
+
+def _trackers(names: object) -> object:
+    """Each tracker once, in the order first named."""
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        return names  # not a sequence: refused as the field's type
+    return tuple(dict.fromkeys(_member(Tracker, name) for name in names))
+
+
+def _http_url(url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{url!r} must start with http:// or https://")
+    return url
+
+
+def _held_out(source: str) -> str:
+    if source.startswith(SYNTHETIC_PREFIX):
+        raise ValueError(f"{source} is synthetic; evaluation needs held-out records: a data file, a dataset folder "
+                         "or a Hub data set")
+    return source
+
+
+def _dtype(name: str) -> str:
+    if name not in DTYPES:
+        raise ValueError(f"must be {' or '.join(DTYPES)}, got {name!r}")
+    return name
+
+
+def _job_id(job_id: str) -> str:
+    try:
+        return _JOB_ID.validate_python(job_id)
+    except ValidationError:
+        raise ValueError(f"{job_id!r} is not a valid job id: 1 to 128 characters, letters, digits and . _ : - only, "
+                         "starting with a letter or digit") from None
+
+
+Positive = AfterValidator(_positive)
+NonNegative = AfterValidator(_non_negative)
+
+
+class TrainConfig(BaseModel):
+    """One training run: a field per ``train.py`` flag, and a key per field in a ``--config`` file."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dp: Annotated[int, Positive] = Field(description="data-parallel degree (required, here or in the --config file)")
+    cp: Annotated[int, Positive] = Field(description="context-parallel degree (required, here or in the --config "
+                                                     "file)")
+    model: str = Field("tiny", description="a built-in model name, a local HF checkpoint directory, or a Hugging "
+                                           "Face Hub id ORG/NAME[@REVISION] (from the HF cache, downloaded into it "
+                                           "by rank 0 unless HF_HUB_OFFLINE is set)")
+    data: str = Field("synthetic:lmsys", description="synthetic:{wikipedia,lmsys,chatqa2}, or input_ids, messages "
+                                                     "(chat) or text records: a JSONL, parquet, CSV or JSON file, a "
+                                                     "local dataset folder (save_to_disk, or data files; DIR:SPLIT "
+                                                     "picks a split), or a Hugging Face Hub dataset "
+                                                     "ORG/NAME[@REVISION][:SPLIT] (split train by default)")
+    tokenizer: str | None = Field(None, description="a local tokenizer directory or a Hugging Face Hub id "
+                                                    "ORG/NAME[@REVISION] (for messages and text records)")
+    global_batch: Annotated[int, Positive] = Field(16, description="sequences per global batch")
+    steps: Annotated[int, Positive, Flag(exclusive="length")] = Field(
+        20, description="optimizer steps (one per global batch)")
+    epochs: Annotated[int, Positive, Flag(exclusive="length")] | None = Field(
+        None, description="train every record this many times (records, not synthetic data): the steps are "
+                          "epochs × records / --global-batch, rounded up")
+    shuffle: Annotated[bool, Flag(name="--no-shuffle", negated=True)] = Field(
+        True, description="train records in file order; by default each epoch is a permutation seeded by --seed "
+                          "and the epoch, the same on every rank and kept across --resume")
+    scheduler: Annotated[SchedulerName, _one_of(SchedulerName)] = Field(
+        SchedulerName.SKRULL, description="the planner of each global batch")
+    scheduler_url: Annotated[str, AfterValidator(_http_url)] | None = Field(
+        None, description="the scheduler service; absent: plan with the embedded core")
+    bucket_size: Annotated[int, Positive] | None = Field(
+        None, description="tokens per CP rank per micro-batch (default: from profile)")
+    profile: str | None = Field(None, description="hardware profile for the performance model: auto (measured by "
+                                                  "every rank before the first step, cached per machine and "
+                                                  "layout), a name, or a profile file from python -m "
+                                                  "trainer_client.profile (default: auto on CUDA, the planner's on "
+                                                  "CPU)")
+    seed: int = Field(0, description="seeds the model's initialisation, synthetic data and the records' order")
+    lr: Annotated[float, Positive] = Field(1e-3, description="the peak learning rate (AdamW)")
+    weight_decay: float = Field(0.0, description="AdamW's weight decay")
+    lr_scheduler: Annotated[LRSchedulerName, _one_of(LRSchedulerName)] = Field(
+        LRSchedulerName.WARMUP_COSINE,
+        description="the learning rate's schedule: warmup_cosine (linear warmup from lr / --warmup-steps, then a "
+                    "cosine to lr × --min-lr-ratio at the last step), or transformers' schedule of that name; "
+                    "warmup_stable_decay decays over the last fifth of the steps after warmup")
+    warmup_steps: Annotated[int, NonNegative] = Field(0, description="steps of linear warmup at the start")
+    min_lr_ratio: Annotated[float, AfterValidator(_fraction)] = Field(
+        0.1, description="warmup_cosine, cosine_with_min_lr and warmup_stable_decay end at lr × this")
+    max_grad_norm: Annotated[float, NonNegative] = Field(1.0, description="clip the global gradient norm; 0: off "
+                                                                          "(the norm is still reported)")
+    sharding: Annotated[Sharding, _one_of(Sharding)] = Field(
+        Sharding.ZERO2, description="FSDP2 over all DP × CP ranks: zero2 keeps parameters unsharded for the step, "
+                                    "zero3 reshards after every forward; none: replicated, one all-reduce")
+    activation_checkpointing: Annotated[ActivationCheckpointing, _one_of(ActivationCheckpointing)] = Field(
+        ActivationCheckpointing.NONE, description="per decoder layer: selective recomputes the MLP, full the whole "
+                                                  "layer")
+    compile: bool = Field(False, description="torch.compile each decoder layer (dynamic shapes; attention stays "
+                                             "eager): fewer, fused kernels, so a GPU's launch-bound micro-batches "
+                                             "run faster; the first steps pay the compilation")
+    loss_chunk_tokens: Annotated[int, Positive] = Field(
+        DEFAULT_CHUNK_TOKENS, description="tokens per chunk of the LM head + cross-entropy (bounds the fp32 logits "
+                                          "held)")
+    checkpoint_dir: Path | None = Field(None, description="save DCP checkpoints here")
+    checkpoint_every: Annotated[int, NonNegative] = Field(
+        0, description="steps between checkpoints (0: after the last step only)")
+    keep_last: Annotated[int, Positive] | None = Field(
+        None, description="keep the N newest complete checkpoints: once one is complete, older ones are removed "
+                          "(default: keep all)")
+    async_checkpoint: bool = Field(False, description="write checkpoints in the background (dcp.async_save): a step "
+                                                      "waits only for the state to be copied to CPU memory, a save "
+                                                      "for the one before it")
+    resume: bool = Field(False, description="continue from the latest checkpoint in --checkpoint-dir when there is "
+                                            "one; it must have been written with the same --model, --dp × --cp, "
+                                            "--global-batch and --data (another schedule is accepted)")
+    resume_accept_data_change: bool = Field(
+        False, description="with --resume: accept a checkpoint trained on other --data (another source, or the "
+                           "same one changed) and continue from its saved data position")
+    output_dir: Path | None = Field(None, description="after the last step, write the trained model here as a "
+                                                      "Hugging Face folder (safetensors weights, config, generation "
+                                                      "config, and the --tokenizer if given), ready for "
+                                                      "AutoModelForCausalLM.from_pretrained; its parent directory "
+                                                      "must exist")
+    export_every: Annotated[int, Positive] | None = Field(
+        None, description="also export every N steps before the last, into OUTPUT_DIR/step-N (the step number "
+                          "zero-padded to 8 digits, as checkpoints are); needs --output-dir")
+    export_lora: Annotated[LoraExport, _one_of(LoraExport)] = Field(
+        LoraExport.MERGED, description="after a LoRA run, --output-dir holds the model with the adapters merged "
+                                       "into its weights, or the adapter alone (for a --model checkpoint folder, "
+                                       "its base)")
+    eval_data: Annotated[str, AfterValidator(_held_out), Flag(group="evaluation")] | None = Field(
+        None, description="held-out records, in any form --data takes but synthetic (a Hub data set's other split: "
+                          "ORG/NAME:test); none may be longer than --max-length")
+    eval_every: Annotated[int, NonNegative, Flag(group="evaluation")] = Field(
+        0, description="steps between evaluations (0: after the last step only)")
+    lora_rank: Annotated[int, Positive, Flag(group="LoRA")] | None = Field(
+        None, description="the adapters' rank; absent: full fine-tuning")
+    lora_alpha: Annotated[int, Positive, Flag(group="LoRA")] | None = Field(
+        None, description="scale the adapters by alpha / rank (default: 2 × rank)")
+    lora_targets: Annotated[tuple[str, ...], Flag(group="LoRA")] = Field(
+        LORA_TARGETS, description="comma-separated projections of each decoder layer to adapt")
+    report_to: Annotated[tuple[Tracker, ...], BeforeValidator(_trackers),
+                         Flag(group="reporting", metavar="TRACKER[,TRACKER...]")] = Field(
+        (), description=f"comma-separated trackers of {', '.join(Tracker)}, each installed by the extra of its name "
+                        "(pip install 'skrull[wandb]'); W&B reads WANDB_PROJECT and WANDB_MODE, MLflow "
+                        "MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME")
+    logging_dir: Annotated[Path, Flag(group="reporting")] | None = Field(
+        None, description="the run's folder for TensorBoard's events and W&B's files; absent: runs/JOB_ID, JOB_ID "
+                          "the --job-id or a random one")
+    collective_timeout_s: Annotated[float, Positive, Flag(name="--collective-timeout")] = Field(
+        DEFAULT_COLLECTIVE_TIMEOUT_S, description="seconds any collective of any process group may wait for a peer")
+    max_length: Annotated[int, Positive] | None = Field(
+        None, description="longest record accepted (default: bucket_size × cp)")
+    truncate: bool = Field(False, description="cut records longer than --max-length")
+    metrics_out: Path | None = Field(None, description="write one JSON line of metrics per step here")
+    plan_timeout_s: Annotated[float, Flag(name="--plan-timeout")] = Field(
+        DEFAULT_PLAN_TIMEOUT_S, description="seconds per POST /plan attempt")
+    plan_attempts: int = Field(DEFAULT_PLAN_ATTEMPTS, description="POST /plan attempts before falling back")
+    attention_backend: Annotated[AttentionBackend, _one_of(AttentionBackend)] = Field(
+        AttentionBackend.AUTO, description="the attention kernel; auto: on CUDA in bf16 or fp16, flash-attn where "
+                                           "installed, else torch's varlen attention; SDPA otherwise")
+    dtype: Annotated[str, AfterValidator(_dtype), Flag(choices=DTYPES)] | None = Field(
+        None, description="default: float32 on CPU, bfloat16 on CUDA")
+    progress: Annotated[bool, Flag(name="--no-progress", negated=True)] = Field(
+        True, description="no progress bar")
+    feedback: bool = Field(False, description="report measured micro-batch times (and peak memory on CUDA) to the "
+                                              "service, which refits this job's profile (POST /feedback; needs "
+                                              "--scheduler-url)")
+    job_id: Annotated[str, AfterValidator(_job_id)] | None = Field(
+        None, description="the job name the service keys feedback by: 1-128 letters, digits, . _ : -, starting with "
+                          "a letter or digit (default: random)")
+    fail_rank: Annotated[int, Flag(group="fault injection")] | None = Field(
+        None, description="the global rank that raises InjectedFault")
+    fail_at_step: Annotated[int, Flag(group="fault injection")] | None = Field(
+        None, description="the step at whose start it raises")
+
+    def __init__(self, **values: Any) -> None:
+        """Validate ``values``; a refusal is a ``ConfigError`` naming each wrong value by its flag (pydantic's own
+        message would name the field, in several lines)."""
+        try:
+            super().__init__(**values)
+        except ValidationError as error:
+            raise ConfigError(error.errors()) from None
 
     @property
     def lora(self) -> LoraSettings | None:
@@ -175,20 +332,52 @@ class TrainConfig:
     def dims(self) -> ParallelDims:
         return ParallelDims(dp_size=self.dp, cp_size=self.cp)
 
-
-Choice = TypeVar("Choice", bound=StrEnum)
-_CHOICES: tuple[tuple[str, type[StrEnum], str], ...] = (
-    ("scheduler", SchedulerName, "--scheduler"), ("sharding", Sharding, "--sharding"),
-    ("activation_checkpointing", ActivationCheckpointing, "--activation-checkpointing"),
-    ("export_lora", LoraExport, "--export-lora"), ("attention_backend", AttentionBackend, "--attention-backend"),
-)
-
-
-def _choice(enum: type[Choice], value: str, flag: str) -> Choice:
-    try:
-        return enum(value)
-    except ValueError:
-        raise ValueError(f"{flag} {value!r} is unknown; known: {', '.join(enum)}") from None
+    @model_validator(mode="after")
+    def _check_combination(self) -> TrainConfig:
+        """The rules across fields, each message naming the flags it concerns; run once every field is valid."""
+        for tracker in self.report_to:
+            check_installed(tracker)  # on every rank, before any process group: all stop with the same error
+        if self.logging_dir is not None and not self.report_to:
+            raise ValueError("--logging-dir goes with --report-to")
+        if self.epochs is not None and "steps" in self.model_fields_set:
+            raise ValueError("--steps and --epochs exclude each other: give one")
+        if self.epochs is not None and self.data.startswith(SYNTHETIC_PREFIX):
+            raise ValueError(f"--epochs needs records (a data file, a dataset folder or a Hub data set); --data "
+                             f"{self.data} has no end: give --steps")
+        if self.compile:
+            check_compile_layout(self.activation_checkpointing)
+        if (self.checkpoint_every or self.resume) and self.checkpoint_dir is None:
+            raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
+        if (self.keep_last is not None or self.async_checkpoint) and self.checkpoint_dir is None:
+            raise ValueError("--keep-last and --async-checkpoint need --checkpoint-dir")
+        if self.resume_accept_data_change and not self.resume:
+            raise ValueError("--resume-accept-data-change goes with --resume")
+        if self.export_every is not None and self.output_dir is None:
+            raise ValueError("--export-every needs --output-dir")
+        if self.output_dir is not None:
+            check_output_dir(self.output_dir, flag="--output-dir")
+            if self.checkpoint_dir is not None and self.output_dir.resolve() == self.checkpoint_dir.resolve():
+                raise ValueError(f"--output-dir and --checkpoint-dir are both {self.output_dir}: both write "
+                                 "step-<n> folders, so give each its own")
+        if self.eval_every and self.eval_data is None:
+            raise ValueError("--eval-every needs --eval-data")
+        lora = self.lora  # LoraSettings checks --lora-targets
+        if lora is None and (self.lora_alpha is not None or self.lora_targets != LORA_TARGETS):
+            raise ValueError("--lora-alpha and --lora-targets go with --lora-rank")
+        if self.export_lora is LoraExport.ADAPTER:
+            if lora is None or self.output_dir is None:
+                raise ValueError("--export-lora adapter needs --lora-rank and --output-dir")
+            if self.model.lower() in MODEL_CATALOGUE:
+                raise ValueError(f"--export-lora adapter writes an adapter for the base model folder it was trained "
+                                 f"on, and --model {self.model} is a built-in random-init model: give --model a "
+                                 "local checkpoint folder or a Hugging Face Hub id, or export the merged model")
+        if self.feedback and self.scheduler_url is None:
+            raise ValueError("--feedback reports to the scheduler service: give --scheduler-url too")
+        if (self.fail_rank is None) != (self.fail_at_step is None):
+            raise ValueError("--fail-rank and --fail-at-step go together")
+        if self.fail_rank is not None and not 0 <= self.fail_rank < self.dp * self.cp:
+            raise ValueError(f"--fail-rank {self.fail_rank} is not a global rank of dp {self.dp} × cp {self.cp}")
+        return self
 
 
 def check_output_dir(path: Path, *, flag: str) -> None:
@@ -204,3 +393,204 @@ def check_output_dir(path: Path, *, flag: str) -> None:
             raise ValueError(f"{flag} {path}: its parent directory {target} does not exist")
     if not os.access(target, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path}: {target} is not writable")
+
+
+# ---- errors: each wrong value named where it was given ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Origin:
+    """Where a ``TrainConfig``'s values came from: the config file's keys that no flag overrode, else flags (or
+    keyword arguments, which are named as the flags are)."""
+
+    path: Path | None = None
+    keys: frozenset[str] = frozenset()
+
+
+class ConfigError(ValueError):
+    """``TrainConfig`` refused its values: one line naming each wrong value by its flag, or by its key in the
+    config file where the file gave it. ``errors`` are pydantic's."""
+
+    def __init__(self, errors: list[ErrorDetails], origin: _Origin | None = None) -> None:
+        self.errors = errors
+        super().__init__("; ".join(_describe(error, origin or _Origin()) for error in errors))
+
+    def given_in(self, origin: _Origin) -> ConfigError:
+        """The same errors, named where ``origin`` says each value was given."""
+        return ConfigError(self.errors, origin)
+
+
+_FLAG_IN_MESSAGE = re.compile(r"--[a-z][a-z-]*")
+
+
+def _describe(error: ErrorDetails, origin: _Origin) -> str:
+    # a ValueError of a validator here says what is wrong and nothing more; pydantic's own messages are sentences
+    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    if not error["loc"]:  # a rule across fields: its message names the flags; add the keys the file gave them
+        keys = [field for flag in _FLAG_IN_MESSAGE.findall(message)
+                if (field := _FIELD_OF_FLAG.get(flag)) is not None and field in origin.keys]
+        return f"{message} ({origin.path}: {', '.join(dict.fromkeys(keys))})" if keys else message
+    field, *inside = (str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(field, TrainConfig.model_fields, n=1)
+        hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(TrainConfig.model_fields)}"
+        return (f"{origin.path}: {field}: unknown key{hint}" if field in origin.keys
+                else f"{field!r} is not a setting of the run{hint}")
+    if error["type"] == "missing":
+        where = f" (or {field} in {origin.path})" if origin.path is not None else ""
+        return f"{_FLAGS[field].name} is required{where}"
+    if error["type"] != "value_error":
+        message = f"{message}, got {error['input']!r}"
+    if field in origin.keys:
+        return f"{origin.path}: {field}{''.join(f'[{part}]' for part in inside)}: {message}"
+    return f"{_FLAGS[field].name} {message}" if error["type"] == "value_error" else f"{_FLAGS[field].name}: {message}"
+
+
+# ---- the command line: a flag per field ------------------------------------------------------------------------------
+
+
+def _flag_of(name: str, annotation: Any, metadata: list[Any]) -> Flag:
+    """The field's ``Flag``, on the field or on its non-None type, with its spelling filled in."""
+    found = [item for item in metadata if isinstance(item, Flag)]
+    for member in get_args(annotation) if _is_union(annotation) else ():
+        if get_origin(member) is Annotated:
+            found += [item for item in member.__metadata__ if isinstance(item, Flag)]
+    flag = found[0] if found else Flag()
+    spelled = flag.name or "--" + name.replace("_", "-")
+    return Flag(name=spelled, negated=flag.negated, group=flag.group, exclusive=flag.exclusive,
+                metavar=flag.metavar or spelled.removeprefix("--").replace("-", "_").upper(), choices=flag.choices)
+
+
+def _is_union(annotation: Any) -> bool:
+    return get_origin(annotation) in (Union, UnionType)
+
+
+def _value_type(annotation: Any) -> Any:
+    """The type a flag's text converts to: the annotation without ``None`` and without its validators."""
+    if _is_union(annotation):
+        (annotation,) = (member for member in get_args(annotation) if member is not NoneType)
+    return get_args(annotation)[0] if get_origin(annotation) is Annotated else annotation
+
+
+_FLAGS: dict[str, Flag] = {name: _flag_of(name, info.annotation, info.metadata)
+                           for name, info in TrainConfig.model_fields.items()}
+_FIELD_OF_FLAG: dict[str, str] = {flag.name: name for name, flag in _FLAGS.items() if flag.name is not None}
+
+
+def _comma_separated(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def _shown(default: object) -> str:
+    if isinstance(default, tuple):
+        return ",".join(map(str, default))
+    return str(default)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and a flag per ``TrainConfig`` field, in the field's group. A flag not given is absent
+    from the parsed namespace (its default is the model's), so that ``config_from_args`` can tell it from a
+    config file's value."""
+    parser.add_argument("--config", type=Path, metavar="FILE",
+                        help="a YAML, TOML or JSON file of the run's settings, keyed by the flags' names with _ for "
+                             "- (or the config key a flag's help names; paths relative to the working directory); a "
+                             "flag given overrides its key")
+    groups: dict[str | None, argparse._ActionsContainer] = {None: parser}
+    groups |= {title: parser.add_argument_group(title, description) for title, description in GROUPS.items()}
+    exclusive: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for name, info in TrainConfig.model_fields.items():
+        flag = _FLAGS[name]
+        assert flag.name is not None  # _flag_of spells every flag
+        container = groups[flag.group]
+        if flag.exclusive is not None:
+            if flag.exclusive not in exclusive:
+                exclusive[flag.exclusive] = container.add_mutually_exclusive_group()
+            container = exclusive[flag.exclusive]
+        help_text = info.description or ""
+        if not (info.is_required() or info.default is None or info.default is False or info.default == ()
+                or flag.negated or "default" in help_text):
+            help_text += f" (default: {_shown(info.default)})"
+        if flag.negated:
+            help_text += f" [config key {name}: false]"
+        elif flag.name != "--" + name.replace("_", "-"):
+            help_text += f" [config key {name}]"
+        kind = _value_type(info.annotation)
+        common: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
+        if kind is bool:
+            container.add_argument(flag.name, action="store_const", const=not flag.negated, **common)
+        elif get_origin(kind) is tuple:
+            container.add_argument(flag.name, type=_comma_separated, metavar=flag.metavar, **common)
+        elif isinstance(kind, type) and issubclass(kind, StrEnum):
+            container.add_argument(flag.name, choices=[member.value for member in kind], **common)
+        else:
+            container.add_argument(flag.name, type=kind, choices=flag.choices,
+                                   metavar=None if flag.choices else flag.metavar, **common)
+
+
+# ---- the config file, and the flags over it --------------------------------------------------------------------------
+
+
+def read_config_file(path: Path) -> dict[str, object]:
+    """The settings ``path`` holds: a mapping of ``TrainConfig`` field names to values, in YAML (``.yaml``,
+    ``.yml``), TOML or JSON by its suffix; an empty file holds none. A file that cannot be read or parsed is a
+    ``ValueError`` naming it (and the line, where the parser says)."""
+    if path.suffix.lower() not in CONFIG_SUFFIXES:
+        raise ValueError(f"--config {path}: a config file is YAML, TOML or JSON, named {', '.join(CONFIG_SUFFIXES)}")
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ValueError(f"--config {path}: {error.strerror or error}") from None
+    values = _parse(path, text)
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: holds a {type(values).__name__}, not a mapping of settings to values")
+    return {str(key): value for key, value in values.items()}
+
+
+def _parse(path: Path, text: str) -> object:
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{error.lineno}:{error.colno}: {error.msg}") from None
+    if suffix == ".toml":
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"{path}: {error}") from None
+    try:
+        import yaml  # only a YAML config needs PyYAML
+    except ImportError:
+        raise ValueError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or give the settings as "
+                         ".toml or .json") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as error:
+        where = f":{error.problem_mark.line + 1}:{error.problem_mark.column + 1}" if error.problem_mark else ""
+        raise ValueError(f"{path}{where}: {error.problem or error.context}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def load_config(flags: Mapping[str, object], *, config_file: Path | None = None) -> TrainConfig:
+    """The run ``config_file`` describes with ``flags`` (field name → value, those given on the command line)
+    over it. A flag of an exclusive set (``--steps``, ``--epochs``) replaces the file's choice of the other."""
+    from_file = read_config_file(config_file) if config_file is not None else {}
+    chosen = {flag.exclusive for name in flags if (flag := _FLAGS.get(name)) is not None} - {None}
+    kept = {key: value for key, value in from_file.items()
+            if key not in flags and (key not in _FLAGS or _FLAGS[key].exclusive not in chosen)}
+    try:
+        return TrainConfig(**{**kept, **flags})
+    except ConfigError as error:
+        raise error.given_in(_Origin(path=config_file, keys=frozenset(kept))) from None
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The run that flags parsed by a parser ``add_flags`` built describe: the ``--config`` file's settings, the
+    flags given over them."""
+    flags = vars(args).copy()
+    config_file: Path | None = flags.pop("config")
+    return load_config(flags, config_file=config_file)
+

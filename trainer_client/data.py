@@ -7,11 +7,21 @@ Sources, chosen by ``--data``:
   (``scheduler_service.core.samplers.sample_lengths``), token ids uniform over the
   vocabulary. Global batch ``s`` depends on ``(seed, s)`` alone, so every rank,
   every scheduler and every rerun sees the same batches in the same order.
-- a JSONL file, one record per line, or a local Hugging Face ``datasets``
-  directory (``Dataset.save_to_disk``), one record per row. Global batch ``s``
-  is the next ``B`` records of the current epoch's order, carried on into the
-  next epoch at the end: file order, or with ``shuffle`` a permutation seeded by
-  ``(seed, epoch)``, another each epoch and the same on every rank and rerun.
+- records (``open_records``), one a line of a JSONL file, or one a row of a
+  ``datasets`` table:
+
+  - a JSONL file (``.jsonl``, a ``.json`` file of JSON lines, any other
+    suffix), read by ``JsonlRecords``;
+  - a parquet, CSV or ``.json`` file that holds a JSON array;
+  - a dataset folder: ``Dataset.save_to_disk``'s, or data files laid out as on
+    the Hub (``DIR:SPLIT`` picks a split, ``train`` by default);
+  - a Hugging Face Hub data set, ``ORG/NAME[@REVISION][:SPLIT]``: its snapshot
+    in the Hugging Face cache (``hub.py``), read as a folder.
+
+  Global batch ``s`` is the next ``B`` records of the current epoch's order,
+  carried on into the next epoch at the end: file order, or with ``shuffle`` a
+  permutation seeded by ``(seed, epoch)``, another each epoch and the same on
+  every rank and rerun.
 
 Records (``RecordEncoder``), the first key present (and not null) decides:
 
@@ -24,16 +34,31 @@ Records (``RecordEncoder``), the first key present (and not null) decides:
 - ``{"text": "..."}``: plain text, tokenized (with the end-of-text token) and
   trained on every token.
 
-Both record readers read a record at a time: a JSONL file from the byte offset
-of its line (an index of the offsets is built once, 12 bytes per record), a
-``datasets`` directory as memory-mapped Arrow rows, so no rank holds the data.
+Both record readers read a record at a time, so no rank holds the data. A JSONL
+file is read from the byte offset of its line (an index of the offsets is built
+once, 12 bytes per record). Every other source is read as memory-mapped Arrow
+rows (``DatasetRecords``): ``datasets.load_dataset`` converts a file, a folder
+of data files or a Hub snapshot once into its own cache (``HF_DATASETS_CACHE``),
+and a ``save_to_disk`` folder is Arrow already.
 Where the next batch starts (``GlobalBatch.next_position``: the epoch and the
 index in its order) is saved in checkpoints and restored with ``seek``, so a
 resumed run continues the same order. What a source is
-(``DataSource.identity``: the synthetic set with its seed; a JSONL file with
-its size and a digest of its first and last records; a ``datasets`` directory
-with its rows and fingerprint) is saved beside them, so that a resume can tell
-whether it reads the same data (``run_identity.py``).
+(``DataSource.identity``) is saved beside them, so that a resume can tell
+whether it reads the same data (``run_identity.py``):
+
+- a synthetic set: its name and seed;
+- a JSONL file: its path, its size and a digest of its first and last records;
+- a parquet, CSV or JSON file: its path, its size, its rows and a digest of its
+  first and last 64 KiB;
+- a ``save_to_disk`` folder: its path (and split), its rows and the
+  fingerprint ``datasets`` saved with it;
+- a folder of data files: its path and split, its rows and the fingerprint
+  ``datasets`` derives from the files' paths and modification times (touching
+  a file counts as a change);
+- a Hub data set: its id and split, the commit read and its rows, wherever the
+  cache lies.
+
+None of these reads a large file whole.
 
 Labels follow the Hugging Face convention (aligned with ``input_ids``); the
 token at position ``t`` is trained to predict ``labels[t + 1]``
@@ -48,7 +73,7 @@ import hashlib
 import json
 import math
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -57,6 +82,7 @@ import numpy as np
 import numpy.typing as npt
 
 from scheduler_service.core.samplers import DATASETS, sample_lengths
+from trainer_client.hub import HubError, HubSnapshot, RepoKind, fetch, hub_ref
 
 __all__ = [
     "IGNORE_INDEX",
@@ -78,7 +104,11 @@ __all__ = [
 
 IGNORE_INDEX = -100
 SYNTHETIC_PREFIX = "synthetic:"
+DEFAULT_SPLIT = "train"  # of a dataset folder or a Hub data set given without :SPLIT
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _TAIL_BLOCK_BYTES = 1 << 16  # a JSONL file's last record is looked for this many bytes at a time, from the end
+_DIGEST_BYTES = 1 << 16  # a parquet, CSV or JSON file's identity digests this many bytes at each end
+_SNIFF_BYTES = 1 << 12  # where a .json file's first character is looked for
 
 
 class RecordTooLongError(ValueError):
@@ -135,7 +165,7 @@ class GlobalBatch:
 class DataIdentity:
     """Which data a source yields: two sources with the same identity give the same global batches."""
 
-    source: str  # synthetic:NAME, or the absolute path of the file or directory
+    source: str  # synthetic:NAME, the absolute path of a file or folder (and split), or a Hub ORG/NAME:SPLIT
     fingerprint: str  # what the source holds, as a user can read it
 
     def __str__(self) -> str:
@@ -189,13 +219,25 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """A tokenizer from a local directory (``save_pretrained``); never downloads."""
-    if not Path(path).is_dir():
-        raise ValueError(f"--tokenizer {path!r} is not a local tokenizer directory (no hub downloads)")
+def load_tokenizer(spec: str) -> Tokenizer:
+    """A tokenizer from a local directory (``save_pretrained``), or from a Hugging Face Hub id's snapshot in the
+    Hugging Face cache (``hub.py``)."""
+    path = Path(spec)
+    if not path.is_dir():
+        ref = hub_ref(spec, RepoKind.TOKENIZER)
+        if ref is None:
+            raise ValueError(f"--tokenizer {spec!r} is not a local tokenizer directory, nor a Hugging Face Hub id "
+                             "(ORG/NAME[@REVISION])")
+        try:
+            path = fetch(ref).path
+        except HubError as error:
+            raise ValueError(f"--tokenizer {spec}: {error}") from None
     from transformers import AutoTokenizer
 
-    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tokenizer: Tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--tokenizer {spec}: transformers cannot load a tokenizer from {path}: {error}") from None
     return tokenizer
 
 
@@ -254,7 +296,8 @@ class RecordEncoder:
 
     def _needs_tokenizer(self, kind: str, where: str) -> Tokenizer:
         if self.tokenizer is None:
-            raise ValueError(f"record {where} holds {kind}: give --tokenizer (a local tokenizer directory)")
+            raise ValueError(f"record {where} holds {kind}: give --tokenizer (a local tokenizer directory or a "
+                             "Hugging Face Hub id)")
         return self.tokenizer
 
     def _text(self, text: object, where: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
@@ -387,37 +430,103 @@ def _last_line(lines: IO[bytes], num_bytes: int) -> bytes:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DatasetRecords:
-    """A local Hugging Face ``datasets`` directory (``save_to_disk``), memory-mapped; rows in order."""
+    """The rows of a Hugging Face ``datasets`` table, in order, memory-mapped: a ``save_to_disk`` folder, a parquet,
+    CSV or JSON file, a folder of data files, or a Hub data set's snapshot (one constructor each)."""
 
-    path: Path
-    dataset: Any = field(init=False, repr=False)
+    dataset: Any  # datasets.Dataset
+    name: str  # how errors name the set: the path (and split), or ORG/NAME:SPLIT
+    source: str  # DataIdentity.source: the absolute path (and split), or ORG/NAME:SPLIT
+    content: str  # what DataIdentity.fingerprint says of the content, the rows aside
 
     def __post_init__(self) -> None:
-        try:
-            from datasets import load_from_disk
-        except ImportError:
-            raise ValueError(f"--data {self.path} is a directory: reading a datasets directory needs the "
-                             "'datasets' package (pip install 'skrull[data]')") from None
-        dataset = load_from_disk(str(self.path))
-        if not hasattr(dataset, "num_rows") or isinstance(dataset.num_rows, dict):
-            raise ValueError(f"--data {self.path} holds several splits; give the directory of one split")
-        if dataset.num_rows == 0:
-            raise ValueError(f"{self.path} holds no records")
-        object.__setattr__(self, "dataset", dataset)
+        if self.dataset.num_rows == 0:
+            raise ValueError(f"{self.name} holds no records")
+
+    @classmethod
+    def from_saved(cls, path: Path, split: str | None = None) -> DatasetRecords:
+        """A ``save_to_disk`` folder: of a ``Dataset``, or of a ``DatasetDict``, whose ``split`` it reads."""
+        datasets = _datasets_package()
+        loaded = _loading(str(path), lambda: datasets.load_from_disk(str(path)))
+        name, source = str(path), str(path.resolve())
+        if isinstance(loaded, datasets.DatasetDict):
+            if split is None or split not in loaded:
+                asked = "give one" if split is None else f"it has no split {split!r}"
+                raise ValueError(f"{path} holds the splits {', '.join(loaded)}; {asked}: {path}:SPLIT")
+            loaded, name, source = loaded[split], f"{path}:{split}", f"{source}:{split}"
+        elif split is not None:
+            raise ValueError(f"{path} holds one Dataset, no splits: give it without :{split}")
+        return cls(dataset=loaded, name=name, source=source, content=f"datasets fingerprint {loaded._fingerprint}")
+
+    @classmethod
+    def from_file(cls, path: Path, builder: str) -> DatasetRecords:
+        """A parquet, CSV or JSON file, through datasets' ``builder`` of that name."""
+        datasets = _datasets_package()
+        loaded = _loading(str(path), lambda: datasets.load_dataset(builder, data_files=str(path), split="train"))
+        return cls(dataset=loaded, name=str(path), source=str(path.resolve()), content=_file_digest(path))
+
+    @classmethod
+    def from_folder(cls, path: Path, split: str | None = None) -> DatasetRecords:
+        """A folder of data files, laid out as a Hub data set's (``datasets.load_dataset`` of the folder)."""
+        split = split or DEFAULT_SPLIT
+        datasets = _datasets_package()
+        loaded = _loading(f"{path}:{split}", lambda: datasets.load_dataset(str(path), split=split))
+        return cls(dataset=loaded, name=f"{path}:{split}", source=f"{path.resolve()}:{split}",
+                   content=f"datasets fingerprint {loaded._fingerprint}")
+
+    @classmethod
+    def from_hub(cls, snapshot: HubSnapshot, split: str | None = None) -> DatasetRecords:
+        """A Hub data set: its snapshot folder in the Hugging Face cache, read as a folder of data files."""
+        split = split or DEFAULT_SPLIT
+        name = f"{snapshot.ref.repo_id}:{split}"
+        datasets = _datasets_package()
+        loaded = _loading(name, lambda: datasets.load_dataset(str(snapshot.path), split=split))
+        # The commit is the content, wherever the cache lies: datasets' fingerprint would name the cache's path.
+        return cls(dataset=loaded, name=name, source=name, content=f"Hub commit {snapshot.commit}")
 
     @property
     def num_records(self) -> int:
         return int(self.dataset.num_rows)
 
     def read(self, index: int) -> tuple[object, str]:
-        return self.dataset[index], f"{self.path}[{index}]"
+        return self.dataset[index], f"{self.name}[{index}]"
 
     def identity(self) -> DataIdentity:
-        """The path, the number of rows and the fingerprint ``datasets`` keeps of the content (a digest of how it was
-        made, saved by ``save_to_disk``)."""
-        return DataIdentity(source=str(self.path.resolve()),
-                            fingerprint=f"{self.dataset.num_rows} rows, datasets fingerprint "
-                                        f"{self.dataset._fingerprint}")
+        return DataIdentity(source=self.source, fingerprint=f"{self.dataset.num_rows} rows, {self.content}")
+
+
+def _datasets_package() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError("reading parquet, CSV and JSON files, dataset folders and Hub data sets needs the "
+                         "'datasets' package (pip install 'skrull[data]')") from None
+    return datasets
+
+
+def _loading(name: str, load: Callable[[], Any]) -> Any:
+    """``load()``, its failure to read the set (no data files, no such split, a malformed file) a ``ValueError``
+    naming ``name``."""
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        return load()
+    except DatasetGenerationError as error:  # the builder's own error is its cause
+        raise ValueError(f"{name} cannot be read as a data set: {error.__cause__ or error}") from None
+    except (ValueError, FileNotFoundError) as error:
+        raise ValueError(f"{name} cannot be read as a data set: {error}") from None
+
+
+def _file_digest(path: Path) -> str:
+    """The size and a digest of the first and last ``_DIGEST_BYTES`` of a file: appending, cutting or replacing
+    it changes them (a parquet file's footer, its last bytes, describes every row group), without reading it
+    whole."""
+    num_bytes = path.stat().st_size
+    with path.open("rb") as file:
+        head = file.read(_DIGEST_BYTES)
+        file.seek(max(0, num_bytes - _DIGEST_BYTES))
+        tail = file.read()
+    digest = hashlib.sha256(head + tail).hexdigest()[:16]
+    return f"{num_bytes} bytes, first and last {_DIGEST_BYTES >> 10} KiB sha256 {digest}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -481,28 +590,63 @@ DataSource = SyntheticSource | RecordSource
 
 
 def open_records(spec: str) -> RecordReader:
-    """The records of a JSONL file or a ``datasets`` directory."""
+    """The records of a data file, a dataset folder (``DIR:SPLIT`` for a split) or a Hub data set
+    (``ORG/NAME[@REVISION][:SPLIT]``, ``hub.py``); a ``ValueError`` says what ``spec`` is not, or why it cannot be
+    read. The caller names the flag."""
     path = Path(spec)
     if path.is_file():
-        return JsonlRecords(path=path)
+        return _file_records(path)
     if path.is_dir():
-        return DatasetRecords(path=path)
-    raise ValueError(f"{spec!r} is neither a JSONL file nor a datasets directory")
+        return _folder_records(path, split=None)
+    folder, _, split = spec.partition(":")
+    if split and Path(folder).is_dir():
+        return _folder_records(Path(folder), split=split)
+    # A name with a data file's suffix is a missing file (``data/train.jsonl`` mistyped), never a Hub id.
+    ref = hub_ref(spec, RepoKind.DATASET) if path.suffix.lower() not in _FILE_SUFFIXES else None
+    if ref is None:
+        raise ValueError(f"{spec!r} is neither a JSONL file, nor a parquet, CSV or JSON file, nor a dataset folder "
+                         "(DIR[:SPLIT]), nor a Hugging Face Hub dataset id (ORG/NAME[@REVISION][:SPLIT])")
+    return DatasetRecords.from_hub(fetch(ref), ref.split)
+
+
+def _file_records(path: Path) -> RecordReader:
+    """JSON lines by byte offset (what exact resume of a JSONL file has always read); parquet, CSV and a JSON array
+    through datasets."""
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".csv"):
+        return DatasetRecords.from_file(path, builder=suffix.removeprefix("."))
+    if suffix == ".json" and _holds_json_array(path):
+        return DatasetRecords.from_file(path, builder="json")
+    return JsonlRecords(path=path)
+
+
+def _holds_json_array(path: Path) -> bool:
+    """Whether a ``.json`` file's first character (after a byte-order mark and white space) opens an array."""
+    with path.open("rb") as file:
+        start = file.read(_SNIFF_BYTES)
+    return start.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"[")
+
+
+def _folder_records(path: Path, *, split: str | None) -> DatasetRecords:
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():  # save_to_disk wrote it
+        return DatasetRecords.from_saved(path, split)
+    return DatasetRecords.from_folder(path, split)
 
 
 def make_source(
     spec: str, *, global_batch_size: int, vocab_size: int, max_length: int, seed: int, truncate: bool = False,
     tokenizer: str | None = None, shuffle: bool = False,
 ) -> DataSource:
-    """``synthetic:NAME``, a JSONL file or a ``datasets`` directory (``tokenizer``: a local tokenizer folder;
-    ``shuffle``: a record source's epochs in a seeded order, not file order)."""
+    """``synthetic:NAME``, or the records of a data file, a dataset folder or a Hub data set (``open_records``;
+    ``tokenizer``: a local tokenizer folder or a Hub id; ``shuffle``: a record source's epochs in a seeded order, not
+    file order)."""
     if spec.startswith(SYNTHETIC_PREFIX):
         return SyntheticSource(dataset=spec.removeprefix(SYNTHETIC_PREFIX), global_batch_size=global_batch_size,
                                vocab_size=vocab_size, max_length=max_length, seed=seed)
-    if not Path(spec).exists():
-        raise ValueError(f"--data {spec!r} is neither synthetic:NAME ({', '.join(DATASETS)}) nor a JSONL file nor "
-                         "a datasets directory")
-    records = open_records(spec)
+    try:
+        records = open_records(spec)
+    except ValueError as error:
+        raise ValueError(f"--data {spec}: {error}") from None
     encoder = RecordEncoder(max_length=max_length, truncate=truncate, vocab_size=vocab_size,
                             tokenizer=load_tokenizer(tokenizer) if tokenizer is not None else None)
     return RecordSource(records=records, encoder=encoder, global_batch_size=global_batch_size, shuffle=shuffle,

@@ -12,7 +12,7 @@ the config, so the folder loads with transformers' stock attention.
 * From a checkpoint (``skrull-export CKPT_DIR OUT_DIR``, ``export_checkpoint``): one process, no torchrun, so a
   crashed run's last checkpoint is still usable. The model's part alone is loaded into a freshly built unsharded
   model (``checkpoint.load_model_weights``), never the optimizer state. The model's config is ``--model``'s
-  (a catalogue name or a local HF folder, as for the trainer), by default the catalogue model the checkpoint's
+  (a catalogue name, a local HF folder or a Hub id, as for the trainer), by default the catalogue model the checkpoint's
   ``run.json`` names; a given ``--model`` must be the one ``run.json`` records.
 
 Both write the same folder: ``tests/test_export.py`` finds equal weights from both paths of the same step. A LoRA
@@ -36,6 +36,7 @@ from scheduler_service.core.models import MODEL_CATALOGUE
 from trainer_client.checkpoint import load_model_weights, resolve_checkpoint, saved_run_identity
 from trainer_client.config import check_output_dir
 from trainer_client.data import load_tokenizer
+from trainer_client.hub import RepoKind, fetch, hub_ref
 from trainer_client.lora import LoraExport, LoraSettings, apply_lora
 from trainer_client.loss import CausalLMLoss
 from trainer_client.model import build_model
@@ -85,7 +86,11 @@ def write_trained_folder(
     adapted = apply_lora(fresh, lora)  # in place: ``fresh`` now holds the adapters, under the trained names
     fresh.load_state_dict(state_dict)
     if lora_export is LoraExport.ADAPTER:
-        adapted.peft_config["default"].base_model_name_or_path = str(Path(model).resolve())
+        adapter_config, ref = adapted.peft_config["default"], hub_ref(model, RepoKind.MODEL)
+        if ref is None:
+            adapter_config.base_model_name_or_path = str(Path(model).resolve())
+        else:  # the Hub id at the commit trained on, which peft fetches wherever the adapter is loaded
+            adapter_config.base_model_name_or_path, adapter_config.revision = ref.repo_id, fetch(ref).commit
         adapted.save_pretrained(str(directory))
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
@@ -138,9 +143,9 @@ def export_checkpoint(
     lora = saved.lora if saved is not None else None
     if lora is None and lora_export is LoraExport.ADAPTER:
         raise ValueError(f"--lora adapter: checkpoint {checkpoint} was not trained with LoRA adapters")
-    if lora_export is LoraExport.ADAPTER and not Path(model).is_dir():
-        raise ValueError("--lora adapter writes an adapter for a base model folder: give the folder the run was "
-                         "trained from as --model")
+    if lora_export is LoraExport.ADAPTER and model.lower() in MODEL_CATALOGUE:
+        raise ValueError("--lora adapter writes an adapter for a base model folder: give the folder (or Hugging Face "
+                         "Hub id) the run was trained from as --model")
     check_output_dir(output_dir, flag="OUT_DIR")
     loaded_tokenizer = load_export_tokenizer(tokenizer) if tokenizer is not None else None
     lm = build_model(model)
@@ -163,9 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("output_dir", metavar="OUT_DIR", type=Path,
                         help="the folder to write (safetensors weights, config, generation config, tokenizer); "
                              "its parent must exist")
-    parser.add_argument("--model", help="the trainer's --model: a built-in model name or a local HF checkpoint "
-                                        "directory (default: the built-in model the checkpoint's run.json names)")
-    parser.add_argument("--tokenizer", help="a local tokenizer directory to save beside the model")
+    parser.add_argument("--model", help="the trainer's --model: a built-in model name, a local HF checkpoint "
+                                        "directory or a Hugging Face Hub id (default: the built-in model the "
+                                        "checkpoint's run.json names)")
+    parser.add_argument("--tokenizer", help="a local tokenizer directory or a Hugging Face Hub id, to save beside "
+                                            "the model")
     parser.add_argument("--lora", default=LoraExport.MERGED.value, choices=[e.value for e in LoraExport],
                         help="a LoRA run's checkpoint: write the model with the adapters merged into its weights, "
                              "or the adapter alone (for the base model folder given as --model)")

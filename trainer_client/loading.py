@@ -7,7 +7,8 @@ from rank 0.
    memory);
 2. rank 0 alone makes the weights in host memory, exactly as one process always made them
    (``model.build_model``: the checkpoint read once through transformers, or the catalogue shape's seeded random
-   init; then the adapters' seeded init), after checking, for a local checkpoint, the shape of every tensor its
+   init; then the adapters' seeded init), after checking, for a checkpoint (a local folder, or the snapshot of a
+   Hub id that rank 0 fetched before any rank built anything, ``hub.py``), the shape of every tensor its
    safetensors files hold against that structure (their headers only); every rank receives rank 0's verdict over
    the gloo group, so a mismatch, or any failure to build, stops every rank before any allocates the model;
 3. the LoRA adapters are injected (``lora.py``), the model is wrapped in the trainer's loss (``loss.py``),
@@ -49,7 +50,7 @@ _INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointMismatch(ValueError):
-    """A local checkpoint's tensors are not those of the model its config.json describes."""
+    """A checkpoint's tensors are not those of the model its config.json describes."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,7 +84,7 @@ class ModelLayout:
 def build_training_module(
     model: str, *, parallel: ParallelContext, layout: ModelLayout, seed: int, lora: LoraSettings | None = None,
 ) -> CausalLMLoss:
-    """The trainer's module for ``model`` (a catalogue name or a local checkpoint folder), sharded over
+    """The trainer's module for ``model`` (a catalogue name, a local checkpoint folder or a Hub id), sharded over
     ``parallel.shard_mesh`` and holding rank 0's weights on every rank. Every rank calls it."""
     lm = build_empty_model(model)
     reference = _reference_on_rank_0(model, lm, parallel=parallel, seed=seed, lora=lora)
@@ -102,7 +103,7 @@ def build_training_module(
 
 def _reference_on_rank_0(model: str, empty: PreTrainedModel, *, parallel: ParallelContext, seed: int,
                          lora: LoraSettings | None) -> PreTrainedModel | None:
-    """On rank 0, the whole model in host memory, as one process builds it (a local checkpoint's shapes checked
+    """On rank 0, the whole model in host memory, as one process builds it (a checkpoint's shapes checked
     first): the weights every rank gets. Every rank receives rank 0's verdict over the gloo group before any
     allocates its shards or joins a collective of the training backend, so a refusal or a failure stops every
     rank at once, and the others wait out a long load (a large checkpoint, a slow disk) on gloo, within the

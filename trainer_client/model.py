@@ -2,8 +2,10 @@
 
 ``build_model`` makes either a random-init model of a catalogue shape
 (``scheduler_service.core.models.MODEL_CATALOGUE``: ``tiny`` for tests and the
-demo, up to Qwen2.5-14B) or loads a local Hugging Face checkpoint (config +
-safetensors, no download). Catalogue shapes become a ``Qwen2ForCausalLM``
+demo, up to Qwen2.5-14B) or loads a Hugging Face checkpoint (config +
+safetensors): a local folder, or a Hub id (``ORG/NAME[@REVISION]``) whose
+snapshot ``hub.py`` finds in the Hugging Face cache, or downloads into it
+(``checkpoint_dir``). Catalogue shapes become a ``Qwen2ForCausalLM``
 (Qwen2 hard-wires Q/K/V biases); a shape without attention bias becomes a
 ``LlamaForCausalLM``, the same architecture minus the biases.
 
@@ -41,6 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape
 from trainer_client.dacp.attention import AttentionBackend, dacp_attn_varlen_func
 from trainer_client.dacp.packing import DacpMetadata, PackedMicroBatch
+from trainer_client.hub import HubError, RepoKind, fetch, hub_ref
 
 __all__ = ["DACP_ATTENTION", "build_empty_model", "build_model", "checkpoint_dir", "model_config", "model_inputs",
            "model_shape", "register_dacp_attention"]
@@ -132,17 +135,24 @@ def _config_from_shape(shape: ModelShape) -> PretrainedConfig:
 
 
 def checkpoint_dir(model: str) -> Path | None:
-    """``model``'s local Hugging Face checkpoint folder, or None for a catalogue name."""
+    """``model``'s Hugging Face checkpoint folder: a local folder, or a Hub id's snapshot in the Hugging Face cache
+    (fetched once per process, ``hub.py``); None for a catalogue name."""
     path = Path(model)
     if not path.is_dir():
-        return None
+        ref = hub_ref(model, RepoKind.MODEL)
+        if ref is None:
+            return None
+        try:
+            return fetch(ref).path
+        except HubError as error:
+            raise ValueError(f"--model {model}: {error}") from None
     if not (path / "config.json").is_file():
         raise ValueError(f"--model {model!r} is a directory without config.json; expected a HF checkpoint")
     return path
 
 
 def model_config(model: str) -> PretrainedConfig:
-    """The transformers config of a catalogue shape or of a local checkpoint (its config.json alone)."""
+    """The transformers config of a catalogue shape or of a checkpoint (its config.json alone)."""
     path = checkpoint_dir(model)
     if path is not None:
         config: PretrainedConfig = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -158,7 +168,8 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
 ) -> PreTrainedModel:
-    """A catalogue shape with seeded random init, or a local HF checkpoint directory, whole in this process.
+    """A catalogue shape with seeded random init, or a HF checkpoint (a local folder or a Hub id), whole in this
+    process.
 
     The same ``(model, seed)`` gives bit-identical weights in every process, and leaves the random stream in the
     same state (LoRA draws its adapters from it next). The trainer builds it on rank 0 only, as the source of every
@@ -193,8 +204,8 @@ def build_empty_model(model: str, *, attn_implementation: str = DACP_ATTENTION) 
 def _catalogue_shape(model: str) -> ModelShape:
     shape = MODEL_CATALOGUE.get(model.lower())
     if shape is None:
-        raise ValueError(f"--model {model!r} is neither a built-in model ({', '.join(MODEL_CATALOGUE)}) "
-                         f"nor a local checkpoint directory")
+        raise ValueError(f"--model {model!r} is neither a built-in model ({', '.join(MODEL_CATALOGUE)}), nor a "
+                         "local checkpoint directory, nor a Hugging Face Hub id (ORG/NAME[@REVISION])")
     return shape
 
 
@@ -204,14 +215,15 @@ def _to(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
 
 
 def model_shape(model: str) -> ModelShape:
-    """The planner's view of ``model``: a catalogue entry, or the shape read from a checkpoint's config."""
+    """The planner's view of ``model``: a catalogue entry, or the shape read from a checkpoint's config (named by
+    its folder, or by its Hub id)."""
     path = checkpoint_dir(model)
     if path is None:
         return _catalogue_shape(model)
     config = model_config(model)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelShape(
-        name=path.name,
+        name=path.name if Path(model).is_dir() else model,
         hidden_size=config.hidden_size,
         num_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,

@@ -1,26 +1,67 @@
-"""The optimizer side of a step: AdamW, a warmup + cosine learning-rate schedule, global-norm gradient clipping.
+"""The optimizer side of a step: AdamW, a learning-rate schedule chosen by name, global-norm gradient clipping.
 
-Schedule (the usual fine-tuning one): the learning rate rises linearly from ``lr / warmup_steps`` to ``lr``
-over the first ``warmup_steps`` steps, then follows half a cosine from ``lr`` down to ``min_lr_ratio · lr`` at
-the last step. Clipping scales every gradient by ``max_norm / ‖g‖`` when the global L2 norm ``‖g‖`` over all
-parameters exceeds ``max_norm``; under FSDP the gradients are sharded DTensors, and the norm is reduced over
-the shards (``clip_grad_norm_`` computes each shard's norm and all-reduces), so every rank clips by the same
-factor.
+Schedules (``--lr-scheduler``, ``LRSchedulerName``): each multiplies ``--lr`` by a factor of the optimizer step
+``s`` (0-based) of a run of ``T`` steps (``--steps``), ``W`` of them warmup (``--warmup-steps``), ``m`` the
+``--min-lr-ratio``:
+
+* ``warmup_cosine``, the default and this trainer's own: ``(s + 1) / W`` while ``s < W`` (``lr / W`` at step 0,
+  ``lr`` at step ``W − 1``), then half a cosine from ``lr`` at step ``W`` to ``m · lr`` at the last step, ``T − 1``:
+  ``m + (1 − m) · (1 + cos(π · (s − W) / (T − W − 1))) / 2``; a run with one step after warmup keeps ``lr``.
+* transformers' schedules of the same names (``transformers.get_scheduler``): ``linear`` (``s / W`` while
+  ``s < W``, then ``(T − s) / (T − W)``, down to 0 at step ``T``), ``cosine`` (the same warmup, then
+  ``(1 + cos(π · (s − W) / (T − W))) / 2``), ``cosine_with_min_lr`` (that cosine scaled into ``[m, 1]``),
+  ``constant_with_warmup`` (that warmup, then 1) and ``warmup_stable_decay`` (warmup from ``m`` to 1, then 1,
+  then a cosine towards ``m`` over the last ``D = max(1, ⌈(T − W) / 5⌉)`` steps, ``wsd_decay_steps``: a cooldown
+  of a fifth of the steps after warmup matches a cosine schedule's final loss, Hägele et al. 2024,
+  arXiv:2405.18392). transformers' decays reach their end (0 or ``m``) at step ``T``, one past the last.
+  ``--min-lr-ratio`` is ``m`` of ``warmup_cosine``, ``cosine_with_min_lr`` and ``warmup_stable_decay``; the others
+  do not read it.
+
+No schedule of transformers reproduces the default, so it stays this module's (``warmup_cosine_factor``).
+``cosine_with_min_lr`` differs in both phases: its warmup gives step ``s`` the factor ``s / W``, a step behind
+(step 0 trains at LR 0); its cosine divides by ``T − W``, not ``T − W − 1``, so it reaches ``m`` at step ``T``, one
+past the last (10 steps, ``W`` 2, ``m`` 0.1: 0, 0.5, 1, 0.966, …, 0.134 against the default's 0.5, 1, 1, 0.955, …,
+0.1). With ``W = 0`` and ``num_training_steps = T − 1`` it equals the default bit for bit. transformers'
+``cosine_warmup_with_min_lr`` has the default's warmup and ends at ``m`` on the last step, but its cosine starts a
+step earlier (``(s − W + 1) / (T − W)``): the default holds ``lr`` for steps ``W − 1`` and ``W``, it for one.
+
+A schedule is a function of the step alone, so a resumed run builds it at the restored step (``lr_schedule``'s
+``first_step``) and follows its own flags from there; a checkpoint keeps only the step.
+
+Clipping scales every gradient by ``max_norm / ‖g‖`` when the global L2 norm ``‖g‖`` over all parameters exceeds
+``max_norm``; under FSDP the gradients are sharded DTensors, and the norm is reduced over the shards
+(``clip_grad_norm_`` computes each shard's norm and all-reduces), so every rank clips by the same factor.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from enum import StrEnum
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["clip_gradients", "lr_factor", "warmup_cosine_schedule"]
+__all__ = ["LRSchedulerName", "clip_gradients", "lr_factors", "lr_schedule", "warmup_cosine_factor",
+           "wsd_decay_steps"]
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the base learning rate at optimizer step ``step`` (0-based)."""
+class LRSchedulerName(StrEnum):
+    """``--lr-scheduler``: the default, then names of transformers' ``SchedulerType`` (written out: importing
+    transformers' scheduler module imports its trainer's, and peft with it, a second of every process's start)."""
+
+    WARMUP_COSINE = "warmup_cosine"
+    LINEAR = "linear"
+    COSINE = "cosine"
+    COSINE_WITH_MIN_LR = "cosine_with_min_lr"
+    CONSTANT_WITH_WARMUP = "constant_with_warmup"
+    WARMUP_STABLE_DECAY = "warmup_stable_decay"
+
+
+def warmup_cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """The default schedule's multiplier of the base learning rate at optimizer step ``step`` (0-based)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     decay_steps = total_steps - warmup_steps
@@ -30,20 +71,48 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: f
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def warmup_cosine_schedule(
-    optimizer: torch.optim.Optimizer, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float,
-    first_step: int = 0,
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """The schedule of base learning rate ``lr``, positioned at optimizer step ``first_step``. A resumed run builds
-    it at the restored step, so it follows its own schedule (``--steps``, ``--warmup-steps``, ``--lr``,
-    ``--min-lr-ratio``) from there, whichever schedule the checkpoint was trained with: the schedule is a function
-    of the step, and a checkpoint needs to keep only the step."""
-    def factor(step: int) -> float:
-        return lr_factor(step, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
+def wsd_decay_steps(*, warmup_steps: int, total_steps: int) -> int:
+    """``warmup_stable_decay``'s decay: a fifth of the steps after warmup, rounded up, at least one."""
+    return max(1, math.ceil((total_steps - warmup_steps) / 5))
 
+
+def lr_factors(
+    scheduler: LRSchedulerName, *, warmup_steps: int, total_steps: int, min_lr_ratio: float,
+) -> Callable[[int], float]:
+    """The multiplier of the base learning rate as a function of the optimizer step (0-based)."""
+    if scheduler is LRSchedulerName.WARMUP_COSINE:
+        return functools.partial(warmup_cosine_factor, warmup_steps=warmup_steps, total_steps=total_steps,
+                                 min_lr_ratio=min_lr_ratio)
+    specific: dict[str, float | int] | None = None
+    if scheduler is LRSchedulerName.COSINE_WITH_MIN_LR:
+        specific = {"min_lr_rate": min_lr_ratio}
+    elif scheduler is LRSchedulerName.WARMUP_STABLE_DECAY:
+        specific = {"min_lr_ratio": min_lr_ratio,
+                    "num_decay_steps": wsd_decay_steps(warmup_steps=warmup_steps, total_steps=total_steps)}
+    from transformers import SchedulerType, get_scheduler
+
+    # get_scheduler builds a LambdaLR at step 0 on the optimizer it is given (a LambdaLR is positioned only when it
+    # is made): it gets a stand-in, and only its function of the step is kept, for lr_schedule to position.
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    built = get_scheduler(SchedulerType(scheduler.value), stand_in, num_warmup_steps=warmup_steps,
+                          num_training_steps=total_steps, scheduler_specific_kwargs=specific)
+    assert isinstance(built, LambdaLR)  # every schedule LRSchedulerName names is one
+    factor: Callable[[int], float] = built.lr_lambdas[0]
+    return factor
+
+
+def lr_schedule(
+    optimizer: torch.optim.Optimizer, *, scheduler: LRSchedulerName, lr: float, warmup_steps: int,
+    total_steps: int, min_lr_ratio: float, first_step: int = 0,
+) -> LambdaLR:
+    """Schedule ``scheduler`` of base learning rate ``lr``, positioned at optimizer step ``first_step``. A resumed run
+    builds it at the restored step, so it follows its own schedule (``--lr-scheduler``, ``--steps``,
+    ``--warmup-steps``, ``--lr``, ``--min-lr-ratio``) from there, whichever schedule the checkpoint was trained
+    with."""
+    factors = lr_factors(scheduler, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
     for group in optimizer.param_groups:
         group["initial_lr"] = lr  # what LambdaLR scales; a restored optimizer holds the saved run's
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=first_step - 1)
+    return LambdaLR(optimizer, factors, last_epoch=first_step - 1)
 
 
 def clip_gradients(parameters: Iterable[torch.Tensor], *, max_norm: float) -> float:

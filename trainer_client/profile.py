@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = ProfileOptions(model="tiny")
     parser = argparse.ArgumentParser(prog="python -m trainer_client.profile", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", help="a built-in model name or a local HF checkpoint directory (required to "
-                                        "measure)")
+    parser.add_argument("--model", help="a built-in model name, a local HF checkpoint directory or a Hugging Face "
+                                        "Hub id (required to measure)")
     parser.add_argument("--refit", type=Path, metavar="PROFILE",
                         help="measure nothing: fit this profile file's compute again from its own points with this "
                              "version's model (the launch-bound form among them), and write it to --out")

@@ -9,8 +9,8 @@ compares the saved identity with this run's, item by item, before any DCP state 
 - ``--data`` (where the data lies and what it holds, ``data.DataIdentity``): refused the same way unless
   ``--resume-accept-data-change`` says the change is meant; then a warning names it and training goes on from
   the saved data position;
-- the schedule (``--steps``, ``--warmup-steps``, ``--lr``, ``--min-lr-ratio``): changing it is how a run is
-  extended, so it is accepted, and a warning names each change.
+- the schedule (``--steps``, ``--warmup-steps``, ``--lr``, ``--min-lr-ratio``, ``--lr-scheduler``): changing it
+  is how a run is extended, so it is accepted, and a warning names each change.
 
 A checkpoint without ``run.json`` holds no record to check against: it is resumed with a warning that says so,
 and the checkpoints this run writes carry the record.
@@ -29,6 +29,8 @@ from pathlib import Path
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource
 from trainer_client.lora import LoraSettings
+from trainer_client.model import checkpoint_dir
+from trainer_client.optim import LRSchedulerName
 
 __all__ = ["Change", "Difference", "ResumeMismatch", "RunIdentity", "check_resume", "differences", "model_identity"]
 
@@ -53,12 +55,13 @@ class RunIdentity:
     lr: float
     min_lr_ratio: float
     lora: LoraSettings | None = None  # the adapters a LoRA run trains (absent from records of full fine-tuning)
+    lr_scheduler: str = LRSchedulerName.WARMUP_COSINE  # absent from records written before there was a choice
 
     @classmethod
     def of(cls, config: TrainConfig, data: DataSource) -> RunIdentity:
         return cls(model=model_identity(config.model), dp=config.dp, cp=config.cp, global_batch=config.global_batch,
                    data=data.identity(), steps=config.steps, warmup_steps=config.warmup_steps, lr=config.lr,
-                   min_lr_ratio=config.min_lr_ratio, lora=config.lora)
+                   min_lr_ratio=config.min_lr_ratio, lora=config.lora, lr_scheduler=config.lr_scheduler)
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
@@ -77,11 +80,11 @@ class RunIdentity:
 
 
 def model_identity(model: str) -> str:
-    """A catalogue name in lower case (``build_model`` ignores case), a checkpoint directory by a digest of its
-    ``config.json`` wherever the directory lies; the keys that say where and with which transformers it was saved
-    are left out, since they do not change the model."""
-    directory = Path(model)
-    if not directory.is_dir():
+    """A catalogue name in lower case (``build_model`` ignores case), a checkpoint (a local folder or a Hub id's
+    snapshot) by a digest of its ``config.json`` wherever it lies; the keys that say where and with which
+    transformers it was saved are left out, since they do not change the model."""
+    directory = checkpoint_dir(model)
+    if directory is None:
         return model.lower()
     config = json.loads((directory / "config.json").read_text())
     architecture = {key: value for key, value in config.items()
@@ -111,6 +114,7 @@ _ITEMS: tuple[tuple[str, Change, Callable[[RunIdentity], object]], ...] = (
     ("--warmup-steps", Change.SCHEDULE, lambda run: run.warmup_steps),
     ("--lr", Change.SCHEDULE, lambda run: run.lr),
     ("--min-lr-ratio", Change.SCHEDULE, lambda run: run.min_lr_ratio),
+    ("--lr-scheduler", Change.SCHEDULE, lambda run: run.lr_scheduler),
 )
 
 

@@ -1,6 +1,6 @@
-"""What the trainer measures and reports per step: ``StepMetrics`` (one JSON line per step in ``--metrics-out``,
-``MetricsFile``, and TensorBoard scalars in ``--tensorboard-dir``, ``TensorBoardLog``), each micro-batch's time
-and peak memory (``MicroBatchTimer``, for the service's feedback), and the step's peak memory (``peak_memory``).
+"""What the trainer measures per step: ``StepMetrics`` (what ``reporting`` writes: a JSON line of ``--metrics-out``,
+the scalars of ``--report-to``'s trackers), each micro-batch's time and peak memory (``MicroBatchTimer``, for the
+service's feedback), and the step's peak memory (``peak_memory``).
 
 On CUDA a timing waits for the device (``torch.cuda.synchronize``) and a micro-batch's peak needs the allocator's
 peak reset before it, so the per-micro-batch timer runs there only where a run reports it (``--feedback``); the
@@ -15,13 +15,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from trainer_client.plan_client import MicroBatchTiming, PlanOrigin
+from trainer_client.plan_client import MicroBatchTiming
 
-__all__ = ["MetricsFile", "MicroBatchTimer", "StepMetrics", "TensorBoardLog", "peak_memory"]
+__all__ = ["MicroBatchTimer", "StepMetrics", "peak_memory"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,58 +99,3 @@ class MicroBatchTimer:
             peak = max(peak, self._step_peak_bytes)
             self._step_peak_bytes = 0
         return peak, memory_kind
-
-
-class MetricsFile:
-    """``--metrics-out``: one JSON line per step, each step once. A resumed run keeps the lines of the steps its
-    checkpoint holds and rewrites the ones after (which the killed run may have logged)."""
-
-    def __init__(self, path: Path, *, keep_steps_before: int) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if keep_steps_before and path.is_file():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < keep_steps_before]
-        self._handle = path.open("w")
-        self._handle.writelines(line + "\n" for line in kept)
-        self._handle.flush()
-
-    def write(self, metrics: StepMetrics) -> None:
-        self._handle.write(metrics.to_json() + "\n")
-        self._handle.flush()
-
-    def close(self) -> None:
-        self._handle.close()
-
-
-class TensorBoardLog:
-    """``--tensorboard-dir``: the step metrics as scalars (rank 0 writes). A resumed run first discards the events
-    of the steps after its checkpoint (``purge_step``), which the killed run may have logged."""
-
-    def __init__(self, directory: Path, *, first_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # the tensorboard package, imported when asked for
-
-        self._writer = SummaryWriter(log_dir=str(directory), purge_step=first_step or None)
-
-    def write(self, metrics: StepMetrics) -> None:
-        scalars: dict[str, float | None] = {
-            "train/loss": metrics.loss,
-            "eval/loss": metrics.eval_loss,
-            "train/lr": metrics.lr,
-            "train/grad_norm": metrics.grad_norm,
-            "train/tokens_per_s": metrics.tokens_per_s,
-            "time/step_s": metrics.step_time_s,
-            "time/micro_batches_measured_ms": metrics.micro_batch_time_s * 1e3,
-            "time/micro_batches_predicted_ms": metrics.estimated_time_ms,
-            "plan/from_service": float(metrics.plan_source == PlanOrigin.SERVICE),
-            "plan/fallbacks": metrics.plan_fallbacks,
-            "plan/micro_batches": metrics.num_micro_batches,
-            "memory/peak_bytes": metrics.peak_memory_bytes,
-        }
-        for tag, value in scalars.items():
-            if value is not None:
-                self._writer.add_scalar(tag, value, global_step=metrics.step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        self._writer.close()

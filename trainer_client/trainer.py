@@ -30,8 +30,10 @@ Per global batch ``s`` (identical data on every rank, ``data.py``):
    every sharding mode therefore yields the gradients of the unscheduled batch,
    up to floating-point summation order.
 4. The gradients are clipped to a global norm, AdamW steps once, the learning
-   rate follows warmup + cosine (``optim.py``); every ``--checkpoint-every``
-   steps all ranks save a DCP checkpoint (``checkpoint.py``), from which
+   rate follows ``--lr-scheduler`` (``optim.py``); every ``--checkpoint-every``
+   steps all ranks save a DCP checkpoint (``checkpoint.py``; with
+   ``--async-checkpoint`` written while training goes on, with ``--keep-last``
+   older ones removed once it is complete), from whose newest complete one
    ``--resume`` continues exactly; before it loads one, rank 0 checks that
    it was written by this run (``run_identity.py``) and every rank receives
    the verdict. With ``--output-dir`` the model is written as a Hugging Face
@@ -52,8 +54,9 @@ Every rank builds the model empty, shards it, and receives rank 0's weights
 (``loading.py``): no rank but rank 0 ever holds the whole model. With
 ``--lora-rank`` the model gets LoRA adapters before it is sharded and only
 they train (``lora.py``). The configuration and its checks are
-``config.TrainConfig``; what each step reports (``--metrics-out``,
-``--tensorboard-dir``) is ``step_metrics.StepMetrics``.
+``config.TrainConfig``; what each step measures is ``step_metrics.StepMetrics``,
+which rank 0 writes to ``--metrics-out`` and the trackers of ``--report-to``
+(``reporting.py``).
 
 Shape legend: T tokens of one packed row, V vocabulary.
 """
@@ -80,10 +83,10 @@ from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, builtin_profiles, resolve_profile
 from trainer_client.auto_profile import AUTO_PROFILE, auto_profile, default_profile
 from trainer_client.checkpoint import (
+    Checkpointer,
     TrainState,
     latest_checkpoint,
     load_checkpoint,
-    save_checkpoint,
     saved_run_identity,
     step_dir,
 )
@@ -101,11 +104,12 @@ from trainer_client.data import (
 from trainer_client.distributed import ParallelContext, max_over_ranks
 from trainer_client.evaluation import EvalSet
 from trainer_client.export import export_model, load_export_tokenizer
+from trainer_client.hub import fetch_on_rank_0_first
 from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.loop import SkrullBatches
 from trainer_client.loss import micro_batch_loss, run_micro_batch
-from trainer_client.model import model_shape
-from trainer_client.optim import clip_gradients, warmup_cosine_schedule
+from trainer_client.model import checkpoint_dir, model_shape
+from trainer_client.optim import clip_gradients, lr_schedule
 from trainer_client.parallelize import (
     check_compile,
     prepare_micro_batch,
@@ -114,8 +118,9 @@ from trainer_client.parallelize import (
 )
 from trainer_client.plan_client import MicroBatchTiming
 from trainer_client.profiler.measure import check_profile_machine
+from trainer_client.reporting import Reports, open_reports
 from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume
-from trainer_client.step_metrics import MetricsFile, MicroBatchTimer, StepMetrics, TensorBoardLog
+from trainer_client.step_metrics import MicroBatchTimer, StepMetrics
 
 __all__ = ["InjectedFault", "MicroBatches", "Trainer"]
 
@@ -140,6 +145,9 @@ class Trainer:
         self.parallel = parallel
         self.device = parallel.device
         self.sharding = config.sharding
+        # Hub ids: rank 0 downloads what the cache lacks, then every rank reads rank 0's commits (hub.py).
+        fetch_on_rank_0_first(parallel, model=config.model, tokenizer=config.tokenizer, data=config.data,
+                              eval_data=config.eval_data)
         shape = model_shape(config.model)
         if config.compile:
             check_compile(self.device)  # before anything is built
@@ -162,7 +170,7 @@ class Trainer:
         )
         if config.epochs is not None:
             assert isinstance(self.source, RecordSource)  # TrainConfig refuses --epochs of synthetic data
-            self.config = config = dataclasses.replace(config, steps=self.source.steps_for_epochs(config.epochs))
+            self.config = config = config.model_copy(update={"steps": self.source.steps_for_epochs(config.epochs)})
             logger.info("%d epochs of %d records: %d steps", config.epochs, self.source.records.num_records,
                         config.steps)
         self.eval_set = (EvalSet.load(config.eval_data, encoder=self._record_encoder(shape),
@@ -180,31 +188,33 @@ class Trainer:
         self.first_step = 0
         self.num_padding_micro_batches = 0  # of the latest step, summed over all ranks
         self.micro_batch_time_s = 0.0  # of the latest step, the slowest rank's
+        self.checkpointer = (Checkpointer(config.checkpoint_dir, keep_last=config.keep_last,
+                                          async_save=config.async_checkpoint, timeout=parallel.collective_timeout)
+                             if config.checkpoint_dir is not None else None)
         if config.resume:
             assert config.checkpoint_dir is not None
             self._resume(config.checkpoint_dir)
-        self.lr_schedule = warmup_cosine_schedule(self.optimizer, lr=config.lr, warmup_steps=config.warmup_steps,
-                                                  total_steps=config.steps, min_lr_ratio=config.min_lr_ratio,
-                                                  first_step=self.first_step)
+        self.lr_schedule = lr_schedule(self.optimizer, scheduler=config.lr_scheduler, lr=config.lr,
+                                       warmup_steps=config.warmup_steps, total_steps=config.steps,
+                                       min_lr_ratio=config.min_lr_ratio, first_step=self.first_step)
+        job_id = config.job_id or uuid.uuid4().hex  # rank 0's names the service's feedback job and the reported run
         # Plans, packing, plan prefetch and feedback: the loop API a training loop of one's own uses (loop.py).
         self.batches = SkrullBatches(
-            parallel, model=shape if Path(config.model).is_dir() else config.model, bucket_size=self.bucket_size,
+            parallel, model=shape if checkpoint_dir(config.model) is not None else config.model,
+            bucket_size=self.bucket_size,
             scheduler=config.scheduler, scheduler_url=config.scheduler_url or None, profile=self.profile,
             sharding=self.sharding, pad_token_id=self.pad_token_id, plan_timeout_s=config.plan_timeout_s,
             plan_attempts=config.plan_attempts,
-            job_id=(config.job_id or uuid.uuid4().hex) if config.feedback and parallel.is_main else None,
+            job_id=job_id if config.feedback and parallel.is_main else None,
         )
         # On CUDA the timing waits for the device, so only a run that reports it pays for the waits.
         self.timer = MicroBatchTimer(self.device, dp_rank=parallel.dp_rank,
                                      enabled=self.device.type != "cuda" or config.feedback)
         self.micro_batch_timings: list[MicroBatchTiming] = []  # this rank's, of the latest step
         self._next_batch: GlobalBatch | None = None  # rank 0: the batch built for the prefetch, trained next step
-        self._metrics_file: MetricsFile | None = None
-        if parallel.is_main and config.metrics_out is not None:
-            self._metrics_file = MetricsFile(config.metrics_out, keep_steps_before=self.first_step)
-        self._tensorboard: TensorBoardLog | None = None
-        if parallel.is_main and config.tensorboard_dir is not None:
-            self._tensorboard = TensorBoardLog(config.tensorboard_dir, first_step=self.first_step)
+        self._trained = False  # train() ran to its end: the trackers record the run as finished, else failed
+        self.reports = (open_reports(config, job_id=job_id, first_step=self.first_step) if parallel.is_main
+                        else Reports())
 
     def _profile(self, choice: str | None) -> str | Profile | None:
         """``auto``: measured here (every rank, or read from the cache); a file is read here: the embedded planner
@@ -264,10 +274,10 @@ class Trainer:
 
     def save_checkpoint(self, num_steps_done: int, batch: GlobalBatch) -> Path:
         """Every rank calls this after optimizer step ``num_steps_done − 1`` on ``batch``."""
-        assert self.config.checkpoint_dir is not None
+        assert self.checkpointer is not None
         state = TrainState(num_steps_done=num_steps_done, data_position=batch.next_position)
-        return save_checkpoint(self.config.checkpoint_dir, module=self.module, optimizer=self.optimizer, state=state,
-                               identity=self.identity)
+        return self.checkpointer.save(module=self.module, optimizer=self.optimizer, state=state,
+                                      identity=self.identity)
 
     def export(self, num_steps_done: int) -> Path:
         """Every rank calls this after optimizer step ``num_steps_done − 1``: the last step's model goes to
@@ -407,10 +417,7 @@ class Trainer:
                                     metrics.loss)
                 self.lengths.add(batch)
                 history.append(metrics)
-                if self._metrics_file is not None:
-                    self._metrics_file.write(metrics)
-                if self._tensorboard is not None:
-                    self._tensorboard.write(metrics)
+                self.reports.write(metrics)
                 if self.config.checkpoint_dir is not None and ((every and done % every == 0)
                                                                or done == self.config.steps):
                     self.save_checkpoint(done, batch)
@@ -419,16 +426,18 @@ class Trainer:
                 bar.set_postfix(loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:.0f}",
                                 plan=metrics.plan_source)
                 bar.update()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # the last save, async, is complete when training is
         if self.config.output_dir is not None:
             self.export(self.config.steps)
         if self.parallel.is_main:
             logger.info("data: %s", self.lengths.summary())
+        self._trained = True
         return history
 
     def close(self) -> None:
         self.batches.close()
-        if self._metrics_file is not None:
-            self._metrics_file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.reports.close(failed=not self._trained)
 

@@ -1,6 +1,8 @@
 """The layout advisor at its edges: the wire request (``skrull_proto.advise.AdviseRequest``) to the core's
 ``LayoutProblem``, and the core's ``Advice`` to what a reader gets: the sentence on why the winner wins, each
-layout's torchrun command line, and the document ``POST /advise`` answers and ``skrull-advise --json`` writes.
+layout's trainer settings (``trainer_settings``: its torchrun command line, or the config file
+``skrull-advise --emit-config`` writes), and the document ``POST /advise`` answers and ``skrull-advise --json``
+writes.
 
 The core (``core.advise``) only searches; the service (``runtime.advising``) and the CLI
 (``trainer_client.advise``) both say what it found through this module, so the two never drift apart: the same
@@ -43,6 +45,8 @@ __all__ = [
     "layout_problem",
     "shell_command",
     "trainer_argv",
+    "trainer_launcher",
+    "trainer_settings",
     "why",
 ]
 
@@ -102,26 +106,39 @@ def layout_problem(request: AdviseRequestModel, *, limits: AdviseLimits,
 # ---- out: the trainer's command ---------------------------------------------------------------------------------
 
 
-def trainer_argv(advice: Advice, layout: Layout, sources: TrainerSources) -> tuple[str, ...]:
-    """``torchrun … -m trainer_client.train`` with ``layout``'s flags (``trainer_client.train.build_parser``):
-    one node's ``--nproc-per-node``, or ``--nnodes`` nodes of ``gpus_per_node`` meeting at ``$MASTER_ADDR``, each
-    started with its ``$NODE_RANK`` (static rendezvous: node ``n`` holds global ranks ``n·gpus_per_node`` on, the
-    contiguous placement the topology model assumes). The trainer's global batch is a number of sequences: a token
-    budget's is the mean drawn per step."""
+def trainer_settings(advice: Advice, layout: Layout, sources: TrainerSources) -> dict[str, str | int]:
+    """The trainer's settings for ``layout``, keyed by the field names of its config
+    (``trainer_client.config.TrainConfig``): what ``skrull-advise --emit-config`` writes as a config file, and
+    ``trainer_argv`` as flags. The trainer's global batch is a number of sequences: a token budget's is the mean
+    drawn per step."""
     problem = advice.problem
-    num_nodes = max(problem.num_gpus // problem.gpus_per_node, 1)
-    launcher = (["torchrun", "--nproc-per-node", str(problem.num_gpus)] if num_nodes == 1 else
-                ["torchrun", "--nnodes", str(num_nodes), "--nproc-per-node", str(problem.gpus_per_node),
-                 "--node-rank", "$NODE_RANK", "--master-addr", "$MASTER_ADDR", "--master-port", str(MASTER_PORT)])
-    data = ["--data", sources.data] if sources.data is not None else []
+    data: dict[str, str | int] = {"data": sources.data} if sources.data is not None else {}
     global_batch = problem.global_batch.num_sequences or max(round(advice.mean_sequences_per_batch), 1)
     dtype = next(name for name, num_bytes in DTYPE_BYTES.items() if num_bytes == problem.compute_bytes)
-    return (*launcher, "-m", "trainer_client.train", "--dp", str(layout.dp_size), "--cp", str(layout.cp_size),
-            "--model", sources.model or problem.model.name, *data,
-            "--global-batch", str(global_batch),
-            "--sharding", layout.sharding.value, "--activation-checkpointing", layout.activation_checkpointing.value,
-            "--bucket-size", str(layout.bucket_size), "--profile", sources.profile or problem.profile.name,
-            "--dtype", dtype, "--scheduler", SchedulerName.SKRULL.value)
+    return {"dp": layout.dp_size, "cp": layout.cp_size, "model": sources.model or problem.model.name, **data,
+            "global_batch": global_batch, "sharding": layout.sharding.value,
+            "activation_checkpointing": layout.activation_checkpointing.value, "bucket_size": layout.bucket_size,
+            "profile": sources.profile or problem.profile.name, "dtype": dtype, "scheduler": SchedulerName.SKRULL.value}
+
+
+def trainer_launcher(problem: LayoutProblem) -> tuple[str, ...]:
+    """``torchrun … -m trainer_client.train`` for ``problem``'s GPUs: one node's ``--nproc-per-node``, or
+    ``--nnodes`` nodes of ``gpus_per_node`` meeting at ``$MASTER_ADDR``, each started with its ``$NODE_RANK``
+    (static rendezvous: node ``n`` holds global ranks ``n·gpus_per_node`` on, the contiguous placement the topology
+    model assumes)."""
+    num_nodes = max(problem.num_gpus // problem.gpus_per_node, 1)
+    launcher = (("torchrun", "--nproc-per-node", str(problem.num_gpus)) if num_nodes == 1 else
+                ("torchrun", "--nnodes", str(num_nodes), "--nproc-per-node", str(problem.gpus_per_node),
+                 "--node-rank", "$NODE_RANK", "--master-addr", "$MASTER_ADDR", "--master-port", str(MASTER_PORT)))
+    return (*launcher, "-m", "trainer_client.train")
+
+
+def trainer_argv(advice: Advice, layout: Layout, sources: TrainerSources) -> tuple[str, ...]:
+    """``trainer_launcher`` with ``layout``'s settings as flags (``trainer_client.train.build_parser``): each field
+    ``name`` is the flag ``--name`` with ``-`` for ``_``."""
+    settings = trainer_settings(advice, layout, sources)
+    flags = (word for name, value in settings.items() for word in ("--" + name.replace("_", "-"), str(value)))
+    return (*trainer_launcher(advice.problem), *flags)
 
 
 def shell_command(argv: Sequence[str]) -> str:

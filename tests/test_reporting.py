@@ -1,0 +1,165 @@
+"""``--report-to`` (``trainer_client.reporting``): TensorBoard, W&B and MLflow each hold, read back from what they
+wrote, every scalar of every step at the trainer's step; a resumed run continues the numbering; a failed run is
+recorded as failed; a tracker whose package is missing is refused when the config is built, naming its extra.
+W&B runs offline and MLflow against a file store, both in the test's folder."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.wandb_records import wandb_records
+from trainer_client.config import TrainConfig
+from trainer_client.plan_client import PlanOrigin
+from trainer_client.reporting import Tracker, open_reports, scalars
+from trainer_client.step_metrics import StepMetrics
+from trainer_client.train import build_parser, config_from_args
+
+JOB_ID = "team:run-1"
+
+
+def _metrics(step: int, *, loss: float, eval_loss: float | None = None) -> StepMetrics:
+    return StepMetrics(step=step, loss=loss, tokens=4096, loss_tokens=4000, step_time_s=0.5, tokens_per_s=8192.0,
+                       plan_source=PlanOrigin.SERVICE.value, scheduler="skrull", estimated_time_ms=420.0 + step,
+                       num_micro_batches=3, micro_batch_time_s=0.4 + step / 100, num_padding_micro_batches=0,
+                       plan_fallbacks=step, lr=1e-3 / (step + 1), grad_norm=0.5 + step, peak_memory_bytes=1 << 30,
+                       memory_kind="cuda_max_allocated", eval_loss=eval_loss)
+
+
+STEPS = (_metrics(0, loss=2.0), _metrics(1, loss=1.5, eval_loss=1.75), _metrics(2, loss=1.25))
+RESUMED = (_metrics(2, loss=1.125), _metrics(3, loss=1.0, eval_loss=1.5))  # from a checkpoint after step 1
+
+
+def _config(tracker: Tracker, tmp_path: Path, *, resume: bool = False) -> TrainConfig:
+    return TrainConfig(dp=1, cp=1, report_to=(tracker,), logging_dir=tmp_path / "run", job_id=JOB_ID,
+                       resume=resume, checkpoint_dir=tmp_path / "checkpoints")
+
+
+def _report(config: TrainConfig, steps: Sequence[StepMetrics], *, failed: bool = False) -> None:
+    reports = open_reports(config, job_id=JOB_ID, first_step=steps[0].step)
+    for metrics in steps:
+        reports.write(metrics)
+    reports.close(failed=failed)
+
+
+def _expected(steps: Sequence[StepMetrics]) -> dict[str, list[tuple[int, float]]]:
+    """Each scalar's (step, value) points, in step order."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    for metrics in steps:
+        for name, value in scalars(metrics).items():
+            points.setdefault(name, []).append((metrics.step, value))
+    return points
+
+
+def test_the_scalars_are_the_metrics_line_with_the_steps_missing_values_left_out() -> None:
+    assert scalars(STEPS[1]) == {
+        "train/loss": 1.5, "eval/loss": 1.75, "train/lr": 5e-4, "train/grad_norm": 1.5, "train/tokens_per_s": 8192.0,
+        "time/step_s": 0.5, "time/micro_batches_measured_ms": pytest.approx(410.0),
+        "time/micro_batches_predicted_ms": 421.0, "plan/from_service": 1.0, "plan/fallbacks": 1.0,
+        "plan/micro_batches": 3.0, "memory/peak_bytes": float(1 << 30),
+    }
+    assert "eval/loss" not in scalars(STEPS[0])
+    unplanned = StepMetrics(**{**{name: getattr(STEPS[0], name) for name in StepMetrics.__slots__},
+                               "plan_source": PlanOrigin.EMBEDDED.value, "estimated_time_ms": None,
+                               "peak_memory_bytes": None})
+    assert scalars(unplanned)["plan/from_service"] == 0.0
+    assert {"time/micro_batches_predicted_ms", "memory/peak_bytes"}.isdisjoint(scalars(unplanned))
+
+
+def test_tensorboard_holds_every_scalar_and_a_resume_replaces_the_steps_after_its_checkpoint(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _report(_config(Tracker.TENSORBOARD, tmp_path), STEPS)
+    _report(_config(Tracker.TENSORBOARD, tmp_path, resume=True), RESUMED)
+
+    events = EventAccumulator(str(tmp_path / "run"))
+    events.Reload()
+    logged = {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    expected = _expected([*STEPS[:2], *RESUMED])
+    assert logged.keys() == expected.keys()
+    for tag, points in expected.items():  # TensorBoard stores float32
+        assert logged[tag] == [(step, pytest.approx(value, rel=1e-6)) for step, value in points], tag
+
+
+def test_a_wandb_offline_run_holds_every_scalar_at_the_trainer_step_and_a_failed_run_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for variable, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("WANDB_PROJECT", "long-sft"),
+                            ("WANDB_CONFIG_DIR", str(tmp_path / "config")), ("WANDB_CACHE_DIR", str(tmp_path)),
+                            ("WANDB_DATA_DIR", str(tmp_path))):
+        monkeypatch.setenv(variable, value)
+
+    _report(_config(Tracker.WANDB, tmp_path), STEPS, failed=True)
+    import wandb
+
+    wandb.teardown()  # W&B's service writes the run file after finish() returns; it has written it when it stops
+
+    (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    records = wandb_records(run_file)
+    (run,) = [record.run for record in records if record.HasField("run")]
+    assert (run.project, run.display_name, run.run_id) == ("long-sft", JOB_ID, "team-run-1")
+    logged: dict[str, list[tuple[int, float]]] = {}
+    for record in records:
+        if record.HasField("history"):
+            for item in record.history.item:
+                name = item.key or ".".join(item.nested_key)
+                if not name.startswith("_"):
+                    logged.setdefault(name, []).append((record.history.step.num, float(item.value_json)))
+    assert logged == _expected(STEPS)
+    (exit_record,) = [record.exit for record in records if record.HasField("exit")]
+    assert exit_record.exit_code == 1
+
+
+def test_mlflow_holds_every_scalar_and_a_resume_continues_the_jobs_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    # A file store: MLflow's default, SQLite, spends seconds creating its tables, and the run does not differ.
+    tracking_uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3.17 refuses its file store unless told
+    client = MlflowClient(tracking_uri)
+
+    _report(_config(Tracker.MLFLOW, tmp_path), STEPS[:2], failed=True)  # killed after step 1's checkpoint
+    (run,) = client.search_runs([client.get_experiment_by_name("skrull").experiment_id])
+    assert (run.info.run_name, run.info.status) == (JOB_ID, "FAILED")
+
+    _report(_config(Tracker.MLFLOW, tmp_path, resume=True), RESUMED)
+    (run,) = client.search_runs([run.info.experiment_id])
+    assert run.info.status == "FINISHED"
+    expected = _expected([*STEPS[:2], *RESUMED])
+    assert run.data.metrics.keys() == expected.keys()
+    for name, points in expected.items():
+        assert [(point.step, point.value) for point in client.get_metric_history(run.info.run_id, name)] == points
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_naming_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: neither found nor importable
+    with pytest.raises(ValueError, match=r"--report-to wandb needs the wandb package, which is not installed: "
+                                         r"pip install 'skrull\[wandb\]'"):
+        TrainConfig(dp=1, cp=1, report_to=(Tracker.TENSORBOARD, Tracker.WANDB))
+    # the others do not need it
+    TrainConfig(dp=1, cp=1, report_to=(Tracker.TENSORBOARD, Tracker.MLFLOW))
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"report_to": ("tensorboard", "comet")}, "--report-to 'comet' is unknown; known: tensorboard, wandb, mlflow"),
+    ({"logging_dir": Path("runs")}, "--logging-dir goes with --report-to"),
+])
+def test_refuses_an_unknown_tracker_and_a_logging_dir_without_one(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(dp=1, cp=1, **changes)
+
+
+def test_report_to_takes_a_comma_separated_list_of_trackers() -> None:
+    args = build_parser().parse_args(["--dp", "1", "--cp", "1", "--report-to", "mlflow, tensorboard,mlflow",
+                                      "--logging-dir", "logs"])
+    config = config_from_args(args)
+    assert (config.report_to, config.logging_dir) == ((Tracker.MLFLOW, Tracker.TENSORBOARD), Path("logs"))
+    assert config_from_args(build_parser().parse_args(["--dp", "1", "--cp", "1"])).report_to == ()

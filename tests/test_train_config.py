@@ -1,0 +1,168 @@
+"""One config, declared once: ``TrainConfig``'s fields are the trainer's flags (generated, their spellings kept) and
+the keys of a ``--config`` file (YAML, TOML or JSON); a flag given overrides its key; every wrong key or value is
+named where it was given, by its flag or by its key in the file, and nothing is ignored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from scheduler_service.core.memory import Sharding
+from trainer_client.config import TrainConfig, load_config, read_config_file
+from trainer_client.reporting import Tracker
+from trainer_client.train import build_parser, config_from_args, main
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft.yaml"
+# Every flag the trainer has taken, as users, docs and the advisor's command lines spell them.
+FLAGS = [
+    "--dp", "--cp", "--model", "--data", "--tokenizer", "--global-batch", "--steps", "--epochs", "--no-shuffle",
+    "--scheduler", "--scheduler-url", "--bucket-size", "--profile", "--seed", "--lr", "--weight-decay",
+    "--lr-scheduler", "--warmup-steps", "--min-lr-ratio", "--max-grad-norm", "--sharding",
+    "--activation-checkpointing", "--compile", "--loss-chunk-tokens", "--checkpoint-dir", "--checkpoint-every",
+    "--keep-last", "--async-checkpoint", "--resume", "--resume-accept-data-change", "--output-dir", "--export-every",
+    "--export-lora", "--collective-timeout", "--max-length", "--truncate", "--metrics-out", "--plan-timeout",
+    "--plan-attempts", "--attention-backend", "--dtype", "--no-progress", "--feedback", "--job-id", "--eval-data",
+    "--eval-every", "--lora-rank", "--lora-alpha", "--lora-targets", "--report-to", "--logging-dir", "--fail-rank",
+    "--fail-at-step",
+]
+
+
+def _parse(*argv: str) -> TrainConfig:
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_every_field_has_one_flag_and_every_flag_keeps_its_spelling() -> None:
+    actions = [action for action in build_parser()._actions if action.dest not in ("help", "config")]
+    assert sorted(flag for action in actions for flag in action.option_strings) == sorted(FLAGS)
+    assert sorted(action.dest for action in actions) == sorted(TrainConfig.model_fields)
+
+
+def test_flags_not_given_are_the_models_defaults_and_flags_given_their_fields_values() -> None:
+    assert _parse("--dp", "1", "--cp", "1") == TrainConfig(dp=1, cp=1)
+    config = _parse("--dp", "2", "--cp", "1", "--plan-timeout", "2.5", "--collective-timeout", "30",
+                    "--no-shuffle", "--no-progress", "--sharding", "zero3", "--checkpoint-dir", "ck", "--keep-last",
+                    "2", "--lora-rank", "4", "--lora-targets", "q_proj, v_proj", "--report-to", "mlflow,tensorboard")
+    assert (config.plan_timeout_s, config.collective_timeout_s, config.shuffle, config.progress) == (
+        2.5, 30.0, False, False)
+    assert (config.sharding, config.checkpoint_dir, config.keep_last) == (Sharding.ZERO3, Path("ck"), 2)
+    assert (config.lora_rank, config.lora_targets, config.report_to) == (
+        4, ("q_proj", "v_proj"), (Tracker.MLFLOW, Tracker.TENSORBOARD))
+    with pytest.raises(ValueError, match="frozen"):
+        config.steps = 3
+
+
+def test_help_shows_each_default_once_and_the_key_of_a_flag_spelled_otherwise() -> None:
+    text = " ".join(build_parser().format_help().split())  # unwrapped
+    assert "(default: None)" not in text and "(default: False)" not in text and "PydanticUndefined" not in text
+    assert "sequences per global batch (default: 16)" in text
+    assert "longest record accepted (default: bucket_size × cp)" in text  # the help's own words, not a second one
+    assert "seconds per POST /plan attempt (default: 5.0) [config key plan_timeout_s]" in text
+    assert "[config key shuffle: false]" in text
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("run.yaml", "dp: 2\ncp: 1\nsharding: zero3\nlora_rank: 4\nlora_targets: [q_proj, v_proj]\nlr: 2.0e-4\n"),
+    ("run.toml", 'dp = 2\ncp = 1\nsharding = "zero3"\nlora_rank = 4\nlora_targets = ["q_proj", "v_proj"]\n'
+                 "lr = 2.0e-4\n"),
+    ("run.json", json.dumps({"dp": 2, "cp": 1, "sharding": "zero3", "lora_rank": 4,
+                             "lora_targets": ["q_proj", "v_proj"], "lr": 2e-4})),
+])
+def test_a_yaml_toml_or_json_file_holds_the_run_keyed_by_field_name(name: str, text: str, tmp_path: Path) -> None:
+    assert _parse("--config", str(_write(tmp_path / name, text))) == TrainConfig(
+        dp=2, cp=1, sharding="zero3", lora_rank=4, lora_targets=("q_proj", "v_proj"), lr=2e-4)
+
+
+def test_flags_given_override_the_files_keys_and_steps_replace_its_epochs(tmp_path: Path) -> None:
+    run = _write(tmp_path / "run.yaml", "dp: 2\ncp: 2\ndata: records.jsonl\nepochs: 3\nlr: 0.01\nshuffle: false\n")
+    config = _parse("--config", str(run), "--dp", "4", "--cp", "1", "--steps", "7", "--lr", "0.02")
+    assert (config.dp, config.cp, config.steps, config.epochs, config.lr, config.shuffle) == (4, 1, 7, None, 0.02,
+                                                                                            False)
+    assert _parse("--config", str(run)).epochs == 3
+    both = _write(tmp_path / "both.yaml", "dp: 1\ncp: 1\nsteps: 5\nepochs: 2\n")
+    with pytest.raises(ValueError, match=rf"^--steps and --epochs exclude each other: give one \({both}: steps, "
+                                         r"epochs\)$"):
+        load_config({}, config_file=both)
+
+
+def test_dp_and_cp_are_required_from_the_flags_or_the_file(tmp_path: Path) -> None:
+    run = _write(tmp_path / "run.yaml", "cp: 2\n")
+    assert _parse("--config", str(run), "--dp", "3").dims.world_size == 6
+    with pytest.raises(ValueError, match=rf"^--dp is required \(or dp in {run}\)$"):
+        _parse("--config", str(run))
+    with pytest.raises(ValueError, match=r"^--dp is required; --cp is required$"):
+        _parse()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("lora_rank: 0", "{run}: lora_rank: must be positive, got 0"),
+    ("lora_rnak: 4", "{run}: lora_rnak: unknown key; did you mean lora_rank?"),
+    ("global-batch: 8", "{run}: global-batch: unknown key; did you mean global_batch?"),
+    ("sharding: zero4", "{run}: sharding: 'zero4' is unknown; known: zero2, zero3, none"),
+    ("global_batch: many", "{run}: global_batch: Input should be a valid integer, unable to parse string as an "
+                           "integer, got 'many'"),
+    ("report_to: wandb", "{run}: report_to: Input should be a valid tuple, got 'wandb'"),
+    ("lora_rank: 4\nlora_targets: [q_proj, 3]", "{run}: lora_targets[1]: Input should be a valid string, got 3"),
+    ("job_id: has space", "{run}: job_id: 'has space' is not a valid job id: 1 to 128 characters, letters, digits "
+                          "and . _ : - only, starting with a letter or digit"),
+    ("keep_last: 2", "--keep-last and --async-checkpoint need --checkpoint-dir ({run}: keep_last)"),
+    ("lora_rank: 0\nlora_rnak: 4", "{run}: lora_rank: must be positive, got 0; {run}: lora_rnak: unknown key; did "
+                                   "you mean lora_rank?"),
+])
+def test_a_wrong_key_or_value_in_the_file_is_named_by_its_key_there(text: str, message: str, tmp_path: Path) -> None:
+    run = _write(tmp_path / "run.yaml", f"dp: 1\ncp: 1\n{text}\n")
+    with pytest.raises(ValueError) as refused:
+        _parse("--config", str(run))
+    assert str(refused.value) == message.format(run=run)
+
+
+def test_a_wrong_value_given_as_a_flag_is_named_by_the_flag_over_a_file(tmp_path: Path) -> None:
+    run = _write(tmp_path / "run.yaml", "dp: 1\ncp: 1\nlora_rank: 0\n")
+    with pytest.raises(ValueError, match=r"^--lora-rank must be positive, got -1$"):
+        _parse("--config", str(run), "--lora-rank", "-1")
+    assert _parse("--config", str(run), "--lora-rank", "8").lora_rank == 8  # the file's wrong value is overridden
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    ("missing.yaml", None, "--config {path}: No such file or directory"),
+    ("run.ini", "dp = 1", "--config {path}: a config file is YAML, TOML or JSON, named .yaml, .yml, .toml, .json"),
+    ("run.yaml", "dp: 1\ncp: [1\n", "{path}:3:1: expected ',' or ']', but got '<stream end>'"),
+    ("run.json", '{"dp": 1,}', "{path}:1:10: Expecting property name enclosed in double quotes"),
+    ("run.toml", "dp = 1\ncp = \n", "{path}: Invalid value (at line 2, column 6)"),
+    ("run.yaml", "- dp: 1\n", "{path}: holds a list, not a mapping of settings to values"),
+])
+def test_a_file_that_cannot_be_read_or_parsed_is_named_with_the_line(
+    name: str, text: str | None, message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError) as refused:
+        read_config_file(path)
+    assert str(refused.value) == message.format(path=path)
+
+
+def test_the_cli_exits_2_with_one_line_naming_the_key_before_any_process_group(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _write(tmp_path / "run.yaml", "dp: 1\ncp: 1\nlora_rank: 0\n")
+    assert main(["--config", str(run)]) == 2
+    assert capsys.readouterr().err == f"error: {run}: lora_rank: must be positive, got 0\n"
+    assert not dist.is_initialized()
+
+
+def test_the_example_sft_config_is_a_run_the_trainer_accepts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # its paths are relative to the working directory
+    config = load_config({}, config_file=EXAMPLE)
+    assert (config.dims.world_size, config.keep_last, config.resume, config.report_to) == (
+        8, 2, True, (Tracker.WANDB, Tracker.MLFLOW))
+    assert set(read_config_file(EXAMPLE)) <= set(TrainConfig.model_fields)

@@ -1,0 +1,248 @@
+"""Where each step's metrics go, written by rank 0 alone: ``--metrics-out`` (``MetricsFile``, one JSON line per
+step) and the experiment trackers ``--report-to`` names (``Tracker``): TensorBoard, Weights & Biases, MLflow.
+Every tracker gets the same scalars (``scalars``: what each JSON line carries, as numbers) at the trainer's step.
+``open_reports`` opens a run's reporters; the trainer writes each step through ``Reports`` and closes it at the
+end of the run, or as failed when the run fails.
+
+Where each tracker writes, after the conventions of Hugging Face Trainer's ``report_to``:
+
+* TensorBoard: event files in ``--logging-dir`` (default ``runs/<job id>``, the run's own folder);
+* W&B: its run folder under ``--logging-dir``/wandb; project ``WANDB_PROJECT`` (default ``skrull``), run name
+  the job id, run id the job id with ``:`` as ``-`` (W&B reserves ``:``); ``WANDB_MODE=offline`` keeps the run
+  local, and W&B reads its other settings (``WANDB_ENTITY``, ``WANDB_API_KEY``) from the environment itself;
+* MLflow: the tracking URI MLflow resolves (``MLFLOW_TRACKING_URI``, else its default ``sqlite:///mlflow.db`` in
+  the working directory: one database for every run, as MLflow's UI expects); experiment
+  ``MLFLOW_EXPERIMENT_NAME`` (default ``skrull``), run name the job id.
+
+The job id is ``--job-id``, random when absent; give one to find a run by name, and to continue its W&B and
+MLflow runs after ``--resume``.
+
+Each tracker's package is an extra of its own (``pip install 'skrull[wandb]'``) and is imported only by a run
+that reports to it; ``check_installed`` refuses a missing one when ``TrainConfig`` is built, on every rank,
+before any process group. Measured import cost on the 2-core development machine: ``wandb`` 0.4–1.9 s,
+``mlflow`` 1.1–3.9 s, ``torch.utils.tensorboard`` under 0.1 s after torch; a new MLflow SQLite database takes
+1.5 s or more to create its tables.
+
+Resuming: the numbering continues at the checkpoint's step. TensorBoard first discards the events after it (the
+killed run may have logged them). Under ``--resume`` W&B resumes the run of the same id and MLflow continues the
+latest run of the job's name; W&B accepts each step once, so it keeps the killed run's points for the steps
+after the checkpoint and drops the repeats, and MLflow appends, so it holds both. Without ``--resume`` a job id
+W&B already has is refused when the run starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from trainer_client.plan_client import PlanOrigin
+from trainer_client.step_metrics import StepMetrics
+
+if TYPE_CHECKING:
+    from trainer_client.config import TrainConfig
+
+__all__ = [
+    "DEFAULT_LOGGING_ROOT",
+    "DEFAULT_PROJECT",
+    "MetricsFile",
+    "MlflowRun",
+    "Reporter",
+    "Reports",
+    "TensorBoardLog",
+    "Tracker",
+    "WandbRun",
+    "check_installed",
+    "open_reports",
+    "scalars",
+]
+
+DEFAULT_LOGGING_ROOT = Path("runs")  # --logging-dir defaults to runs/<job id>, as TensorBoard's own default
+DEFAULT_PROJECT = "skrull"  # the W&B project and the MLflow experiment unless WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME
+
+
+class Tracker(StrEnum):
+    """An experiment tracker ``--report-to`` can name. Its value is also the module it imports and the extra
+    that installs it (the ``mlflow`` extra installs mlflow-skinny, whose module is ``mlflow``)."""
+
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    MLFLOW = "mlflow"
+
+
+def check_installed(tracker: Tracker) -> None:
+    """Raise ``ValueError`` naming the extra to install unless ``tracker``'s package can be imported; it looks the
+    package up without importing it, so a config check costs nothing."""
+    if importlib.util.find_spec(tracker.value) is None:
+        raise ValueError(f"--report-to {tracker} needs the {tracker} package, which is not installed: "
+                         f"pip install 'skrull[{tracker}]'")
+
+
+def scalars(metrics: StepMetrics) -> dict[str, float]:
+    """The step's metrics as every tracker logs them; a metric the step has no value of (the eval loss of a step
+    not evaluated, the predicted time of a plan without one, the peak memory where none is measured) is left out."""
+    named: dict[str, float | None] = {
+        "train/loss": metrics.loss,
+        "eval/loss": metrics.eval_loss,
+        "train/lr": metrics.lr,
+        "train/grad_norm": metrics.grad_norm,
+        "train/tokens_per_s": metrics.tokens_per_s,
+        "time/step_s": metrics.step_time_s,
+        "time/micro_batches_measured_ms": metrics.micro_batch_time_s * 1e3,
+        "time/micro_batches_predicted_ms": metrics.estimated_time_ms,
+        "plan/from_service": float(metrics.plan_source == PlanOrigin.SERVICE),
+        "plan/fallbacks": metrics.plan_fallbacks,
+        "plan/micro_batches": metrics.num_micro_batches,
+        "memory/peak_bytes": metrics.peak_memory_bytes,
+    }
+    return {name: float(value) for name, value in named.items() if value is not None}
+
+
+class Reporter(Protocol):
+    """One destination of the step metrics."""
+
+    def write(self, metrics: StepMetrics) -> None: ...
+
+    def close(self, *, failed: bool) -> None:
+        """``failed``: the run stopped before its last step, which a tracker records in the run's status."""
+
+
+class MetricsFile:
+    """``--metrics-out``: one JSON line per step, each step once. A resumed run keeps the lines of the steps its
+    checkpoint holds and rewrites the ones after (which the killed run may have logged)."""
+
+    def __init__(self, path: Path, *, keep_steps_before: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if keep_steps_before and path.is_file():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] < keep_steps_before]
+        self._handle = path.open("w")
+        self._handle.writelines(line + "\n" for line in kept)
+        self._handle.flush()
+
+    def write(self, metrics: StepMetrics) -> None:
+        self._handle.write(metrics.to_json() + "\n")
+        self._handle.flush()
+
+    def close(self, *, failed: bool) -> None:
+        self._handle.close()
+
+
+class TensorBoardLog:
+    """``--report-to tensorboard``: the scalars as TensorBoard events in ``directory``. A resumed run first
+    discards the events of the steps from ``first_step`` on (``purge_step``), which the killed run may have
+    logged."""
+
+    def __init__(self, directory: Path, *, first_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(directory), purge_step=first_step or None)
+
+    def write(self, metrics: StepMetrics) -> None:
+        for name, value in scalars(metrics).items():
+            self._writer.add_scalar(name, value, global_step=metrics.step)
+        self._writer.flush()
+
+    def close(self, *, failed: bool) -> None:
+        self._writer.close()
+
+
+class WandbRun:
+    """``--report-to wandb``: the scalars as one W&B history row per step, at the trainer's step."""
+
+    def __init__(self, directory: Path, *, job_id: str, resume: bool) -> None:
+        import wandb
+
+        directory.mkdir(parents=True, exist_ok=True)  # else W&B warns that it finds no git repository there
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT), name=job_id,
+                               id=job_id.replace(":", "-"), dir=directory, resume="allow" if resume else "never")
+
+    def write(self, metrics: StepMetrics) -> None:
+        self._run.log(scalars(metrics), step=metrics.step)
+
+    def close(self, *, failed: bool) -> None:
+        self._run.finish(exit_code=1 if failed else 0)
+
+
+class MlflowRun:
+    """``--report-to mlflow``: the scalars as MLflow metrics at the trainer's step, through a client of its own
+    (not MLflow's global active run, which the code around the trainer may hold)."""
+
+    def __init__(self, *, job_id: str, resume: bool) -> None:
+        import mlflow
+        from mlflow import MlflowClient
+
+        self._client = MlflowClient(mlflow.get_tracking_uri())
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_PROJECT)
+        experiment = self._client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment is not None else self._client.create_experiment(name)
+        # The job id can hold only letters, digits and . _ : -, so it needs no escaping in the filter.
+        earlier = (self._client.search_runs([experiment_id], filter_string=f"attributes.run_name = '{job_id}'",
+                                            order_by=["attributes.start_time DESC"], max_results=1)
+                   if resume else [])
+        if earlier:
+            self.run_id = earlier[0].info.run_id
+            self._client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self._client.create_run(experiment_id, run_name=job_id).info.run_id
+
+    def write(self, metrics: StepMetrics) -> None:
+        from mlflow.entities import Metric
+
+        timestamp_ms = int(time.time() * 1000)
+        self._client.log_batch(self.run_id, metrics=[Metric(name, value, timestamp_ms, metrics.step)
+                                                     for name, value in scalars(metrics).items()])
+
+    def close(self, *, failed: bool) -> None:
+        self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+class Reports:
+    """A run's reporters, written and closed together; none on a rank other than 0."""
+
+    def __init__(self, reporters: Sequence[Reporter] = ()) -> None:
+        self.reporters = tuple(reporters)
+
+    def write(self, metrics: StepMetrics) -> None:
+        for reporter in self.reporters:
+            reporter.write(metrics)
+
+    def close(self, *, failed: bool) -> None:
+        """Close every reporter, also when closing one raises (that error is raised after the others closed)."""
+        reporters, self.reporters = self.reporters, ()
+        with ExitStack() as closing:
+            for reporter in reporters:
+                closing.callback(reporter.close, failed=failed)
+
+
+def open_reports(config: TrainConfig, *, job_id: str, first_step: int) -> Reports:
+    """Rank 0's reporters of the run ``config`` describes, continuing at ``first_step`` (a resumed run's); those
+    opened before one that fails to open are closed again."""
+    opened: list[Reporter] = []
+    try:
+        if config.metrics_out is not None:
+            opened.append(MetricsFile(config.metrics_out, keep_steps_before=first_step))
+        for tracker in config.report_to:
+            opened.append(_open_tracker(tracker, config, job_id=job_id, first_step=first_step))
+    except BaseException:
+        Reports(opened).close(failed=True)
+        raise
+    return Reports(opened)
+
+
+def _open_tracker(tracker: Tracker, config: TrainConfig, *, job_id: str, first_step: int) -> Reporter:
+    directory = config.logging_dir or DEFAULT_LOGGING_ROOT / job_id
+    match tracker:
+        case Tracker.TENSORBOARD:
+            return TensorBoardLog(directory, first_step=first_step)
+        case Tracker.WANDB:
+            return WandbRun(directory, job_id=job_id, resume=config.resume)
+        case Tracker.MLFLOW:
+            return MlflowRun(job_id=job_id, resume=config.resume)
