@@ -41,6 +41,8 @@ is created after it and freed when it is destroyed.
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import os
 import socket
@@ -294,8 +296,26 @@ def _spawned(
 
 def spawn_ranks(fn: Callable[..., None], world_size: int, *args: Any, device_type: str = "cpu") -> None:
     """Run ``fn(*args)`` on ``world_size`` processes of this machine joined in a process group, as torchrun would:
-    gloo on CPU (one thread each), NCCL on CUDA (one GPU each). Re-raises a rank's exception."""
-    mp.spawn(_spawned, args=(world_size, free_port(), device_type, fn, args), nprocs=world_size, join=True)
+    gloo on CPU (one thread each), NCCL on CUDA (one GPU each). Re-raises a rank's exception.
+
+    CPU ranks are forked, as torch's own multi-process tests do: a forked rank starts with what this process has
+    imported (torch, transformers, the compiled kernels), where a fresh interpreter pays 4-5 s of imports per rank,
+    most of a small run. This process's objects are frozen out of the garbage collector while it forks
+    (``gc.freeze``): a child never finalises what it inherited, such as a pool whose threads did not come with the
+    fork (a child's collection of torch.compile's inherited state crashed it). CUDA ranks are spawned: CUDA cannot
+    be used in a child forked after it was initialised.
+    """
+    spawn = functools.partial(mp.start_processes, _spawned, args=(world_size, free_port(), device_type, fn, args),
+                              nprocs=world_size, join=True)
+    if device_type == "cuda":
+        spawn(start_method="spawn")
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        spawn(start_method="fork")
+    finally:
+        gc.unfreeze()
 
 
 def spawn_gloo(fn: Callable[..., None], world_size: int, *args: Any) -> None:
