@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -256,3 +257,10 @@ def test_a_corrupt_sqlite_file_fails_each_call_and_is_read_again_once_restored(t
     assert [metrics.registry.get_sample_value("skrull_job_store_errors_total", {"operation": operation})
             for operation in ("get", "keep")] == [1, 1]
     store.close()
+
+
+@pytest.mark.parametrize("field", ["compute_scale", "memory_slope"])
+def test_a_job_with_a_value_json_cannot_hold_is_refused_not_stored_as_null(field: str) -> None:
+    job = dataclasses.replace(new_job(), **{field: math.nan})
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        encode_job(job)

@@ -24,6 +24,7 @@ __all__ = [
     "ServiceUnavailableError",
     "UnknownJobError",
     "UnsupportedMediaTypeError",
+    "unavailable_job_state",
 ]
 
 # A batch of bad lengths yields one error per item; the first few hundred say all there is to say (and pickling
@@ -91,6 +92,16 @@ class JobStoreUnavailableError(ServiceUnavailableError):
         self.reason = reason
         # the store's method that failed: get, keep, register, replace (or open, at the start)
         self.operation = operation
+
+    @property
+    def job_state(self) -> str:
+        """What a plan answers as ``job_state`` when this failure kept it from the job's state."""
+        return unavailable_job_state(self.reason)
+
+
+def unavailable_job_state(reason: str) -> str:
+    """A store's ``state`` (and a plan's ``job_state``) while its calls fail for ``reason``."""
+    return f"unavailable: {reason}"
 
 
 class UnknownJobError(Exception):

@@ -78,7 +78,7 @@ from pydantic import BeforeValidator, ConfigDict, PlainSerializer, PlainValidato
 from scheduler_service.core.feedback import ComputeObservation, FeedbackConfig, JobFeedback, MemoryObservation
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.profile import Profile, parse_profile
-from scheduler_service.runtime.errors import JobStoreUnavailableError
+from scheduler_service.runtime.errors import JobStoreUnavailableError, unavailable_job_state
 from scheduler_service.runtime.events import ServiceEvents
 
 __all__ = [
@@ -147,7 +147,7 @@ class _JobDocument:
     """A job as it is stored: ``format``, then ``JobFeedback``'s fields by name (``encode_job`` passes every one, so
     a field added there and not here fails the first write). Model and config as their fields by name."""
 
-    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
 
     format: Literal[1]  # of this document: a record of another format reads as absent
     job_id: str
@@ -177,7 +177,9 @@ _DOCUMENT = TypeAdapter(_JobDocument)
 def encode_job(job: JobFeedback) -> str:
     """The job as JSON (``_JobDocument``)."""
     document = _JobDocument(format=1, **{field.name: getattr(job, field.name) for field in fields(JobFeedback)})
-    return _DOCUMENT.dump_json(document).decode()
+    # JSON has no NaN or infinity, which pydantic would write as null (a NaN compute_scale would lose the job, a NaN
+    # memory_slope read back as None): refused here, as a ValueError, before anything is stored.
+    return json.dumps(_DOCUMENT.dump_python(document, mode="json"), allow_nan=False, separators=(",", ":"))
 
 
 def decode_job(text: str) -> JobFeedback | None:
@@ -226,7 +228,7 @@ class JobStore(ABC):
     @property
     def state(self) -> str:
         """``ok``, or ``unavailable: <reason>`` from the last call's failure until a call succeeds."""
-        return "ok" if self._unavailable is None else f"unavailable: {self._unavailable}"
+        return "ok" if self._unavailable is None else unavailable_job_state(self._unavailable)
 
     def get(self, job_id: str) -> StoredJob | None:
         """The job and its revision; ``None`` if unknown (never planned, forgotten, or of another format)."""

@@ -266,8 +266,8 @@ class PlanningService:
             return None
         try:
             self.events.jobs_kept(await self.jobs.keep(job))
-        except JobStoreUnavailableError:
-            return self.jobs.state
+        except JobStoreUnavailableError as failure:
+            return failure.job_state  # this call's failure: the store's state may have changed since, in a thread
         return None
 
     async def job(self, job_id: str) -> JobFeedback:
@@ -364,9 +364,10 @@ class PlanningService:
         check_search_budget(search_budget, self.limits)
         try:
             job, job_state = await self._job_for(request, profiles), None
-        except JobStoreUnavailableError:
-            # Planned as a request without a job_id: the base profile. The state is the failure just raised.
-            job, job_state = None, self.jobs.state
+        except JobStoreUnavailableError as failure:
+            # Planned as a request without a job_id: the base profile. The state is this call's failure (the
+            # store's own may have changed since, in another thread).
+            job, job_state = None, failure.job_state
         if job is not None and job.base_registered:
             # The job's own base profile, which the shared profiles do not hold: the request names it, so that it
             # is validated (its BucketSize derived) with it.
