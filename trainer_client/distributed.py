@@ -58,7 +58,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from scheduler_service.core.plan import block_degrees, cp_blocks
-from trainer_client.torch_compat import default_store, group_options
+from trainer_client.torch_compat import default_store, flatten_mesh, group_options
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "FirstFailure", "ParallelContext", "ParallelDims", "PeerFailed",
            "destroy_groups", "free_port", "init_parallel", "max_over_ranks", "report_failure", "spawn_gloo",
@@ -187,7 +187,7 @@ def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_T
     override = (backend, group_options(backend, timeout))
     mesh = init_device_mesh(device.type, (dims.dp_size, dims.cp_size), mesh_dim_names=("dp", "cp"),
                             backend_override={"dp": override, "cp": override})
-    shard_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=override)
+    shard_mesh = flatten_mesh(mesh["dp", "cp"], "dp_cp", backend_override=override)
     global_rank = dist.get_rank()
     dp_rank, cp_rank = dims.coordinates(global_rank)
     cp_block_groups = _new_cp_block_groups(dims, global_rank, timeout)
@@ -300,14 +300,14 @@ def spawn_ranks(fn: Callable[..., None], world_size: int, *args: Any, device_typ
 
     CPU ranks are forked, as torch's own multi-process tests do: a forked rank starts with what this process has
     imported (torch, transformers, the compiled kernels), where a fresh interpreter pays 4-5 s of imports per rank,
-    most of a small run. This process's objects are frozen out of the garbage collector while it forks
-    (``gc.freeze``): a child never finalises what it inherited, such as a pool whose threads did not come with the
-    fork (a child's collection of torch.compile's inherited state crashed it). CUDA ranks are spawned: CUDA cannot
-    be used in a child forked after it was initialised.
+    most of a small run. This process's objects are frozen out of the garbage collector from the fork until the
+    ranks end (``gc.freeze``): a child never finalises what it inherited, such as a pool whose threads did not come
+    with the fork (a child's collection of torch.compile's inherited state crashed it). CUDA ranks are spawned, and
+    so are CPU ranks of a process that has initialised CUDA: CUDA cannot be used in a child forked after that.
     """
     spawn = functools.partial(mp.start_processes, _spawned, args=(world_size, free_port(), device_type, fn, args),
                               nprocs=world_size, join=True)
-    if device_type == "cuda":
+    if device_type == "cuda" or torch.cuda.is_initialized():
         spawn(start_method="spawn")
         return
     gc.collect()

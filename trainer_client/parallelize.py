@@ -56,7 +56,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding
 from trainer_client.loss import CausalLMLoss
 from trainer_client.model import register_dacp_attention
-from trainer_client.torch_compat import composable_checkpoint
+from trainer_client.torch_compat import composable_checkpoint, dynamo_supported
 
 __all__ = [
     "ActivationCheckpointing",
@@ -118,9 +118,7 @@ def check_compile(device: torch.device) -> None:
     """Raise ``ValueError`` saying why ``--compile`` cannot run here, before any model is built: a torch without
     a working ``torch.compile`` (Windows; Python newer than it supports), or a CPU with no C++ compiler for
     inductor's kernels."""
-    from torch._dynamo import is_dynamo_supported  # torch's own __init__ leaves torch._dynamo out
-
-    if not is_dynamo_supported():
+    if not dynamo_supported():
         raise ValueError(f"--compile needs torch.compile, which torch {torch.__version__} does not support on "
                          "this platform or Python")
     if device.type == "cpu" and not any(shutil.which(name) for name in ("g++", "c++", "clang++")):

@@ -27,7 +27,8 @@ keeps them; tests that emulate a release clear it (``torch_apis.cache_clear()``)
 
 The few private torch APIs the trainer needs (no public form exists in the supported releases) are reached only
 through this module too, each with why it is needed: ``group_options`` (a timeout for the groups ``DeviceMesh``
-creates), ``default_store`` (the rendezvous store, where the first failing rank leaves its reason),
+creates), ``flatten_mesh`` (one group over a mesh's dimensions, FSDP2's), ``dynamo_supported`` (whether
+``--compile`` can run), ``default_store`` (the rendezvous store, where the first failing rank leaves its reason),
 ``composable_checkpoint`` (activation checkpointing that keeps parameter names, so FSDP2 and DCP see the same
 state dict) and ``memory_tracker`` (the peak of tensors on CPU, for the profiler). A release that drops one fails
 here with its name, not deep in a run.
@@ -48,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "SUPPORTED_TORCH",
@@ -57,6 +59,8 @@ __all__ = [
     "check_torch_version",
     "composable_checkpoint",
     "default_store",
+    "dynamo_supported",
+    "flatten_mesh",
     "group_options",
     "memory_tracker",
     "torch_apis",
@@ -245,3 +249,17 @@ def memory_tracker() -> Any:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     return MemTracker()
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str, *, backend_override: tuple[str, Any]) -> DeviceMesh:
+    """The one-dimensional mesh over all of ``mesh``'s ranks (``DeviceMesh._flatten``): FSDP2 shards over DP × CP
+    as one group, and a slice of the mesh does not make that group."""
+    return mesh._flatten(name, backend_override=backend_override)
+
+
+def dynamo_supported() -> bool:
+    """Whether ``torch.compile`` works on this platform and Python (``torch._dynamo.is_dynamo_supported``; torch's
+    own ``__init__`` does not import ``torch._dynamo``)."""
+    from torch._dynamo import is_dynamo_supported
+
+    return bool(is_dynamo_supported())
