@@ -5,8 +5,10 @@
 repository's files. The cache ``hf download`` fills also has ``blobs/``, which the snapshot's files link to.
 Reading needs only the snapshot.
 
-- ``add_model`` puts the ``tiny`` catalogue model (seed 0, ``save_pretrained``) and a tokenizer into one
-  repository, as Hub model repositories hold them.
+- ``add_model`` puts the ``tiny`` catalogue model (seed 0, ``save_pretrained``, in one file or in shards with
+  their index) and a tokenizer into one repository, as Hub model repositories hold them.
+- ``add_model_config`` puts the ``tiny`` model's ``config.json`` alone into one, as ``hf download ORG/NAME
+  config.json`` leaves a model in the cache: enough for its shape, not for training.
 - ``add_dataset`` puts records into one repository, one parquet or JSONL file per split, named as the Hub's
   parquet files are named.
 - ``offline(monkeypatch)`` points this process at the cache, offline: ``huggingface_hub``'s and ``datasets``'
@@ -27,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-__all__ = ["CHATML", "HubCache", "commit_of", "save_tiny_model", "save_tokenizer"]
+__all__ = ["CHATML", "WORDS", "HubCache", "commit_of", "save_tiny_model", "save_tokenizer"]
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -56,11 +58,16 @@ def save_tokenizer(folder: Path) -> Path:
     return folder
 
 
-def save_tiny_model(folder: Path) -> Path:
-    """The ``tiny`` catalogue model with seed 0 (what ``build_model("tiny", seed=0)`` makes), saved in ``folder``."""
+def save_tiny_model(folder: Path, *, max_shard_size: str | None = None) -> Path:
+    """The ``tiny`` catalogue model with seed 0 (what ``build_model("tiny", seed=0)`` makes), saved in ``folder``:
+    in one file, or in shards of at most ``max_shard_size`` (``"300KB"``) with ``model.safetensors.index.json``."""
     from trainer_client.model import build_model
 
-    build_model("tiny", seed=0).save_pretrained(folder)
+    model = build_model("tiny", seed=0)
+    if max_shard_size is None:
+        model.save_pretrained(folder)
+    else:
+        model.save_pretrained(folder, max_shard_size=max_shard_size)
     return folder
 
 
@@ -91,11 +98,20 @@ class HubCache:
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
-    def add_model(self, repo_id: str, *, commit: str | None = None) -> Path:
-        """The ``tiny`` model (seed 0) and the tests' tokenizer as a model repository; its snapshot folder."""
+    def add_model(self, repo_id: str, *, commit: str | None = None, max_shard_size: str | None = None) -> Path:
+        """The ``tiny`` model (seed 0; in shards of at most ``max_shard_size``) and the tests' tokenizer as a model
+        repository; its snapshot folder."""
         folder = self.snapshot(repo_id, commit=commit)
-        save_tiny_model(folder)
+        save_tiny_model(folder, max_shard_size=max_shard_size)
         save_tokenizer(folder)
+        return folder
+
+    def add_model_config(self, repo_id: str, *, commit: str | None = None) -> Path:
+        """The ``tiny`` model's ``config.json`` alone as a model repository in the cache; its snapshot folder."""
+        from trainer_client.model import model_config
+
+        folder = self.snapshot(repo_id, commit=commit)
+        model_config("tiny").save_pretrained(folder)
         return folder
 
     def add_dataset(self, repo_id: str, splits: Mapping[str, Sequence[Mapping[str, object]]], *,

@@ -20,10 +20,12 @@ from skrull_proto.advise import AdviceDocument
 
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
+from tests.hub_cache import WORDS, save_tokenizer
 from trainer_client.advise import build_parser
 from trainer_client.advise import main as advise_main
 from trainer_client.advise_inputs import read_lengths
 from trainer_client.config import config_from_args
+from trainer_client.data import make_source
 from trainer_client.demo import trainer_env
 from trainer_client.train import build_parser as build_train_parser
 
@@ -114,7 +116,8 @@ def test_python_m_trainer_client_advise_is_the_same_command(
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--data", "synthetic:nope"], "error: --data synthetic:nope: unknown synthetic set; known: wikipedia"),
-    (["--data", "missing.jsonl"], "error: --data 'missing.jsonl' is neither synthetic:NAME nor a file"),
+    (["--data", "missing.jsonl"], "error: --data missing.jsonl: no such file: 'missing.jsonl' in "),
+    (["--data", "data/trian.jsonl"], "error: --data data/trian.jsonl: no such file: 'data/trian.jsonl' in "),
     (["--gpus", "0"], "error (gpus): gpus must be"),
     (["--gpus", "12", "--gpus-per-node", "8"], "error (gpus): gpus 12 is not a whole number of nodes"),
     (["--model", "qwen2.5-14b", "--gpus", "1"], "error (model): model qwen2.5-14b fits in no layout of 1 GPUs"),
@@ -186,11 +189,15 @@ def test_bad_requests_get_a_4xx_naming_the_field_never_a_500(
 
 
 def test_the_winners_config_file_holds_the_run_of_its_printed_command_line(
-    lengths_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    tokenizer = save_tokenizer(tmp_path / "tokenizer")
+    records = tmp_path / "chats.jsonl"  # text records: only a tokenizer encodes them, in the advisor and the trainer
+    records.write_text("".join(json.dumps({"text": " ".join(WORDS[: 3 + k % 20])}) + "\n" for k in range(40)))
     config_file = tmp_path / "winner.yaml"
-    status, out, err = _advise(["--data", str(lengths_file), "--model", "qwen2.5-7b", "--gpus", "16",
-                                "--emit-config", str(config_file), "--json", str(tmp_path / "advice.json")], capsys)
+    status, out, err = _advise(["--data", str(records), "--tokenizer", str(tokenizer), "--model", "qwen2.5-7b",
+                                "--gpus", "16", "--emit-config", str(config_file),
+                                "--json", str(tmp_path / "advice.json")], capsys)
     assert status == 0, err
     by_flags = shlex.split(json.loads((tmp_path / "advice.json").read_text())["layouts"][0]["trainer_command"])
     split = by_flags.index("trainer_client.train") + 1
@@ -200,6 +207,28 @@ def test_the_winners_config_file_holds_the_run_of_its_printed_command_line(
     parser = build_train_parser()
     from_file = config_from_args(parser.parse_args(["--config", str(config_file)]))
     assert from_file == config_from_args(parser.parse_args(flags)) and from_file.dp * from_file.cp == 16
+    assert (from_file.data, from_file.tokenizer) == (str(records), str(tokenizer))
+    # the trainer's first step with the file's data and tokenizer: every record of the first batch encodes
+    source = make_source(from_file.data, global_batch_size=from_file.global_batch, vocab_size=1 << 17,
+                         max_length=1 << 20, seed=0, tokenizer=from_file.tokenizer)
+    assert len(source.batch(0).samples) == from_file.global_batch
+
+
+def test_a_lengths_file_gets_no_config_file_and_its_command_asks_for_the_records(
+    lengths_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_file = tmp_path / "winner.yaml"
+    status, out, err = _advise(["--data", str(lengths_file), "--model", "qwen2.5-7b", "--gpus", "8",
+                                "--emit-config", str(config_file)], capsys)
+    assert (status, out) == (2, "")
+    assert err == (f"error: --emit-config {config_file}: --data {lengths_file} is a file of sequence lengths, which "
+                   "the advisor reads but the trainer cannot train on; give --data the records they were measured "
+                   "from (anything the trainer's --data takes) to write a config file that trains\n")
+    assert not config_file.exists()
+    status, out, err = _advise(["--data", str(lengths_file), "--model", "qwen2.5-7b", "--gpus", "8"], capsys)
+    assert status == 0, err
+    assert out.splitlines()[-2] == ("train with the winner (with the records these lengths were measured from as "
+                                    "--data: the trainer cannot train on a file of lengths):")
 
 
 @pytest.mark.slow

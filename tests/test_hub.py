@@ -4,6 +4,7 @@ names a missing, unknown, gated or unreachable id with its fix."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -26,8 +27,8 @@ from tests.hub_cache import HubCache, commit_of
 from trainer_client.data import DataIdentity, RecordSource, load_tokenizer, make_source, open_records
 from trainer_client.distributed import ParallelContext, free_port
 from trainer_client.evaluation import EvalSet
-from trainer_client.hub import HubError, HubRef, RepoKind, fetch, fetch_on_rank_0_first, hub_ref
-from trainer_client.model import build_model, checkpoint_dir, model_shape
+from trainer_client.hub import HubError, HubRef, HubSnapshot, RepoKind, fetch, fetch_on_rank_0_first, hub_ref
+from trainer_client.model import build_model, model_folder, model_shape
 from trainer_client.run_identity import model_identity
 
 RECORDS = [{"input_ids": [k + 1, 7, 1000 - k]} for k in range(5)]
@@ -65,7 +66,7 @@ def test_a_spec_is_a_hub_id_only_when_no_local_path_or_built_in_name_has_it(tmp_
 
 def test_a_model_id_reads_its_snapshot_from_the_offline_cache(hub: HubCache) -> None:
     snapshot = hub.add_model("org/tiny")
-    assert checkpoint_dir("org/tiny") == snapshot
+    assert model_folder("org/tiny") == snapshot
     assert model_shape("org/tiny") == replace(MODEL_CATALOGUE["tiny"], name="org/tiny")
     loaded, original = build_model("org/tiny"), build_model("tiny", seed=0)
     assert loaded.config._attn_implementation == "dacp"
@@ -143,8 +144,8 @@ def test_a_run_without_hub_ids_joins_no_collective(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize(("flag", "resolve", "command"), [
-    ("--model org/absent", lambda: checkpoint_dir("org/absent"), "hf download org/absent"),
-    ("--model org/absent@v2", lambda: checkpoint_dir("org/absent@v2"), "hf download org/absent --revision v2"),
+    ("--model org/absent", lambda: model_folder("org/absent"), "hf download org/absent"),
+    ("--model org/absent@v2", lambda: model_folder("org/absent@v2"), "hf download org/absent --revision v2"),
     ("--tokenizer org/absent", lambda: load_tokenizer("org/absent"), "hf download org/absent"),
     ("--data org/absent:test", lambda: _source("org/absent:test"), "hf download org/absent --repo-type dataset"),
 ])
@@ -167,7 +168,7 @@ def test_a_snapshot_without_weights_is_refused_naming_what_it_lacks(hub: HubCach
             f"{commit_of('model:org/config-only')}) holds no model.safetensors or model.safetensors.index.json (the "
             "trainer reads a transformers model: its config.json and safetensors weights), or the cache holds only "
             "part of it (`hf download org/config-only` completes it)")):
-        checkpoint_dir("org/config-only")
+        model_folder("org/config-only")
 
 
 @pytest.fixture
@@ -187,7 +188,7 @@ def test_a_hub_that_cannot_be_reached_names_the_id_and_how_to_work_offline(
     with pytest.raises(ValueError, match=re.escape(
             f"--model org/absent: the Hugging Face Hub ({endpoint}) could not be reached for the model repository "
             f"org/absent, which is not in the cache ({online.root}): ConnectError")) as raised:
-        checkpoint_dir("org/absent")
+        model_folder("org/absent")
     assert raised.value.args[0].endswith("fetch it with `hf download org/absent` where the Hub can be reached and run "
                                          "with HF_HUB_OFFLINE=1")
 
@@ -249,3 +250,114 @@ def test_a_process_resolves_an_id_once(hub: HubCache) -> None:
     hub.add_dataset("org/records", {"train": RECORDS[:1]}, commit=commit_of("second"))
     assert fetch(ref) == snapshot  # the config, the weights, the data and a resume's identity read one commit
     assert np.array_equal(open_records("org/records").read(4)[0]["input_ids"], RECORDS[4]["input_ids"])
+
+
+@pytest.mark.parametrize(("flag", "spec"), [("data", "data/x.jsonl"), ("data", "x.parquet"),
+                                            ("eval_data", "org/held-out.json:test")])
+def test_a_missing_data_file_is_a_missing_file_at_the_trainers_first_step_never_a_hub_id(
+    hub: HubCache, monkeypatch: pytest.MonkeyPatch, flag: str, spec: str
+) -> None:
+    def no_hub(*args: object, **kwargs: object) -> None:
+        raise AssertionError("looked up on the Hub")
+
+    monkeypatch.setattr(dist, "broadcast_object_list", no_hub)
+    monkeypatch.setattr(trainer_client.hub, "_download", no_hub)
+    for global_rank in (0, 1):
+        fetch_on_rank_0_first(_rank(global_rank), model="tiny", **{flag: spec})
+    with pytest.raises(ValueError, match=re.escape(f"no such file: {spec!r} in {Path.cwd()} (a name with a data "
+                                                   "file's suffix is a file, never a Hugging Face Hub id)")) as raised:
+        open_records(spec)
+    assert "hf download" not in str(raised.value)
+
+
+def test_rank_0_raises_its_own_error_with_its_traceback_and_the_others_its_message(
+    hub: HubCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(ref: HubRef, revision: str | None) -> HubSnapshot:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(trainer_client.hub, "_download", full_disk)
+    sent: list[list[object]] = []
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src, group: sent.append(list(objects)))
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        fetch_on_rank_0_first(_rank(0), model="org/tiny")
+    assert raised.traceback[-1].name == "full_disk"  # where it happened, not where it was passed on
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src, group: objects.__setitem__(0, sent[0][0]))
+    with pytest.raises(RuntimeError, match=re.escape("rank 0 could not fetch the run's Hub ids: OSError: No space "
+                                                     "left on device")):
+        fetch_on_rank_0_first(_rank(1), model="org/tiny")
+
+
+@pytest.fixture
+def downloads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str | None, list[str] | None]]:
+    """Every ``snapshot_download`` of this test: the id, the revision and the files asked for."""
+    import huggingface_hub
+
+    calls: list[tuple[str, str | None, list[str] | None]] = []
+    real = huggingface_hub.snapshot_download
+
+    def recorded(repo_id: str, **kwargs: object) -> object:
+        calls.append((repo_id, cast(str | None, kwargs.get("revision")),
+                      cast(list[str] | None, kwargs.get("allow_patterns"))))
+        return real(repo_id, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recorded)
+    return calls
+
+
+def test_the_advisor_needs_only_a_hub_models_config(
+    hub: HubCache, downloads: list[tuple[str, str | None, list[str] | None]], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainer_client.advise import main as advise_main
+
+    hub.add_model_config("org/shape-only")  # config.json alone: no weights cached
+    assert model_shape("org/shape-only") == replace(MODEL_CATALOGUE["tiny"], name="org/shape-only")
+    assert model_identity("org/shape-only").startswith("config.json sha256 ")
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(length) for length in (40, 900, 120, 3000) * 4) + "\n")
+    assert advise_main(["--data", str(lengths), "--model", "org/shape-only", "--gpus", "2",
+                        "--no-progress"]) == 0, capsys.readouterr().err
+    assert "--model org/shape-only" in capsys.readouterr().out
+    assert downloads == [("org/shape-only", None, ["config.json"])]  # once, for the shape, the identity and the advice
+
+
+def test_a_models_weights_are_read_at_the_commit_its_config_was(hub: HubCache) -> None:
+    first = hub.add_model("org/tiny", commit=commit_of("first"))
+    model_shape("org/tiny")  # the config alone
+    hub.snapshot("org/tiny", commit=commit_of("second"))  # the Hub moves on (to an empty commit)
+    assert model_folder("org/tiny") == first  # the weights of the config's commit
+
+
+def _shards(folder: Path) -> list[str]:
+    """The files of a model's weights, as its index lists them."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return sorted(set(index["weight_map"].values()))
+
+
+def test_sharded_weights_fetch_exactly_the_shards_their_index_lists(
+    hub: HubCache, downloads: list[tuple[str, str | None, list[str] | None]]
+) -> None:
+    folder = hub.add_model("org/sharded", max_shard_size="300KB")
+    shards = _shards(folder)
+    assert len(shards) > 1
+    (folder / "model-in-another-precision.safetensors").write_bytes(b"")  # not listed: not fetched
+    loaded, original = build_model("org/sharded"), build_model("tiny", seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), original.state_dict().values(),
+                                                 strict=True))
+    commit = commit_of("model:org/sharded")
+    assert downloads == [("org/sharded", None, ["*.json"]), ("org/sharded", commit, ["*.json", *shards])]
+    model_shape("org/sharded")  # the weights' snapshot holds the config: nothing more to fetch
+    assert len(downloads) == 2
+
+
+def test_a_shard_missing_from_the_cache_is_named(hub: HubCache) -> None:
+    folder = hub.add_model("org/broken", max_shard_size="300KB")
+    shards = _shards(folder)
+    (folder / shards[-1]).unlink()
+    with pytest.raises(ValueError, match=re.escape(
+            f"--model org/broken: the model repository org/broken (commit {commit_of('model:org/broken')}) lacks "
+            f"{shards[-1]}, which its model.safetensors.index.json lists among the {len(shards)} files of its "
+            "weights: the repository is broken, or the cache holds only part of it (`hf download org/broken` "
+            "completes it)")):
+        model_folder("org/broken")

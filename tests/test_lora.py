@@ -184,7 +184,7 @@ def test_skrull_export_refuses_an_adapter_of_a_run_without_lora(
     saved = saved_run_identity(newest)
     assert saved is not None and saved.lora == LoraSettings(rank=RANK, alpha=ALPHA)
     assert export_main([str(checkpoint), str(tmp_path / "adapter"), "--lora", "adapter"]) == 2
-    assert "give the folder the run was trained from as --model" in capsys.readouterr().err
+    assert "give the folder (or Hugging Face Hub id) the run was trained from as --model" in capsys.readouterr().err
 
 
 def test_a_resume_with_other_adapters_is_refused() -> None:

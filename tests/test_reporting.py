@@ -1,22 +1,37 @@
 """``--report-to`` (``trainer_client.reporting``): TensorBoard, W&B and MLflow each hold, read back from what they
 wrote, every scalar of every step at the trainer's step; a resumed run continues the numbering; a failed run is
-recorded as failed; a tracker whose package is missing is refused when the config is built, naming its extra.
-W&B runs offline and MLflow against a file store, both in the test's folder."""
+recorded as failed, also one torchrun stops with SIGTERM, and the trainer closes its reports, planner and
+checkpointer whatever raises; a tracker whose package is missing is refused when the config is built, naming its
+extra. W&B runs offline and MLflow against a file store, both in the test's folder."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
 import sys
+import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
+from typing import Any
+from unittest import mock
 
 import pytest
 
 from tests.wandb_records import wandb_records
+from trainer_client import train
+from trainer_client.checkpoint import Checkpointer
 from trainer_client.config import TrainConfig
+from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.loop import SkrullBatches
 from trainer_client.plan_client import PlanOrigin
-from trainer_client.reporting import Tracker, open_reports, scalars
+from trainer_client.reporting import Reports, Tracker, open_reports, scalars
 from trainer_client.step_metrics import StepMetrics
 from trainer_client.train import build_parser, config_from_args
+from trainer_client.trainer import Trainer
 
 JOB_ID = "team:run-1"
 
@@ -34,7 +49,8 @@ RESUMED = (_metrics(2, loss=1.125), _metrics(3, loss=1.0, eval_loss=1.5))  # fro
 
 
 def _config(tracker: Tracker, tmp_path: Path, *, resume: bool = False) -> TrainConfig:
-    return TrainConfig(dp=1, cp=1, report_to=(tracker,), logging_dir=tmp_path / "run", job_id=JOB_ID,
+    logging_dir = tmp_path / "run" if tracker is not Tracker.MLFLOW else None  # MLflow writes to its tracking URI
+    return TrainConfig(dp=1, cp=1, report_to=(tracker,), logging_dir=logging_dir, job_id=JOB_ID,
                        resume=resume, checkpoint_dir=tmp_path / "checkpoints")
 
 
@@ -151,10 +167,15 @@ def test_a_tracker_whose_package_is_missing_is_refused_naming_its_extra(monkeypa
 @pytest.mark.parametrize(("changes", "message"), [
     ({"report_to": ("tensorboard", "comet")}, "--report-to 'comet' is unknown; known: tensorboard, wandb, mlflow"),
     ({"logging_dir": Path("runs")}, "--logging-dir goes with --report-to"),
+    ({"logging_dir": Path("runs"), "report_to": ("mlflow",)},
+     r"--logging-dir is TensorBoard's and W&B's folder, and --report-to mlflow has neither: MLflow writes to its "
+     r"tracking URI \(MLFLOW_TRACKING_URI\), so leave --logging-dir out"),
 ])
-def test_refuses_an_unknown_tracker_and_a_logging_dir_without_one(changes: dict, message: str) -> None:
+def test_refuses_an_unknown_tracker_and_a_logging_dir_no_tracker_reads(changes: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TrainConfig(dp=1, cp=1, **changes)
+    if "report_to" in changes and "logging_dir" in changes:  # one tracker that reads it is enough
+        TrainConfig(dp=1, cp=1, **{**changes, "report_to": ("mlflow", "tensorboard")})
 
 
 def test_report_to_takes_a_comma_separated_list_of_trackers() -> None:
@@ -163,3 +184,143 @@ def test_report_to_takes_a_comma_separated_list_of_trackers() -> None:
     config = config_from_args(args)
     assert (config.report_to, config.logging_dir) == ((Tracker.MLFLOW, Tracker.TENSORBOARD), Path("logs"))
     assert config_from_args(build_parser().parse_args(["--dp", "1", "--cp", "1"])).report_to == ()
+
+
+# ------------------------------------------------------------------------------------------------ closing the run
+
+
+class _Unhandled(BaseException):
+    """SIGTERM reached the handler the test had installed, not main's."""
+
+
+def test_sigterm_stops_main_through_its_finally_so_the_trainer_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun stops the ranks still running with SIGTERM once one failed; Python's default action would end the
+    # process at once, without closing the trackers.
+    closed: list[bool] = []
+
+    class Stopped:  # a trainer torchrun stops while it trains
+        def __init__(self, config: TrainConfig, parallel: object) -> None:
+            pass
+
+        def train(self) -> list[StepMetrics]:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # a handler that raises interrupts the sleep
+            return []
+
+        def close(self) -> None:
+            closed.append(True)
+
+    def unhandled(signum: int, frame: FrameType | None) -> None:
+        raise _Unhandled
+
+    monkeypatch.setattr(train, "Trainer", Stopped)
+    monkeypatch.setattr(train, "init_parallel", lambda dims, timeout_s: None)
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            train.main(["--dp", "1", "--cp", "1"])
+        assert stopped.value.code == 128 + signal.SIGTERM
+        assert closed == [True]
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # main's handler lasts as long as main
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Recorded:
+    """A reporter that records its closing in ``closed``."""
+
+    def __init__(self, closed: list[str]) -> None:
+        self.closed = closed
+
+    def write(self, metrics: StepMetrics) -> None:
+        pass
+
+    def close(self, *, failed: bool) -> None:
+        self.closed.append(f"reports failed={failed}")
+
+
+def _closes_what_it_opened_whatever_raises(out_dir: Path) -> None:
+    """One rank: a trainer whose planner fails to close, and one whose reports fail to open."""
+    config = TrainConfig(dp=1, cp=1, steps=1, global_batch=2, bucket_size=256, progress=False,
+                         checkpoint_dir=out_dir / "checkpoints")
+    parallel = init_parallel(config.dims)
+    closed: list[str] = []
+    checkpointer_close, batches_close = Checkpointer.close, SkrullBatches.close
+    planner_fails_to_close = True
+
+    def closing_checkpointer(checkpointer: Checkpointer) -> None:
+        closed.append("checkpointer")
+        checkpointer_close(checkpointer)
+
+    def closing_batches(batches: SkrullBatches) -> None:
+        closed.append("batches")
+        batches_close(batches)
+        if planner_fails_to_close:
+            raise RuntimeError("the planner failed to close")
+
+    def unreachable_tracker(*args: Any, **kwargs: Any) -> Reports:
+        raise ConnectionError("the tracker is unreachable")
+
+    outcome: dict[str, Any] = {}
+    with (mock.patch.object(Checkpointer, "close", closing_checkpointer),
+          mock.patch.object(SkrullBatches, "close", closing_batches)):
+        with mock.patch("trainer_client.trainer.open_reports", lambda *args, **kwargs: Reports([_Recorded(closed)])):
+            trainer = Trainer(config, parallel)
+            try:
+                trainer.close()
+            except RuntimeError as error:
+                closed.append(str(error))
+            trainer.close()  # closes nothing twice
+        outcome["close"], closed[:] = list(closed), []
+        planner_fails_to_close = False
+        with mock.patch("trainer_client.trainer.open_reports", unreachable_tracker):
+            try:
+                Trainer(config, parallel)
+            except ConnectionError as error:
+                closed.append(str(error))
+        outcome["init"] = closed
+    (out_dir / "outcome.json").write_text(json.dumps(outcome))
+
+
+def test_the_trainer_closes_what_it_opened_once_newest_first_whatever_raises(tmp_path: Path) -> None:
+    spawn_gloo(_closes_what_it_opened_whatever_raises, 1, tmp_path)
+    outcome = json.loads((tmp_path / "outcome.json").read_text())
+    # train() never ran: the reports record a failed run; the planner's error comes after the checkpointer closed
+    assert outcome["close"] == ["reports failed=True", "batches", "checkpointer", "the planner failed to close"]
+    assert outcome["init"] == ["batches", "checkpointer", "the tracker is unreachable"]
+
+
+@pytest.mark.slow  # a process importing torch and MLflow
+def test_a_run_torchrun_stops_with_sigterm_is_a_failed_mlflow_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tracking_uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # here and in the trainer's process
+    script = textwrap.dedent("""
+        import sys, time
+        from trainer_client import train
+        from trainer_client.trainer import Trainer
+
+        def blocked(self):
+            print("training", flush=True)
+            time.sleep(60)  # as a rank waiting in a collective for a peer that failed
+
+        Trainer.train = blocked
+        sys.exit(train.main(sys.argv[1:]))
+    """)
+    run = subprocess.Popen([sys.executable, "-c", script, "--dp", "1", "--cp", "1", "--steps", "1", "--global-batch",
+                            "2", "--bucket-size", "256", "--no-progress", "--report-to", "mlflow", "--job-id", JOB_ID],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "training\n", run.communicate()[1][-3000:]
+        run.send_signal(signal.SIGTERM)  # what torchrun sends the ranks still running
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    (recorded,) = client.search_runs([client.get_experiment_by_name("skrull").experiment_id])
+    assert (recorded.info.run_name, recorded.info.status) == (JOB_ID, "FAILED")

@@ -28,6 +28,11 @@ FLAGS = [
     "--eval-every", "--lora-rank", "--lora-alpha", "--lora-targets", "--report-to", "--logging-dir", "--fail-rank",
     "--fail-at-step",
 ]
+# A bool's other form, so that a flag turns a config file's value either way.
+OTHER_FORMS = [
+    "--shuffle", "--no-compile", "--no-async-checkpoint", "--no-resume", "--no-resume-accept-data-change",
+    "--no-truncate", "--progress", "--no-feedback",
+]
 
 
 def _parse(*argv: str) -> TrainConfig:
@@ -41,7 +46,7 @@ def _write(path: Path, text: str) -> Path:
 
 def test_every_field_has_one_flag_and_every_flag_keeps_its_spelling() -> None:
     actions = [action for action in build_parser()._actions if action.dest not in ("help", "config")]
-    assert sorted(flag for action in actions for flag in action.option_strings) == sorted(FLAGS)
+    assert sorted(flag for action in actions for flag in action.option_strings) == sorted(FLAGS + OTHER_FORMS)
     assert sorted(action.dest for action in actions) == sorted(TrainConfig.model_fields)
 
 
@@ -65,7 +70,55 @@ def test_help_shows_each_default_once_and_the_key_of_a_flag_spelled_otherwise() 
     assert "sequences per global batch (default: 16)" in text
     assert "longest record accepted (default: bucket_size × cp)" in text  # the help's own words, not a second one
     assert "seconds per POST /plan attempt (default: 5.0) [config key plan_timeout_s]" in text
-    assert "[config key shuffle: false]" in text
+    assert "--resume, --no-resume continue from the newest complete checkpoint" in text
+    assert "--shuffle, --no-shuffle train each epoch's records in a permutation" in text
+
+
+def test_a_flag_turns_a_files_bool_either_way(tmp_path: Path) -> None:
+    run = _write(tmp_path / "run.yaml", "dp: 1\ncp: 1\ncheckpoint_dir: ck\nresume: true\ntruncate: true\n"
+                                        "shuffle: false\nprogress: false\n")
+    config = _parse("--config", str(run))
+    assert (config.resume, config.truncate, config.shuffle, config.progress) == (True, True, False, False)
+    config = _parse("--config", str(run), "--no-resume", "--no-truncate", "--shuffle", "--progress")
+    assert (config.resume, config.truncate, config.shuffle, config.progress) == (False, False, True, True)
+    assert _parse("--dp", "1", "--cp", "1", "--no-shuffle", "--no-progress").model_dump(
+        include={"shuffle", "progress"}) == {"shuffle": False, "progress": False}
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    ("run.yaml", "dp: 1\ncp: 1\nlr: 0.1\nlr: 0.2\n", "{path}:4:1: duplicate key 'lr'"),
+    ("run.json", '{"dp": 1, "cp": 1, "lr": 0.1, "lr": 0.2}', "{path}: duplicate key 'lr'"),
+    ("run.toml", "dp = 1\ncp = 1\nlr = 0.1\nlr = 0.2\n",
+     "{path}: Cannot overwrite a value (at line 4, column 9): lr = 0.2"),
+])
+def test_a_key_given_twice_in_the_file_is_refused_naming_it(name: str, text: str, message: str,
+                                                             tmp_path: Path) -> None:
+    path = _write(tmp_path / name, text)
+    with pytest.raises(ValueError) as refused:
+        read_config_file(path)
+    assert str(refused.value) == message.format(path=path)
+
+
+def test_a_yaml_merge_may_give_a_key_again() -> None:
+    from trainer_client.config import _parse as parse
+
+    assert parse(Path("run.yaml"), "base: &base\n  lr: 0.1\n  dp: 1\nrun:\n  <<: *base\n  lr: 0.2\n") == {
+        "base": {"lr": 0.1, "dp": 1}, "run": {"lr": 0.2, "dp": 1}}
+
+
+@pytest.mark.parametrize("scheduler", ["linear", "cosine", "constant_with_warmup"])
+def test_min_lr_ratio_given_with_a_schedule_that_does_not_read_it_is_refused(scheduler: str, tmp_path: Path) -> None:
+    readers = "warmup_cosine, cosine_with_min_lr, warmup_stable_decay"
+    with pytest.raises(ValueError, match=rf"^--lr-scheduler {scheduler} does not read --min-lr-ratio \(only "
+                                         rf"{readers} do\): leave it out, or choose one of those$"):
+        _parse("--dp", "1", "--cp", "1", "--lr-scheduler", scheduler, "--min-lr-ratio", "0.2")
+    run = _write(tmp_path / "run.yaml", "dp: 1\ncp: 1\nmin_lr_ratio: 0.1\n")
+    with pytest.raises(ValueError, match=rf"\(only {readers} do\): leave it out, or choose one of those "
+                                         rf"\({run}: min_lr_ratio\)$"):
+        _parse("--config", str(run), "--lr-scheduler", scheduler)
+    assert _parse("--dp", "1", "--cp", "1", "--lr-scheduler", scheduler).lr_scheduler == scheduler  # default: unread
+    for reader in readers.split(", "):
+        assert _parse("--config", str(run), "--lr-scheduler", reader).min_lr_ratio == 0.1
 
 
 @pytest.mark.parametrize(("name", "text"), [
@@ -113,6 +166,8 @@ def test_dp_and_cp_are_required_from_the_flags_or_the_file(tmp_path: Path) -> No
     ("job_id: has space", "{run}: job_id: 'has space' is not a valid job id: 1 to 128 characters, letters, digits "
                           "and . _ : - only, starting with a letter or digit"),
     ("keep_last: 2", "--keep-last and --async-checkpoint need --checkpoint-dir ({run}: keep_last)"),
+    ("plan_timeout_s: 0", "{run}: plan_timeout_s: must be positive, got 0.0"),
+    ("plan_attempts: 0", "{run}: plan_attempts: must be positive, got 0"),
     ("lora_rank: 0\nlora_rnak: 4", "{run}: lora_rank: must be positive, got 0; {run}: lora_rnak: unknown key; did "
                                    "you mean lora_rank?"),
 ])
@@ -127,6 +182,9 @@ def test_a_wrong_value_given_as_a_flag_is_named_by_the_flag_over_a_file(tmp_path
     run = _write(tmp_path / "run.yaml", "dp: 1\ncp: 1\nlora_rank: 0\n")
     with pytest.raises(ValueError, match=r"^--lora-rank must be positive, got -1$"):
         _parse("--config", str(run), "--lora-rank", "-1")
+    with pytest.raises(ValueError, match=r"^--plan-timeout must be positive, got -1.0; --plan-attempts must be "
+                                         r"positive, got 0$"):
+        _parse("--dp", "1", "--cp", "1", "--plan-timeout", "-1", "--plan-attempts", "0")
     assert _parse("--config", str(run), "--lora-rank", "8").lora_rank == 8  # the file's wrong value is overridden
 
 
@@ -135,7 +193,7 @@ def test_a_wrong_value_given_as_a_flag_is_named_by_the_flag_over_a_file(tmp_path
     ("run.ini", "dp = 1", "--config {path}: a config file is YAML, TOML or JSON, named .yaml, .yml, .toml, .json"),
     ("run.yaml", "dp: 1\ncp: [1\n", "{path}:3:1: expected ',' or ']', but got '<stream end>'"),
     ("run.json", '{"dp": 1,}', "{path}:1:10: Expecting property name enclosed in double quotes"),
-    ("run.toml", "dp = 1\ncp = \n", "{path}: Invalid value (at line 2, column 6)"),
+    ("run.toml", "dp = 1\ncp = \n", "{path}: Invalid value (at line 2, column 6): cp ="),
     ("run.yaml", "- dp: 1\n", "{path}: holds a list, not a mapping of settings to values"),
 ])
 def test_a_file_that_cannot_be_read_or_parsed_is_named_with_the_line(

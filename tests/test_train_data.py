@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 from pathlib import Path
 
 import datasets.config
@@ -159,13 +160,18 @@ def test_rejects_malformed_records(tmp_path: Path, record: dict[str, object], me
 def test_rejects_unknown_data_spec() -> None:
     with pytest.raises(ValueError, match="unknown synthetic data set 'imdb'"):
         make_source("synthetic:imdb", global_batch_size=1, vocab_size=8, max_length=8, seed=0)
-    # a missing file is named as one, not looked up on the Hub as an id with a suffix
-    with pytest.raises(ValueError, match=r"--data data/train.jsonl: 'data/train.jsonl' is neither a JSONL file, nor "
-                                         r"a parquet, CSV or JSON file, nor a dataset folder \(DIR\[:SPLIT\]\), nor a "
-                                         r"Hugging Face Hub dataset id \(ORG/NAME\[@REVISION\]\[:SPLIT\]\)"):
-        make_source("data/train.jsonl", global_batch_size=1, vocab_size=8, max_length=8, seed=0)
-    with pytest.raises(ValueError, match="'lmsys' is neither a JSONL file"):
+    with pytest.raises(ValueError, match=r"--data lmsys: 'lmsys' is neither a JSONL file, nor a parquet, CSV or JSON "
+                                         r"file, nor a dataset folder \(DIR\[:SPLIT\]\), nor a Hugging Face Hub "
+                                         r"dataset id \(ORG/NAME\[@REVISION\]\[:SPLIT\]\)"):
         make_source("lmsys", global_batch_size=1, vocab_size=8, max_length=8, seed=0)
+
+
+@pytest.mark.parametrize("spec", ["data/train.jsonl", "data/trian.parquet:test", "org/set.csv", "x.parquet"])
+def test_a_missing_data_file_is_named_as_one_never_looked_up_on_the_hub(spec: str) -> None:
+    with pytest.raises(ValueError, match=f"--data {re.escape(spec)}: no such file: '{re.escape(spec)}' in "
+                                         f"{re.escape(str(Path.cwd()))} \\(a name with a data file's suffix is a file, "
+                                         "never a Hugging Face Hub id\\)$"):
+        make_source(spec, global_batch_size=1, vocab_size=8, max_length=8, seed=0)
 
 
 CHAT = {"messages": [
@@ -286,9 +292,15 @@ def test_a_dataset_folder_takes_a_split_after_a_colon(tmp_path: Path) -> None:
         test = _source(f"{folder}:test", shuffle=False)
         assert _first_tokens(test, range(1)) == [3, 4]
         assert test.identity().source == f"{folder.resolve()}:test"
-    assert _first_tokens(_source(tmp_path / "files"), range(1)) == [0, 1]  # train without a split
-    with pytest.raises(ValueError, match=f"{tmp_path / 'saved'} holds the splits train, test; give one: "):
-        _source(tmp_path / "saved")
+    for folder in (tmp_path / "saved", tmp_path / "files"):  # train without a split
+        train = _source(folder)
+        assert _first_tokens(train, range(1)) == [0, 1]
+        assert train.identity() == _source(f"{folder}:train").identity()
+    DatasetDict({"test": Dataset.from_list(TOKEN_RECORDS[3:]), "validation": Dataset.from_list(TOKEN_RECORDS[:3])}
+                ).save_to_disk(tmp_path / "held-out")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'held-out'} holds the splits test, validation; none is train, "
+                                         f"so give one: {tmp_path / 'held-out'}:SPLIT"):
+        _source(tmp_path / "held-out")
     with pytest.raises(ValueError, match=r"cannot be read as a data set: Unknown split \"validation\""):
         _source(f"{tmp_path / 'files'}:validation")
 

@@ -4,9 +4,9 @@ It reads a sample of sequence lengths from ``--data`` (what the trainer's ``--da
 or a synthetic sample: ``advise_inputs``), prices every layout with the planning core (``core.advise``), prints
 the ranked table with the reason the winner wins and the layouts left out, and writes the document
 ``POST /advise`` answers (``--json``, validated by the service's model), the winner's trainer config file
-(``--emit-config``, validated by the trainer's ``TrainConfig``) and a chart of throughput per layout, Skrull
-against static CP (``--plot``). The words, the commands and the document are the service's
-(``scheduler_service.contract.advice``).
+(``--emit-config``, validated by the trainer's ``TrainConfig``; refused for a file of lengths, which the trainer
+cannot train on) and a chart of throughput per layout, Skrull against static CP (``--plot``). The words, the
+commands and the document are the service's (``scheduler_service.contract.advice``).
 
 It is the trainer's command, not the service's, because reading a data set or a checkpoint is the trainer's
 work; torch is needed only for those (records, checkpoint folders).
@@ -44,7 +44,7 @@ from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.samplers import DATASETS
-from trainer_client.advise_inputs import read_lengths, read_model, read_profile
+from trainer_client.advise_inputs import is_lengths_file, read_lengths, read_model, read_profile
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the advice document here")
     parser.add_argument("--emit-config", type=Path, metavar="FILE.yaml",
                         help="write the winner's trainer settings here, a config file for python -m "
-                             "trainer_client.train --config (the command line printed, as a file)")
+                             "trainer_client.train --config (the command line printed, as a file; --data must be "
+                             "records, not a file of lengths)")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="draw throughput per layout here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -115,9 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- output ----------------------------------------------------------------------------------------------------------
 
 
-def format_advice(advice: Advice, sources: TrainerSources, *, config_file: Path | None = None) -> str:
+def format_advice(advice: Advice, sources: TrainerSources, *, config_file: Path | None = None,
+                  lengths_file: bool = False) -> str:
     """The ranked layouts, why the winner wins, the layouts left out and the winner's command, and the command
-    that trains from ``config_file`` when the winner's settings are written there."""
+    that trains from ``config_file`` when the winner's settings are written there. With ``lengths_file`` (the
+    sample was a file of lengths) the command says that its ``--data`` needs the records instead."""
     problem = advice.problem
     lines = [f"{problem.model.name} on {problem.num_gpus} GPUs ({problem.gpus_per_node} per node), profile "
              f"{problem.profile.name}: {problem.num_batches} global batches of {advice.mean_sequences_per_batch:.0f} "
@@ -138,7 +141,9 @@ def format_advice(advice: Advice, sources: TrainerSources, *, config_file: Path 
     if advice.excluded:
         lines += ["", "left out:", *_excluded_lines(advice)]
     winner_command = shell_command(trainer_argv(advice, advice.layouts[0].layout, sources))
-    lines += ["", "train with the winner:", f"  {winner_command}"]
+    lines += ["", "train with the winner (with the records these lengths were measured from as --data: the trainer "
+                  "cannot train on a file of lengths):" if lengths_file else "train with the winner:",
+              f"  {winner_command}"]
     if config_file is not None:
         lines += [f"or with its config file {config_file}:", f"  {config_command(advice, config_file)}"]
     return "\n".join(lines)
@@ -226,6 +231,11 @@ def _draw_throughput(axis: Axes, advice: Advice) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    lengths_file = is_lengths_file(args.data)
+    if lengths_file and args.emit_config is not None:  # a config file must train as written
+        raise ValueError(f"--emit-config {args.emit_config}: --data {args.data} is a file of sequence lengths, which "
+                         "the advisor reads but the trainer cannot train on; give --data the records they were "
+                         "measured from (anything the trainer's --data takes) to write a config file that trains")
     lengths = read_lengths(args.data, sample_size=args.sample_size, seed=args.seed, tokenizer=args.tokenizer)
     problem = LayoutProblem(
         sequence_lengths=lengths, model=read_model(args.model), profile=read_profile(args.profile),
@@ -236,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         cp_sizes=tuple(args.cp_sizes or ()), num_batches=args.num_batches, seed=args.seed,
         compute_bytes=DTYPE_BYTES[args.dtype],
     )
-    sources = TrainerSources(data=args.data, model=args.model, profile=args.profile)
+    sources = TrainerSources(data=args.data, tokenizer=args.tokenizer, model=args.model, profile=args.profile)
     with tqdm(total=problem.num_layouts, desc="pricing layouts", unit="layout", disable=args.no_progress,
               file=sys.stderr) as bar:
         def progress(done: int, total: int) -> None:
@@ -246,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         advice = advise(problem, progress=progress)
     if args.emit_config is not None:  # before the text that names it
         write_config(advice, sources, args.emit_config)
-    print(format_advice(advice, sources, config_file=args.emit_config))
+    print(format_advice(advice, sources, config_file=args.emit_config, lengths_file=lengths_file))
     if args.json is not None:
         write_document(advice, sources, args.json)
     if args.plot is not None:

@@ -13,7 +13,12 @@ records and checkpoints, so a synthetic sample or a file of lengths needs neithe
   Hugging Face Hub data set ``ORG/NAME[@REVISION][:SPLIT]``, ``data.open_records``): each record's length as the
   trainer encodes it (``input_ids``, ``messages`` or ``text`` with ``--tokenizer``), at most ``sample_size``
   records chosen evenly (seeded) from a larger set;
-* a file of lengths: one positive integer per line (a first line that is a number marks it).
+* a file of lengths: one positive integer per line (a first line that is a number marks it, ``is_lengths_file``).
+  The trainer cannot train on one, so the commands printed for it need the records it was measured from.
+
+What is a record source, and what a Hub id, is decided where the trainer decides it (``data.open_records``), so
+a mistyped ``data/train.jsonl`` is a missing file here as there. A Hub model's ``config.json`` alone is fetched
+(``model.model_shape``).
 
 Every error is a ``ValueError`` naming the flag, or the core's ``PlanningError`` naming the field.
 """
@@ -31,7 +36,7 @@ from scheduler_service.core.profile import Profile, resolve_profile
 from scheduler_service.core.samplers import DATASETS, sample_lengths
 from trainer_client.hub import RepoKind, hub_ref
 
-__all__ = ["SYNTHETIC_PREFIX", "read_lengths", "read_model", "read_profile"]
+__all__ = ["SYNTHETIC_PREFIX", "is_lengths_file", "read_lengths", "read_model", "read_profile"]
 
 SYNTHETIC_PREFIX = "synthetic:"
 
@@ -45,16 +50,16 @@ def read_lengths(source: str, *, sample_size: int, seed: int, tokenizer: str | N
         if name not in DATASETS:
             raise ValueError(f"--data {source}: unknown synthetic set; known: {', '.join(DATASETS)}")
         return sample_lengths(name, sample_size, np.random.default_rng(seed))
-    path = Path(source)
-    if not (path.exists() or Path(source.partition(":")[0]).is_dir() or hub_ref(source, RepoKind.DATASET)):
-        raise ValueError(f"--data {source!r} is neither synthetic:NAME nor a file nor a dataset folder (DIR[:SPLIT]) "
-                         "nor a Hugging Face Hub dataset id (ORG/NAME[@REVISION][:SPLIT])")
-    if path.is_file() and _is_lengths_file(path):
-        return _lengths_file(path)
+    if is_lengths_file(source):
+        return _lengths_file(Path(source))
     return _record_lengths(source, sample_size=sample_size, seed=seed, tokenizer=tokenizer)
 
 
-def _is_lengths_file(path: Path) -> bool:
+def is_lengths_file(source: str) -> bool:
+    """Whether ``--data source`` is a file of lengths: a file whose first non-blank line is a number."""
+    path = Path(source)
+    if not path.is_file():
+        return False
     with path.open("rb") as lines:
         for line in lines:
             if line.strip():
@@ -98,8 +103,8 @@ def _record_lengths(source: str, *, sample_size: int, seed: int, tokenizer: str 
 
 def read_model(name_or_dir: str) -> ModelShape:
     """A built-in model by name, or a checkpoint's shape as the trainer reads its config: a local folder, or a
-    Hugging Face Hub id (``ORG/NAME[@REVISION]``)."""
-    if Path(name_or_dir).is_dir() or hub_ref(name_or_dir, RepoKind.MODEL) is not None:
+    Hugging Face Hub id (``ORG/NAME[@REVISION]``, whose config.json alone is fetched)."""
+    if Path(name_or_dir).is_dir() or hub_ref(name_or_dir, RepoKind.MODEL_CONFIG) is not None:
         try:
             from trainer_client.model import model_shape
         except ImportError as error:

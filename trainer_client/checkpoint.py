@@ -133,7 +133,8 @@ def prune_checkpoints(directory: Path, *, keep_last: int, newest: Path) -> list[
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """The checkpoint ``path`` names: the latest one of a ``--checkpoint-dir``, or a ``step-<n>`` folder itself."""
+    """The checkpoint ``path`` names: the newest complete one of a ``--checkpoint-dir``, or a ``step-<n>`` folder
+    itself."""
     checkpoint = latest_checkpoint(path) or path
     try:
         dcp.FileSystemReader(checkpoint).read_metadata()

@@ -6,11 +6,12 @@ which the command line and the config file both come.
   or model is built. A closed set of values is a ``StrEnum`` field: a string given for it is converted, or refused
   with the values it takes.
 - **Flags** (``add_flags``): one per field, ``--field-name`` unless the field's ``Flag`` spells it otherwise
-  (``plan_timeout_s`` is ``--plan-timeout``, ``shuffle`` is turned off by ``--no-shuffle``); its help is the
-  field's description, with the default shown once; a tuple is comma-separated; an enum offers its values.
-- **Config file** (``--config run.yaml``, or ``.toml`` / ``.json``): a mapping of field names to values. A flag
-  given on the command line overrides the file's key (and, for ``--steps``/``--epochs``, the file's choice of
-  the other).
+  (``plan_timeout_s`` is ``--plan-timeout``); its help is the field's description, with the default shown once; a
+  bool has both forms (``--resume``/``--no-resume``, ``--shuffle``/``--no-shuffle``), so a flag can turn a file's
+  value either way; a tuple is comma-separated; an enum offers its values.
+- **Config file** (``--config run.yaml``, or ``.toml`` / ``.json``): a mapping of field names to values, each key
+  once. A flag given on the command line overrides the file's key (and, for ``--steps``/``--epochs``, the file's
+  choice of the other).
 
 Errors are ``ConfigError`` (a ``ValueError``), one line naming each wrong value where it was given: by its flag
 (``--lora-rank must be positive, got 0``), or by its key in the file (``run.yaml: lora_rank: must be positive,
@@ -18,7 +19,7 @@ got 0``); an unknown key is named with the closest known one. A rule across fiel
 the file gave them.
 
 The flags are generated here, from each field's type, description and ``Flag``, rather than by pydantic-settings'
-CLI: that keeps every flag's spelling and meaning (``--no-shuffle``, ``--plan-timeout`` for ``plan_timeout_s``,
+CLI: that keeps every flag's spelling and meaning (``--plan-timeout`` for ``plan_timeout_s``,
 comma-separated lists, the ``--steps``/``--epochs`` exclusion, argument groups), keeps ``train.build_parser`` a
 plain argparse parser for the docs, and adds no dependency to the trainer (GPU machines often lack
 pydantic-settings).
@@ -96,7 +97,6 @@ class Flag:
     group."""
 
     name: str | None = None  # the flag's spelling: --plan-timeout for plan_timeout_s
-    negated: bool = False  # a bool field the flag turns off (--no-shuffle), not on
     group: str | None = None  # one of GROUPS
     exclusive: str | None = None  # fields sharing this name are given at most one at a time (--steps, --epochs)
     metavar: str | None = None
@@ -201,9 +201,9 @@ class TrainConfig(BaseModel):
     epochs: Annotated[int, Positive, Flag(exclusive="length")] | None = Field(
         None, description="train every record this many times (records, not synthetic data): the steps are "
                           "epochs × records / --global-batch, rounded up")
-    shuffle: Annotated[bool, Flag(name="--no-shuffle", negated=True)] = Field(
-        True, description="train records in file order; by default each epoch is a permutation seeded by --seed "
-                          "and the epoch, the same on every rank and kept across --resume")
+    shuffle: bool = Field(True, description="train each epoch's records in a permutation seeded by --seed and the "
+                                            "epoch, the same on every rank and kept across --resume (the default); "
+                                            "--no-shuffle: in file order")
     scheduler: Annotated[SchedulerName, _one_of(SchedulerName)] = Field(
         SchedulerName.SKRULL, description="the planner of each global batch")
     scheduler_url: Annotated[str, AfterValidator(_http_url)] | None = Field(
@@ -225,7 +225,8 @@ class TrainConfig(BaseModel):
                     "warmup_stable_decay decays over the last fifth of the steps after warmup")
     warmup_steps: Annotated[int, NonNegative] = Field(0, description="steps of linear warmup at the start")
     min_lr_ratio: Annotated[float, AfterValidator(_fraction)] = Field(
-        0.1, description="warmup_cosine, cosine_with_min_lr and warmup_stable_decay end at lr × this")
+        0.1, description="warmup_cosine, cosine_with_min_lr and warmup_stable_decay end at lr × this; refused with "
+                         "the other schedules, which do not read it")
     max_grad_norm: Annotated[float, NonNegative] = Field(1.0, description="clip the global gradient norm; 0: off "
                                                                           "(the norm is still reported)")
     sharding: Annotated[Sharding, _one_of(Sharding)] = Field(
@@ -249,9 +250,9 @@ class TrainConfig(BaseModel):
     async_checkpoint: bool = Field(False, description="write checkpoints in the background (dcp.async_save): a step "
                                                       "waits only for the state to be copied to CPU memory, a save "
                                                       "for the one before it")
-    resume: bool = Field(False, description="continue from the latest checkpoint in --checkpoint-dir when there is "
-                                            "one; it must have been written with the same --model, --dp × --cp, "
-                                            "--global-batch and --data (another schedule is accepted)")
+    resume: bool = Field(False, description="continue from the newest complete checkpoint in --checkpoint-dir when "
+                                            "there is one; it must have been written with the same --model, --dp × "
+                                            "--cp, --global-batch and --data (another schedule is accepted)")
     resume_accept_data_change: bool = Field(
         False, description="with --resume: accept a checkpoint trained on other --data (another source, or the "
                            "same one changed) and continue from its saved data position")
@@ -284,24 +285,24 @@ class TrainConfig(BaseModel):
                         "(pip install 'skrull[wandb]'); W&B reads WANDB_PROJECT and WANDB_MODE, MLflow "
                         "MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME")
     logging_dir: Annotated[Path, Flag(group="reporting")] | None = Field(
-        None, description="the run's folder for TensorBoard's events and W&B's files; absent: runs/JOB_ID, JOB_ID "
-                          "the --job-id or a random one")
+        None, description="the run's folder for TensorBoard's events and W&B's files (MLflow writes to its "
+                          "tracking URI); absent: runs/JOB_ID, JOB_ID the --job-id or a random one")
     collective_timeout_s: Annotated[float, Positive, Flag(name="--collective-timeout")] = Field(
         DEFAULT_COLLECTIVE_TIMEOUT_S, description="seconds any collective of any process group may wait for a peer")
     max_length: Annotated[int, Positive] | None = Field(
         None, description="longest record accepted (default: bucket_size × cp)")
     truncate: bool = Field(False, description="cut records longer than --max-length")
     metrics_out: Path | None = Field(None, description="write one JSON line of metrics per step here")
-    plan_timeout_s: Annotated[float, Flag(name="--plan-timeout")] = Field(
+    plan_timeout_s: Annotated[float, Positive, Flag(name="--plan-timeout")] = Field(
         DEFAULT_PLAN_TIMEOUT_S, description="seconds per POST /plan attempt")
-    plan_attempts: int = Field(DEFAULT_PLAN_ATTEMPTS, description="POST /plan attempts before falling back")
+    plan_attempts: Annotated[int, Positive] = Field(DEFAULT_PLAN_ATTEMPTS,
+                                                    description="POST /plan attempts before falling back")
     attention_backend: Annotated[AttentionBackend, _one_of(AttentionBackend)] = Field(
         AttentionBackend.AUTO, description="the attention kernel; auto: on CUDA in bf16 or fp16, flash-attn where "
                                            "installed, else torch's varlen attention; SDPA otherwise")
     dtype: Annotated[str, AfterValidator(_dtype), Flag(choices=DTYPES)] | None = Field(
         None, description="default: float32 on CPU, bfloat16 on CUDA")
-    progress: Annotated[bool, Flag(name="--no-progress", negated=True)] = Field(
-        True, description="no progress bar")
+    progress: bool = Field(True, description="a progress bar on rank 0 (the default); --no-progress: none")
     feedback: bool = Field(False, description="report measured micro-batch times (and peak memory on CUDA) to the "
                                               "service, which refits this job's profile (POST /feedback; needs "
                                               "--scheduler-url)")
@@ -339,11 +340,18 @@ class TrainConfig(BaseModel):
             check_installed(tracker)  # on every rank, before any process group: all stop with the same error
         if self.logging_dir is not None and not self.report_to:
             raise ValueError("--logging-dir goes with --report-to")
+        if self.logging_dir is not None and not {Tracker.TENSORBOARD, Tracker.WANDB} & set(self.report_to):
+            raise ValueError("--logging-dir is TensorBoard's and W&B's folder, and --report-to mlflow has neither: "
+                             "MLflow writes to its tracking URI (MLFLOW_TRACKING_URI), so leave --logging-dir out")
         if self.epochs is not None and "steps" in self.model_fields_set:
             raise ValueError("--steps and --epochs exclude each other: give one")
         if self.epochs is not None and self.data.startswith(SYNTHETIC_PREFIX):
             raise ValueError(f"--epochs needs records (a data file, a dataset folder or a Hub data set); --data "
                              f"{self.data} has no end: give --steps")
+        if "min_lr_ratio" in self.model_fields_set and not self.lr_scheduler.reads_min_lr_ratio:
+            readers = [str(name) for name in LRSchedulerName if name.reads_min_lr_ratio]
+            raise ValueError(f"--lr-scheduler {self.lr_scheduler} does not read --min-lr-ratio (only "
+                             f"{', '.join(readers)} do): leave it out, or choose one of those")
         if self.compile:
             check_compile_layout(self.activation_checkpointing)
         if (self.checkpoint_every or self.resume) and self.checkpoint_dir is None:
@@ -457,7 +465,7 @@ def _flag_of(name: str, annotation: Any, metadata: list[Any]) -> Flag:
             found += [item for item in member.__metadata__ if isinstance(item, Flag)]
     flag = found[0] if found else Flag()
     spelled = flag.name or "--" + name.replace("_", "-")
-    return Flag(name=spelled, negated=flag.negated, group=flag.group, exclusive=flag.exclusive,
+    return Flag(name=spelled, group=flag.group, exclusive=flag.exclusive,
                 metavar=flag.metavar or spelled.removeprefix("--").replace("-", "_").upper(), choices=flag.choices)
 
 
@@ -506,18 +514,17 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             if flag.exclusive not in exclusive:
                 exclusive[flag.exclusive] = container.add_mutually_exclusive_group()
             container = exclusive[flag.exclusive]
-        help_text = info.description or ""
-        if not (info.is_required() or info.default is None or info.default is False or info.default == ()
-                or flag.negated or "default" in help_text):
-            help_text += f" (default: {_shown(info.default)})"
-        if flag.negated:
-            help_text += f" [config key {name}: false]"
-        elif flag.name != "--" + name.replace("_", "-"):
-            help_text += f" [config key {name}]"
         kind = _value_type(info.annotation)
+        help_text = info.description or ""
+        # A bool's description says what its default does: "(default: False)" would not say which form it is.
+        if not (info.is_required() or info.default is None or kind is bool or info.default == ()
+                or "default" in help_text):
+            help_text += f" (default: {_shown(info.default)})"
+        if flag.name != "--" + name.replace("_", "-"):
+            help_text += f" [config key {name}]"
         common: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
-        if kind is bool:
-            container.add_argument(flag.name, action="store_const", const=not flag.negated, **common)
+        if kind is bool:  # --resume and --no-resume: either overrides the file's key
+            container.add_argument(flag.name, action=argparse.BooleanOptionalAction, **common)
         elif get_origin(kind) is tuple:
             container.add_argument(flag.name, type=_comma_separated, metavar=flag.metavar, **common)
         elif isinstance(kind, type) and issubclass(kind, StrEnum):
@@ -532,8 +539,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def read_config_file(path: Path) -> dict[str, object]:
     """The settings ``path`` holds: a mapping of ``TrainConfig`` field names to values, in YAML (``.yaml``,
-    ``.yml``), TOML or JSON by its suffix; an empty file holds none. A file that cannot be read or parsed is a
-    ``ValueError`` naming it (and the line, where the parser says)."""
+    ``.yml``), TOML or JSON by its suffix; an empty file holds none. A file that cannot be read or parsed, or that
+    gives a key twice (YAML and JSON parsers would keep the last silently), is a ``ValueError`` naming it (and the
+    line, where the parser says)."""
     if path.suffix.lower() not in CONFIG_SUFFIXES:
         raise ValueError(f"--config {path}: a config file is YAML, TOML or JSON, named {', '.join(CONFIG_SUFFIXES)}")
     try:
@@ -548,30 +556,74 @@ def read_config_file(path: Path) -> dict[str, object]:
     return {str(key): value for key, value in values.items()}
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object gave a key twice."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object that gives each key once."""
+    seen: dict[str, object] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+_TOML_LINE = re.compile(r"\(at line (\d+), column \d+\)$")
+
+
 def _parse(path: Path, text: str) -> object:
     suffix = path.suffix.lower()
     if suffix == ".json":
         try:
-            return json.loads(text)
+            return json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{error.lineno}:{error.colno}: {error.msg}") from None
+        except _DuplicateKey as error:
+            raise ValueError(f"{path}: {error}") from None
     if suffix == ".toml":
         try:
-            return tomllib.loads(text)
+            return tomllib.loads(text)  # refuses a key given twice: "Cannot overwrite a value"
         except tomllib.TOMLDecodeError as error:
-            raise ValueError(f"{path}: {error}") from None
+            # tomllib names the line of a key given twice ("Cannot overwrite a value"), not the key: its text does
+            found = _TOML_LINE.search(str(error))
+            lines = text.splitlines()
+            line = lines[int(found[1]) - 1].strip() if found and int(found[1]) <= len(lines) else ""
+            raise ValueError(f"{path}: {error}" + (f": {line}" if line else "")) from None
     try:
         import yaml  # only a YAML config needs PyYAML
     except ImportError:
         raise ValueError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or give the settings as "
                          ".toml or .json") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_unique_key_loader())  # a SafeLoader
     except yaml.MarkedYAMLError as error:
         where = f":{error.problem_mark.line + 1}:{error.problem_mark.column + 1}" if error.problem_mark else ""
         raise ValueError(f"{path}{where}: {error.problem or error.context}") from None
     except yaml.YAMLError as error:
         raise ValueError(f"{path}: {error}") from None
+
+
+def _unique_key_loader() -> type:
+    """PyYAML's ``SafeLoader``, refusing a mapping that gives a key twice (``SafeLoader`` keeps the last). A key a
+    merge (``<<: *base``) brings in may be given again: that is what a merge is for."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen = set()
+            for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():  # else SafeLoader refuses it
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                    key = self.construct_object(key_node, deep=deep)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
+                                                                key_node.start_mark)
+                    seen.add(key)
+            mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+            return mapping
+
+    return UniqueKeyLoader
 
 
 def load_config(flags: Mapping[str, object], *, config_file: Path | None = None) -> TrainConfig:

@@ -14,9 +14,13 @@ Sources, chosen by ``--data``:
     suffix), read by ``JsonlRecords``;
   - a parquet, CSV or ``.json`` file that holds a JSON array;
   - a dataset folder: ``Dataset.save_to_disk``'s, or data files laid out as on
-    the Hub (``DIR:SPLIT`` picks a split, ``train`` by default);
+    the Hub (``DIR:SPLIT`` picks a split; without one, ``train``, and a
+    ``save_to_disk`` folder of a single ``Dataset`` has no splits);
   - a Hugging Face Hub data set, ``ORG/NAME[@REVISION][:SPLIT]``: its snapshot
     in the Hugging Face cache (``hub.py``), read as a folder.
+
+  A name with a data file's suffix that is not a file is missing, never a Hub
+  id (``hub.hub_ref`` decides what is one).
 
   Global batch ``s`` is the next ``B`` records of the current epoch's order,
   carried on into the next epoch at the end: file order, or with ``shuffle`` a
@@ -82,7 +86,7 @@ import numpy as np
 import numpy.typing as npt
 
 from scheduler_service.core.samplers import DATASETS, sample_lengths
-from trainer_client.hub import HubError, HubSnapshot, RepoKind, fetch, hub_ref
+from trainer_client.hub import HubError, HubSnapshot, RepoKind, fetch, hub_ref, is_data_file_name
 
 __all__ = [
     "IGNORE_INDEX",
@@ -105,7 +109,6 @@ __all__ = [
 IGNORE_INDEX = -100
 SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_SPLIT = "train"  # of a dataset folder or a Hub data set given without :SPLIT
-_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _TAIL_BLOCK_BYTES = 1 << 16  # a JSONL file's last record is looked for this many bytes at a time, from the end
 _DIGEST_BYTES = 1 << 16  # a parquet, CSV or JSON file's identity digests this many bytes at each end
 _SNIFF_BYTES = 1 << 12  # where a .json file's first character is looked for
@@ -444,13 +447,16 @@ class DatasetRecords:
 
     @classmethod
     def from_saved(cls, path: Path, split: str | None = None) -> DatasetRecords:
-        """A ``save_to_disk`` folder: of a ``Dataset``, or of a ``DatasetDict``, whose ``split`` it reads."""
+        """A ``save_to_disk`` folder: of a ``Dataset``, or of a ``DatasetDict``, whose ``split`` it reads
+        (``train`` when none is given and it has one)."""
         datasets = _datasets_package()
         loaded = _loading(str(path), lambda: datasets.load_from_disk(str(path)))
         name, source = str(path), str(path.resolve())
         if isinstance(loaded, datasets.DatasetDict):
+            if split is None and DEFAULT_SPLIT in loaded:
+                split = DEFAULT_SPLIT
             if split is None or split not in loaded:
-                asked = "give one" if split is None else f"it has no split {split!r}"
+                asked = f"none is {DEFAULT_SPLIT}, so give one" if split is None else f"it has no split {split!r}"
                 raise ValueError(f"{path} holds the splits {', '.join(loaded)}; {asked}: {path}:SPLIT")
             loaded, name, source = loaded[split], f"{path}:{split}", f"{source}:{split}"
         elif split is not None:
@@ -591,8 +597,8 @@ DataSource = SyntheticSource | RecordSource
 
 def open_records(spec: str) -> RecordReader:
     """The records of a data file, a dataset folder (``DIR:SPLIT`` for a split) or a Hub data set
-    (``ORG/NAME[@REVISION][:SPLIT]``, ``hub.py``); a ``ValueError`` says what ``spec`` is not, or why it cannot be
-    read. The caller names the flag."""
+    (``ORG/NAME[@REVISION][:SPLIT]``, ``hub.py``); a ``ValueError`` says what ``spec`` is not (a missing file, if it
+    has a data file's suffix), or why it cannot be read. The caller names the flag."""
     path = Path(spec)
     if path.is_file():
         return _file_records(path)
@@ -601,12 +607,15 @@ def open_records(spec: str) -> RecordReader:
     folder, _, split = spec.partition(":")
     if split and Path(folder).is_dir():
         return _folder_records(Path(folder), split=split)
-    # A name with a data file's suffix is a missing file (``data/train.jsonl`` mistyped), never a Hub id.
-    ref = hub_ref(spec, RepoKind.DATASET) if path.suffix.lower() not in _FILE_SUFFIXES else None
-    if ref is None:
-        raise ValueError(f"{spec!r} is neither a JSONL file, nor a parquet, CSV or JSON file, nor a dataset folder "
-                         "(DIR[:SPLIT]), nor a Hugging Face Hub dataset id (ORG/NAME[@REVISION][:SPLIT])")
-    return DatasetRecords.from_hub(fetch(ref), ref.split)
+    ref = hub_ref(spec, RepoKind.DATASET)
+    if ref is not None:
+        return DatasetRecords.from_hub(fetch(ref), ref.split)
+    if is_data_file_name(spec):  # data/train.jsonl mistyped: never a Hub id (hub_ref)
+        where = "" if path.is_absolute() else f" in {Path.cwd()}"
+        raise ValueError(f"no such file: {spec!r}{where} (a name with a data file's suffix is a file, never a Hugging "
+                         "Face Hub id)")
+    raise ValueError(f"{spec!r} is neither a JSONL file, nor a parquet, CSV or JSON file, nor a dataset folder "
+                     "(DIR[:SPLIT]), nor a Hugging Face Hub dataset id (ORG/NAME[@REVISION][:SPLIT])")
 
 
 def _file_records(path: Path) -> RecordReader:

@@ -115,7 +115,7 @@ def export_model(
 
 def checkpoint_model(checkpoint: Path, model: str | None) -> str:
     """The ``--model`` that trained ``checkpoint``: ``model`` checked against its ``run.json``, else the catalogue
-    model the record names (one trained from a local folder records only a digest of its config)."""
+    model the record names (one trained from a local folder or a Hub id records only a digest of its config)."""
     saved = saved_run_identity(checkpoint)
     if model is None:
         if saved is None:
@@ -134,7 +134,7 @@ def export_checkpoint(
     checkpoint_dir: Path, output_dir: Path, *, model: str | None = None, tokenizer: str | None = None,
     lora_export: LoraExport = LoraExport.MERGED,
 ) -> Path:
-    """Write the model of ``checkpoint_dir`` (a ``--checkpoint-dir``, meaning its latest checkpoint, or a
+    """Write the model of ``checkpoint_dir`` (a ``--checkpoint-dir``, meaning its newest complete checkpoint, or a
     ``step-<n>`` folder) into ``output_dir``, in this one process; returns the checkpoint exported. A LoRA run's
     checkpoint (its ``run.json`` records the adapters) is exported as ``lora_export`` says."""
     checkpoint = resolve_checkpoint(checkpoint_dir)
@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("checkpoint_dir", metavar="CKPT_DIR", type=Path,
-                        help="a --checkpoint-dir of the trainer (its latest checkpoint) or one of its step-N folders")
+                        help="a --checkpoint-dir of the trainer (its newest complete checkpoint) or one of its step-N "
+                             "folders")
     parser.add_argument("output_dir", metavar="OUT_DIR", type=Path,
                         help="the folder to write (safetensors weights, config, generation config, tokenizer); "
                              "its parent must exist")

@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 from trainer_client.distributed import ParallelContext
 from trainer_client.lora import LoraSettings, apply_lora
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS, CausalLMLoss
-from trainer_client.model import build_empty_model, build_model, checkpoint_dir
+from trainer_client.model import build_empty_model, build_model, model_folder
 from trainer_client.parallelize import ActivationCheckpointing, Sharding, parallelize
 
 __all__ = ["CheckpointMismatch", "ModelLayout", "build_training_module", "check_checkpoint", "checkpoint_shapes"]
@@ -112,7 +112,7 @@ def _reference_on_rank_0(model: str, empty: PreTrainedModel, *, parallel: Parall
     verdict: list[tuple[bool, str] | None] = [None]  # (a user error, the message), or None: built
     if parallel.is_main:
         try:
-            directory = checkpoint_dir(model)
+            directory = model_folder(model)
             if directory is not None:
                 check_checkpoint(directory, empty)
             reference = build_model(model, seed=seed)

@@ -5,7 +5,9 @@
 demo, up to Qwen2.5-14B) or loads a Hugging Face checkpoint (config +
 safetensors): a local folder, or a Hub id (``ORG/NAME[@REVISION]``) whose
 snapshot ``hub.py`` finds in the Hugging Face cache, or downloads into it
-(``checkpoint_dir``). Catalogue shapes become a ``Qwen2ForCausalLM``
+(``model_folder``). The planner's view of a model (``model_shape``) and its
+config need only its ``config.json``, so a Hub id's weights are not downloaded
+for them. Catalogue shapes become a ``Qwen2ForCausalLM``
 (Qwen2 hard-wires Q/K/V biases); a shape without attention bias becomes a
 ``LlamaForCausalLM``, the same architecture minus the biases.
 
@@ -45,7 +47,7 @@ from trainer_client.dacp.attention import AttentionBackend, dacp_attn_varlen_fun
 from trainer_client.dacp.packing import DacpMetadata, PackedMicroBatch
 from trainer_client.hub import HubError, RepoKind, fetch, hub_ref
 
-__all__ = ["DACP_ATTENTION", "build_empty_model", "build_model", "checkpoint_dir", "model_config", "model_inputs",
+__all__ = ["DACP_ATTENTION", "build_empty_model", "build_model", "model_config", "model_folder", "model_inputs",
            "model_shape", "register_dacp_attention"]
 
 DACP_ATTENTION = "dacp"
@@ -134,12 +136,13 @@ def _config_from_shape(shape: ModelShape) -> PretrainedConfig:
     return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
 
 
-def checkpoint_dir(model: str) -> Path | None:
-    """``model``'s Hugging Face checkpoint folder: a local folder, or a Hub id's snapshot in the Hugging Face cache
-    (fetched once per process, ``hub.py``); None for a catalogue name."""
+def model_folder(model: str, *, weights: bool = True) -> Path | None:
+    """``model``'s Hugging Face folder: a local folder, or a Hub id's snapshot in the Hugging Face cache (fetched
+    once per process, ``hub.py``), with its weights, or without ``weights`` its ``config.json`` alone (enough for
+    its config, shape and identity); None for a catalogue name."""
     path = Path(model)
     if not path.is_dir():
-        ref = hub_ref(model, RepoKind.MODEL)
+        ref = hub_ref(model, RepoKind.MODEL if weights else RepoKind.MODEL_CONFIG)
         if ref is None:
             return None
         try:
@@ -153,7 +156,7 @@ def checkpoint_dir(model: str) -> Path | None:
 
 def model_config(model: str) -> PretrainedConfig:
     """The transformers config of a catalogue shape or of a checkpoint (its config.json alone)."""
-    path = checkpoint_dir(model)
+    path = model_folder(model, weights=False)
     if path is not None:
         config: PretrainedConfig = AutoConfig.from_pretrained(path, local_files_only=True)
         return config
@@ -177,7 +180,7 @@ def build_model(
     """
     register_dacp_attention()
     torch.manual_seed(seed)  # what draws next (LoRA's adapters) is seeded too
-    path = checkpoint_dir(model)
+    path = model_folder(model)
     if path is not None:
         loaded: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
             path, attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
@@ -216,8 +219,8 @@ def _to(model: PreTrainedModel, device: torch.device) -> PreTrainedModel:
 
 def model_shape(model: str) -> ModelShape:
     """The planner's view of ``model``: a catalogue entry, or the shape read from a checkpoint's config (named by
-    its folder, or by its Hub id)."""
-    path = checkpoint_dir(model)
+    its folder, or by its Hub id; a Hub id's config.json alone is fetched)."""
+    path = model_folder(model, weights=False)
     if path is None:
         return _catalogue_shape(model)
     config = model_config(model)

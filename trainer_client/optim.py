@@ -14,8 +14,9 @@ Schedules (``--lr-scheduler``, ``LRSchedulerName``): each multiplies ``--lr`` by
   then a cosine towards ``m`` over the last ``D = max(1, ⌈(T − W) / 5⌉)`` steps, ``wsd_decay_steps``: a cooldown
   of a fifth of the steps after warmup matches a cosine schedule's final loss, Hägele et al. 2024,
   arXiv:2405.18392). transformers' decays reach their end (0 or ``m``) at step ``T``, one past the last.
-  ``--min-lr-ratio`` is ``m`` of ``warmup_cosine``, ``cosine_with_min_lr`` and ``warmup_stable_decay``; the others
-  do not read it.
+  ``--min-lr-ratio`` is ``m`` of ``warmup_cosine``, ``cosine_with_min_lr`` and ``warmup_stable_decay``
+  (``LRSchedulerName.reads_min_lr_ratio``); the others do not read it, and ``TrainConfig`` refuses it given with
+  one of them.
 
 No schedule of transformers reproduces the default, so it stays this module's (``warmup_cosine_factor``).
 ``cosine_with_min_lr`` differs in both phases: its warmup gives step ``s`` the factor ``s / W``, a step behind
@@ -58,6 +59,13 @@ class LRSchedulerName(StrEnum):
     COSINE_WITH_MIN_LR = "cosine_with_min_lr"
     CONSTANT_WITH_WARMUP = "constant_with_warmup"
     WARMUP_STABLE_DECAY = "warmup_stable_decay"
+
+    @property
+    def reads_min_lr_ratio(self) -> bool:
+        """Whether ``--min-lr-ratio`` is this schedule's ``m``; ``linear`` and ``cosine`` end at 0 and
+        ``constant_with_warmup`` holds ``lr``, whatever it is."""
+        return self in (LRSchedulerName.WARMUP_COSINE, LRSchedulerName.COSINE_WITH_MIN_LR,
+                        LRSchedulerName.WARMUP_STABLE_DECAY)
 
 
 def warmup_cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

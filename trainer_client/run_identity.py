@@ -29,7 +29,7 @@ from pathlib import Path
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource
 from trainer_client.lora import LoraSettings
-from trainer_client.model import checkpoint_dir
+from trainer_client.model import model_folder
 from trainer_client.optim import LRSchedulerName
 
 __all__ = ["Change", "Difference", "ResumeMismatch", "RunIdentity", "check_resume", "differences", "model_identity"]
@@ -82,8 +82,9 @@ class RunIdentity:
 def model_identity(model: str) -> str:
     """A catalogue name in lower case (``build_model`` ignores case), a checkpoint (a local folder or a Hub id's
     snapshot) by a digest of its ``config.json`` wherever it lies; the keys that say where and with which
-    transformers it was saved are left out, since they do not change the model."""
-    directory = checkpoint_dir(model)
+    transformers it was saved are left out, since they do not change the model. A Hub id's config.json alone is
+    fetched."""
+    directory = model_folder(model, weights=False)
     if directory is None:
         return model.lower()
     config = json.loads((directory / "config.json").read_text())

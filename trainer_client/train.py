@@ -17,10 +17,13 @@ the supported range, bad flags, world size ≠ dp × cp, a record too long, a ba
 of a checkpoint another run wrote). Any other failure of a rank is recorded for
 torchrun (``@record``): the agent stops the other ranks at once and names the
 failing rank and its traceback; with
-``--max-restarts N --resume`` the job restarts from the latest checkpoint. The
+``--max-restarts N --resume`` the job restarts from the newest complete checkpoint. The
 first rank to fail reports its reason (``distributed.report_failure``), and every
 other rank stops with ``PeerFailed`` naming that rank and reason rather than with
-the broken collective it was left in.
+the broken collective it was left in. torchrun stops the ranks still running with
+SIGTERM, which ``main`` turns into ``SystemExit`` (exit status 128 + 15): the
+trainer is closed as on any other failure, so the trackers record the run as
+failed instead of leaving it running.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -40,7 +46,7 @@ from trainer_client.distributed import PeerFailed, init_parallel, report_failure
 from trainer_client.torch_compat import check_torch_version
 from trainer_client.trainer import Trainer
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "sigterm_exits"]
 
 EXIT_USER_ERROR = 2
 # Before there is a process group, rank 0 reports a user error; the others wait this long for it (torchrun stops every
@@ -55,8 +61,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """Within: SIGTERM raises ``SystemExit(128 + SIGTERM)`` in the main thread, so that ``finally`` blocks run
+    (Python's default action ends the process at once); after it, the previous handler again."""
+
+    def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    with sigterm_exits():  # torchrun stops a rank with SIGTERM: the trainer and its trackers close as on a failure
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     is_main = int(os.environ.get("RANK", "0")) == 0
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

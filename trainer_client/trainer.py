@@ -68,6 +68,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Protocol
 
@@ -108,7 +109,7 @@ from trainer_client.hub import fetch_on_rank_0_first
 from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.loop import SkrullBatches
 from trainer_client.loss import micro_batch_loss, run_micro_batch
-from trainer_client.model import checkpoint_dir, model_shape
+from trainer_client.model import model_folder, model_shape
 from trainer_client.optim import clip_gradients, lr_schedule
 from trainer_client.parallelize import (
     check_compile,
@@ -141,6 +142,13 @@ class InjectedFault(RuntimeError):
 
 class Trainer:
     def __init__(self, config: TrainConfig, parallel: ParallelContext) -> None:
+        """Build the run; what it opens (the checkpointer, the planner, rank 0's reports) ``close`` closes, and a
+        failure here closes what was opened before it."""
+        with ExitStack() as opened:
+            self._build(config, parallel, opened)
+            self._resources = opened.pop_all()
+
+    def _build(self, config: TrainConfig, parallel: ParallelContext, opened: ExitStack) -> None:
         self.config = config
         self.parallel = parallel
         self.device = parallel.device
@@ -191,6 +199,8 @@ class Trainer:
         self.checkpointer = (Checkpointer(config.checkpoint_dir, keep_last=config.keep_last,
                                           async_save=config.async_checkpoint, timeout=parallel.collective_timeout)
                              if config.checkpoint_dir is not None else None)
+        if self.checkpointer is not None:
+            opened.callback(self.checkpointer.close)
         if config.resume:
             assert config.checkpoint_dir is not None
             self._resume(config.checkpoint_dir)
@@ -200,13 +210,14 @@ class Trainer:
         job_id = config.job_id or uuid.uuid4().hex  # rank 0's names the service's feedback job and the reported run
         # Plans, packing, plan prefetch and feedback: the loop API a training loop of one's own uses (loop.py).
         self.batches = SkrullBatches(
-            parallel, model=shape if checkpoint_dir(config.model) is not None else config.model,
+            parallel, model=shape if model_folder(config.model) is not None else config.model,
             bucket_size=self.bucket_size,
             scheduler=config.scheduler, scheduler_url=config.scheduler_url or None, profile=self.profile,
             sharding=self.sharding, pad_token_id=self.pad_token_id, plan_timeout_s=config.plan_timeout_s,
             plan_attempts=config.plan_attempts,
             job_id=job_id if config.feedback and parallel.is_main else None,
         )
+        opened.callback(self.batches.close)
         # On CUDA the timing waits for the device, so only a run that reports it pays for the waits.
         self.timer = MicroBatchTimer(self.device, dp_rank=parallel.dp_rank,
                                      enabled=self.device.type != "cuda" or config.feedback)
@@ -215,6 +226,7 @@ class Trainer:
         self._trained = False  # train() ran to its end: the trackers record the run as finished, else failed
         self.reports = (open_reports(config, job_id=job_id, first_step=self.first_step) if parallel.is_main
                         else Reports())
+        opened.callback(lambda: self.reports.close(failed=not self._trained))
 
     def _profile(self, choice: str | None) -> str | Profile | None:
         """``auto``: measured here (every rank, or read from the cache); a file is read here: the embedded planner
@@ -436,8 +448,8 @@ class Trainer:
         return history
 
     def close(self) -> None:
-        self.batches.close()
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-        self.reports.close(failed=not self._trained)
+        """Close what the trainer opened, newest first and each once, also when closing one raises (its error is
+        raised once the others are closed): the reports, which record the run as failed unless ``train`` ran to
+        its end, the planner, the checkpointer."""
+        self._resources.close()
 

@@ -60,11 +60,13 @@ _SHELL_VARIABLE = re.compile(r"\$[A-Z_]+")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainerSources:
-    """How the trainer's ``--data``, ``--model`` and ``--profile`` name what was advised on (a data file, a
-    checkpoint folder, a profile file), as the CLI was given them. None: no ``--data`` (the service has only a
-    sample), and the model and profile by their names, which the trainer finds among the built-in ones."""
+    """How the trainer's ``--data``, ``--tokenizer``, ``--model`` and ``--profile`` name what was advised on (a data
+    file, the tokenizer that measured its ``messages`` or ``text`` records, a checkpoint folder, a profile file), as
+    the CLI was given them. None: no ``--data`` (the service has only a sample), no tokenizer, and the model and
+    profile by their names, which the trainer finds among the built-in ones."""
 
     data: str | None = None
+    tokenizer: str | None = None
     model: str | None = None
     profile: str | None = None
 
@@ -110,9 +112,12 @@ def trainer_settings(advice: Advice, layout: Layout, sources: TrainerSources) ->
     """The trainer's settings for ``layout``, keyed by the field names of its config
     (``trainer_client.config.TrainConfig``): what ``skrull-advise --emit-config`` writes as a config file, and
     ``trainer_argv`` as flags. The trainer's global batch is a number of sequences: a token budget's is the mean
-    drawn per step."""
+    drawn per step. The tokenizer goes with the data: the trainer encodes ``messages`` and ``text`` records with the
+    one the lengths were measured with."""
     problem = advice.problem
     data: dict[str, str | int] = {"data": sources.data} if sources.data is not None else {}
+    if sources.tokenizer is not None:
+        data["tokenizer"] = sources.tokenizer
     global_batch = problem.global_batch.num_sequences or max(round(advice.mean_sequences_per_batch), 1)
     dtype = next(name for name, num_bytes in DTYPE_BYTES.items() if num_bytes == problem.compute_bytes)
     return {"dp": layout.dp_size, "cp": layout.cp_size, "model": sources.model or problem.model.name, **data,
