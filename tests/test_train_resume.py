@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from trainer_client import trainer as trainer_module
 from trainer_client.checkpoint import COMPLETE, RUN_IDENTITY, saved_run_identity
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource, make_source
@@ -216,8 +218,21 @@ def _resume_on_every_rank(config: TrainConfig, out_dir: Path) -> None:
     (out_dir / f"rank{dist.get_rank()}.txt").write_text(outcome)
 
 
-@pytest.mark.slow  # four processes importing torch
-def test_every_rank_refuses_a_checkpoint_of_another_global_batch_before_reading_its_state(tmp_path: Path) -> None:
+def _resume_where_only_rank_0_may_pick(config: TrainConfig, out_dir: Path) -> None:
+    """As ``_resume_on_every_rank``, where a rank other than 0 that looks for the newest checkpoint fails: on a
+    shared file system it could see another one."""
+    if dist.get_rank() != 0:
+        def only_rank_0_picks(directory: Path) -> Path | None:
+            raise AssertionError(f"rank {dist.get_rank()} looked for the newest checkpoint in {directory} itself")
+        trainer_module.latest_checkpoint = only_rank_0_picks  # type: ignore[assignment]
+    _resume_on_every_rank(config, out_dir)
+
+
+@pytest.mark.slow  # four processes
+@pytest.mark.parametrize("ranks_run", [_resume_on_every_rank, _resume_where_only_rank_0_may_pick])
+def test_every_rank_refuses_a_checkpoint_of_another_global_batch_before_reading_its_state(
+    tmp_path: Path, ranks_run: Callable[[TrainConfig, Path], None]
+) -> None:
     data = _write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(1, n + 2))} for n in range(32)])
     checkpoints = tmp_path / "ck"
     config = _config(data, checkpoints)
@@ -227,7 +242,7 @@ def test_every_rank_refuses_a_checkpoint_of_another_global_batch_before_reading_
     saved = dataclasses.replace(RunIdentity.of(config, _source(data, shuffle=config.shuffle)), global_batch=16)
     (step / RUN_IDENTITY).write_text(saved.to_json())
     (step / COMPLETE).touch()
-    spawn_gloo(_resume_on_every_rank, DP * CP, config, tmp_path)
+    spawn_gloo(ranks_run, DP * CP, config, tmp_path)  # every rank gets rank 0's pick and its verdict
     outcomes = {(tmp_path / f"rank{rank}.txt").read_text() for rank in range(DP * CP)}
     assert outcomes == {f"ResumeMismatch: checkpoint {step} was written by another run:\n"
                         f"  --global-batch: saved 16, this run {GLOBAL_BATCH}\n"

@@ -256,11 +256,10 @@ class Trainer:
                              tokenizer=tokenizer)
 
     def _resume(self, directory: Path) -> None:
-        path = latest_checkpoint(directory)
+        path = self._checkpoint_to_resume(directory)
         if path is None:
             logger.info("no checkpoint in %s: training from scratch", directory)
             return
-        self._check_resumable(path)
         state = load_checkpoint(path, module=self.module, optimizer=self.optimizer)
         self.source.seek(state.data_position)
         self.first_step = state.num_steps_done
@@ -269,20 +268,27 @@ class Trainer:
                              "before it")
         logger.info("resumed from %s: %d steps done", path, self.first_step)
 
-    def _check_resumable(self, checkpoint: Path) -> None:
-        """Rank 0 checks that ``checkpoint`` was written by this run and logs what it accepts; every rank receives
-        the verdict and stops on a refusal, all before any DCP state is read."""
-        refusal: list[str | None] = [None]
+    def _checkpoint_to_resume(self, directory: Path) -> Path | None:
+        """Rank 0 picks the newest complete checkpoint of ``directory``, checks that it was written by this run and
+        logs what it accepts; every rank receives the pick and the verdict and stops on a refusal, all before any
+        DCP state is read. One rank picks: on a shared file system another rank could see a marker later, and
+        ranks loading different steps would train on silently mixed states."""
+        choice: list[str | None] = [None, None]  # the checkpoint, the refusal
         if self.parallel.is_main:
-            try:
-                for warning in check_resume(checkpoint, saved_run_identity(checkpoint), self.identity,
-                                            accept_data_change=self.config.resume_accept_data_change):
-                    logger.warning(warning)
-            except (OSError, ValueError) as error:  # refused, or a record rank 0 cannot read: every rank must stop
-                refusal[0] = str(error)
-        dist.broadcast_object_list(refusal, src=0, group=self.parallel.object_group)
-        if refusal[0] is not None:
-            raise ResumeMismatch(refusal[0])
+            path = latest_checkpoint(directory)
+            if path is not None:
+                choice[0] = str(path)
+                try:
+                    for warning in check_resume(path, saved_run_identity(path), self.identity,
+                                                accept_data_change=self.config.resume_accept_data_change):
+                        logger.warning(warning)
+                except (OSError, ValueError) as error:  # refused, or a record rank 0 cannot read: every rank stops
+                    choice[1] = str(error)
+        dist.broadcast_object_list(choice, src=0, group=self.parallel.object_group)
+        checkpoint, refusal = choice
+        if refusal is not None:
+            raise ResumeMismatch(refusal)
+        return None if checkpoint is None else Path(checkpoint)
 
     def save_checkpoint(self, num_steps_done: int, batch: GlobalBatch) -> Path:
         """Every rank calls this after optimizer step ``num_steps_done − 1`` on ``batch``."""
