@@ -15,7 +15,7 @@ from scheduler_service.runtime.cost import baseline_cells, feedback_cells, plan_
 from scheduler_service.runtime.work import plan_request
 
 # Schedulers the estimate bounds by one micro-batch per sequence: their answer may be far smaller than estimated.
-UNPACKED = {SchedulerName.DEEPSPEED, SchedulerName.SKRULL_PAPER, SchedulerName.ROUND_ROBIN}
+UNPACKED = {SchedulerName.DEEPSPEED, SchedulerName.SKRULL_PAPER, SchedulerName.ROUND_ROBIN, SchedulerName.DYNAMIC_CP}
 
 
 def _requests() -> list[PlanRequest]:
@@ -39,7 +39,9 @@ def test_estimate_bounds_the_plan_and_sizes_its_answer(scheduler: SchedulerName)
         problem = request_to_problem(request)
         cost = plan_cost(problem, scheduler)
         body = plan_request(request, PlanLimits()).answer(job_state=None)
-        num_micro_batches = sum(len(dp_rank["micro_batches"]) for dp_rank in json.loads(body)["dp_ranks"])
+        answer = json.loads(body)
+        num_micro_batches = (sum(len(dp_rank["micro_batches"]) for dp_rank in answer["dp_ranks"])
+                             + len(answer.get("spanning", [])))
         assert num_micro_batches <= cost.num_micro_batches
         assert cost.cells >= baseline_cells(problem.num_sequences, problem.cp_size)
         assert len(body) / 3 <= cost.answer_bytes

@@ -201,7 +201,7 @@ def test_an_answer_over_the_size_limit_is_refused_before_planning() -> None:
         pytest.param(json.dumps(plan_body(cp_size=5000)).encode(), 422, "cp_size", id="cp-too-large"),
         pytest.param(json.dumps(plan_body(bucket_size=0)).encode(), 422, "bucket_size", id="bucket-zero"),
         pytest.param(json.dumps(plan_body(time_limit_s=-1.0)).encode(), 422, "time_limit_s", id="negative-time"),
-        pytest.param(json.dumps(plan_body(schema_version=2)).encode(), 422, "schema_version", id="future-version"),
+        pytest.param(json.dumps(plan_body(schema_version=3)).encode(), 422, "schema_version", id="future-version"),
         pytest.param(json.dumps(plan_body(priority="high")).encode(), 422, "priority", id="unknown-field"),
     ],
 )
@@ -243,11 +243,30 @@ def test_absurd_inline_model_is_a_422_not_an_overflow(
     assert any(error.field == field for error in assert_problem(response, 422).errors), response.text
 
 
-def test_rejects_sequence_longer_than_cp_capacity(client: TestClient) -> None:
-    response = client.post("/plan", json=plan_body(sequence_lengths=[100, 200, 90000], bucket_size=20000))
+def test_rejects_sequence_longer_than_the_world_holds(client: TestClient) -> None:
+    response = client.post("/plan", json=plan_body(sequence_lengths=[100, 200, 170000], bucket_size=20000))
+    problem = assert_problem(response, 422, "sequence_lengths[2]")
+    assert problem.limit == 20000 * 4 * 2
+    assert "170000" in problem.detail and "160000" in problem.detail and "world" in problem.detail
+
+
+def test_a_client_of_schema_version_1_is_held_to_one_cp_group(client: TestClient) -> None:
+    response = client.post("/plan", json=plan_body(sequence_lengths=[100, 200, 90000], bucket_size=20000,
+                                                   schema_version=1))
     problem = assert_problem(response, 422, "sequence_lengths[2]")
     assert problem.limit == 20000 * 4
     assert "90000" in problem.detail and "80000" in problem.detail
+
+
+def test_a_sequence_longer_than_one_cp_group_plans_in_a_spanning_micro_batch(client: TestClient) -> None:
+    lengths = [100, 200, 120000, 3000, 700]  # 120000 = 1.5 x one CP group's 4 x 20000
+    response = client.post("/plan", json=plan_body(sequence_lengths=lengths, bucket_size=20000))
+    assert response.status_code == 200, response.text
+    body = PlanResponse.model_validate_json(response.content)
+    assert body.schema_version == 2
+    assert [spanning.dp_ranks for spanning in body.spanning] == [[0, 1]]
+    assert 2 in body.spanning[0].distributed + [i for group in body.spanning[0].sharded for i in group.sequences]
+    check_plan(response_to_plan(body), sequence_lengths=lengths, dp_size=2, cp_size=4, bucket_size=20000)
 
 
 def test_rejects_too_many_sequences_with_the_limit(client: TestClient) -> None:

@@ -11,6 +11,7 @@ from skrull_proto.models import (
     MIN_MEMORY_BYTES,
     MIN_MICRO_BATCH_TIME_MS,
     SCHEMA_VERSION,
+    SPANNING_SCHEMA_VERSION,
     ComputeCoefficients,
     CPRankEstimateModel,
     DPRankPlanModel,
@@ -38,6 +39,8 @@ from skrull_proto.models import (
     ShardedGroupLengths,
     ShardedGroupModel,
     SolverReport,
+    SpanningGroupModel,
+    SpanningMicroBatchModel,
 )
 from skrull_proto.profile import PROFILE_SCHEMA_VERSION, ProfileDocument
 
@@ -49,6 +52,7 @@ __all__ = [
     "MIN_MICRO_BATCH_TIME_MS",
     "PROFILE_SCHEMA_VERSION",
     "SCHEMA_VERSION",
+    "SPANNING_SCHEMA_VERSION",
     "CPRankEstimateModel",
     "ComputeCoefficients",
     "DPRankPlanModel",
@@ -77,4 +81,6 @@ __all__ = [
     "ShardedGroupLengths",
     "ShardedGroupModel",
     "SolverReport",
+    "SpanningGroupModel",
+    "SpanningMicroBatchModel",
 ]

@@ -27,6 +27,7 @@ __all__ = [
     "MIN_MEMORY_BYTES",
     "MIN_MICRO_BATCH_TIME_MS",
     "SCHEMA_VERSION",
+    "SPANNING_SCHEMA_VERSION",
     "CPRankEstimateModel",
     "ComputeCoefficients",
     "DPRankPlanModel",
@@ -54,9 +55,14 @@ __all__ = [
     "ShardedGroupLengths",
     "ShardedGroupModel",
     "SolverReport",
+    "SpanningGroupModel",
+    "SpanningMicroBatchModel",
 ]
 
 SCHEMA_VERSION: Final = 1
+# Plans that may hold spanning micro-batches (blocks over several DP replicas): a request of this version accepts
+# them (the default), a response has it exactly when it holds one.
+SPANNING_SCHEMA_VERSION: Final = 2
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 SequenceIndex = Annotated[StrictInt, Field(ge=0)]
@@ -81,6 +87,7 @@ class SchedulerName(StrEnum):
     ROUND_ROBIN = "round_robin"
     BALANCED = "balanced"
     CPSAT = "cpsat"
+    DYNAMIC_CP = "dynamic_cp"
 
 
 class _Strict(BaseModel):
@@ -123,7 +130,11 @@ class PlanRequest(_Strict):
         },
     )
 
-    schema_version: Literal[1] = Field(default=SCHEMA_VERSION, description="Contract version.")
+    schema_version: Literal[1, 2] = Field(
+        default=SPANNING_SCHEMA_VERSION,
+        description="Contract version. 2 (the default): the plan may hold spanning micro-batches (`spanning`), and a "
+        "sequence may be as long as the world holds, bucket_size x cp_size x dp_size. 1: a client that cannot run "
+        "them; every sequence must fit one CP group (bucket_size x cp_size).")
     sequence_lengths: list[PositiveInt] = Field(
         min_length=1,
         description="Token count of every sequence of the global batch, in dataset order; plans refer to "
@@ -239,8 +250,37 @@ class MicroBatchModel(_OmitsEmpty):
 
 
 class DPRankPlanModel(_Strict):
-    micro_batches: list[MicroBatchModel] = Field(description="Run in order with gradient accumulation.")
-    estimated_time_ms: float = Field(description="Sum of this DP rank's micro-batch estimates.")
+    micro_batches: list[MicroBatchModel] = Field(description="Run in order with gradient accumulation, after the "
+                                                             "spanning micro-batches this DP rank is part of.")
+    estimated_time_ms: float = Field(description="When this DP rank's last micro-batch ends: its spanning "
+                                                 "micro-batches (waits for the other replicas included), then the sum "
+                                                 "of its own micro-batch estimates.")
+
+
+class SpanningGroupModel(_Strict):
+    """Sequences sharded (zigzag) over an aligned block of a spanning micro-batch's world ranks."""
+
+    ranks: list[CPRank] = Field(min_length=2, description="World ranks (dp_rank x cp_size + cp_rank), an aligned "
+                                                          "block of the spanning micro-batch's ranks: size s dividing "
+                                                          "their number, starting s x k ranks after the first.")
+    sequences: list[SequenceIndex] = Field(min_length=1, description="Indices sharded over these ranks.")
+
+
+class SpanningMicroBatchModel(_OmitsEmpty):
+    """One micro-batch over an aligned block of DP replicas, run by each of them as one synchronised step."""
+
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("sharded", "ranks")
+
+    dp_ranks: list[CPRank] = Field(min_length=2, description="The DP replicas of the block: at least two, "
+                                                             "consecutive, starting at a multiple of their number.")
+    local: list[list[SequenceIndex]] = Field(description="One list per world rank of the block, in rank order: "
+                                                         "indices kept whole on that rank.")
+    distributed: list[SequenceIndex] = Field(description="Indices sharded over every rank of the block.")
+    sharded: list[SpanningGroupModel] = Field(default_factory=list, description="Indices sharded over an aligned "
+                                                                                "block of the block's ranks.")
+    estimated_time_ms: float = Field(description="max over the block's ranks of the estimated micro-batch time.")
+    ranks: list[CPRankEstimateModel] = Field(default_factory=list, description="Each world rank's estimate, in "
+                                                                               "rank order; only with `breakdown`.")
 
 
 class SolverReport(_Strict):
@@ -257,14 +297,20 @@ class SolverReport(_Strict):
 class PlanResponse(_OmitsEmpty):
     """The plan of one global batch, with its estimate beside the deepspeed baseline's."""
 
-    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("job_state",)
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("spanning", "job_state")
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = Field(default=SCHEMA_VERSION, description="1: a plan within CP groups, as "
+                                                                              "before; 2: it holds `spanning`.")
     scheduler: SchedulerName
     model: str = Field(description="The model the estimate is for.")
     profile: str = Field(description="The hardware profile the estimate is for.")
     bucket_size: StrictInt = Field(description="BucketSize C the plan honours (requested or derived).")
     dp_ranks: list[DPRankPlanModel] = Field(description="dp_size entries, in DP-rank order.")
+    spanning: list[SpanningMicroBatchModel] = Field(
+        default_factory=list,
+        description="Micro-batches over blocks of several DP replicas. Every DP replica runs those it is part of "
+        "first, in this order, then its own; each is one synchronised step of its replicas. Omitted when empty "
+        "(schema_version 1).")
     estimated_iteration_time_ms: float = Field(description="max over DP ranks of their estimated time.")
     solve_time_ms: float = Field(description="Wall time the scheduler took to plan.")
     deepspeed_estimated_iteration_time_ms: float = Field(

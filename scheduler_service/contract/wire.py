@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from skrull_proto import (
     SCHEMA_VERSION,
+    SPANNING_SCHEMA_VERSION,
     ComputeCoefficients,
     FeedbackRequest,
     FeedbackResponse,
@@ -24,6 +25,7 @@ from skrull_proto import (
     ProfileSummary,
     SamplerSpec,
     ShardedGroupLengths,
+    SpanningMicroBatchModel,
 )
 
 from scheduler_service.core import feedback as core_feedback
@@ -37,6 +39,7 @@ from scheduler_service.core.plan import (
     PlanLimits,
     PlanningProblem,
     ShardedGroup,
+    SpanningMicroBatch,
     make_problem,
 )
 from scheduler_service.core.planner import PlanResult
@@ -95,6 +98,7 @@ def request_to_problem(
         limits=limits,
         extra_profiles=extra_profiles,
         gpus_per_node=request.gpus_per_node,
+        spanning=request.schema_version >= SPANNING_SCHEMA_VERSION,
     )
 
 
@@ -140,6 +144,24 @@ def _micro_batch_data(micro_batch: MicroBatch, estimate: MicroBatchEstimate, bre
     return data
 
 
+def _spanning_data(spanning: SpanningMicroBatch, estimate: MicroBatchEstimate, breakdown: bool,
+                   cp_size: int) -> dict[str, Any]:
+    """A spanning micro-batch on the wire: its sharded groups by world rank (the core counts from the block's
+    first)."""
+    micro_batch = spanning.micro_batch
+    first_rank = spanning.world_ranks(cp_size)[0]
+    data: dict[str, Any] = {"dp_ranks": list(spanning.dp_ranks),
+                            "local": [list(rank_local) for rank_local in micro_batch.local],
+                            "distributed": list(micro_batch.distributed)}
+    if micro_batch.sharded:
+        data["sharded"] = [{"ranks": [first_rank + rank for rank in group.cp_ranks],
+                            "sequences": list(group.sequences)} for group in micro_batch.sharded]
+    data["estimated_time_ms"] = _ms(estimate.time_s)
+    if breakdown:
+        data["ranks"] = [_cp_rank_data(rank) for rank in estimate.cp_ranks]
+    return data
+
+
 def result_to_response_data(result: PlanResult, *, breakdown: bool = False) -> dict[str, Any]:
     """A plan's response as JSON-ready data, spelt as ``PlanResponse`` serialises it (every field, empty optional
     lists left out): the one description of the response. ``result_to_response`` validates it; the service writes
@@ -157,13 +179,16 @@ def result_to_response_data(result: PlanResult, *, breakdown: bool = False) -> d
                   "objective_ms": None if report.objective_s is None else _ms(report.objective_s),
                   "bound_ms": None if report.bound_s is None else _ms(report.bound_s),
                   "wall_time_ms": _ms(report.wall_time_s)}
+    spanning = [_spanning_data(micro_batch, mb_estimate, breakdown, problem.cp_size)
+                for micro_batch, mb_estimate in zip(result.plan.spanning, estimate.spanning, strict=True)]
     return {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": SPANNING_SCHEMA_VERSION if spanning else SCHEMA_VERSION,
         "scheduler": result.scheduler.value,
         "model": problem.perf.model.name,
         "profile": problem.perf.profile.name,
         "bucket_size": int(problem.bucket_size),
         "dp_ranks": dp_ranks,
+        **({"spanning": spanning} if spanning else {}),
         "estimated_iteration_time_ms": _ms(estimate.iteration_time_s),
         "solve_time_ms": _ms(result.solve_time_s),
         "deepspeed_estimated_iteration_time_ms": _ms(result.baseline_time_s),
@@ -188,13 +213,30 @@ def _micro_batch(model: MicroBatchModel) -> MicroBatch:
     )
 
 
+def _spanning_micro_batch(model: SpanningMicroBatchModel) -> SpanningMicroBatch:
+    """The core's spanning micro-batch of a wire one: its groups' world ranks counted from the block's first rank,
+    ``cp_size`` its local lists per replica (whether the block and the groups are aligned, and the lists as many as
+    the block's ranks, is the checker's to say)."""
+    first_dp_rank = model.dp_ranks[0]
+    first_rank = first_dp_rank * (len(model.local) // len(model.dp_ranks))
+    if model.dp_ranks != list(range(first_dp_rank, first_dp_rank + len(model.dp_ranks))):
+        raise InvalidRequestError(f"spanning micro-batch DP ranks {model.dp_ranks} are not consecutive",
+                                  field="spanning.dp_ranks")
+    return SpanningMicroBatch(first_dp_rank=first_dp_rank, num_dp_ranks=len(model.dp_ranks), micro_batch=MicroBatch(
+        local=tuple(tuple(rank_local) for rank_local in model.local), distributed=tuple(model.distributed),
+        sharded=tuple(ShardedGroup(cp_ranks=tuple(rank - first_rank for rank in group.ranks),
+                                   sequences=tuple(group.sequences)) for group in model.sharded)))
+
+
 def response_to_plan(response: PlanResponse) -> Plan:
-    """The core plan a response describes, hybrid groups included (check it with ``check_plan`` before use)."""
+    """The core plan a response describes, hybrid groups and spanning micro-batches included (check it with
+    ``check_plan`` before use)."""
     return Plan(
         dp_ranks=tuple(
             DPRankPlan(micro_batches=tuple(_micro_batch(mb) for mb in dp_rank.micro_batches))
             for dp_rank in response.dp_ranks
-        )
+        ),
+        spanning=tuple(map(_spanning_micro_batch, response.spanning)),
     )
 
 

@@ -9,6 +9,10 @@ multiple of ``s``), and for every micro-batch and CP rank ``r``:
 (eq. 7, extended to groups). The bound is checked in exact integers
 (multiplied through by cp_size, which every group size divides).
 
+A spanning micro-batch (``plan.SpanningMicroBatch``) is checked as a micro-batch of its block's
+``num_dp_ranks × cp_size`` ranks, the block an aligned run of DP replicas (``spanning_block_violation``); its
+violations name it (``spanning[p]``), its DP replicas and the world ranks involved.
+
 ``find_violations`` checks a ``Plan`` as it travels (the service checks what it
 answers, the trainer what it receives) and says every violation in a sentence.
 ``check_places`` checks the arrays a compiled scheduler returns, in a few numpy
@@ -28,7 +32,7 @@ import numpy.typing as npt
 from scheduler_service.core.errors import PlanCheckError
 from scheduler_service.core.plan import MicroBatch, Places, Plan, block_degrees, cp_blocks
 
-__all__ = ["block_violation", "check_places", "check_plan", "find_violations"]
+__all__ = ["block_violation", "check_places", "check_plan", "find_violations", "spanning_block_violation"]
 
 
 def block_violation(cp_ranks: tuple[int, ...], cp_size: int) -> str | None:
@@ -42,11 +46,24 @@ def block_violation(cp_ranks: tuple[int, ...], cp_size: int) -> str | None:
     return None
 
 
+def spanning_block_violation(first_dp_rank: int, num_dp_ranks: int, dp_size: int) -> str | None:
+    """Why DP replicas ``first_dp_rank .. + num_dp_ranks − 1`` are not a spanning block of ``dp_size`` replicas
+    (None when they are): at least two, consecutive, starting at a multiple of their number, within the world."""
+    if num_dp_ranks < 2:
+        return f"spans {num_dp_ranks} DP replica(s); a spanning block needs at least 2"
+    if first_dp_rank < 0 or first_dp_rank % num_dp_ranks or first_dp_rank + num_dp_ranks > dp_size:
+        return (f"DP replicas {first_dp_rank}..{first_dp_rank + num_dp_ranks - 1} are not an aligned block of "
+                f"dp_size {dp_size} (consecutive, starting at a multiple of {num_dp_ranks})")
+    return None
+
+
 def _memory_violations(
-    micro_batch: MicroBatch, sequence_lengths: Sequence[int], cp_size: int, bucket_size: int, where: str
+    micro_batch: MicroBatch, sequence_lengths: Sequence[int], cp_size: int, bucket_size: int, where: str,
+    first_world_rank: int | None = None,
 ) -> list[str]:
     """The bound per CP rank in 1/cp_size-token units: local × N, distributed × 1, a group of size s × N/s; the
-    sums are spelt out only for the ranks over it."""
+    sums are spelt out only for the ranks over it. ``first_world_rank``: the micro-batch spans DP replicas, its
+    ``cp_size`` ranks are the world's from there (and named so)."""
     num_sequences = len(sequence_lengths)
 
     def tokens(indices: Sequence[int]) -> int:
@@ -66,8 +83,9 @@ def _memory_violations(
                 f"{sharded_tokens}/{group.degree} sharded over {list(group.cp_ranks)}"
                 for group, sharded_tokens in zip(micro_batch.sharded, group_tokens, strict=True)
                 if cp_rank in group.cp_ranks]
-            violations.append(f"{where} CP rank {cp_rank} holds {' + '.join(terms)} tokens > bucket_size "
-                              f"{bucket_size}")
+            rank = (f"CP rank {cp_rank}" if first_world_rank is None
+                    else f"world rank {first_world_rank + cp_rank} (block rank {cp_rank})")
+            violations.append(f"{where} {rank} holds {' + '.join(terms)} tokens > bucket_size {bucket_size}")
     return violations
 
 
@@ -80,32 +98,47 @@ def find_violations(
     if len(plan.dp_ranks) != dp_size:
         violations.append(f"plan has {len(plan.dp_ranks)} DP entries; dp_size is {dp_size}")
     seen: list[str | None] = [None] * num_sequences  # where each sequence was scheduled first
+
+    def check_micro_batch(micro_batch: MicroBatch, where: str, group_size: int,
+                          first_world_rank: int | None = None) -> None:
+        if len(micro_batch.local) != group_size:
+            ranks = f"cp_size is {cp_size}" if first_world_rank is None else f"its block has {group_size} ranks"
+            violations.append(f"{where} has {len(micro_batch.local)} local lists; {ranks}")
+        indices = micro_batch.indices()
+        if not indices:
+            violations.append(f"{where} is empty")
+        for index in indices:
+            if not 0 <= index < num_sequences:
+                violations.append(f"{where} names index {index}; the batch has {num_sequences} sequences")
+            elif seen[index] is not None:
+                violations.append(f"sequence {index} is scheduled twice: in {seen[index]} and {where}")
+            else:
+                seen[index] = where
+        blocks_valid = len(micro_batch.local) == group_size
+        for group_index, group in enumerate(micro_batch.sharded):
+            problem = block_violation(group.cp_ranks, group_size)
+            if problem is not None:
+                violations.append(f"{where}.sharded[{group_index}] {problem}")
+                blocks_valid = False
+            if not group.sequences:
+                violations.append(f"{where}.sharded[{group_index}] holds no sequence")
+        if blocks_valid:  # the memory bound is only defined over the group's ranks and valid blocks
+            violations.extend(_memory_violations(micro_batch, sequence_lengths, group_size, bucket_size, where,
+                                                 first_world_rank))
+
+    for position, spanning in enumerate(plan.spanning):
+        block_problem = spanning_block_violation(spanning.first_dp_rank, spanning.num_dp_ranks, dp_size)
+        if block_problem is not None:
+            violations.append(f"spanning[{position}] {block_problem}")
+            continue
+        world_ranks = spanning.world_ranks(cp_size)
+        check_micro_batch(spanning.micro_batch,
+                          f"spanning[{position}] (DP replicas {spanning.first_dp_rank}..{spanning.dp_ranks[-1]}, "
+                          f"world ranks {world_ranks[0]}..{world_ranks[-1]})",
+                          spanning.num_dp_ranks * cp_size, world_ranks[0])
     for dp_rank, dp_plan in enumerate(plan.dp_ranks):
         for micro_batch_index, micro_batch in enumerate(dp_plan.micro_batches):
-            where = f"dp_ranks[{dp_rank}].micro_batches[{micro_batch_index}]"
-            if len(micro_batch.local) != cp_size:
-                violations.append(f"{where} has {len(micro_batch.local)} local lists; cp_size is {cp_size}")
-            indices = micro_batch.indices()
-            if not indices:
-                violations.append(f"{where} is empty")
-            for index in indices:
-                if not 0 <= index < num_sequences:
-                    violations.append(f"{where} names index {index}; the batch has {num_sequences} sequences")
-                elif seen[index] is not None:
-                    violations.append(f"sequence {index} is scheduled twice: in {seen[index]} and {where}")
-                else:
-                    seen[index] = where
-            blocks_valid = len(micro_batch.local) == cp_size
-            for group_index, group in enumerate(micro_batch.sharded):
-                problem = block_violation(group.cp_ranks, cp_size)
-                if problem is not None:
-                    violations.append(f"{where}.sharded[{group_index}] {problem}")
-                    blocks_valid = False
-                if not group.sequences:
-                    violations.append(f"{where}.sharded[{group_index}] holds no sequence")
-            if not blocks_valid:
-                continue  # the memory bound is only defined over cp_size ranks and valid blocks
-            violations += _memory_violations(micro_batch, sequence_lengths, cp_size, bucket_size, where)
+            check_micro_batch(micro_batch, f"dp_ranks[{dp_rank}].micro_batches[{micro_batch_index}]", cp_size)
     missing = [index for index in range(num_sequences) if seen[index] is None]
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" …" if len(missing) > 10 else "")

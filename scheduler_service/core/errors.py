@@ -9,7 +9,7 @@ so one raised in a pool process is raised again, unchanged, by the caller.
 
     PlanningError (ValueError)
     ├── InvalidRequestError        a field is malformed or out of range
-    │   ├── SequenceTooLongError   a sequence exceeds bucket_size × cp_size
+    │   ├── SequenceTooLongError   a sequence exceeds bucket_size × cp_size (× dp_size where blocks span replicas)
     │   ├── UnknownModelError
     │   ├── UnknownSchedulerError
     │   └── UnknownProfileError
@@ -69,15 +69,16 @@ class InvalidRequestError(PlanningError):
 
 
 class SequenceTooLongError(InvalidRequestError):
-    """A sequence does not fit even when sharded over the whole CP group."""
+    """A sequence does not fit even when sharded over the whole CP group, or, where blocks may span DP replicas
+    (``dp_size`` given), over the whole world: its capacity is ``bucket_size × cp_size × dp_size``."""
 
-    def __init__(self, *, index: int, num_tokens: int, bucket_size: int, cp_size: int) -> None:
-        limit = bucket_size * cp_size
-        super().__init__(
-            f"sequence {index} has {num_tokens} tokens; at most bucket_size {bucket_size} "
-            f"× cp_size {cp_size} = {limit} fit",
-            field=f"sequence_lengths[{index}]",
-        )
+    def __init__(self, *, index: int, num_tokens: int, bucket_size: int, cp_size: int,
+                 dp_size: int | None = None) -> None:
+        limit = bucket_size * cp_size * (dp_size or 1)
+        over = f"bucket_size {bucket_size} × cp_size {cp_size}" + (
+            f" × dp_size {dp_size} = {limit} fit (the world's capacity)" if dp_size is not None else f" = {limit} fit")
+        super().__init__(f"sequence {index} has {num_tokens} tokens; at most {over}",
+                         field=f"sequence_lengths[{index}]")
         self.index = index
         self.num_tokens = num_tokens
         self.limit = limit

@@ -7,6 +7,12 @@ whole on that CP rank ("local"), one list sharded over the whole CP group
 aligned block of CP ranks (``cp_blocks``). Indices point into
 ``PlanningProblem.sequence_lengths``.
 
+A plan may also hold **spanning micro-batches** (``Plan.spanning``): one micro-batch run as one synchronised step by
+an aligned block of DP replicas, over all their CP ranks, world ranks ``dp_rank × cp_size + cp_rank`` in order. It
+is a ``MicroBatch`` over a group of ``num_dp_ranks × cp_size`` ranks, its places relative to the block's first world
+rank; ``PlanningProblem.span_problem`` prices it. Every DP replica of the block runs its spanning micro-batches
+first, in the order of ``Plan.spanning``, then its own (docs/design.md, "Blocks that span DP replicas").
+
 The kernels read a plan as ``Places``: per sequence its micro-batch and its place, a degree and a first CP rank
 (``costing``). ``MicroBatch.from_places`` and ``MicroBatch.places`` convert one micro-batch, ``Plan.from_places``
 and ``Plan.places`` a whole plan; nothing else converts between the two forms.
@@ -40,6 +46,7 @@ __all__ = [
     "SchedulerName",
     "ShardedGroup",
     "SolverReport",
+    "SpanningMicroBatch",
     "block_degrees",
     "cp_blocks",
     "make_problem",
@@ -58,6 +65,7 @@ class SchedulerName(StrEnum):
     ROUND_ROBIN = "round_robin"
     BALANCED = "balanced"
     CPSAT = "cpsat"
+    DYNAMIC_CP = "dynamic_cp"  # Megatron-Core's dynamic CP, for comparison (``dynamic_cp``)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,6 +146,26 @@ class DPRankPlan:
     micro_batches: tuple[MicroBatch, ...]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpanningMicroBatch:
+    """A micro-batch over the DP replicas ``first_dp_rank .. first_dp_rank + num_dp_ranks − 1`` (an aligned block:
+    ``num_dp_ranks >= 2`` dividing ``first_dp_rank``; the checker verifies it), run by each of them as one
+    synchronised step. ``micro_batch`` has one local list per rank of the block (``num_dp_ranks × cp_size``), and
+    its places count from the block's first world rank ``first_dp_rank × cp_size``."""
+
+    first_dp_rank: int
+    num_dp_ranks: int
+    micro_batch: MicroBatch
+
+    @property
+    def dp_ranks(self) -> range:
+        return range(self.first_dp_rank, self.first_dp_rank + self.num_dp_ranks)
+
+    def world_ranks(self, cp_size: int) -> range:
+        """The world ranks of the block (DP-major: ``dp_rank × cp_size + cp_rank``)."""
+        return range(self.first_dp_rank * cp_size, (self.first_dp_rank + self.num_dp_ranks) * cp_size)
+
+
 @dataclass(frozen=True, slots=True)
 class Places:
     """A plan as arrays (axes: N sequences, M micro-batches, numbered DP rank by DP rank in their order)."""
@@ -155,10 +183,35 @@ class Places:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     dp_ranks: tuple[DPRankPlan, ...]
+    spanning: tuple[SpanningMicroBatch, ...] = ()  # run first, in this order, by every DP replica each spans
 
     @property
     def num_micro_batches(self) -> int:
-        return sum(len(dp_rank.micro_batches) for dp_rank in self.dp_ranks)
+        return sum(len(dp_rank.micro_batches) for dp_rank in self.dp_ranks) + len(self.spanning)
+
+    def micro_batches_of(self, dp_rank: int) -> int:
+        """How many micro-batches DP replica ``dp_rank`` runs: the spanning ones it is part of, then its own."""
+        return sum(dp_rank in spanning.dp_ranks for spanning in self.spanning) + \
+            len(self.dp_ranks[dp_rank].micro_batches)
+
+    def renumbered(self, indices: Sequence[int]) -> Plan:
+        """This plan of a sub-batch with its sequence ``i`` renamed ``indices[i]``: how a plan of part of a batch
+        (``PlanningProblem.sub_problem``) joins the plan of the whole."""
+
+        def rename(micro_batch: MicroBatch) -> MicroBatch:
+            return MicroBatch(
+                local=tuple(tuple(indices[i] for i in rank_local) for rank_local in micro_batch.local),
+                distributed=tuple(indices[i] for i in micro_batch.distributed),
+                sharded=tuple(ShardedGroup(cp_ranks=group.cp_ranks,
+                                           sequences=tuple(indices[i] for i in group.sequences))
+                              for group in micro_batch.sharded))
+
+        return Plan(dp_ranks=tuple(DPRankPlan(micro_batches=tuple(map(rename, dp_plan.micro_batches)))
+                                   for dp_plan in self.dp_ranks),
+                    spanning=tuple(SpanningMicroBatch(first_dp_rank=spanning.first_dp_rank,
+                                                      num_dp_ranks=spanning.num_dp_ranks,
+                                                      micro_batch=rename(spanning.micro_batch))
+                                   for spanning in self.spanning))
 
     @classmethod
     def from_places(cls, places: Places, *, dp_size: int, cp_size: int) -> Plan:
@@ -176,7 +229,7 @@ class Plan:
 
     def places(self, num_sequences: int) -> Places:
         """Every sequence's micro-batch and place (a sequence named twice keeps its last place: the checker counts
-        them)."""
+        them); the sequences of spanning micro-batches are in none (-1)."""
         scheduled: list[int] = []
         micro_batches: list[int] = []
         degrees: list[int] = []
@@ -219,6 +272,7 @@ class PlanningProblem:
     cp_size: int
     bucket_size: int  # C: tokens per CP rank per micro-batch
     perf: PerformanceModel
+    spanning: bool = True  # whether a plan may hold spanning micro-batches (``SpanningMicroBatch``)
     lengths: IntArray = field(init=False, repr=False)  # (N,)
     flops: FloatArray = field(init=False, repr=False)  # (N,) eq. 13 with the profile's measured terms
     degrees: tuple[int, ...] = field(init=False, repr=False)  # (D,) 1, each hybrid block size, cp_size
@@ -226,6 +280,8 @@ class PlanningProblem:
     rank_flops: FloatArray = field(init=False, repr=False)
     area: FloatArray = field(init=False, repr=False)  # (N,) its cheapest place's cost over its ranks (CostTables)
     tables: CostTables = field(init=False, repr=False)  # what the kernels read
+    # the problems of blocks of several DP replicas, by their number of replicas (``span_problem``)
+    _span_problems: dict[int, PlanningProblem] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         lengths = np.asarray(self.sequence_lengths, dtype=np.int64)
@@ -237,10 +293,37 @@ class PlanningProblem:
         set_field("degrees", tuple(tables.degrees.tolist()))
         set_field("rank_flops", tables.rank_flops)
         set_field("area", tables.area)
+        set_field("_span_problems", {})
 
     @property
     def num_sequences(self) -> int:
         return len(self.sequence_lengths)
+
+    @property
+    def world_capacity(self) -> int:
+        """Tokens one spanning micro-batch over every DP replica may hold: the longest sequence a plan can hold."""
+        return self.micro_batch_capacity * self.dp_size
+
+    def span_problem(self, num_dp_ranks: int) -> PlanningProblem:
+        """The same batch on one group of ``num_dp_ranks × cp_size`` ranks: what prices and places the spanning
+        micro-batches over blocks of ``num_dp_ranks`` replicas (1: this problem)."""
+        if num_dp_ranks == 1:
+            return self
+        if num_dp_ranks not in self._span_problems:
+            self._span_problems[num_dp_ranks] = PlanningProblem(
+                sequence_lengths=self.sequence_lengths, dp_size=1, cp_size=num_dp_ranks * self.cp_size,
+                bucket_size=self.bucket_size, perf=self.perf, spanning=False)
+        return self._span_problems[num_dp_ranks]
+
+    def sub_problem(self, indices: Sequence[int]) -> PlanningProblem:
+        """The batch of the sequences ``indices`` alone, on the same ranks (``Plan.renumbered`` names them back)."""
+        return PlanningProblem(sequence_lengths=tuple(self.sequence_lengths[i] for i in indices),
+                               dp_size=self.dp_size, cp_size=self.cp_size, bucket_size=self.bucket_size,
+                               perf=self.perf, spanning=self.spanning)
+
+    def too_long_for_a_replica(self) -> list[int]:
+        """The sequences no CP group holds (longer than ``bucket_size × cp_size``): only spanning blocks can."""
+        return np.flatnonzero(self.lengths > self.micro_batch_capacity).tolist()
 
     @property
     def micro_batch_capacity(self) -> int:
@@ -319,10 +402,13 @@ def make_problem(
     limits: PlanLimits = DEFAULT_LIMITS,
     extra_profiles: dict[str, Profile] | None = None,
     gpus_per_node: int | None = None,
+    spanning: bool = True,
 ) -> PlanningProblem:
     """Validate a request and derive what it leaves out (BucketSize from the profile). ``gpus_per_node``: the
     collectives of blocks larger than a node are priced with the profile's inter-node tables (``perf_model``,
-    "Topology"); None: every block lies on one node."""
+    "Topology"); None: every block lies on one node. ``spanning``: a sequence may be longer than one CP group
+    holds, up to the world's capacity (blocks that span DP replicas hold it); False: one CP group's capacity is the
+    limit, for a client that cannot run spanning micro-batches."""
     lengths = _validate_lengths(sequence_lengths, limits)
     dp_size = _validate_int(dp_size, "dp_size", 1, limits.max_dp_size)
     cp_size = _validate_int(cp_size, "cp_size", 1, limits.max_cp_size)
@@ -340,8 +426,10 @@ def make_problem(
                 field="bucket_size",
             )
     bucket_size = _validate_int(bucket_size, "bucket_size", 1, limits.max_sequence_length)
+    spanning = spanning and dp_size > 1
     for index, length in enumerate(lengths):
-        if length > bucket_size * cp_size:
-            raise SequenceTooLongError(index=index, num_tokens=length, bucket_size=bucket_size, cp_size=cp_size)
+        if length > bucket_size * cp_size * (dp_size if spanning else 1):
+            raise SequenceTooLongError(index=index, num_tokens=length, bucket_size=bucket_size, cp_size=cp_size,
+                                       dp_size=dp_size if spanning else None)
     return PlanningProblem(sequence_lengths=lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
-                           perf=perf)
+                           perf=perf, spanning=spanning)

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 from scheduler_service.core import baselines, gds
 from scheduler_service.core.check import check_places, check_plan
+from scheduler_service.core.dacp_search import HYBRID
+from scheduler_service.core.dynamic_cp import dynamic_cp
 from scheduler_service.core.errors import UnknownSchedulerError
 from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
-from scheduler_service.core.simulate import PlanEstimate, estimate_places, iteration_lower_bound_s
+from scheduler_service.core.simulate import PlanEstimate, estimate_plan, iteration_lower_bound_s, simulate
+from scheduler_service.core.spanning import plan_with_spanning, with_needed_spanning
 
 __all__ = ["HEURISTIC_SCHEDULERS", "PlanResult", "make_plan", "parse_scheduler", "schedule", "warm_up"]
 
@@ -45,7 +48,12 @@ HEURISTIC_SCHEDULERS: dict[SchedulerName, Callable[[PlanningProblem], Plan]] = {
     SchedulerName.SORTED: baselines.sorted_batching,
     SchedulerName.ROUND_ROBIN: gds.round_robin,
     SchedulerName.BALANCED: baselines.balanced,
+    SchedulerName.DYNAMIC_CP: dynamic_cp,
 }
+
+# Schedulers that plan the whole pool themselves; every other one plans within CP groups, and the sequences no CP
+# group holds are given spanning micro-batches around it (``spanning.with_needed_spanning``).
+_POOL_SCHEDULERS = frozenset({SchedulerName.DYNAMIC_CP})
 
 
 def parse_scheduler(name: str | SchedulerName) -> SchedulerName:
@@ -55,6 +63,12 @@ def parse_scheduler(name: str | SchedulerName) -> SchedulerName:
         raise UnknownSchedulerError(str(name), [s.value for s in SchedulerName]) from None
 
 
+def _skrull_fast(problem: PlanningProblem) -> Plan:
+    """Skrull's GDS with hybrid DACP, not refined across micro-batches: how spanning candidates are costed."""
+    return Plan.from_places(gds.gds_places(problem, problem.area, HYBRID)[0], dp_size=problem.dp_size,
+                            cp_size=problem.cp_size)
+
+
 def schedule(
     problem: PlanningProblem, scheduler: str | SchedulerName, *, time_limit_s: float = DEFAULT_CPSAT_TIME_LIMIT_S,
     search_budget: int | None = None,
@@ -62,15 +76,24 @@ def schedule(
     """The raw plan of one scheduler (unchecked), with the solver's report for cpsat."""
     name = parse_scheduler(scheduler)
     if name is SchedulerName.SKRULL:
-        return gds.skrull(problem, budget=search_budget), None
+        return plan_with_spanning(problem, lambda part: gds.skrull(part, budget=search_budget), _skrull_fast), None
     if name is SchedulerName.CPSAT:
         from scheduler_service.core import cpsat  # ortools is only needed for offline comparison
 
-        # the hybrid space, warm-started from the default scheduler's plan: never worse than skrull
-        solution = cpsat.solve(problem, time_limit_s=time_limit_s, hint=gds.skrull(problem, budget=search_budget),
-                               hybrid=True)
-        return solution.plan, solution.report
-    return HEURISTIC_SCHEDULERS[name](problem), None
+        reports: list[SolverReport] = []
+
+        def solve(part: PlanningProblem) -> Plan:
+            # the hybrid space, warm-started from the default scheduler's plan: never worse than skrull
+            solution = cpsat.solve(part, time_limit_s=time_limit_s, hint=gds.skrull(part, budget=search_budget),
+                                   hybrid=True)
+            reports.append(solution.report)
+            return solution.plan
+
+        plan = with_needed_spanning(problem, solve)
+        return plan, reports[0] if reports else None
+    if name in _POOL_SCHEDULERS:
+        return HEURISTIC_SCHEDULERS[name](problem), None
+    return with_needed_spanning(problem, HEURISTIC_SCHEDULERS[name]), None
 
 
 def make_plan(
@@ -82,9 +105,8 @@ def make_plan(
     name = parse_scheduler(scheduler)
     started = time.perf_counter()
     report = None
-    if name is SchedulerName.SKRULL or name is SchedulerName.SKRULL_BINARY:
-        places = (gds.skrull_places(problem, budget=search_budget) if name is SchedulerName.SKRULL
-                  else gds.skrull_binary_places(problem))
+    if name is SchedulerName.SKRULL_BINARY and not problem.too_long_for_a_replica():
+        places = gds.skrull_binary_places(problem)
         solve_time_s = time.perf_counter() - started
         check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
                      bucket_size=problem.bucket_size)
@@ -95,9 +117,13 @@ def make_plan(
         check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
                    cp_size=problem.cp_size, bucket_size=problem.bucket_size)
         places = plan.places(problem.num_sequences)
-    estimate = estimate_places(problem, places)
-    baseline_time_s = (estimate.iteration_time_s if name is SchedulerName.DEEPSPEED
-                       else baselines.deepspeed_time_s(problem))
+    estimate = estimate_plan(problem, plan, places)
+    if name is SchedulerName.DEEPSPEED:
+        baseline_time_s = estimate.iteration_time_s
+    elif problem.too_long_for_a_replica():
+        baseline_time_s = simulate(problem, with_needed_spanning(problem, baselines.deepspeed)).iteration_time_s
+    else:
+        baseline_time_s = baselines.deepspeed_time_s(problem)
     return PlanResult(scheduler=name, problem=problem, plan=plan, estimate=estimate, baseline_time_s=baseline_time_s,
                       solve_time_s=solve_time_s, solver=report, lower_bound_s=iteration_lower_bound_s(problem))
 
@@ -112,5 +138,6 @@ def warm_up() -> float:
     for name in SchedulerName:
         if name is not SchedulerName.CPSAT:
             result = make_plan(problem, name)
-            result.estimate.dp_ranks[0].micro_batches[0].critical  # noqa: B018 (the breakdown's kernel too)
+            estimate = result.estimate
+            (estimate.spanning + estimate.dp_ranks[0].micro_batches)[0].critical  # noqa: B018 (the breakdown's too)
     return time.perf_counter() - started

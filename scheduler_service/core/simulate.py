@@ -7,6 +7,11 @@ later gather also hides behind an earlier group's attention: for such ranks the 
 micro-batch takes the max over CP ranks (eq. 1); a DP rank the sum over its micro-batches; an iteration the max
 over DP ranks (eq. 8).
 
+A spanning micro-batch (``plan.SpanningMicroBatch``) is priced as a micro-batch of its block's
+``num_dp_ranks × cp_size`` ranks (``PlanningProblem.span_problem``). The replicas run the spanning ones first, in
+plan order, each starting when the last of its replicas is free (``spanning_ready_s``); a replica's time is when its
+own micro-batches end after that.
+
 The per-rank sums come from the same kernels the searches use (``costing.sums_of_places``); the per-rank
 breakdown of each micro-batch (``MicroBatchEstimate.cp_ranks``) is built when it is read, since most callers only
 need the times.
@@ -14,6 +19,7 @@ need the times.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,11 +33,12 @@ from scheduler_service.core.costing import (
     RankSums,
     empty_sums,
     exposed_comm_s,
+    place_degrees,
     rank_time_s,
     sums_of_places,
 )
 from scheduler_service.core.jit import FLOAT_2D, FLOAT_3D, INT_1D, INT_2D, kernel
-from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem, SpanningMicroBatch
 
 __all__ = [
     "CPRankEstimate",
@@ -39,10 +46,12 @@ __all__ = [
     "MicroBatchEstimate",
     "PlanEstimate",
     "estimate_places",
+    "estimate_plan",
     "iteration_lower_bound_s",
     "micro_batch_sums",
     "micro_batch_time_s",
     "simulate",
+    "spanning_ready_s",
 ]
 
 FloatArray = npt.NDArray[np.float64]
@@ -112,8 +121,8 @@ class MicroBatchEstimate:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DPRankEstimate:
-    time_s: float
-    micro_batches: tuple[MicroBatchEstimate, ...]
+    time_s: float  # when its last micro-batch ends: its spanning ones (waits included), then its own
+    micro_batches: tuple[MicroBatchEstimate, ...]  # its own
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +130,7 @@ class PlanEstimate:
     iteration_time_s: float
     dp_ranks: tuple[DPRankEstimate, ...]
     peak_rank_tokens: float  # the most tokens a CP rank holds in any micro-batch (``CPRankEstimate.tokens``)
+    spanning: tuple[MicroBatchEstimate, ...] = ()  # of ``Plan.spanning``, in order; ``cp_ranks`` over the block
 
 
 @kernel(types.void(TABLES, SUMS, FLOAT_2D))
@@ -170,9 +180,50 @@ def estimate_places(problem: PlanningProblem, places: Places) -> PlanEstimate:
                         peak_rank_tokens=int(sums.units.max(initial=0)) / tables.cp_size)
 
 
+def spanning_ready_s(spanning: Sequence[SpanningMicroBatch], times_s: Sequence[float], dp_size: int) -> list[float]:
+    """When each DP replica has run its spanning micro-batches (of ``times_s``): in plan order, each starting when
+    the last of its replicas is free."""
+    ready_s = [0.0] * dp_size
+    for spanning_micro_batch, time_s in zip(spanning, times_s, strict=True):
+        end_s = max(ready_s[dp_rank] for dp_rank in spanning_micro_batch.dp_ranks) + time_s
+        for dp_rank in spanning_micro_batch.dp_ranks:
+            ready_s[dp_rank] = end_s
+    return ready_s
+
+
+def _spanning_estimates(problem: PlanningProblem, spanning: Sequence[SpanningMicroBatch]) \
+        -> tuple[list[MicroBatchEstimate], float]:
+    """Each spanning micro-batch's estimate over its block (one ``estimate_places`` per block width), in order,
+    and the most tokens a rank of theirs holds."""
+    estimates: list[MicroBatchEstimate | None] = [None] * len(spanning)
+    peak_tokens = 0.0
+    for width in sorted({s.num_dp_ranks for s in spanning}):
+        positions = [p for p, s in enumerate(spanning) if s.num_dp_ranks == width]
+        block_plan = Plan(dp_ranks=(DPRankPlan(micro_batches=tuple(spanning[p].micro_batch for p in positions)),))
+        block_estimate = estimate_places(problem.span_problem(width), block_plan.places(problem.num_sequences))
+        for p, estimate in zip(positions, block_estimate.dp_ranks[0].micro_batches, strict=True):
+            estimates[p] = estimate
+        peak_tokens = max(peak_tokens, block_estimate.peak_rank_tokens)
+    return [estimate for estimate in estimates if estimate is not None], peak_tokens
+
+
+def estimate_plan(problem: PlanningProblem, plan: Plan, places: Places | None = None) -> PlanEstimate:
+    """``estimate_places`` of a plan that may hold spanning micro-batches (``places``: its own micro-batches' places,
+    when the caller has them)."""
+    own = estimate_places(problem, plan.places(problem.num_sequences) if places is None else places)
+    if not plan.spanning:
+        return own
+    spanning, spanning_peak = _spanning_estimates(problem, plan.spanning)
+    ready_s = spanning_ready_s(plan.spanning, [estimate.time_s for estimate in spanning], problem.dp_size)
+    dp_ranks = tuple(DPRankEstimate(time_s=ready_s[dp_rank] + rank.time_s, micro_batches=rank.micro_batches)
+                     for dp_rank, rank in enumerate(own.dp_ranks))
+    return PlanEstimate(iteration_time_s=max(rank.time_s for rank in dp_ranks), dp_ranks=dp_ranks,
+                        peak_rank_tokens=max(own.peak_rank_tokens, spanning_peak), spanning=tuple(spanning))
+
+
 def simulate(problem: PlanningProblem, plan: Plan) -> PlanEstimate:
-    """Estimated times of every micro-batch, DP rank and the iteration."""
-    return estimate_places(problem, plan.places(problem.num_sequences))
+    """Estimated times of every micro-batch (spanning ones included), DP rank and the iteration."""
+    return estimate_plan(problem, plan)
 
 
 def micro_batch_sums(problem: PlanningProblem, micro_batch: MicroBatch) -> RankSums:
@@ -196,13 +247,35 @@ def iteration_lower_bound_s(problem: PlanningProblem) -> float:
     DP × CP ranks (the max replaced by the mean), no communication exposed, one β per micro-batch of the fewest
     micro-batches the tokens need; no faster than the costliest sequence at its cheapest placement; and no faster
     than the launch-bound floor of as many micro-batches as the busiest DP rank must run (at least the fewest
-    micro-batches the tokens need, over the DP ranks)."""
+    micro-batches the tokens need, over the DP ranks). Where blocks may span DP replicas, the placements include
+    the blocks of the whole world (``_world_placements``)."""
     num_ranks = problem.dp_size * problem.cp_size
     min_micro_batches = -(-int(problem.lengths.sum()) // problem.micro_batch_capacity)
-    spread_s = (problem.alpha_s_per_flop * float(problem.area.sum()) / num_ranks
-                + problem.beta_s * min_micro_batches / problem.dp_size)
     degrees = np.asarray(problem.degrees)[:, None]
     cheapest_flops = np.where(problem.lengths <= degrees * problem.bucket_size, problem.rank_flops, np.inf).min(axis=0)
+    area = problem.area
+    if problem.spanning:
+        area, cheapest_flops = _world_placements(problem, area.copy(), cheapest_flops)
+    spread_s = (problem.alpha_s_per_flop * float(area.sum()) / num_ranks
+                + problem.beta_s * min_micro_batches / problem.dp_size)
     longest_s = max(problem.floor_s, problem.alpha_s_per_flop * float(cheapest_flops.max()) + problem.beta_s)
     floor_bound_s = problem.floor_s * -(-min_micro_batches // problem.dp_size)
     return max(spread_s, longest_s, floor_bound_s)
+
+
+_LONGEST_PRICED_WIDER = 16  # the longest sequences whose cheapest placement the world's blocks may lower
+
+
+def _world_placements(problem: PlanningProblem, area: FloatArray,
+                      cheapest_flops: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """``area`` and ``cheapest_flops`` where blocks up to the whole world are placements too: only the longest
+    sequences can gain (per-rank FLOPs fall with the degree; a short sequence's cheapest block is small), so only
+    they are priced again, at every degree of the world."""
+    world_degrees = np.asarray(place_degrees(problem.dp_size * problem.cp_size))[:, None]
+    longest = np.argsort(-problem.lengths, kind="stable")[:_LONGEST_PRICED_WIDER]
+    lengths = problem.lengths[longest]
+    rank_flops = np.asarray([problem.perf.placement_flops(lengths, int(degree)) for degree in world_degrees[:, 0]])
+    fits = lengths <= world_degrees * problem.bucket_size
+    area[longest] = np.minimum(area[longest], np.where(fits, world_degrees * rank_flops, np.inf).min(axis=0))
+    cheapest_flops[longest] = np.minimum(cheapest_flops[longest], np.where(fits, rank_flops, np.inf).min(axis=0))
+    return area, cheapest_flops

@@ -11,7 +11,10 @@ which measured up to 4x that bound, one per sequence. On the 2-core
 development machine one cell costs 4–15 µs of planning and about 3 bytes of JSON (a 1024-sequence
 ``cp_size`` 1024 batch with ``bucket_size`` 1 is 2.1 M cells: 33 s and 3.2 MB);
 with ``breakdown`` every plan cell also carries its CP rank's estimate, about
-180 bytes more (measured 177).
+180 bytes more (measured 177). A spanning micro-batch carries one local list per
+rank of its block, at most ``dp_size × cp_size``: ``dynamic_cp`` plans only
+those (at most one per sequence), the others one per sequence no CP group holds,
+and ``skrull`` up to ``spanning.MAX_CHOSEN`` more.
 
 A feedback report's work grows with the same cells, its micro-batches ×
 ``cp_size`` local lists plus its lengths; it is estimated from the raw body
@@ -25,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from scheduler_service.core.plan import PlanningProblem, SchedulerName
+from scheduler_service.core.spanning import MAX_CHOSEN
 
 __all__ = ["PlanCost", "baseline_cells", "feedback_cells", "plan_cost", "search_seconds"]
 
@@ -57,6 +61,15 @@ def plan_cost(problem: PlanningProblem, scheduler: SchedulerName, *, breakdown: 
     schedulers a measured one, not a proven one: ``tests/test_cost.py``); ``breakdown``: the answer carries
     every CP rank's estimate of every micro-batch."""
     num_sequences, cp_size = problem.num_sequences, problem.cp_size
+    world_size = problem.dp_size * cp_size
+    index_bytes = len(str(num_sequences)) + 1
+    per_list_bytes = 3 + (_BREAKDOWN_JSON_BYTES if breakdown else 0)
+    if scheduler is SchedulerName.DYNAMIC_CP:  # every micro-batch over the whole world
+        cells = baseline_cells(num_sequences, cp_size) + num_sequences * world_size
+        answer_bytes = num_sequences * (per_list_bytes * world_size + _MICRO_BATCH_JSON_BYTES + index_bytes)
+        return PlanCost(num_micro_batches=num_sequences, cells=cells, answer_bytes=answer_bytes)
+    num_spanning = (len(problem.too_long_for_a_replica())
+                    + (MAX_CHOSEN if scheduler is SchedulerName.SKRULL and problem.spanning else 0))
     if scheduler in _UNPACKED:
         num_micro_batches = num_sequences
         # deepspeed's plan is the baseline itself
@@ -65,11 +78,11 @@ def plan_cost(problem: PlanningProblem, scheduler: SchedulerName, *, breakdown: 
         by_tokens = math.ceil(sum(problem.sequence_lengths) / problem.micro_batch_capacity)
         num_micro_batches = min(num_sequences, 2 * by_tokens + problem.dp_size)
         plan_cells = num_micro_batches * cp_size
-    cells = baseline_cells(num_sequences, cp_size) + plan_cells
-    index_bytes = len(str(num_sequences)) + 1
-    per_micro_batch = (3 + (_BREAKDOWN_JSON_BYTES if breakdown else 0)) * cp_size + _MICRO_BATCH_JSON_BYTES
-    answer_bytes = num_micro_batches * per_micro_batch + num_sequences * index_bytes
-    return PlanCost(num_micro_batches=num_micro_batches, cells=cells, answer_bytes=answer_bytes)
+    cells = baseline_cells(num_sequences, cp_size) + plan_cells + num_spanning * world_size
+    per_micro_batch = per_list_bytes * cp_size + _MICRO_BATCH_JSON_BYTES
+    answer_bytes = (num_micro_batches * per_micro_batch + num_sequences * index_bytes
+                    + num_spanning * (per_list_bytes * world_size + _MICRO_BATCH_JSON_BYTES))
+    return PlanCost(num_micro_batches=num_micro_batches + num_spanning, cells=cells, answer_bytes=answer_bytes)
 
 
 def search_seconds(search_budget: int, cells: int) -> float:

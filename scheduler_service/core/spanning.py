@@ -1,0 +1,170 @@
+"""Blocks that span DP replicas: when Skrull plans a micro-batch over several DP replicas' CP groups at once.
+
+Skrull confines a sequence to one DP replica's CP group, so one group's capacity (``bucket_size × cp_size``)
+bounds the longest sequence, and a few long sequences, each owned by one replica, leave the others idle. A
+**spanning micro-batch** (``plan.SpanningMicroBatch``) runs over an aligned block of ``w`` replicas, ``w × cp_size``
+ranks, as one synchronised step: the block is one CP group of that size to DACP, the cost model and the checker
+(``PlanningProblem.span_problem``). Block widths are powers of two (``SPANNING_WIDTHS``); what other widths would
+gain is measured in docs/benchmarks.md.
+
+* **Needed.** A sequence longer than one group holds runs in a spanning micro-batch of the narrowest width that
+  holds it (``needed_width``).
+* **Chosen.** A long sequence that fits one group may still be better spanned: spread over ``w`` replicas its
+  attention is ``w`` times shorter per rank, so replicas whose shares are light are not left idle while one
+  replica runs it. Skrull's plan without spanning is the baseline; ``plan_with_spanning`` tries spanning the
+  longest sequences (``_CANDIDATE_COUNTS`` of them, at each width), planning the rest with GDS, and keeps a
+  candidate only when the simulator says it is faster (so spanning never makes a plan slower under the model).
+
+In either case a width's sequences are split over its blocks by LPT on their cheapest cost there, each block's
+share is cut longest first into the fewest micro-batches that spread (``gds_search.fewest_that_spread``), and each
+micro-batch is decided by hybrid DACP over the block (``dacp.decide``). The rest of the batch is planned by the
+scheduler asked for, and its DP shares are given to the replicas so that the heaviest share goes to the replica
+whose spanning micro-batches end first (``join``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from scheduler_service.core.dacp import decide
+from scheduler_service.core.dacp_search import HYBRID
+from scheduler_service.core.gds_search import fewest_that_spread
+from scheduler_service.core.partition import lpt_parts
+from scheduler_service.core.plan import DPRankPlan, Plan, PlanningProblem, SpanningMicroBatch
+from scheduler_service.core.simulate import simulate, spanning_ready_s
+
+__all__ = [
+    "MAX_CHOSEN",
+    "join",
+    "needed_width",
+    "plan_with_spanning",
+    "spanning_micro_batches",
+    "spanning_widths",
+    "with_needed_spanning",
+]
+
+Timed = list[tuple[SpanningMicroBatch, float]]  # spanning micro-batches and their times under the cost model
+
+
+def spanning_widths(dp_size: int) -> tuple[int, ...]:
+    """The block widths (in DP replicas) Skrull plans: the powers of two from 2 to ``dp_size``."""
+    return tuple(1 << shift for shift in range(1, dp_size.bit_length()) if 1 << shift <= dp_size)
+
+
+def needed_width(problem: PlanningProblem, length: int) -> int:
+    """The narrowest block width whose ranks hold a sequence of ``length`` tokens (``length`` at most the world's
+    capacity, which ``make_problem`` checks)."""
+    fitting = [w for w in spanning_widths(problem.dp_size) if length <= w * problem.micro_batch_capacity]
+    return fitting[0] if fitting else problem.dp_size
+
+
+def spanning_micro_batches(problem: PlanningProblem, indices: Sequence[int], width: int) -> Timed:
+    """The sequences ``indices`` in spanning micro-batches over the blocks of ``width`` replicas (module
+    docstring), each with its time."""
+    span = problem.span_problem(width)
+    members = np.asarray(indices, dtype=np.int64)
+    num_blocks = problem.dp_size // width
+    block_of = lpt_parts(np.ascontiguousarray(span.area[members]), num_blocks)
+    timed: Timed = []
+    for block in range(num_blocks):
+        share = members[block_of == block]
+        if not len(share):
+            continue
+        longest_first = np.ascontiguousarray(share[np.lexsort((share, -span.lengths[share]))])
+        group_of = np.empty(len(longest_first), dtype=np.int64)
+        count = fewest_that_spread(span.lengths, longest_first, span.micro_batch_capacity, group_of)
+        assert count, "every sequence given fits one block of this width"
+        for group in range(count):
+            decided = decide(span, longest_first[group_of == group].tolist(), HYBRID)
+            assert decided is not None, "a spread micro-batch's tokens fit its block"
+            micro_batch, time_s = decided
+            timed.append((SpanningMicroBatch(first_dp_rank=block * width, num_dp_ranks=width,
+                                             micro_batch=micro_batch), time_s))
+    return timed
+
+
+def join(problem: PlanningProblem, timed: Timed, rest: Sequence[int], rest_plan: Plan | None,
+         rest_times_s: Sequence[float]) -> Plan:
+    """One plan of the spanning micro-batches and the plan of the sequences ``rest`` (a plan of
+    ``problem.sub_problem(rest)`` whose DP shares take ``rest_times_s``): the heaviest share to the replica that is
+    free first."""
+    spanning = tuple(micro_batch for micro_batch, _ in timed)
+    ready_s = spanning_ready_s(spanning, [time_s for _, time_s in timed], problem.dp_size)
+    dp_ranks = [DPRankPlan(micro_batches=()) for _ in range(problem.dp_size)]
+    if rest_plan is not None:
+        renumbered = rest_plan.renumbered(rest)
+        free_first = sorted(range(problem.dp_size), key=lambda dp_rank: (ready_s[dp_rank], dp_rank))
+        heaviest_first = sorted(range(problem.dp_size), key=lambda share: (-rest_times_s[share], share))
+        for dp_rank, share in zip(free_first, heaviest_first, strict=True):
+            dp_ranks[dp_rank] = renumbered.dp_ranks[share]
+    return Plan(dp_ranks=tuple(dp_ranks), spanning=spanning)
+
+
+def _plan_rest(problem: PlanningProblem, rest: Sequence[int],
+               schedule: Callable[[PlanningProblem], Plan]) -> tuple[Plan | None, list[float]]:
+    if not rest:
+        return None, [0.0] * problem.dp_size
+    sub_problem = problem.sub_problem(rest)
+    plan = schedule(sub_problem)
+    return plan, [rank.time_s for rank in simulate(sub_problem, plan).dp_ranks]
+
+
+def with_needed_spanning(problem: PlanningProblem, schedule: Callable[[PlanningProblem], Plan]) -> Plan:
+    """``schedule``'s plan of the sequences one CP group holds, and spanning micro-batches for those it does not:
+    how every scheduler plans a batch that needs them."""
+    needed = problem.too_long_for_a_replica()
+    if not needed:
+        return schedule(problem)
+    timed: Timed = []
+    widths = {index: needed_width(problem, problem.sequence_lengths[index]) for index in needed}
+    for width in sorted(set(widths.values())):
+        timed += spanning_micro_batches(problem, [index for index in needed if widths[index] == width], width)
+    rest = [index for index in range(problem.num_sequences) if index not in widths]
+    rest_plan, rest_times_s = _plan_rest(problem, rest, schedule)
+    return join(problem, timed, rest, rest_plan, rest_times_s)
+
+
+_CANDIDATE_COUNTS = (1, 2, 4, 8)  # how many of the costliest sequences a candidate spans
+MAX_CHOSEN = max(_CANDIDATE_COUNTS)  # the most sequences spanned beyond those that need it
+_MIN_IMBALANCE = 0.02  # the slowest replica's excess over the mean below which no candidate is tried
+
+
+def plan_with_spanning(problem: PlanningProblem, schedule: Callable[[PlanningProblem], Plan],
+                       schedule_fast: Callable[[PlanningProblem], Plan]) -> Plan:
+    """``with_needed_spanning(problem, schedule)``, or a plan that spans the longest sequences where the simulator
+    finds one faster (module docstring, "Chosen"): candidates are costed with ``schedule_fast`` planning the rest,
+    the best one again with ``schedule``."""
+    best = with_needed_spanning(problem, schedule)
+    if not problem.spanning:
+        return best
+    estimate = simulate(problem, best)
+    best_s = estimate.iteration_time_s
+    mean_s = sum(rank.time_s for rank in estimate.dp_ranks) / problem.dp_size
+    if best_s <= (1 + _MIN_IMBALANCE) * mean_s:
+        return best  # the replicas are balanced: spreading the longest sequences wider cannot gain much
+    needed = set(problem.too_long_for_a_replica())
+    costliest = [int(k) for k in np.argsort(-problem.area, kind="stable") if k not in needed]
+    long = costliest[:MAX_CHOSEN]
+    widths = {index: needed_width(problem, problem.sequence_lengths[index]) for index in needed}
+
+    def candidate(count: int, width: int, plan_rest: Callable[[PlanningProblem], Plan]) -> tuple[Plan, float]:
+        spanned = {**widths, **{index: max(width, widths.get(index, 0)) for index in long[:count]}}
+        timed: Timed = []
+        for block_width in sorted(set(spanned.values())):
+            timed += spanning_micro_batches(problem, [i for i in spanned if spanned[i] == block_width], block_width)
+        rest = [index for index in range(problem.num_sequences) if index not in spanned]
+        plan = join(problem, timed, rest, *_plan_rest(problem, rest, plan_rest))
+        return plan, simulate(problem, plan).iteration_time_s
+
+    tried = [(count, width) for width in spanning_widths(problem.dp_size) for count in _CANDIDATE_COUNTS
+             if count <= len(long)]
+    costed = [(candidate(count, width, schedule_fast)[1], count, width) for count, width in tried]
+    if costed:
+        fast_s, count, width = min(costed)
+        if fast_s < best_s:
+            plan, time_s = candidate(count, width, schedule)
+            if time_s < best_s:
+                return plan
+    return best
