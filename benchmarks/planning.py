@@ -63,6 +63,7 @@ LONG_HEAVY = [
 
 VARIANTS: dict[str, Callable[[PlanningProblem], Plan]] = {
     **{name.value: scheduler for name, scheduler in HEURISTIC_SCHEDULERS.items()},
+    "skrull_in_groups": gds.skrull,  # Skrull before spanning micro-batches: every sequence within one CP group
     "dacp_only": gds.dacp_only,
     "gds_only": gds.gds_only,
 }
@@ -124,6 +125,38 @@ def speedup_table(title: str, cases: list[Case], names: list[str], num_batches: 
     for name, values in imbalance.items():
         print(f"  {name:<13} time {statistics.fmean(v[0] for v in values):.3f}   "
               f"tokens {statistics.fmean(v[1] for v in values):.3f}")
+
+
+def spanning_table(cases: list[Case], num_batches: int, seed: int) -> None:
+    """Skrull with spanning micro-batches against Skrull within CP groups and Megatron dynamic CP, on the same
+    batches (lengths capped at one CP group, as elsewhere here), then on uncapped batches (up to the world)."""
+    print(f"\n## Beyond one CP group: simulated iteration time ratios (geometric mean over {num_batches} batches; "
+          "above 1: skrull is faster)\n")
+    print("| case | skrull_in_groups / skrull | worst | dynamic_cp / skrull | worst | batches spanned | "
+          "uncapped: dynamic_cp / skrull | worst |")
+    print("|---|---|---|---|---|---|---|---|")
+    for case in cases:
+        rng, uncapped_rng = np.random.default_rng(seed), np.random.default_rng(seed + 1)
+        in_groups, dynamic, spanned, uncapped = [], [], 0, []
+        for _ in range(num_batches):
+            problem = sample_problem(case, rng)
+            skrull_plan = VARIANTS["skrull"](problem)
+            skrull_s = simulate(problem, skrull_plan).iteration_time_s
+            spanned += bool(skrull_plan.spanning)
+            in_groups.append(simulate(problem, VARIANTS["skrull_in_groups"](problem)).iteration_time_s / skrull_s)
+            dynamic.append(simulate(problem, VARIANTS["dynamic_cp"](problem)).iteration_time_s / skrull_s)
+            lengths = sample_lengths(case.dataset, case.dp_size * case.batch_size, uncapped_rng,
+                                     max_length=case.bucket_size * case.cp_size * case.dp_size)
+            whole = make_problem(sequence_lengths=lengths.tolist(), dp_size=case.dp_size, cp_size=case.cp_size,
+                                 model=case.model, bucket_size=case.bucket_size)
+            uncapped.append(simulate(whole, VARIANTS["dynamic_cp"](whole)).iteration_time_s
+                            / simulate(whole, VARIANTS["skrull"](whole)).iteration_time_s)
+
+        def geomean(values: list[float]) -> float:
+            return float(np.exp(np.mean(np.log(values))))
+
+        print(f"| {case.label} | {geomean(in_groups):.3f}x | {min(in_groups):.3f}x | {geomean(dynamic):.3f}x | "
+              f"{min(dynamic):.3f}x | {spanned}/{num_batches} | {geomean(uncapped):.3f}x | {min(uncapped):.3f}x |")
 
 
 def cpsat_gap(num_batches: int, seed: int, time_limit_s: float) -> None:
@@ -286,6 +319,7 @@ def main() -> None:
     speedup_table("Figure 3 cases", FIGURE_3, names, num_batches, args.seed)
     speedup_table("Long-heavy shapes", LONG_HEAVY, ["skrull", "skrull_binary", "skrull_paper", "balanced"],
                   num_batches, args.seed)
+    spanning_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed)
     cpsat_gap(3 if args.full else 2, args.seed, time_limit_s=20.0 if args.full else 5.0)
     tiny_batch_optimality(120 if args.full else 40, args.seed)
     budget_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, budgets=(512, 2048))

@@ -11,7 +11,12 @@ block_degrees(cp_size))`` per row (4 + 2 for cp_size 8), because
 ``dist.new_group`` is collective over the world and cannot be called lazily by
 only the ranks of one micro-batch. ``ParallelContext.cp_block_group(first, s)``
 looks a block up by its first CP rank and size; the block of all ``cp_size``
-ranks is the CP group itself.
+ranks is the CP group itself. Spanning micro-batches (blocks of several DP
+replicas, docs/design.md, "Blocks that span DP replicas") shard over aligned
+blocks of world ranks that no CP group holds; ``init_parallel`` creates those
+too (``ParallelDims.span_block_ranks``), and
+``ParallelContext.world_block_group(first, s)`` looks up any aligned block of
+world ranks holding this rank.
 
 Every process group (the world, the mesh's, the flattened DP × CP mesh FSDP
 shards over, the block groups, the gloo object group) is created with the same
@@ -57,6 +62,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from scheduler_service.core.check import spanning_widths
+from scheduler_service.core.costing import place_degrees
 from scheduler_service.core.plan import block_degrees, cp_blocks
 from trainer_client.torch_compat import default_store, flatten_mesh, group_options
 
@@ -100,6 +107,27 @@ class ParallelDims:
         return tuple((dp_rank, block) for degree in block_degrees(self.cp_size) for dp_rank in range(self.dp_size)
                      for block in cp_blocks(self.cp_size, degree))
 
+    def is_cp_block(self, ranks: tuple[int, ...]) -> bool:
+        """Whether consecutive world ``ranks`` are an aligned block of one DP row's CP group (or the group)."""
+        offset = ranks[0] % self.cp_size
+        return (ranks[0] // self.cp_size == ranks[-1] // self.cp_size and self.cp_size % len(ranks) == 0
+                and offset % len(ranks) == 0)
+
+    def span_block_ranks(self) -> tuple[tuple[int, ...], ...]:
+        """Every aligned block of world ranks a spanning micro-batch may shard over that is not a CP group's block,
+        in the order groups are created: per spanning block of ``w`` DP replicas (``check.spanning_widths``, then
+        its first replica), each aligned block of its ``w × cp_size`` ranks at every degree, each block once."""
+        blocks: dict[tuple[int, ...], None] = {}
+        for width in spanning_widths(self.dp_size):
+            for first_dp_rank in range(0, self.dp_size - width + 1, width):
+                first = first_dp_rank * self.cp_size
+                for degree in place_degrees(width * self.cp_size)[1:]:
+                    for start in range(first, first + width * self.cp_size, degree):
+                        ranks = tuple(range(start, start + degree))
+                        if not self.is_cp_block(ranks):
+                            blocks.setdefault(ranks)
+        return tuple(blocks)
+
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
             raise ValueError(
@@ -122,6 +150,8 @@ class ParallelContext:
     cp_group: dist.ProcessGroup
     # (first CP rank, size) → process group, for every aligned block of the CP group that holds this rank.
     cp_block_groups: Mapping[tuple[int, int], dist.ProcessGroup]
+    # (first world rank, size) → process group, for every block of ``span_block_ranks`` that holds this rank.
+    span_groups: Mapping[tuple[int, int], dist.ProcessGroup]
     object_group: dist.ProcessGroup  # gloo: plans and decisions travel here even when training on NCCL
     collective_timeout: timedelta  # of every group above
 
@@ -137,6 +167,19 @@ class ParallelContext:
         if group is None:
             raise ValueError(f"CP rank {self.cp_rank} has no group for the block of {degree} CP ranks from "
                              f"{first_cp_rank}: not an aligned block of cp_size {self.dims.cp_size} holding it")
+        return group
+
+    def world_block_group(self, first_rank: int, size: int) -> dist.ProcessGroup:
+        """The process group of world ranks ``[first_rank, first_rank + size)``, a block of a spanning micro-batch
+        (or of this rank's CP group) holding this rank."""
+        ranks = tuple(range(first_rank, first_rank + size))
+        if self.dims.is_cp_block(ranks) and first_rank // self.dims.cp_size == self.dp_rank:
+            return self.cp_block_group(first_rank % self.dims.cp_size, size)
+        group = self.span_groups.get((first_rank, size))
+        if group is None:
+            raise ValueError(f"rank {self.global_rank} has no group for the block of {size} world ranks from "
+                             f"{first_rank}: not a spanning block of dp {self.dims.dp_size} x cp "
+                             f"{self.dims.cp_size} holding it")
         return group
 
 
@@ -191,12 +234,13 @@ def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_T
     global_rank = dist.get_rank()
     dp_rank, cp_rank = dims.coordinates(global_rank)
     cp_block_groups = _new_cp_block_groups(dims, global_rank, timeout)
+    span_groups = _new_span_groups(dims, global_rank, timeout)
     object_group = dist.new_group(backend="gloo", timeout=timeout) if use_cuda else dist.group.WORLD
     assert object_group is not None
     cp_group = mesh.get_group("cp")
     return ParallelContext(dims=dims, mesh=mesh, shard_mesh=shard_mesh, global_rank=global_rank, dp_rank=dp_rank,
                            cp_rank=cp_rank, device=device, cp_group=cp_group, cp_block_groups=cp_block_groups,
-                           object_group=object_group, collective_timeout=timeout)
+                           span_groups=span_groups, object_group=object_group, collective_timeout=timeout)
 
 
 def destroy_groups(parallel: ParallelContext) -> None:
@@ -205,7 +249,7 @@ def destroy_groups(parallel: ParallelContext) -> None:
     NCCL's buffers on the GPU among them. Every rank calls it, after the context's last collective."""
     world = dist.group.WORLD
     groups = [parallel.mesh.get_group("dp"), parallel.mesh.get_group("cp"), parallel.shard_mesh.get_group(),
-              *parallel.cp_block_groups.values(), parallel.object_group]
+              *parallel.cp_block_groups.values(), *parallel.span_groups.values(), parallel.object_group]
     for group in {id(group): group for group in groups if group is not world}.values():
         dist.destroy_process_group(group)
 
@@ -222,6 +266,20 @@ def _new_cp_block_groups(
         if row == dp_rank and cp_rank in block:
             assert group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
             groups[(block[0], len(block))] = group
+    return groups
+
+
+def _new_span_groups(
+    dims: ParallelDims, global_rank: int, timeout: timedelta
+) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """Create the group of every block of ``span_block_ranks``; keep this rank's. Every rank runs the same calls in
+    the same order."""
+    groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+    for ranks in dims.span_block_ranks():
+        group = dist.new_group(list(ranks), timeout=timeout)
+        if global_rank in ranks:
+            assert group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
+            groups[(ranks[0], len(ranks))] = group
     return groups
 
 

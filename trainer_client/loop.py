@@ -5,7 +5,8 @@ which ``SkrullBatches.plan`` returns as a ``RankBatch``:
 
 1. the plan: rank 0 asks ``PlanSource`` (the scheduler service, else the embedded planner, which plans the
    same) and broadcasts the decision; every rank checks it against its own copy of the batch (``decide_plan``);
-2. this rank's micro-batches of it, in plan order, packed for DACP (``pack_micro_batch``: input ids,
+2. this rank's micro-batches of it, in plan order (the spanning micro-batches its DP rank is part of first), packed
+   for DACP (``pack_micro_batch``: input ids,
    next-token targets, positions and the attention metadata); under FSDP with the zero-loss padding
    micro-batches that keep every rank's collectives matched (``micro_batch_packers``);
 3. the loss normaliser, the loss-token count of the *whole* global batch. Each micro-batch's summed token
@@ -32,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from scheduler_service.core.check import check_plan
+from scheduler_service.core.costing import place_degrees
 from scheduler_service.core.models import ModelShape
-from scheduler_service.core.plan import MicroBatch, Plan, SchedulerName
+from scheduler_service.core.plan import MicroBatch, Plan, SchedulerName, SpanningMicroBatch
 from scheduler_service.core.profile import Profile
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
 from trainer_client.dacp.prefetch import PrefetchedMicroBatches
@@ -50,7 +52,7 @@ from trainer_client.plan_client import (
     PlanSource,
 )
 
-__all__ = ["PlanningFailed", "RankBatch", "SkrullBatches", "decide_plan", "micro_batch_packers"]
+__all__ = ["PlanningFailed", "RankBatch", "SkrullBatches", "decide_plan", "micro_batch_packers", "run_order"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -207,10 +209,10 @@ def micro_batch_packers(
     samples: Sequence[Sample], plan: Plan, *, parallel: ParallelContext, sharding: Sharding, pad_token_id: int,
 ) -> list[Callable[[], PackedMicroBatch]]:
     """This rank's micro-batches of ``plan`` in plan order, each packed when called (a prefetch thread may pack
-    ahead, ``dacp/prefetch.py``); under FSDP the idle ones are padding, and padding follows them where the sharding
-    needs as many micro-batches as another DP rank runs (``num_padding_micro_batches``)."""
-    micro_batches = plan.dp_ranks[parallel.dp_rank].micro_batches
-    cp_size = parallel.dims.cp_size
+    ahead, ``dacp/prefetch.py``): the spanning micro-batches its DP rank is part of, in the plan's order, then its
+    DP rank's own. Under FSDP the idle ones are padding, and padding follows them where the sharding needs as many
+    micro-batches as another DP rank runs (``num_padding_micro_batches``)."""
+    dp_rank, cp_size = parallel.dp_rank, parallel.dims.cp_size
     padding = padding_micro_batch(cp_size=cp_size, cp_rank=parallel.cp_rank, pad_token_id=pad_token_id)
 
     def pack(micro_batch: MicroBatch) -> PackedMicroBatch:
@@ -219,6 +221,50 @@ def micro_batch_packers(
                                   pad_token_id=pad_token_id)
         return padding if packed.is_idle and sharding is not Sharding.NONE else packed
 
-    max_planned = max(len(dp_rank.micro_batches) for dp_rank in plan.dp_ranks)
-    num_padding = num_padding_micro_batches(sharding, num_planned=len(micro_batches), max_planned=max_planned)
-    return [functools.partial(pack, micro_batch) for micro_batch in micro_batches] + [lambda: padding] * num_padding
+    def pack_spanning(spanning: SpanningMicroBatch) -> PackedMicroBatch:
+        """This rank's row of a spanning micro-batch: a micro-batch of the block's ranks, this rank at its position
+        there, each block it shards over found among the world's groups."""
+        world_ranks = spanning.world_ranks(cp_size)
+        position = parallel.global_rank - world_ranks[0]
+        block_groups = {(first, degree): parallel.world_block_group(world_ranks[0] + first, degree)
+                        for degree in place_degrees(len(world_ranks))[1:-1]
+                        for first in range(0, len(world_ranks), degree) if first <= position < first + degree}
+        packed = pack_micro_batch(samples, spanning.micro_batch, cp_size=len(world_ranks), cp_rank=position,
+                                  cp_group=parallel.world_block_group(world_ranks[0], len(world_ranks)),
+                                  cp_block_groups=block_groups, pad_token_id=pad_token_id)
+        return padding if packed.is_idle and sharding is not Sharding.NONE else packed
+
+    packers: list[Callable[[], PackedMicroBatch]] = [
+        (lambda: padding) if entry is None
+        else functools.partial(pack_spanning, entry) if isinstance(entry, SpanningMicroBatch)
+        else functools.partial(pack, entry)
+        for entry in run_order(plan, dp_rank, lockstep=sharding is not Sharding.NONE)]
+    if plan.spanning and sharding is not Sharding.NONE:
+        return packers  # in lockstep: every rank runs as many
+    max_planned = max(plan.micro_batches_of(rank) for rank in range(len(plan.dp_ranks)))
+    num_padding = num_padding_micro_batches(sharding, num_planned=plan.micro_batches_of(dp_rank),
+                                            max_planned=max_planned)
+    return packers + [lambda: padding] * num_padding
+
+
+def run_order(plan: Plan, dp_rank: int, *, lockstep: bool) -> list[MicroBatch | SpanningMicroBatch | None]:
+    """What DP rank ``dp_rank`` runs, in order: the spanning micro-batches it is part of, in the plan's order, then
+    its own (docs/design.md, "Blocks that span DP replicas"); None is a padding micro-batch.
+
+    ``lockstep``: under FSDP every micro-batch of every rank takes part in world collectives (parameter gathers,
+    gradient reduce-scatters) between its layers' attention collectives, so a spanning micro-batch must run at the
+    same position on each of its replicas and every rank must run as many: a replica that reaches a spanning
+    micro-batch early runs padding until its peers are there, and every list is padded to the longest. Without
+    FSDP, the plan's order alone keeps every group's collectives in one order on all its ranks."""
+    own: list[MicroBatch | SpanningMicroBatch | None] = list(plan.dp_ranks[dp_rank].micro_batches)
+    if not lockstep or not plan.spanning:
+        return [spanning for spanning in plan.spanning if dp_rank in spanning.dp_ranks] + own
+    orders: list[list[MicroBatch | SpanningMicroBatch | None]] = [[] for _ in plan.dp_ranks]
+    for spanning in plan.spanning:
+        slot = max(len(orders[rank]) for rank in spanning.dp_ranks)
+        for rank in spanning.dp_ranks:
+            orders[rank] += [None] * (slot - len(orders[rank])) + [spanning]
+    for rank, dp_plan in enumerate(plan.dp_ranks):
+        orders[rank] += dp_plan.micro_batches
+    longest = max(map(len, orders))
+    return orders[dp_rank] + [None] * (longest - len(orders[dp_rank]))

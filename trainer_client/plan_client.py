@@ -403,6 +403,8 @@ def measurements_of(
             slowest[key] = timing
         if timing.peak_memory_bytes is not None:
             peaks[key] = max(peaks.get(key, 0), timing.peak_memory_bytes)
+    if plan.spanning:  # a measurement is of one CP group's micro-batch (docs/known-limits.md)
+        return []
     return [micro_batch_to_measurement(plan.dp_ranks[dp_rank].micro_batches[index], sequence_lengths,
                                        time_s=timing.time_s, peak_memory_bytes=peaks.get((dp_rank, index)))
             for (dp_rank, index), timing in sorted(slowest.items())]

@@ -32,7 +32,8 @@ import numpy.typing as npt
 from scheduler_service.core.errors import PlanCheckError
 from scheduler_service.core.plan import MicroBatch, Places, Plan, block_degrees, cp_blocks
 
-__all__ = ["block_violation", "check_places", "check_plan", "find_violations", "spanning_block_violation"]
+__all__ = ["block_violation", "check_places", "check_plan", "find_violations", "spanning_block_violation",
+           "spanning_widths"]
 
 
 def block_violation(cp_ranks: tuple[int, ...], cp_size: int) -> str | None:
@@ -46,11 +47,20 @@ def block_violation(cp_ranks: tuple[int, ...], cp_size: int) -> str | None:
     return None
 
 
+def spanning_widths(dp_size: int) -> tuple[int, ...]:
+    """How many DP replicas a spanning block may have: the powers of two from 2 up to ``dp_size``, and
+    ``dp_size`` itself (the whole world). A trainer creates the process groups of every such block up front."""
+    powers = [1 << shift for shift in range(1, dp_size.bit_length()) if 1 << shift <= dp_size]
+    return tuple(sorted({*powers, dp_size} - {1}))
+
+
 def spanning_block_violation(first_dp_rank: int, num_dp_ranks: int, dp_size: int) -> str | None:
     """Why DP replicas ``first_dp_rank .. + num_dp_ranks − 1`` are not a spanning block of ``dp_size`` replicas
-    (None when they are): at least two, consecutive, starting at a multiple of their number, within the world."""
-    if num_dp_ranks < 2:
-        return f"spans {num_dp_ranks} DP replica(s); a spanning block needs at least 2"
+    (None when they are): a width of ``spanning_widths``, consecutive, starting at a multiple of their number,
+    within the world."""
+    if num_dp_ranks not in spanning_widths(dp_size):
+        return (f"spans {num_dp_ranks} DP replica(s); a spanning block of dp_size {dp_size} spans "
+                f"{', '.join(map(str, spanning_widths(dp_size))) or 'nothing: one replica cannot span'}")
     if first_dp_rank < 0 or first_dp_rank % num_dp_ranks or first_dp_rank + num_dp_ranks > dp_size:
         return (f"DP replicas {first_dp_rank}..{first_dp_rank + num_dp_ranks - 1} are not an aligned block of "
                 f"dp_size {dp_size} (consecutive, starting at a multiple of {num_dp_ranks})")

@@ -19,7 +19,7 @@ from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, So
 from scheduler_service.core.simulate import PlanEstimate, estimate_plan, iteration_lower_bound_s, simulate
 from scheduler_service.core.spanning import plan_with_spanning, with_needed_spanning
 
-__all__ = ["HEURISTIC_SCHEDULERS", "PlanResult", "make_plan", "parse_scheduler", "schedule", "warm_up"]
+__all__ = ["HEURISTIC_SCHEDULERS", "PlanResult", "make_plan", "parse_scheduler", "schedule", "skrull", "warm_up"]
 
 DEFAULT_CPSAT_TIME_LIMIT_S = 10.0
 
@@ -40,8 +40,20 @@ class PlanResult:
         return self.baseline_time_s / self.estimate.iteration_time_s
 
 
+def skrull(problem: PlanningProblem, *, budget: int | None = None) -> Plan:
+    """Skrull: GDS + hybrid DACP within CP groups (``gds.skrull``), with spanning micro-batches for the sequences
+    that need them and where the simulator finds them faster (``spanning.plan_with_spanning``)."""
+    return plan_with_spanning(problem, lambda part: gds.skrull(part, budget=budget), _skrull_fast)
+
+
+def _skrull_fast(problem: PlanningProblem) -> Plan:
+    """Skrull's GDS with hybrid DACP, not refined across micro-batches: how spanning candidates are costed."""
+    return Plan.from_places(gds.gds_places(problem, problem.area, HYBRID)[0], dp_size=problem.dp_size,
+                            cp_size=problem.cp_size)
+
+
 HEURISTIC_SCHEDULERS: dict[SchedulerName, Callable[[PlanningProblem], Plan]] = {
-    SchedulerName.SKRULL: gds.skrull,
+    SchedulerName.SKRULL: skrull,
     SchedulerName.SKRULL_BINARY: gds.skrull_binary,
     SchedulerName.SKRULL_PAPER: gds.skrull_paper,
     SchedulerName.DEEPSPEED: baselines.deepspeed,
@@ -63,12 +75,6 @@ def parse_scheduler(name: str | SchedulerName) -> SchedulerName:
         raise UnknownSchedulerError(str(name), [s.value for s in SchedulerName]) from None
 
 
-def _skrull_fast(problem: PlanningProblem) -> Plan:
-    """Skrull's GDS with hybrid DACP, not refined across micro-batches: how spanning candidates are costed."""
-    return Plan.from_places(gds.gds_places(problem, problem.area, HYBRID)[0], dp_size=problem.dp_size,
-                            cp_size=problem.cp_size)
-
-
 def schedule(
     problem: PlanningProblem, scheduler: str | SchedulerName, *, time_limit_s: float = DEFAULT_CPSAT_TIME_LIMIT_S,
     search_budget: int | None = None,
@@ -76,7 +82,7 @@ def schedule(
     """The raw plan of one scheduler (unchecked), with the solver's report for cpsat."""
     name = parse_scheduler(scheduler)
     if name is SchedulerName.SKRULL:
-        return plan_with_spanning(problem, lambda part: gds.skrull(part, budget=search_budget), _skrull_fast), None
+        return skrull(problem, budget=search_budget), None
     if name is SchedulerName.CPSAT:
         from scheduler_service.core import cpsat  # ortools is only needed for offline comparison
 

@@ -4,8 +4,8 @@ Skrull confines a sequence to one DP replica's CP group, so one group's capacity
 bounds the longest sequence, and a few long sequences, each owned by one replica, leave the others idle. A
 **spanning micro-batch** (``plan.SpanningMicroBatch``) runs over an aligned block of ``w`` replicas, ``w × cp_size``
 ranks, as one synchronised step: the block is one CP group of that size to DACP, the cost model and the checker
-(``PlanningProblem.span_problem``). Block widths are powers of two (``SPANNING_WIDTHS``); what other widths would
-gain is measured in docs/benchmarks.md.
+(``PlanningProblem.span_problem``). Block widths are powers of two, and the whole world
+(``check.spanning_widths``).
 
 * **Needed.** A sequence longer than one group holds runs in a spanning micro-batch of the narrowest width that
   holds it (``needed_width``).
@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from scheduler_service.core.check import spanning_widths
 from scheduler_service.core.dacp import decide
 from scheduler_service.core.dacp_search import HYBRID
 from scheduler_service.core.gds_search import fewest_that_spread
@@ -41,16 +42,10 @@ __all__ = [
     "needed_width",
     "plan_with_spanning",
     "spanning_micro_batches",
-    "spanning_widths",
     "with_needed_spanning",
 ]
 
 Timed = list[tuple[SpanningMicroBatch, float]]  # spanning micro-batches and their times under the cost model
-
-
-def spanning_widths(dp_size: int) -> tuple[int, ...]:
-    """The block widths (in DP replicas) Skrull plans: the powers of two from 2 to ``dp_size``."""
-    return tuple(1 << shift for shift in range(1, dp_size.bit_length()) if 1 << shift <= dp_size)
 
 
 def needed_width(problem: PlanningProblem, length: int) -> int:
