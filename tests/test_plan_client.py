@@ -69,7 +69,9 @@ def test_prefetched_plan_is_used_for_its_batch(service: TestClient) -> None:
     source.prefetch(1, LENGTHS[:8])
     decision = source.decide(1, LENGTHS[:8])
     assert decision.origin is PlanOrigin.SERVICE
-    assert sorted(i for d in decision.plan.dp_ranks for mb in d.micro_batches for i in mb.indices()) == list(range(8))
+    plan = decision.plan
+    assert sorted([i for d in plan.dp_ranks for mb in d.micro_batches for i in mb.indices()]
+                  + [i for spanning in plan.spanning for i in spanning.micro_batch.indices()]) == list(range(8))
     source.close()
 
 
@@ -165,17 +167,17 @@ def test_rejected_request_is_not_retried(service: TestClient) -> None:
 
     http = httpx.Client(base_url="http://planner", transport=httpx.MockTransport(counting))
     client = PlanClient("http://planner", client=http, max_attempts=3, backoff_s=0.01)
-    too_long = _source(None)._request([BUCKET_SIZE * CP + 1, 10])
-    with pytest.raises(PlanRejected, match=r"422.*sequence 0 has 2049 tokens"):
+    too_long = _source(None)._request([BUCKET_SIZE * CP * DP + 1, 10])
+    with pytest.raises(PlanRejected, match=r"422.*sequence 0 has 4097 tokens"):
         client.plan(too_long)
     assert len(calls) == 1
 
 
 def test_batch_no_planner_can_plan_becomes_an_error_decision(service: TestClient) -> None:
     source = _source(PlanClient("http://testserver", client=service))
-    decision = source.decide(3, [BUCKET_SIZE * CP + 1, 10])
+    decision = source.decide(3, [BUCKET_SIZE * CP * DP + 1, 10])
     assert decision.plan is None and decision.origin is PlanOrigin.EMBEDDED
-    assert decision.error is not None and "global batch 3" in decision.error and "sequence 0 has 2049" in decision.error
+    assert decision.error is not None and "global batch 3" in decision.error and "sequence 0 has 4097" in decision.error
 
 
 def test_plan_failing_the_checker_falls_back(service: TestClient, caplog: pytest.LogCaptureFixture) -> None:

@@ -79,6 +79,9 @@ def _next_round(lengths: list[int], order: list[int], pool: int, rank_tokens: in
         best: tuple[float, int | None, int, int] | None = None  # (heaviest rank, group, first rank, size)
         size = _group_size(length, rank_tokens)
         while size <= pool:
+            if pool % size:  # not an aligned block of this pool: Megatron's pools are powers of two
+                size *= 2
+                continue
             load = length * length / size
             for group, (first, group_size, _) in enumerate(round_.groups):
                 if group_size != size or round_.tokens[first] + length / size > rank_tokens:
@@ -105,7 +108,7 @@ def _fill_idle(round_: _Round) -> bool:
         groups = sorted(range(len(round_.groups)), key=lambda g: (round_.groups[g][1], g))
         for g in groups:
             first, size, members = round_.groups[g]
-            if first % (2 * size) == 0 and 2 * size <= round_.pool:
+            if first % (2 * size) == 0 and round_.pool % (2 * size) == 0:
                 later = [(f + size, s, m) for f, s, m in round_.groups[g + 1:]]
                 if any(f % s or f + s > round_.pool for f, s, _ in later):
                     continue

@@ -391,6 +391,16 @@ def _validate_node_alignment(cp_size: int, gpus_per_node: int) -> None:
                 f"{gpus_per_node} GPUs: with nodes, use a power-of-two cp_size", field="cp_size")
 
 
+def _prices_the_world(perf: PerformanceModel, world_size: int) -> bool:
+    """Whether the profile prices a block of the whole world: one across nodes needs its inter-node tables, and
+    without them no plan spans DP replicas."""
+    try:
+        perf.collective_cost(world_size)
+    except InvalidRequestError:
+        return False
+    return True
+
+
 def make_problem(
     *,
     sequence_lengths: Sequence[int],
@@ -426,7 +436,7 @@ def make_problem(
                 field="bucket_size",
             )
     bucket_size = _validate_int(bucket_size, "bucket_size", 1, limits.max_sequence_length)
-    spanning = spanning and dp_size > 1
+    spanning = spanning and dp_size > 1 and _prices_the_world(perf, dp_size * cp_size)
     for index, length in enumerate(lengths):
         if length > bucket_size * cp_size * (dp_size if spanning else 1):
             raise SequenceTooLongError(index=index, num_tokens=length, bucket_size=bucket_size, cp_size=cp_size,
