@@ -28,14 +28,26 @@ SEARCH_BUDGETS = (None, 40)  # the default, and enough for the iterated local se
 
 
 def problems() -> list[PlanningProblem]:
-    """Every shape under the shipped profile, and the first two with a launch-bound floor too."""
+    """Every shape under the shipped profile, and the first two with a launch-bound floor too; then batches that
+    span DP replicas: each of the first shapes with one sequence longer than a CP group holds, and a short batch
+    with one outlier that a replica would run alone."""
     priced = [(shape, DEFAULT_PROFILE) for shape in SHAPES] + [
         (shape, with_floor(LAUNCH_BOUND_FLOOR_S_PER_LAYER)) for shape in SHAPES[:2]]
-    return [make_problem(sequence_lengths=sample_lengths(sampler, NUM_SEQUENCES, np.random.default_rng(seed),
-                                                         max_length=bucket_size * cp_size).tolist(),
-                         dp_size=dp_size, cp_size=cp_size, model=model, bucket_size=bucket_size, profile=profile)
-            for seed, sampler in enumerate(DATASETS)
-            for (dp_size, cp_size, bucket_size, model), profile in priced]
+    within_groups = [
+        make_problem(sequence_lengths=sample_lengths(sampler, NUM_SEQUENCES, np.random.default_rng(seed),
+                                                     max_length=bucket_size * cp_size).tolist(),
+                     dp_size=dp_size, cp_size=cp_size, model=model, bucket_size=bucket_size, profile=profile)
+        for seed, sampler in enumerate(DATASETS)
+        for (dp_size, cp_size, bucket_size, model), profile in priced]
+    spanning = [
+        make_problem(sequence_lengths=[*sample_lengths("lmsys", NUM_SEQUENCES - 1, np.random.default_rng(7),
+                                                       max_length=bucket_size * cp_size).tolist(),
+                                       bucket_size * cp_size * 3 // 2],
+                     dp_size=dp_size, cp_size=cp_size, model=model, bucket_size=bucket_size)
+        for dp_size, cp_size, bucket_size, model in SHAPES[:4] if dp_size > 1]
+    outlier = make_problem(sequence_lengths=[300] * 60 + [30000], dp_size=4, cp_size=8, model="qwen2.5-0.5b",
+                           bucket_size=26000)
+    return within_groups + spanning + [outlier]
 
 
 def plans() -> list[dict[str, Any]]:
@@ -54,6 +66,7 @@ def plans() -> list[dict[str, Any]]:
                 found.append({"scheduler": name.value, "budget": budget,
                               "places": [places.micro_batch.tolist(), places.degree.tolist(),
                                          places.first_rank.tolist(), places.dp_rank.tolist()],
+                              "spanning": repr(result.plan.spanning),
                               "time_s": result.estimate.iteration_time_s, "baseline_s": result.baseline_time_s,
                               "critical": None if critical is None else [critical.time_s, critical.exposed_comm_s]})
         if problem.num_sequences and sum(problem.sequence_lengths) <= problem.micro_batch_capacity:

@@ -7,7 +7,15 @@ from hypothesis import HealthCheck, given, settings
 from scheduler_service.core import baselines, gds
 from scheduler_service.core.check import check_places, check_plan, find_violations
 from scheduler_service.core.errors import PlanCheckError
-from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem, make_problem
+from scheduler_service.core.plan import (
+    DPRankPlan,
+    MicroBatch,
+    Places,
+    Plan,
+    PlanningProblem,
+    SpanningMicroBatch,
+    make_problem,
+)
 from tests.problem_builders import hybrid_problems
 
 LENGTHS = [100, 200, 300, 400]
@@ -99,3 +107,29 @@ def test_places_over_the_bucket_are_refused_with_the_checkers_sentences() -> Non
     misaligned = Places(np.array([0, 0]), np.array([1, 2]), np.array([0, 1]), np.array([0]))
     with pytest.raises(PlanCheckError):
         check_places(misaligned, sequence_lengths=problem.lengths, dp_size=1, cp_size=4, bucket_size=4000)
+
+
+def _spanning_plan(first_dp_rank: int, num_dp_ranks: int, local: tuple[tuple[int, ...], ...],
+                   distributed: tuple[int, ...] = (), dp_size: int = 4) -> Plan:
+    return Plan(dp_ranks=(DPRankPlan(micro_batches=()),) * dp_size, spanning=(SpanningMicroBatch(
+        first_dp_rank=first_dp_rank, num_dp_ranks=num_dp_ranks,
+        micro_batch=MicroBatch(local=local, distributed=distributed)),))
+
+
+def test_a_spanning_block_must_be_aligned_replicas_of_an_allowed_width() -> None:
+    def violations(plan: Plan) -> list[str]:
+        return find_violations(plan, sequence_lengths=[10, 20], dp_size=4, cp_size=2, bucket_size=100)
+
+    assert violations(_spanning_plan(0, 2, ((0,), (1,), (), ()))) == []
+    assert "spanning[0] DP replicas 1..2 are not an aligned block of dp_size 4" in violations(
+        _spanning_plan(1, 2, ((0,), (1,), (), ())))[0]
+    assert "spanning[0] spans 3 DP replica(s); a spanning block of dp_size 4 spans 2, 4" in violations(
+        _spanning_plan(0, 3, ((0,), (1,), (), (), (), ())))[0]
+    assert "its block has 4 ranks" in violations(_spanning_plan(0, 2, ((0,), (1,))))[0]
+
+
+def test_a_rank_of_a_spanning_block_over_the_bound_is_named_by_its_world_rank() -> None:
+    plan = _spanning_plan(2, 2, ((), (), (0,), ()), distributed=(1,))
+    assert find_violations(plan, sequence_lengths=[90, 80], dp_size=4, cp_size=2, bucket_size=100) == [
+        "spanning[0] (DP replicas 2..3, world ranks 4..7) world rank 6 (block rank 2) holds 90 local + 80/4 "
+        "distributed tokens > bucket_size 100"]

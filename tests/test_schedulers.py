@@ -219,3 +219,45 @@ def test_a_sequence_sharded_over_a_single_rank_costs_what_it_costs_whole() -> No
     local = simulate(problem, make_plan(problem, "skrull").plan).iteration_time_s
     sharded = baselines.deepspeed_time_s(problem)
     assert sharded == pytest.approx(local, rel=1e-12)
+
+
+@st.composite
+def world_problems(draw: st.DrawFn, max_sequences: int = 24) -> PlanningProblem:
+    """Batches of 2-4 DP replicas whose sequences may be as long as the whole world holds."""
+    dp_size, cp_size = draw(st.integers(2, 4)), draw(st.integers(1, 4))
+    bucket_size = draw(st.integers(16, 2048))
+    lengths = draw(st.lists(st.integers(1, bucket_size * cp_size * dp_size), min_size=1, max_size=max_sequences))
+    return make_problem(sequence_lengths=lengths, dp_size=dp_size, cp_size=cp_size,
+                        model=draw(st.sampled_from(["tiny", "qwen2.5-0.5b"])), bucket_size=bucket_size)
+
+
+@pytest.mark.parametrize("scheduler", [s for s in SchedulerName if s is not SchedulerName.CPSAT])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=world_problems())
+def test_every_scheduler_plans_sequences_up_to_the_worlds_capacity(scheduler: SchedulerName,
+                                                                   problem: PlanningProblem) -> None:
+    plan = make_plan(problem, scheduler).plan  # checked inside: each sequence once, every rank within the bound
+    assert violations_of(problem, plan) == []
+    needed = set(problem.too_long_for_a_replica())
+    assert needed <= {i for spanning in plan.spanning for i in spanning.micro_batch.indices()}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=problems())
+def test_spanning_never_makes_skrulls_plan_slower(problem: PlanningProblem) -> None:
+    within_groups_s = simulate(problem, gds.skrull(problem)).iteration_time_s
+    assert make_plan(problem).estimate.iteration_time_s <= within_groups_s * (1 + 1e-12)
+
+
+def test_a_replica_that_runs_one_long_sequence_alone_shares_it_with_the_others() -> None:
+    lengths = [300] * 60 + [30000]  # within CP groups one replica runs the 30K sequence while three idle
+    problem = make_problem(sequence_lengths=lengths, dp_size=4, cp_size=8, model="qwen2.5-0.5b", bucket_size=26000)
+    result = make_plan(problem)
+    assert [spanning.micro_batch.indices() for spanning in result.plan.spanning] == [[60]]
+    assert result.estimate.iteration_time_s < 0.5 * simulate(problem, gds.skrull(problem)).iteration_time_s
+
+
+def test_a_client_that_cannot_span_gets_plans_within_cp_groups() -> None:
+    problem = make_problem(sequence_lengths=[300] * 60 + [30000], dp_size=4, cp_size=8, model="qwen2.5-0.5b",
+                           bucket_size=26000, spanning=False)
+    assert make_plan(problem).plan.spanning == ()

@@ -16,8 +16,14 @@ from scheduler_service.core.dacp_search import HYBRID
 from scheduler_service.core.dynamic_cp import dynamic_cp
 from scheduler_service.core.errors import UnknownSchedulerError
 from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
-from scheduler_service.core.simulate import PlanEstimate, estimate_plan, iteration_lower_bound_s, simulate
-from scheduler_service.core.spanning import plan_with_spanning, with_needed_spanning
+from scheduler_service.core.simulate import (
+    PlanEstimate,
+    estimate_places,
+    estimate_plan,
+    iteration_lower_bound_s,
+    simulate,
+)
+from scheduler_service.core.spanning import plan_with_spanning, spanned_if_faster, with_needed_spanning
 
 __all__ = ["HEURISTIC_SCHEDULERS", "PlanResult", "make_plan", "parse_scheduler", "schedule", "skrull", "warm_up"]
 
@@ -111,22 +117,31 @@ def make_plan(
     name = parse_scheduler(scheduler)
     started = time.perf_counter()
     report = None
-    if name is SchedulerName.SKRULL_BINARY and not problem.too_long_for_a_replica():
-        places = gds.skrull_binary_places(problem)
-        solve_time_s = time.perf_counter() - started
+    within_groups = not problem.too_long_for_a_replica()
+    if within_groups and (name is SchedulerName.SKRULL or name is SchedulerName.SKRULL_BINARY):
+        places = (gds.skrull_places(problem, budget=search_budget) if name is SchedulerName.SKRULL
+                  else gds.skrull_binary_places(problem))
         check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
                      bucket_size=problem.bucket_size)
         plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
+        estimate = estimate_places(problem, places)
+        spanned = (spanned_if_faster(problem, estimate, lambda part: gds.skrull(part, budget=search_budget),
+                                     _skrull_fast) if name is SchedulerName.SKRULL else None)
+        solve_time_s = time.perf_counter() - started
+        if spanned is not None:
+            plan = spanned
+            check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
+                       cp_size=problem.cp_size, bucket_size=problem.bucket_size)
+            estimate = estimate_plan(problem, plan)
     else:
         plan, report = schedule(problem, name, time_limit_s=time_limit_s, search_budget=search_budget)
         solve_time_s = time.perf_counter() - started
         check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
                    cp_size=problem.cp_size, bucket_size=problem.bucket_size)
-        places = plan.places(problem.num_sequences)
-    estimate = estimate_plan(problem, plan, places)
+        estimate = estimate_plan(problem, plan)
     if name is SchedulerName.DEEPSPEED:
         baseline_time_s = estimate.iteration_time_s
-    elif problem.too_long_for_a_replica():
+    elif not within_groups:
         baseline_time_s = simulate(problem, with_needed_spanning(problem, baselines.deepspeed)).iteration_time_s
     else:
         baseline_time_s = baselines.deepspeed_time_s(problem)

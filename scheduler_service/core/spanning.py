@@ -34,13 +34,14 @@ from scheduler_service.core.dacp_search import HYBRID
 from scheduler_service.core.gds_search import fewest_that_spread
 from scheduler_service.core.partition import lpt_parts
 from scheduler_service.core.plan import DPRankPlan, Plan, PlanningProblem, SpanningMicroBatch
-from scheduler_service.core.simulate import simulate, spanning_ready_s
+from scheduler_service.core.simulate import PlanEstimate, simulate, spanning_ready_s
 
 __all__ = [
     "MAX_CHOSEN",
     "join",
     "needed_width",
     "plan_with_spanning",
+    "spanned_if_faster",
     "spanning_micro_batches",
     "with_needed_spanning",
 ]
@@ -128,24 +129,29 @@ _MIN_IMBALANCE = 0.02  # the slowest replica's excess over the mean below which 
 
 def plan_with_spanning(problem: PlanningProblem, schedule: Callable[[PlanningProblem], Plan],
                        schedule_fast: Callable[[PlanningProblem], Plan]) -> Plan:
-    """``with_needed_spanning(problem, schedule)``, or a plan that spans the longest sequences where the simulator
-    finds one faster (module docstring, "Chosen"): candidates are costed with ``schedule_fast`` planning the rest,
-    the best one again with ``schedule``."""
-    best = with_needed_spanning(problem, schedule)
+    """``with_needed_spanning(problem, schedule)``, or a plan that spans the costliest sequences where the simulator
+    finds one faster (``spanned_if_faster``)."""
+    plan = with_needed_spanning(problem, schedule)
     if not problem.spanning:
-        return best
-    estimate = simulate(problem, best)
+        return plan
+    return spanned_if_faster(problem, simulate(problem, plan), schedule, schedule_fast) or plan
+
+
+def spanned_if_faster(problem: PlanningProblem, estimate: PlanEstimate, schedule: Callable[[PlanningProblem], Plan],
+                      schedule_fast: Callable[[PlanningProblem], Plan]) -> Plan | None:
+    """A plan that spans the costliest sequences and is faster than the plan ``estimate`` is of (module docstring,
+    "Chosen"), or None: candidates are costed with ``schedule_fast`` planning the rest, the best one again with
+    ``schedule``. A plan whose replicas are balanced costs nothing more here."""
     best_s = estimate.iteration_time_s
     mean_s = sum(rank.time_s for rank in estimate.dp_ranks) / problem.dp_size
-    if best_s <= (1 + _MIN_IMBALANCE) * mean_s:
-        return best  # the replicas are balanced: spreading the longest sequences wider cannot gain much
+    if not problem.spanning or best_s <= (1 + _MIN_IMBALANCE) * mean_s:
+        return None  # the replicas are balanced: spreading the costliest sequences wider cannot gain much
     needed = set(problem.too_long_for_a_replica())
-    costliest = [int(k) for k in np.argsort(-problem.area, kind="stable") if k not in needed]
-    long = costliest[:MAX_CHOSEN]
+    costliest = [int(k) for k in np.argsort(-problem.area, kind="stable") if k not in needed][:MAX_CHOSEN]
     widths = {index: needed_width(problem, problem.sequence_lengths[index]) for index in needed}
 
     def candidate(count: int, width: int, plan_rest: Callable[[PlanningProblem], Plan]) -> tuple[Plan, float]:
-        spanned = {**widths, **{index: max(width, widths.get(index, 0)) for index in long[:count]}}
+        spanned = {**widths, **{index: max(width, widths.get(index, 0)) for index in costliest[:count]}}
         timed: Timed = []
         for block_width in sorted(set(spanned.values())):
             timed += spanning_micro_batches(problem, [i for i in spanned if spanned[i] == block_width], block_width)
@@ -153,13 +159,12 @@ def plan_with_spanning(problem: PlanningProblem, schedule: Callable[[PlanningPro
         plan = join(problem, timed, rest, *_plan_rest(problem, rest, plan_rest))
         return plan, simulate(problem, plan).iteration_time_s
 
-    tried = [(count, width) for width in spanning_widths(problem.dp_size) for count in _CANDIDATE_COUNTS
-             if count <= len(long)]
-    costed = [(candidate(count, width, schedule_fast)[1], count, width) for count, width in tried]
+    costed = [(candidate(count, width, schedule_fast)[1], count, width)
+              for width in spanning_widths(problem.dp_size) for count in _CANDIDATE_COUNTS if count <= len(costliest)]
     if costed:
         fast_s, count, width = min(costed)
         if fast_s < best_s:
             plan, time_s = candidate(count, width, schedule)
             if time_s < best_s:
                 return plan
-    return best
+    return None
