@@ -439,3 +439,20 @@ def test_a_trickling_answer_is_cut_at_the_fetch_deadline_and_the_step_plans_embe
     assert decision.origin is PlanOrigin.EMBEDDED and decision.plan is not None
     assert source.num_fallbacks == 1
     assert 0 < server.bytes_sent < 4000  # the answer had started and was cut, not finished
+
+
+def test_a_source_without_spanning_plans_within_cp_groups_embedded_and_from_the_service(service: TestClient) -> None:
+    too_long_for_a_group = [BUCKET_SIZE * CP + 1, 10]
+    for spanning in (True, False):
+        embedded = PlanSource(scheduler="skrull", dp_size=DP, cp_size=CP, model="tiny", bucket_size=BUCKET_SIZE,
+                              spanning=spanning)
+        remote = PlanSource(scheduler="skrull", dp_size=DP, cp_size=CP, model="tiny", bucket_size=BUCKET_SIZE,
+                            client=PlanClient("http://testserver", client=service), spanning=spanning)
+        assert remote._request(too_long_for_a_group).schema_version == (2 if spanning else 1)
+        for source in (embedded, remote):
+            decision = source.decide(0, too_long_for_a_group)
+            if spanning:
+                assert decision.plan is not None and decision.plan.spanning
+            else:
+                assert decision.plan is None and "at most bucket_size 1024 × cp_size 2 = 2048 fit" in decision.error
+        remote.close()

@@ -253,7 +253,7 @@ def test_a_replica_that_runs_one_long_sequence_alone_shares_it_with_the_others()
     lengths = [300] * 60 + [30000]  # within CP groups one replica runs the 30K sequence while three idle
     problem = make_problem(sequence_lengths=lengths, dp_size=4, cp_size=8, model="qwen2.5-0.5b", bucket_size=26000)
     result = make_plan(problem)
-    assert [spanning.micro_batch.indices() for spanning in result.plan.spanning] == [[60]]
+    assert [60 in spanning.micro_batch.indices() for spanning in result.plan.spanning] == [True]
     assert result.estimate.iteration_time_s < 0.5 * simulate(problem, gds.skrull(problem)).iteration_time_s
 
 

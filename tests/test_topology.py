@@ -72,8 +72,9 @@ def test_without_blocks_across_nodes_every_plan_is_what_it_was(cp_size: int, dp_
     bucket_size = data.draw(st.integers(256, 4096))
     lengths = data.draw(st.lists(st.integers(1, bucket_size * cp_size), min_size=1, max_size=30))
     gpus_per_node = data.draw(st.sampled_from([cp_size, 2 * cp_size, 64]))
+    # spanning=False: a block over several DP replicas crosses nodes whenever a CP group fills one
     plans = [make_plan(make_problem(sequence_lengths=lengths, dp_size=dp_size, cp_size=cp_size, model="qwen2.5-0.5b",
-                                    bucket_size=bucket_size, gpus_per_node=nodes), "skrull")
+                                    bucket_size=bucket_size, gpus_per_node=nodes, spanning=False), "skrull")
              for nodes in (None, gpus_per_node)]
     assert plans[0].plan == plans[1].plan
     assert plans[0].estimate.iteration_time_s == plans[1].estimate.iteration_time_s

@@ -59,12 +59,13 @@ def test_unreachable_service_at_start_up_trains_with_embedded_plans(tmp_path: Pa
 
 @pytest.mark.slow
 def test_batch_no_planner_can_plan_stops_every_rank_with_the_reason() -> None:
-    # max-length above bucket_size × cp: the planner must refuse some sequence, and no rank may hang.
+    # max-length above bucket_size × cp × dp (the world): the planner must refuse some sequence, and no rank may
+    # hang.
     result = _torchrun(2, "--dp", "2", "--cp", "1", "--steps", "3", "--data", "synthetic:chatqa2",
                        "--bucket-size", "64", "--max-length", "100000")
     assert result.returncode != 0
     assert "error: cannot plan global batch 0: sequence" in result.stderr
-    assert "at most bucket_size 64 × cp_size 1 = 64 fit" in result.stderr
+    assert "at most bucket_size 64 × cp_size 1 × dp_size 2 = 128 fit (the world's capacity)" in result.stderr
 
 
 @pytest.mark.parametrize("job_id", ["has a space", "", "-leading-dash", "x" * 129, "ünïcode"])

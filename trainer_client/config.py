@@ -208,6 +208,9 @@ class TrainConfig(BaseModel):
         SchedulerName.SKRULL, description="the planner of each global batch")
     scheduler_url: Annotated[str, AfterValidator(_http_url)] | None = Field(
         None, description="the scheduler service; absent: plan with the embedded core")
+    spanning: bool = Field(True, description="plans may run a micro-batch over several DP replicas at once, which "
+                                             "sequences longer than one CP group holds need (the default); "
+                                             "--no-spanning: every micro-batch within one DP replica's CP group")
     bucket_size: Annotated[int, Positive] | None = Field(
         None, description="tokens per CP rank per micro-batch (default: from profile)")
     profile: str | None = Field(None, description="hardware profile for the performance model: auto (measured by "

@@ -74,8 +74,10 @@ class SkrullBatches:
     plans the batch instead. ``job_id``: the service's job the plans and ``report`` name, which it refits its
     profile for from what the steps measured (feedback); None reports nothing. ``sharding``: how the loop shards
     its model (``NONE`` replicated, ``ZERO2``/``ZERO3`` FSDP2 keeping parameters gathered for the step or
-    resharding them after every forward), which decides the padding micro-batches. Rank 0 compiles the planner's
-    kernels on construction (or loads them from the JIT cache), so that no plan waits for them.
+    resharding them after every forward), which decides the padding micro-batches. ``spanning``: plans may hold
+    micro-batches over several DP replicas (False: every micro-batch within one replica's CP group). Rank 0
+    compiles the planner's kernels on construction (or loads them from the JIT cache), so that no plan waits for
+    them.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class SkrullBatches:
         plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S,
         plan_attempts: int = DEFAULT_PLAN_ATTEMPTS,
         job_id: str | None = None,
+        spanning: bool = True,
     ) -> None:
         self.parallel = parallel
         self.sharding = sharding
@@ -102,7 +105,7 @@ class SkrullBatches:
                       if scheduler_url is not None else None)
             self.plans = PlanSource(scheduler=scheduler, dp_size=parallel.dims.dp_size, cp_size=parallel.dims.cp_size,
                                     model=model, bucket_size=bucket_size, profile=profile, client=client,
-                                    job_id=job_id)
+                                    job_id=job_id, spanning=spanning)
             self.plans.check_service()
             self.plans.warm_up()
 

@@ -86,6 +86,8 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import ValidationError
 from skrull_proto import (
+    SCHEMA_VERSION,
+    SPANNING_SCHEMA_VERSION,
     FeedbackRequest,
     FeedbackResponse,
     JobProfileRequest,
@@ -424,8 +426,10 @@ class PlanSource:
         profile: str | Profile | None = None,
         client: PlanClient | None = None,
         job_id: str | None = None,
+        spanning: bool = True,
     ) -> None:
         self.scheduler = scheduler
+        self.spanning = spanning  # plans may hold micro-batches over several DP replicas
         self.dp_size = dp_size
         self.cp_size = cp_size
         self.model = model
@@ -502,7 +506,8 @@ class PlanSource:
         return self.model if isinstance(self.model, str) else shape_to_model_spec(self.model)
 
     def _request(self, sequence_lengths: Sequence[int]) -> PlanRequest:
-        return PlanRequest(sequence_lengths=[int(n) for n in sequence_lengths], dp_size=self.dp_size,
+        return PlanRequest(schema_version=SPANNING_SCHEMA_VERSION if self.spanning else SCHEMA_VERSION,
+                           sequence_lengths=[int(n) for n in sequence_lengths], dp_size=self.dp_size,
                            cp_size=self.cp_size, model=self._wire_model(), bucket_size=self.bucket_size,
                            scheduler=SchedulerName(self.scheduler),
                            profile=self.profile.name if isinstance(self.profile, Profile) else self.profile,
@@ -604,7 +609,8 @@ class PlanSource:
     def _plan_embedded(self, step: int, sequence_lengths: Sequence[int]) -> PlanDecision:
         try:
             problem = make_problem(sequence_lengths=sequence_lengths, dp_size=self.dp_size, cp_size=self.cp_size,
-                                   model=self.model, bucket_size=self.bucket_size, profile=self.profile)
+                                   model=self.model, bucket_size=self.bucket_size, profile=self.profile,
+                                   spanning=self.spanning)
             result = make_plan(problem, self.scheduler)
         except PlanningError as error:
             return PlanDecision(step=step, scheduler=self.scheduler, origin=PlanOrigin.EMBEDDED,

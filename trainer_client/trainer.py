@@ -214,7 +214,7 @@ class Trainer:
             bucket_size=self.bucket_size,
             scheduler=config.scheduler, scheduler_url=config.scheduler_url or None, profile=self.profile,
             sharding=self.sharding, pad_token_id=self.pad_token_id, plan_timeout_s=config.plan_timeout_s,
-            plan_attempts=config.plan_attempts,
+            plan_attempts=config.plan_attempts, spanning=config.spanning,
             job_id=job_id if config.feedback and parallel.is_main else None,
         )
         opened.callback(self.batches.close)

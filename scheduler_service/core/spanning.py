@@ -140,31 +140,65 @@ def plan_with_spanning(problem: PlanningProblem, schedule: Callable[[PlanningPro
 def spanned_if_faster(problem: PlanningProblem, estimate: PlanEstimate, schedule: Callable[[PlanningProblem], Plan],
                       schedule_fast: Callable[[PlanningProblem], Plan]) -> Plan | None:
     """A plan that spans the costliest sequences and is faster than the plan ``estimate`` is of (module docstring,
-    "Chosen"), or None: candidates are costed with ``schedule_fast`` planning the rest, the best one again with
-    ``schedule``. A plan whose replicas are balanced costs nothing more here."""
+    "Chosen"), or None: candidates are costed with ``schedule_fast`` planning the rest, the best one is costed
+    again with its spanning micro-batches filled (``_filled``), and the better of the two planned with
+    ``schedule``. A plan whose replicas are balanced and that needs no spanning costs nothing more here."""
     best_s = estimate.iteration_time_s
     mean_s = sum(rank.time_s for rank in estimate.dp_ranks) / problem.dp_size
-    if not problem.spanning or best_s <= (1 + _MIN_IMBALANCE) * mean_s:
-        return None  # the replicas are balanced: spreading the costliest sequences wider cannot gain much
     needed = set(problem.too_long_for_a_replica())
+    if not problem.spanning or (not needed and best_s <= (1 + _MIN_IMBALANCE) * mean_s):
+        return None  # the replicas are balanced: spreading the costliest sequences wider cannot gain much
     costliest = [int(k) for k in np.argsort(-problem.area, kind="stable") if k not in needed][:MAX_CHOSEN]
     widths = {index: needed_width(problem, problem.sequence_lengths[index]) for index in needed}
 
-    def candidate(count: int, width: int, plan_rest: Callable[[PlanningProblem], Plan]) -> tuple[Plan, float]:
+    def candidate(count: int, width: int, fill: bool, plan_rest: Callable[[PlanningProblem], Plan]) \
+            -> tuple[Plan, float]:
         spanned = {**widths, **{index: max(width, widths.get(index, 0)) for index in costliest[:count]}}
         timed: Timed = []
         for block_width in sorted(set(spanned.values())):
             timed += spanning_micro_batches(problem, [i for i in spanned if spanned[i] == block_width], block_width)
         rest = [index for index in range(problem.num_sequences) if index not in spanned]
+        if fill:
+            timed, rest = _filled(problem, timed, rest)
         plan = join(problem, timed, rest, *_plan_rest(problem, rest, plan_rest))
         return plan, simulate(problem, plan).iteration_time_s
 
-    costed = [(candidate(count, width, schedule_fast)[1], count, width)
-              for width in spanning_widths(problem.dp_size) for count in _CANDIDATE_COUNTS if count <= len(costliest)]
-    if costed:
-        fast_s, count, width = min(costed)
-        if fast_s < best_s:
-            plan, time_s = candidate(count, width, schedule)
-            if time_s < best_s:
-                return plan
-    return None
+    counts = ((0,) if needed else ()) + tuple(count for count in _CANDIDATE_COUNTS if count <= len(costliest))
+    costed = [(candidate(count, width, False, schedule_fast)[1], count, width)
+              for width in spanning_widths(problem.dp_size) for count in counts]
+    if not costed:
+        return None
+    fast_s, count, width = min(costed)
+    fill = candidate(count, width, True, schedule_fast)[1] < fast_s
+    plan, time_s = candidate(count, width, fill, schedule)
+    return plan if time_s < best_s else None
+
+
+def _filled(problem: PlanningProblem, timed: Timed, rest: Sequence[int]) -> tuple[Timed, list[int]]:
+    """The spanning micro-batches with sequences of ``rest`` added where their block has room, and what is left:
+    fewer, fuller micro-batches, as Megatron's rounds are. Longest first, each while its tokens fit the block; a
+    micro-batch that DACP cannot then decide gives its longest additions back until it can."""
+    lengths = problem.sequence_lengths
+    left = sorted(rest, key=lambda k: (-lengths[k], k))
+    filled: Timed = []
+    for spanning, time_s in timed:
+        span = problem.span_problem(spanning.num_dp_ranks)
+        members = spanning.micro_batch.indices()
+        room = span.micro_batch_capacity - sum(lengths[k] for k in members)
+        added = []
+        for index in left:
+            if lengths[index] <= room:
+                added.append(index)
+                room -= lengths[index]
+        while added:
+            decided = decide(span, members + added, HYBRID)
+            if decided is not None:
+                spanning = SpanningMicroBatch(first_dp_rank=spanning.first_dp_rank,
+                                              num_dp_ranks=spanning.num_dp_ranks, micro_batch=decided[0])
+                time_s = decided[1]
+                break
+            added.pop(0)
+        taken = set(added)
+        left = [index for index in left if index not in taken]
+        filled.append((spanning, time_s))
+    return filled, sorted(left)
