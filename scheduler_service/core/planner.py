@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from scheduler_service.core import baselines, gds
 from scheduler_service.core.check import check_places, check_plan
-from scheduler_service.core.dacp_search import HYBRID
 from scheduler_service.core.dynamic_cp import dynamic_cp
 from scheduler_service.core.errors import UnknownSchedulerError
 from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
@@ -49,13 +48,7 @@ class PlanResult:
 def skrull(problem: PlanningProblem, *, budget: int | None = None) -> Plan:
     """Skrull: GDS + hybrid DACP within CP groups (``gds.skrull``), with spanning micro-batches for the sequences
     that need them and where the simulator finds them faster (``spanning.plan_with_spanning``)."""
-    return plan_with_spanning(problem, lambda part: gds.skrull(part, budget=budget), _skrull_fast)
-
-
-def _skrull_fast(problem: PlanningProblem) -> Plan:
-    """Skrull's GDS with hybrid DACP, not refined across micro-batches: how spanning candidates are costed."""
-    return Plan.from_places(gds.gds_places(problem, problem.area, HYBRID)[0], dp_size=problem.dp_size,
-                            cp_size=problem.cp_size)
+    return plan_with_spanning(problem, lambda part: gds.skrull(part, budget=budget))
 
 
 HEURISTIC_SCHEDULERS: dict[SchedulerName, Callable[[PlanningProblem], Plan]] = {
@@ -125,8 +118,8 @@ def make_plan(
                      bucket_size=problem.bucket_size)
         plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
         estimate = estimate_places(problem, places)
-        spanned = (spanned_if_faster(problem, estimate, lambda part: gds.skrull(part, budget=search_budget),
-                                     _skrull_fast) if name is SchedulerName.SKRULL else None)
+        spanned = (spanned_if_faster(problem, plan, estimate, lambda part: gds.skrull(part, budget=search_budget))
+                   if name is SchedulerName.SKRULL else None)
         solve_time_s = time.perf_counter() - started
         if spanned is not None:
             plan = spanned

@@ -11,9 +11,14 @@ ranks, as one synchronised step: the block is one CP group of that size to DACP,
   holds it (``needed_width``).
 * **Chosen.** A long sequence that fits one group may still be better spanned: spread over ``w`` replicas its
   attention is ``w`` times shorter per rank, so replicas whose shares are light are not left idle while one
-  replica runs it. Skrull's plan without spanning is the baseline; ``plan_with_spanning`` tries spanning the
-  longest sequences (``_CANDIDATE_COUNTS`` of them, at each width), planning the rest with GDS, and keeps a
-  candidate only when the simulator says it is faster (so spanning never makes a plan slower under the model).
+  replica runs it. Skrull's plan without spanning is the baseline; where its slowest replica is more than 2 % above
+  the mean (or a sequence needs spanning), ``spanned_if_faster`` tries spanning the costliest sequences
+  (``_CANDIDATE_COUNTS`` of them, at each width), costing each candidate with the baseline's own micro-batches less
+  the spanned sequences, and keeps the best one only when, with the rest planned afresh, the simulator says it is
+  faster (so spanning never makes a plan slower under the model).
+* **Filled.** A spanning micro-batch has room beside its long sequences; the best candidate is also costed with
+  that room given to the other sequences, longest first (``_filled``): fewer, fuller micro-batches, as Megatron's
+  rounds are.
 
 In either case a width's sequences are split over its blocks by LPT on their cheapest cost there, each block's
 share is cut longest first into the fewest micro-batches that spread (``gds_search.fewest_that_spread``), and each
@@ -33,7 +38,7 @@ from scheduler_service.core.dacp import decide
 from scheduler_service.core.dacp_search import HYBRID
 from scheduler_service.core.gds_search import fewest_that_spread
 from scheduler_service.core.partition import lpt_parts
-from scheduler_service.core.plan import DPRankPlan, Plan, PlanningProblem, SpanningMicroBatch
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, ShardedGroup, SpanningMicroBatch
 from scheduler_service.core.simulate import PlanEstimate, simulate, spanning_ready_s
 
 __all__ = [
@@ -81,30 +86,49 @@ def spanning_micro_batches(problem: PlanningProblem, indices: Sequence[int], wid
     return timed
 
 
-def join(problem: PlanningProblem, timed: Timed, rest: Sequence[int], rest_plan: Plan | None,
-         rest_times_s: Sequence[float]) -> Plan:
-    """One plan of the spanning micro-batches and the plan of the sequences ``rest`` (a plan of
-    ``problem.sub_problem(rest)`` whose DP shares take ``rest_times_s``): the heaviest share to the replica that is
-    free first."""
+def join(problem: PlanningProblem, timed: Timed, rest_plan: Plan) -> Plan:
+    """One plan of the spanning micro-batches and the DP replicas' own micro-batches of ``rest_plan`` (its spanning
+    ones, if any, left out): the heaviest replica's share to the replica that is free first."""
     spanning = tuple(micro_batch for micro_batch, _ in timed)
     ready_s = spanning_ready_s(spanning, [time_s for _, time_s in timed], problem.dp_size)
-    dp_ranks = [DPRankPlan(micro_batches=()) for _ in range(problem.dp_size)]
-    if rest_plan is not None:
-        renumbered = rest_plan.renumbered(rest)
-        free_first = sorted(range(problem.dp_size), key=lambda dp_rank: (ready_s[dp_rank], dp_rank))
-        heaviest_first = sorted(range(problem.dp_size), key=lambda share: (-rest_times_s[share], share))
-        for dp_rank, share in zip(free_first, heaviest_first, strict=True):
-            dp_ranks[dp_rank] = renumbered.dp_ranks[share]
+    own = Plan(dp_ranks=rest_plan.dp_ranks)
+    share_s = [rank.time_s for rank in simulate(problem, own).dp_ranks]
+    free_first = sorted(range(problem.dp_size), key=lambda dp_rank: (ready_s[dp_rank], dp_rank))
+    heaviest_first = sorted(range(problem.dp_size), key=lambda share: (-share_s[share], share))
+    dp_ranks = [own.dp_ranks[0]] * problem.dp_size
+    for dp_rank, share in zip(free_first, heaviest_first, strict=True):
+        dp_ranks[dp_rank] = own.dp_ranks[share]
     return Plan(dp_ranks=tuple(dp_ranks), spanning=spanning)
 
 
-def _plan_rest(problem: PlanningProblem, rest: Sequence[int],
-               schedule: Callable[[PlanningProblem], Plan]) -> tuple[Plan | None, list[float]]:
-    if not rest:
-        return None, [0.0] * problem.dp_size
-    sub_problem = problem.sub_problem(rest)
-    plan = schedule(sub_problem)
-    return plan, [rank.time_s for rank in simulate(sub_problem, plan).dp_ranks]
+def _plan_of(problem: PlanningProblem, indices: list[int], schedule: Callable[[PlanningProblem], Plan]) -> Plan:
+    """``schedule``'s plan of the sequences ``indices`` alone, in the batch's numbering."""
+    if not indices:
+        return Plan(dp_ranks=(DPRankPlan(micro_batches=()),) * problem.dp_size)
+    return schedule(problem.sub_problem(indices)).renumbered(indices)
+
+
+def _without(plan: Plan, removed: set[int]) -> Plan:
+    """``plan``'s own micro-batches without the sequences ``removed`` (a micro-batch left empty is dropped): still
+    within the memory bound, as removing a sequence only frees room."""
+    def kept(micro_batch: MicroBatch) -> MicroBatch:
+        return MicroBatch(
+            local=tuple(tuple(i for i in rank_local if i not in removed) for rank_local in micro_batch.local),
+            distributed=tuple(i for i in micro_batch.distributed if i not in removed),
+            sharded=tuple(ShardedGroup(cp_ranks=group.cp_ranks, sequences=members) for group in micro_batch.sharded
+                          if (members := tuple(i for i in group.sequences if i not in removed))))
+
+    return Plan(dp_ranks=tuple(
+        DPRankPlan(micro_batches=tuple(mb for mb in map(kept, dp_plan.micro_batches) if mb.indices()))
+        for dp_plan in plan.dp_ranks))
+
+
+def _needed_micro_batches(problem: PlanningProblem, widths: dict[int, int]) -> Timed:
+    """Spanning micro-batches for the sequences of ``widths``, each over blocks of its width."""
+    timed: Timed = []
+    for width in sorted(set(widths.values())):
+        timed += spanning_micro_batches(problem, [index for index in widths if widths[index] == width], width)
+    return timed
 
 
 def with_needed_spanning(problem: PlanningProblem, schedule: Callable[[PlanningProblem], Plan]) -> Plan:
@@ -113,13 +137,9 @@ def with_needed_spanning(problem: PlanningProblem, schedule: Callable[[PlanningP
     needed = problem.too_long_for_a_replica()
     if not needed:
         return schedule(problem)
-    timed: Timed = []
     widths = {index: needed_width(problem, problem.sequence_lengths[index]) for index in needed}
-    for width in sorted(set(widths.values())):
-        timed += spanning_micro_batches(problem, [index for index in needed if widths[index] == width], width)
     rest = [index for index in range(problem.num_sequences) if index not in widths]
-    rest_plan, rest_times_s = _plan_rest(problem, rest, schedule)
-    return join(problem, timed, rest, rest_plan, rest_times_s)
+    return join(problem, _needed_micro_batches(problem, widths), _plan_of(problem, rest, schedule))
 
 
 _CANDIDATE_COUNTS = (1, 2, 4, 8)  # how many of the costliest sequences a candidate spans
@@ -127,22 +147,22 @@ MAX_CHOSEN = max(_CANDIDATE_COUNTS)  # the most sequences spanned beyond those t
 _MIN_IMBALANCE = 0.02  # the slowest replica's excess over the mean below which no candidate is tried
 
 
-def plan_with_spanning(problem: PlanningProblem, schedule: Callable[[PlanningProblem], Plan],
-                       schedule_fast: Callable[[PlanningProblem], Plan]) -> Plan:
+def plan_with_spanning(problem: PlanningProblem, schedule: Callable[[PlanningProblem], Plan]) -> Plan:
     """``with_needed_spanning(problem, schedule)``, or a plan that spans the costliest sequences where the simulator
     finds one faster (``spanned_if_faster``)."""
     plan = with_needed_spanning(problem, schedule)
     if not problem.spanning:
         return plan
-    return spanned_if_faster(problem, simulate(problem, plan), schedule, schedule_fast) or plan
+    return spanned_if_faster(problem, plan, simulate(problem, plan), schedule) or plan
 
 
-def spanned_if_faster(problem: PlanningProblem, estimate: PlanEstimate, schedule: Callable[[PlanningProblem], Plan],
-                      schedule_fast: Callable[[PlanningProblem], Plan]) -> Plan | None:
-    """A plan that spans the costliest sequences and is faster than the plan ``estimate`` is of (module docstring,
-    "Chosen"), or None: candidates are costed with ``schedule_fast`` planning the rest, the best one is costed
-    again with its spanning micro-batches filled (``_filled``), and the better of the two planned with
-    ``schedule``. A plan whose replicas are balanced and that needs no spanning costs nothing more here."""
+def spanned_if_faster(problem: PlanningProblem, plan: Plan, estimate: PlanEstimate,
+                      schedule: Callable[[PlanningProblem], Plan]) -> Plan | None:
+    """A plan that spans the costliest sequences and is faster than ``plan`` (whose estimate is ``estimate``), or
+    None (module docstring, "Chosen"). Each candidate is costed with ``plan``'s own micro-batches less the spanned
+    sequences; the best one is costed again with its spanning micro-batches filled (``_filled``), and the better of
+    the two has its other sequences planned afresh by ``schedule``. A plan whose replicas are balanced and that
+    needs no spanning costs nothing more here."""
     best_s = estimate.iteration_time_s
     mean_s = sum(rank.time_s for rank in estimate.dp_ranks) / problem.dp_size
     needed = set(problem.too_long_for_a_replica())
@@ -151,27 +171,27 @@ def spanned_if_faster(problem: PlanningProblem, estimate: PlanEstimate, schedule
     costliest = [int(k) for k in np.argsort(-problem.area, kind="stable") if k not in needed][:MAX_CHOSEN]
     widths = {index: needed_width(problem, problem.sequence_lengths[index]) for index in needed}
 
-    def candidate(count: int, width: int, fill: bool, plan_rest: Callable[[PlanningProblem], Plan]) \
-            -> tuple[Plan, float]:
+    def candidate(count: int, width: int, fill: bool, replan: bool) -> tuple[Plan, float]:
         spanned = {**widths, **{index: max(width, widths.get(index, 0)) for index in costliest[:count]}}
-        timed: Timed = []
-        for block_width in sorted(set(spanned.values())):
-            timed += spanning_micro_batches(problem, [i for i in spanned if spanned[i] == block_width], block_width)
+        timed = _needed_micro_batches(problem, spanned)
         rest = [index for index in range(problem.num_sequences) if index not in spanned]
         if fill:
             timed, rest = _filled(problem, timed, rest)
-        plan = join(problem, timed, rest, *_plan_rest(problem, rest, plan_rest))
-        return plan, simulate(problem, plan).iteration_time_s
+        kept = set(rest)
+        rest_plan = (_plan_of(problem, rest, schedule) if replan
+                     else _without(plan, {index for index in range(problem.num_sequences) if index not in kept}))
+        joined = join(problem, timed, rest_plan)
+        return joined, simulate(problem, joined).iteration_time_s
 
     counts = ((0,) if needed else ()) + tuple(count for count in _CANDIDATE_COUNTS if count <= len(costliest))
-    costed = [(candidate(count, width, False, schedule_fast)[1], count, width)
+    costed = [(candidate(count, width, False, False)[1], count, width)
               for width in spanning_widths(problem.dp_size) for count in counts]
     if not costed:
         return None
     fast_s, count, width = min(costed)
-    fill = candidate(count, width, True, schedule_fast)[1] < fast_s
-    plan, time_s = candidate(count, width, fill, schedule)
-    return plan if time_s < best_s else None
+    fill = candidate(count, width, True, False)[1] < fast_s
+    spanned, time_s = candidate(count, width, fill, True)
+    return spanned if time_s < best_s else None
 
 
 def _filled(problem: PlanningProblem, timed: Timed, rest: Sequence[int]) -> tuple[Timed, list[int]]:
