@@ -5,7 +5,9 @@ sets and checkpoints as the trainer does, and the service never imports the trai
 ``plan`` reads a request (the wire contract) from a file or stdin and prints
 the response JSON, a readable table (``--table``) and/or draws a Gantt chart
 beside the deepspeed baseline (``--plot``). Bad input goes to stderr with exit
-code 2; the same request gives the same plan as the service.
+code 2; the same request gives the same plan as the service. Both readable forms
+show a plan's spanning micro-batches where its replicas run them: first, each
+once the last of its replicas is free (the simulator's ``spanning_ready_s``).
 """
 
 from __future__ import annotations
@@ -25,14 +27,22 @@ from scheduler_service.contract.profiles import load_profile
 from scheduler_service.contract.wire import request_to_problem, result_to_response
 from scheduler_service.core.baselines import deepspeed
 from scheduler_service.core.errors import PlanningError
-from scheduler_service.core.plan import MicroBatch
+from scheduler_service.core.plan import MicroBatch, Plan, SpanningMicroBatch
 from scheduler_service.core.planner import DEFAULT_CPSAT_TIME_LIMIT_S, PlanResult, make_plan
-from scheduler_service.core.simulate import CPRankEstimate, PlanEstimate, simulate
+from scheduler_service.core.simulate import (
+    CPRankEstimate,
+    MicroBatchEstimate,
+    PlanEstimate,
+    simulate,
+    spanning_ready_s,
+)
+from scheduler_service.core.spanning import with_needed_spanning
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
-__all__ = ["build_parser", "cp_rank_shares", "format_table", "main", "plot_gantt"]
+__all__ = ["build_parser", "cp_rank_shares", "format_table", "gantt_figure", "main", "plot_gantt"]
 
 EXIT_BAD_INPUT = 2
 
@@ -121,16 +131,47 @@ def _format_validation_error(error: ValidationError) -> str:
     return "invalid request: " + "; ".join(lines)
 
 
-def _groups_cell(micro_batch: MicroBatch, lengths: Sequence[int]) -> str:
-    """``[0,1]:2/18432 [2,3]:1/9000``: each hybrid group's CP ranks, its sequences and their tokens."""
-    return " ".join(f"[{','.join(map(str, group.cp_ranks))}]:{len(group.sequences)}/"
+def _groups_cell(micro_batch: MicroBatch, lengths: Sequence[int], first_rank: int = 0) -> str:
+    """``[0,1]:2/18432 [2,3]:1/9000``: each hybrid group's ranks (counted from ``first_rank``: a spanning
+    micro-batch's groups by world rank, as the wire names them), its sequences and their tokens."""
+    return " ".join(f"[{','.join(str(first_rank + rank) for rank in group.cp_ranks)}]:{len(group.sequences)}/"
                     f"{sum(lengths[i] for i in group.sequences)}" for group in micro_batch.sharded) or "-"
 
 
+def _dp_span(spanning: SpanningMicroBatch) -> str:
+    """``DP 0-1``: the replicas a spanning micro-batch runs over."""
+    return f"DP {spanning.dp_ranks[0]}-{spanning.dp_ranks[-1]}"
+
+
+def _spanning_starts_s(plan: Plan, estimate: PlanEstimate) -> list[float]:
+    """When each spanning micro-batch starts: once the last of its replicas has run the spanning ones before it
+    (the simulator's own rule, applied to the plan's spanning micro-batches up to it)."""
+    times_s = [span_estimate.time_s for span_estimate in estimate.spanning]
+    return [max(spanning_ready_s(plan.spanning[:position], times_s[:position], len(plan.dp_ranks))[dp_rank]
+                for dp_rank in spanning.dp_ranks)
+            for position, spanning in enumerate(plan.spanning)]
+
+
+def _own_starts_s(plan: Plan, estimate: PlanEstimate) -> list[float]:
+    """When each DP replica starts its own micro-batches: once it has run its spanning ones (0 without)."""
+    return spanning_ready_s(plan.spanning, [span_estimate.time_s for span_estimate in estimate.spanning],
+                            len(plan.dp_ranks))
+
+
+def _replica_ranks(spanning: SpanningMicroBatch, estimate: MicroBatchEstimate, dp_rank: int,
+                   cp_size: int) -> tuple[CPRankEstimate, ...]:
+    """The estimates of replica ``dp_rank``'s CP ranks in a spanning micro-batch (its world ranks of the block)."""
+    offset = (dp_rank - spanning.first_dp_rank) * cp_size
+    return estimate.cp_ranks[offset:offset + cp_size]
+
+
 def format_table(result: PlanResult) -> str:
-    """A readable per-DP-rank, per-micro-batch summary of a plan and its estimate."""
+    """A readable per-DP-rank, per-micro-batch summary of a plan and its estimate. Each DP rank's lines are its
+    timeline: the spanning micro-batches it is part of (``s<p>``, ``spanning[p]`` of the response) come first, with
+    when they start, so its micro-batches' times and waits add up to its sum."""
     problem = result.problem
     lengths = problem.sequence_lengths
+    starts_s = _spanning_starts_s(result.plan, result.estimate)
     lines = [
         f"scheduler {result.scheduler.value}  model {problem.perf.model.name}  profile {problem.perf.profile.name}  "
         f"dp {problem.dp_size}  cp {problem.cp_size}  bucket_size {problem.bucket_size}  "
@@ -140,6 +181,11 @@ def format_table(result: PlanResult) -> str:
     ]
     for dp_rank, (dp_plan, dp_estimate) in enumerate(zip(result.plan.dp_ranks, result.estimate.dp_ranks,
                                                          strict=True)):
+        for position, (spanning, span_estimate, start_s) in enumerate(zip(
+                result.plan.spanning, result.estimate.spanning, starts_s, strict=True)):
+            if dp_rank in spanning.dp_ranks:
+                lines.append(_spanning_line(spanning, span_estimate, position, dp_rank, start_s, problem.cp_size,
+                                            lengths))
         for mb_index, (mb, mb_estimate) in enumerate(zip(dp_plan.micro_batches, dp_estimate.micro_batches,
                                                          strict=True)):
             per_rank = " ".join(f"{rank.tokens:.0f}" for rank in mb_estimate.cp_ranks)
@@ -150,6 +196,9 @@ def format_table(result: PlanResult) -> str:
                          f"{mb_estimate.time_s * 1e3:>9.2f}  {_groups_cell(mb, lengths)}")
         lines.append(f"{dp_rank:>3} {'sum':>3} {'':>6} {'':>5} {'':>9} {'':>4} {'':<44} "
                      f"{dp_estimate.time_s * 1e3:>9.2f}")
+    if result.plan.spanning:
+        lines.append("s<p>: spanning[p], one micro-batch over several DP replicas (on each replica's lines; tokens "
+                     "of that replica's CP ranks, groups by world rank); each replica runs them first, in order")
     lines.append(
         f"estimated iteration {result.estimate.iteration_time_s * 1e3:.2f} ms, within "
         f"{result.estimate.iteration_time_s / result.lower_bound_s - 1:.1%} of the lower bound "
@@ -160,6 +209,22 @@ def format_table(result: PlanResult) -> str:
         bound = "none" if result.solver.bound_s is None else f"{result.solver.bound_s * 1e3:.2f} ms"
         lines.append(f"solver status {result.solver.status}; lower bound {bound}")
     return "\n".join(lines)
+
+
+def _spanning_line(spanning: SpanningMicroBatch, estimate: MicroBatchEstimate, position: int, dp_rank: int,
+                   start_s: float, cp_size: int, lengths: Sequence[int]) -> str:
+    """Replica ``dp_rank``'s line of a spanning micro-batch: the block's counts and time, the replica's CP ranks'
+    tokens, and which replicas it spans, from when, with how many sequences and tokens."""
+    mb = spanning.micro_batch
+    per_rank = " ".join(f"{rank.tokens:.0f}" for rank in _replica_ranks(spanning, estimate, dp_rank, cp_size))
+    num_local = sum(len(rank_local) for rank_local in mb.local)
+    sequences = mb.indices()
+    first_rank = spanning.world_ranks(cp_size)[0]
+    groups = f"; groups {_groups_cell(mb, lengths, first_rank)}" if mb.sharded else ""
+    return (f"{dp_rank:>3} {f's{position}':>3} {num_local:>6} {len(mb.distributed):>5} "
+            f"{sum(lengths[i] for i in mb.distributed):>9} {len(mb.sharded):>4} {per_rank:<44} "
+            f"{estimate.time_s * 1e3:>9.2f}  spans {_dp_span(spanning)} from {start_s * 1e3:.2f} ms: "
+            f"{len(sequences)} sequences/{sum(lengths[i] for i in sequences)} tokens{groups}")
 
 
 # How a CP rank's work is drawn, per placement: greys and gold with hatches, apart from the micro-batch colours
@@ -181,27 +246,37 @@ def cp_rank_shares(rank: CPRankEstimate) -> dict[str, float]:
                                                                  + rank.exposed_comm_s}
 
 
+def _plot_shares(axis: Axes, cp_ranks: Sequence[CPRankEstimate], start_ms: float) -> None:
+    """One micro-batch's CP ranks from ``start_ms``, each rank's estimated time split by what it runs."""
+    for cp_rank, rank_estimate in enumerate(cp_ranks):
+        left_ms = start_ms
+        for placement, share_s in cp_rank_shares(rank_estimate).items():
+            if share_s > 0:
+                width_ms = share_s * 1e3
+                colour, hatch = _PLACEMENT_STYLES[placement]
+                axis.barh(cp_rank, width_ms, left=left_ms, facecolor=colour, hatch=hatch, edgecolor="black",
+                          linewidth=0.2)
+                left_ms += width_ms
+
+
 def _plot_cp_ranks(axis: Axes, result: PlanResult) -> None:
     """The slowest DP rank's micro-batches on each of its CP ranks, each rank's estimated time split into local,
-    distributed and hybrid-group compute and the rest (idle time, waiting for the slowest rank, is left blank)."""
+    distributed and hybrid-group compute and the rest (idle time, waiting for the slowest rank, is left blank).
+    Its spanning micro-batches come first, its CP ranks' part of each from when the block starts."""
     from matplotlib.patches import Patch
 
-    estimate = result.estimate
+    plan, estimate, cp_size = result.plan, result.estimate, result.problem.cp_size
     dp_rank = max(range(len(estimate.dp_ranks)), key=lambda i: estimate.dp_ranks[i].time_s)
-    start_ms = 0.0
+    for spanning, span_estimate, start_s in zip(plan.spanning, estimate.spanning,
+                                                _spanning_starts_s(plan, estimate), strict=True):
+        if dp_rank in spanning.dp_ranks:
+            _plot_shares(axis, _replica_ranks(spanning, span_estimate, dp_rank, cp_size), start_s * 1e3)
+            axis.axvline((start_s + span_estimate.time_s) * 1e3, color="black", linewidth=0.6)
+    start_ms = _own_starts_s(plan, estimate)[dp_rank] * 1e3
     for mb_estimate in estimate.dp_ranks[dp_rank].micro_batches:
-        for cp_rank, rank_estimate in enumerate(mb_estimate.cp_ranks):
-            left_ms = start_ms
-            for placement, share_s in cp_rank_shares(rank_estimate).items():
-                if share_s > 0:
-                    width_ms = share_s * 1e3
-                    colour, hatch = _PLACEMENT_STYLES[placement]
-                    axis.barh(cp_rank, width_ms, left=left_ms, facecolor=colour, hatch=hatch, edgecolor="black",
-                              linewidth=0.2)
-                    left_ms += width_ms
+        _plot_shares(axis, mb_estimate.cp_ranks, start_ms)
         start_ms += mb_estimate.time_s * 1e3
         axis.axvline(start_ms, color="black", linewidth=0.6)  # micro-batch boundary: every CP rank syncs here
-    cp_size = result.problem.cp_size
     axis.set_yticks(range(cp_size), [f"CP {j}" for j in range(cp_size)])
     axis.invert_yaxis()
     axis.legend(handles=[Patch(label=name, facecolor=colour, hatch=hatch, edgecolor="black", linewidth=0.2)
@@ -211,26 +286,47 @@ def _plot_cp_ranks(axis: Axes, result: PlanResult) -> None:
                    "what it runs; black lines end micro-batches")
 
 
-def plot_gantt(result: PlanResult, path: Path) -> None:
-    """Per-DP-rank bars of consecutive micro-batch times, the chosen scheduler beside deepspeed; below, the
-    slowest DP rank's CP ranks with local, distributed and hybrid-group work in distinct colours."""
+def _plot_spanning(axis: Axes, plan: Plan, estimate: PlanEstimate) -> None:
+    """Each spanning micro-batch as one hatched block across the rows of the DP replicas it spans, from when it
+    starts, labelled with them: one step of the whole block, not one per replica."""
+    for position, (spanning, span_estimate, start_s) in enumerate(zip(
+            plan.spanning, estimate.spanning, _spanning_starts_s(plan, estimate), strict=True)):
+        first, last = spanning.dp_ranks[0], spanning.dp_ranks[-1]
+        width_ms, centre = span_estimate.time_s * 1e3, (first + last) / 2
+        [block] = axis.barh(centre, width_ms, left=start_s * 1e3, height=last - first + 0.8, facecolor="white",
+                            hatch="\\\\", edgecolor="indigo", linewidth=1.0)
+        block.set_gid(f"spanning-{position}")
+        axis.text(start_s * 1e3 + width_ms / 2, centre, f"spans {_dp_span(spanning)}", ha="center", va="center",
+                  fontsize="small", color="indigo", clip_on=True,
+                  bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+
+
+def gantt_figure(result: PlanResult) -> Figure:
+    """The ``--plot`` chart (``plot_gantt``), open, for a caller that reads what it draws: per-DP-rank bars of
+    consecutive micro-batch times, each spanning micro-batch as one block across its replicas' rows, the chosen
+    scheduler beside deepspeed; below, the slowest DP rank's CP ranks with local, distributed and hybrid-group
+    work in distinct colours."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels: list[tuple[str, PlanEstimate]] = [
-        (result.scheduler.value, result.estimate),
-        ("deepspeed", simulate(result.problem, deepspeed(result.problem))),
+    # the deepspeed plan the reported baseline time is of: with spanning micro-batches where a batch needs them
+    baseline = with_needed_spanning(result.problem, deepspeed)
+    panels: list[tuple[str, Plan, PlanEstimate]] = [
+        (result.scheduler.value, result.plan, result.estimate),
+        ("deepspeed", baseline, simulate(result.problem, baseline)),
     ]
     dp_size, cp_size = result.problem.dp_size, result.problem.cp_size
     figure, axes = plt.subplots(
         len(panels) + 1, 1, figsize=(11, 1.8 + 0.6 * dp_size * len(panels) + 0.4 * cp_size),
         height_ratios=[*(dp_size + 1 for _ in panels), cp_size + 2], sharex=True, squeeze=False,
     )
-    for axis, (title, estimate) in zip(axes[:-1, 0], panels, strict=True):
+    for axis, (title, plan, estimate) in zip(axes[:-1, 0], panels, strict=True):
+        _plot_spanning(axis, plan, estimate)
+        own_starts_s = _own_starts_s(plan, estimate)
         for dp_rank, dp_estimate in enumerate(estimate.dp_ranks):
-            start_ms = 0.0
+            start_ms = own_starts_s[dp_rank] * 1e3
             for mb_index, mb_estimate in enumerate(dp_estimate.micro_batches):
                 width_ms = mb_estimate.time_s * 1e3
                 axis.barh(dp_rank, width_ms, left=start_ms, color=f"C{mb_index % 10}", edgecolor="black",
@@ -242,6 +338,14 @@ def plot_gantt(result: PlanResult, path: Path) -> None:
     _plot_cp_ranks(axes[-1, 0], result)
     axes[-1, 0].set_xlabel("time (ms); in the DP panels each colour block is one micro-batch")
     figure.tight_layout()
+    return figure
+
+
+def plot_gantt(result: PlanResult, path: Path) -> None:
+    """Draw ``gantt_figure`` to ``path`` (PNG)."""
+    figure = gantt_figure(result)  # chooses the Agg backend before pyplot is imported
+    import matplotlib.pyplot as plt
+
     figure.savefig(path, dpi=120)
     plt.close(figure)
 

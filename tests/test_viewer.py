@@ -1,7 +1,7 @@
 """The plan viewer's server side: the page and its files are served from the package, its two views (plan and
 advise) each show every problem beside a field of their own form and read only what the contract holds, the
-per-CP-rank breakdown the plan view draws is the simulator's and is opt-in, and the samplers it draws batches from
-are seeded and bounded.
+per-CP-rank breakdown the plan view draws is the simulator's and is opt-in (per world rank for a micro-batch that
+spans DP replicas), and the samplers it draws batches from are seeded and bounded.
 
 The page itself runs in a real browser in ``test_viewer_browser.py``.
 """
@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
-from skrull_proto import PlanRequest, PlanResponse, SchedulerName
+from skrull_proto import (
+    CPRankEstimateModel,
+    DPRankPlanModel,
+    MicroBatchModel,
+    PlanRequest,
+    PlanResponse,
+    SchedulerName,
+    SpanningMicroBatchModel,
+)
 from skrull_proto.advise import AdviceDocument, AdviseRequest, ExcludedLayoutModel, RankedLayoutModel
 
 from scheduler_service.contract.wire import request_to_problem
@@ -30,6 +38,10 @@ from scheduler_service.web.routes.viewer import STATIC_DIR
 
 REQUEST = {"sequence_lengths": [812, 30311, 97, 4096, 1500, 256, 65000, 733, 12000, 2500, 31000, 640],
            "dp_size": 2, "cp_size": 4, "bucket_size": 20000}
+# sequence 2 (120000 tokens) is longer than one CP group holds (bucket_size 20000 × cp_size 4): every plan runs it in a
+# micro-batch over both DP replicas
+SPANNING_REQUEST = {"sequence_lengths": [100, 200, 120000, 3000, 700, 30000, 5000], "dp_size": 2, "cp_size": 4,
+                    "bucket_size": 20000}
 
 
 @pytest.fixture(scope="module")
@@ -148,14 +160,55 @@ def test_advise_view_reads_only_fields_the_advice_document_has() -> None:
         assert read and read <= set(model.model_fields), (name, read - set(model.model_fields))
 
 
-def test_plan_breakdown_is_opt_in_so_earlier_clients_see_the_same_response(client: TestClient) -> None:
-    plain = client.post("/plan", json=REQUEST).json()
-    detailed = client.post("/plan", json={**REQUEST, "breakdown": True}).json()
+def test_plan_view_reads_only_fields_the_plan_response_has() -> None:
+    script = (STATIC_DIR / "viewer.js").read_text()
+    readers = {"plan": PlanResponse, "dp": DPRankPlanModel, "mb": MicroBatchModel, "span": SpanningMicroBatchModel,
+               "rank": CPRankEstimateModel}
+    for name, model in readers.items():
+        read = set(re.findall(rf"(?<![.\w]){name}\.(\w+)", script))  # `span.ranks`, not `plan.spanning.ranks`
+        assert read and read <= set(model.model_fields), (name, read - set(model.model_fields))
+    assert {"spanning", "dp_ranks"} <= set(re.findall(r"(?<![.\w])plan\.(\w+)", script))
+    parts = re.search(r"^const PARTS = \[(.*?)\];", script, re.MULTILINE | re.DOTALL)
+    assert parts is not None
+    part_fields = set(re.findall(r'"(\w+_ms)"', parts.group(1)))
+    assert part_fields and part_fields <= set(CPRankEstimateModel.model_fields)
+
+
+@pytest.mark.parametrize("request_body", [REQUEST, SPANNING_REQUEST], ids=["within-groups", "spanning"])
+def test_plan_breakdown_is_opt_in_so_earlier_clients_see_the_same_response(
+    client: TestClient, request_body: dict[str, object]
+) -> None:
+    plain = client.post("/plan", json=request_body).json()
+    detailed = client.post("/plan", json={**request_body, "breakdown": True}).json()
     assert all("cp_ranks" not in mb for dp in plain["dp_ranks"] for mb in dp["micro_batches"])
+    assert all("ranks" not in span for span in plain.get("spanning", []))
     for dp in detailed["dp_ranks"]:
         for mb in dp["micro_batches"]:
             del mb["cp_ranks"]
+    for span in detailed.get("spanning", []):
+        del span["ranks"]
     assert {**detailed, "solve_time_ms": 0} == {**plain, "solve_time_ms": 0}
+
+
+@pytest.mark.parametrize("scheduler", ["skrull", "deepspeed"])
+def test_spanning_breakdown_is_one_estimate_per_world_rank_of_the_block_and_sets_its_time(
+    client: TestClient, scheduler: str
+) -> None:
+    """What the plan view draws of a spanning micro-batch: one row per world rank of its block (DP-major, so the
+    rows of its DP replicas in order), the block as long as its slowest rank, its replicas' times after it."""
+    response = PlanResponse.model_validate(client.post("/plan", json={**SPANNING_REQUEST, "scheduler": scheduler,
+                                                                      "breakdown": True}).json())
+    [span] = response.spanning
+    cp_size = SPANNING_REQUEST["cp_size"]
+    assert span.dp_ranks == [0, 1] and len(span.ranks) == len(span.local) == len(span.dp_ranks) * cp_size
+    assert span.estimated_time_ms == pytest.approx(max(rank.time_ms for rank in span.ranks), abs=1e-5)
+    for rank in span.ranks:
+        parts_ms = (rank.local_ms + rank.distributed_ms + rank.sharded_ms + rank.fixed_ms + rank.exposed_comm_ms
+                    + rank.launch_bound_ms)
+        assert parts_ms == pytest.approx(rank.time_ms, abs=1e-5) and rank.tokens <= response.bucket_size
+    for dp in response.dp_ranks:  # each replica runs the block first, then its own micro-batches
+        own_ms = sum(mb.estimated_time_ms for mb in dp.micro_batches)
+        assert dp.estimated_time_ms == pytest.approx(span.estimated_time_ms + own_ms, abs=1e-3)
 
 
 @pytest.mark.parametrize("scheduler", ["skrull", "skrull_binary", "deepspeed"])

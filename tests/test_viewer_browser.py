@@ -2,7 +2,8 @@
 Selenium against the service under uvicorn. Skipped, saying why, where Chromium or its driver is absent (CI).
 
 What a user does: load the page, give a batch (a CSV file here), plan it with two schedulers, and read the chart
-and numbers — which must be what ``/plan`` answers; give a bad batch and see the service's problem beside it. In
+and numbers — which must be what ``/plan`` answers, a micro-batch that spans DP replicas drawn as one block across
+their rows; give a bad batch and see the service's problem beside it. In
 the advise view: give a sample and a GPU count, read the ranked layouts — which must be what ``/advise`` answers —,
 open one layout's plan with one click, and see the service's problems beside the advise form's fields.
 """
@@ -35,6 +36,8 @@ pytestmark = [
 ]
 
 LENGTHS = [812, 30311, 97, 4096, 1500, 256, 65000, 733, 12000, 2500, 31000, 640]
+# 120000 tokens: more than one CP group holds (bucket_size 20000 × cp_size 4), so every plan spans DP replicas 0 and 1
+SPANNING_LENGTHS = [100, 200, 120000, 3000, 700, 30000, 5000]
 SETUP = {"dp_size": 2, "cp_size": 4, "bucket_size": 20000, "model": "qwen2.5-0.5b", "breakdown": True}
 WAIT_S = 30
 
@@ -93,14 +96,18 @@ def test_viewer_plans_an_uploaded_batch_and_draws_what_plan_answers(
         within = 100 * (expected["estimated_iteration_time_ms"] / expected["lower_bound_ms"] - 1)
         assert cell(page, "bound", scheduler) == f"{within:.1f} %"
         micro_batches = [mb for dp in expected["dp_ranks"] for mb in dp["micro_batches"]]
-        assert cell(page, "micro-batches", scheduler) == str(len(micro_batches))
+        spanning = expected.get("spanning", [])  # skrull spans DP replicas where it finds that faster
+        assert cell(page, "micro-batches", scheduler) == str(len(micro_batches) + len(spanning))
         gantt = page.find_element(By.CSS_SELECTOR, f'svg.gantt[data-scheduler="{scheduler}"]')
         assert len(gantt.find_elements(By.CSS_SELECTOR, "rect.mb")) == len(micro_batches)
+        assert len(gantt.find_elements(By.CSS_SELECTOR, "rect.span")) == len(spanning)
         drawn_ms: dict[str, float] = {}
         for bar in gantt.find_elements(By.CSS_SELECTOR, "rect.seg"):
             part = str(bar.get_attribute("data-part"))
             drawn_ms[part] = drawn_ms.get(part, 0.0) + float(str(bar.get_attribute("data-ms")))
-        ranks = [rank for mb in micro_batches for rank in mb["cp_ranks"]]
+        # as the ranks run them: the spanning micro-batches' world ranks first, then each DP rank's own
+        ranks = [rank for span in spanning for rank in span["ranks"]] + [rank for mb in micro_batches
+                                                                         for rank in mb["cp_ranks"]]
         planned_ms = {"local": sum(r["local_ms"] for r in ranks),
                       "distributed": sum(r["distributed_ms"] for r in ranks),
                       "sharded": sum(r["sharded_ms"] for r in ranks),
@@ -110,6 +117,75 @@ def test_viewer_plans_an_uploaded_batch_and_draws_what_plan_answers(
         memory = page.find_element(By.CSS_SELECTOR, f'svg.memory[data-scheduler="{scheduler}"]')
         tokens = [float(str(bar.get_attribute("data-tokens"))) for bar in memory.find_elements(By.CSS_SELECTOR, "rect")]
         assert tokens == [r["tokens"] for r in ranks]
+
+
+def test_viewer_draws_a_spanning_micro_batch_as_one_block_across_the_dp_rows_it_spans(
+    page: WebDriver, live_port: int
+) -> None:
+    lengths = page.find_element(By.ID, "lengths")
+    lengths.clear()
+    lengths.send_keys(", ".join(map(str, SPANNING_LENGTHS)))
+    plan_and_wait(page)
+    assert page.find_element(By.ID, "status").text == "planned 2 of 2"
+    assert "spanning micro-batch" in page.find_element(By.ID, "legend").text
+    for scheduler in ("skrull", "deepspeed"):
+        expected = httpx.post(f"http://127.0.0.1:{live_port}/plan",
+                              json={"sequence_lengths": SPANNING_LENGTHS, "scheduler": scheduler, **SETUP}).json()
+        [span] = expected["spanning"]
+        assert span["dp_ranks"] == [0, 1]
+        own = [mb for dp in expected["dp_ranks"] for mb in dp["micro_batches"]]
+        assert cell(page, "micro-batches", scheduler) == str(len(own) + 1)
+        assert cell(page, "iteration", scheduler) == f"{expected['estimated_iteration_time_ms']:.2f}"
+
+        gantt = page.find_element(By.CSS_SELECTOR, f'svg.gantt[data-scheduler="{scheduler}"]')
+        [block] = gantt.find_elements(By.CSS_SELECTOR, "rect.span")
+        assert block.get_attribute("data-dp-ranks") == "0,1"
+        assert gantt.find_element(By.CSS_SELECTOR, 'text.span-label[data-span="0"]').text == "spans DP 0-1"
+        # one block over every CP row of DP 0 and of DP 1 (8 rows), not one per replica
+        top, bottom = block.rect["y"], block.rect["y"] + block.rect["height"]
+        rows = gantt.find_elements(By.CSS_SELECTOR, "text.row-label")
+        assert len(rows) == 8 and all(top < row.rect["y"] + row.rect["height"] / 2 < bottom for row in rows)
+        # first on the timeline: it starts at 0 and each replica's own micro-batches (if any) start where it ends
+        assert float(str(block.get_attribute("data-start-ms"))) == 0.0
+        block_end = block.rect["x"] + block.rect["width"]
+        assert block.rect["width"] > 0
+        for dp_rank, dp in enumerate(expected["dp_ranks"]):
+            firsts = gantt.find_elements(By.CSS_SELECTOR, f'rect.mb[data-dp="{dp_rank}"][data-mb="0"]')
+            assert len(firsts) == (len(dp["micro_batches"]) > 0)
+            assert all(first.rect["x"] == pytest.approx(block_end, abs=1.0) for first in firsts)
+        # its breakdown: each world rank's parts on its own row inside the block, adding up to what /plan answers
+        bars = gantt.find_elements(By.CSS_SELECTOR, 'rect.seg[data-span="0"]')
+        assert all(top <= bar.rect["y"] and bar.rect["y"] + bar.rect["height"] <= bottom for bar in bars)
+        assert len({bar.rect["y"] for bar in bars}) == len(span["ranks"]) == 8  # every rank holds a share
+        drawn_ms: dict[str, float] = {}
+        for bar in bars:
+            part = str(bar.get_attribute("data-part"))
+            drawn_ms[part] = drawn_ms.get(part, 0.0) + float(str(bar.get_attribute("data-ms")))
+        ranks = span["ranks"]
+        planned_ms = {"local": sum(r["local_ms"] for r in ranks),
+                      "distributed": sum(r["distributed_ms"] for r in ranks),
+                      "sharded": sum(r["sharded_ms"] for r in ranks),
+                      "overhead": sum(r["fixed_ms"] + r.get("launch_bound_ms", 0.0) + r["exposed_comm_ms"]
+                                      for r in ranks)}
+        assert drawn_ms == pytest.approx({part: ms for part, ms in planned_ms.items() if ms > 0})
+
+        memory = page.find_element(By.CSS_SELECTOR, f'svg.memory[data-scheduler="{scheduler}"]')
+        spanned = memory.find_elements(By.CSS_SELECTOR, 'rect.mem.span[data-span="0"]')
+        assert [float(str(bar.get_attribute("data-tokens"))) for bar in spanned] == [r["tokens"] for r in ranks]
+        assert "DP 0-1" in [label.text for label in memory.find_elements(By.CSS_SELECTOR, "text.dp-label")]
+
+    # a plan without spanning micro-batches (deepspeed's of a batch one CP group holds): no block, label or entry
+    lengths.clear()
+    lengths.send_keys(", ".join(map(str, LENGTHS)))
+    page.find_element(By.CSS_SELECTOR, '#schedulers input[value="skrull"]').click()
+    plan_and_wait(page)
+    assert page.find_element(By.ID, "status").text == "planned 1 of 1"
+    plain = httpx.post(f"http://127.0.0.1:{live_port}/plan",
+                       json={"sequence_lengths": LENGTHS, "scheduler": "deepspeed", **SETUP}).json()
+    assert "spanning" not in plain
+    assert page.find_elements(By.CSS_SELECTOR, "svg.gantt rect.mb")
+    assert not page.find_elements(By.CSS_SELECTOR, "rect.span, text.span-label, rect.mem.span")
+    assert "spanning" not in page.find_element(By.ID, "legend").text
 
 
 def test_viewer_shows_the_services_problem_beside_the_bad_field(page: WebDriver, live_port: int) -> None:
@@ -131,12 +207,12 @@ def test_viewer_shows_the_services_problem_beside_the_bad_field(page: WebDriver,
     dp.send_keys(str(SETUP["dp_size"]))
     too_long = page.find_element(By.ID, "lengths")
     too_long.clear()
-    too_long.send_keys("812, 200000")  # more than bucket_size 20000 × cp_size 4 tokens
+    too_long.send_keys("812, 200000")  # more than the world holds: bucket_size 20000 × cp_size 4 × dp_size 2 tokens
     plan_and_wait(page)
     problem = httpx.post(f"http://127.0.0.1:{live_port}/plan", json={
         "sequence_lengths": [812, 200000], "scheduler": "skrull", **SETUP}).json()
     [error] = problem["errors"]
-    assert error["field"] == "sequence_lengths[1]" and "80000" in error["message"]
+    assert error["field"] == "sequence_lengths[1]" and "160000" in error["message"]
     shown = page.find_element(By.CSS_SELECTOR, '.field[data-field="sequence_lengths"] .problem').text
     assert shown == f"sequence_lengths[1]: {error['message']}"
 

@@ -1,7 +1,8 @@
 // The Skrull plan viewer's page and its plan view. It talks to the public API only: GET /models (models, profiles,
 // schedulers), GET /samplers and GET /samplers/{name} (a drawn batch), POST /plan with "breakdown": true (each CP
-// rank's estimate per micro-batch); the advise view (advise.js) adds POST /advise. Input is sent as typed, so every
-// complaint shown is the service's own problem+json message, placed next to the field it names.
+// rank's estimate per micro-batch, and each world rank's per spanning micro-batch); the advise view (advise.js)
+// adds POST /advise. Input is sent as typed, so every complaint shown is the service's own problem+json message,
+// placed next to the field it names.
 
 import { setUpAdvise } from "./advise.js";
 import {
@@ -150,22 +151,41 @@ async function planAll(event) {
 // ---- figures derived from a plan -----------------------------------------------------------------------------
 
 const microBatches = (plan) => plan.dp_ranks.flatMap((dp) => dp.micro_batches);
+// The micro-batches over several DP replicas; a plan without any leaves the field out.
+const spanningOf = (plan) => plan.spanning ?? [];
 const sum = (values) => values.reduce((total, value) => total + value, 0);
 const mean = (values) => sum(values) / values.length;
 // A field left out is 0 (launch_bound_ms, under a profile without a launch-bound floor).
 const partMs = (rank, part) => sum(part.fields.map((field) => rank[field] ?? 0));
+const spanName = (span) => `DP ${span.dp_ranks[0]}-${span.dp_ranks[span.dp_ranks.length - 1]}`;
+
+// CP ranks per DP replica: a micro-batch has one local list per CP rank, a spanning one per world rank of its block
+// (a replica may run nothing but spanning micro-batches).
+function cpSizeOf(plan) {
+  const [mb] = microBatches(plan);
+  if (mb) return mb.local.length;
+  const [span] = spanningOf(plan);
+  return span.local.length / span.dp_ranks.length;
+}
+
+// Each micro-batch's per-rank estimates, as its ranks run it together: a spanning one's over its block's world
+// ranks (where the breakdown has them), then each DP rank's own over its CP ranks.
+const rankGroups = (plan) => [
+  ...spanningOf(plan).filter((span) => span.ranks).map((span) => span.ranks),
+  ...microBatches(plan).map((mb) => mb.cp_ranks),
+];
 
 function balances(plan) {
   const dpTimes = plan.dp_ranks.map((dp) => dp.estimated_time_ms);
-  const batches = microBatches(plan);
-  const slowest = sum(batches.map((mb) => Math.max(...mb.cp_ranks.map((rank) => rank.time_ms))));
-  const average = sum(batches.map((mb) => mean(mb.cp_ranks.map((rank) => rank.time_ms))));
-  const fullest = Math.max(...batches.flatMap((mb) => mb.cp_ranks.map((rank) => rank.tokens)));
+  const groups = rankGroups(plan);
+  const slowest = sum(groups.map((ranks) => Math.max(...ranks.map((rank) => rank.time_ms))));
+  const average = sum(groups.map((ranks) => mean(ranks.map((rank) => rank.time_ms))));
+  const fullest = Math.max(...groups.flatMap((ranks) => ranks.map((rank) => rank.tokens)));
   return {
     dp: mean(dpTimes) > 0 ? Math.max(...dpTimes) / mean(dpTimes) : 1,
     cp: average > 0 ? slowest / average : 1,
     memory: fullest / plan.bucket_size,
-    numMicroBatches: batches.length,
+    numMicroBatches: microBatches(plan).length + spanningOf(plan).length,
   };
 }
 
@@ -174,7 +194,7 @@ function balances(plan) {
 function render(plans) {
   byId("results").hidden = false;
   renderSummary(plans);
-  renderLegend();
+  renderLegend(plans);
   const xMaxMs = Math.max(...plans.map((plan) => plan.estimated_iteration_time_ms));
   byId("gantts").replaceChildren(...plans.map((plan) => renderGantt(plan, xMaxMs)));
   byId("memory").replaceChildren(...plans.map(renderMemory));
@@ -210,12 +230,17 @@ function renderSummary(plans) {
   table.tBodies[0].append(...body);
 }
 
-function renderLegend() {
-  byId("legend").replaceChildren(...PARTS.map((part) => {
-    const item = html("span", { class: "legend-item" });
-    item.append(html("span", { class: `swatch part-${part.key}` }), document.createTextNode(part.label));
-    return item;
-  }));
+function renderLegend(plans) {
+  const item = (swatchClass, label) => {
+    const entry = html("span", { class: "legend-item" });
+    entry.append(html("span", { class: `swatch ${swatchClass}` }), document.createTextNode(label));
+    return entry;
+  };
+  const items = PARTS.map((part) => item(`part-${part.key}`, part.label));
+  if (plans.some((plan) => spanningOf(plan).length > 0)) {
+    items.push(item("span", "spanning micro-batch (outlined across the DP replicas it spans)"));
+  }
+  byId("legend").replaceChildren(...items);
 }
 
 function timeAxis(root, x, y, xMaxMs, scale) {
@@ -227,40 +252,80 @@ function timeAxis(root, x, y, xMaxMs, scale) {
   svg("text", { x: x + GANTT.width, y: y + 26, class: "axis-label" }, root).textContent = "time (ms)";
 }
 
+// One micro-batch's per-rank bars from startMs: each rank's time split into PARTS, on the row at rowTop(i) for its
+// i-th rank; who(i) names that rank in the tooltip. The bars carry `extra` (which spanning micro-batch they are of).
+function drawRankParts(root, { ranks, startMs, totalMs, scale, bucketSize, rowTop, who, extra = {} }) {
+  ranks.forEach((rank, i) => {
+    let leftMs = startMs;
+    for (const part of PARTS) {
+      const ms = partMs(rank, part);
+      if (ms <= 0) continue;
+      const bar = svg("rect", { class: `seg part-${part.key}`, "data-part": part.key, "data-ms": ms, ...extra,
+        x: GANTT.left + leftMs * scale, y: rowTop(i) + 1, width: Math.max(ms * scale, 0.5),
+        height: GANTT.row - 2 }, root);
+      tooltip(bar, `${who(i)}\n${part.label}: ${fmt(ms, 3)} ms\n`
+        + `rank total ${fmt(rank.time_ms, 3)} ms of ${fmt(totalMs, 3)} ms; `
+        + `${fmt(rank.tokens, 0)} tokens (bucket ${bucketSize}); communication ${fmt(rank.comm_ms, 3)} ms, `
+        + `exposed ${fmt(rank.exposed_comm_ms, 3)} ms`);
+      leftMs += ms;
+    }
+  });
+}
+
+// Each spanning micro-batch as one outlined block across the rows of the DP replicas it spans, labelled with them,
+// from when the last of them is free (their replicas run them first, in plan order: the simulator's
+// spanning_ready_s), each world rank's breakdown on its own row. Returns when each replica starts its own.
+function drawSpanning(root, plan, { cpSize, scale, rowTop }) {
+  const readyMs = plan.dp_ranks.map(() => 0);
+  spanningOf(plan).forEach((span, spanIndex) => {
+    const [first, last] = [span.dp_ranks[0], span.dp_ranks[span.dp_ranks.length - 1]];
+    const startMs = Math.max(...span.dp_ranks.map((dpRank) => readyMs[dpRank]));
+    const endMs = startMs + span.estimated_time_ms;
+    const [top, bottom] = [rowTop(first, 0), rowTop(last, cpSize)];
+    const block = svg("rect", { class: "span", "data-span": spanIndex, "data-dp-ranks": span.dp_ranks.join(","),
+      "data-start-ms": startMs, x: GANTT.left + startMs * scale, y: top, width: span.estimated_time_ms * scale,
+      height: bottom - top }, root);
+    tooltip(block, `spanning micro-batch ${spanIndex} over ${spanName(span)} (world ranks ${first * cpSize}-`
+      + `${(last + 1) * cpSize - 1}): from ${fmt(startMs)} ms, ${fmt(span.estimated_time_ms)} ms`);
+    const dpOf = (world) => first + Math.floor(world / cpSize);
+    drawRankParts(root, { ranks: span.ranks ?? [], startMs, totalMs: span.estimated_time_ms, scale,
+      bucketSize: plan.bucket_size, rowTop: (world) => rowTop(dpOf(world), world % cpSize),
+      who: (world) => `DP ${dpOf(world)} · CP ${world % cpSize} (world rank ${first * cpSize + world}) · `
+        + `spanning micro-batch ${spanIndex} over ${spanName(span)}`,
+      extra: { "data-span": spanIndex } });
+    svg("line", { class: "mb-end", x1: GANTT.left + endMs * scale, x2: GANTT.left + endMs * scale, y1: top,
+      y2: bottom }, root);
+    svg("text", { class: "span-label", "data-span": spanIndex, x: GANTT.left + (startMs + endMs) / 2 * scale,
+      y: (top + bottom) / 2 + 3.5 }, root).textContent = `spans ${spanName(span)}`;
+    for (const dpRank of span.dp_ranks) readyMs[dpRank] = endMs;
+  });
+  return readyMs;
+}
+
 function renderGantt(plan, xMaxMs) {
   const figure = html("figure", { class: "gantt-figure" });
   figure.append(html("figcaption", {}, `${plan.scheduler}: ${fmt(plan.estimated_iteration_time_ms)} ms per iteration `
     + `(estimated; within ${fmt(100 * (plan.estimated_iteration_time_ms / plan.lower_bound_ms - 1), 1)} % of the `
     + `lower bound), ${fmt(plan.speedup_vs_deepspeed)}× over deepspeed`));
-  const cpSize = plan.dp_ranks[0].micro_batches[0].cp_ranks.length;
+  const cpSize = cpSizeOf(plan);
   const groupHeight = cpSize * GANTT.row + GANTT.gap;
   const height = GANTT.top + plan.dp_ranks.length * groupHeight + GANTT.axis;
   const root = svg("svg", { class: "gantt", "data-scheduler": plan.scheduler, width: GANTT.left + GANTT.width + 20,
     height, viewBox: `0 0 ${GANTT.left + GANTT.width + 20} ${height}` });
   const scale = GANTT.width / xMaxMs;
+  const rowTop = (dpRank, cpRank) => GANTT.top + dpRank * groupHeight + cpRank * GANTT.row;
+  const ownStartsMs = drawSpanning(root, plan, { cpSize, scale, rowTop });
   plan.dp_ranks.forEach((dp, dpRank) => {
-    const top = GANTT.top + dpRank * groupHeight;
-    let startMs = 0;
+    const top = rowTop(dpRank, 0);
+    let startMs = ownStartsMs[dpRank];
     dp.micro_batches.forEach((mb, mbIndex) => {
       const band = svg("rect", { class: `mb mb-${mbIndex % 2}`, "data-dp": dpRank, "data-mb": mbIndex,
         x: GANTT.left + startMs * scale, y: top, width: mb.estimated_time_ms * scale, height: cpSize * GANTT.row },
       root);
       tooltip(band, `DP ${dpRank}, micro-batch ${mbIndex}: ${fmt(mb.estimated_time_ms)} ms`);
-      mb.cp_ranks.forEach((rank, cpRank) => {
-        let leftMs = startMs;
-        for (const part of PARTS) {
-          const ms = partMs(rank, part);
-          if (ms <= 0) continue;
-          const bar = svg("rect", { class: `seg part-${part.key}`, "data-part": part.key, "data-ms": ms,
-            x: GANTT.left + leftMs * scale, y: top + cpRank * GANTT.row + 1, width: Math.max(ms * scale, 0.5),
-            height: GANTT.row - 2 }, root);
-          tooltip(bar, `DP ${dpRank} · CP ${cpRank} · micro-batch ${mbIndex}\n${part.label}: ${fmt(ms, 3)} ms\n`
-            + `rank total ${fmt(rank.time_ms, 3)} ms of ${fmt(mb.estimated_time_ms, 3)} ms; `
-            + `${fmt(rank.tokens, 0)} tokens (bucket ${plan.bucket_size}); communication ${fmt(rank.comm_ms, 3)} ms, `
-            + `exposed ${fmt(rank.exposed_comm_ms, 3)} ms`);
-          leftMs += ms;
-        }
-      });
+      drawRankParts(root, { ranks: mb.cp_ranks, startMs, totalMs: mb.estimated_time_ms, scale,
+        bucketSize: plan.bucket_size, rowTop: (cpRank) => rowTop(dpRank, cpRank),
+        who: (cpRank) => `DP ${dpRank} · CP ${cpRank} · micro-batch ${mbIndex}` });
       startMs += mb.estimated_time_ms;
       svg("line", { class: "mb-end", x1: GANTT.left + startMs * scale, x2: GANTT.left + startMs * scale,
         y1: top, y2: top + cpSize * GANTT.row }, root);
@@ -278,27 +343,42 @@ function renderGantt(plan, xMaxMs) {
 function renderMemory(plan) {
   const figure = html("figure", { class: "memory-figure" });
   figure.append(html("figcaption", {}, `${plan.scheduler}: tokens per CP rank, per DP rank and micro-batch`));
-  const clusters = plan.dp_ranks.flatMap((dp, dpRank) => dp.micro_batches.map((mb, mbIndex) => ({ dpRank, mbIndex, mb })));
-  const cpSize = clusters[0].mb.cp_ranks.length;
-  const clusterWidth = cpSize * MEMORY.bar + MEMORY.cluster;
-  const width = MEMORY.left + clusters.length * clusterWidth + 10;
+  const cpSize = cpSizeOf(plan);
+  // One cluster of bars per micro-batch, in the order the ranks run them: the spanning ones (one bar per world rank
+  // of the block, where the breakdown has them), then each DP rank's own. `label` goes under a cluster's first bar.
+  const clusters = [
+    ...spanningOf(plan).map((span, spanIndex) => ({ ranks: span.ranks ?? [], label: spanName(span), span: spanIndex,
+      who: (world) => `spanning micro-batch ${spanIndex} over ${spanName(span)} · `
+        + `DP ${span.dp_ranks[0] + Math.floor(world / cpSize)} · CP ${world % cpSize}` })),
+    ...plan.dp_ranks.flatMap((dp, dpRank) => dp.micro_batches.map((mb, mbIndex) => ({ ranks: mb.cp_ranks,
+      label: mbIndex === 0 ? `DP ${dpRank}` : null, who: (cpRank) => `DP ${dpRank} · micro-batch ${mbIndex} · CP ${cpRank}` }))),
+  ];
+  const lefts = [];
+  let width = MEMORY.left;
+  for (const { ranks } of clusters) {
+    lefts.push(width);
+    width += ranks.length * MEMORY.bar + MEMORY.cluster;
+  }
+  width += 10;
   const height = MEMORY.top + MEMORY.height + MEMORY.axis;
-  const fullest = Math.max(1, ...clusters.flatMap(({ mb }) => mb.cp_ranks.map((rank) => rank.tokens / plan.bucket_size)));
+  const fullest = Math.max(1, ...clusters.flatMap(({ ranks }) => ranks.map((rank) => rank.tokens / plan.bucket_size)));
   const yOf = (ratio) => MEMORY.top + MEMORY.height * (1 - ratio / (fullest * 1.05));
   const root = svg("svg", { class: "memory", "data-scheduler": plan.scheduler, width, height,
     viewBox: `0 0 ${width} ${height}` });
-  clusters.forEach(({ dpRank, mbIndex, mb }, index) => {
-    const left = MEMORY.left + index * clusterWidth;
-    mb.cp_ranks.forEach((rank, cpRank) => {
+  clusters.forEach(({ ranks, label, span, who }, index) => {
+    const left = lefts[index];
+    ranks.forEach((rank, i) => {
       const ratio = rank.tokens / plan.bucket_size;
-      const bar = svg("rect", { class: ratio > 1 ? "mem over" : "mem", "data-tokens": rank.tokens,
-        x: left + cpRank * MEMORY.bar, y: yOf(ratio), width: MEMORY.bar - 1, height: yOf(0) - yOf(ratio) }, root);
-      tooltip(bar, `DP ${dpRank} · micro-batch ${mbIndex} · CP ${cpRank}: ${fmt(rank.tokens, 0)} tokens, `
+      const spanned = span === undefined ? {} : { "data-span": span };
+      const bar = svg("rect", { class: `mem${span === undefined ? "" : " span"}${ratio > 1 ? " over" : ""}`,
+        "data-tokens": rank.tokens, ...spanned, x: left + i * MEMORY.bar, y: yOf(ratio), width: MEMORY.bar - 1,
+        height: yOf(0) - yOf(ratio) }, root);
+      tooltip(bar, `${who(i)}: ${fmt(rank.tokens, 0)} tokens, `
         + `${fmt(100 * ratio, 1)} % of the bucket (${plan.bucket_size})`);
     });
-    if (mbIndex === 0) {
+    if (label !== null) {
       svg("text", { class: "dp-label", x: left, y: yOf(0) + 14 }, root)
-        .textContent = `DP ${dpRank}`;
+        .textContent = label;
     }
   });
   svg("line", { class: "bucket", x1: MEMORY.left - 4, x2: width - 6, y1: yOf(1), y2: yOf(1) }, root);
