@@ -456,3 +456,13 @@ def test_a_source_without_spanning_plans_within_cp_groups_embedded_and_from_the_
             else:
                 assert decision.plan is None and "at most bucket_size 1024 × cp_size 2 = 2048 fit" in decision.error
         remote.close()
+
+
+def test_a_step_whose_plan_spans_replicas_is_not_reported_and_is_no_failure() -> None:
+    source = _feedback_source(_unexpected)
+    plan = source._plan_embedded(0, [BUCKET_SIZE * CP + 1, 10]).plan
+    assert plan is not None and plan.spanning
+    assert source.report(1, plan, [BUCKET_SIZE * CP + 1, 10], [MicroBatchTiming(dp_rank=0, index=0, time_s=0.1)]) \
+        is None
+    assert source.num_feedback_failures == 0
+    source.close()

@@ -578,8 +578,10 @@ class PlanSource:
         if self._executor is None or self.job_id is None or not timings:
             return None
         try:
-            request = FeedbackRequest(job_id=self.job_id, step=step,
-                                      micro_batches=measurements_of(plan, sequence_lengths, timings),
+            measurements = measurements_of(plan, sequence_lengths, timings)
+            if not measurements:  # a plan that spans replicas: nothing a refit can read (measurements_of)
+                return None
+            request = FeedbackRequest(job_id=self.job_id, step=step, micro_batches=measurements,
                                       memory_budget_bytes=memory_budget_bytes)
             return self._executor.submit(self._send_feedback, request)
         except ValidationError as error:

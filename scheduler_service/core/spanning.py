@@ -95,10 +95,9 @@ def join(problem: PlanningProblem, timed: Timed, rest_plan: Plan) -> Plan:
     share_s = [rank.time_s for rank in simulate(problem, own).dp_ranks]
     free_first = sorted(range(problem.dp_size), key=lambda dp_rank: (ready_s[dp_rank], dp_rank))
     heaviest_first = sorted(range(problem.dp_size), key=lambda share: (-share_s[share], share))
-    dp_ranks = [own.dp_ranks[0]] * problem.dp_size
-    for dp_rank, share in zip(free_first, heaviest_first, strict=True):
-        dp_ranks[dp_rank] = own.dp_ranks[share]
-    return Plan(dp_ranks=tuple(dp_ranks), spanning=spanning)
+    share_of = dict(zip(free_first, heaviest_first, strict=True))
+    return Plan(dp_ranks=tuple(own.dp_ranks[share_of[dp_rank]] for dp_rank in range(problem.dp_size)),
+                spanning=spanning)
 
 
 def _plan_of(problem: PlanningProblem, indices: list[int], schedule: Callable[[PlanningProblem], Plan]) -> Plan:
