@@ -247,8 +247,9 @@ def iteration_lower_bound_s(problem: PlanningProblem) -> float:
     DP × CP ranks (the max replaced by the mean), no communication exposed, one β per micro-batch of the fewest
     micro-batches the tokens need; no faster than the costliest sequence at its cheapest placement; and no faster
     than the launch-bound floor of as many micro-batches as the busiest DP rank must run (at least the fewest
-    micro-batches the tokens need, over the DP ranks). Where blocks may span DP replicas, the placements include
-    the blocks of the whole world (``_world_placements``)."""
+    micro-batches the tokens need, over the DP ranks). Where blocks may span DP replicas, the longest sequence may
+    be placed on a block of the whole world, and a sequence no CP group holds is placed only there
+    (``_world_placements``)."""
     num_ranks = problem.dp_size * problem.cp_size
     min_micro_batches = -(-int(problem.lengths.sum()) // problem.micro_batch_capacity)
     degrees = np.asarray(problem.degrees)[:, None]
@@ -263,19 +264,17 @@ def iteration_lower_bound_s(problem: PlanningProblem) -> float:
     return max(spread_s, longest_s, floor_bound_s)
 
 
-_LONGEST_PRICED_WIDER = 16  # the longest sequences whose cheapest placement the world's blocks may lower
-
-
 def _world_placements(problem: PlanningProblem, area: FloatArray,
                       cheapest_flops: FloatArray) -> tuple[FloatArray, FloatArray]:
-    """``area`` and ``cheapest_flops`` where blocks up to the whole world are placements too: only the longest
-    sequences can gain (per-rank FLOPs fall with the degree; a short sequence's cheapest block is small), so only
-    they are priced again, at every degree of the world."""
+    """``area`` and ``cheapest_flops`` where blocks up to the whole world are placements too. Only the longest
+    sequence can raise the bound's costliest-sequence term (a rank's share of a sequence falls with the degree and
+    grows with the length), and spreading a sequence wider never lowers its area (its total work over its ranks),
+    so only that sequence and those no CP group holds (whose area is otherwise infinite) are priced again."""
+    repriced = np.unique(np.array([*problem.too_long_for_a_replica(), np.argmax(problem.lengths)], dtype=np.int64))
     world_degrees = np.asarray(place_degrees(problem.dp_size * problem.cp_size))[:, None]
-    longest = np.argsort(-problem.lengths, kind="stable")[:_LONGEST_PRICED_WIDER]
-    lengths = problem.lengths[longest]
+    lengths = problem.lengths[repriced]
     rank_flops = np.asarray([problem.perf.placement_flops(lengths, int(degree)) for degree in world_degrees[:, 0]])
     fits = lengths <= world_degrees * problem.bucket_size
-    area[longest] = np.minimum(area[longest], np.where(fits, world_degrees * rank_flops, np.inf).min(axis=0))
-    cheapest_flops[longest] = np.minimum(cheapest_flops[longest], np.where(fits, rank_flops, np.inf).min(axis=0))
+    area[repriced] = np.minimum(area[repriced], np.where(fits, world_degrees * rank_flops, np.inf).min(axis=0))
+    cheapest_flops[repriced] = np.minimum(cheapest_flops[repriced], np.where(fits, rank_flops, np.inf).min(axis=0))
     return area, cheapest_flops

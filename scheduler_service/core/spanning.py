@@ -188,8 +188,10 @@ def spanned_if_faster(problem: PlanningProblem, plan: Plan, estimate: PlanEstima
     if not costed:
         return None
     fast_s, count, width = min(costed)
-    fill = candidate(count, width, True, False)[1] < fast_s
-    spanned, time_s = candidate(count, width, fill, True)
+    filled_s = candidate(count, width, True, False)[1]
+    if min(fast_s, filled_s) >= best_s:
+        return None
+    spanned, time_s = candidate(count, width, filled_s < fast_s, True)
     return spanned if time_s < best_s else None
 
 
