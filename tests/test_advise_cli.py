@@ -1,7 +1,8 @@
 """``skrull-advise`` and ``POST /advise``: the same advice from a data set, a lengths file, a synthetic sample or an
-HTTP request; the table, the JSON document and the chart; every bad input a clear error naming its field or
-flag, never a traceback or a 500; and the winner's config file holds the run its printed command line describes,
-and trains under torchrun."""
+HTTP request; the table, the JSON document and the chart; outliers no layout holds left out (or, with --truncate,
+cut) with what each layout loses, as --max-length and --truncate do in the trainer; every bad input a clear error
+naming its field or flag, never a traceback or a 500; and the winner's config file holds the run its printed
+command line describes, and trains under torchrun."""
 
 from __future__ import annotations
 
@@ -70,13 +71,18 @@ def test_a_lengths_file_gives_the_ranked_table_the_json_document_and_the_chart(
     assert chart.startswith(b"\x89PNG") and len(chart) > 10_000
 
 
+@pytest.mark.parametrize(("flags", "fields"), [
+    ([], {}),
+    (["--max-length", "20000", "--truncate"], {"max_length": 20000, "truncate": True}),
+])
 def test_the_service_answers_the_documents_numbers(
-    lengths_file: Path, tmp_path: Path, client: TestClient, capsys: pytest.CaptureFixture[str]
+    flags: list[str], fields: dict[str, object], lengths_file: Path, tmp_path: Path, client: TestClient,
+    capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert _advise(["--data", str(lengths_file), "--model", "qwen2.5-7b", "--gpus", "16", "--global-batch", "32",
-                    "--json", str(tmp_path / "advice.json")], capsys)[0] == 0
+                    "--json", str(tmp_path / "advice.json"), *flags], capsys)[0] == 0
     response = client.post("/advise", json={"sequence_lengths": LENGTHS, "model": "qwen2.5-7b", "gpus": 16,
-                                            "global_batch": 32})
+                                            "global_batch": 32, **fields})
     assert response.status_code == 200, response.text
     from_cli, from_service = json.loads((tmp_path / "advice.json").read_text()), response.json()
     commands = [(ours.pop("trainer_command"), theirs.pop("trainer_command"))
@@ -124,6 +130,8 @@ def test_python_m_trainer_client_advise_is_the_same_command(
     (["--num-batches", "0"], "error (num_batches): num_batches must be"),
     (["--sample-size", "0"], "error: --sample-size must be positive, got 0"),
     (["--cp-sizes", "3"], "error (cp_sizes): cp_sizes must be powers of two that divide gpus 8"),
+    (["--max-length", "0"], "error (max_length): max_length must be an integer between 1 and 16777216, got 0"),
+    (["--max-length", "10"], "error (max_length): every sequence of the sample is longer than max_length 10"),
 ])
 def test_bad_flags_exit_2_with_one_line_naming_them(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
@@ -150,15 +158,57 @@ def test_bad_lengths_files_are_refused_naming_the_line_or_index(
     assert status == 2 and message in err and err.count("\n") == 1, err
 
 
-def test_records_too_long_for_every_layout_are_refused_with_the_longest_that_fits(
+def test_an_outlier_no_layout_holds_is_left_out_and_the_layouts_ranked_with_what_each_loses(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "lengths.txt"
     path.write_text("100\n900000\n")
+    status, out, err = _advise(["--data", str(path), "--model", "qwen2.5-7b", "--gpus", "8",
+                                "--json", str(tmp_path / "advice.json")], capsys)
+    assert status == 0, err
+    document = AdviceDocument.model_validate_json((tmp_path / "advice.json").read_text())
+    assert document.layouts and all(layout.longest_trainable_sequence < 900000 for layout in document.layouts)
+    assert all((layout.num_sequences_too_long, layout.too_long_token_share) == (1, pytest.approx(900000 / 900100))
+               for layout in document.layouts)
+    assert out.splitlines()[1].endswith("seqs left out") and out.splitlines()[2].endswith("1 (99.99%)")
+    assert "It leaves out the sample's 1 sequence(s) longer than" in document.why
+    assert ("the trainer refuses a record longer than --max-length "
+            f"{document.layouts[0].longest_trainable_sequence} (synthetic data is drawn cut to it): leave the 1 "
+            "longer sequence(s) out of --data, or add --truncate to cut them") in out
+
+
+def test_max_length_and_truncate_change_what_each_layout_loses_as_in_the_trainer(
+    lengths_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LENGTHS holds 16 sequences over 20,000 tokens (45,000 and 30,000, 8 of each): --max-length 20000 leaves them
+    out, and with --truncate cuts them to 20,000; every command passes both on to the trainer."""
+    total = sum(LENGTHS)
+    for truncate, lost, column in ((False, 8 * 45000 + 8 * 30000, "seqs left out"),
+                                   (True, 8 * 25000 + 8 * 10000, "seqs cut")):
+        argv = ["--data", str(lengths_file), "--model", "qwen2.5-7b", "--gpus", "16", "--max-length", "20000",
+                "--json", str(tmp_path / "advice.json"), *(["--truncate"] if truncate else [])]
+        status, out, err = _advise(argv, capsys)
+        assert status == 0, err
+        document = AdviceDocument.model_validate_json((tmp_path / "advice.json").read_text())
+        assert (document.max_length, document.truncate) == (20000, truncate)
+        assert out.splitlines()[1].endswith(column)
+        for layout in document.layouts:
+            assert (layout.num_sequences_too_long, layout.too_long_token_share) == (16, pytest.approx(lost / total))
+            flags = shlex.split(layout.trainer_command)
+            config = config_from_args(build_train_parser().parse_args(flags[flags.index("trainer_client.train") + 1:]))
+            assert (config.max_length, config.truncate) == (20000, truncate)
+        assert "longer than 20,000 tokens (max_length)" in document.why
+
+
+def test_a_sample_no_layout_holds_any_of_is_refused_with_the_longest_that_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "lengths.txt"
+    path.write_text("900000\n")
     status, _, err = _advise(["--data", str(path), "--model", "qwen2.5-7b", "--gpus", "8"], capsys)
     assert status == 2
-    assert err.startswith("error (sequence_lengths): the sample's longest sequence has 900000 tokens; no layout of "
-                          "8 GPUs holds it: at most"), err
+    assert err.startswith("error (sequence_lengths): no layout of 8 GPUs holds any sequence of the sample: the "
+                          "shortest has 900000 tokens, and at most "), err
 
 
 @pytest.mark.parametrize(("body", "status", "field"), [
@@ -176,6 +226,10 @@ def test_records_too_long_for_every_layout_are_refused_with_the_longest_that_fit
     ({"sequence_lengths": [100], "model": "qwen2.5-7b", "gpus": 8, "num_batches": 200, "global_batch": 60000},
      422, "num_batches"),
     ({"histogram": [{"length": 100, "count": 1 << 30}], "model": "qwen2.5-7b", "gpus": 8}, 422, "histogram"),
+    ({"sequence_lengths": [100], "model": "qwen2.5-7b", "gpus": 8, "max_length": 0}, 422, "max_length"),
+    ({"sequence_lengths": [100], "model": "qwen2.5-7b", "gpus": 8, "max_length": 1 << 30}, 422, "max_length"),
+    ({"sequence_lengths": [100, 200], "model": "qwen2.5-7b", "gpus": 8, "max_length": 50}, 422, "max_length"),
+    ({"sequence_lengths": [100], "model": "qwen2.5-7b", "gpus": 8, "truncate": "maybe"}, 422, "truncate"),
 ])
 def test_bad_requests_get_a_4xx_naming_the_field_never_a_500(
     client: TestClient, body: dict[str, object], status: int, field: str
@@ -186,6 +240,8 @@ def test_bad_requests_get_a_4xx_naming_the_field_never_a_500(
     assert field in [error["field"] for error in problem["errors"]], problem
     if field in ("num_batches", "histogram"):
         assert "at most" in problem["detail"]  # the limit is named
+    if field == "max_length" and body.get("max_length") == 1 << 30:
+        assert "between 1 and 16777216" in problem["detail"]
 
 
 def test_the_winners_config_file_holds_the_run_of_its_printed_command_line(

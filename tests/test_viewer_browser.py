@@ -380,12 +380,12 @@ def test_advise_view_shows_the_services_problems_beside_the_bad_fields(advise_pa
     assert advise_problem(page, "gpus") == expected["gpus"]
 
     type_into(page, "gpus", "8")
-    type_into(page, "sample", "812, 5000000")  # longer than any layout of 8 GPUs holds
+    type_into(page, "sample", "5000000, 6000000")  # longer than any layout of 8 GPUs holds, every one
     advise_and_wait(page)
-    problem = httpx.post(f"{service}/advise", json={"sequence_lengths": [812, 5000000], "profile": profile,
+    problem = httpx.post(f"{service}/advise", json={"sequence_lengths": [5000000, 6000000], "profile": profile,
                                                      **ADVISE, "gpus": 8}, timeout=WAIT_S).json()
     [error] = problem["errors"]
-    assert error["field"] == "sequence_lengths" and "no layout of 8 GPUs holds it" in error["message"]
+    assert error["field"] == "sequence_lengths" and "no layout of 8 GPUs holds any sequence" in error["message"]
     assert advise_problem(page, "sample") == f"sequence_lengths: {error['message']}"
     assert not advise_problem(page, "gpus")
 

@@ -6,7 +6,9 @@ the ranked table with the reason the winner wins and the layouts left out, and w
 ``POST /advise`` answers (``--json``, validated by the service's model), the winner's trainer config file
 (``--emit-config``, validated by the trainer's ``TrainConfig``; refused for a file of lengths, which the trainer
 cannot train on) and a chart of throughput per layout, Skrull against static CP (``--plot``). The words, the
-commands and the document are the service's (``scheduler_service.contract.advice``).
+commands and the document are the service's (``scheduler_service.contract.advice``). A sequence longer than a
+layout trains (or than ``--max-length``) is left out or, with ``--truncate``, cut, as the trainer treats records;
+each layout says how many and what share of the tokens, so outliers no layout holds do not stop the advice.
 
 It is the trainer's command, not the service's, because reading a data set or a checkpoint is the trainer's
 work; torch is needed only for those (records, checkpoint folders).
@@ -103,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                                             "text records)")
     parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bfloat16",
                         help="the dtype the trainer computes in (float32 on CPU)")
+    parser.add_argument("--max-length", type=int, metavar="TOKENS",
+                        help="the trainer's --max-length: the longest sequence trained whole; a longer one is left "
+                             "out (default: each layout's longest trainable sequence)")
+    parser.add_argument("--truncate", action="store_true",
+                        help="the trainer's --truncate: cut sequences longer than a layout trains instead of leaving "
+                             "them out")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the advice document here")
     parser.add_argument("--emit-config", type=Path, metavar="FILE.yaml",
                         help="write the winner's trainer settings here, a config file for python -m "
@@ -120,27 +128,41 @@ def format_advice(advice: Advice, sources: TrainerSources, *, config_file: Path 
                   lengths_file: bool = False) -> str:
     """The ranked layouts, why the winner wins, the layouts left out and the winner's command, and the command
     that trains from ``config_file`` when the winner's settings are written there. With ``lengths_file`` (the
-    sample was a file of lengths) the command says that its ``--data`` needs the records instead."""
+    sample was a file of lengths) the command says that its ``--data`` needs the records instead. The ``spanning``
+    column counts the batches whose plans span DP replicas (``no``: the layout's cannot); a ``left out`` (or, with
+    ``--truncate``, ``cut``) column appears when the ranked layouts lose sequences of the sample."""
     problem = advice.problem
+    too_long = "seqs cut" if problem.truncate else "seqs left out"
+    with_too_long = any(priced.num_sequences_too_long for priced in advice.layouts)
     lines = [f"{problem.model.name} on {problem.num_gpus} GPUs ({problem.gpus_per_node} per node), profile "
              f"{problem.profile.name}: {problem.num_batches} global batches of {advice.mean_sequences_per_batch:.0f} "
              f"sequences ({advice.mean_tokens_per_batch:,.0f} tokens) drawn from {problem.lengths.size:,} "
              f"(longest {int(problem.lengths.max()):,})",
              f"{'#':>2} {'dp × cp':>8} {'sharding':>8} {'ckpt':>9} {'bucket':>7} {'step ms':>9} {'p10-p90 ms':>15} "
-             f"{'tok/s/GPU':>10} {'vs static CP':>12} {'headroom':>8} {'sharded':>7} {'nodes':>5}"]
+             f"{'tok/s/GPU':>10} {'vs static CP':>12} {'headroom':>8} {'sharded':>7} {'nodes':>5} {'spanning':>8}"
+             + (f" {too_long:>14}" if with_too_long else "")]
     for rank, priced in enumerate(advice.layouts, start=1):
         layout, spread = priced.layout, priced.step_time_spread
+        spanning = f"{priced.num_batches_spanning}/{problem.num_batches}" if layout.spanning else "no"
         lines.append(
             f"{rank:>2} {f'{layout.dp_size} × {layout.cp_size}':>8} {layout.sharding.value:>8} "
             f"{layout.activation_checkpointing.value:>9} {layout.bucket_size:>7} "
             f"{priced.predicted_step_time_s * 1e3:>9.1f} "
             f"{f'{spread.p10_s * 1e3:.0f}-{spread.p90_s * 1e3:.0f}':>15} {priced.tokens_per_s_per_gpu:>10,.0f} "
             f"{f'{priced.speedup_vs_static_cp:.2f}x':>12} {priced.memory_headroom_fraction:>8.1%} "
-            f"{priced.sharded_share:>7.0%} {'spans' if layout.spans_nodes else 'one':>5}")
+            f"{priced.sharded_share:>7.0%} {'spans' if layout.spans_nodes else 'one':>5} {spanning:>8}"
+            + (f" {f'{priced.num_sequences_too_long} ({priced.too_long_token_share:.2%})':>14}" if with_too_long
+               else ""))
     lines += ["", f"why: {why(advice)}"]
     if advice.excluded:
         lines += ["", "left out:", *_excluded_lines(advice)]
-    winner_command = shell_command(trainer_argv(advice, advice.layouts[0].layout, sources))
+    winner = advice.layouts[0]
+    if winner.num_sequences_too_long and not problem.truncate:
+        lines += ["", f"the trainer refuses a record longer than --max-length "
+                      f"{problem.sequence_limit(winner.layout)} (synthetic data is drawn cut to it): leave the "
+                      f"{winner.num_sequences_too_long} longer sequence(s) out of --data, or add --truncate to cut "
+                      "them"]
+    winner_command = shell_command(trainer_argv(advice, winner.layout, sources))
     lines += ["", "train with the winner (with the records these lengths were measured from as --data: the trainer "
                   "cannot train on a file of lengths):" if lengths_file else "train with the winner:",
               f"  {winner_command}"]
@@ -244,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         shardings=tuple(Sharding(mode) for mode in args.sharding or Sharding),
         activation_checkpointing=tuple(ActivationCheckpointing(mode) for mode in args.activation_checkpointing or ()),
         cp_sizes=tuple(args.cp_sizes or ()), num_batches=args.num_batches, seed=args.seed,
-        compute_bytes=DTYPE_BYTES[args.dtype],
+        compute_bytes=DTYPE_BYTES[args.dtype], max_length=args.max_length, truncate=args.truncate,
     )
     sources = TrainerSources(data=args.data, tokenizer=args.tokenizer, model=args.model, profile=args.profile)
     with tqdm(total=problem.num_layouts, desc="pricing layouts", unit="layout", disable=args.no_progress,

@@ -40,7 +40,8 @@ class LengthCount(_Strict):
 
 
 class AdviseRequest(_Strict):
-    """POST /advise: which layout of ``gpus`` GPUs trains sequences like these fastest?"""
+    """POST /advise: which layout of ``gpus`` GPUs trains sequences like these fastest? Sequences longer than a layout
+    trains are left out, or cut with ``truncate``, and each layout says what it loses."""
 
     model_config = ConfigDict(
         extra="forbid", frozen=True,
@@ -76,6 +77,14 @@ class AdviseRequest(_Strict):
     seed: NonNegativeInt = Field(default=0, description="Seeds the batches drawn: the same request, the same answer.")
     dtype: Literal["bfloat16", "float32"] = Field(
         default="bfloat16", description="The dtype weights compute in (bytes of the gathered weights).")
+    max_length: PositiveInt | None = Field(
+        default=None,
+        description="The trainer's --max-length: the longest sequence trained whole (default: each layout's "
+                    "longest_trainable_sequence; a larger value is capped by it). A longer one is left out, or cut "
+                    "to it with `truncate`.")
+    truncate: bool = Field(
+        default=False, description="The trainer's --truncate: cut sequences longer than a layout trains to its limit "
+                                   "instead of leaving them out.")
 
     @model_validator(mode="after")
     def _one_sample_and_one_batch_size(self) -> AdviseRequest:
@@ -105,8 +114,19 @@ class _LayoutFields(_Strict):
     bucket_size: NonNegativeInt = Field(description="Tokens per CP rank per micro-batch the memory model allows.")
     sharding: ShardingMode
     activation_checkpointing: CheckpointingMode
-    longest_trainable_sequence: NonNegativeInt = Field(description="bucket_size × cp_size.")
+    longest_trainable_sequence: NonNegativeInt = Field(
+        description="bucket_size × cp_size × dp_size where `spanning` (one micro-batch over every DP replica), else "
+                    "bucket_size × cp_size.")
     spans_nodes: bool = Field(description="Whether a CP block can cross nodes (cp_size > gpus_per_node).")
+    spanning: bool = Field(
+        description="Whether its plans may hold micro-batches spanning several DP replicas: dp_size > 1 and a "
+                    "profile that prices a block of every GPU.")
+    num_sequences_too_long: NonNegativeInt = Field(
+        description="Of the sample: longer than this layout trains whole (longest_trainable_sequence, or "
+                    "max_length when smaller), so left out, or cut with `truncate`.")
+    too_long_token_share: NonNegativeFloat = Field(
+        description="Of the sample's tokens: those this layout does not train (the sequences left out, or the part "
+                    "cut).")
 
 
 class RankedLayoutModel(_LayoutFields):
@@ -121,15 +141,24 @@ class RankedLayoutModel(_LayoutFields):
     sharded_share: NonNegativeFloat = Field(description="Of the sampled sequences, sharded over several CP ranks.")
     sharded_by_degree: list[DegreeShare]
     micro_batches_per_step: NonNegativeFloat
+    num_batches_spanning: NonNegativeInt = Field(
+        description="Sampled batches whose plan holds micro-batches spanning DP replicas.")
+    num_sequences_spanned: NonNegativeInt = Field(
+        description="Sampled sequences in micro-batches spanning DP replicas, over all batches.")
+    num_sequences_needing_span: NonNegativeInt = Field(
+        description="Sampled sequences longer than one CP group holds (bucket_size × cp_size), over all batches: "
+                    "spanning is what trains them.")
     confidence: SpreadModel
     trainer_command: str = Field(description="The torchrun command that trains with this layout.")
 
 
 class ExcludedLayoutModel(_LayoutFields):
-    exclusion: Literal["no_memory", "too_long", "no_inter_node_table"]
+    exclusion: Literal["no_memory", "too_long", "no_inter_node_table"] = Field(
+        description="too_long: it leaves out (or cuts) more of the sample's sequences than the ranked layouts.")
     reason: str
-    num_sequences_too_long: NonNegativeInt
-    cp_size_needed: PositiveInt | None = Field(description="The smallest CP degree that holds the sample, if any.")
+    cp_size_needed: PositiveInt | None = Field(
+        description="The smallest CP degree, with the same sharding and checkpointing, of a ranked layout: one that "
+                    "holds as much of the sample as any layout; null when none does.")
 
 
 class SampleSummary(_Strict):
@@ -150,9 +179,14 @@ class AdviceDocument(_Strict):
     num_batches: PositiveInt
     seed: NonNegativeInt
     data: str | None = Field(description="The sample's source, as the trainer's --data names it (CLI only).")
+    max_length: PositiveInt | None = Field(description="As requested.")
+    truncate: bool = Field(description="As requested.")
     sample: SampleSummary
     mean_sequences_per_batch: NonNegativeFloat
     mean_tokens_per_batch: NonNegativeFloat
-    why: str = Field(description="Why the first layout wins, against the runner-up.")
-    layouts: list[RankedLayoutModel] = Field(description="The priced layouts, fastest first.")
+    why: str = Field(description="Why the first layout wins, against the runner-up; and when it spans DP replicas "
+                                 "or leaves sequences out, how.")
+    layouts: list[RankedLayoutModel] = Field(
+        description="The priced layouts, fastest first: those that leave out (or cut) the fewest of the sample's "
+                    "sequences, so all hold the same ones.")
     excluded: list[ExcludedLayoutModel] = Field(description="Layouts not priced, each with its reason.")

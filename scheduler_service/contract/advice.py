@@ -101,29 +101,38 @@ def layout_problem(request: AdviseRequestModel, *, limits: AdviseLimits,
         activation_checkpointing=tuple(ActivationCheckpointing(mode.value)
                                        for mode in request.activation_checkpointing or ()),
         cp_sizes=tuple(request.cp_sizes or ()), num_batches=request.num_batches, seed=request.seed,
-        compute_bytes=DTYPE_BYTES[request.dtype], limits=limits,
+        compute_bytes=DTYPE_BYTES[request.dtype], max_length=request.max_length, truncate=request.truncate,
+        limits=limits,
     )
 
 
 # ---- out: the trainer's command ---------------------------------------------------------------------------------
 
 
-def trainer_settings(advice: Advice, layout: Layout, sources: TrainerSources) -> dict[str, str | int]:
+def trainer_settings(advice: Advice, layout: Layout, sources: TrainerSources) -> dict[str, str | int | bool]:
     """The trainer's settings for ``layout``, keyed by the field names of its config
     (``trainer_client.config.TrainConfig``): what ``skrull-advise --emit-config`` writes as a config file, and
     ``trainer_argv`` as flags. The trainer's global batch is a number of sequences: a token budget's is the mean
     drawn per step. The tokenizer goes with the data: the trainer encodes ``messages`` and ``text`` records with the
-    one the lengths were measured with."""
+    one the lengths were measured with. ``max_length`` is the layout's limit (``LayoutProblem.sequence_limit``)
+    when one was asked for, or when the sample holds sequences longer than one CP group, which the trainer's
+    default (bucket_size × cp) would refuse though spanning trains them; ``truncate`` as asked."""
     problem = advice.problem
-    data: dict[str, str | int] = {"data": sources.data} if sources.data is not None else {}
+    data: dict[str, str | int | bool] = {"data": sources.data} if sources.data is not None else {}
     if sources.tokenizer is not None:
         data["tokenizer"] = sources.tokenizer
     global_batch = problem.global_batch.num_sequences or max(round(advice.mean_sequences_per_batch), 1)
     dtype = next(name for name, num_bytes in DTYPE_BYTES.items() if num_bytes == problem.compute_bytes)
+    lengths: dict[str, int | bool] = {}
+    if problem.max_length is not None or int(problem.lengths.max()) > layout.cp_group_capacity:
+        lengths["max_length"] = problem.sequence_limit(layout)
+    if problem.truncate:
+        lengths["truncate"] = True
     return {"dp": layout.dp_size, "cp": layout.cp_size, "model": sources.model or problem.model.name, **data,
             "global_batch": global_batch, "sharding": layout.sharding.value,
             "activation_checkpointing": layout.activation_checkpointing.value, "bucket_size": layout.bucket_size,
-            "profile": sources.profile or problem.profile.name, "dtype": dtype, "scheduler": SchedulerName.SKRULL.value}
+            **lengths, "profile": sources.profile or problem.profile.name, "dtype": dtype,
+            "scheduler": SchedulerName.SKRULL.value}
 
 
 def trainer_launcher(problem: LayoutProblem) -> tuple[str, ...]:
@@ -140,9 +149,12 @@ def trainer_launcher(problem: LayoutProblem) -> tuple[str, ...]:
 
 def trainer_argv(advice: Advice, layout: Layout, sources: TrainerSources) -> tuple[str, ...]:
     """``trainer_launcher`` with ``layout``'s settings as flags (``trainer_client.train.build_parser``): each field
-    ``name`` is the flag ``--name`` with ``-`` for ``_``."""
+    ``name`` is the flag ``--name`` with ``-`` for ``_``, followed by its value; a true one (``truncate``) is the
+    flag alone, as the trainer's switches take it."""
     settings = trainer_settings(advice, layout, sources)
-    flags = (word for name, value in settings.items() for word in ("--" + name.replace("_", "-"), str(value)))
+    flags = (word for name, value in settings.items()
+             for word in (("--" + name.replace("_", "-"),) if value is True
+                          else ("--" + name.replace("_", "-"), str(value))))
     return (*trainer_launcher(advice.problem), *flags)
 
 
@@ -155,10 +167,16 @@ def shell_command(argv: Sequence[str]) -> str:
 
 
 def why(advice: Advice) -> str:
-    """A sentence on why the winner wins, against the runner-up; a near tie is called one."""
+    """A sentence on why the winner wins, against the runner-up (a near tie is called one); then, where they apply,
+    one on what micro-batches spanning DP replicas do for it and one on the sequences it leaves out or cuts."""
+    return " ".join([_verdict(advice), *_spanning(advice), *_too_long(advice)])
+
+
+def _verdict(advice: Advice) -> str:
     best = advice.layouts[0]
     if len(advice.layouts) == 1:
-        return f"{best.layout.label} is the only layout that holds the sample."
+        held = "as much of the sample" if best.num_sequences_too_long else "the sample"
+        return f"{best.layout.label} is the only layout that holds {held}."
     runner_up = advice.layouts[1]
     num_batches = advice.problem.num_batches
     lead = best.tokens_per_s_per_gpu / runner_up.tokens_per_s_per_gpu - 1
@@ -186,7 +204,46 @@ def _advantages(best: PricedLayout, runner_up: PricedLayout) -> str:
         phrases.append("no collectives across nodes (the runner-up's CP blocks span nodes)")
     if a.dp_size > b.dp_size:
         phrases.append(f"more DP ranks to balance over ({a.dp_size} vs {b.dp_size})")
+    if best.num_batches_spanning and not runner_up.num_batches_spanning:
+        phrases.append("micro-batches spanning DP replicas (the runner-up's plans have none)")
     return ", ".join(phrases) or "a better-balanced plan for the same work"
+
+
+def _spanning(advice: Advice) -> list[str]:
+    """What micro-batches spanning DP replicas do for the winner: on how many batches its plans run some, and why
+    (sequences too long for one CP group, or a plan faster under the model), and the sequences of the sample that
+    only they hold."""
+    best = advice.layouts[0]
+    layout, problem = best.layout, advice.problem
+    parts = []
+    if best.num_batches_spanning:
+        spanned, needed = best.num_sequences_spanned, best.num_sequences_needing_span
+        cause = ("where the model finds that faster" if not needed else
+                 "each too long for one CP group" if needed == spanned else
+                 f"{needed} too long for one CP group, the others where the model finds that faster")
+        parts.append(f"on {best.num_batches_spanning} of {problem.num_batches} sampled batches its plans run {spanned} "
+                     f"sequence(s) in micro-batches over several replicas ({cause})")
+    longest_held = int(problem.held(problem.sequence_limit(layout)).max())
+    if longest_held > layout.cp_group_capacity:
+        parts.append(f"only such micro-batches hold the sample's sequences longer than one CP group's "
+                     f"{layout.cp_group_capacity:,} tokens (bucket_size × cp_size; the longest it holds has "
+                     f"{longest_held:,})")
+    return [f"Spanning DP replicas is part of why it wins: {'; '.join(parts)}."] if parts else []
+
+
+def _too_long(advice: Advice) -> list[str]:
+    """The sample's sequences the winner leaves out or cuts, what limits it, and the tokens they cost."""
+    best = advice.layouts[0]
+    if not best.num_sequences_too_long:
+        return []
+    problem = advice.problem
+    limit = problem.sequence_limit(best.layout)
+    cause = ("max_length" if limit == problem.max_length else
+             f"its longest trainable sequence: no layout of {problem.num_gpus} GPUs holds more of the sample")
+    fate = "cuts" if problem.truncate else "leaves out"
+    return [f"It {fate} the sample's {best.num_sequences_too_long} sequence(s) longer than {limit:,} tokens "
+            f"({cause}){' to that length' if problem.truncate else ''}: {best.too_long_token_share:.2%} of its "
+            "tokens are not trained."]
 
 
 # ---- out: the document --------------------------------------------------------------------------------------------
@@ -209,6 +266,8 @@ def advice_document(advice: Advice, sources: TrainerSources) -> dict[str, Any]:
         "num_batches": problem.num_batches,
         "seed": problem.seed,
         "data": sources.data,
+        "max_length": problem.max_length,
+        "truncate": problem.truncate,
         "sample": {"num_sequences": int(problem.lengths.size), "longest": int(problem.lengths.max()),
                    "mean_length": float(problem.lengths.mean())},
         "mean_sequences_per_batch": advice.mean_sequences_per_batch,
@@ -220,16 +279,19 @@ def advice_document(advice: Advice, sources: TrainerSources) -> dict[str, Any]:
     }
 
 
-def _layout(layout: Layout) -> dict[str, Any]:
+def _layout(layout: Layout, *, num_sequences_too_long: int, too_long_token_share: float) -> dict[str, Any]:
     return {"dp_size": layout.dp_size, "cp_size": layout.cp_size, "bucket_size": layout.bucket_size,
             "sharding": layout.sharding.value, "activation_checkpointing": layout.activation_checkpointing.value,
-            "longest_trainable_sequence": layout.longest_trainable_sequence, "spans_nodes": layout.spans_nodes}
+            "longest_trainable_sequence": layout.longest_trainable_sequence, "spans_nodes": layout.spans_nodes,
+            "spanning": layout.spanning, "num_sequences_too_long": num_sequences_too_long,
+            "too_long_token_share": too_long_token_share}
 
 
 def _priced_layout(advice: Advice, priced: PricedLayout, sources: TrainerSources) -> dict[str, Any]:
     spread = priced.step_time_spread
     return {
-        **_layout(priced.layout),
+        **_layout(priced.layout, num_sequences_too_long=priced.num_sequences_too_long,
+                  too_long_token_share=priced.too_long_token_share),
         "predicted_step_time_ms": priced.predicted_step_time_s * 1e3,
         "tokens_per_s_per_gpu": priced.tokens_per_s_per_gpu,
         "speedup_vs_static_cp": priced.speedup_vs_static_cp,
@@ -239,6 +301,9 @@ def _priced_layout(advice: Advice, priced: PricedLayout, sources: TrainerSources
         "sharded_share": priced.sharded_share,
         "sharded_by_degree": [{"degree": degree, "share": share} for degree, share in priced.sharded_by_degree],
         "micro_batches_per_step": priced.micro_batches_per_step,
+        "num_batches_spanning": priced.num_batches_spanning,
+        "num_sequences_spanned": priced.num_sequences_spanned,
+        "num_sequences_needing_span": priced.num_sequences_needing_span,
         # the wire's name for the spread: how far one step's time strays from the median
         "confidence": {"step_time_ms_min": spread.min_s * 1e3, "step_time_ms_p10": spread.p10_s * 1e3,
                        "step_time_ms_p90": spread.p90_s * 1e3, "step_time_ms_max": spread.max_s * 1e3,
@@ -248,5 +313,6 @@ def _priced_layout(advice: Advice, priced: PricedLayout, sources: TrainerSources
 
 
 def _excluded_layout(item: ExcludedLayout) -> dict[str, Any]:
-    return {**_layout(item.layout), "exclusion": item.exclusion.value, "reason": item.reason,
-            "num_sequences_too_long": item.num_sequences_too_long, "cp_size_needed": item.cp_size_needed}
+    return {**_layout(item.layout, num_sequences_too_long=item.num_sequences_too_long,
+                      too_long_token_share=item.too_long_token_share),
+            "exclusion": item.exclusion.value, "reason": item.reason, "cp_size_needed": item.cp_size_needed}

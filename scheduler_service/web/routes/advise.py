@@ -27,9 +27,13 @@ router = APIRouter()
     responses=PROBLEM_RESPONSES,
     summary="Rank the parallel layouts of a GPU count for a sample of sequence lengths",
     description="Enumerates dp_size × cp_size = gpus for every CP degree, sharding mode and activation "
-    "checkpointing mode allowed, derives each one's BucketSize from the memory model, lists apart those that "
-    "cannot hold the sample (with the reason), and prices the rest by planning seeded global batches drawn from "
-    "the sample with skrull and static CP (deepspeed) on the same layout. The answer ranks them by predicted "
+    "checkpointing mode allowed, and derives each one's BucketSize from the memory model and its longest trainable "
+    "sequence: the world's capacity, bucket_size × cp_size × dp_size, where its plans may span DP replicas. A "
+    "sequence longer than a layout trains (or than `max_length`) is left out or, with `truncate`, cut, as the "
+    "trainer's --max-length and --truncate do. The layouts that lose the fewest sequences are priced, by planning "
+    "seeded global batches drawn from the sample with skrull and static CP (deepspeed) on the same layout, each "
+    "saying how many sequences and what share of the tokens it loses; the others are listed apart with the "
+    "reason, so outliers no layout holds do not stop the advice. The answer ranks the priced layouts by predicted "
     "tokens/s per GPU and is the document `skrull-advise --json` writes. Its work is estimated from the "
     "request's shape first (422 over the service's limit) and done in the heavy pool (429 with Retry-After "
     "when full).",
