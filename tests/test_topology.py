@@ -65,6 +65,20 @@ def test_a_plan_whose_cp_group_spans_nodes_costs_more_communication() -> None:
     assert simulate(problems[8], plan).iteration_time_s > simulate(problems[16], plan).iteration_time_s
 
 
+def test_a_spanning_block_larger_than_a_node_is_priced_with_the_inter_node_tables() -> None:
+    lengths = [100000, 3000, 800]  # 100000 > one CP group's 8 x 8192: it spans both replicas, 16 GPUs
+    problems = {gpus_per_node: make_problem(sequence_lengths=lengths, dp_size=2, cp_size=8, model=QWEN_7B,
+                                            bucket_size=8192, gpus_per_node=gpus_per_node) for gpus_per_node in (8, 16)}
+    plan = make_plan(problems[16]).plan
+    assert plan.spanning
+
+    def comm_s(gpus_per_node: int) -> float:
+        return sum(rank.comm_s for micro_batch in simulate(problems[gpus_per_node], plan).spanning
+                   for rank in micro_batch.cp_ranks)
+
+    assert comm_s(8) > comm_s(16) > 0
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cp_size=st.sampled_from([1, 2, 4, 8]), dp_size=st.integers(1, 3), data=st.data())
 def test_without_blocks_across_nodes_every_plan_is_what_it_was(cp_size: int, dp_size: int,
