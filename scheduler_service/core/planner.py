@@ -118,7 +118,7 @@ def make_plan(
                      bucket_size=problem.bucket_size)
         plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
         estimate = estimate_places(problem, places)
-        spanned = (spanned_if_faster(problem, plan, estimate, lambda part: gds.skrull(part, budget=search_budget))
+        spanned = (spanned_if_faster(problem, places, estimate, lambda part: gds.skrull(part, budget=search_budget))
                    if name is SchedulerName.SKRULL else None)
         solve_time_s = time.perf_counter() - started
         if spanned is not None:

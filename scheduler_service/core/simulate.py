@@ -254,14 +254,21 @@ def iteration_lower_bound_s(problem: PlanningProblem) -> float:
     min_micro_batches = -(-int(problem.lengths.sum()) // problem.micro_batch_capacity)
     degrees = np.asarray(problem.degrees)[:, None]
     cheapest_flops = np.where(problem.lengths <= degrees * problem.bucket_size, problem.rank_flops, np.inf).min(axis=0)
-    area = problem.area
-    if problem.spanning:
-        area, cheapest_flops = _world_placements(problem, area.copy(), cheapest_flops)
-    spread_s = (problem.alpha_s_per_flop * float(area.sum()) / num_ranks
-                + problem.beta_s * min_micro_batches / problem.dp_size)
-    longest_s = max(problem.floor_s, problem.alpha_s_per_flop * float(cheapest_flops.max()) + problem.beta_s)
-    floor_bound_s = problem.floor_s * -(-min_micro_batches // problem.dp_size)
-    return max(spread_s, longest_s, floor_bound_s)
+
+    def bound_s(area: FloatArray, cheapest_flops: FloatArray) -> tuple[float, float]:
+        """(the larger of the spread and floor terms, the costliest-sequence term)."""
+        spread_s = (problem.alpha_s_per_flop * float(area.sum()) / num_ranks
+                    + problem.beta_s * min_micro_batches / problem.dp_size)
+        floor_bound_s = problem.floor_s * -(-min_micro_batches // problem.dp_size)
+        longest_s = max(problem.floor_s, problem.alpha_s_per_flop * float(cheapest_flops.max()) + problem.beta_s)
+        return max(spread_s, floor_bound_s), longest_s
+
+    others_s, longest_s = bound_s(problem.area, cheapest_flops)
+    # the world's blocks only lower the costliest-sequence term: repriced where that term sets the bound, or where
+    # a sequence no CP group holds has no placement yet
+    if problem.spanning and (longest_s > others_s or problem.too_long_for_a_replica()):
+        others_s, longest_s = bound_s(*_world_placements(problem, problem.area.copy(), cheapest_flops))
+    return max(others_s, longest_s)
 
 
 def _world_placements(problem: PlanningProblem, area: FloatArray,

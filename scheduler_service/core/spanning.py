@@ -14,8 +14,8 @@ ranks, as one synchronised step: the block is one CP group of that size to DACP,
   replica runs it. Skrull's plan without spanning is the baseline; where its slowest replica is more than 2 % above
   the mean (or a sequence needs spanning), ``spanned_if_faster`` tries spanning the costliest sequences
   (``_CANDIDATE_COUNTS`` of them, at each width), costing each candidate with the baseline's own micro-batches less
-  the spanned sequences, and keeps the best one only when, with the rest planned afresh, the simulator says it is
-  faster (so spanning never makes a plan slower under the model).
+  the spanned sequences (as arrays, no plan built), and keeps the best one only when, with the rest planned afresh,
+  the simulator says it is faster (so spanning never makes a plan slower under the model).
 * **Filled.** A spanning micro-batch has room beside its long sequences; the best candidate is also costed with
   that room given to the other sequences, longest first (``_filled``): fewer, fuller micro-batches, as Megatron's
   rounds are.
@@ -38,8 +38,8 @@ from scheduler_service.core.dacp import decide
 from scheduler_service.core.dacp_search import HYBRID
 from scheduler_service.core.gds_search import fewest_that_spread
 from scheduler_service.core.partition import lpt_parts
-from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, ShardedGroup, SpanningMicroBatch
-from scheduler_service.core.simulate import PlanEstimate, simulate, spanning_ready_s
+from scheduler_service.core.plan import DPRankPlan, Places, Plan, PlanningProblem, SpanningMicroBatch
+from scheduler_service.core.simulate import PlanEstimate, estimate_places, estimate_plan, simulate, spanning_ready_s
 
 __all__ = [
     "MAX_CHOSEN",
@@ -86,18 +86,34 @@ def spanning_micro_batches(problem: PlanningProblem, indices: Sequence[int], wid
     return timed
 
 
+def _free_first_pairing(ready_s: Sequence[float], share_s: Sequence[float]) -> dict[int, int]:
+    """Replica → DP share: the heaviest share to the replica that is free first (ties by number)."""
+    free_first = sorted(range(len(ready_s)), key=lambda dp_rank: (ready_s[dp_rank], dp_rank))
+    heaviest_first = sorted(range(len(share_s)), key=lambda share: (-share_s[share], share))
+    return dict(zip(free_first, heaviest_first, strict=True))
+
+
 def join(problem: PlanningProblem, timed: Timed, rest_plan: Plan) -> Plan:
     """One plan of the spanning micro-batches and the DP replicas' own micro-batches of ``rest_plan`` (its spanning
-    ones, if any, left out): the heaviest replica's share to the replica that is free first."""
+    ones, if any, left out), each replica given a share by ``_free_first_pairing``."""
     spanning = tuple(micro_batch for micro_batch, _ in timed)
     ready_s = spanning_ready_s(spanning, [time_s for _, time_s in timed], problem.dp_size)
     own = Plan(dp_ranks=rest_plan.dp_ranks)
-    share_s = [rank.time_s for rank in simulate(problem, own).dp_ranks]
-    free_first = sorted(range(problem.dp_size), key=lambda dp_rank: (ready_s[dp_rank], dp_rank))
-    heaviest_first = sorted(range(problem.dp_size), key=lambda share: (-share_s[share], share))
-    share_of = dict(zip(free_first, heaviest_first, strict=True))
+    share_of = _free_first_pairing(ready_s, [rank.time_s for rank in simulate(problem, own).dp_ranks])
     return Plan(dp_ranks=tuple(own.dp_ranks[share_of[dp_rank]] for dp_rank in range(problem.dp_size)),
                 spanning=spanning)
+
+
+def _joined_time_s(problem: PlanningProblem, timed: Timed, places: Places, spanned: np.ndarray) -> float:
+    """The iteration time of ``join`` of the spanning micro-batches ``timed`` and the plan ``places`` less the
+    sequences ``spanned`` (a boolean mask): removing a sequence only frees room, so what is left is a valid plan,
+    and its DP shares' times are estimated without building it."""
+    rest = Places(np.where(spanned, -1, places.micro_batch), places.degree, places.first_rank, places.dp_rank)
+    share_s = [rank.time_s for rank in estimate_places(problem, rest).dp_ranks]
+    ready_s = spanning_ready_s([micro_batch for micro_batch, _ in timed], [time_s for _, time_s in timed],
+                               problem.dp_size)
+    share_of = _free_first_pairing(ready_s, share_s)
+    return max(ready_s[dp_rank] + share_s[share_of[dp_rank]] for dp_rank in range(problem.dp_size))
 
 
 def _plan_of(problem: PlanningProblem, indices: list[int], schedule: Callable[[PlanningProblem], Plan]) -> Plan:
@@ -105,21 +121,6 @@ def _plan_of(problem: PlanningProblem, indices: list[int], schedule: Callable[[P
     if not indices:
         return Plan(dp_ranks=(DPRankPlan(micro_batches=()),) * problem.dp_size)
     return schedule(problem.sub_problem(indices)).renumbered(indices)
-
-
-def _without(plan: Plan, removed: set[int]) -> Plan:
-    """``plan``'s own micro-batches without the sequences ``removed`` (a micro-batch left empty is dropped): still
-    within the memory bound, as removing a sequence only frees room."""
-    def kept(micro_batch: MicroBatch) -> MicroBatch:
-        return MicroBatch(
-            local=tuple(tuple(i for i in rank_local if i not in removed) for rank_local in micro_batch.local),
-            distributed=tuple(i for i in micro_batch.distributed if i not in removed),
-            sharded=tuple(ShardedGroup(cp_ranks=group.cp_ranks, sequences=members) for group in micro_batch.sharded
-                          if (members := tuple(i for i in group.sequences if i not in removed))))
-
-    return Plan(dp_ranks=tuple(
-        DPRankPlan(micro_batches=tuple(mb for mb in map(kept, dp_plan.micro_batches) if mb.indices()))
-        for dp_plan in plan.dp_ranks))
 
 
 def _needed_micro_batches(problem: PlanningProblem, widths: dict[int, int]) -> Timed:
@@ -152,16 +153,18 @@ def plan_with_spanning(problem: PlanningProblem, schedule: Callable[[PlanningPro
     plan = with_needed_spanning(problem, schedule)
     if not problem.spanning:
         return plan
-    return spanned_if_faster(problem, plan, simulate(problem, plan), schedule) or plan
+    places = plan.places(problem.num_sequences)
+    return spanned_if_faster(problem, places, estimate_plan(problem, plan, places), schedule) or plan
 
 
-def spanned_if_faster(problem: PlanningProblem, plan: Plan, estimate: PlanEstimate,
+def spanned_if_faster(problem: PlanningProblem, places: Places, estimate: PlanEstimate,
                       schedule: Callable[[PlanningProblem], Plan]) -> Plan | None:
-    """A plan that spans the costliest sequences and is faster than ``plan`` (whose estimate is ``estimate``), or
-    None (module docstring, "Chosen"). Each candidate is costed with ``plan``'s own micro-batches less the spanned
-    sequences; the best one is costed again with its spanning micro-batches filled (``_filled``), and the better of
-    the two has its other sequences planned afresh by ``schedule``. A plan whose replicas are balanced and that
-    needs no spanning costs nothing more here."""
+    """A plan that spans the costliest sequences and is faster than the plan of ``estimate`` (its own micro-batches'
+    ``places``), or None (module docstring, "Chosen"). Each candidate is costed with those micro-batches less the
+    spanned sequences (``_joined_time_s``); the best one is costed again with its spanning micro-batches filled
+    (``_filled``), and where the better of the two beats the plan, its other sequences are planned afresh by
+    ``schedule`` and the result kept if the simulator still finds it faster. A plan whose replicas are balanced and
+    that needs no spanning costs nothing more here."""
     best_s = estimate.iteration_time_s
     mean_s = sum(rank.time_s for rank in estimate.dp_ranks) / problem.dp_size
     needed = set(problem.too_long_for_a_replica())
@@ -170,29 +173,30 @@ def spanned_if_faster(problem: PlanningProblem, plan: Plan, estimate: PlanEstima
     costliest = [int(k) for k in np.argsort(-problem.area, kind="stable") if k not in needed][:MAX_CHOSEN]
     widths = {index: needed_width(problem, problem.sequence_lengths[index]) for index in needed}
 
-    def candidate(count: int, width: int, fill: bool, replan: bool) -> tuple[Plan, float]:
+    def candidate(count: int, width: int, fill: bool) -> tuple[Timed, list[int]]:
+        """The spanning micro-batches of a candidate, and the sequences left to the replicas."""
         spanned = {**widths, **{index: max(width, widths.get(index, 0)) for index in costliest[:count]}}
         timed = _needed_micro_batches(problem, spanned)
         rest = [index for index in range(problem.num_sequences) if index not in spanned]
-        if fill:
-            timed, rest = _filled(problem, timed, rest)
-        kept = set(rest)
-        rest_plan = (_plan_of(problem, rest, schedule) if replan
-                     else _without(plan, {index for index in range(problem.num_sequences) if index not in kept}))
-        joined = join(problem, timed, rest_plan)
-        return joined, simulate(problem, joined).iteration_time_s
+        return _filled(problem, timed, rest) if fill else (timed, rest)
+
+    def time_s(timed: Timed, rest: list[int]) -> float:
+        spanned = np.ones(problem.num_sequences, dtype=bool)
+        spanned[rest] = False
+        return _joined_time_s(problem, timed, places, spanned)
 
     counts = ((0,) if needed else ()) + tuple(count for count in _CANDIDATE_COUNTS if count <= len(costliest))
-    costed = [(candidate(count, width, False, False)[1], count, width)
+    costed = [(time_s(*candidate(count, width, False)), count, width)
               for width in spanning_widths(problem.dp_size) for count in counts]
     if not costed:
         return None
-    fast_s, count, width = min(costed)
-    filled_s = candidate(count, width, True, False)[1]
-    if min(fast_s, filled_s) >= best_s:
+    unfilled_s, count, width = min(costed)
+    filled_s = time_s(*candidate(count, width, True))
+    if min(unfilled_s, filled_s) >= best_s:
         return None
-    spanned, time_s = candidate(count, width, filled_s < fast_s, True)
-    return spanned if time_s < best_s else None
+    timed, rest = candidate(count, width, filled_s < unfilled_s)
+    spanned_plan = join(problem, timed, _plan_of(problem, rest, schedule))
+    return spanned_plan if simulate(problem, spanned_plan).iteration_time_s < best_s else None
 
 
 def _filled(problem: PlanningProblem, timed: Timed, rest: Sequence[int]) -> tuple[Timed, list[int]]:
