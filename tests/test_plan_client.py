@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -466,3 +467,50 @@ def test_a_step_whose_plan_spans_replicas_is_not_reported_and_is_no_failure() ->
         is None
     assert source.num_feedback_failures == 0
     source.close()
+
+
+def _misaligned(spanning: dict[str, Any]) -> None:
+    spanning["dp_ranks"] = [1, 2]
+
+
+def _one_replicas_lists(spanning: dict[str, Any]) -> None:
+    spanning["local"] = spanning["local"][:CP]
+
+
+def _sharded_kept_whole(spanning: dict[str, Any]) -> None:
+    """The long sequence whole on world rank 1: far over its bucket."""
+    spanning["local"][1] += spanning["distributed"]
+    spanning["distributed"] = []
+
+
+@pytest.mark.parametrize(("tamper", "sentence"), [
+    (_misaligned, "spanning[0] DP replicas 1..2 are not an aligned block of dp_size 2"),
+    (_one_replicas_lists, "its block has 4 ranks"),
+    (_sharded_kept_whole, "world rank 1 (block rank 1) holds"),
+])
+def test_a_broken_spanning_micro_batch_from_the_service_falls_back_before_any_collective(
+    service: TestClient, caplog: pytest.LogCaptureFixture, tamper: Callable[[dict[str, Any]], None],
+    sentence: str,
+) -> None:
+    lengths = [BUCKET_SIZE * CP * 3 // 2, 300, 200]  # 1.5 x one CP group: a spanning micro-batch over both replicas
+
+    def tampering(request: httpx.Request) -> httpx.Response:
+        body = service.post("/plan", content=request.content, headers={"content-type": "application/json"}).json()
+        tamper(body["spanning"][0])
+        return httpx.Response(200, content=json.dumps(body).encode())
+
+    http = httpx.Client(base_url="http://planner", transport=httpx.MockTransport(tampering))
+    source = _source(PlanClient("http://planner", client=http))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        decision = source.decide(0, lengths)
+    assert decision.origin is PlanOrigin.EMBEDDED and source.num_fallbacks == 1
+    assert decision.plan == _source(None).decide(0, lengths).plan  # the embedded planner's, checked
+    assert "fails the checker" in caplog.text and sentence in caplog.text
+
+
+def test_the_service_and_the_embedded_planner_give_the_same_spanning_plan(service: TestClient) -> None:
+    lengths = [BUCKET_SIZE * CP * 3 // 2, *LENGTHS]
+    remote = _source(PlanClient("http://testserver", client=service)).decide(0, lengths)
+    embedded = _source(None).decide(0, lengths)
+    assert remote.origin is PlanOrigin.SERVICE and remote.plan is not None and remote.plan.spanning
+    assert remote.plan == embedded.plan

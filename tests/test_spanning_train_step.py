@@ -22,10 +22,15 @@ from trainer_client.trainer import Trainer
 GLOBAL_BATCH, MAX_LENGTH = 8, 256
 
 
-def _source_batch() -> GlobalBatch:
+# A batch (seed 1) no sequence of which needs more than one CP group of 2 ranks × 192 tokens, and which the planner
+# still plans with a spanning micro-batch (one replica would otherwise run its 256-token sequences alone).
+CHOSEN_SEED, CHOSEN_BUCKET_SIZE = 1, 192
+
+
+def _source_batch(seed: int = 0) -> GlobalBatch:
     """The batch every rank builds (the tiny model's vocabulary is 1024)."""
     return make_source("synthetic:lmsys", global_batch_size=GLOBAL_BATCH, vocab_size=1024, max_length=MAX_LENGTH,
-                       seed=0).batch(0)
+                       seed=seed).batch(0)
 
 
 def _bucket_size(cp: int) -> int:
@@ -33,11 +38,14 @@ def _bucket_size(cp: int) -> int:
     return math.ceil(max(_source_batch().sequence_lengths) / (1.5 * cp))
 
 
-def _config(dp: int, cp: int, sharding: str, hand_built: bool) -> TrainConfig:
-    # the hand-built plan keeps whole sequences of up to MAX_LENGTH tokens on one rank
+def _config(dp: int, cp: int, sharding: str, case: str) -> TrainConfig:
+    """``case``: "needed" (the planner's plan of a batch whose longest sequence one CP group cannot hold),
+    "chosen" (the planner's plan of a batch it spans though none needs it), "hand_built" (whole sequences of up to
+    MAX_LENGTH tokens on one rank)."""
+    bucket_size = {"needed": _bucket_size(cp), "chosen": CHOSEN_BUCKET_SIZE, "hand_built": MAX_LENGTH}[case]
     return TrainConfig(dp=dp, cp=cp, model="tiny", data="synthetic:lmsys", global_batch=GLOBAL_BATCH, steps=1,
-                       scheduler="skrull", bucket_size=MAX_LENGTH if hand_built else _bucket_size(cp),
-                       max_length=MAX_LENGTH, seed=0, progress=False, sharding=sharding)
+                       scheduler="skrull", bucket_size=bucket_size, max_length=MAX_LENGTH,
+                       seed=CHOSEN_SEED if case == "chosen" else 0, progress=False, sharding=sharding)
 
 
 def _static_world_plan(lengths: tuple[int, ...], dp: int, cp: int) -> Plan:
@@ -77,12 +85,12 @@ def _uneven_plan(lengths: tuple[int, ...]) -> Plan:
                     local=((),) * 4, distributed=(index,))) for index in o[:4]))
 
 
-def _steps(out_dir: Path, dp: int, cp: int, sharding: str, hand_built: bool) -> None:
-    config = _config(dp, cp, sharding, hand_built)
+def _steps(out_dir: Path, dp: int, cp: int, sharding: str, case: str) -> None:
+    config = _config(dp, cp, sharding, case)
     parallel = init_parallel(config.dims)
     trainer = Trainer(config, parallel)
     batch = trainer.source.batch(0)
-    if hand_built:
+    if case == "hand_built":
         planned = (_interleaved_plan if dp == 4 else _uneven_plan)(batch.sequence_lengths)
     else:
         planned = trainer.batches.decide(batch).plan  # the embedded planner's
@@ -102,8 +110,8 @@ def _steps(out_dir: Path, dp: int, cp: int, sharding: str, hand_built: bool) -> 
     dist.barrier()
 
 
-def _run(tmp_path: Path, dp: int, cp: int, sharding: str, hand_built: bool = False) -> dict[str, dict]:
-    spawn_gloo(_steps, dp * cp, tmp_path, dp, cp, sharding, hand_built)
+def _run(tmp_path: Path, dp: int, cp: int, sharding: str, case: str = "needed") -> dict[str, dict]:
+    spawn_gloo(_steps, dp * cp, tmp_path, dp, cp, sharding, case)
     return {path.stem: torch.load(path, weights_only=False) for path in tmp_path.glob("*.pt")}
 
 
@@ -140,17 +148,25 @@ def test_a_sequence_longer_than_one_cp_group_trains_as_static_cp_over_the_world(
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["none", "zero2", "zero3"])
 def test_overlapping_spanning_blocks_and_cp_groups_keep_one_collective_order(tmp_path: Path, sharding: str) -> None:
-    _assert_same_step(_run(tmp_path, dp=4, cp=2, sharding=sharding, hand_built=True))
+    _assert_same_step(_run(tmp_path, dp=4, cp=2, sharding=sharding, case="hand_built"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
 def test_a_replica_that_ends_on_a_spanning_micro_batch_does_not_hang_fsdp(tmp_path: Path, sharding: str) -> None:
-    _assert_same_step(_run(tmp_path, dp=2, cp=2, sharding=sharding, hand_built=True))
+    _assert_same_step(_run(tmp_path, dp=2, cp=2, sharding=sharding, case="hand_built"))
 
 
 @pytest.mark.slow
 def test_a_spanning_block_of_wide_cp_groups_trains_as_static_cp(tmp_path: Path) -> None:
     results = _run(tmp_path, dp=2, cp=4, sharding="none")
+    assert results["planned"]["plan"].spanning
+    _assert_same_step(results)
+
+
+@pytest.mark.slow
+def test_a_batch_the_planner_chooses_to_span_trains_as_static_cp_over_the_world(tmp_path: Path) -> None:
+    assert max(_source_batch(CHOSEN_SEED).sequence_lengths) <= 2 * CHOSEN_BUCKET_SIZE  # no sequence needs it
+    results = _run(tmp_path, dp=2, cp=2, sharding="zero3", case="chosen")
     assert results["planned"]["plan"].spanning
     _assert_same_step(results)
