@@ -77,14 +77,15 @@ def sample_problem(case: Case, rng: np.random.Generator, num_sequences: int | No
 
 
 def cp_imbalance(problem: PlanningProblem, plan: Plan) -> tuple[float, float]:
-    """Mean over micro-batches of (slowest CP rank / mean CP rank) in time and in tokens."""
+    """Mean over micro-batches (spanning ones over their blocks' ranks) of (slowest rank / mean rank) in time and in
+    tokens."""
     time_ratios, token_ratios = [], []
-    for dp_rank in simulate(problem, plan).dp_ranks:
-        for mb in dp_rank.micro_batches:
-            times = [rank.time_s for rank in mb.cp_ranks]
-            tokens = [rank.tokens for rank in mb.cp_ranks]
-            time_ratios.append(max(times) / statistics.fmean(times))
-            token_ratios.append(max(tokens) / statistics.fmean(tokens))
+    estimate = simulate(problem, plan)
+    for mb in [*estimate.spanning, *(mb for dp_rank in estimate.dp_ranks for mb in dp_rank.micro_batches)]:
+        times = [rank.time_s for rank in mb.cp_ranks]
+        tokens = [rank.tokens for rank in mb.cp_ranks]
+        time_ratios.append(max(times) / statistics.fmean(times))
+        token_ratios.append(max(tokens) / statistics.fmean(tokens))
     return statistics.fmean(time_ratios), statistics.fmean(token_ratios)
 
 

@@ -22,6 +22,13 @@ per-micro-batch overheads and 4 ranks sharing the machine's cores, not GPU
 kernels; that is why the profile is measured here, with 4 ranks, its
 collectives up to the largest message the demo sends (a whole CP group's
 bucket of K/V in one layer).
+
+The runs keep every micro-batch within a DP replica's CP group
+(``--no-spanning``). On 2 cores shared by 4 ranks, a replica that waits lends
+its cores to the busy one, which the performance model (one device per rank)
+does not see: it predicted spanning micro-batches to save about twice what they
+measured here (docs/benchmarks.md, "End-to-end demo"), and the demo's goal is
+that its predictions hold.
 """
 
 from __future__ import annotations
@@ -95,7 +102,7 @@ def trainer_command(
                "-m", "trainer_client.train", "--dp", str(dp), "--cp", str(cp), "--model", "tiny", "--data", data,
                "--global-batch", str(global_batch), "--steps", str(steps), "--scheduler", scheduler,
                "--bucket-size", str(bucket_size), "--seed", str(seed), "--metrics-out", str(metrics_out),
-               "--no-progress", *extra]
+               "--no-progress", "--no-spanning", *extra]  # module docstring: why within CP groups
     if scheduler_url is not None:
         command += ["--scheduler-url", scheduler_url]
     return command
