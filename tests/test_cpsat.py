@@ -283,6 +283,14 @@ def test_rejects_an_invalid_hint() -> None:
         cpsat.solve(problem, time_limit_s=1.0, hint=missing_a_sequence)
 
 
+def test_rejects_a_hint_with_spanning_micro_batches() -> None:
+    problem = _problem([6000, 500, 400, 300, 200], dp_size=2, cp_size=1, bucket_size=6000)
+    spanned = make_plan(problem).plan
+    assert spanned.spanning  # one replica would run the 6000-token sequence alone
+    with pytest.raises(ValueError, match="spanning micro-batches"):
+        cpsat.solve(problem, time_limit_s=1.0, hint=spanned)
+
+
 SMALL_CP_SIZES = st.integers(min_value=1, max_value=4)
 
 

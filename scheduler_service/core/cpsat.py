@@ -536,6 +536,9 @@ def solve(
     if hint is not None:
         check_plan(hint, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
                    cp_size=problem.cp_size, bucket_size=problem.bucket_size)
+        if hint.spanning:
+            raise ValueError("the hint has spanning micro-batches, which the model (plans within CP groups) has no "
+                             "place for: hint a plan within CP groups (gds.skrull)")
         if not hybrid and any(mb.sharded for dp_rank in hint.dp_ranks for mb in dp_rank.micro_batches):
             raise ValueError("the hint has hybrid groups, which the binary space has no place for: solve with "
                              "hybrid=True or hint a binary plan")
