@@ -34,7 +34,7 @@ Work: one ``make_plan`` per kept layout and batch; ``advise_cost`` bounds it fro
 of it is done. Measured on the 2-core development machine with the kernels loaded (``planner.warm_up``, 0.3 s
 from the JIT cache): qwen2.5-7b on 32 H100s, a ``chatqa2`` sample of 10,000, 8 batches of 64 sequences, 18
 layouts of which 12 are priced (spanning DP replicas holds the sample's 95k-token sequences on every zero2 and
-zero3 layout): 1.4 s (2.2 s with 128 sequences per batch), of which 1.1 s is the spanning candidates Skrull costs
+zero3 layout): 0.7 s (1.1 s with 128 sequences per batch), about half of it the spanning candidates Skrull costs
 on unbalanced batches.
 
 This module searches only: what the advice says in words, as a document and as the trainer's command lines is

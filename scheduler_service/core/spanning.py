@@ -123,11 +123,17 @@ def _plan_of(problem: PlanningProblem, indices: list[int], schedule: Callable[[P
     return schedule(problem.sub_problem(indices)).renumbered(indices)
 
 
-def _needed_micro_batches(problem: PlanningProblem, widths: dict[int, int]) -> Timed:
-    """Spanning micro-batches for the sequences of ``widths``, each over blocks of its width."""
+def _needed_micro_batches(problem: PlanningProblem, widths: dict[int, int],
+                          made: dict[tuple[int, tuple[int, ...]], Timed] | None = None) -> Timed:
+    """Spanning micro-batches for the sequences of ``widths``, each over blocks of its width; ``made`` keeps those of
+    each (width, sequences) once made, for candidates that share them."""
+    made = {} if made is None else made
     timed: Timed = []
     for width in sorted(set(widths.values())):
-        timed += spanning_micro_batches(problem, [index for index in widths if widths[index] == width], width)
+        members = tuple(sorted(index for index in widths if widths[index] == width))
+        if (width, members) not in made:
+            made[width, members] = spanning_micro_batches(problem, members, width)
+        timed += made[width, members]
     return timed
 
 
@@ -172,11 +178,12 @@ def spanned_if_faster(problem: PlanningProblem, places: Places, estimate: PlanEs
         return None  # the replicas are balanced: spreading the costliest sequences wider cannot gain much
     costliest = [int(k) for k in np.argsort(-problem.area, kind="stable") if k not in needed][:MAX_CHOSEN]
     widths = {index: needed_width(problem, problem.sequence_lengths[index]) for index in needed}
+    made: dict[tuple[int, tuple[int, ...]], Timed] = {}  # spanning micro-batches the candidates share
 
     def candidate(count: int, width: int, fill: bool) -> tuple[Timed, list[int]]:
         """The spanning micro-batches of a candidate, and the sequences left to the replicas."""
         spanned = {**widths, **{index: max(width, widths.get(index, 0)) for index in costliest[:count]}}
-        timed = _needed_micro_batches(problem, spanned)
+        timed = _needed_micro_batches(problem, spanned, made)
         rest = [index for index in range(problem.num_sequences) if index not in spanned]
         return _filled(problem, timed, rest) if fill else (timed, rest)
 
