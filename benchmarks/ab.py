@@ -6,7 +6,10 @@ Run ``python -m benchmarks.ab REV`` (say ``HEAD~5``): REV is checked out in a te
 Quality is deterministic and measured once per side: hybrid over binary Skrull and each one's ratio to the lower
 bound per case, and each one's gap to the proven optimum of the 40 tiny batches ``make bench`` draws. Latency
 is the CPU time of whole ``make_plan`` calls, the two sides alternating over ``--rounds`` rounds, so a shared
-machine slows both alike.
+machine slows both alike. Both sides plan under the same profile document (``--profile``: a shipped name of this
+checkout or a file; default this checkout's default), so a change of the default between the revisions does not
+pass for a change of the planner (a revision older than the launch-bound floor, de5b402, reads a profile without
+its floor).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 SIDE = Path(__file__).resolve().parent / "ab_side.py"
@@ -83,17 +88,24 @@ def main() -> None:
     parser.add_argument("--tiny", type=int, default=40, help="tiny batches solved by CP-SAT")
     parser.add_argument("--rounds", type=int, default=4, help="alternating latency rounds")
     parser.add_argument("--calls", type=int, default=50, help="make_plan calls per round on 256 sequences")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="a shipped profile's name or a profile file")
     args = parser.parse_args()
+    shipped = builtin_profiles()
+    document = shipped[args.profile].raw if args.profile in shipped else json.loads(Path(args.profile).read_text())
+    print(f"Both sides priced by profile {document['name']}")
     with tempfile.TemporaryDirectory() as folder:
+        profile_file = Path(folder) / "profile.json"
+        profile_file.write_text(json.dumps(document))
         other = Path(folder) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", str(other), args.revision], cwd=REPOSITORY,
                        check=True, capture_output=True)
         try:
-            quality = [run_side(tree, "quality", str(args.batches), str(args.tiny)) for tree in (other, REPOSITORY)]
+            quality = [run_side(tree, "quality", str(args.batches), str(args.tiny), str(profile_file))
+                       for tree in (other, REPOSITORY)]
             rounds: list[list[Any]] = [[], []]
             for _ in range(args.rounds):
                 for side, tree in enumerate((other, REPOSITORY)):
-                    rounds[side].append(run_side(tree, "latency", str(args.calls)))
+                    rounds[side].append(run_side(tree, "latency", str(args.calls), str(profile_file)))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=REPOSITORY, check=True)
     quality_table(quality[0], quality[1], args.revision)

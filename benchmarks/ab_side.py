@@ -2,7 +2,8 @@
 
 Run as a script against a source tree on ``PYTHONPATH`` (this checkout, or a worktree of another revision), so it
 uses only what every revision has: ``make_problem``, ``make_plan``, ``gds.skrull``, ``gds.skrull_binary``,
-``simulate``, ``iteration_lower_bound_s`` and ``cpsat.solve``.
+``simulate``, ``iteration_lower_bound_s``, ``cpsat.solve`` and ``parse_profile``. Every problem is priced by the
+profile document in the file its last argument names, the same for both sides.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ import numpy as np
 from scheduler_service.core import gds
 from scheduler_service.core.plan import PlanningProblem, make_problem
 from scheduler_service.core.planner import make_plan
+from scheduler_service.core.profile import Profile, parse_profile
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import iteration_lower_bound_s, simulate
 
@@ -37,14 +40,14 @@ def label(case: tuple[Any, ...]) -> str:
     return f"{model} {dataset} <DP={dp_size},CP={cp_size},BS={batch_size}>"
 
 
-def problem_of(case: tuple[Any, ...], rng: np.random.Generator) -> PlanningProblem:
+def problem_of(case: tuple[Any, ...], rng: np.random.Generator, profile: Profile) -> PlanningProblem:
     dataset, model, bucket_size, dp_size, cp_size, batch_size = case
     lengths = sample_lengths(dataset, dp_size * batch_size, rng, max_length=bucket_size * cp_size)
     return make_problem(sequence_lengths=lengths.tolist(), dp_size=dp_size, cp_size=cp_size, model=model,
-                        bucket_size=bucket_size)
+                        bucket_size=bucket_size, profile=profile)
 
 
-def quality(num_batches: int, num_tiny: int) -> dict[str, Any]:
+def quality(num_batches: int, num_tiny: int, profile: Profile) -> dict[str, Any]:
     """Per case and batch: skrull's and skrull_binary's estimated times, the lower bound, and the estimated time of
     ``make_plan``'s default plan (what the service answers: since issue 36, with spanning micro-batches where they
     pay); per tiny batch, each one's gap to the proven optimum of its space."""
@@ -55,7 +58,7 @@ def quality(num_batches: int, num_tiny: int) -> dict[str, Any]:
         rng = np.random.default_rng(0)
         rows = []
         for _ in range(num_batches):
-            problem = problem_of(case, rng)
+            problem = problem_of(case, rng, profile)
             rows.append([simulate(problem, gds.skrull(problem)).iteration_time_s,
                          simulate(problem, gds.skrull_binary(problem)).iteration_time_s,
                          iteration_lower_bound_s(problem), make_plan(problem).estimate.iteration_time_s])
@@ -67,7 +70,8 @@ def quality(num_batches: int, num_tiny: int) -> dict[str, Any]:
         lengths = np.exp(rng.normal(np.log(1.2 * bucket_size), 1.0, int(rng.integers(3, 7)))) + 50
         problem = make_problem(sequence_lengths=np.minimum(lengths, bucket_size * cp_size).astype(int).tolist(),
                                dp_size=int(rng.integers(1, 3)), cp_size=cp_size,
-                               model=str(rng.choice(["qwen2.5-0.5b", "qwen2.5-7b"])), bucket_size=bucket_size)
+                               model=str(rng.choice(["qwen2.5-0.5b", "qwen2.5-7b"])), bucket_size=bucket_size,
+                               profile=profile)
         for name, scheduler, hybrid in (("skrull", gds.skrull, True), ("skrull_binary", gds.skrull_binary, False)):
             plan = scheduler(problem)
             optimum = cpsat.solve(problem, time_limit_s=20.0, hint=plan, hybrid=hybrid).plan
@@ -76,12 +80,13 @@ def quality(num_batches: int, num_tiny: int) -> dict[str, Any]:
     return {"cases": cases, "tiny_gaps": gaps}
 
 
-def latency(calls: int) -> dict[str, Any]:
+def latency(calls: int, profile: Profile) -> dict[str, Any]:
     """CPU seconds of each whole ``make_plan`` call, per latency case and scheduler."""
     found: dict[str, dict[str, list[float]]] = {}
     for num_sequences, dataset in LATENCY_CASES:
         rng = np.random.default_rng(0)
-        problems = [problem_of((dataset, "qwen2.5-0.5b", 26_000, 4, 8, num_sequences // 4), rng) for _ in range(4)]
+        problems = [problem_of((dataset, "qwen2.5-0.5b", 26_000, 4, 8, num_sequences // 4), rng, profile)
+                    for _ in range(4)]
         for scheduler in ("skrull", "skrull_binary"):
             make_plan(problems[0], scheduler)  # first calls pay imports and compiling
             times = []
@@ -94,6 +99,7 @@ def latency(calls: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    mode = sys.argv[1]
-    result = quality(int(sys.argv[2]), int(sys.argv[3])) if mode == "quality" else latency(int(sys.argv[2]))
+    mode, priced_by = sys.argv[1], parse_profile(json.loads(Path(sys.argv[-1]).read_text()))
+    result = (quality(int(sys.argv[2]), int(sys.argv[3]), priced_by) if mode == "quality"
+              else latency(int(sys.argv[2]), priced_by))
     print(json.dumps(result))

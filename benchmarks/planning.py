@@ -5,8 +5,10 @@ how many micro-batches GDS cuts, and planning latency.
 
 Run ``python -m benchmarks.planning`` (``--full`` for more batches). Lengths come from the Table-1-shaped
 samplers (an approximation of the real data sets) and are capped at ``bucket_size × cp_size``, as a
-trainer truncates what cannot fit. Times are the performance model's estimates under the shipped
-``h100-paper`` profile, not measurements; speedups are ratios measured in the same run.
+trainer truncates what cannot fit. Times are the performance model's estimates under a shipped profile
+(``--profile``, default the planner's default ``h100-eager``: an H100 running this project's eager trainer, its
+compute measured; ``h100-paper`` is the paper's setting, an optimised engine's assumed compute), not
+measurements; speedups are ratios measured in the same run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from scheduler_service.core.gds_search import min_micro_batches
 from scheduler_service.core.plan import Plan, PlanningProblem, make_problem
 from scheduler_service.core.plan_refine import DEFAULT_BUDGET
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan, warm_up
+from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import iteration_lower_bound_s, simulate
 
@@ -69,11 +72,12 @@ VARIANTS: dict[str, Callable[[PlanningProblem], Plan]] = {
 }
 
 
-def sample_problem(case: Case, rng: np.random.Generator, num_sequences: int | None = None) -> PlanningProblem:
+def sample_problem(case: Case, rng: np.random.Generator, profile: str,
+                   num_sequences: int | None = None) -> PlanningProblem:
     count = num_sequences or case.dp_size * case.batch_size
     lengths = sample_lengths(case.dataset, count, rng, max_length=case.bucket_size * case.cp_size)
     return make_problem(sequence_lengths=lengths.tolist(), dp_size=case.dp_size, cp_size=case.cp_size,
-                        model=case.model, bucket_size=case.bucket_size)
+                        model=case.model, bucket_size=case.bucket_size, profile=profile)
 
 
 def cp_imbalance(problem: PlanningProblem, plan: Plan) -> tuple[float, float]:
@@ -89,7 +93,8 @@ def cp_imbalance(problem: PlanningProblem, plan: Plan) -> tuple[float, float]:
     return statistics.fmean(time_ratios), statistics.fmean(token_ratios)
 
 
-def speedup_table(title: str, cases: list[Case], names: list[str], num_batches: int, seed: int) -> None:
+def speedup_table(title: str, cases: list[Case], names: list[str], num_batches: int, seed: int,
+                  profile: str) -> None:
     print(f"\n## {title}: simulated speedup over deepspeed (mean over {num_batches} sampled global batches)\n")
     print(f"| case | {' | '.join(names)} | paper (Skrull) | hybrid / binary |")
     print(f"|---|{'---|' * len(names)}---|---|")
@@ -100,7 +105,7 @@ def speedup_table(title: str, cases: list[Case], names: list[str], num_batches: 
         rng = np.random.default_rng(seed)
         speedups: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(num_batches):
-            problem = sample_problem(case, rng)
+            problem = sample_problem(case, rng, profile)
             baseline_s = simulate(problem, VARIANTS["deepspeed"](problem)).iteration_time_s
             lower_bound_s = iteration_lower_bound_s(problem)
             for name in names:
@@ -128,7 +133,7 @@ def speedup_table(title: str, cases: list[Case], names: list[str], num_batches: 
               f"tokens {statistics.fmean(v[1] for v in values):.3f}")
 
 
-def spanning_table(cases: list[Case], num_batches: int, seed: int) -> None:
+def spanning_table(cases: list[Case], num_batches: int, seed: int, profile: str) -> None:
     """Skrull with spanning micro-batches against Skrull within CP groups and Megatron dynamic CP, on the same
     batches (lengths capped at one CP group, as elsewhere here), then on uncapped batches (up to the world)."""
     print(f"\n## Beyond one CP group: simulated iteration time ratios (geometric mean over {num_batches} batches; "
@@ -140,7 +145,7 @@ def spanning_table(cases: list[Case], num_batches: int, seed: int) -> None:
         rng, uncapped_rng = np.random.default_rng(seed), np.random.default_rng(seed + 1)
         in_groups, dynamic, spanned, uncapped = [], [], 0, []
         for _ in range(num_batches):
-            problem = sample_problem(case, rng)
+            problem = sample_problem(case, rng, profile)
             skrull_plan = VARIANTS["skrull"](problem)
             skrull_s = simulate(problem, skrull_plan).iteration_time_s
             spanned += bool(skrull_plan.spanning)
@@ -149,7 +154,7 @@ def spanning_table(cases: list[Case], num_batches: int, seed: int) -> None:
             lengths = sample_lengths(case.dataset, case.dp_size * case.batch_size, uncapped_rng,
                                      max_length=case.bucket_size * case.cp_size * case.dp_size)
             whole = make_problem(sequence_lengths=lengths.tolist(), dp_size=case.dp_size, cp_size=case.cp_size,
-                                 model=case.model, bucket_size=case.bucket_size)
+                                 model=case.model, bucket_size=case.bucket_size, profile=profile)
             uncapped.append(simulate(whole, VARIANTS["dynamic_cp"](whole)).iteration_time_s
                             / simulate(whole, VARIANTS["skrull"](whole)).iteration_time_s)
 
@@ -160,7 +165,7 @@ def spanning_table(cases: list[Case], num_batches: int, seed: int) -> None:
               f"{min(dynamic):.3f}x | {spanned}/{num_batches} | {geomean(uncapped):.3f}x | {min(uncapped):.3f}x |")
 
 
-def cpsat_gap(num_batches: int, seed: int, time_limit_s: float) -> None:
+def cpsat_gap(num_batches: int, seed: int, time_limit_s: float, profile: str) -> None:
     try:
         from scheduler_service.core import cpsat
     except ImportError as error:  # ortools missing: the service extra is not installed
@@ -176,7 +181,7 @@ def cpsat_gap(num_batches: int, seed: int, time_limit_s: float) -> None:
     for case in (Case("lmsys", "qwen2.5-0.5b", 26_000, 2, 4, 6), Case("chatqa2", "qwen2.5-0.5b", 26_000, 2, 4, 6)):
         rng = np.random.default_rng(seed)
         for batch in range(num_batches):
-            problem = sample_problem(case, rng, num_sequences=12)
+            problem = sample_problem(case, rng, profile, num_sequences=12)
             cells = []
             for plan, hybrid in ((gds.skrull(problem), True), (gds.skrull_binary(problem), False)):
                 heuristic_s = simulate(problem, plan).iteration_time_s
@@ -190,7 +195,7 @@ def cpsat_gap(num_batches: int, seed: int, time_limit_s: float) -> None:
             print(f"| {case.dataset} #{batch} DP=2 CP=4 | {' | '.join(cells)} |")
 
 
-def tiny_batch_optimality(num_batches: int, seed: int) -> None:
+def tiny_batch_optimality(num_batches: int, seed: int, profile: str) -> None:
     """How often each Skrull plans the proven optimum of its space, on batches small enough for CP-SAT to prove it:
     3–6 sequences of log-normal lengths around the bucket size, DP 1–2, CP 4 or 8, 0.5B or 7B."""
     try:
@@ -206,7 +211,8 @@ def tiny_batch_optimality(num_batches: int, seed: int) -> None:
         lengths = np.exp(rng.normal(np.log(1.2 * bucket_size), 1.0, int(rng.integers(3, 7)))) + 50
         problem = make_problem(sequence_lengths=np.minimum(lengths, bucket_size * cp_size).astype(int).tolist(),
                                dp_size=int(rng.integers(1, 3)), cp_size=cp_size,
-                               model=str(rng.choice(["qwen2.5-0.5b", "qwen2.5-7b"])), bucket_size=bucket_size)
+                               model=str(rng.choice(["qwen2.5-0.5b", "qwen2.5-7b"])), bucket_size=bucket_size,
+                               profile=profile)
         for name, hybrid in (("skrull", True), ("skrull_binary", False)):
             # CP-SAT's space is plans within CP groups: Skrull's there, without spanning micro-batches
             plan = VARIANTS["skrull_in_groups" if hybrid else name](problem)
@@ -224,7 +230,7 @@ def tiny_batch_optimality(num_batches: int, seed: int) -> None:
               f"{np.percentile(gaps, 90):+.2%} | {gaps.max():+.2%} |")
 
 
-def budget_table(cases: list[Case], num_batches: int, seed: int, budgets: tuple[int, ...]) -> None:
+def budget_table(cases: list[Case], num_batches: int, seed: int, budgets: tuple[int, ...], profile: str) -> None:
     """What a larger search budget gains: the iterated local search after the refinement stops improving."""
     print(f"\n## Search budget: skrull's ratio to the lower bound (mean over {num_batches} batches) and its median "
           "planning time\n")
@@ -237,7 +243,7 @@ def budget_table(cases: list[Case], num_batches: int, seed: int, budgets: tuple[
         ratios: dict[int | None, list[float]] = {budget: [] for budget in (None, *budgets)}
         times_s: dict[int | None, list[float]] = {budget: [] for budget in (None, *budgets)}
         for _ in range(num_batches):
-            problem = sample_problem(case, rng)
+            problem = sample_problem(case, rng, profile)
             lower_bound_s = iteration_lower_bound_s(problem)
             for budget in ratios:
                 started = time.process_time()
@@ -249,7 +255,7 @@ def budget_table(cases: list[Case], num_batches: int, seed: int, budgets: tuple[
         print(f"| {case.label} | {' | '.join(cells)} |")
 
 
-def micro_batch_counts(cases: list[Case], num_batches: int, seed: int) -> None:
+def micro_batch_counts(cases: list[Case], num_batches: int, seed: int, profile: str) -> None:
     """How many micro-batches GDS cuts each DP rank's share into, against the fewest its tokens allow."""
     print(f"\n## Micro-batches per DP rank: skrull's against the memory minimum ({num_batches} batches)\n")
     print("The memory minimum of a share: its tokens over C·N, and one micro-batch per sequence over half of that. "
@@ -260,7 +266,7 @@ def micro_batch_counts(cases: list[Case], num_batches: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
         counts, minima = [], []
         for _ in range(num_batches):
-            problem = sample_problem(case, rng)
+            problem = sample_problem(case, rng, profile)
             for dp_rank in gds.skrull(problem).dp_ranks:
                 indices = [index for micro_batch in dp_rank.micro_batches for index in micro_batch.indices()]
                 counts.append(len(dp_rank.micro_batches))
@@ -287,7 +293,7 @@ def _plan_in_turn(problems: list[PlanningProblem], scheduler: str, call: int) ->
     return make_plan(problems[call % len(problems)], scheduler)
 
 
-def latency_table(seed: int, repeats: int) -> None:
+def latency_table(seed: int, repeats: int, profile: str) -> None:
     print(f"\n## Planning latency (the whole make_plan: plan, check, estimate; DP=4, CP=8, qwen2.5-0.5b, bucket 26K; "
           f"{repeats} calls each on 256 sequences or fewer)\n")
     print("Wall-clock percentiles, and the median of the process's CPU time (what a shared machine cannot "
@@ -300,7 +306,7 @@ def latency_table(seed: int, repeats: int) -> None:
         for dataset in ("lmsys", "chatqa2"):
             case = Case(dataset, "qwen2.5-0.5b", 26_000, 4, 8, num_sequences // 4)
             rng = np.random.default_rng(seed)
-            problems = [sample_problem(case, rng) for _ in range(8)]
+            problems = [sample_problem(case, rng, profile) for _ in range(8)]
             calls = repeats if num_sequences <= 256 else max(repeats // 20, 5)
             found = {}
             for scheduler in ("skrull", "skrull_binary", "skrull_paper"):
@@ -314,20 +320,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="more batches and calls (slower)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(builtin_profiles()),
+                        help="the shipped profile that prices every plan")
     args = parser.parse_args()
     num_batches = 20 if args.full else 5
+    print(f"Profile: {args.profile}")
     names = ["skrull", "skrull_binary", "skrull_paper", "round_robin", "balanced", "sorted", "dacp_only",
              "gds_only"]
-    speedup_table("Figure 3 cases", FIGURE_3, names, num_batches, args.seed)
+    speedup_table("Figure 3 cases", FIGURE_3, names, num_batches, args.seed, args.profile)
     speedup_table("Long-heavy shapes", LONG_HEAVY, ["skrull", "skrull_binary", "skrull_paper", "balanced"],
-                  num_batches, args.seed)
-    spanning_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed)
-    cpsat_gap(3 if args.full else 2, args.seed, time_limit_s=20.0 if args.full else 5.0)
-    tiny_batch_optimality(120 if args.full else 40, args.seed)
-    budget_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, budgets=(512, 2048))
-    micro_batch_counts(FIGURE_3 + LONG_HEAVY, num_batches, args.seed)
+                  num_batches, args.seed, args.profile)
+    spanning_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile)
+    cpsat_gap(3 if args.full else 2, args.seed, time_limit_s=20.0 if args.full else 5.0, profile=args.profile)
+    tiny_batch_optimality(120 if args.full else 40, args.seed, args.profile)
+    budget_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, budgets=(512, 2048), profile=args.profile)
+    micro_batch_counts(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile)
     warm_up()  # the kernels compiled (or loaded) before anything is timed
-    latency_table(args.seed, repeats=400 if args.full else 100)
+    latency_table(args.seed, repeats=400 if args.full else 100, profile=args.profile)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from scheduler_service.core.planner import warm_up
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.job_store_backends import RedisServer
-from tests.problem_builders import ProblemFactory
+from tests.problem_builders import ADDITIVE_PROFILE, ProblemFactory
 from tests.servers import uvicorn_in_thread
 
 
@@ -88,7 +88,7 @@ def problem_of() -> ProblemFactory:
     def build(lengths: Sequence[int], *, dp_size: int = 2, cp_size: int = 4, bucket_size: int = 4096,
               model: str = "qwen2.5-0.5b") -> PlanningProblem:
         return make_problem(sequence_lengths=list(lengths), dp_size=dp_size, cp_size=cp_size, model=model,
-                            bucket_size=bucket_size)
+                            bucket_size=bucket_size, profile=ADDITIVE_PROFILE)
 
     return build
 

@@ -18,7 +18,7 @@ from scheduler_service.core.plan import PlanningProblem, SchedulerName, make_pro
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import DEFAULT_PROFILE
 from scheduler_service.core.samplers import DATASETS, sample_lengths
-from tests.problem_builders import LAUNCH_BOUND_FLOOR_S_PER_LAYER, with_floor
+from tests.problem_builders import ADDITIVE_PROFILE, LAUNCH_BOUND_FLOOR_S_PER_LAYER, with_floor
 
 # (dp_size, cp_size, bucket_size, model): one CP rank, binary-only (cp 2), hybrid with one and two block sizes
 SHAPES = [(2, 4, 8192, "qwen2.5-0.5b"), (1, 8, 4096, "qwen2.5-0.5b"), (3, 6, 6000, "qwen2.5-7b"),
@@ -28,11 +28,12 @@ SEARCH_BUDGETS = (None, 40)  # the default, and enough for the iterated local se
 
 
 def problems() -> list[PlanningProblem]:
-    """Every shape under the shipped profile, and the first two with a launch-bound floor too; then batches that
-    span DP replicas: each of the first shapes with one sequence longer than a CP group holds, and a short batch
-    with one outlier that a replica would run alone."""
-    priced = [(shape, DEFAULT_PROFILE) for shape in SHAPES] + [
-        (shape, with_floor(LAUNCH_BOUND_FLOOR_S_PER_LAYER)) for shape in SHAPES[:2]]
+    """Every shape under the additive profile, and the first two with a small launch-bound floor and under the
+    default profile (its measured floor) too; then batches that span DP replicas: each of the first shapes with
+    one sequence longer than a CP group holds, and a short batch with one outlier that a replica would run alone."""
+    priced = [(shape, ADDITIVE_PROFILE) for shape in SHAPES] + [
+        (shape, profile) for shape in SHAPES[:2]
+        for profile in (with_floor(LAUNCH_BOUND_FLOOR_S_PER_LAYER), DEFAULT_PROFILE)]
     within_groups = [
         make_problem(sequence_lengths=sample_lengths(sampler, NUM_SEQUENCES, np.random.default_rng(seed),
                                                      max_length=bucket_size * cp_size).tolist(),

@@ -8,7 +8,7 @@ from typing import Any
 
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
-from scheduler_service.core.profile import builtin_profiles
+from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles
 from scheduler_service.runtime.settings import Settings
 
 __all__ = ["LENGTHS", "measured_document", "report", "settings"]
@@ -18,8 +18,9 @@ LENGTHS = [637, 208, 90, 138, 35, 1216, 326, 301, 270, 1742, 1014, 958, 344, 304
 
 
 def report(job_id: str = "job-1", *, scale: float = 1000.0, peak: float | None = None) -> dict[str, Any]:
-    """Micro-batch times as if the machine were ``scale`` times slower than the H100 profile says."""
-    perf = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=builtin_profiles()["h100-paper"])
+    """Micro-batch times as if the machine were ``scale`` times slower than the default profile (the base of a job
+    that names none) says; each micro-batch's slowest rank above its launch-bound floor, so every one refits."""
+    perf = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=builtin_profiles()[DEFAULT_PROFILE])
     micro_batches = []
     for local in ([[637, 90], [1216]], [[35, 138, 1014], [958]], [[344, 304], [347, 123, 270]], [[1742], [301]]):
         time_s = max(perf.compute_time_s(float(perf.flops_array(rank).sum())) for rank in local) * scale

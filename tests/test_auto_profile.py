@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import trainer_client.auto_profile as auto
-from trainer_client.auto_profile import auto_profile, cache_path, default_profile, profile_key
+from trainer_client.auto_profile import CPU_PROFILE, auto_profile, cache_path, default_profile, profile_key
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.loading import ModelLayout
@@ -130,9 +130,9 @@ def test_the_key_changes_with_everything_a_profile_depends_on() -> None:
     assert base.torch == torch.__version__ and base.transformers and base.profiler  # nor other code
 
 
-def test_gpus_default_to_auto_and_cpus_to_the_planners_profile() -> None:
+def test_gpus_default_to_auto_and_cpus_to_the_additive_h100_paper() -> None:
     assert default_profile(torch.device("cuda", 0)) == "auto"
-    assert default_profile(torch.device("cpu")) is None
+    assert default_profile(torch.device("cpu")) == "h100-paper"  # additive, as a CPU's costs are
 
 
 def test_on_a_gpu_auto_sweeps_below_1k_tokens_in_the_runs_layout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,12 +151,12 @@ def test_on_a_gpu_auto_sweeps_below_1k_tokens_in_the_runs_layout(monkeypatch: py
     assert (key.device, key.compiled, key.world_size) == ("NVIDIA H200", True, 8)
 
 
-def test_a_trainer_without_profile_on_cpu_plans_with_the_shipped_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_trainer_without_profile_on_cpu_plans_with_the_additive_h100_paper(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(auto, "measure_profile", lambda *a, **k: pytest.fail("a CPU run measured a profile"))
     trainer = Trainer(TrainConfig(dp=1, cp=1, steps=1, global_batch=2, progress=False),
                       init_parallel(ParallelDims(dp_size=1, cp_size=1)))
     try:
-        assert trainer.profile is None
+        assert trainer.profile == CPU_PROFILE == "h100-paper"  # named to the service too: its default has a floor
     finally:
         trainer.close()
         dist.destroy_process_group()

@@ -28,7 +28,7 @@ from scheduler_service.core.plan import (
 )
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.simulate import simulate
-from tests.problem_builders import LAUNCH_BOUND_FLOOR_S_PER_LAYER, with_floor
+from tests.problem_builders import ADDITIVE_PROFILE, LAUNCH_BOUND_FLOOR_S_PER_LAYER, with_floor
 
 pytestmark = pytest.mark.cpsat
 
@@ -41,7 +41,7 @@ def _problem(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size:
              floor_s_per_layer: float = 0.0) -> PlanningProblem:
     return make_problem(sequence_lengths=list(lengths), dp_size=dp_size, cp_size=cp_size, model="qwen2.5-0.5b",
                         bucket_size=bucket_size,
-                        profile=with_floor(floor_s_per_layer) if floor_s_per_layer else None)
+                        profile=with_floor(floor_s_per_layer) if floor_s_per_layer else ADDITIVE_PROFILE)
 
 
 def _one_sequence_per_micro_batch(problem: PlanningProblem) -> Plan:

@@ -15,7 +15,7 @@ from scheduler_service.core.gds_search import spread_longest_first
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, ShardedGroup, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.simulate import iteration_lower_bound_s, micro_batch_sums, micro_batch_time_s, simulate
-from tests.problem_builders import ProblemFactory, hybrid_problems
+from tests.problem_builders import ADDITIVE_PROFILE, ProblemFactory, hybrid_problems
 
 LENGTHS = [9000, 7000, 5000, 3000]
 
@@ -144,7 +144,7 @@ def test_hybrid_tries_caps_above_the_binary_decisions_busiest_load() -> None:
     # rank computes more than the highest cap below the binary decision's busiest rank allows: only a cap above
     # that rank, bounded by the binary decision's time, finds it.
     problem = make_problem(sequence_lengths=[12_000, 7_000, 6_000, 900], dp_size=1, cp_size=4,
-                           model="qwen2.5-0.5b", bucket_size=4096)
+                           model="qwen2.5-0.5b", bucket_size=4096, profile=ADDITIVE_PROFILE)
     indices = [1, 2]
     binary = dacp.dacp_balanced(problem, indices)
     hybrid = dacp.dacp_hybrid(problem, indices)

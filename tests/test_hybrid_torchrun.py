@@ -10,6 +10,7 @@ import pytest
 from scheduler_service.core import gds
 from scheduler_service.core.plan import Plan, PlanningProblem, make_problem
 from scheduler_service.core.simulate import simulate
+from trainer_client.auto_profile import CPU_PROFILE
 from trainer_client.data import SyntheticSource
 from trainer_client.demo import read_metrics, run_trainer, trainer_command
 
@@ -25,7 +26,7 @@ def step_zero_plan() -> tuple[PlanningProblem, Plan]:
     batch = SyntheticSource(dataset="chatqa2", global_batch_size=GLOBAL_BATCH, vocab_size=1024,
                             max_length=BUCKET_SIZE * CP_SIZE, seed=SEED).batch(0)
     problem = make_problem(sequence_lengths=list(batch.sequence_lengths), dp_size=1, cp_size=CP_SIZE, model="tiny",
-                           bucket_size=BUCKET_SIZE)
+                           bucket_size=BUCKET_SIZE, profile=CPU_PROFILE)  # the trainer's on CPU
     return problem, gds.skrull(problem)
 
 

@@ -18,7 +18,7 @@ from scheduler_service.core.plan import (
 )
 from scheduler_service.core.plan_refine import refine_plan
 from scheduler_service.core.simulate import simulate
-from tests.problem_builders import hybrid_problems
+from tests.problem_builders import ADDITIVE_PROFILE, hybrid_problems
 
 
 def as_plan(dp_ranks: list[list[MicroBatch]]) -> Plan:
@@ -51,7 +51,7 @@ def test_a_swap_across_micro_batches_pairs_the_long_sequences() -> None:
     # Each micro-batch pairs a long sequence with a short one, so both take a long one's time; swapping a long one
     # into the other micro-batch makes one micro-batch long and the other short.
     problem = make_problem(sequence_lengths=[16_000, 16_000, 500, 500], dp_size=1, cp_size=2,
-                           model="qwen2.5-0.5b", bucket_size=20_000)
+                           model="qwen2.5-0.5b", bucket_size=20_000, profile=ADDITIVE_PROFILE)
     paired = as_plan([[MicroBatch(local=((0,), (2,)), distributed=()), MicroBatch(local=((1,), (3,)), distributed=())]])
     refined_plan, time_s = refined(problem, paired)
     assert time_s < 0.6 * simulate(problem, paired).iteration_time_s

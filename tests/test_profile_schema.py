@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,23 @@ def test_the_floor_fit_recovers_a_launch_bound_floor_and_the_device_coefficients
     assert fit.max_relative_error < 1e-9
     additive = fit_compute(points, num_layers=TINY.num_layers)
     assert additive.floor_s_per_layer == 0.0 and additive.max_relative_error > 0.1  # a sum cannot bend
+
+
+def test_the_floor_fit_puts_a_jittering_floor_at_the_centre_of_its_spread() -> None:
+    """The host's dispatch time jitters: floor-bound times of any work scatter around it. The floor is the value
+    equally far, relatively, from the fastest and the slowest of them, the smallest worst error one floor can
+    have; least squares on relative error would lean to the fastest."""
+    points = _launch_bound_points(0.05, np.random.default_rng(0))
+    jitter = np.random.default_rng(1).uniform(0.9, 1.15, size=len(points))
+    jittered = [replace(point, time_s=point.time_s * factor) if point.time_s == 0.05 else point
+                for point, factor in zip(points, jitter, strict=True)]
+    held = np.array([point.time_s for point, old in zip(jittered, points, strict=True) if old.time_s == 0.05])
+    fit = fit_compute(jittered, num_layers=TINY.num_layers, floor=True)
+    floor_s = fit.floor_s_per_layer * TINY.num_layers
+    assert floor_s == pytest.approx(2 * held.min() * held.max() / (held.min() + held.max()), rel=1e-9)
+    assert floor_s / held.min() - 1 == pytest.approx(1 - floor_s / held.max(), rel=1e-9)
+    assert fit.max_relative_error == pytest.approx((held.max() - held.min()) / (held.max() + held.min()), rel=1e-6)
+    assert fit.alpha_s_per_flop == pytest.approx(4e-11, rel=1e-6)  # the work above the floor fits as before
 
 
 def test_the_floor_fit_finds_no_floor_where_times_add() -> None:

@@ -35,7 +35,7 @@ from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.loss import run_micro_batch
 from trainer_client.plan_client import PlanSource
 from trainer_client.profiler import sweeps as profile_sweeps
-from trainer_client.profiler.document import compute_section, document_json, refit_compute, with_shard_effect
+from trainer_client.profiler.document import compute_section, document_json, with_shard_effect
 from trainer_client.profiler.measure import check_profile_machine, local_pack, peak_bytes
 from trainer_client.profiler.sweeps import (
     ProfileOptions,
@@ -419,17 +419,25 @@ def test_refit_fits_a_profile_again_from_its_own_points_and_records_it(measured:
     load_profile(out)
 
 
-def test_the_shipped_h200_profile_is_this_versions_launch_bound_fit_of_its_own_sweep() -> None:
-    """h200-qwen2.5-0.5b: measured by make gpu-check on one H200 (2026-11-26), this version's profiler and fit."""
-    shipped = builtin_profiles()["h200-qwen2.5-0.5b"]
-    again = refit_compute(shipped.raw, name=shipped.name, command="test", date="now")
-    fit = again["compute"]["fit"]
-    assert fit["form"] == "launch_bound"
-    for name in ("alpha_s_per_flop", "alpha_s_per_token", "alpha_s_per_sequence", "beta_s_per_layer",
-                 "floor_s_per_layer"):
-        assert again["compute"][name] == pytest.approx(shipped.raw["compute"][name], rel=1e-9), name
-    assert fit["launch_bound"]["median_relative_error"] < 0.05 < fit["extended"]["median_relative_error"]
-    assert min(size for size in shipped.raw["provenance"]["options"]["sizes"]) < 1024  # the floor was swept
-    perf = PerformanceModel(model=MODEL_CATALOGUE["qwen2.5-0.5b"], profile=shipped)
-    assert 100e-3 < perf.compute_floor_s < 110e-3  # the host's dispatch of 24 eager layers
-    assert perf.bucket_size(1) == 87_970  # zero2, bf16, one H200, its reserved memory measured
+def test_rebase_puts_a_measured_compute_onto_another_profiles_hardware_memory_and_communication(
+    measured: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "rebased.json"
+    assert profiler.main(["--rebase", str(measured), "--onto", "h100-paper", "--name", "h100-like",
+                          "--out", str(out)]) == 0
+    rebased, source, base = json.loads(out.read_text()), json.loads(measured.read_text()), \
+        builtin_profiles()["h100-paper"].raw
+    assert rebased["name"] == "h100-like" and rebased["model"] is None  # the base's: any model
+    for section in ("hardware", "memory", "communication"):
+        assert rebased[section] == base[section], section
+    for name in ("alpha_s_per_flop", "alpha_s_per_token", "alpha_s_per_sequence", "beta_s_per_layer", "points"):
+        assert rebased["compute"][name] == source["compute"][name], name
+    # one process shards nothing: what it could not measure stays the base's
+    assert rebased["compute"]["attention_efficiency"] == base["compute"]["attention_efficiency"]
+    assert "provenance" not in rebased  # not measured as a whole: a GPU run's machine check has nothing to refuse
+    derivation = rebased["derivation"]
+    assert derivation["base"] == "h100-paper" and derivation["compute_from"]["name"] == "cpu-tiny-test"
+    assert "--rebase" in derivation["command"]
+    assert load_profile(out).compute.alpha_s_per_flop == source["compute"]["alpha_s_per_flop"]
+    assert profiler.main(["--rebase", str(measured), "--out", str(out)]) == 2
+    assert "--rebase needs --onto" in capsys.readouterr().err

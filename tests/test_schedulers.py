@@ -14,7 +14,7 @@ from scheduler_service.core.partition import MAX_KARMARKAR_KARP_CELLS, karmarkar
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, SchedulerName, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.simulate import simulate
-from tests.problem_builders import ProblemFactory
+from tests.problem_builders import ADDITIVE_PROFILE, ProblemFactory
 
 
 @st.composite
@@ -251,7 +251,8 @@ def test_spanning_never_makes_skrulls_plan_slower(problem: PlanningProblem) -> N
 
 def test_a_replica_that_runs_one_long_sequence_alone_shares_it_with_the_others() -> None:
     lengths = [300] * 60 + [30000]  # within CP groups one replica runs the 30K sequence while three idle
-    problem = make_problem(sequence_lengths=lengths, dp_size=4, cp_size=8, model="qwen2.5-0.5b", bucket_size=26000)
+    problem = make_problem(sequence_lengths=lengths, dp_size=4, cp_size=8, model="qwen2.5-0.5b", bucket_size=26000,
+                           profile=ADDITIVE_PROFILE)
     result = make_plan(problem)
     assert [60 in spanning.micro_batch.indices() for spanning in result.plan.spanning] == [True]
     assert result.estimate.iteration_time_s < 0.5 * simulate(problem, gds.skrull(problem)).iteration_time_s

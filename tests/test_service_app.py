@@ -467,7 +467,7 @@ def test_a_capped_job_plans_with_or_without_bucket_size_alike() -> None:
         assert derived.status_code == explicit.status_code == 200, (derived.text, explicit.text)
         # the documented floor: the longest sequence (1742 tokens) over the 2 CP ranks
         assert derived.json()["bucket_size"] == explicit.json()["bucket_size"] == 871
-        assert derived.json()["profile"] == "h100-paper+feedback"
+        assert derived.json()["profile"] == f"{DEFAULT_PROFILE}+feedback"
         assert "skrull_feedback_bucket_lowered_total 2.0" in client.get("/metrics").text
 
 

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import FeedbackRequest, Problem
 
+from scheduler_service.core.profile import DEFAULT_PROFILE
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.service_inputs import measured_document, settings
@@ -69,7 +70,7 @@ def test_state_changing_endpoints_refuse_a_wrong_token(
         response = guarded.request(method, path, json=body, headers={"Authorization": f"Bearer {wrong}"})
         assert_unauthorized(response, 'Bearer error="invalid_token"')
     state = guarded.get("/feedback/auth-job").json()
-    assert state["num_observations"] == 0 and state["base_profile"] == "h100-paper"  # nothing refit or registered
+    assert state["num_observations"] == 0 and state["base_profile"] == DEFAULT_PROFILE  # nothing refit or registered
 
 
 def test_the_right_token_is_accepted(guarded: TestClient) -> None:

@@ -13,7 +13,7 @@ from skrull_proto import FeedbackRequest, FeedbackResponse, PlanResponse
 
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
-from scheduler_service.core.profile import builtin_profiles
+from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles
 from scheduler_service.web.app import create_app
 from tests.answers import assert_problem
 from tests.service_inputs import LENGTHS, report, settings
@@ -41,14 +41,14 @@ def test_feedback_refits_the_profile_of_the_jobs_later_plans(client: TestClient)
     answer = client.post("/feedback", json=report(scale=1000.0))
     assert answer.status_code == 200, answer.text
     state = FeedbackResponse.model_validate_json(answer.content)
-    assert state.profile == "h100-paper+feedback" and state.num_observations == 4
+    assert state.profile == f"{DEFAULT_PROFILE}+feedback" and state.num_observations == 4
     assert state.compute_scale == pytest.approx(1000.0, rel=0.05)
     after = plan(client)
-    assert after.profile == "h100-paper+feedback"
+    assert after.profile == f"{DEFAULT_PROFILE}+feedback"
     # compute now costs a thousand times more, communication the same: the plan (and its estimate) follow
     assert after.estimated_iteration_time_ms > 100 * before.estimated_iteration_time_ms
     other = plan(client, job_id="job-2")  # other jobs, and plans without a job, keep the base profile
-    assert other.profile == plan(client, job_id=None).profile == "h100-paper"
+    assert other.profile == plan(client, job_id=None).profile == DEFAULT_PROFILE
     assert client.get("/feedback/job-1").json() == answer.json()
 
 
@@ -67,8 +67,8 @@ def test_memory_near_the_budget_lowers_the_bucket_size_of_later_plans(client: Te
 def test_changing_model_or_sizes_restarts_the_job(client: TestClient) -> None:
     plan(client)
     client.post("/feedback", json=report())
-    assert plan(client).profile == "h100-paper+feedback"
-    assert plan(client, dp_size=2).profile == "h100-paper"  # a new shape of job: a fresh refit
+    assert plan(client).profile == f"{DEFAULT_PROFILE}+feedback"
+    assert plan(client, dp_size=2).profile == DEFAULT_PROFILE  # a new shape of job: a fresh refit
     assert client.get("/feedback/job-1").json()["num_observations"] == 0
 
 
@@ -138,7 +138,7 @@ def test_unknown_job_names_the_job_and_the_limit(client: TestClient) -> None:
 
 def test_feedback_can_be_switched_off() -> None:
     with TestClient(create_app(settings(feedback=False))) as client:
-        assert plan(client).profile == "h100-paper"  # a job_id is then simply ignored
+        assert plan(client).profile == DEFAULT_PROFILE  # a job_id is then simply ignored
         problem = assert_problem(client.post("/feedback", json=report()), 404, None)
         assert "disabled" in problem.detail
 

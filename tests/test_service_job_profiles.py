@@ -17,7 +17,7 @@ from skrull_proto import FeedbackResponse, PlanResponse
 from scheduler_service.contract.profiles import MAX_PROFILE_FILE_BYTES
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
-from scheduler_service.core.profile import builtin_profiles, parse_profile
+from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles, parse_profile
 from scheduler_service.web.app import create_app
 from tests.answers import assert_problem
 from tests.service_inputs import LENGTHS, measured_document, report, settings
@@ -107,7 +107,7 @@ def test_a_plan_naming_another_profile_starts_the_job_afresh(client: TestClient)
     assert plan(client, profile="h100-paper").profile == "h100-paper"
     state = client.get("/feedback/job-1").json()
     assert state["base_profile"] == "h100-paper" and "base_registered" not in state  # omitted: a shared profile
-    assert plan(client).profile == "h100-paper"  # the registration is gone with the job it was the base of
+    assert plan(client).profile == DEFAULT_PROFILE  # the registration is gone with the job it was the base of
 
 
 def test_a_registered_profile_stays_the_jobs_own() -> None:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from skrull_proto import FeedbackResponse, PlanResponse
 
+from scheduler_service.core.profile import DEFAULT_PROFILE
 from tests.servers import serve
 from tests.service_inputs import LENGTHS, report
 
@@ -41,13 +42,13 @@ def test_a_service_killed_and_started_again_plans_the_job_with_its_refit(tmp_pat
         state = refit(client)
         first.process.kill()  # SIGKILL: no shutdown hook runs; what was committed must be enough
         first.process.wait(timeout=30)
-    assert before.profile == "h100-paper" and before.bucket_size == 2048
+    assert before.profile == DEFAULT_PROFILE and before.bucket_size == 2048
     assert state.bucket_size_cap is not None and state.bucket_size_cap < 2048
 
     with serve(env) as second, httpx.Client(base_url=second.base_url, timeout=30) as client:
         assert FeedbackResponse.model_validate_json(client.get("/feedback/job-1").content) == state
         after = plan(client)
-    assert after.profile == "h100-paper+feedback"
+    assert after.profile == f"{DEFAULT_PROFILE}+feedback"
     # compute costs a thousand times more than the profile said, and the bucket is capped by the memory refit
     assert after.estimated_iteration_time_ms > 100 * before.estimated_iteration_time_ms
     assert after.bucket_size == max(state.bucket_size_cap, 871)  # 871: the longest sequence over 2 CP ranks

@@ -18,6 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import FeedbackResponse, PlanResponse, Problem
 
+from scheduler_service.core.profile import DEFAULT_PROFILE
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.job_store_backends import RedisServer, corrupted, filled, read_only, small_tmpfs
@@ -27,8 +28,8 @@ from tests.service_inputs import LENGTHS, report
 # The app in process (Starlette's test client), or a real server over a socket (an httpx client).
 HttpClient = TestClient | httpx.Client
 
-BASE_PROFILE = "h100-paper"
-REFIT_PROFILE = "h100-paper+feedback"
+BASE_PROFILE = DEFAULT_PROFILE
+REFIT_PROFILE = f"{DEFAULT_PROFILE}+feedback"
 
 
 def settings_on(state_url: str) -> Settings:

@@ -14,10 +14,11 @@ from skrull_proto import PlanRequest, PlanResponse
 from scheduler_service.contract.wire import result_to_response, result_to_response_data
 from scheduler_service.core.plan import PlanLimits, SolverReport, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, PlanResult, make_plan
+from scheduler_service.core.profile import DEFAULT_PROFILE
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.runtime.work import plan_validated, validate_request
 from tests.grouped_plans import GROUPED_PLAN, result_of
-from tests.problem_builders import with_floor
+from tests.problem_builders import ADDITIVE_PROFILE, with_floor
 
 
 def assert_written_as_the_model(result: PlanResult, breakdown: bool) -> None:
@@ -44,8 +45,9 @@ def test_hybrid_groups_and_a_solver_report_are_written_as_the_model_would(breakd
 
 def test_a_launch_bound_breakdown_adds_up_and_names_the_floor_only_where_there_is_one() -> None:
     lengths = [int(n) for n in sample_lengths("lmsys", 64, np.random.default_rng(3), max_length=60000)]
-    # A floor of 0.1 s per micro-batch: above some CP ranks' work under the shipped profile, not all.
-    for profile, has_floor in ((None, False), (with_floor(0.1 / 24), True)):
+    # A floor of 0.1 s per micro-batch: above some CP ranks' work under the additive profile, not all; the default
+    # profile has its measured one.
+    for profile, has_floor in ((ADDITIVE_PROFILE, False), (with_floor(0.1 / 24), True), (DEFAULT_PROFILE, True)):
         problem = make_problem(sequence_lengths=lengths, dp_size=2, cp_size=4, model="qwen2.5-0.5b", profile=profile)
         result = make_plan(problem, "skrull")
         assert_written_as_the_model(result, breakdown=True)

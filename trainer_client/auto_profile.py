@@ -50,10 +50,11 @@ from trainer_client.profiler import sweeps as profiler_sweeps
 from trainer_client.profiler.measure import hardware_info
 from trainer_client.profiler.sweeps import ProfileOptions
 
-__all__ = ["AUTO_PROFILE", "AutoProfileKey", "auto_profile", "auto_profile_options", "cache_path", "default_profile",
-           "profile_key"]
+__all__ = ["AUTO_PROFILE", "CPU_PROFILE", "AutoProfileKey", "auto_profile", "auto_profile_options", "cache_path",
+           "default_profile", "profile_key"]
 
 AUTO_PROFILE = "auto"
+CPU_PROFILE = "h100-paper"  # default_profile says why
 logger = logging.getLogger(__name__)
 
 # A short sweep: the sizes below 1k tokens show a GPU's launch-bound floor, the larger ones its FLOP rate; two
@@ -85,10 +86,12 @@ class AutoProfileKey:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def default_profile(device: torch.device) -> str | None:
-    """The profile a run plans with when ``--profile`` is not given: measured (``auto``) on a GPU, the planner's
-    default on CPU, where the shipped CPU figures are what tests and demos compare against."""
-    return AUTO_PROFILE if device.type == "cuda" else None
+def default_profile(device: torch.device) -> str:
+    """The profile a run plans with when ``--profile`` is not given: measured (``auto``) on a GPU; on CPU the shipped
+    ``h100-paper``, as before the planner's default became ``h100-eager``: its costs add, the form a CPU's take (one
+    process both dispatches and computes; the launch-bound floor is a GPU's), and the shipped CPU figures, tests and
+    demos compare against it."""
+    return AUTO_PROFILE if device.type == "cuda" else CPU_PROFILE
 
 
 def auto_profile_options(model: str, device: torch.device, layout: ModelLayout, *, attention_backend: str,

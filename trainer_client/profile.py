@@ -41,11 +41,11 @@ import torch.distributed as dist
 from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
-from scheduler_service.core.profile import parse_profile
+from scheduler_service.core.profile import builtin_profiles, parse_profile
 from scheduler_service.core.shard_effect import predicted_shard_s
 from trainer_client.dacp.attention import AttentionBackend
 from trainer_client.parallelize import ActivationCheckpointing, Sharding
-from trainer_client.profiler.document import build_document, document_json, refit_compute
+from trainer_client.profiler.document import build_document, document_json, rebase_compute, refit_compute
 from trainer_client.profiler.measure import utc_now
 from trainer_client.profiler.sweeps import CPU_SIZES, CUDA_SIZES, ProfileOptions, run_sweeps
 from trainer_client.torch_compat import check_torch_version
@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--refit", type=Path, metavar="PROFILE",
                         help="measure nothing: fit this profile file's compute again from its own points with this "
                              "version's model (the launch-bound form among them), and write it to --out")
+    parser.add_argument("--rebase", type=Path, metavar="PROFILE",
+                        help="measure nothing: this measured profile file's compute onto --onto's hardware, memory "
+                             "and communication (a device computing at the same rates), written to --out")
+    parser.add_argument("--onto", metavar="PROFILE", help="with --rebase: a shipped profile's name or a file")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
     parser.add_argument("--name", help="the profile's name (default: DEVICE-MODEL)")
@@ -123,22 +127,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def summary(document: dict[str, Any]) -> str:
     """A few lines for the terminal: the fits, their errors, the BucketSize, the collective tables per group size
-    and the shard effect per degree."""
+    and the shard effect per degree (of a measured profile: a rebased one, measured as a whole by nothing, names
+    no model shape to size a BucketSize for, and its compute's fits are the measurement's)."""
     compute, memory = document["compute"], document["memory"]
     kept, paper = compute["fit"][compute["fit"].get("form", "extended")], compute["fit"]["paper_eq14"]
-    profile = parse_profile(document)
-    perf = PerformanceModel(model=ModelShape(**document["provenance"]["model"]), profile=profile)
     lines = [
-        f"profile {document['name']} for model {document['model']} on {document['hardware']['device']}",
+        f"profile {document['name']} for model {document['model'] or 'any'} on {document['hardware']['device']}",
         f"compute: alpha {kept['alpha_s_per_flop']:.3e} s/FLOP, {kept['alpha_s_per_token']:.3e} s/token, "
         f"{kept['alpha_s_per_sequence']:.3e} s/sequence, beta {kept['beta_s_per_layer']:.3e} s/layer"
         + (f", launch-bound floor {kept['floor_s_per_layer']:.3e} s/layer" if kept.get("floor_s_per_layer") else "")
         + f"; fit error median {kept['median_relative_error']:.1%}, max {kept['max_relative_error']:.1%} "
         f"(eq. 14 alone: median {paper['median_relative_error']:.1%}, max {paper['max_relative_error']:.1%})",
+    ]
+    if "provenance" not in document:
+        return "\n".join(lines)
+    perf = PerformanceModel(model=ModelShape(**document["provenance"]["model"]), profile=parse_profile(document))
+    lines.append(
         f"memory: {memory['activation_bytes_per_token']['fixed']:.0f} B/token + {memory['beta_bytes']:.0f} B; "
         f"static {sum(memory['static_bytes'].values())} B; fit error max {memory['fit']['max_relative_error']:.1%}; "
-        f"BucketSize for {document['hardware']['device_memory_bytes']:.3g} B on one rank: {perf.bucket_size(1)}",
-    ]
+        f"BucketSize for {document['hardware']['device_memory_bytes']:.3g} B on one rank: {perf.bucket_size(1)}")
     communication = document["communication"]
     for link, section in (("", communication), (" across nodes", communication.get("inter_node") or {})):
         groups: dict[int, dict[str, list[list[float]]]] = {
@@ -180,18 +187,45 @@ def _shard_table(compute: dict[str, Any], perf: PerformanceModel) -> list[str]:
 
 def _refit(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     """``--refit``: the file's compute fitted again, every other section as it was measured."""
+    document = _read_document(args.refit, "--refit")
+    refit = refit_compute(document, name=args.name or document.get("name", "refit"), command=_command(argv),
+                          date=utc_now())
+    return _write(refit, args.out)
+
+
+def _read_document(path: Path, flag: str) -> dict[str, Any]:
     try:
-        document = json.loads(args.refit.read_text())
+        document = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"--refit {args.refit}: {error}") from None
-    command = " ".join(["python", "-m", "trainer_client.profile", *(argv if argv is not None else sys.argv[1:])])
-    refit = refit_compute(document, name=args.name or document.get("name", "refit"), command=command, date=utc_now())
-    parse_profile(refit)  # the core's ranges
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(refit, indent=2) + "\n")
-    print(summary(refit))
-    print(f"wrote {args.out}")
+        raise ValueError(f"{flag} {path}: {error}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("compute"), dict):
+        raise ValueError(f"{flag} {path}: not a profile document (no compute section)")
+    return document
+
+
+def _command(argv: Sequence[str] | None) -> str:
+    return " ".join(["python", "-m", "trainer_client.profile", *(argv if argv is not None else sys.argv[1:])])
+
+
+def _write(document: dict[str, Any], out: Path) -> int:
+    parse_profile(document)  # the core's ranges
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=2) + "\n")
+    print(summary(document))
+    print(f"wrote {out}")
     return 0
+
+
+def _rebase(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``--rebase``: the measured file's compute onto ``--onto``'s other sections."""
+    if args.onto is None:
+        raise ValueError("--rebase needs --onto: the profile whose hardware, memory and communication to keep")
+    measured = _read_document(args.rebase, "--rebase")
+    shipped = builtin_profiles()
+    base = shipped[args.onto].raw if args.onto in shipped else _read_document(Path(args.onto), "--onto")
+    rebased = rebase_compute(base, measured, name=args.name or f"{base.get('name', 'base')}+{measured.get('name')}",
+                             command=_command(argv), date=utc_now())
+    return _write(rebased, args.out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -203,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.refit is not None:
             return _refit(args, argv)
+        if args.rebase is not None:
+            return _rebase(args, argv)
         if args.model is None:
             raise ValueError("--model is required to measure a profile (or --refit a profile file)")
         if (warning := check_torch_version()) is not None and is_main:

@@ -7,8 +7,8 @@
 * The launch-bound floor. Eager execution on a GPU dispatches every kernel from
   the host while the device runs earlier ones, so a packed group takes about
   ``max(F, T_device)``, not their sum: ``F = floor·L`` is the host's dispatch
-  of its layers (80–100 ms for the eager qwen2.5-0.5b on an H200, whatever
-  the tokens up to ~4k). A profile with ``compute.floor_s_per_layer`` prices
+  of its layers (about 100–125 ms for the eager qwen2.5-0.5b on an H200,
+  whatever the tokens up to ~4k). A profile with ``compute.floor_s_per_layer`` prices
   every CP rank with work at ``max(F, its device time)``, the device time
   being its compute, ``β`` and exposed communication; without it (0, the CPU
   profiles, where one process does both) times add as in the paper.
@@ -429,15 +429,27 @@ def _nonnegative_relative_lstsq(
     return best
 
 
+def _floor_s(times: npt.NDArray[np.float64]) -> float:
+    """The floor that fits floor-bound times ``t`` best: ``2·min·max / (min + max)``, equally far, relatively, from
+    the fastest and the slowest, the smallest worst relative error any one floor has over them.
+
+    Floor-bound micro-batches of different work take the host's dispatch time, which jitters (98–125 ms on one
+    H200 sweep, no pattern in sizes or mixes), so the floor is a constant met by noise rather than a line met by
+    work. Least squares on relative error (``Σ(1/t) / Σ(1/t²)``) weights each time by ``1/t²`` and so leans to the
+    fastest: on that sweep it gave 105.5 ms and a worst error of 15.5 %, this 110.1 ms and 11.8 %, and real
+    floor-bound micro-batches (median 121 ms) were nearer it too."""
+    fastest, slowest = float(times.min()), float(times.max())
+    return 2 * fastest * slowest / (fastest + slowest)
+
+
 def fit_compute(points: Sequence[ComputePoint], *, num_layers: int, extended: bool = True,
                 floor: bool = False) -> ComputeFit:
     """Fit ``T = α·FLOPs + β·L`` (eq. 14; ``extended=False``) or with the per-token and per-sequence terms; with
     ``floor``, ``T = max(F, that)``, the launch-bound form (module docstring).
 
     The floor form is fitted exactly over its one non-linear choice, which points are floor-bound: for each
-    ``k``, the ``k`` fastest points are held at the ``F`` that fits them best on relative error
-    (``Σ(1/t) / Σ(1/t²)``) and the linear part is fitted to the others; the ``k`` (0 included: no floor) whose
-    ``max(F, linear)`` fits all points best wins."""
+    ``k``, the ``k`` fastest points are held at ``F = floor_s(their times)`` and the linear part is fitted to the
+    others; the ``k`` (0 included: no floor) whose ``max(F, linear)`` fits all points best wins."""
     num_unknowns = 4 if extended else 2
     if len(points) < num_unknowns:
         raise InvalidRequestError(f"fitting compute needs at least {num_unknowns} points, got {len(points)}",
@@ -452,7 +464,7 @@ def fit_compute(points: Sequence[ComputePoint], *, num_layers: int, extended: bo
     best: tuple[float, float, npt.NDArray[np.float64]] | None = None  # (cost, floor, coefficients)
     for num_floor_bound in range(len(points) - num_unknowns + 1 if floor else 1):
         held = targets[order[:num_floor_bound]]
-        floor_s = float((1 / held).sum() / (1 / held ** 2).sum()) if num_floor_bound else 0.0
+        floor_s = _floor_s(held) if num_floor_bound else 0.0
         rest = order[num_floor_bound:]
         try:
             coefficients = _nonnegative_relative_lstsq(features[rest], targets[rest], required=0)

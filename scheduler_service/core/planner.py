@@ -114,14 +114,15 @@ def make_plan(
     if within_groups and (name is SchedulerName.SKRULL or name is SchedulerName.SKRULL_BINARY):
         places = (gds.skrull_places(problem, budget=search_budget) if name is SchedulerName.SKRULL
                   else gds.skrull_binary_places(problem))
-        check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
-                     bucket_size=problem.bucket_size)
-        plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
         estimate = estimate_places(problem, places)
         spanned = (spanned_if_faster(problem, places, estimate, lambda part: gds.skrull(part, budget=search_budget))
                    if name is SchedulerName.SKRULL else None)
         solve_time_s = time.perf_counter() - started
-        if spanned is not None:
+        if spanned is None:  # the places are the plan: checked as they are, once
+            check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
+                         bucket_size=problem.bucket_size)
+            plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
+        else:  # spanning micro-batches beside (some of) those places: the plan is checked whole
             plan = spanned
             check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
                        cp_size=problem.cp_size, bucket_size=problem.bucket_size)

@@ -5,8 +5,12 @@ shape is the model ``skrull_proto.ProfileDocument``, checked where files are
 read, ``scheduler_service.contract.profiles``; the ranges are checked here): compute
 ``T_comp = α·FLOPs + β``, activation memory ``M(S) = α·S + β`` and the
 collective latency tables ``T_comm`` is fitted from. Numbers live in data, each
-with its source, never in code. The shipped ``h100-paper`` profile holds
-per-architecture formulas and fits any model; a profile measured by the
+with its source, never in code. Shipped: ``h100-eager``, the default, an
+H100-class GPU running this project's eager trainer (compute as measured on an
+H200, in the launch-bound form; memory and collectives as ``h100-paper``);
+``h100-paper``, the paper's setting, an optimised engine's assumed compute;
+``h200-qwen2.5-0.5b``, measured; ``cpu-tiny``, measured. ``h100-*`` hold
+per-architecture formulas and fit any model; a profile measured by the
 profiler (``python -m trainer_client.profile``) names its model in ``model``,
 and only plans for that model (its activation bytes per token are measured,
 not derived from the shape).
@@ -73,7 +77,7 @@ __all__ = [
     "resolve_profile",
 ]
 
-DEFAULT_PROFILE = "h100-paper"
+DEFAULT_PROFILE = "h100-eager"
 COLLECTIVES = ("all_gather", "reduce_scatter")
 # The per-token and per-sequence costs are priced as FLOP-equivalents, divided by α (``perf_model``): a smaller α,
 # a device a billion times faster than any there is, would overflow them.

@@ -39,8 +39,8 @@ from scheduler_service.core.profile import parse_profile
 from scheduler_service.core.shard_effect import derive_attention_efficiency, shard_effect_rows
 from trainer_client.profiler.sweeps import Measurements, ProfileOptions, compute_points
 
-__all__ = ["LinkTables", "build_document", "compute_form", "compute_section", "document_json", "refit_compute",
-           "split_by_node", "with_shard_effect"]
+__all__ = ["LinkTables", "build_document", "compute_form", "compute_section", "document_json", "rebase_compute",
+           "refit_compute", "split_by_node", "with_shard_effect"]
 
 TOOL = "python -m trainer_client.profile"
 
@@ -144,8 +144,10 @@ def compute_section(points: Sequence[Mapping[str, Any]], *, num_layers: int, on_
                   f"(forward + backward, trainer code path), {timing}; FLOPs per eq. 13. The coefficients are "
                   f"fit.{form}'s: "
                   + ("on a GPU the host dispatches kernels while the device runs earlier ones, so a micro-batch "
-                     "takes max(floor_s_per_layer·layers, the device time) (fit.launch_bound), kept where its "
-                     "median error is below the additive fit's (fit.extended). " if on_gpu else
+                     "takes max(floor_s_per_layer·layers, the device time) (fit.launch_bound; the floor is "
+                     "2·min·max/(min + max) of the floor-bound points' times, the smallest worst error over them, "
+                     "as the host's dispatch time jitters), kept where its median error is below the additive "
+                     "fit's (fit.extended). " if on_gpu else
                      "on a CPU one process both dispatches and computes, so the costs add (fit.extended). ")
                   + "paper_eq14 is the two-coefficient fit alpha·FLOPs + beta for comparison.",
     })
@@ -194,9 +196,12 @@ def refit_compute(document: Mapping[str, Any], *, name: str, command: str, date:
     (``command``, ``date``, the fit it replaced)."""
     provenance = document.get("provenance", {})
     compute = document["compute"]
+    options = provenance.get("options", {})
+    timing = f"as measured on {str(provenance.get('date', 'an unrecorded date'))[:10]}"
+    if {"repeats", "warmup"} <= options.keys():
+        timing = f"median of {options['repeats']} timed runs after {options['warmup']} warm-up each, {timing}"
     section = compute_section(compute["points"], num_layers=provenance["model"]["num_layers"],
-                              on_gpu="gpu" in provenance.get("hardware", {}),
-                              timing=f"as measured on {str(provenance.get('date', 'an unrecorded date'))[:10]}")
+                              on_gpu="gpu" in provenance.get("hardware", {}), timing=timing)
     refit = section.model_dump(mode="json", exclude_unset=True)
     shard_effect = {key: value for key, value in compute.items() if key.startswith(("shard_effect", "attention_"))}
     if "attention_efficiency" in compute.get("fit", {}):
@@ -205,6 +210,37 @@ def refit_compute(document: Mapping[str, Any], *, name: str, command: str, date:
               "replaced_fit": compute.get("fit")}
     return {**document, "name": name, "compute": {**refit, **shard_effect},
             "provenance": {**provenance, "refits": [*provenance.get("refits", []), record]}}
+
+
+def rebase_compute(base: Mapping[str, Any], measured: Mapping[str, Any], *, name: str, command: str,
+                   date: str) -> dict[str, Any]:
+    """``base`` (a profile document) computing at the rates ``measured`` (a measured profile's document) found:
+    the measured compute section (coefficients, fits, points) in place of the base's, the base's hardware, memory
+    and communication kept, renamed ``name``. For a device that computes as the measured one does where the base
+    describes the rest: an H100 and an H200 share the GH100's compute and differ in memory.
+
+    What one process could not measure stays the base's: the attention efficiency per query length (the measured
+    profile has none unless its sweep sharded sequences over ranks). The result names the base's model (none:
+    every model) and carries no ``provenance``, since nothing measured it as a whole (a GPU run's machine check
+    reads provenance); ``derivation`` records the base, the measurement the compute came from and ``command``."""
+    compute = dict(measured["compute"])
+    if "attention_efficiency" not in compute and "attention_efficiency" in base["compute"]:
+        compute["attention_efficiency"] = base["compute"]["attention_efficiency"]
+    origin = measured.get("provenance", {})
+    compute["source"] = f"measured as profile {measured.get('name')} ({measured.get('description', '')}): " \
+                        f"{measured['compute'].get('source', '')}"
+    device = measured.get("hardware", {}).get("device")
+    derivation = {"tool": TOOL, "command": command, "date": date, "base": base.get("name"),
+                  "compute_from": {"name": measured.get("name"), "model": measured.get("model"), "device": device,
+                                   "date": origin.get("date"), "command": origin.get("command"),
+                                   "software": origin.get("software")}}
+    rebased = {key: value for key, value in base.items() if key != "provenance"}
+    return {**rebased, "name": name,
+            "description": f"{base.get('hardware', {}).get('device')} computing at the rates profile "
+                           f"{measured.get('name')} measured ({measured.get('model')} on {device}; compute.source), "
+                           f"with the hardware, memory and communication of profile {base.get('name')} (each "
+                           "section's source).",
+            "compute": compute, "derivation": derivation}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
