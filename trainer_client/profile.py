@@ -2,6 +2,8 @@
 
     python -m trainer_client.profile --model tiny --device cpu --out profiles/cpu-tiny.json
     torchrun --nproc-per-node 2 -m trainer_client.profile --model tiny --device cpu --out cpu-tiny.json
+    python -m trainer_client.profile --refit old.json --out refit.json           # this version's fit, no sweep
+    python -m trainer_client.profile --rebase h200.json --onto h100-paper --name h100-eager --out h100-eager.json
 
 It runs the sweeps (``profiler.sweeps``: compute, memory and, with more than one rank, the collectives and the
 shard-size effect, all through the trainer's own micro-batch code) and writes what they measured as a profile
@@ -13,6 +15,10 @@ has no communication tables, so it plans CP > 1 as if communication were free (r
 Under torchrun across nodes (``--nnodes``), the collectives of groups that span nodes become the file's
 inter-node tables (``communication.inter_node``); on one node there are none, and plans whose CP blocks span
 nodes are refused with it.
+
+``--refit`` and ``--rebase`` measure nothing: the first fits a profile file's compute again from its own points,
+the second puts a measured compute onto another profile's hardware, memory and communication (how the default
+``h100-eager`` was made from ``h200-qwen2.5-0.5b`` and ``h100-paper``).
 
 The file is a schema-1 profile (``scheduler_service.core.profile``) naming the model it was measured for, with
 ``provenance`` (hardware, software versions, model shape, date, command). The default sweeps take about 15 s for

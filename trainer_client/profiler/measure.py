@@ -253,7 +253,7 @@ def check_profile_machine(profile: Profile, device: torch.device) -> None:
     if mismatches:
         raise ValueError(f"profile {profile.name} does not describe this machine: {'; '.join(mismatches)}. Measure "
                          f"one here (python -m trainer_client.profile --device cuda --model ...), or name a shipped "
-                         f"profile that was not measured (h100-paper)")
+                         f"profile that was not measured (h100-eager)")
 
 
 def software_versions() -> dict[str, str | None]:
