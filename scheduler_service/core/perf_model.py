@@ -26,7 +26,7 @@
   sequence and layer where the kernel is not varlen, as SDPA on CPU). Both are
   folded into each sequence's FLOPs as FLOP-equivalents (``cost / α``), so
   ``T_comp = α·ΣFLOPs + β`` stays the one formula every scheduler and the
-  simulator use; with the shipped profiles they are 0 and FLOPs are eq. 13's.
+  simulator use; with ``h100-paper`` they are 0 and FLOPs are eq. 13's.
 * Activation memory ``M(S) = α·S + β`` (eq. 12) → BucketSize: the tokens per CP
   rank that fit beside the static memory (weights, gradients and optimizer
   states under ZeRO-2).

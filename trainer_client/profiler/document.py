@@ -227,9 +227,10 @@ def rebase_compute(base: Mapping[str, Any], measured: Mapping[str, Any], *, name
     if "attention_efficiency" not in compute and "attention_efficiency" in base["compute"]:
         compute["attention_efficiency"] = base["compute"]["attention_efficiency"]
     origin = measured.get("provenance", {})
-    compute["source"] = f"measured as profile {measured.get('name')} ({measured.get('description', '')}): " \
-                        f"{measured['compute'].get('source', '')}"
     device = measured.get("hardware", {}).get("device")
+    compute["source"] = (f"measured as profile {measured.get('name')} ({measured.get('model')} on {device}, "
+                         f"{str(origin.get('date', 'an unrecorded date'))[:10]}): "
+                         f"{measured['compute'].get('source', '')}")
     derivation = {"tool": TOOL, "command": command, "date": date, "base": base.get("name"),
                   "compute_from": {"name": measured.get("name"), "model": measured.get("model"), "device": device,
                                    "date": origin.get("date"), "command": origin.get("command"),
