@@ -181,14 +181,20 @@ def test_batch_no_planner_can_plan_becomes_an_error_decision(service: TestClient
     assert decision.error is not None and "global batch 3" in decision.error and "sequence 0 has 4097" in decision.error
 
 
-def test_plan_failing_the_checker_falls_back(service: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+def _tampered_source(service: TestClient, tamper: Callable[[dict[str, Any]], object]) -> PlanSource:
+    """A plan source whose service answers the real plan with ``tamper`` applied to its body: a buggy service."""
     def tampering(request: httpx.Request) -> httpx.Response:
         body = service.post("/plan", content=request.content, headers={"content-type": "application/json"}).json()
-        body["dp_ranks"][0]["micro_batches"].pop()  # a buggy service: some sequences are never scheduled
+        tamper(body)
         return httpx.Response(200, content=json.dumps(body).encode())
 
     http = httpx.Client(base_url="http://planner", transport=httpx.MockTransport(tampering))
-    source = _source(PlanClient("http://planner", client=http))
+    return _source(PlanClient("http://planner", client=http))
+
+
+def test_plan_failing_the_checker_falls_back(service: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    # some sequences are never scheduled
+    source = _tampered_source(service, lambda body: body["dp_ranks"][0]["micro_batches"].pop())
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         decision = source.decide(0, LENGTHS)
     assert decision.origin is PlanOrigin.EMBEDDED and source.num_fallbacks == 1
@@ -494,13 +500,7 @@ def test_a_broken_spanning_micro_batch_from_the_service_falls_back_before_any_co
 ) -> None:
     lengths = [BUCKET_SIZE * CP * 3 // 2, 300, 200]  # 1.5 x one CP group: a spanning micro-batch over both replicas
 
-    def tampering(request: httpx.Request) -> httpx.Response:
-        body = service.post("/plan", content=request.content, headers={"content-type": "application/json"}).json()
-        tamper(body["spanning"][0])
-        return httpx.Response(200, content=json.dumps(body).encode())
-
-    http = httpx.Client(base_url="http://planner", transport=httpx.MockTransport(tampering))
-    source = _source(PlanClient("http://planner", client=http))
+    source = _tampered_source(service, lambda body: tamper(body["spanning"][0]))
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         decision = source.decide(0, lengths)
     assert decision.origin is PlanOrigin.EMBEDDED and source.num_fallbacks == 1

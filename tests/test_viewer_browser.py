@@ -78,6 +78,20 @@ def cell(page: WebDriver, metric: str, scheduler: str) -> str:
     return page.find_element(By.CSS_SELECTOR, f'td[data-metric="{metric}"][data-scheduler="{scheduler}"]').text
 
 
+def assert_bars_add_up(bars: list[WebElement], ranks: list[dict[str, float]]) -> None:
+    """The drawn breakdown bars, summed per part, are the parts of ``ranks`` that /plan answered (those above 0)."""
+    drawn_ms: dict[str, float] = {}
+    for bar in bars:
+        part = str(bar.get_attribute("data-part"))
+        drawn_ms[part] = drawn_ms.get(part, 0.0) + float(str(bar.get_attribute("data-ms")))
+    planned_ms = {"local": sum(r["local_ms"] for r in ranks),
+                  "distributed": sum(r["distributed_ms"] for r in ranks),
+                  "sharded": sum(r["sharded_ms"] for r in ranks),
+                  "overhead": sum(r["fixed_ms"] + r.get("launch_bound_ms", 0.0) + r["exposed_comm_ms"]
+                                  for r in ranks)}
+    assert drawn_ms == pytest.approx({part: ms for part, ms in planned_ms.items() if ms > 0})
+
+
 def test_viewer_plans_an_uploaded_batch_and_draws_what_plan_answers(
     page: WebDriver, live_port: int, tmp_path: Path
 ) -> None:
@@ -101,19 +115,10 @@ def test_viewer_plans_an_uploaded_batch_and_draws_what_plan_answers(
         gantt = page.find_element(By.CSS_SELECTOR, f'svg.gantt[data-scheduler="{scheduler}"]')
         assert len(gantt.find_elements(By.CSS_SELECTOR, "rect.mb")) == len(micro_batches)
         assert len(gantt.find_elements(By.CSS_SELECTOR, "rect.span")) == len(spanning)
-        drawn_ms: dict[str, float] = {}
-        for bar in gantt.find_elements(By.CSS_SELECTOR, "rect.seg"):
-            part = str(bar.get_attribute("data-part"))
-            drawn_ms[part] = drawn_ms.get(part, 0.0) + float(str(bar.get_attribute("data-ms")))
         # as the ranks run them: the spanning micro-batches' world ranks first, then each DP rank's own
         ranks = [rank for span in spanning for rank in span["ranks"]] + [rank for mb in micro_batches
                                                                          for rank in mb["cp_ranks"]]
-        planned_ms = {"local": sum(r["local_ms"] for r in ranks),
-                      "distributed": sum(r["distributed_ms"] for r in ranks),
-                      "sharded": sum(r["sharded_ms"] for r in ranks),
-                      "overhead": sum(r["fixed_ms"] + r.get("launch_bound_ms", 0.0) + r["exposed_comm_ms"]
-                                      for r in ranks)}
-        assert drawn_ms == pytest.approx({part: ms for part, ms in planned_ms.items() if ms > 0})
+        assert_bars_add_up(gantt.find_elements(By.CSS_SELECTOR, "rect.seg"), ranks)
         memory = page.find_element(By.CSS_SELECTOR, f'svg.memory[data-scheduler="{scheduler}"]')
         tokens = [float(str(bar.get_attribute("data-tokens"))) for bar in memory.find_elements(By.CSS_SELECTOR, "rect")]
         assert tokens == [r["tokens"] for r in ranks]
@@ -157,17 +162,8 @@ def test_viewer_draws_a_spanning_micro_batch_as_one_block_across_the_dp_rows_it_
         bars = gantt.find_elements(By.CSS_SELECTOR, 'rect.seg[data-span="0"]')
         assert all(top <= bar.rect["y"] and bar.rect["y"] + bar.rect["height"] <= bottom for bar in bars)
         assert len({bar.rect["y"] for bar in bars}) == len(span["ranks"]) == 8  # every rank holds a share
-        drawn_ms: dict[str, float] = {}
-        for bar in bars:
-            part = str(bar.get_attribute("data-part"))
-            drawn_ms[part] = drawn_ms.get(part, 0.0) + float(str(bar.get_attribute("data-ms")))
         ranks = span["ranks"]
-        planned_ms = {"local": sum(r["local_ms"] for r in ranks),
-                      "distributed": sum(r["distributed_ms"] for r in ranks),
-                      "sharded": sum(r["sharded_ms"] for r in ranks),
-                      "overhead": sum(r["fixed_ms"] + r.get("launch_bound_ms", 0.0) + r["exposed_comm_ms"]
-                                      for r in ranks)}
-        assert drawn_ms == pytest.approx({part: ms for part, ms in planned_ms.items() if ms > 0})
+        assert_bars_add_up(bars, ranks)
 
         memory = page.find_element(By.CSS_SELECTOR, f'svg.memory[data-scheduler="{scheduler}"]')
         spanned = memory.find_elements(By.CSS_SELECTOR, 'rect.mem.span[data-span="0"]')
