@@ -14,6 +14,7 @@ import numpy as np
 
 from scheduler_service.core import dacp
 from scheduler_service.core.dacp_search import BINARY, HYBRID, STATIC
+from scheduler_service.core.errors import BaselineCannotPlanError
 from scheduler_service.core.plan import PlanningProblem, SchedulerName, make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import DEFAULT_PROFILE
@@ -60,7 +61,11 @@ def plans() -> list[dict[str, Any]]:
             if name is SchedulerName.CPSAT:
                 continue
             for budget in SEARCH_BUDGETS if name is SchedulerName.SKRULL else (None,):
-                result = make_plan(problem, name, search_budget=budget)
+                try:
+                    result = make_plan(problem, name, search_budget=budget)
+                except BaselineCannotPlanError as error:  # a peer's refusal is part of its answer
+                    found.append({"scheduler": name.value, "refused": str(error)})
+                    continue
                 places = result.plan.places(problem.num_sequences)
                 critical = result.estimate.dp_ranks[0].micro_batches[0].critical if result.plan.dp_ranks[0] \
                     .micro_batches else None

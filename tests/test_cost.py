@@ -15,7 +15,8 @@ from scheduler_service.runtime.cost import baseline_cells, feedback_cells, plan_
 from scheduler_service.runtime.work import plan_request
 
 # Schedulers the estimate bounds by one micro-batch per sequence: their answer may be far smaller than estimated.
-UNPACKED = {SchedulerName.DEEPSPEED, SchedulerName.SKRULL_PAPER, SchedulerName.ROUND_ROBIN, SchedulerName.DYNAMIC_CP}
+UNPACKED = {SchedulerName.DEEPSPEED, SchedulerName.SKRULL_PAPER, SchedulerName.ROUND_ROBIN, SchedulerName.DYNAMIC_CP,
+            SchedulerName.GROUP_BY_LENGTH, SchedulerName.BATCH_REBALANCE}
 
 
 def _requests() -> list[PlanRequest]:

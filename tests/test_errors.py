@@ -8,6 +8,7 @@ import pytest
 
 from scheduler_service.core import errors
 from scheduler_service.core.errors import (
+    BaselineCannotPlanError,
     InfeasiblePlanError,
     InvalidRequestError,
     PlanCheckError,
@@ -27,6 +28,7 @@ EXAMPLES: list[PlanningError] = [
     UnknownSchedulerError("magic", ["skrull", "deepspeed"]),
     UnknownProfileError("h900", ["a100"]),
     InfeasiblePlanError("no plan fits 40 GB", field="sequence_lengths"),
+    BaselineCannotPlanError("batch_rebalance", "sequence 3 has 90000 tokens and one CP group holds 32000"),
     PlanCheckError([f"violation {i}" for i in range(7)]),
     RequestLimitError("too many cells", field="sequence_lengths", limit=1_000_000),
 ]

@@ -88,6 +88,8 @@ class SchedulerName(StrEnum):
     BALANCED = "balanced"
     CPSAT = "cpsat"
     DYNAMIC_CP = "dynamic_cp"
+    GROUP_BY_LENGTH = "group_by_length"
+    BATCH_REBALANCE = "batch_rebalance"
 
 
 class _Strict(BaseModel):

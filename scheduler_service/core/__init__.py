@@ -8,6 +8,7 @@ embedded fallback share it.
 from scheduler_service.core.advise import Advice, GlobalBatchSize, LayoutProblem, advise, advise_cost
 from scheduler_service.core.check import check_plan, find_violations
 from scheduler_service.core.errors import (
+    BaselineCannotPlanError,
     InfeasiblePlanError,
     InvalidRequestError,
     PlanCheckError,
@@ -50,6 +51,7 @@ __all__ = [
     "DATASETS",
     "MODEL_CATALOGUE",
     "Advice",
+    "BaselineCannotPlanError",
     "DPRankPlan",
     "FeedbackConfig",
     "GlobalBatchSize",

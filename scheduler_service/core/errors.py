@@ -14,6 +14,7 @@ so one raised in a pool process is raised again, unchanged, by the caller.
     │   ├── UnknownSchedulerError
     │   └── UnknownProfileError
     ├── InfeasiblePlanError        a scheduler could not honour the memory bound
+    │   └── BaselineCannotPlanError  a peer's scheduler cannot plan the batch as its own system would
     └── PlanCheckError             a plan violates the contract (internal bug or bad plan)
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BaselineCannotPlanError",
     "InfeasiblePlanError",
     "InvalidRequestError",
     "PlanCheckError",
@@ -101,6 +103,17 @@ class UnknownProfileError(InvalidRequestError):
 
 class InfeasiblePlanError(PlanningError):
     """A scheduler found no plan that honours the per-rank memory bound."""
+
+
+class BaselineCannotPlanError(InfeasiblePlanError):
+    """A baseline (a peer's scheduler as its own code runs it) cannot plan this batch: the message says which
+    baseline, what in the batch it cannot hold, and why its own system would not either. A comparison names the
+    batch and the baseline rather than leave it out of a mean."""
+
+    def __init__(self, scheduler: str, reason: str) -> None:
+        super().__init__(f"{scheduler} cannot plan this batch: {reason}", field="scheduler")
+        self.scheduler = scheduler
+        self.reason = reason
 
 
 class PlanCheckError(PlanningError):

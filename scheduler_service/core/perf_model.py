@@ -206,16 +206,25 @@ class PerformanceModel:
         zigzag-sharded over ``degree`` ranks: ``1/degree`` of its work, attention at the efficiency of its query
         chunks (the whole sequence, or two chunks of ``S / 2·degree``), one attention call per chunk."""
         s = np.asarray(lengths, dtype=np.float64)
-        query_tokens = s if degree == 1 else s / (2 * degree)
-        attention = _attention_flops(self.model, s) / self.attention_efficiency(query_tokens)
+        attention = self._attention_at_efficiency(s, degree)
         flops = (_linear_flops(self.model, s) + self._flops_per_token * s + attention) / degree
         calls_per_rank = 1 if degree == 1 else 2
         return flops + np.where(s > 0, calls_per_rank * self._flops_per_sequence, 0.0)
 
+    def placement_attention_flops(self, lengths: npt.ArrayLike, degree: int) -> npt.NDArray[np.float64]:
+        """The attention part of ``placement_flops(lengths, degree)``: what each of the ``degree`` ranks computes
+        of the sequence's attention."""
+        return self._attention_at_efficiency(np.asarray(lengths, dtype=np.float64), degree) / degree
+
+    def _attention_at_efficiency(self, s: npt.NDArray[np.float64], degree: int) -> npt.NDArray[np.float64]:
+        """A sequence's attention FLOPs over all its ranks, at the efficiency of its query chunks (the whole
+        sequence, or two chunks of ``S / 2·degree``)."""
+        query_tokens = s if degree == 1 else s / (2 * degree)
+        return _attention_flops(self.model, s) / self.attention_efficiency(query_tokens)
+
     def local_attention_flops(self, lengths: npt.ArrayLike) -> npt.NDArray[np.float64]:
         """The attention part of ``placement_flops(lengths, 1)``: what hides a rank's collectives."""
-        s = np.asarray(lengths, dtype=np.float64)
-        return _attention_flops(self.model, s) / self.attention_efficiency(s)
+        return self.placement_attention_flops(lengths, 1)
 
     @property
     def compute_beta_s(self) -> float:

@@ -66,6 +66,8 @@ class SchedulerName(StrEnum):
     BALANCED = "balanced"
     CPSAT = "cpsat"
     DYNAMIC_CP = "dynamic_cp"  # Megatron-Core's dynamic CP, for comparison (``dynamic_cp``)
+    GROUP_BY_LENGTH = "group_by_length"  # the HF Trainer's length-grouped sampler (``baselines``)
+    BATCH_REBALANCE = "batch_rebalance"  # the HF Trainer's batch-rebalance sampler (``baselines``)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

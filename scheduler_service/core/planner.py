@@ -60,11 +60,14 @@ HEURISTIC_SCHEDULERS: dict[SchedulerName, Callable[[PlanningProblem], Plan]] = {
     SchedulerName.ROUND_ROBIN: gds.round_robin,
     SchedulerName.BALANCED: baselines.balanced,
     SchedulerName.DYNAMIC_CP: dynamic_cp,
+    SchedulerName.GROUP_BY_LENGTH: baselines.group_by_length,
+    SchedulerName.BATCH_REBALANCE: baselines.batch_rebalance,
 }
 
-# Schedulers that plan the whole pool themselves; every other one plans within CP groups, and the sequences no CP
-# group holds are given spanning micro-batches around it (``spanning.with_needed_spanning``).
-_POOL_SCHEDULERS = frozenset({SchedulerName.DYNAMIC_CP})
+# Peers' schedulers, planned as their own systems plan (the whole pool for dynamic CP; within CP groups, refusing a
+# sequence no CP group holds, for the HF samplers); every other scheduler plans within CP groups, and the sequences
+# no CP group holds are given spanning micro-batches around it (``spanning.with_needed_spanning``).
+_PEER_SCHEDULERS = frozenset({SchedulerName.DYNAMIC_CP, SchedulerName.GROUP_BY_LENGTH, SchedulerName.BATCH_REBALANCE})
 
 
 def parse_scheduler(name: str | SchedulerName) -> SchedulerName:
@@ -96,7 +99,7 @@ def schedule(
 
         plan = with_needed_spanning(problem, solve)
         return plan, reports[0] if reports else None
-    if name in _POOL_SCHEDULERS:
+    if name in _PEER_SCHEDULERS:
         return HEURISTIC_SCHEDULERS[name](problem), None
     return with_needed_spanning(problem, HEURISTIC_SCHEDULERS[name]), None
 

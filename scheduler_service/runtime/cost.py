@@ -36,9 +36,11 @@ __all__ = ["PlanCost", "baseline_cells", "feedback_cells", "plan_cost", "search_
 _MICRO_BATCH_JSON_BYTES = 64
 # A CP rank's estimate in a breakdown ('{"tokens":…,"local_tokens":…,"local_ms":…, … "time_ms":…},').
 _BREAKDOWN_JSON_BYTES = 180
-# Schedulers whose micro-batch count only the sequences bound: deepspeed's one per sequence, and the paper-style
-# GDS, measured at up to 4x the bin-packing bound.
-_UNPACKED = frozenset({SchedulerName.DEEPSPEED, SchedulerName.SKRULL_PAPER, SchedulerName.ROUND_ROBIN})
+# Schedulers whose micro-batch count only the sequences bound: deepspeed's one per sequence, the paper-style GDS,
+# measured at up to 4x the bin-packing bound, and the HF samplers, which take accumulation steps until every
+# micro-batch fits (up to one sequence each).
+_UNPACKED = frozenset({SchedulerName.DEEPSPEED, SchedulerName.SKRULL_PAPER, SchedulerName.ROUND_ROBIN,
+                       SchedulerName.GROUP_BY_LENGTH, SchedulerName.BATCH_REBALANCE})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
