@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo test test-fast docs bench bench-advise bench-profiles load stress serve schema profile accuracy gpu-check feedback lint clean images docker-smoke
+.PHONY: install system-deps demo test test-fast docs bench bench-advise bench-profiles load stress serve schema profile accuracy ranking gpu-check feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -68,6 +68,9 @@ profile: install
 
 accuracy: install
 	$(PY) -m benchmarks.accuracy
+
+ranking: install
+	$(PY) -m benchmarks.ranking
 
 # The GPU check (docs/guides/gpu.md): any CUDA machine, on that machine's own Python (GPU_PYTHON), no venv made and
 # nothing downloaded; exit status 2 where there is no CUDA device. GPU_CHECK_ARGS="--wheels DIR" brings missing

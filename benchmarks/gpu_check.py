@@ -22,9 +22,12 @@ Each step runs as its own process, under a deadline, and what it printed is kept
 
 Then it prints one summary and writes it as ``gpu-check/summary.json``: the machine and software, each step's
 outcome and time, the GPU tests' result, the profile's fits and BucketSize, the predicted against the measured
-time per micro-batch (median and worst error, by size class) and per step, tokens/s, how far the two schedulers'
-losses are apart, the peak memory per GPU, and what ``--compile`` gained. Exit status 0 when every step ran, 1
-when one failed, 2 when this machine cannot run the check (no CUDA; a dependency missing).
+time per micro-batch (median and worst error, by size class) and per step, whether the model orders them as they
+were measured (``benchmarks.ranking``: the share of pairs of micro-batches, of steps and of one batch's plans
+ordered correctly, and the regret of picking by the model, under the profile and under its two-coefficient fit),
+tokens/s, how far the two schedulers' losses are apart, the peak memory per GPU, and what ``--compile`` gained.
+Exit status 0 when every step ran, 1 when one failed, 2 when this machine cannot run the check (no CUDA; a
+dependency missing).
 
 It runs on the machine's own Python: no virtual environment is made and nothing is downloaded. The trainer's
 dependencies must be importable (torch, transformers, peft, numpy, numba, pydantic, safetensors, httpx, tenacity,
@@ -126,6 +129,7 @@ class Check:
     loss_agreement: list[dict[str, Any]] = field(default_factory=list)
     auto: dict[str, Any] = field(default_factory=dict)
     compiled: dict[str, Any] = field(default_factory=dict)
+    ranking: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "steps": [{**asdict(step), "ok": step.ok} for step in self.steps]}
@@ -288,6 +292,19 @@ def _compiled_summary(training: Sequence[dict[str, Any]], name: str) -> dict[str
             "peak_memory_bytes": compiled["peak_memory_bytes"], "eager_peak_memory_bytes": eager["peak_memory_bytes"]}
 
 
+def _ranking_summary(accuracy_path: Path | None, metrics: Sequence[Path]) -> list[dict[str, Any]]:
+    """``benchmarks.ranking`` over what this check recorded, as it priced it: the accuracy run's micro-batches
+    (under the profile of step 2 and under its two-coefficient fit) and the steps of the trainer runs planned with
+    that profile (``metrics``: their ``train-*.jsonl``), every pair ordered or not, the regret of picking by the
+    model. Standard library and numpy: the machine's own Python runs it."""
+    from benchmarks.ranking import rank_set, recorded_sets
+
+    accuracy = json.loads(accuracy_path.read_text()) if accuracy_path is not None else None
+    runs = {path.stem: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            for path in metrics if path.is_file()}
+    return [rank_set(ranked) for ranked in recorded_sets(accuracy, runs)]
+
+
 def _loss_agreement(training: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per layout, how far ``skrull``'s losses are from ``deepspeed``'s: the same batches, another schedule."""
     by_run = {run["run"]: run for run in training}
@@ -386,6 +403,13 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
     for dp, cp in layouts:
         train(dp, cp, "deepspeed", "--profile", str(profile_path))
     check.loss_agreement = _loss_agreement(check.training)
+    trained = {run["run"] for run in check.training}
+    planned_with_profile = [out_dir / f"train-{scheduler}-dp{dp}-cp{cp}.jsonl" for dp, cp in layouts
+                            for scheduler in ("skrull", "deepspeed") if f"train-{scheduler}-dp{dp}-cp{cp}" in trained]
+    try:
+        check.ranking = _ranking_summary(accuracy_path if check.accuracy else None, planned_with_profile)
+    except Exception as error:  # the summary then lacks these figures; it is still written
+        print(f"ranking: not computed ({error!r})", flush=True)
     return check
 
 
@@ -411,6 +435,19 @@ def _print_summary(check: Check) -> None:
         print(f"micro-batches at CP {case['cp_size']}: {case['micro_batches']}, |error| median "
               f"{case['median_error']:.1%}, worst {case['worst_error']:.1%}, signed median "
               f"{case['signed_median_error']:+.1%} ({classes})")
+    for ranking in check.ranking:
+        if not ranking["pairs"]:
+            continue
+        apart = f"> {ranking['min_gap']:.0%} apart"
+        separated = (f"{ranking['separated_ordered']:.1%} of {ranking['separated_pairs']} {apart}"
+                     if ranking["separated_pairs"] else f"none {apart}")
+        wrong = ranking["wrong_regret"]
+        wrong_regret = (f" (their regret p50 {wrong['p50']:.1%}, p95 {wrong['p95']:.1%})" if ranking["wrong_pairs"]
+                        else "")
+        print(f"ranking {ranking['ranked']} by {ranking['fit']}: {ranking['pairs']} pairs ordered "
+              f"{ranking['ordered']:.1%} ({ranking['priced_equal']} priced equal), {separated}; regret p50 "
+              f"{ranking['regret']['p50']:.1%}, p95 {ranking['regret']['p95']:.1%}; {ranking['wrong_pairs']} "
+              f"ordered wrong{wrong_regret}")
     for run in check.training:
         error = run["predicted_vs_measured_step"]["median_abs_error"]
         estimate = f"step estimate |error| median {error:.1%}" if error is not None else "no step estimate"

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,32 @@ def test_the_rehearsal_runs_every_step_and_fills_the_summary(tmp_path: Path) -> 
     assert auto["fit"]["median_relative_error"] >= 0 and auto["sweep_fit"]["median_relative_error"] >= 0
     assert summary["compiled"] == {}  # --compile runs on a GPU; tests/test_compile.py compiles on the CPU
     assert "--profile auto measured in" in result.stdout
+    # benchmarks.ranking over the accuracy run and the runs planned with step 2's profile (not --profile auto's)
+    ranking = {(entry["fit"], entry["ranked"]): entry for entry in summary["ranking"]}
+    own, paper = "the run's profile", "paper α·FLOPs + β (the run's fit)"
+    assert {(own, "micro-batches"), (paper, "micro-batches"), (own, "steps"), (own, "plans of one batch"),
+            (paper, "plans of one batch")} <= set(ranking)
+    micro = ranking[own, "micro-batches"]
+    assert micro["pairs"] == accuracy["micro_batches"] * (accuracy["micro_batches"] - 1) // 2
+    assert 0 <= micro["ordered"] <= 1 and micro["regret"]["p95"] >= 0
+    assert ranking[own, "steps"]["pairs"] == 1  # step 1 of skrull against step 1 of deepspeed (step 0: warm-up)
+    assert f"ranking micro-batches by {own}: {micro['pairs']} pairs ordered" in result.stdout
+
+
+def test_the_ranking_figures_of_a_recorded_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The summary's ranking on the H200's recorded check (its accuracy run, its trainer runs), and its lines."""
+    from benchmarks.gpu_check import Check, _print_summary, _ranking_summary
+
+    recorded = ROOT / "benchmarks" / "measurements" / "h200-2026-11-26-gpu-check"
+    with tarfile.open(recorded / "logs.tar.gz") as archive:
+        archive.extractall(tmp_path, filter="data")
+    ranking = _ranking_summary(recorded / "accuracy.json", [tmp_path / "train-skrull-dp1-cp1.jsonl",
+                                                            tmp_path / "train-deepspeed-dp1-cp1.jsonl"])
+    by_kind = {(entry["fit"], entry["ranked"]): entry for entry in ranking}
+    assert by_kind["the run's profile", "micro-batches"]["pairs"] == 122 * 121 // 2
+    assert by_kind["the run's profile", "steps"]["pairs"] == 15
+    assert by_kind["the run's profile", "plans of one batch"]["ordered"] == 1.0  # skrull's plans measured faster
+    _print_summary(Check(machine={"torch": "2.11", "transformers": "5.17", "flash_attn": None}, ranking=ranking))
+    printed = capsys.readouterr().out
+    assert "ranking micro-batches by the run's profile: 7381 pairs ordered" in printed
+    assert "ranking steps by the run's profile: 15 pairs ordered" in printed
