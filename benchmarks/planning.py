@@ -1,7 +1,8 @@
 """Planning benchmark: simulated iteration time of every scheduler on the paper's Figure 3 settings and on
 long-heavy shapes, hybrid vs binary Skrull, each scheduler's ratio to a lower bound, the gap to CP-SAT on
 small batches, how often each Skrull plans the proven optimum of tiny batches, what larger search budgets gain,
-how many micro-batches GDS cuts, and planning latency.
+how many micro-batches GDS cuts, planning latency, and Skrull against its peers: Megatron-Core's dynamic CP (its
+own schedule, priced as Megatron runs it) and the Hugging Face Trainer's length-aware samplers.
 
 Run ``python -m benchmarks.planning`` (``--full`` for more batches). Lengths come from the Table-1-shaped
 samplers (an approximation of the real data sets) and are capped at ``bucket_size × cp_size``, as a
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler_service.core import gds
+from scheduler_service.core import baselines, gds
+from scheduler_service.core.dynamic_cp import dynamic_cp, megatron_estimate
+from scheduler_service.core.errors import BaselineCannotPlanError
 from scheduler_service.core.gds_search import min_micro_batches
 from scheduler_service.core.plan import Plan, PlanningProblem, make_problem
 from scheduler_service.core.plan_refine import DEFAULT_BUDGET
@@ -133,36 +136,93 @@ def speedup_table(title: str, cases: list[Case], names: list[str], num_batches: 
               f"tokens {statistics.fmean(v[1] for v in values):.3f}")
 
 
+def geomean(values: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(values))))
+
+
 def spanning_table(cases: list[Case], num_batches: int, seed: int, profile: str) -> None:
-    """Skrull with spanning micro-batches against Skrull within CP groups and Megatron dynamic CP, on the same
-    batches (lengths capped at one CP group, as elsewhere here), then on uncapped batches (up to the world)."""
+    """Skrull with spanning micro-batches against Skrull within CP groups, on the same batches (lengths capped at
+    one CP group, as elsewhere here)."""
     print(f"\n## Beyond one CP group: simulated iteration time ratios (geometric mean over {num_batches} batches; "
           "above 1: skrull is faster)\n")
-    print("| case | skrull_in_groups / skrull | worst | dynamic_cp / skrull | worst | batches spanned | "
-          "uncapped: dynamic_cp / skrull | worst |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| case | skrull_in_groups / skrull | worst | batches spanned |")
+    print("|---|---|---|---|")
     for case in cases:
-        rng, uncapped_rng = np.random.default_rng(seed), np.random.default_rng(seed + 1)
-        in_groups, dynamic, spanned, uncapped = [], [], 0, []
+        rng = np.random.default_rng(seed)
+        in_groups, spanned = [], 0
         for _ in range(num_batches):
             problem = sample_problem(case, rng, profile)
             skrull_plan = VARIANTS["skrull"](problem)
-            skrull_s = simulate(problem, skrull_plan).iteration_time_s
             spanned += bool(skrull_plan.spanning)
-            in_groups.append(simulate(problem, VARIANTS["skrull_in_groups"](problem)).iteration_time_s / skrull_s)
-            dynamic.append(simulate(problem, VARIANTS["dynamic_cp"](problem)).iteration_time_s / skrull_s)
-            lengths = sample_lengths(case.dataset, case.dp_size * case.batch_size, uncapped_rng,
-                                     max_length=case.bucket_size * case.cp_size * case.dp_size)
-            whole = make_problem(sequence_lengths=lengths.tolist(), dp_size=case.dp_size, cp_size=case.cp_size,
-                                 model=case.model, bucket_size=case.bucket_size, profile=profile)
-            uncapped.append(simulate(whole, VARIANTS["dynamic_cp"](whole)).iteration_time_s
-                            / simulate(whole, VARIANTS["skrull"](whole)).iteration_time_s)
+            in_groups.append(simulate(problem, VARIANTS["skrull_in_groups"](problem)).iteration_time_s
+                             / simulate(problem, skrull_plan).iteration_time_s)
+        print(f"| {case.label} | {geomean(in_groups):.3f}x | {min(in_groups):.3f}x | {spanned}/{num_batches} |")
 
-        def geomean(values: list[float]) -> float:
-            return float(np.exp(np.mean(np.log(values))))
 
-        print(f"| {case.label} | {geomean(in_groups):.3f}x | {min(in_groups):.3f}x | {geomean(dynamic):.3f}x | "
-              f"{min(dynamic):.3f}x | {spanned}/{num_batches} | {geomean(uncapped):.3f}x | {min(uncapped):.3f}x |")
+@dataclass
+class PeerRatios:
+    """One peer's iteration time over Skrull's on each batch it could plan, and the refusals it named."""
+
+    ratios: list[float]
+    refusals: list[str]
+
+    def cells(self, num_batches: int) -> str:
+        if not self.ratios:
+            return f"– | – | – | {len(self.refusals)}/{num_batches} |"
+        faster = sum(ratio < 1 for ratio in self.ratios)
+        return (f"{geomean(self.ratios):.3f}x | {min(self.ratios):.3f}x | {faster} | "
+                f"{len(self.refusals)}/{num_batches} |")
+
+
+def _peer_ratio(peer: PeerRatios, problem: PlanningProblem, time_of: Callable[[PlanningProblem], float],
+                skrull_s: float) -> None:
+    try:
+        peer.ratios.append(time_of(problem) / skrull_s)
+    except BaselineCannotPlanError as error:
+        peer.refusals.append(error.reason)
+
+
+def peers_table(cases: list[Case], num_batches: int, seed: int, profile: str, *, uncapped: bool = False) -> None:
+    """Skrull against the peers on the same batches, each peer as its own system runs it: Megatron's dynamic CP
+    priced as Megatron runs its plan (``megatron_estimate``; beside it, the same plan as this project's trainer
+    runs it), the HF Trainer's samplers by the simulator. ``uncapped``: lengths up to the world's capacity."""
+    def simulated(scheduler: Callable[[PlanningProblem], Plan]) -> Callable[[PlanningProblem], float]:
+        return lambda problem: simulate(problem, scheduler(problem)).iteration_time_s
+
+    peers: dict[str, Callable[[PlanningProblem], float]] = {
+        "dynamic_cp as Megatron runs it":
+            lambda problem: megatron_estimate(problem, dynamic_cp(problem)).iteration_time_s,
+        "dynamic_cp's plan run by Skrull's trainer": simulated(dynamic_cp),
+        "group_by_length": simulated(baselines.group_by_length),
+        "batch_rebalance": simulated(baselines.batch_rebalance),
+    }
+    scope = "lengths up to the world's capacity" if uncapped else "lengths capped at one CP group"
+    print(f"\n## Against the peers ({scope}): peer / skrull simulated iteration time, geometric mean over the "
+          f"{num_batches} batches each peer plans, its best batch against skrull (below 1: the peer is faster), how "
+          f"many batches it plans faster, and how many it refuses\n")
+    print("| case | " + " | ".join(f"{name} | best | faster | refused" for name in peers) + " |")
+    print("|---|" + "---|---|---|---|" * len(peers))
+    reasons: dict[str, str] = {}
+    for case in cases:
+        rng = np.random.default_rng(seed + uncapped)
+        found = {name: PeerRatios([], []) for name in peers}
+        for _ in range(num_batches):
+            if uncapped:
+                lengths = sample_lengths(case.dataset, case.dp_size * case.batch_size, rng,
+                                         max_length=case.bucket_size * case.cp_size * case.dp_size)
+                problem = make_problem(sequence_lengths=lengths.tolist(), dp_size=case.dp_size, cp_size=case.cp_size,
+                                       model=case.model, bucket_size=case.bucket_size, profile=profile)
+            else:
+                problem = sample_problem(case, rng, profile)
+            skrull_s = simulate(problem, VARIANTS["skrull"](problem)).iteration_time_s
+            for name, time_of in peers.items():
+                _peer_ratio(found[name], problem, time_of, skrull_s)
+        print(f"| {case.label} | " + " ".join(found[name].cells(num_batches) for name in peers))
+        for name, peer in found.items():
+            if peer.refusals:
+                reasons.setdefault(f"{name} on {case.label}", peer.refusals[0])
+    for where, reason in reasons.items():
+        print(f"- {where} refuses, e.g.: {reason}")
 
 
 def cpsat_gap(num_batches: int, seed: int, time_limit_s: float, profile: str) -> None:
@@ -293,27 +353,29 @@ def _plan_in_turn(problems: list[PlanningProblem], scheduler: str, call: int) ->
     return make_plan(problems[call % len(problems)], scheduler)
 
 
-def latency_table(seed: int, repeats: int, profile: str) -> None:
+def latency_table(seed: int, batches: int, profile: str) -> None:
     print(f"\n## Planning latency (the whole make_plan: plan, check, estimate; DP=4, CP=8, qwen2.5-0.5b, bucket 26K; "
-          f"{repeats} calls each on 256 sequences or fewer)\n")
-    print("Wall-clock percentiles, and the median of the process's CPU time (what a shared machine cannot "
-          "inflate). skrull_paper is a plain-Python implementation of the paper's Algorithms 1-3: the last column "
-          "is skrull's p50 over its p50 in the same run (below 1: faster than the paper's heuristic).\n")
-    print("| sequences | dataset | skrull p50 ms | skrull p99 ms | skrull CPU p50 ms | skrull_binary p50 ms "
-          "| skrull_binary p99 ms | skrull_paper p50 ms | skrull / skrull_paper |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"{batches} different batches each, planned once, on 256 sequences or fewer; after warm_up, as a service "
+          f"after start-up)\n")
+    print("Wall-clock percentiles over the batches, and the median of the process's CPU time (what a shared machine "
+          "cannot inflate). skrull_paper is a plain-Python implementation of the paper's Algorithms 1-3: the last "
+          "column is skrull's p50 over its p50 in the same run (below 1: faster than the paper's heuristic).\n")
+    print("| sequences | dataset | skrull p50 ms | skrull p99 ms | p99 / p50 | skrull CPU p50 ms "
+          "| skrull_binary p50 ms | skrull_binary p99 ms | skrull_paper p50 ms | skrull / skrull_paper |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for num_sequences in (64, 256, 1024, 4096):
         for dataset in ("lmsys", "chatqa2"):
             case = Case(dataset, "qwen2.5-0.5b", 26_000, 4, 8, num_sequences // 4)
             rng = np.random.default_rng(seed)
-            problems = [sample_problem(case, rng, profile) for _ in range(8)]
-            calls = repeats if num_sequences <= 256 else max(repeats // 20, 5)
+            calls = batches if num_sequences <= 256 else max(batches // 20, 5)
+            problems = [sample_problem(case, rng, profile) for _ in range(calls)]
             found = {}
             for scheduler in ("skrull", "skrull_binary", "skrull_paper"):
                 found[scheduler] = _percentiles_ms(functools.partial(_plan_in_turn, problems, scheduler), calls)
             skrull, binary, paper = found["skrull"], found["skrull_binary"], found["skrull_paper"]
-            print(f"| {num_sequences} | {dataset} | {skrull[0]:.2f} | {skrull[1]:.2f} | {skrull[2]:.2f} | "
-                  f"{binary[0]:.2f} | {binary[1]:.2f} | {paper[0]:.2f} | {skrull[0] / paper[0]:.2f} |")
+            print(f"| {num_sequences} | {dataset} | {skrull[0]:.2f} | {skrull[1]:.2f} | {skrull[1] / skrull[0]:.2f} | "
+                  f"{skrull[2]:.2f} | {binary[0]:.2f} | {binary[1]:.2f} | {paper[0]:.2f} | "
+                  f"{skrull[0] / paper[0]:.2f} |")
 
 
 def main() -> None:
@@ -331,12 +393,14 @@ def main() -> None:
     speedup_table("Long-heavy shapes", LONG_HEAVY, ["skrull", "skrull_binary", "skrull_paper", "balanced"],
                   num_batches, args.seed, args.profile)
     spanning_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile)
+    peers_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile)
+    peers_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile, uncapped=True)
     cpsat_gap(3 if args.full else 2, args.seed, time_limit_s=20.0 if args.full else 5.0, profile=args.profile)
     tiny_batch_optimality(120 if args.full else 40, args.seed, args.profile)
     budget_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, budgets=(512, 2048), profile=args.profile)
     micro_batch_counts(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile)
     warm_up()  # the kernels compiled (or loaded) before anything is timed
-    latency_table(args.seed, repeats=400 if args.full else 100, profile=args.profile)
+    latency_table(args.seed, batches=400 if args.full else 100, profile=args.profile)
 
 
 if __name__ == "__main__":

@@ -83,5 +83,30 @@ def plans() -> list[dict[str, Any]]:
     return found
 
 
+def kernels_compiled_after_warm_up() -> list[str]:
+    """The kernels that planning every problem with every heuristic scheduler compiles after ``planner.warm_up``:
+    the first-use costs a warmed service would still pay on the request path (none, in a fresh process)."""
+    import gc
+    import importlib
+    import pkgutil
+
+    import scheduler_service.core as core
+    from scheduler_service.core.jit import _Kernel
+    from scheduler_service.core.planner import warm_up
+
+    for module in pkgutil.iter_modules(core.__path__):
+        if module.name != "cpsat":  # OR-Tools, offline only
+            importlib.import_module(f"scheduler_service.core.{module.name}")
+
+    def uncompiled() -> set[str]:
+        return {f"{kernel.py_func.__module__}.{kernel.py_func.__qualname__}" for kernel in gc.get_objects()
+                if isinstance(kernel, _Kernel) and kernel._can_compile}
+
+    warm_up()
+    before = uncompiled()
+    plans()
+    return sorted(before - uncompiled())
+
+
 if __name__ == "__main__":
     print(json.dumps({"jit_disabled": bool(numba.config.DISABLE_JIT), "plans": plans()}))

@@ -35,6 +35,14 @@ def test_compiled_kernels_plan_exactly_as_their_python_source() -> None:
     assert ran["plans"] == json.loads(json.dumps(planning_cases.plans()))
 
 
+@pytest.mark.slow
+def test_warm_up_compiles_every_kernel_the_planners_call() -> None:
+    # a process of its own: in this one, earlier tests have compiled whatever they planned
+    script = "from tests.planning_cases import kernels_compiled_after_warm_up as late; print(late())"
+    ran = subprocess.run([sys.executable, "-c", script], cwd=REPOSITORY, check=True, capture_output=True, text=True)
+    assert ran.stdout.strip() == "[]"
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=hybrid_problems(max_sequences=32))
 def test_a_larger_search_budget_never_gives_a_worse_plan(problem: PlanningProblem) -> None:

@@ -10,11 +10,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from scheduler_service.core import baselines, gds
 from scheduler_service.core.check import check_places, check_plan
 from scheduler_service.core.dynamic_cp import dynamic_cp
 from scheduler_service.core.errors import UnknownSchedulerError
 from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
+from scheduler_service.core.samplers import DATASETS, sample_lengths
 from scheduler_service.core.simulate import (
     PlanEstimate,
     estimate_places,
@@ -147,9 +150,12 @@ def make_plan(
 
 
 def warm_up() -> float:
-    """Compile every kernel of the core (or load it from the JIT cache, ``jit``) by planning a small batch with each
-    compiled scheduler and reading its estimate: what a service does before it reports ready and a trainer at start.
-    The seconds it took."""
+    """Compile every kernel the planners call (or load it from the JIT cache, ``jit``) before the first real batch
+    pays for it: what a service does before it reports ready and a trainer at start. It plans a small batch with
+    each scheduler and reads its estimate, then with ``skrull`` a batch of every length distribution at the
+    benchmarks' shape, one of them with a sequence only a spanning block holds: the paths that only large or
+    imbalanced batches take (the refinement of long micro-batches, the spanning candidates) compile here too
+    (``tests/test_kernels.py`` checks that no kernel compiles after it). The seconds it took."""
     started = time.perf_counter()
     problem = make_problem(sequence_lengths=[3000, 1200, 700, 90, 5000, 40], dp_size=2, cp_size=4, model="tiny",
                            bucket_size=2048)
@@ -158,4 +164,14 @@ def warm_up() -> float:
             result = make_plan(problem, name)
             estimate = result.estimate
             (estimate.spanning + estimate.dp_ranks[0].micro_batches)[0].critical  # noqa: B018 (the breakdown's too)
+    for seed, dataset in enumerate(DATASETS):
+        lengths = sample_lengths(dataset, _WARM_UP_SEQUENCES, np.random.default_rng(seed),
+                                 max_length=_WARM_UP_BUCKET_SIZE * _WARM_UP_CP_SIZE).tolist()
+        if seed == 0:
+            lengths[0] = _WARM_UP_BUCKET_SIZE * _WARM_UP_CP_SIZE * 2  # only a block of two replicas holds it
+        make_plan(make_problem(sequence_lengths=lengths, dp_size=4, cp_size=_WARM_UP_CP_SIZE, model="qwen2.5-0.5b",
+                               bucket_size=_WARM_UP_BUCKET_SIZE))
     return time.perf_counter() - started
+
+
+_WARM_UP_SEQUENCES, _WARM_UP_CP_SIZE, _WARM_UP_BUCKET_SIZE = 256, 8, 26_000  # the benchmarks' shape
