@@ -45,6 +45,7 @@ __all__ = [
     "DPRankEstimate",
     "MicroBatchEstimate",
     "PlanEstimate",
+    "dp_rank_times_s",
     "estimate_places",
     "estimate_plan",
     "iteration_lower_bound_s",
@@ -156,14 +157,28 @@ def _compute_by_kind(tables: CostTables, micro_batch: IntArray, degree: IntArray
             local_tokens[m, first_rank[k]] += tables.lengths[k]
 
 
+def _rank_times_of(problem: PlanningProblem, places: Places) -> tuple[RankSums, FloatArray]:
+    """The per micro-batch and CP rank sums of ``places``, and their ``T_r`` (M, C)."""
+    tables = problem.tables
+    sums = empty_sums(tables, places.num_micro_batches)
+    sums_of_places(tables, sums, places.micro_batch, places.degree, places.first_rank)
+    times_s = np.zeros((places.num_micro_batches, tables.cp_size))
+    _rank_times_s(tables, sums, times_s)
+    return sums, times_s
+
+
+def dp_rank_times_s(problem: PlanningProblem, places: Places) -> FloatArray:
+    """(DP,) each DP rank's time in the plan ``places``: the sum of its micro-batches' (``estimate_places``'s
+    ``DPRankEstimate.time_s``, without the breakdowns a search that compares plans does not read)."""
+    _, times_s = _rank_times_of(problem, places)
+    return np.bincount(places.dp_rank, weights=times_s.max(axis=1, initial=0.0), minlength=problem.dp_size)
+
+
 def estimate_places(problem: PlanningProblem, places: Places) -> PlanEstimate:
     """Estimated times of every micro-batch, DP rank and the iteration of the plan ``places``."""
     tables = problem.tables
     num_micro_batches = places.num_micro_batches
-    sums = empty_sums(tables, num_micro_batches)
-    sums_of_places(tables, sums, places.micro_batch, places.degree, places.first_rank)
-    times_s = np.zeros((num_micro_batches, tables.cp_size))
-    _rank_times_s(tables, sums, times_s)
+    sums, times_s = _rank_times_of(problem, places)
     compute_flops = np.zeros((3, num_micro_batches, tables.cp_size))
     local_tokens = np.zeros((num_micro_batches, tables.cp_size), dtype=np.int64)
     _compute_by_kind(tables, places.micro_batch, places.degree, places.first_rank, compute_flops, local_tokens)

@@ -39,7 +39,7 @@ from scheduler_service.core.dacp_search import HYBRID
 from scheduler_service.core.gds_search import fewest_that_spread
 from scheduler_service.core.partition import lpt_parts
 from scheduler_service.core.plan import DPRankPlan, Places, Plan, PlanningProblem, SpanningMicroBatch
-from scheduler_service.core.simulate import PlanEstimate, estimate_places, estimate_plan, simulate, spanning_ready_s
+from scheduler_service.core.simulate import PlanEstimate, dp_rank_times_s, estimate_plan, simulate, spanning_ready_s
 
 __all__ = [
     "MAX_CHOSEN",
@@ -109,7 +109,7 @@ def _joined_time_s(problem: PlanningProblem, timed: Timed, places: Places, spann
     sequences ``spanned`` (a boolean mask): removing a sequence only frees room, so what is left is a valid plan,
     and its DP shares' times are estimated without building it."""
     rest = Places(np.where(spanned, -1, places.micro_batch), places.degree, places.first_rank, places.dp_rank)
-    share_s = [rank.time_s for rank in estimate_places(problem, rest).dp_ranks]
+    share_s = dp_rank_times_s(problem, rest).tolist()
     ready_s = spanning_ready_s([micro_batch for micro_batch, _ in timed], [time_s for _, time_s in timed],
                                problem.dp_size)
     share_of = _free_first_pairing(ready_s, share_s)
@@ -198,10 +198,11 @@ def spanned_if_faster(problem: PlanningProblem, places: Places, estimate: PlanEs
     if not costed:
         return None
     unfilled_s, count, width = min(costed)
-    filled_s = time_s(*candidate(count, width, True))
+    filled = candidate(count, width, True)
+    filled_s = time_s(*filled)
     if min(unfilled_s, filled_s) >= best_s:
         return None
-    timed, rest = candidate(count, width, filled_s < unfilled_s)
+    timed, rest = filled if filled_s < unfilled_s else candidate(count, width, False)
     spanned_plan = join(problem, timed, _plan_of(problem, rest, schedule))
     return spanned_plan if simulate(problem, spanned_plan).iteration_time_s < best_s else None
 
