@@ -11,7 +11,7 @@ import scheduler_service.core.planner
 import trainer_client.loop
 from trainer_client.data import make_source
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
-from trainer_client.loop import SkrullBatches
+from trainer_client.loop import PlanningFailed, SkrullBatches
 
 BUCKET_SIZE = 1024
 SCHEDULERS = ("skrull", "deepspeed")  # the compiled path (checked as places) and a plan checked as it is
@@ -45,3 +45,22 @@ def test_each_plan_is_checked_once_on_every_rank(tmp_path: Path) -> None:
     for rank in range(2):
         counts = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert counts == {scheduler: 2 for scheduler in SCHEDULERS}, f"rank {rank}: checks per scheduler {counts}"
+
+
+def _plan_too_long(out_dir: Path) -> None:
+    parallel = init_parallel(ParallelDims(dp_size=2, cp_size=1))
+    source = make_source("synthetic:chatqa2", global_batch_size=8, vocab_size=1024, max_length=100_000, seed=0)
+    with SkrullBatches(parallel, model="tiny", bucket_size=64) as batches:
+        try:
+            batches.plan(source.batch(0))
+        except PlanningFailed as error:
+            (out_dir / f"rank{dist.get_rank()}.txt").write_text(str(error))
+
+
+def test_a_batch_no_planner_can_plan_stops_every_rank_with_rank_0s_reason(tmp_path: Path) -> None:
+    # Sequences above bucket_size × cp_size × dp_size (the world): rank 0 cannot plan, and no rank may hang.
+    spawn_gloo(_plan_too_long, 2, tmp_path)
+    reasons = {(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)}
+    (reason,) = reasons
+    assert reason.startswith("cannot plan global batch 0: sequence ")
+    assert reason.endswith("at most bucket_size 64 × cp_size 1 × dp_size 2 = 128 fit (the world's capacity)")

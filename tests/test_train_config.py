@@ -26,12 +26,12 @@ FLAGS = [
     "--export-lora", "--collective-timeout", "--max-length", "--truncate", "--metrics-out", "--plan-timeout",
     "--plan-attempts", "--attention-backend", "--dtype", "--no-progress", "--feedback", "--job-id", "--eval-data",
     "--eval-every", "--lora-rank", "--lora-alpha", "--lora-targets", "--report-to", "--logging-dir", "--fail-rank",
-    "--fail-at-step", "--no-spanning",
+    "--fail-at-step", "--no-spanning", "--skip-bad-records",
 ]
 # A bool's other form, so that a flag turns a config file's value either way.
 OTHER_FORMS = [
     "--shuffle", "--no-compile", "--no-async-checkpoint", "--no-resume", "--no-resume-accept-data-change",
-    "--no-truncate", "--progress", "--no-feedback", "--spanning",
+    "--no-truncate", "--progress", "--no-feedback", "--spanning", "--no-skip-bad-records",
 ]
 
 

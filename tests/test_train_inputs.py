@@ -40,8 +40,9 @@ def test_rejects_record_longer_than_max_length_naming_the_record(tmp_path: Path)
     result = _torchrun(1, "--dp", "1", "--cp", "1", "--data", str(data), "--global-batch", "2",
                        "--bucket-size", "32", "--steps", "1")
     assert result.returncode != 0
-    assert f"error: record {data}:2 has 40 tokens; the maximum is 32" in result.stderr
-    assert "pass --truncate" in result.stderr
+    assert f"error: --data {data}: 1 of 2 records cannot train:\n" in result.stderr
+    assert f"  longer than --max-length 32, 1 record: {data}:2 (40 tokens)\n" in result.stderr
+    assert "hint: --truncate cuts records to --max-length; --skip-bad-records trains the other 1" in result.stderr
 
 
 @pytest.mark.slow
@@ -58,14 +59,14 @@ def test_unreachable_service_at_start_up_trains_with_embedded_plans(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_batch_no_planner_can_plan_stops_every_rank_with_the_reason() -> None:
-    # max-length above bucket_size × cp × dp (the world): the planner must refuse some sequence, and no rank may
-    # hang.
+def test_a_max_length_no_plan_holds_stops_every_rank_before_step_0() -> None:
+    # max-length above bucket_size × cp × dp (the world): some batch would draw a sequence no plan holds.
     result = _torchrun(2, "--dp", "2", "--cp", "1", "--steps", "3", "--data", "synthetic:chatqa2",
                        "--bucket-size", "64", "--max-length", "100000")
     assert result.returncode != 0
-    assert "error: cannot plan global batch 0: sequence" in result.stderr
-    assert "at most bucket_size 64 × cp_size 1 × dp_size 2 = 128 fit (the world's capacity)" in result.stderr
+    assert ("error: --max-length 100000: synthetic:chatqa2 draws sequences up to that long, and a plan of this layout "
+            "holds at most 128 tokens (bucket size 64 × cp 1 × dp 2); give --max-length 128 or less, or a larger "
+            "--bucket-size") in result.stderr
 
 
 @pytest.mark.parametrize("job_id", ["has a space", "", "-leading-dash", "x" * 129, "ünïcode"])

@@ -233,7 +233,7 @@ def _resume_where_only_rank_0_may_pick(config: TrainConfig, out_dir: Path) -> No
 def test_every_rank_refuses_a_checkpoint_of_another_global_batch_before_reading_its_state(
     tmp_path: Path, ranks_run: Callable[[TrainConfig, Path], None]
 ) -> None:
-    data = _write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(1, n + 2))} for n in range(32)])
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(1, n + 3))} for n in range(32)])
     checkpoints = tmp_path / "ck"
     config = _config(data, checkpoints)
     # The record alone, no DCP state: a trainer that read the state before checking would fail on its absence.

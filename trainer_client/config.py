@@ -295,6 +295,11 @@ class TrainConfig(BaseModel):
     max_length: Annotated[int, Positive] | None = Field(
         None, description="longest record accepted (default: bucket_size × cp)")
     truncate: bool = Field(False, description="cut records longer than --max-length")
+    skip_bad_records: bool = Field(
+        False, description="leave out of every epoch the records that cannot train (too long, no token with loss, "
+                           "an empty chat, a chat without an assistant turn, a chat template that breaks prefixes, "
+                           "malformed), which the check before step 0 finds, and list them in --checkpoint-dir's "
+                           "bad-records.jsonl; by default they stop the run before step 0, all of them named")
     metrics_out: Path | None = Field(None, description="write one JSON line of metrics per step here")
     plan_timeout_s: Annotated[float, Positive, Flag(name="--plan-timeout")] = Field(
         DEFAULT_PLAN_TIMEOUT_S, description="seconds per POST /plan attempt")

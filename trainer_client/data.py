@@ -79,6 +79,7 @@ import math
 from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -90,9 +91,11 @@ from trainer_client.hub import HubError, HubSnapshot, RepoKind, fetch, hub_ref, 
 
 __all__ = [
     "IGNORE_INDEX",
+    "BadRecordError",
     "DataIdentity",
     "DataSource",
     "DatasetRecords",
+    "Defect",
     "GlobalBatch",
     "JsonlRecords",
     "LengthStats",
@@ -101,6 +104,7 @@ __all__ = [
     "RecordTooLongError",
     "Sample",
     "SyntheticSource",
+    "length_summary",
     "load_tokenizer",
     "make_source",
     "open_records",
@@ -114,8 +118,34 @@ _DIGEST_BYTES = 1 << 16  # a parquet, CSV or JSON file's identity digests this m
 _SNIFF_BYTES = 1 << 12  # where a .json file's first character is looked for
 
 
-class RecordTooLongError(ValueError):
+class Defect(StrEnum):
+    """Why a record cannot train; ``data_check`` reports the records of each defect together, with its fix."""
+
+    TOO_LONG = "too_long"  # longer than --max-length, and --truncate is off
+    BEYOND_PLAN = "beyond_plan"  # longer than any plan of the layout holds (a --max-length above it)
+    NO_LOSS = "no_loss"  # no token carries loss: nothing to learn from it
+    EMPTY_CHAT = "empty_chat"
+    NO_ASSISTANT = "no_assistant"  # a chat with no assistant turn, and only assistant turns carry loss
+    TEMPLATE = "template"  # the chat template does not render a prefix of the chat as a prefix of its tokens
+    MALFORMED = "malformed"  # not JSON, no known shape, wrong types, token ids outside the vocabulary
+
+
+class BadRecordError(ValueError):
+    """A record that cannot train, and why (``defect``); the message names the record."""
+
+    def __init__(self, message: str, *, defect: Defect, where: str, num_tokens: int | None = None) -> None:
+        super().__init__(message)
+        self.defect = defect
+        self.where = where
+        self.num_tokens = num_tokens  # the record's tokens, where the defect is its length
+
+
+class RecordTooLongError(BadRecordError):
     """A record exceeds the configured maximum length and truncation is off."""
+
+
+def _malformed(where: str, message: str) -> BadRecordError:
+    return BadRecordError(message, defect=Defect.MALFORMED, where=where)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -259,8 +289,10 @@ class RecordEncoder:
                              f"{self.vocab_size}")
 
     def encode(self, record: object, where: str) -> Sample:
+        """The sample of ``record``; ``BadRecordError`` naming it (``where``) and its defect when it cannot train,
+        a ``ValueError`` when no record of this kind could (a chat without ``--tokenizer``)."""
         if not isinstance(record, dict):
-            raise ValueError(f"record {where} is not a JSON object")
+            raise _malformed(where, f"record {where} is not a JSON object")
         # A datasets row holds every column of the set: a column that is None in this row is absent.
         if record.get("input_ids") is not None:
             input_ids, labels = self._tokenized(record, where)
@@ -269,31 +301,43 @@ class RecordEncoder:
         elif record.get("text") is not None:
             input_ids, labels = self._text(record["text"], where)
         else:
-            raise ValueError(f"record {where} has none of 'input_ids', 'messages', 'text'")
+            raise _malformed(where, f"record {where} has none of 'input_ids', 'messages', 'text'")
         if input_ids.ndim != 1 or input_ids.size == 0:
-            raise ValueError(f"record {where}: input_ids must be a non-empty list of token ids")
+            raise _malformed(where, f"record {where}: input_ids must be a non-empty list of token ids")
         if labels.shape != input_ids.shape:
-            raise ValueError(f"record {where}: labels has {labels.size} entries, input_ids {input_ids.size}")
+            raise _malformed(where, f"record {where}: labels has {labels.size} entries, input_ids {input_ids.size}")
         if self.vocab_size is not None and (input_ids.min() < 0 or input_ids.max() >= self.vocab_size):
-            raise ValueError(f"record {where}: token ids must lie in [0, {self.vocab_size})")
+            raise _malformed(where, f"record {where}: token ids must lie in [0, {self.vocab_size})")
         if input_ids.size > self.max_length:
             if not self.truncate:
                 raise RecordTooLongError(
                     f"record {where} has {input_ids.size} tokens; the maximum is {self.max_length} "
-                    f"(bucket_size × cp_size unless --max-length says otherwise); pass --truncate to cut it"
+                    f"(bucket_size × cp_size unless --max-length says otherwise); pass --truncate to cut it",
+                    defect=Defect.TOO_LONG, where=where, num_tokens=int(input_ids.size),
                 )
             input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
         return Sample(input_ids=input_ids, labels=labels)
 
     @staticmethod
     def _tokenized(record: dict[str, Any], where: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        try:
+            return RecordEncoder._token_arrays(record, where)
+        except (TypeError, ValueError) as error:
+            if isinstance(error, BadRecordError):
+                raise
+            raise _malformed(where, f"record {where}: input_ids, labels and loss_mask must be lists of integers: "
+                                    f"{error}") from None
+
+    @staticmethod
+    def _token_arrays(record: dict[str, Any], where: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         input_ids = np.asarray(record["input_ids"], dtype=np.int64)
         if record.get("labels") is not None:
             return input_ids, np.asarray(record["labels"], dtype=np.int64)
         if record.get("loss_mask") is not None:
             mask = np.asarray(record["loss_mask"], dtype=bool)
             if mask.shape != input_ids.shape:
-                raise ValueError(f"record {where}: loss_mask has {mask.size} entries, input_ids {input_ids.size}")
+                raise _malformed(where, f"record {where}: loss_mask has {mask.size} entries, input_ids "
+                                        f"{input_ids.size}")
             return input_ids, np.where(mask, input_ids, IGNORE_INDEX)
         return input_ids, input_ids.copy()
 
@@ -306,7 +350,7 @@ class RecordEncoder:
     def _text(self, text: object, where: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         tokenizer = self._needs_tokenizer("text", where)
         if not isinstance(text, str):
-            raise ValueError(f"record {where}: 'text' must be a string")
+            raise _malformed(where, f"record {where}: 'text' must be a string")
         ids = tokenizer.encode(text, add_special_tokens=False)
         if tokenizer.eos_token_id is not None:
             ids.append(tokenizer.eos_token_id)  # the model learns where a document ends
@@ -321,12 +365,15 @@ class RecordEncoder:
         prefixes of its tokens (checked: a template that does not is an error naming the record).
         """
         tokenizer = self._needs_tokenizer("a chat", where)
-        if not (isinstance(messages, list) and messages and all(
+        if messages == []:
+            raise BadRecordError(f"record {where}: the chat is empty", defect=Defect.EMPTY_CHAT, where=where)
+        if not (isinstance(messages, list) and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages)):
-            raise ValueError(f"record {where}: 'messages' must be a non-empty list of {{role, content}} strings")
+            raise _malformed(where, f"record {where}: 'messages' must be a list of {{role, content}} strings")
         if not any(m["role"] == "assistant" for m in messages):
-            raise ValueError(f"record {where}: the chat has no assistant turn to train on")
+            raise BadRecordError(f"record {where}: the chat has no assistant turn to train on",
+                                 defect=Defect.NO_ASSISTANT, where=where)
 
         def render(turns: list[dict[str, str]], *, prompt: bool) -> list[int]:
             ids: list[int] = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False,
@@ -348,8 +395,9 @@ class RecordEncoder:
     def _extend(ids: list[int], trained: list[bool], rendered: list[int], *, train: bool, where: str) -> None:
         """Append what ``rendered`` adds to ``ids`` (which it must start with), marked ``train``."""
         if rendered[: len(ids)] != ids:
-            raise ValueError(f"record {where}: the chat template does not render a prefix of the chat as a prefix "
-                             "of its tokens; prompt masking needs it to")
+            raise BadRecordError(f"record {where}: the chat template does not render a prefix of the chat as a "
+                                 "prefix of its tokens; prompt masking needs it to", defect=Defect.TEMPLATE,
+                                 where=where)
         trained.extend([train] * (len(rendered) - len(ids)))
         ids.extend(rendered[len(ids):])
 
@@ -404,7 +452,7 @@ class JsonlRecords:
         try:
             return json.loads(line), where
         except json.JSONDecodeError as error:
-            raise ValueError(f"record {where} is not JSON: {error}") from None
+            raise _malformed(where, f"record {where} is not JSON: {error}") from None
 
     def identity(self) -> DataIdentity:
         """The path, the size and a digest of the first and last records: appending, cutting or replacing the file
@@ -538,7 +586,7 @@ def _file_digest(path: Path) -> str:
 @dataclass(kw_only=True, slots=True)
 class RecordSource:
     """Global batches of the next ``global_batch_size`` records of the epoch's order (module docstring); call
-    ``batch`` for steps in order."""
+    ``batch`` for steps in order. ``leave_out`` takes records out of every epoch (``--skip-bad-records``)."""
 
     records: RecordReader
     encoder: RecordEncoder
@@ -546,17 +594,34 @@ class RecordSource:
     shuffle: bool = False
     seed: int = 0
     position: Position = field(default_factory=dict)
+    left_out: tuple[int, ...] = ()  # record indices no epoch holds, ascending
+    _trained: npt.NDArray[np.int64] | None = field(default=None, init=False, repr=False)  # the others, ascending
     _order: tuple[int, npt.NDArray[np.int64]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1:
             raise ValueError(f"global batch size must be positive, got {self.global_batch_size}")
 
+    def leave_out(self, indices: tuple[int, ...]) -> None:
+        """Train every record but ``indices`` (ascending), from the first batch on; an epoch is then the others.
+        With none left out, the order is exactly that of a source that never left any out."""
+        if not indices:
+            return
+        trained = np.setdiff1d(np.arange(self.records.num_records), np.asarray(indices, dtype=np.int64))
+        if trained.size == 0:
+            raise ValueError("every record is left out: none is left to train")
+        self.left_out, self._trained, self._order = tuple(indices), trained, None
+
+    @property
+    def num_records(self) -> int:
+        """The records an epoch trains: all the source holds but those left out."""
+        return self.records.num_records - len(self.left_out)
+
     def batch(self, step: int) -> GlobalBatch:
         epoch, index = self.position.get("epoch", 0), self.position.get("index", 0)
         samples = []
         for _ in range(self.global_batch_size):
-            if index >= self.records.num_records:
+            if index >= self.num_records:
                 epoch, index = epoch + 1, 0
             record, where = self.records.read(int(self.order(epoch)[index]))
             samples.append(self.encoder.encode(record, where))
@@ -565,19 +630,18 @@ class RecordSource:
         return GlobalBatch(step=step, samples=tuple(samples), next_position=dict(self.position))
 
     def order(self, epoch: int) -> npt.NDArray[np.int64]:
-        """The records of ``epoch`` in the order they are trained: file order, or a permutation seeded by
-        ``(seed, epoch)``."""
+        """The records of ``epoch`` (their indices in the source) in the order they are trained: file order, or a
+        permutation seeded by ``(seed, epoch)`` of the records trained."""
         if self._order is None or self._order[0] != epoch:
-            num_records = self.records.num_records
-            order = (np.random.default_rng([self.seed, epoch]).permutation(num_records) if self.shuffle
-                     else np.arange(num_records))
-            self._order = (epoch, order)
+            order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_records) if self.shuffle
+                     else np.arange(self.num_records))
+            self._order = (epoch, order if self._trained is None else self._trained[order])
         return self._order[1]
 
-    def steps_for_epochs(self, epochs: int) -> int:
+    def steps_for_epochs(self, epochs: float) -> int:
         """Optimizer steps that train every record ``epochs`` times (the last batch may reach into the next
         epoch)."""
-        return math.ceil(epochs * self.records.num_records / self.global_batch_size)
+        return math.ceil(epochs * self.num_records / self.global_batch_size)
 
     def seek(self, position: Mapping[str, int]) -> None:
         if set(position) - {"epoch", "index"}:
@@ -585,11 +649,15 @@ class RecordSource:
         self.position = dict(position)
 
     def identity(self) -> DataIdentity:
-        """The records' identity and their order: another seed or order gives other batches from the same
-        position."""
+        """The records' identity, the records left out and the order: another seed, order or choice of records
+        gives other batches from the same position."""
         records = self.records.identity()
         order = f"shuffled with seed {self.seed}" if self.shuffle else "file order"
-        return DataIdentity(source=records.source, fingerprint=f"{records.fingerprint}, {order}")
+        left_out = ""
+        if self.left_out:
+            digest = hashlib.sha256(np.asarray(self.left_out, dtype=np.int64).tobytes()).hexdigest()[:16]
+            left_out = f", {len(self.left_out)} records left out (sha256 {digest})"
+        return DataIdentity(source=records.source, fingerprint=f"{records.fingerprint}{left_out}, {order}")
 
 
 DataSource = SyntheticSource | RecordSource
@@ -674,10 +742,15 @@ class LengthStats:
         self.num_loss_tokens += batch.num_loss_tokens
 
     def summary(self) -> str:
-        if not self.lengths:
-            return "no sequences"
-        lengths = np.asarray(self.lengths)
-        p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
-        total = int(lengths.sum())
-        return (f"{lengths.size} sequences, {total} tokens ({self.num_loss_tokens / total:.0%} with loss); "
-                f"length min {lengths.min()}, median {p50:.0f}, p90 {p90:.0f}, p99 {p99:.0f}, max {lengths.max()}")
+        return length_summary(np.asarray(self.lengths), self.num_loss_tokens, unit="sequences")
+
+
+def length_summary(lengths: npt.NDArray[np.integer[Any]], num_loss_tokens: int, *, unit: str) -> str:
+    """How many ``unit`` (sequences, records) of these ``lengths``, their tokens, the share with loss, and the length
+    distribution, as the trainer logs it."""
+    if not lengths.size:
+        return f"no {unit}"
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    total = int(lengths.sum())
+    return (f"{lengths.size} {unit}, {total} tokens ({num_loss_tokens / total:.0%} with loss); "
+            f"length min {lengths.min()}, median {p50:.0f}, p90 {p90:.0f}, p99 {p99:.0f}, max {lengths.max()}")

@@ -110,9 +110,9 @@ from tenacity import (
 from scheduler_service.contract.wire import micro_batch_to_measurement, response_to_plan, shape_to_model_spec
 from scheduler_service.core import jit
 from scheduler_service.core.check import check_plan
-from scheduler_service.core.errors import PlanCheckError, PlanningError
+from scheduler_service.core.errors import PlanCheckError, PlanningError, SequenceTooLongError
 from scheduler_service.core.models import ModelShape
-from scheduler_service.core.plan import Plan, make_problem
+from scheduler_service.core.plan import DEFAULT_LIMITS, Plan, make_problem
 from scheduler_service.core.planner import make_plan, warm_up
 from scheduler_service.core.profile import Profile
 
@@ -128,6 +128,7 @@ __all__ = [
     "PlanSource",
     "PlanTimeout",
     "PlanUnavailable",
+    "plan_capacity",
 ]
 
 logger = logging.getLogger("trainer_client.plan_client")
@@ -410,6 +411,22 @@ def measurements_of(
     return [micro_batch_to_measurement(plan.dp_ranks[dp_rank].micro_batches[index], sequence_lengths,
                                        time_s=timing.time_s, peak_memory_bytes=peaks.get((dp_rank, index)))
             for (dp_rank, index), timing in sorted(slowest.items())]
+
+
+def plan_capacity(*, dp_size: int, cp_size: int, model: str | ModelShape, bucket_size: int,
+                  profile: str | Profile | None, spanning: bool) -> int | None:
+    """The most tokens a sequence may have for the planner to plan it in this layout, as ``make_problem`` decides
+    (one CP group's buckets, or the world's where plans span DP replicas); None where this process cannot tell (a
+    profile only the service knows)."""
+    longest = min(bucket_size * cp_size * dp_size + 1, DEFAULT_LIMITS.max_sequence_length)
+    try:
+        make_problem(sequence_lengths=[longest], dp_size=dp_size, cp_size=cp_size, model=model,
+                     bucket_size=bucket_size, profile=profile, spanning=spanning)
+    except SequenceTooLongError as error:
+        return error.limit
+    except PlanningError:
+        return None
+    return longest
 
 
 class PlanSource:

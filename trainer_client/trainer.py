@@ -72,6 +72,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -99,9 +100,11 @@ from trainer_client.data import (
     LengthStats,
     RecordEncoder,
     RecordSource,
+    SyntheticSource,
     load_tokenizer,
     make_source,
 )
+from trainer_client.data_check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records, write_bad_records
 from trainer_client.distributed import ParallelContext, max_over_ranks
 from trainer_client.evaluation import EvalSet
 from trainer_client.export import export_model, load_export_tokenizer
@@ -117,7 +120,7 @@ from trainer_client.parallelize import (
     reduce_gradients,
     reshard,
 )
-from trainer_client.plan_client import MicroBatchTiming
+from trainer_client.plan_client import MicroBatchTiming, plan_capacity
 from trainer_client.profiler.measure import check_profile_machine
 from trainer_client.reporting import Reports, open_reports
 from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume
@@ -171,16 +174,18 @@ class Trainer:
             check_profile_machine(known, self.device)
         self.bucket_size = config.bucket_size or self._derived_bucket_size(shape, self.layout.param_dtype)
         self.max_length = config.max_length or self.bucket_size * config.cp
+        # What the planner costs sequences with: a catalogue name, or a checkpoint's shape.
+        self.plan_model = shape if model_folder(config.model) is not None else config.model
         self.source: DataSource = make_source(
             config.data, global_batch_size=config.global_batch, vocab_size=shape.vocab_size,
             max_length=self.max_length, seed=config.seed, truncate=config.truncate, tokenizer=config.tokenizer,
             shuffle=config.shuffle,
         )
+        self._check_data()
         if config.epochs is not None:
             assert isinstance(self.source, RecordSource)  # TrainConfig refuses --epochs of synthetic data
             self.config = config = config.model_copy(update={"steps": self.source.steps_for_epochs(config.epochs)})
-            logger.info("%d epochs of %d records: %d steps", config.epochs, self.source.records.num_records,
-                        config.steps)
+            logger.info("%d epochs of %d records: %d steps", config.epochs, self.source.num_records, config.steps)
         self.eval_set = (EvalSet.load(config.eval_data, encoder=self._record_encoder(shape),
                                       global_batch_size=config.global_batch)
                          if config.eval_data is not None else None)
@@ -210,8 +215,7 @@ class Trainer:
         job_id = config.job_id or uuid.uuid4().hex  # rank 0's names the service's feedback job and the reported run
         # Plans, packing, plan prefetch and feedback: the loop API a training loop of one's own uses (loop.py).
         self.batches = SkrullBatches(
-            parallel, model=shape if model_folder(config.model) is not None else config.model,
-            bucket_size=self.bucket_size,
+            parallel, model=self.plan_model, bucket_size=self.bucket_size,
             scheduler=config.scheduler, scheduler_url=config.scheduler_url or None, profile=self.profile,
             sharding=self.sharding, pad_token_id=self.pad_token_id, plan_timeout_s=config.plan_timeout_s,
             plan_attempts=config.plan_attempts, spanning=config.spanning,
@@ -246,6 +250,67 @@ class Trainer:
                                    lora=lora.shape if lora is not None else None)
         return make_problem(sequence_lengths=[1], dp_size=self.config.dp, cp_size=self.config.cp, model=shape,
                             profile=profile).bucket_size
+
+    def _check_data(self) -> None:
+        """Find, before step 0, every training record that cannot train (``data_check.py``): every rank encodes its
+        share of the records and every rank gets the whole verdict. Records that cannot train stop every rank with
+        one message listing them, unless ``--skip-bad-records`` leaves them out of every epoch; either way rank 0
+        lists them in the run folder. Logs the layout's sizes and, for records, the length distribution of what
+        trains."""
+        config, parallel = self.config, self.parallel
+        capacity = plan_capacity(dp_size=config.dp, cp_size=config.cp, model=self.plan_model,
+                                 bucket_size=self.bucket_size, profile=self.profile, spanning=config.spanning)
+        holds = self._plan_capacity_text(capacity)
+        if parallel.is_main:
+            profile = self.profile.name if isinstance(self.profile, Profile) else self.profile or DEFAULT_PROFILE
+            bucket_from = ("--bucket-size" if config.bucket_size is not None
+                           else f"derived from profile {profile} for --sharding {self.sharding} in "
+                                f"{str(self.layout.param_dtype).removeprefix('torch.')}")
+            length_from = "--max-length" if config.max_length is not None else "bucket size × cp"
+            logger.info("layout: BucketSize %d tokens per CP rank (%s); max length %d (%s); a plan holds %s",
+                        self.bucket_size, bucket_from, self.max_length, length_from, holds)
+        if isinstance(self.source, SyntheticSource):
+            if capacity is not None and self.max_length > capacity:
+                raise ValueError(f"--max-length {self.max_length}: {config.data} draws sequences up to that long, and "
+                                 f"a plan of this layout holds at most {holds}; give --max-length {capacity} or less, "
+                                 "or a larger --bucket-size")
+            return
+        records = self.source.records
+        world_size = dist.get_world_size()
+        share = check_records(records, self.source.encoder, plan_capacity=capacity,
+                              indices=np.arange(parallel.global_rank, records.num_records, world_size))
+        shares: list[RecordCheck | None] = [None] * world_size
+        dist.all_gather_object(shares, share, group=parallel.object_group)
+        checked = RecordCheck.merged([share for share in shares if share is not None])
+        if checked.bad:
+            listed = ""
+            if config.checkpoint_dir is not None:
+                listed = f" (all listed in {config.checkpoint_dir / BAD_RECORDS_FILE})"
+                if parallel.is_main:
+                    write_bad_records(config.checkpoint_dir / BAD_RECORDS_FILE, checked.bad)
+            report = checked.report(max_length=self.max_length, plan_capacity=holds)
+            num_trained = checked.num_records - len(checked.bad)
+            if not config.skip_bad_records:
+                skip = (f"--skip-bad-records trains the other {num_trained} and leaves these out" if num_trained
+                        else "no record can train")
+                raise BadRecordsError("\n".join([
+                    f"--data {config.data}: {len(checked.bad)} of {checked.num_records} records cannot train"
+                    f"{listed}:", *report, "hint: " + "; ".join([*checked.fixes(), skip])]))
+            self.source.leave_out(checked.bad_indices)
+            if parallel.is_main:
+                logger.warning("\n".join([f"--skip-bad-records: leaving out {len(checked.bad)} of "
+                                          f"{checked.num_records} records of --data {config.data}{listed}:", *report]))
+        if parallel.is_main:
+            logger.info("data: %s: %s", config.data, checked.summary())
+
+    def _plan_capacity_text(self, capacity: int | None) -> str:
+        """What a plan holds, as the user reads it: ``1024 tokens (bucket size 256 × cp 2 × dp 2)``."""
+        if capacity is None:
+            return "what the service's profile allows"
+        factors = f"bucket size {self.bucket_size} × cp {self.config.cp}"
+        if capacity == self.bucket_size * self.config.cp * self.config.dp and self.config.dp > 1:
+            factors += f" × dp {self.config.dp}"
+        return f"{capacity} tokens ({factors})"
 
     def _record_encoder(self, shape: ModelShape) -> RecordEncoder:
         """How ``--eval-data`` records become samples: as the training records do."""
@@ -449,7 +514,7 @@ class Trainer:
         if self.config.output_dir is not None:
             self.export(self.config.steps)
         if self.parallel.is_main:
-            logger.info("data: %s", self.lengths.summary())
+            logger.info("trained: %s", self.lengths.summary())
         self._trained = True
         return history
 
