@@ -233,7 +233,7 @@ _PLACEMENT_STYLES: dict[str, tuple[str, str | None]] = {  # placement -> (face c
     "local": ("0.35", None),
     "distributed": ("0.8", "///"),
     "sharded (hybrid group)": ("gold", "..."),
-    "fixed, launch-bound floor + exposed communication": ("white", "xx"),
+    "fixed, launch-bound floor, padding + exposed communication": ("white", "xx"),
 }
 
 
@@ -242,8 +242,8 @@ def cp_rank_shares(rank: CPRankEstimate) -> dict[str, float]:
     to its ``time_s``."""
     return {"local": rank.local_compute_s, "distributed": rank.distributed_compute_s,
             "sharded (hybrid group)": rank.sharded_compute_s,
-            "fixed, launch-bound floor + exposed communication": rank.fixed_s + rank.launch_bound_s
-                                                                 + rank.exposed_comm_s}
+            "fixed, launch-bound floor, padding + exposed communication": rank.fixed_s + rank.launch_bound_s
+                                                                          + rank.padding_s + rank.exposed_comm_s}
 
 
 def _plot_shares(axis: Axes, cp_ranks: Sequence[CPRankEstimate], start_ms: float) -> None:

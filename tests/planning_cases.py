@@ -31,7 +31,8 @@ SEARCH_BUDGETS = (None, 40)  # the default, and enough for the iterated local se
 def problems() -> list[PlanningProblem]:
     """Every shape under the additive profile, and the first two with a small launch-bound floor and under the
     default profile (its measured floor) too; then batches that span DP replicas: each of the first shapes with
-    one sequence longer than a CP group holds, and a short batch with one outlier that a replica would run alone."""
+    one sequence longer than a CP group holds, and a short batch with one outlier that a replica would run alone; and
+batches whose rows are padded to token buckets."""
     priced = [(shape, ADDITIVE_PROFILE) for shape in SHAPES] + [
         (shape, profile) for shape in SHAPES[:2]
         for profile in (with_floor(LAUNCH_BOUND_FLOOR_S_PER_LAYER), DEFAULT_PROFILE)]
@@ -49,7 +50,11 @@ def problems() -> list[PlanningProblem]:
         for dp_size, cp_size, bucket_size, model in SHAPES[:4] if dp_size > 1]
     outlier = make_problem(sequence_lengths=[300] * 60 + [30000], dp_size=4, cp_size=8, model="qwen2.5-0.5b",
                            bucket_size=26000)
-    return within_groups + spanning + [outlier]
+    bucketed = [make_problem(sequence_lengths=sample_lengths(sampler, NUM_SEQUENCES, np.random.default_rng(11),
+                                                             max_length=8192 * 4).tolist(),
+                             dp_size=2, cp_size=4, model="qwen2.5-0.5b", bucket_size=8192, token_buckets=4)
+                for sampler in ("lmsys", "chatqa2")]
+    return within_groups + spanning + [outlier] + bucketed
 
 
 def plans() -> list[dict[str, Any]]:

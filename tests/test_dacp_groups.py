@@ -172,7 +172,7 @@ def test_hybrid_packs_a_mix_of_mid_length_sequences_close_to_the_balanced_bound(
     lengths = [26_294, 23_781, 20_462, 18_471, 14_688, 12_643, 11_696, 10_493, 9_537, 3_241, 1_139, 928, 117, 46]
     problem = make_problem(sequence_lengths=lengths, dp_size=1, cp_size=16, model="qwen2.5-7b", bucket_size=13_000)
     indices = range(len(lengths))
-    balanced_s = rank_time_s(problem.tables, float(problem.area.sum()) / problem.cp_size, 0.0, 0.0, 0.0)
+    balanced_s = rank_time_s(problem.tables, float(problem.area.sum()) / problem.cp_size, 0.0, 0.0, 0.0, 0)
     hybrid = dacp.dacp_hybrid(problem, indices)
     binary = dacp.dacp_balanced(problem, indices)
     assert hybrid is not None and binary is not None

@@ -87,10 +87,11 @@ class _Marker(torch.autograd.Function):
         return grad, None, None
 
 
-def _recording(events: list[str]) -> list[Any]:
-    """Patches that log reduce-scatter launches and waits, and the start and end of local attention's backward."""
-    launch, wait, varlen = (KVAllGather._launch_reduce_scatter, KVAllGather._wait_reduce_scatter,
-                            attention.varlen_causal_attn_func)
+def _recording(events: list[str]) -> tuple[list[Any], attention.VarlenKernel]:
+    """Patches that log reduce-scatter launches and waits, and a kernel that marks the start and end of local
+    attention's backward."""
+    launch, wait = KVAllGather._launch_reduce_scatter, KVAllGather._wait_reduce_scatter
+    varlen = attention.resolve_kernel(AttentionBackend.SDPA, device=torch.device("cpu"), dtype=torch.float64)
 
     def logged_launch(self: KVAllGather, grad: torch.Tensor) -> None:
         events.append("reduce_scatter_launched")
@@ -101,16 +102,15 @@ def _recording(events: list[str]) -> list[Any]:
         return wait(self)
 
     def marked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      cu_seqlens_k: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+                      cu_seqlens_k: torch.Tensor, *args: Any) -> torch.Tensor:
         if cu_seqlens_q is not cu_seqlens_k:  # a collective's attention; local attention passes one cu_seqlens
-            return varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs)
+            return varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args)
         q, k, v = (_Marker.apply(x, events, "local_backward_ended") for x in (q, k, v))
-        out = varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, **kwargs)
+        out = varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *args)
         return _Marker.apply(out, events, "local_backward_started")
 
-    return [mock.patch.object(KVAllGather, "_launch_reduce_scatter", logged_launch),
-            mock.patch.object(KVAllGather, "_wait_reduce_scatter", logged_wait),
-            mock.patch.object(attention, "varlen_causal_attn_func", marked_varlen)]
+    return ([mock.patch.object(KVAllGather, "_launch_reduce_scatter", logged_launch),
+             mock.patch.object(KVAllGather, "_wait_reduce_scatter", logged_wait)], marked_varlen)
 
 
 def _run_rank(out_dir: Path) -> None:
@@ -132,11 +132,12 @@ def _run_rank(out_dir: Path) -> None:
         rows = _rows(micro_batch, cp_rank)
         q_THD, k_TGD, v_TGD = (_take(rows, key, tensors).requires_grad_() for key in "qkv")
         events: list[str] = []
-        patches = _recording(events) if name == ORDERING_CASE else []
+        patches, kernel = _recording(events) if name == ORDERING_CASE else ([], None)
         for patch in patches:
             patch.start()
         try:
-            out_THD = dacp_attn_varlen_func(q_THD, k_TGD, v_TGD, packed.metadata, backend=AttentionBackend.SDPA)
+            out_THD = dacp_attn_varlen_func(q_THD, k_TGD, v_TGD, packed.metadata, backend=AttentionBackend.SDPA,
+                                            kernel=kernel)
             if not packed.is_idle:  # as the trainer: an idle rank runs nothing (here: CP rank 1 of blocks_only)
                 real = torch.tensor([position < LENGTHS[index] for index, position in rows], dtype=torch.bool)
                 # Padding carries no loss: no gradient reaches a padding output.

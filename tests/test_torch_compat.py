@@ -1,6 +1,7 @@
 """Every torch release the trainer supports, emulated on the installed one (``tests/torch_releases.py``): the
-varlen kernel and the single-tensor collectives resolve to what the release has, and DACP attention through them
-equals the SDPA backend's, forward and backward; a torch outside the range is named with the range."""
+single-tensor collectives resolve to what the release has, torch's flash operator (given a CPU kernel) to the
+varlen kernel, and DACP attention through them equals the SDPA backend's, forward and backward; a torch outside
+the range is named with the range."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from scheduler_service.core.plan import MicroBatch, ShardedGroup
-from tests.torch_releases import RELEASES, emulated, reference_varlen, varlen_attn_top_left
+from tests.torch_releases import RELEASES, emulated
 from trainer_client.dacp.attention import AttentionBackend, dacp_attn_varlen_func, varlen_causal_attn_func
 from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.data import Sample
@@ -91,7 +92,7 @@ def _forward_backward(backend: AttentionBackend, softmax_scale: float | None) ->
 
 @pytest.mark.parametrize("softmax_scale", [None, 0.2])
 @pytest.mark.parametrize("release", RELEASES)
-def test_the_varlen_kernel_of_each_release_equals_sdpa_forward_and_backward(
+def test_the_flash_operator_under_each_release_equals_sdpa_forward_and_backward(
     release: str, softmax_scale: float | None
 ) -> None:
     expected = _forward_backward(AttentionBackend.SDPA, softmax_scale)
@@ -101,9 +102,18 @@ def test_the_varlen_kernel_of_each_release_equals_sdpa_forward_and_backward(
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{release} {name}: {m}")
 
 
+def test_the_flash_operator_takes_fewer_kv_heads_and_differentiates_in_cpp() -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k = _segments()
+    q = q.requires_grad_()
+    with emulated("2.13"):
+        out = torch_apis().varlen_attn(q, k, v, cu_q, cu_k, int(max_q), int(max_k), None)
+    assert k.shape[1] < q.shape[1] == out.shape[1]  # no K/V heads repeated on the way in
+    assert type(out.grad_fn).__name__ == "FlashAttentionBackward0"  # torch's C++ node, not a Python function
+
+
 def test_a_kernel_aligned_top_left_is_detected_and_made_exact() -> None:
     expected = _forward_backward(AttentionBackend.SDPA, None)
-    with emulated("2.13", varlen_attn=varlen_attn_top_left):
+    with emulated("2.13", bottom_right=False):
         kernel = torch_apis().varlen_attn
         assert isinstance(kernel, CausalVarlenAttn)
         assert not kernel.aligns_bottom_right(torch.device("cpu"), torch.float64, HEAD_DIM)
@@ -129,25 +139,16 @@ def test_the_flash_attn_kernel_equals_sdpa_forward_and_backward() -> None:
 
 
 def test_the_emulated_releases_refuse_what_they_lack() -> None:
-    q, k, v, cu_q, cu_k, max_q, max_k = _segments()
     installed = {name: getattr(dist, name, None) for name in ("all_gather_single", "all_gather_into_tensor")}
     with emulated("2.11"):
-        from torch.nn.attention.varlen import varlen_attn
-
-        with pytest.raises(TypeError, match="enable_gqa"):
-            varlen_attn(q, k, v, cu_q, cu_k, int(max_q), int(max_k), window_size=(-1, 0), enable_gqa=True)
-        with pytest.raises(RuntimeError, match="number of heads"):
-            varlen_attn(q, k, v, cu_q, cu_k, int(max_q), int(max_k), window_size=(-1, 0))
         assert not hasattr(dist, "all_gather_single")
-    with emulated("2.10"):
-        from torch.nn.attention.varlen import varlen_attn
-
-        with pytest.raises(TypeError, match="window_size"):
-            varlen_attn(q, k, v, cu_q, cu_k, int(max_q), int(max_k), window_size=(-1, 0))
     assert {name: getattr(dist, name, None) for name in installed} == installed  # restored
-    torch.testing.assert_close(reference_varlen(q, k, v, cu_q, cu_k, 9, 12, scale=None, gqa=True)[:1],
-                               reference_varlen(q[:3], k[:9], v[:9], cu_q[:2], cu_k[:2], 3, 9, scale=None,
-                                                gqa=True)[:1])
+    q, k, v, cu_q, cu_k, max_q, max_k = _segments()
+    with emulated("2.13"), pytest.raises(RuntimeError, match="must divide number of heads"):
+        torch.ops.aten._flash_attention_forward(q[:, :3], k, v, cu_q, cu_k, int(max_q), int(max_k), 0.0, True,
+                                                False)
+    with pytest.raises(NotImplementedError):  # restored: no CPU kernel outside the emulation
+        torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, int(max_q), int(max_k), 0.0, True, False)
 
 
 LENGTHS = (5, 17, 64, 33, 1, 100, 2, 9)
@@ -173,11 +174,11 @@ def _dacp(backend: AttentionBackend) -> list[torch.Tensor]:
 def _check_every_release_on_two_ranks() -> None:
     warnings.simplefilter("error")  # a deprecated collective name is a failure, as under pytest
     expected = _dacp(AttentionBackend.SDPA)
-    cases = [*((release, AttentionBackend.TORCH_VARLEN, None) for release in RELEASES),
-             ("2.13", AttentionBackend.TORCH_VARLEN, varlen_attn_top_left),
-             ("2.13", AttentionBackend.FLASH_ATTN, None)]
-    for release, backend, kernel in cases:
-        with emulated(release, flash_attn=backend is AttentionBackend.FLASH_ATTN, varlen_attn=kernel):
+    cases = [*((release, AttentionBackend.TORCH_VARLEN, True) for release in RELEASES),
+             ("2.13", AttentionBackend.TORCH_VARLEN, False),
+             ("2.13", AttentionBackend.FLASH_ATTN, True)]
+    for release, backend, bottom_right in cases:
+        with emulated(release, flash_attn=backend is AttentionBackend.FLASH_ATTN, bottom_right=bottom_right):
             got = _dacp(backend)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12,

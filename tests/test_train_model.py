@@ -13,7 +13,7 @@ from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.plan import MicroBatch
 from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.data import Sample
-from trainer_client.model import build_model, model_shape
+from trainer_client.model import build_model, model_inputs, model_shape
 
 LENGTHS = (40, 7, 129, 1, 64)
 
@@ -29,8 +29,7 @@ def test_dacp_model_matches_stock_sdpa_model_on_a_packed_row() -> None:
     packed = pack_micro_batch(samples, MicroBatch(local=((0, 1, 3),), distributed=(2, 4)), cp_size=1, cp_rank=0)
     dacp, stock = build_model("tiny", seed=0), build_model("tiny", attn_implementation="sdpa", seed=0)
     with torch.no_grad():
-        logits_TV = dacp(input_ids=packed.input_ids_T[None], position_ids=packed.position_ids_T[None],
-                         use_cache=False, dacp_metadata=packed.metadata, dacp_backend="sdpa").logits[0]
+        logits_TV = dacp(**model_inputs(packed, "sdpa")).logits[0]
         expected = []
         for index in (0, 1, 3, 2, 4):
             ids_T = torch.from_numpy(samples[index].input_ids)
@@ -41,9 +40,10 @@ def test_dacp_model_matches_stock_sdpa_model_on_a_packed_row() -> None:
     torch.testing.assert_close(logits_TV, torch.cat(expected), rtol=1e-4, atol=1e-5)
 
 
-def test_model_without_packing_metadata_fails_with_a_clear_error() -> None:
+def test_model_without_its_micro_batch_fails_with_a_clear_error() -> None:
     model = build_model("tiny", seed=0)
-    with pytest.raises(ValueError, match="DACP attention needs the packing metadata"):
+    with pytest.raises(ValueError, match=r"DACP attention needs its micro-batch: call the model with "
+                                         r"\*\*model_inputs\(pack\)"):
         model(input_ids=torch.zeros(1, 4, dtype=torch.int64), use_cache=False)
 
 

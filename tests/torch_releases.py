@@ -1,12 +1,12 @@
-"""Emulations of the torch releases the trainer supports, for CPU tests: fakes with each release's signature that
-check their arguments as the release would and compute the reference, and attributes removed where the release
-lacks them. The installed torch (2.13) provides the real collectives underneath.
+"""Emulations of the torch releases the trainer supports, for CPU tests: the single-tensor collectives under each
+release's names (2.13's old names warn that they are deprecated, as there) over the installed torch's own, torch's
+flash attention operator given a CPU kernel, and flash-attn installed or not.
 
-Each fake ``varlen_attn`` takes exactly its release's parameters (so a keyword the release lacks is a
-``TypeError``, as on the real one), refuses fewer K/V heads than query heads where the release has no GQA, and
-computes causal attention aligned bottom-right per segment in float64 (the flash kernels' convention). The fake
-``flash_attn_varlen_func`` has flash-attn 2.7's signature. The single-tensor collectives carry the release's names
-(2.13's old names warn that they are deprecated, as there) over the installed torch's own.
+The flash operator (``aten::_flash_attention_forward`` and its backward, which ``torch_compat`` calls in every
+release) has no CPU kernel in any release; here it gets one that checks its arguments as the CUDA kernel does and
+computes causal attention per segment in float64, aligned bottom-right (the flash kernels' convention, or top-left
+for the test of a kernel that would align so), with the analytic gradient backward. Its C++ autograd, its dispatch
+and Dynamo's view of it are torch's own. The fake ``flash_attn_varlen_func`` has flash-attn 2.7's signature.
 
 Shape legend: T query tokens, S key tokens, H query heads, G key/value heads, D head dim.
 """
@@ -14,13 +14,13 @@ Shape legend: T query tokens, S key tokens, H query heads, G key/value heads, D 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.attention.varlen
 
 from trainer_client.dacp import attention
 from trainer_client.torch_compat import torch_apis
@@ -28,82 +28,102 @@ from trainer_client.torch_compat import torch_apis
 RELEASES = ("2.10", "2.11", "2.12", "2.13")
 
 
-def reference_varlen(q_THD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, cu_seq_q: torch.Tensor,
-                     cu_seq_k: torch.Tensor, max_q: int, max_k: int, *, scale: float | None, gqa: bool,
-                     bottom_right: bool = True) -> torch.Tensor:
-    """Causal attention per segment, aligned bottom-right (or top-left), after the checks a varlen kernel
-    makes."""
+def _segments(cu_seq: torch.Tensor) -> list[tuple[int, int]]:
+    return list(itertools.pairwise(cu_seq.tolist()))
+
+
+def _check(q_THD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, cu_seq_q: torch.Tensor,
+           cu_seq_k: torch.Tensor, max_q: int, max_k: int) -> None:
+    """The checks the flash kernel makes of its arguments."""
     if cu_seq_q.dtype != torch.int32 or cu_seq_k.dtype != torch.int32:
         raise RuntimeError(f"cu_seqlens must be int32, got {cu_seq_q.dtype} and {cu_seq_k.dtype}")
     if q_THD.dim() != 3 or k_SGD.dim() != 3 or v_SGD.shape != k_SGD.shape:
         raise RuntimeError(f"expected q [T, H, D] and k, v [S, G, D], got {q_THD.shape}, {k_SGD.shape}, {v_SGD.shape}")
-    if not (k_SGD.is_contiguous() and v_SGD.is_contiguous()):
-        raise RuntimeError("key and value must be contiguous")
-    num_heads, num_kv_heads = q_THD.shape[1], k_SGD.shape[1]
-    if num_kv_heads != num_heads and not (gqa and num_heads % num_kv_heads == 0):
-        raise RuntimeError(f"number of heads in key/value ({num_kv_heads}) must equal the query's ({num_heads})")
-    lengths_q, lengths_k = cu_seq_q.diff().tolist(), cu_seq_k.diff().tolist()
-    if max(lengths_q, default=0) > max_q or max(lengths_k, default=0) > max_k:
+    if q_THD.stride(-1) != 1 or k_SGD.stride(-1) != 1 or v_SGD.stride(-1) != 1:
+        raise RuntimeError("Input tensor must have contiguous last dimension")
+    if q_THD.shape[1] % k_SGD.shape[1]:
+        raise RuntimeError(f"Number of heads in key/value ({k_SGD.shape[1]}) must divide number of heads in query "
+                           f"({q_THD.shape[1]})")
+    if max(cu_seq_q.diff().tolist(), default=0) > max_q or max(cu_seq_k.diff().tolist(), default=0) > max_k:
         raise RuntimeError(f"max_q {max_q} / max_k {max_k} below a segment's length")
+
+
+def _weights(q_THD: torch.Tensor, k_SHD: torch.Tensor, scale: float, bottom_right: bool) -> torch.Tensor:
+    num_q, num_k = q_THD.shape[0], k_SHD.shape[0]
+    scores_HTS = torch.einsum("thd,shd->hts", q_THD, k_SHD) * scale
+    visible_TS = torch.ones(num_q, num_k, dtype=torch.bool).tril(diagonal=num_k - num_q if bottom_right else 0)
+    return scores_HTS.masked_fill(~visible_TS, float("-inf")).softmax(dim=-1)
+
+
+def reference_varlen(q_THD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, cu_seq_q: torch.Tensor,
+                     cu_seq_k: torch.Tensor, max_q: int, max_k: int, *, scale: float | None,
+                     bottom_right: bool = True) -> torch.Tensor:
+    """Causal attention per segment, aligned bottom-right (or top-left), after the flash kernel's checks; fewer
+    K/V heads than query heads as the kernel takes them (query head h reads K/V head h // (H / G))."""
+    _check(q_THD, k_SGD, v_SGD, cu_seq_q, cu_seq_k, max_q, max_k)
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
-    k_SHD = k_SGD.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    v_SHD = v_SGD.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    outputs = []
-    bounds_q, bounds_k = cu_seq_q.tolist(), cu_seq_k.tolist()
-    for q_start, q_end, k_start, k_end in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:], strict=True):
-        num_q, num_k = q_end - q_start, k_end - k_start
-        scores_HTS = torch.einsum("thd,shd->hts", q_THD[q_start:q_end], k_SHD[k_start:k_end]) * scale
-        visible_TS = torch.ones(num_q, num_k, dtype=torch.bool).tril(diagonal=num_k - num_q if bottom_right else 0)
-        weights_HTS = scores_HTS.masked_fill(~visible_TS, float("-inf")).softmax(dim=-1)
-        outputs.append(torch.einsum("hts,shd->thd", weights_HTS, v_SHD[k_start:k_end]))
+    repeats = q_THD.shape[1] // k_SGD.shape[1]
+    k_SHD, v_SHD = k_SGD.repeat_interleave(repeats, dim=1), v_SGD.repeat_interleave(repeats, dim=1)
+    outputs = [torch.einsum("hts,shd->thd", _weights(q_THD[q0:q1], k_SHD[k0:k1], scale, bottom_right), v_SHD[k0:k1])
+               for (q0, q1), (k0, k1) in zip(_segments(cu_seq_q), _segments(cu_seq_k), strict=True)]
     return torch.cat(outputs)
 
 
-def _causal(window_size: tuple[int, int]) -> None:
-    if tuple(window_size) != (-1, 0):
-        raise AssertionError(f"the trainer asks for causal attention, window_size (-1, 0); got {window_size}")
+def reference_varlen_backward(grad_THD: torch.Tensor, q_THD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor,
+                              cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, *, scale: float | None,
+                              bottom_right: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of ``reference_varlen``: per segment, ``P = softmax(S)``, ``dV = Pᵀ dO``, ``dS = P ⊙ (dO Vᵀ −
+    rowsum(dO ⊙ O))``, ``dQ = dS K · scale``, ``dK = dSᵀ Q · scale``; each K/V head summed over its query heads."""
+    scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
+    num_kv_heads = k_SGD.shape[1]
+    repeats = q_THD.shape[1] // num_kv_heads
+    k_SHD, v_SHD = k_SGD.repeat_interleave(repeats, dim=1), v_SGD.repeat_interleave(repeats, dim=1)
+    dq_THD, dk_SHD, dv_SHD = torch.zeros_like(q_THD), torch.zeros_like(k_SHD), torch.zeros_like(v_SHD)
+    for (q0, q1), (k0, k1) in zip(_segments(cu_seq_q), _segments(cu_seq_k), strict=True):
+        p_HTS = _weights(q_THD[q0:q1], k_SHD[k0:k1], scale, bottom_right)
+        do_THD, v_seg = grad_THD[q0:q1], v_SHD[k0:k1]
+        o_THD = torch.einsum("hts,shd->thd", p_HTS, v_seg)
+        dv_SHD[k0:k1] = torch.einsum("hts,thd->shd", p_HTS, do_THD)
+        dp_HTS = torch.einsum("thd,shd->hts", do_THD, v_seg)
+        ds_HTS = p_HTS * (dp_HTS - (do_THD * o_THD).sum(-1).transpose(0, 1).unsqueeze(-1))
+        dq_THD[q0:q1] = torch.einsum("hts,shd->thd", ds_HTS, k_SHD[k0:k1]) * scale
+        dk_SHD[k0:k1] = torch.einsum("hts,thd->shd", ds_HTS, q_THD[q0:q1]) * scale
+
+    def per_kv_head(grad_SHD: torch.Tensor) -> torch.Tensor:
+        return grad_SHD.view(grad_SHD.shape[0], num_kv_heads, repeats, -1).sum(2)
+
+    return dq_THD, per_kv_head(dk_SHD), per_kv_head(dv_SHD)
 
 
-def varlen_attn_2_10(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
-                     cu_seq_k: torch.Tensor, max_q: int, max_k: int, is_causal: bool = False,
-                     return_aux: Any = None) -> torch.Tensor:
-    assert is_causal, "the trainer asks for causal attention"
-    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None, gqa=False)
+@contextlib.contextmanager
+def flash_operator_on_cpu(*, bottom_right: bool = True) -> Iterator[None]:
+    """``aten::_flash_attention_forward`` and ``_flash_attention_backward`` given CPU kernels (the references above)
+    while the block runs."""
 
+    def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cum_seq_q: torch.Tensor,
+                cum_seq_k: torch.Tensor, max_q: int, max_k: int, dropout_p: float, is_causal: bool,
+                return_debug_mask: bool, *, scale: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        assert is_causal and dropout_p == 0.0 and not return_debug_mask and not any(kwargs.values())
+        out = reference_varlen(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, scale=scale,
+                               bottom_right=bottom_right)
+        return (out, query.new_zeros((query.shape[1], query.shape[0]), dtype=torch.float),
+                torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64), query.new_empty(0))
 
-def varlen_attn_2_11(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
-                     cu_seq_k: torch.Tensor, max_q: int, max_k: int, *, return_aux: Any = None,
-                     scale: float | None = None, window_size: tuple[int, int] = (-1, -1)) -> torch.Tensor:
-    _causal(window_size)
-    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, gqa=False)
+    def backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 out: torch.Tensor, logsumexp: torch.Tensor, cum_seq_q: torch.Tensor, cum_seq_k: torch.Tensor,
+                 max_q: int, max_k: int, dropout_p: float, is_causal: bool, rng_state: torch.Tensor,
+                 unused: torch.Tensor, *, scale: float | None = None,
+                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return reference_varlen_backward(grad_out, query, key, value, cum_seq_q, cum_seq_k, scale=scale,
+                                         bottom_right=bottom_right)
 
-
-def varlen_attn_2_12(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
-                     cu_seq_k: torch.Tensor | None, max_q: int, max_k: int, *, return_aux: Any = None,
-                     scale: float | None = None, window_size: tuple[int, int] = (-1, -1), enable_gqa: bool = False,
-                     seqused_k: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
-    _causal(window_size)
-    assert cu_seq_k is not None and seqused_k is None and block_table is None
-    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, gqa=enable_gqa)
-
-
-def varlen_attn_top_left(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
-                         cu_seq_k: torch.Tensor | None, max_q: int, max_k: int, *, return_aux: Any = None,
-                         scale: float | None = None, window_size: tuple[int, int] = (-1, -1), enable_gqa: bool = False,
-                         seqused_k: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                         num_splits: int | None = None) -> torch.Tensor:
-    """A 2.12-style kernel whose causal mask aligns top-left (as cuDNN's and SDPA's ``is_causal`` do): no supported
-    release has one, the trainer must stay exact if one comes."""
-    _causal(window_size)
-    assert cu_seq_k is not None
-    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, gqa=enable_gqa,
-                            bottom_right=False)
-
-
-VARLEN_ATTN: dict[str, Callable[..., torch.Tensor]] = {
-    "2.10": varlen_attn_2_10, "2.11": varlen_attn_2_11, "2.12": varlen_attn_2_12, "2.13": varlen_attn_2_12,
-}
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_flash_attention_forward", forward, "CPU")
+    library.impl("_flash_attention_backward", backward, "CPU")
+    try:
+        yield
+    finally:
+        library._destroy()
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -116,8 +136,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     assert causal and dropout_p == 0.0 and tuple(window_size) == (-1, -1) and not return_attn_probs
     if not q.is_contiguous():
         raise RuntimeError("flash-attn: query must have contiguous last dimension")
-    return reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
-                            gqa=True)
+    return reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale)
 
 
 def _checked_collective(real: Callable[..., Any], name: str, *, gathers: bool,
@@ -146,14 +165,13 @@ _COLLECTIVES = (("all_gather_single", "all_gather_into_tensor", True),
 
 
 @contextlib.contextmanager
-def emulated(release: str, *, flash_attn: bool = False,
-             varlen_attn: Callable[..., torch.Tensor] | None = None) -> Iterator[None]:
-    """The installed torch as ``release`` has it, for this process, while the block runs (``varlen_attn``: with
-    that kernel instead of the release's); with ``flash_attn``, flash-attn installed too. Whichever supported
-    release is installed provides the collectives underneath."""
+def emulated(release: str, *, flash_attn: bool = False, bottom_right: bool = True) -> Iterator[None]:
+    """The installed torch as ``release`` has it, for this process, while the block runs, its flash operator with a
+    CPU kernel (``bottom_right`` False: one that aligns top-left); with ``flash_attn``, flash-attn installed too.
+    Whichever supported release is installed provides the collectives underneath."""
     with contextlib.ExitStack() as stack:
         patch = stack.enter_context(_patch())
-        patch(torch.nn.attention.varlen, "varlen_attn", varlen_attn or VARLEN_ATTN[release])
+        stack.enter_context(flash_operator_on_cpu(bottom_right=bottom_right))
         for name, old_name, gathers in _COLLECTIVES:
             real = getattr(dist, name, None) or getattr(dist, old_name)
             if release == "2.13":

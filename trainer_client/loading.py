@@ -41,7 +41,7 @@ from trainer_client.distributed import ParallelContext
 from trainer_client.lora import LoraSettings, apply_lora
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS, CausalLMLoss
 from trainer_client.model import build_empty_model, build_model, model_folder
-from trainer_client.parallelize import ActivationCheckpointing, Sharding, parallelize
+from trainer_client.parallelize import ActivationCheckpointing, FsdpUnits, Sharding, parallelize
 
 __all__ = ["CheckpointMismatch", "ModelLayout", "build_training_module", "check_checkpoint", "checkpoint_shapes"]
 
@@ -62,6 +62,7 @@ class ModelLayout:
     param_dtype: torch.dtype  # what the model computes in; the master weights stay float32
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     compiled: bool = False  # each decoder layer under torch.compile (--compile)
+    fsdp_units: FsdpUnits = FsdpUnits.LAYER  # what FSDP2 shards as one unit (parallelize.py)
 
     @classmethod
     def on(cls, device: torch.device, *, dtype: str | None, sharding: Sharding,
@@ -90,9 +91,10 @@ def build_training_module(
     reference = _reference_on_rank_0(model, lm, parallel=parallel, seed=seed, lora=lora)
     if lora is not None:
         apply_lora(lm, lora)  # in place, before sharding: frozen weights and adapters in FSDP's units
-    module = parallelize(CausalLMLoss(lm, chunk_tokens=layout.loss_chunk_tokens), parallel.shard_mesh,
-                         sharding=layout.sharding, activation_checkpointing=layout.activation_checkpointing,
-                         param_dtype=layout.param_dtype, compile=layout.compiled)
+    module = parallelize(CausalLMLoss(lm, chunk_tokens=layout.loss_chunk_tokens, compute_dtype=layout.param_dtype),
+                         parallel.shard_mesh, sharding=layout.sharding,
+                         activation_checkpointing=layout.activation_checkpointing, param_dtype=layout.param_dtype,
+                         compile=layout.compiled, fsdp_units=layout.fsdp_units)
     module.to_empty(device=parallel.device)
     lm.tie_weights()  # to_empty allocates each module's parameters apart: an unsharded tied LM head comes untied
     _fill_from_rank_0(lm, reference)

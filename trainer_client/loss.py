@@ -55,7 +55,10 @@ def chunked_cross_entropy(
 class CausalLMLoss(torch.nn.Module):
     """A causal LM whose forward takes a packed micro-batch and returns its summed token loss."""
 
-    def __init__(self, lm: PreTrainedModel, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    def __init__(self, lm: PreTrainedModel, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        """``compute_dtype``: what the layers compute in (the sharding's parameter dtype, or autocast's), for the
+        attention kernel to be chosen once per micro-batch (``model.model_inputs``)."""
         super().__init__()
         if chunk_tokens < 1:
             raise ValueError(f"loss chunk must hold at least one token, got {chunk_tokens}")
@@ -64,6 +67,7 @@ class CausalLMLoss(torch.nn.Module):
             raise ValueError("the chunked loss supports LM heads without bias (Qwen2, Llama)")
         self.lm = lm
         self.chunk_tokens = chunk_tokens
+        self.compute_dtype = compute_dtype
 
     def decoder_layers(self) -> list[torch.nn.Module]:
         """The transformer blocks, in order: the units of sharding and activation checkpointing."""
@@ -71,7 +75,8 @@ class CausalLMLoss(torch.nn.Module):
         return list(layers)
 
     def forward(self, pack: PackedMicroBatch, attention_backend: str) -> torch.Tensor:
-        hidden_1TD = self.lm.get_decoder()(**model_inputs(pack, attention_backend)).last_hidden_state
+        inputs = model_inputs(pack, attention_backend, compute_dtype=self.compute_dtype)
+        hidden_1TD = self.lm.get_decoder()(**inputs).last_hidden_state
         weight_VD = self.lm.get_output_embeddings().weight
         return chunked_cross_entropy(hidden_1TD[0], weight_VD, pack.targets_T, chunk_tokens=self.chunk_tokens)
 

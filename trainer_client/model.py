@@ -12,15 +12,20 @@ for them. Catalogue shapes become a ``Qwen2ForCausalLM``
 ``LlamaForCausalLM``, the same architecture minus the biases.
 
 The model knows nothing about DP or CP. DACP attention is registered in
-transformers' attention registry under ``"dacp"`` and receives the packing
-metadata through the forward's keyword arguments, which ``model_inputs``
-builds from a packed micro-batch:
+transformers' attention registry under ``"dacp"``, and ``model_inputs`` gives it
+one packed micro-batch through the forward's keyword arguments:
 
-    model(**model_inputs(pack))  # input_ids, position_ids, use_cache=False, dacp_metadata, dacp_backend
+    model(**model_inputs(pack))  # input_ids, position_ids, use_cache=False, the local segments, dacp
 
-Causality comes from the metadata (``cu_seqlens``, zigzag prefixes), so the
-mask function registered beside it (``AttentionMaskInterface``) builds no mask:
-a dense [T, T] mask is what DACP exists to avoid.
+Causality comes from the packing (``cu_seqlens``, zigzag prefixes), so no mask
+function is registered beside it: transformers then builds no mask and does not
+look for packed sequences in ``position_ids`` (which costs a host sync per
+forward), and a dense [T, T] mask is what DACP exists to avoid. The local
+segments travel as flash-attn's keyword arguments (``cu_seq_lens_q``,
+``max_length_q``, …, transformers' ``FlashAttentionKwargs``), so that a compiled
+block traces the local kernel with them as inputs, the lengths dynamic; the rest
+of the micro-batch (``dacp``, an ``attention.DacpAttention``) is read only where
+it has collectives, which run eagerly.
 
 Shape legend: T tokens of the packed row, H query heads, D head dim.
 """
@@ -40,15 +45,19 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
 )
-from transformers.masking_utils import AttentionMaskInterface
 
 from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape
-from trainer_client.dacp.attention import AttentionBackend, dacp_attn_varlen_func
-from trainer_client.dacp.packing import DacpMetadata, PackedMicroBatch
+from trainer_client.dacp.attention import (
+    AttentionBackend,
+    DacpAttention,
+    dacp_attention_with_collectives,
+    resolve_kernel,
+)
+from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.hub import HubError, RepoKind, fetch, hub_ref
 
-__all__ = ["DACP_ATTENTION", "build_empty_model", "build_model", "model_config", "model_folder", "model_inputs",
-           "model_shape", "register_dacp_attention"]
+__all__ = ["DACP_ATTENTION", "build_empty_model", "build_model", "check_attention_settings", "model_config",
+           "model_folder", "model_inputs", "model_shape", "register_dacp_attention"]
 
 DACP_ATTENTION = "dacp"
 MAX_POSITION_EMBEDDINGS = 1 << 20  # RoPE is computed from position ids on the fly; this only bounds them
@@ -64,57 +73,66 @@ def dacp_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: q/k/v ``[1, heads, T, D]`` → output ``[1, T, heads, D]``."""
-    metadata: DacpMetadata | None = kwargs.get("dacp_metadata")
-    if metadata is None:
-        raise ValueError("DACP attention needs the packing metadata: call the model with dacp_metadata=… "
-                         "(trainer_client.dacp.packing.pack_micro_batch)")
-    if query.shape[0] != 1:
-        raise ValueError(f"DACP attention takes one packed row (batch size 1), got batch size {query.shape[0]}")
-    if dropout:
-        raise ValueError("DACP attention does not implement attention dropout; set attention_dropout=0")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("DACP attention does not implement sliding-window layers")
+    """transformers' attention-function signature: q/k/v ``[1, heads, T, D]`` → output ``[1, T, heads, D]``. Runs in
+    every layer of every micro-batch: views only on the way in (a ``squeeze`` is a view forward and backward, where
+    ``query[0]`` copies its gradient), the kernel resolved once per micro-batch (``model_inputs``), the model's
+    settings checked once (``check_attention_settings``)."""
+    dacp: DacpAttention | None = kwargs.get("dacp")
+    if dacp is None:
+        raise ValueError("DACP attention needs its micro-batch: call the model with **model_inputs(pack) "
+                         "(trainer_client.model.model_inputs)")
+    q_THD, k_TGD, v_TGD = (tensor.squeeze(0).transpose(0, 1) for tensor in (query, key, value))
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         # RoPE multiplies by float32 cos/sin, which promotes q/k back to float32 under autocast; the varlen
         # kernels (flash-attn, torch varlen) take the autocast dtype only.
         dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    out_THD = dacp_attn_varlen_func(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), metadata,
-        softmax_scale=scaling, backend=kwargs.get("dacp_backend", AttentionBackend.AUTO),
-    )
+        q_THD, k_TGD, v_TGD = q_THD.to(dtype), k_TGD.to(dtype), v_TGD.to(dtype)
+    kernel = dacp.kernel or resolve_kernel(AttentionBackend.AUTO, device=query.device, dtype=q_THD.dtype)
+    if dacp.has_collectives:
+        out_THD = dacp_attention_with_collectives(q_THD, k_TGD, v_TGD, dacp.metadata, softmax_scale=scaling,
+                                                  kernel=kernel)
+    else:
+        out_THD = kernel(q_THD, k_TGD, v_TGD, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
+                         kwargs["max_length_q"], kwargs["max_length_k"], scaling)
     return out_THD.unsqueeze(0), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None
+def check_attention_settings(config: PretrainedConfig) -> None:
+    """Raise ``ValueError`` for what DACP attention does not implement, once per model rather than in every layer:
+    attention dropout and sliding-window layers."""
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError("DACP attention does not implement attention dropout; set attention_dropout=0")
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None)
+                                                                                or ()):
+        raise ValueError("DACP attention does not implement sliding-window layers")
 
 
-def register_dacp_attention(*, compiled_blocks: bool = False) -> None:
-    """Make ``attn_implementation="dacp"`` available (idempotent). With ``compiled_blocks`` (``--compile``) it is
-    registered behind ``torch.compiler.disable``, so compiled blocks call it eagerly: its kernels are fused already,
-    and the DACP collectives, their autograd functions and the per-segment Python cannot be traced. An eager run
-    calls the plain function, without the wrapper's per-call frame handling."""
-    forward = dacp_attention_forward
-    if compiled_blocks:
-        forward = torch.compiler.disable(dacp_attention_forward, recursive=True)
-    AttentionInterface.register(DACP_ATTENTION, forward)
-    AttentionMaskInterface.register(DACP_ATTENTION, _no_mask)
+def register_dacp_attention() -> None:
+    """Make ``attn_implementation="dacp"`` available (idempotent). No mask function is registered with it: the
+    packing is the mask (module docstring)."""
+    AttentionInterface.register(DACP_ATTENTION, dacp_attention_forward)
 
 
 def model_inputs(
-    pack: PackedMicroBatch, attention_backend: str | AttentionBackend = AttentionBackend.AUTO
+    pack: PackedMicroBatch, attention_backend: str | AttentionBackend = AttentionBackend.AUTO,
+    compute_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments of a transformers model (or its decoder) for one packed micro-batch.
 
     One packed row is a batch of one; the positions restart per local sequence and are global in shards, which
-    RoPE needs. ``dacp_metadata`` travels through transformers' keyword arguments to every attention layer.
-    The cache stays off: training never uses it, and packed rows are not one sequence.
+    RoPE needs. The cache stays off: training never uses it, and packed rows are not one sequence.
+    ``compute_dtype``: what the model computes in, for the kernel to be chosen once here (the trainer knows it);
+    without it, each layer chooses from its query.
     """
+    metadata = pack.metadata
+    device = pack.input_ids_T.device
+    kernel = (None if compute_dtype is None
+              else resolve_kernel(attention_backend, device=device, dtype=compute_dtype))
     return {"input_ids": pack.input_ids_T.unsqueeze(0), "position_ids": pack.position_ids_T.unsqueeze(0),
-            "use_cache": False, "dacp_metadata": pack.metadata, "dacp_backend": attention_backend}
+            "use_cache": False, "cu_seq_lens_q": metadata.cu_seqlens_local, "cu_seq_lens_k": metadata.cu_seqlens_local,
+            "max_length_q": metadata.max_seqlen_local, "max_length_k": metadata.max_seqlen_local,
+            "dacp": DacpAttention(metadata, kernel)}
 
 
 def _config_from_shape(shape: ModelShape) -> PretrainedConfig:
@@ -182,14 +200,14 @@ def build_model(
     torch.manual_seed(seed)  # what draws next (LoRA's adapters) is seeded too
     path = model_folder(model)
     if path is not None:
-        loaded: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        built: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
             path, attn_implementation=attn_implementation, dtype=dtype, local_files_only=True
         )
-        return loaded if device is None else _to(loaded, device)
-    shape = _catalogue_shape(model)
-    built: PreTrainedModel = AutoModelForCausalLM.from_config(
-        _config_from_shape(shape), attn_implementation=attn_implementation, dtype=dtype
-    )
+    else:
+        built = AutoModelForCausalLM.from_config(_config_from_shape(_catalogue_shape(model)),
+                                                 attn_implementation=attn_implementation, dtype=dtype)
+    if attn_implementation == DACP_ATTENTION:
+        check_attention_settings(built.config)
     return built if device is None else _to(built, device)
 
 
@@ -198,6 +216,8 @@ def build_empty_model(model: str, *, attn_implementation: str = DACP_ATTENTION) 
     weights. Sharded and given its weights afterwards (``loading.py``)."""
     register_dacp_attention()
     config = model_config(model)
+    if attn_implementation == DACP_ATTENTION:
+        check_attention_settings(config)
     with torch.device("meta"):
         empty: PreTrainedModel = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
                                                                   dtype=torch.float32)

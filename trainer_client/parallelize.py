@@ -12,11 +12,18 @@
    place (``Module.compile``: parameter names, and so checkpoints, do not change), with dynamic shapes, since
    every packed row has another length. Compiled blocks fuse the norms, projections, RoPE and MLP into a few
    kernels, which is what the eager trainer's launch-bound floor pays for on a GPU (one kernel launch per
-   operator); attention itself stays eager (``model.register_dacp_attention(compiled_blocks=True)``: its
-   kernels are already fused, and its collectives and per-collective Python cannot be traced).
-3. shards with FSDP2 (``fully_shard``) over the flattened DP × CP mesh (``Sharding``): every decoder layer is
-   one unit, the root (embeddings, final norm, the tied LM head) another. CP ranks hold different tokens of
-   the same global batch, so for the optimizer they are data-parallel ranks like any other.
+   operator). A micro-batch whose sequences are all local traces its attention kernel too (one forward and one
+   backward graph per layer); the collectives of sharded sequences run eagerly
+   (``attention.dacp_attention_with_collectives``).
+3. shards with FSDP2 (``fully_shard``) over the flattened DP × CP mesh (``Sharding``). CP ranks hold different
+   tokens of the same global batch, so for the optimizer they are data-parallel ranks like any other. Under
+   ``zero3`` every decoder layer is one unit and the root (embeddings, final norm, the tied LM head) another, so
+   that a layer's parameters are gathered only while it runs. Under ``zero2`` they stay gathered for the whole
+   step whatever the units, so FSDP_UNITS decides: ``layer`` as under ``zero3``, or ``model``, one unit for the
+   whole model, whose hooks run once per micro-batch instead of once per layer (FSDP2 pays each hook in Python:
+   a new ``torch._dynamo.disable`` wrapper per call, the walk of the layer's inputs and outputs), at the price of
+   no overlap of the step's first all-gather and last reduce-scatter with compute and of the whole model's
+   reduce-scatter input at once in the last backward (``benchmarks.host`` measures both).
 
 Under FSDP the ranks of one CP group run the same micro-batches in the same order, the idle ones (no token, no
 collective) as zero-loss padding micro-batches: a rank skipping one would pair its next FSDP collective (over
@@ -46,7 +53,10 @@ advisor derive BucketSize from it.
 from __future__ import annotations
 
 import shutil
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 import torch.distributed as dist
@@ -55,11 +65,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding
 from trainer_client.loss import CausalLMLoss
-from trainer_client.model import register_dacp_attention
 from trainer_client.torch_compat import composable_checkpoint, dynamo_supported
 
 __all__ = [
     "ActivationCheckpointing",
+    "FsdpUnits",
     "Sharding",
     "apply_activation_checkpointing",
     "apply_compile",
@@ -73,9 +83,17 @@ __all__ = [
     "reshard",
 ]
 
+class FsdpUnits(StrEnum):
+    """What FSDP2 shards as one unit (module docstring, step 3)."""
+
+    LAYER = "layer"  # each decoder layer, and the root
+    MODEL = "model"  # the whole model (zero2 only: its parameters stay gathered for the step anyway)
+
+
+
 def parallelize(
     module: CausalLMLoss, mesh: DeviceMesh, *, sharding: Sharding, activation_checkpointing: ActivationCheckpointing,
-    param_dtype: torch.dtype, compile: bool = False,
+    param_dtype: torch.dtype, compile: bool = False, fsdp_units: FsdpUnits = FsdpUnits.LAYER,
 ) -> CausalLMLoss:
     """Activation checkpointing, then (``compile``) ``torch.compile`` per block, then FSDP2 over ``mesh`` (1-D: the
     flattened DP × CP ranks), torchtitan's order; in place."""
@@ -83,7 +101,8 @@ def parallelize(
     if compile:
         apply_compile(module)
     if sharding is not Sharding.NONE:
-        apply_fsdp(module, mesh, reshard_after_forward=sharding is Sharding.ZERO3, param_dtype=param_dtype)
+        apply_fsdp(module, mesh, reshard_after_forward=sharding is Sharding.ZERO3, param_dtype=param_dtype,
+                   units=fsdp_units)
     return module
 
 
@@ -97,12 +116,31 @@ def apply_activation_checkpointing(module: CausalLMLoss, mode: ActivationCheckpo
 
 
 def apply_compile(module: CausalLMLoss) -> None:
-    """Compile each decoder layer in place, shapes dynamic from the first call: packed rows differ in length at
-    every micro-batch, and a graph specialised to each length would recompile at every one. FSDP2's hooks run
-    outside the compiled graph (``torch._dynamo.config.skip_fsdp_hooks``, on by default)."""
-    register_dacp_attention(compiled_blocks=True)
-    for layer in module.decoder_layers():
-        layer.compile(dynamic=True)
+    """Compile each decoder layer's ``forward`` in place (parameter names, and so checkpoints, do not change; the
+    layer's hooks, FSDP's and activation checkpointing's, stay around it, eager). Only the token dimension is
+    dynamic: packed rows differ in length at every micro-batch, and a graph specialised to each length would
+    recompile at every one, but the hidden sizes do not change, and graphs specialised to them run with fewer guards
+    and wrapper work than with every dimension symbolic. The first layer's inputs are marked
+    (``_mark_token_dims_dynamic``); each compiled layer marks its outputs' dynamic dimensions, so the next layer's
+    input comes marked."""
+    layers = module.decoder_layers()
+    layers[0].register_forward_pre_hook(_mark_token_dims_dynamic, with_kwargs=True)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, options={"size_asserts": False})
+
+
+def _mark_token_dims_dynamic(layer: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+    """Mark the token dimension of a decoder layer's inputs dynamic: the hidden states and RoPE's cos/sin ``[1, T,
+    …]``, the positions ``[1, T]``, and the local segments' boundaries (``model.model_inputs``)."""
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    assert isinstance(hidden_states, torch.Tensor)
+    torch._dynamo.maybe_mark_dynamic(hidden_states, 1)
+    for name, dim in (("position_ids", 1), ("cu_seq_lens_q", 0), ("cu_seq_lens_k", 0)):
+        tensor = kwargs.get(name)
+        if isinstance(tensor, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    for tensor in kwargs.get("position_embeddings") or ():  # type: ignore[attr-defined]
+        torch._dynamo.maybe_mark_dynamic(tensor, 1)
 
 
 def check_compile_layout(activation_checkpointing: ActivationCheckpointing) -> None:
@@ -131,29 +169,58 @@ def check_compile(device: torch.device) -> None:
                              f"{torch.cuda.get_device_name(device)} has {major}.x")
 
 
+@dataclass(slots=True)
+class _GradientSync:
+    """A sharded module's FSDP units and the gradient settings last given to them (None: FSDP's own defaults)."""
+
+    units: tuple[FSDPModule, ...]
+    requires_gradient_sync: bool | None = None
+    reshard_after_backward: bool | None = None
+
+
+_GRADIENT_SYNC: weakref.WeakKeyDictionary[torch.nn.Module, _GradientSync] = weakref.WeakKeyDictionary()
+
+
 def apply_fsdp(
-    module: CausalLMLoss, mesh: DeviceMesh, *, reshard_after_forward: bool, param_dtype: torch.dtype
+    module: CausalLMLoss, mesh: DeviceMesh, *, reshard_after_forward: bool, param_dtype: torch.dtype,
+    units: FsdpUnits = FsdpUnits.LAYER,
 ) -> None:
-    """One FSDP unit per decoder layer and the root; gradients summed over ranks, reduced in fp32."""
-    mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for layer in module.decoder_layers():
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision)
+    """FSDP units as ``units`` says, the root always one; gradients summed over ranks, reduced in fp32. The layers'
+    inputs are not cast (``cast_forward_inputs``): the embeddings already give the parameters' dtype, and casting
+    walks and rebuilds every layer's keyword arguments."""
+    if units is FsdpUnits.MODEL and reshard_after_forward:
+        raise ValueError("one FSDP unit for the whole model keeps every parameter gathered through the forward: "
+                         "zero3 shards per layer")
+    mixed_precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                           cast_forward_inputs=False)
+    if units is FsdpUnits.LAYER:
+        for layer in module.decoder_layers():
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision)
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            # Sum, not mean: the loss is already normalised by the global token count. A plain SUM reduction (gloo
-            # has no PREMUL_SUM) followed by a division by 1, which is exact.
-            unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)
+    sharded = tuple(unit for unit in module.modules() if isinstance(unit, FSDPModule))
+    for unit in sharded:
+        # Sum, not mean: the loss is already normalised by the global token count. A plain SUM reduction (gloo
+        # has no PREMUL_SUM) followed by a division by 1, which is exact.
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    _GRADIENT_SYNC[module] = _GradientSync(units=sharded)
 
 
 def prepare_micro_batch(module: torch.nn.Module, *, sharding: Sharding, is_last: bool) -> None:
-    """Tell FSDP whether this rank's coming micro-batch is its last of the step (where gradients are reduced)."""
-    if not isinstance(module, FSDPModule):
+    """Tell FSDP whether this rank's coming micro-batch is its last of the step (where gradients are reduced): set
+    on each unit alone, and only when it changes (FSDP's own setters walk every module of the model)."""
+    sync = _GRADIENT_SYNC.get(module)
+    if sync is None:
         return
-    module.set_requires_gradient_sync(is_last or sharding is Sharding.ZERO3)
-    if sharding is Sharding.ZERO2:
-        module.set_reshard_after_backward(is_last)
+    requires_gradient_sync = is_last or sharding is Sharding.ZERO3
+    if sync.requires_gradient_sync is not requires_gradient_sync:
+        for unit in sync.units:
+            unit.set_requires_gradient_sync(requires_gradient_sync, recurse=False)
+        sync.requires_gradient_sync = requires_gradient_sync
+    if sharding is Sharding.ZERO2 and sync.reshard_after_backward is not is_last:
+        for unit in sync.units:
+            unit.set_reshard_after_backward(is_last, recurse=False)
+        sync.reshard_after_backward = is_last
 
 
 def num_padding_micro_batches(sharding: Sharding, *, num_planned: int, max_planned: int) -> int:

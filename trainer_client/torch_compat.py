@@ -2,36 +2,41 @@
 
 The trainer and the profiler call what this module resolves, never the version-dependent names themselves:
 
-==========================  ==========================  =======================  ===============================
-API                         2.10                        2.11                     2.12, 2.13
-==========================  ==========================  =======================  ===============================
-``varlen_attn`` causality   ``is_causal=True``          ``window_size=(-1, 0)``  ``window_size=(-1, 0)``
-``varlen_attn`` scale       none (1/√D): q is rescaled  ``scale=``               ``scale=``
-``varlen_attn`` GQA         K/V heads repeated          K/V heads repeated       ``enable_gqa=True``
-gather into one tensor      ``all_gather_into_tensor``  the same                 2.13: ``all_gather_single``
-reduce-scatter, one tensor  ``reduce_scatter_tensor``   the same                 2.13: ``reduce_scatter_single``
-==========================  ==========================  =======================  ===============================
+==========================  ==========================  =====================================================
+API                         2.10 – 2.12                 2.13
+==========================  ==========================  =====================================================
+gather into one tensor      ``all_gather_into_tensor``  ``all_gather_single``
+reduce-scatter, one tensor  ``reduce_scatter_tensor``   ``reduce_scatter_single``
+==========================  ==========================  =====================================================
 
 The single-tensor collectives were renamed in 2.13 (pytorch #186123), where the old names still work but warn
-that they are deprecated; the new names are used wherever they exist. Every ``varlen_attn`` above runs the flash
-kernel, which aligns a causal mask to the bottom right when a segment has fewer queries than keys, as DACP's
-zigzag chunks need (``dacp/packing.py``); ``CausalVarlenAttn`` checks that once per device and takes an exact path
-where a kernel aligns top-left.
+that they are deprecated; the new names are used wherever they exist.
 
-Features are detected, not versions compared: ``varlen_attn``'s parameters say which call it takes, the
-``torch.distributed`` attributes which collectives exist. ``torch_apis()`` resolves them at its first call and
-keeps them; tests that emulate a release clear it (``torch_apis.cache_clear()``).
+The varlen attention kernel is torch's own flash kernel, ``aten::_flash_attention_forward``, called as an operator
+rather than through ``torch.nn.attention.varlen.varlen_attn``: that wrapper is a Python custom op, whose
+dispatch (defaults filled in, a Python autograd function) cost about 150 µs of host time per call on the
+development machine where the operator costs 35 µs (``benchmarks.host``), and whose signature changed in every
+release (2.10 ``is_causal`` and no ``scale``, 2.11 ``window_size``, 2.12 ``enable_gqa``). The operator takes the
+same arguments in every supported release (``is_causal``, ``scale``), differentiates in C++ (its backward is
+``aten::_flash_attention_backward``), is traced by Dynamo as any operator, and runs fewer K/V heads than query heads
+natively, which ``varlen_attn`` refused before 2.12 (K/V heads had to be repeated). Its causal mask aligns to the
+bottom right when a segment has fewer queries than keys, as DACP's zigzag chunks need (``dacp/packing.py``);
+``CausalVarlenAttn`` checks that once per device and takes an exact path where a kernel aligns top-left.
+
+Features are detected, not versions compared: the ``torch.distributed`` attributes say which collectives exist.
+``torch_apis()`` resolves them at its first call and keeps them; tests that emulate a release clear it
+(``torch_apis.cache_clear()``).
 
 ``SUPPORTED_TORCH`` is the range the project tests (pyproject's ``trainer`` extra declares the same);
 ``check_torch_version`` names a torch outside it at start-up: an older one is refused, a newer one warned of.
 
 The few private torch APIs the trainer needs (no public form exists in the supported releases) are reached only
-through this module too, each with why it is needed: ``group_options`` (a timeout for the groups ``DeviceMesh``
-creates), ``flatten_mesh`` (one group over a mesh's dimensions, FSDP2's), ``dynamo_supported`` (whether
-``--compile`` can run), ``default_store`` (the rendezvous store, where the first failing rank leaves its reason),
-``composable_checkpoint`` (activation checkpointing that keeps parameter names, so FSDP2 and DCP see the same
-state dict) and ``memory_tracker`` (the peak of tensors on CPU, for the profiler). A release that drops one fails
-here with its name, not deep in a run.
+through this module too, each with why it is needed: the flash operator (above), ``group_options`` (a
+timeout for the groups ``DeviceMesh`` creates), ``flatten_mesh`` (one group over a mesh's dimensions, FSDP2's),
+``dynamo_supported`` (whether ``--compile`` can run), ``default_store`` (the rendezvous store, where the first
+failing rank leaves its reason), ``composable_checkpoint`` (activation checkpointing that keeps parameter names, so
+FSDP2 and DCP see the same state dict) and ``memory_tracker`` (the peak of tensors on CPU, for the profiler). A
+release that drops one fails here with its name, not deep in a run.
 
 Shape legend: T query tokens, S key tokens, H query heads, G key/value heads, D head dim.
 """
@@ -39,8 +44,6 @@ Shape legend: T query tokens, S key tokens, H query heads, G key/value heads, D 
 from __future__ import annotations
 
 import functools
-import inspect
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,7 +70,7 @@ __all__ = [
     "torch_release",
 ]
 
-MIN_TORCH = (2, 10)  # the first release with torch.nn.attention.varlen
+MIN_TORCH = (2, 10)  # the first release tested (the first with torch.nn.attention.varlen)
 MAX_TORCH = (2, 14)  # exclusive: the first release not tested
 SUPPORTED_TORCH = f">={MIN_TORCH[0]}.{MIN_TORCH[1]},<{MAX_TORCH[0]}.{MAX_TORCH[1]}"
 
@@ -108,7 +111,7 @@ class TorchApis:
 
     all_gather_single: Collective  # (output [group_size · n, ...], input [n, ...], group=, async_op=)
     reduce_scatter_single: Collective  # (output [n, ...], input [group_size · n, ...], group=, async_op=)
-    varlen_attn: VarlenKernel | None  # causal, bottom-right, with GQA; None: no torch.nn.attention.varlen
+    varlen_attn: VarlenKernel | None  # causal, bottom-right, with GQA; None: no flash operator in this build
 
 
 @functools.cache
@@ -130,34 +133,22 @@ def _collective(name: str, before_2_13: str) -> Collective:
 
 
 def _varlen_kernel() -> VarlenKernel | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    parameters = inspect.signature(varlen_attn).parameters
-    if "window_size" not in parameters and "is_causal" not in parameters:
-        raise UnsupportedTorch(f"torch {torch.__version__}'s varlen_attn takes neither window_size nor is_causal "
-                               f"({', '.join(parameters)}); the trainer supports torch{SUPPORTED_TORCH}")
-    return CausalVarlenAttn(varlen_attn, native_gqa="enable_gqa" in parameters, window="window_size" in parameters,
-                            scale="scale" in parameters)
+    flash_forward = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return None if flash_forward is None else CausalVarlenAttn(flash_forward)
 
 
 class CausalVarlenAttn:
-    """Causal varlen attention aligned bottom-right through this release's ``varlen_attn``, whichever of its forms
-    it has.
+    """Causal varlen attention aligned bottom-right through ``aten::_flash_attention_forward`` (module docstring).
 
-    Bottom-right alignment is what the flash kernel behind every supported release gives; it is checked once per
-    device and dtype on one query against two keys, which bottom-right lets the query see both of and top-left
-    only the first. A kernel that aligns top-left gets every query segment padded in front to its keys' length
+    Bottom-right alignment is what the flash kernel of every supported release gives; it is checked once per device
+    and dtype on one query against two keys, which bottom-right lets the query see both of and top-left only the
+    first. A kernel that aligns top-left gets every query segment padded in front to its keys' length
     (``_padded_to_keys``): a square segment aligns the same either way, so the result is exact, at the cost of
     computing the padding rows.
     """
 
-    def __init__(self, varlen_attn: Callable[..., Any], *, native_gqa: bool, window: bool, scale: bool) -> None:
-        self.varlen_attn = varlen_attn
-        self.native_gqa = native_gqa
-        self.window = window
-        self.scale = scale
+    def __init__(self, flash_forward: Callable[..., Any]) -> None:
+        self.flash_forward = flash_forward
         self._bottom_right: dict[tuple[torch.device, torch.dtype, int], bool] = {}
 
     def __call__(self, q_THD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -166,7 +157,7 @@ class CausalVarlenAttn:
         some_suffix = q_THD.shape[0] != k_SGD.shape[0]  # a segment has fewer queries than keys
         if some_suffix and not self.aligns_bottom_right(q_THD.device, q_THD.dtype, q_THD.shape[-1]):
             return _padded_to_keys(self._attend, q_THD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                                       softmax_scale)
+                                   softmax_scale)
         return self._attend(q_THD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
 
     @torch.no_grad()
@@ -186,22 +177,10 @@ class CausalVarlenAttn:
     def _attend(self, q_THD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                 softmax_scale: float | None) -> torch.Tensor:
-        num_heads, num_kv_heads = q_THD.shape[1], k_SGD.shape[1]
-        keywords: dict[str, Any] = {"window_size": (-1, 0)} if self.window else {"is_causal": True}
-        if self.native_gqa:
-            keywords["enable_gqa"] = True
-        elif num_kv_heads != num_heads:
-            # Query head h reads K/V head h // (H / G), as transformers' repeat_kv lays them out.
-            k_SGD = k_SGD.repeat_interleave(num_heads // num_kv_heads, dim=1)
-            v_SGD = v_SGD.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        head_dim = q_THD.shape[-1]
-        if softmax_scale is not None and self.scale:
-            keywords["scale"] = softmax_scale
-        elif softmax_scale is not None and not math.isclose(softmax_scale, head_dim ** -0.5):
-            q_THD = q_THD * (softmax_scale * math.sqrt(head_dim))  # the kernel's own scale is 1/√D
-        out = self.varlen_attn(q_THD, k_SGD.contiguous(), v_SGD.contiguous(), cu_seqlens_q, cu_seqlens_k,
-                               max_seqlen_q, max_seqlen_k, **keywords)
-        assert isinstance(out, torch.Tensor)  # a tuple only when return_aux asks for the log-sum-exp
+        # dropout 0, causal, no debug mask; the kernel needs only the last dimension contiguous, as packed rows are
+        out = self.flash_forward(q_THD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                                 True, False, scale=softmax_scale)[0]
+        assert isinstance(out, torch.Tensor)
         return out
 
 

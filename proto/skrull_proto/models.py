@@ -156,6 +156,12 @@ class PlanRequest(_Strict):
         description="GPUs per node (a power of two): a sharded block larger than a node is priced with the "
         "profile's inter-node collectives. Absent: every CP group lies on one node.",
     )
+    token_buckets: Annotated[StrictInt, Field(ge=0, le=8)] = Field(
+        default=0,
+        description="The client pads each CP rank's row of a micro-batch to the smallest of this many token buckets "
+        "(bucket_size and its halves, each rounded up to 64 tokens), as a trainer that replays CUDA graphs captured "
+        "per bucket does; the padding is priced, so the plan fills buckets. 0: rows run as packed.",
+    )
     scheduler: SchedulerName = Field(default=SchedulerName.SKRULL, description="Which scheduler plans the batch.")
     profile: str | None = Field(default=None, description="Hardware profile name; the service default when absent.")
     time_limit_s: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] | None = Field(
@@ -215,7 +221,7 @@ class CPRankEstimateModel(_OmitsEmpty):
     """One CP rank's share of a micro-batch under the performance model (the simulator's breakdown): what the
     CLI's ``--plot`` and the plan viewer draw. The parts add up to ``time_ms``."""
 
-    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("launch_bound_ms",)
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("padding_ms", "launch_bound_ms")
 
     tokens: float = Field(description="local + distributed / cp_size + each hybrid group's tokens / its size: "
                                       "the quantity bucket_size bounds (activation memory).")
@@ -226,10 +232,12 @@ class CPRankEstimateModel(_OmitsEmpty):
     fixed_ms: float = Field(description="Fixed cost per micro-batch with work (β).")
     comm_ms: float = Field(description="Every collective this rank takes part in, forward and backward.")
     exposed_comm_ms: float = Field(description="The part of comm_ms local attention does not hide.")
+    padding_ms: float = Field(default=0.0, description="The compute of the padding that fills this rank's row to "
+                                                       "its token bucket (token_buckets); 0 without buckets.")
     launch_bound_ms: float = Field(default=0.0, description="What the launch-bound floor of the profile adds beyond "
                                                             "the device's work (eager GPU dispatch); 0 when the rank "
                                                             "is compute-bound or the profile has no floor.")
-    time_ms: float = Field(description="local + distributed + sharded + fixed + exposed communication + "
+    time_ms: float = Field(description="local + distributed + sharded + fixed + padding + exposed communication + "
                                        "launch_bound.")
 
 

@@ -99,6 +99,7 @@ def request_to_problem(
         extra_profiles=extra_profiles,
         gpus_per_node=request.gpus_per_node,
         spanning=request.schema_version >= SPANNING_SCHEMA_VERSION,
+        token_buckets=request.token_buckets,
     )
 
 
@@ -126,7 +127,9 @@ def _cp_rank_data(rank: CPRankEstimate) -> dict[str, Any]:
         "sharded_ms": _ms(rank.sharded_compute_s), "fixed_ms": _ms(rank.fixed_s), "comm_ms": _ms(rank.comm_s),
         "exposed_comm_ms": _ms(rank.exposed_comm_s),
     }
-    if launch_bound_ms := _ms(rank.launch_bound_s):  # left out when 0, as CPRankEstimateModel serialises it
+    if padding_ms := _ms(rank.padding_s):  # left out when 0, as CPRankEstimateModel serialises it
+        data["padding_ms"] = padding_ms
+    if launch_bound_ms := _ms(rank.launch_bound_s):
         data["launch_bound_ms"] = launch_bound_ms
     data["time_ms"] = _ms(rank.time_s)
     return data

@@ -26,8 +26,11 @@ FLOP-equivalents (``rank_time_s``):
     T_r = max(F, α·W_r + β + max(0, ΣAG − T_attn,fwd(local_r)) + max(0, ΣRS − T_attn,bwd(local_r)))
 
 and 0 for a rank without work; ``F`` is the launch-bound floor (``PerformanceModel.compute_floor_s``: the host's
-dispatch, which the device's work overlaps on a GPU; 0 in additive profiles). ``T_r`` never falls when work is
-added to the rank: the searches rely on it.
+dispatch, which the device's work overlaps on a GPU; 0 in additive profiles). With **token buckets** (a trainer
+that replays CUDA graphs captured per bucket pads each rank's row to the smallest bucket that holds it), ``W_r``
+also counts the padding: the linear layers' FLOP-equivalents of every padded token (``padding_flops``), so that
+the planner fills buckets rather than pays for padding it does not see. ``T_r`` never falls when work is added to
+the rank (a token added costs at least what its padding did): the searches rely on it.
 Memory is counted in exact integers, in units of 1/C token: a rank holds ``bucket_size · C`` units and a sequence
 of S tokens at degree s costs ``S · C/s`` on each rank of its block.
 """
@@ -57,6 +60,7 @@ __all__ = [
     "empty_sums",
     "exposed_comm_s",
     "micro_batch_time_s",
+    "padding_flops",
     "place",
     "place_degrees",
     "place_delta",
@@ -64,6 +68,7 @@ __all__ = [
     "rank_time_s",
     "sum_rank_time_s",
     "sums_of_places",
+    "token_bucket_sizes",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -99,6 +104,8 @@ class CostTables(NamedTuple):
     alpha_s_per_flop: float
     beta_s: float  # β·L, paid once per micro-batch by each CP rank with work
     floor_s: float  # F = floor·L: no CP rank with work takes less (0: the additive form)
+    bucket_units: IntArray  # (U,) the token buckets a rank's row is padded to, ascending, in units; empty: none
+    pad_flops_per_unit: float  # what a padding token costs (the linear layers' FLOP-equivalents), per unit
     attention_forward_share: float
     cp_size: int
     bucket_size: int
@@ -110,7 +117,16 @@ class CostTables(NamedTuple):
         return self.bucket_size * self.cp_size
 
 
-def cost_tables(perf: PerformanceModel, lengths: IntArray, cp_size: int, bucket_size: int) -> CostTables:
+def token_bucket_sizes(bucket_size: int, count: int) -> tuple[int, ...]:
+    """The ``count`` token buckets of a rank holding ``bucket_size`` tokens: ``bucket_size`` and its halves, each
+    rounded up to a multiple of 64 tokens (kernel tiles), ascending; the largest is ``bucket_size`` itself, so that
+    every row the memory bound admits fits one."""
+    sizes = {bucket_size, *(min(bucket_size, -(-bucket_size // (2 ** k) // 64) * 64) for k in range(1, count))}
+    return tuple(sorted(sizes)) if count else ()
+
+
+def cost_tables(perf: PerformanceModel, lengths: IntArray, cp_size: int, bucket_size: int,
+                token_buckets: int = 0) -> CostTables:
     degrees = place_degrees(cp_size)
     degree_row = np.full(cp_size + 1, -1, dtype=np.int64)
     block_offset = np.zeros(cp_size + 1, dtype=np.int64)
@@ -138,8 +154,10 @@ def cost_tables(perf: PerformanceModel, lengths: IntArray, cp_size: int, bucket_
         reduce_scatter_s_per_token=per_degree("reduce_scatter_s_per_token"),
         reduce_scatter_fixed_s=per_degree("reduce_scatter_fixed_s"),
         alpha_s_per_flop=float(perf.profile.compute.alpha_s_per_flop), beta_s=float(perf.compute_beta_s),
-        floor_s=float(perf.compute_floor_s), attention_forward_share=ATTENTION_FORWARD_SHARE, cp_size=cp_size,
-        bucket_size=bucket_size,
+        floor_s=float(perf.compute_floor_s),
+        bucket_units=np.array(token_bucket_sizes(bucket_size, token_buckets), dtype=np.int64) * cp_size,
+        pad_flops_per_unit=float(perf.padding_flops_per_token) / cp_size,
+        attention_forward_share=ATTENTION_FORWARD_SHARE, cp_size=cp_size, bucket_size=bucket_size,
         num_blocks=num_blocks)
 
 
@@ -149,7 +167,8 @@ TABLES = numba.typeof(CostTables(
     area=np.zeros(1), degrees=np.ones(1, dtype=np.int64), degree_row=np.zeros(2, dtype=np.int64),
     block_offset=np.zeros(2, dtype=np.int64), all_gather_s_per_token=np.zeros(1), all_gather_fixed_s=np.zeros(1),
     reduce_scatter_s_per_token=np.zeros(1), reduce_scatter_fixed_s=np.zeros(1), alpha_s_per_flop=1.0, beta_s=0.0,
-    floor_s=0.0, attention_forward_share=ATTENTION_FORWARD_SHARE, cp_size=1, bucket_size=1, num_blocks=1))
+    floor_s=0.0, bucket_units=np.zeros(0, dtype=np.int64), pad_flops_per_unit=0.0,
+    attention_forward_share=ATTENTION_FORWARD_SHARE, cp_size=1, bucket_size=1, num_blocks=1))
 
 
 class RankSums(NamedTuple):
@@ -247,13 +266,25 @@ def exposed_comm_s(tables: CostTables, attention_flops: float, all_gather_s: flo
     return max(0.0, all_gather_s - forward_s) + max(0.0, reduce_scatter_s - (attention_s - forward_s))
 
 
-@kernel(types.float64(TABLES, types.float64, types.float64, types.float64, types.float64), inline=True)
+@kernel(types.float64(TABLES, types.int64), inline=True)
+def padding_flops(tables: CostTables, units: int) -> float:
+    """What padding a row of ``units`` (memory units) to its token bucket costs: the linear layers' FLOP-equivalents
+    of the padding tokens; 0 without buckets. The memory bound keeps a row within the largest bucket."""
+    for bucket in tables.bucket_units:
+        if units <= bucket:
+            return (bucket - units) * tables.pad_flops_per_unit
+    return 0.0
+
+
+@kernel(types.float64(TABLES, types.float64, types.float64, types.float64, types.float64, types.int64),
+        inline=True)
 def rank_time_s(tables: CostTables, work_flops: float, attention_flops: float, all_gather_s: float,
-                reduce_scatter_s: float) -> float:
-    """``T_r`` (module docstring): the one cost function of every scheduler, the refinement and the simulator."""
+                reduce_scatter_s: float, units: int) -> float:
+    """``T_r`` (module docstring): the one cost function of every scheduler, the refinement and the simulator, for
+    a rank holding ``units`` of memory."""
     if work_flops <= 0.0:
         return 0.0
-    return max(tables.floor_s, tables.alpha_s_per_flop * work_flops + tables.beta_s
+    return max(tables.floor_s, tables.alpha_s_per_flop * (work_flops + padding_flops(tables, units)) + tables.beta_s
                + exposed_comm_s(tables, attention_flops, all_gather_s, reduce_scatter_s))
 
 
@@ -270,7 +301,7 @@ def rank_compute_time_s(tables: CostTables, work_flops: float) -> float:
 def sum_rank_time_s(tables: CostTables, sums: RankSums, m: int, r: int) -> float:
     """``T_r`` of CP rank ``r`` of micro-batch ``m``."""
     return rank_time_s(tables, sums.work_flops[m, r], sums.attention_flops[m, r], sums.all_gather_s[m, r],
-                       sums.reduce_scatter_s[m, r])
+                       sums.reduce_scatter_s[m, r], sums.units[m, r])
 
 
 @kernel(types.float64(TABLES, SUMS, types.int64))

@@ -529,6 +529,9 @@ def solve(
     the hint comes back, and ``report.status`` says what the solver proved. Without a hint, every sequence in
     its own distributed micro-batch stands in for it. ``wall_time_s`` includes building the model.
     """
+    if problem.token_buckets:
+        raise InvalidRequestError("cpsat does not model token buckets (the padding of rows to a bucket): plan with "
+                                  "token_buckets 0", field="token_buckets")
     if not time_limit_s >= 0:
         raise ValueError(f"time_limit_s must be non-negative, got {time_limit_s}")
     if num_workers < 1:

@@ -343,11 +343,11 @@ def _relocate(tables: CostTables, members: IntArray, first_rank: IntArray, sums:
 @kernel(types.Tuple((types.int64, types.float64))(TABLES, SUMS))
 def _slowest_rank(tables: CostTables, sums: RankSums) -> tuple[int, float]:
     """The slowest CP rank of the micro-batch in row 0 (the first on ties), and its time."""
-    work, attention, all_gather, reduce_scatter = (sums.work_flops[0], sums.attention_flops[0], sums.all_gather_s[0],
-                                                   sums.reduce_scatter_s[0])
+    work, attention, all_gather, reduce_scatter, units = (sums.work_flops[0], sums.attention_flops[0],
+                                                          sums.all_gather_s[0], sums.reduce_scatter_s[0], sums.units[0])
     slowest, slowest_s = 0, -1.0
     for r in range(tables.cp_size):
-        time_s = rank_time_s(tables, work[r], attention[r], all_gather[r], reduce_scatter[r])
+        time_s = rank_time_s(tables, work[r], attention[r], all_gather[r], reduce_scatter[r], units[r])
         if time_s > slowest_s:
             slowest, slowest_s = r, time_s
     return slowest, slowest_s

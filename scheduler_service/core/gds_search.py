@@ -6,7 +6,10 @@ micro-batch decided by DACP's search (``dacp_search``).
 2. **Cuts.** For each DP rank's share, the fewest micro-batches whose tokens spread (``spread_longest_first``:
    longest first onto the micro-batch with the fewest tokens, which pairs long sequences with short ones and keeps
    each within ``C·N``), found by growing the count geometrically from the memory minimum until one spreads, then
-   bisecting back down; and ``EXTRA_MICRO_BATCH_COUNTS`` more micro-batches (each where its spread fits).
+   bisecting back down; and ``EXTRA_MICRO_BATCH_COUNTS`` more micro-batches (each where its spread fits). Where
+   rows are padded to token buckets (``CostTables.bucket_units``), each count is also cut by first fit
+   (``fill_longest_first``): an even spread leaves every micro-batch's bucket partly empty, first fit fills all but
+   the last, whose remainder takes a small bucket.
 3. **Search.** Every micro-batch of every cut: ``dacp_search.best_decision`` in the requested space.
 4. **Assemble.** Per share, the cut whose micro-batches' times sum least (the first on ties); its micro-batches
    refined (``dacp_search.refine_micro_batch``) and numbered, DP rank by DP rank.
@@ -26,7 +29,8 @@ from scheduler_service.core.dacp_search import best_decision, refine_micro_batch
 from scheduler_service.core.jit import FLOAT_1D, INT_1D, kernel
 from scheduler_service.core.partition import lpt_parts, replace_lightest
 
-__all__ = ["EXTRA_MICRO_BATCH_COUNTS", "fewest_that_spread", "min_micro_batches", "plan_gds", "spread_longest_first"]
+__all__ = ["EXTRA_MICRO_BATCH_COUNTS", "fewest_that_spread", "fill_longest_first", "min_micro_batches", "plan_gds",
+           "spread_longest_first"]
 
 EXTRA_MICRO_BATCH_COUNTS = 1  # counts tried beyond the fewest that spread
 
@@ -58,6 +62,27 @@ def spread_longest_first(lengths: IntArray, longest_first: IntArray, count: int,
         group_of[position] = groups[0]
         replace_lightest(tokens, groups, tokens[0] + lengths[longest_first[position]])
     return True
+
+
+@kernel(types.int64(INT_1D, INT_1D, types.int64, types.int64, INT_1D))
+def fill_longest_first(lengths: IntArray, longest_first: IntArray, count: int, capacity: int,
+                       group_of: IntArray) -> int:
+    """Each sequence of ``longest_first`` into the first micro-batch (of ``count``) with room for it (first fit
+    decreasing), into ``group_of`` (by position); how many micro-batches it filled (at most ``count``), 0 where a
+    sequence fits none."""
+    tokens = np.zeros(count, dtype=np.int64)
+    used = 0
+    for position in range(longest_first.shape[0]):
+        length = lengths[longest_first[position]]
+        group = 0
+        while group < count and tokens[group] + length > capacity:
+            group += 1
+        if group == count:
+            return 0
+        tokens[group] += length
+        group_of[position] = group
+        used = max(used, group + 1)
+    return used
 
 
 @kernel(types.int64(INT_1D, INT_1D, types.int64, INT_1D))
@@ -149,16 +174,25 @@ def plan_gds(tables: CostTables, weights: FloatArray, dp_size: int,
         best_s = np.inf
         best_members, best_group_start = longest_first, np.zeros(1, dtype=np.int64)
         best_degree, best_first_rank = degree, first_rank  # replaced by the first cut that has a decision
+        cuts_per_count = 2 if tables.bucket_units.shape[0] else 1  # the even spread, and by buckets first fit
         for count in range(fewest, min(fewest + EXTRA_MICRO_BATCH_COUNTS, num_members) + 1):
-            if count > fewest and not spread_longest_first(tables.lengths, longest_first, count, capacity, group_of):
-                continue
-            members, group_start = _grouped(longest_first, group_of, count)
-            cut_degree = np.empty(num_members, dtype=np.int64)
-            cut_first_rank = np.empty(num_members, dtype=np.int64)
-            cut_s = _search_cut(tables, members, group_start, space, cut_degree, cut_first_rank)
-            if cut_s < best_s:
-                best_s, best_members, best_group_start = cut_s, members, group_start
-                best_degree, best_first_rank = cut_degree, cut_first_rank
+            for cut in range(cuts_per_count):
+                if cut == 0:
+                    if count > fewest and not spread_longest_first(tables.lengths, longest_first, count, capacity,
+                                                                   group_of):
+                        continue
+                    cut_count = count
+                else:
+                    cut_count = fill_longest_first(tables.lengths, longest_first, count, capacity, group_of)
+                    if cut_count == 0:
+                        continue
+                members, group_start = _grouped(longest_first, group_of, cut_count)
+                cut_degree = np.empty(num_members, dtype=np.int64)
+                cut_first_rank = np.empty(num_members, dtype=np.int64)
+                cut_s = _search_cut(tables, members, group_start, space, cut_degree, cut_first_rank)
+                if cut_s < best_s:
+                    best_s, best_members, best_group_start = cut_s, members, group_start
+                    best_degree, best_first_rank = cut_degree, cut_first_rank
         if best_s == np.inf:
             return micro_batch, degree, first_rank, dp_rank_of[:0], np.inf, dp_rank
         dp_rank_s = _refine_cut(tables, best_members, best_group_start, best_degree, best_first_rank)

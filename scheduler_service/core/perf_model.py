@@ -227,6 +227,12 @@ class PerformanceModel:
         return self.placement_attention_flops(lengths, 1)
 
     @property
+    def padding_flops_per_token(self) -> float:
+        """What one padding token of a packed row costs (a row padded to a token bucket): the linear layers' and the
+        profile's per-token FLOP-equivalents; its attention is over a few padding tokens, left out."""
+        return float(_linear_flops(self.model, [1.0])[0]) + self._flops_per_token
+
+    @property
     def compute_beta_s(self) -> float:
         return self.profile.compute.beta_s_per_layer * self.model.num_layers
 

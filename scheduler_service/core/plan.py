@@ -36,6 +36,7 @@ from scheduler_service.core.profile import Profile, resolve_profile
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "MAX_TOKEN_BUCKETS",
     "DPRankPlan",
     "MicroBatch",
     "Place",
@@ -82,6 +83,7 @@ class PlanLimits:
 
 
 DEFAULT_LIMITS = PlanLimits()
+MAX_TOKEN_BUCKETS = 8  # BucketSize down to 1/128 of it: more buckets capture more graphs for little padding saved
 
 
 def cp_blocks(cp_size: int, degree: int) -> tuple[tuple[int, ...], ...]:
@@ -275,6 +277,7 @@ class PlanningProblem:
     bucket_size: int  # C: tokens per CP rank per micro-batch
     perf: PerformanceModel
     spanning: bool = True  # whether a plan may hold spanning micro-batches (``SpanningMicroBatch``)
+    token_buckets: int = 0  # rows padded to this many token buckets (``costing.token_bucket_sizes``); 0: none
     lengths: IntArray = field(init=False, repr=False)  # (N,)
     flops: FloatArray = field(init=False, repr=False)  # (N,) eq. 13 with the profile's measured terms
     degrees: tuple[int, ...] = field(init=False, repr=False)  # (D,) 1, each hybrid block size, cp_size
@@ -288,7 +291,7 @@ class PlanningProblem:
     def __post_init__(self) -> None:
         lengths = np.asarray(self.sequence_lengths, dtype=np.int64)
         set_field = functools.partial(object.__setattr__, self)
-        tables = cost_tables(self.perf, lengths, self.cp_size, self.bucket_size)
+        tables = cost_tables(self.perf, lengths, self.cp_size, self.bucket_size, self.token_buckets)
         set_field("tables", tables)
         set_field("lengths", tables.lengths)
         set_field("flops", self.perf.flops_array(lengths))
@@ -314,14 +317,14 @@ class PlanningProblem:
         if num_dp_ranks not in self._span_problems:
             self._span_problems[num_dp_ranks] = PlanningProblem(
                 sequence_lengths=self.sequence_lengths, dp_size=1, cp_size=num_dp_ranks * self.cp_size,
-                bucket_size=self.bucket_size, perf=self.perf, spanning=False)
+                bucket_size=self.bucket_size, perf=self.perf, spanning=False, token_buckets=self.token_buckets)
         return self._span_problems[num_dp_ranks]
 
     def sub_problem(self, indices: Sequence[int]) -> PlanningProblem:
         """The batch of the sequences ``indices`` alone, on the same ranks (``Plan.renumbered`` names them back)."""
         return PlanningProblem(sequence_lengths=tuple(self.sequence_lengths[i] for i in indices),
                                dp_size=self.dp_size, cp_size=self.cp_size, bucket_size=self.bucket_size,
-                               perf=self.perf, spanning=self.spanning)
+                               perf=self.perf, spanning=self.spanning, token_buckets=self.token_buckets)
 
     def too_long_for_a_replica(self) -> list[int]:
         """The sequences no CP group holds (longer than ``bucket_size × cp_size``): only spanning blocks can."""
@@ -415,12 +418,15 @@ def make_problem(
     extra_profiles: dict[str, Profile] | None = None,
     gpus_per_node: int | None = None,
     spanning: bool = True,
+    token_buckets: int = 0,
 ) -> PlanningProblem:
     """Validate a request and derive what it leaves out (BucketSize from the profile). ``gpus_per_node``: the
     collectives of blocks larger than a node are priced with the profile's inter-node tables (``perf_model``,
     "Topology"); None: every block lies on one node. ``spanning``: a sequence may be longer than one CP group
     holds, up to the world's capacity (blocks that span DP replicas hold it); False: one CP group's capacity is the
-    limit, for a client that cannot run spanning micro-batches."""
+    limit, for a client that cannot run spanning micro-batches. ``token_buckets``: the client pads each rank's row
+    to the smallest of that many token buckets (``costing.token_bucket_sizes``: BucketSize and its halves), and the
+    padding is priced; 0: rows run as packed."""
     lengths = _validate_lengths(sequence_lengths, limits)
     dp_size = _validate_int(dp_size, "dp_size", 1, limits.max_dp_size)
     cp_size = _validate_int(cp_size, "cp_size", 1, limits.max_cp_size)
@@ -443,5 +449,6 @@ def make_problem(
         if length > bucket_size * cp_size * (dp_size if spanning else 1):
             raise SequenceTooLongError(index=index, num_tokens=length, bucket_size=bucket_size, cp_size=cp_size,
                                        dp_size=dp_size if spanning else None)
+    token_buckets = _validate_int(token_buckets, "token_buckets", 0, MAX_TOKEN_BUCKETS)
     return PlanningProblem(sequence_lengths=lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
-                           perf=perf, spanning=spanning)
+                           perf=perf, spanning=spanning, token_buckets=token_buckets)

@@ -156,15 +156,17 @@ def _time_without(state: _State, k: int) -> float:
     """Sequence ``k``'s micro-batch's time without it: only the ranks of its block change."""
     tables, sums, times_s = state.tables, state.sums, state.times_s
     m, degree, first_rank = state.micro_batch[k], state.degree[k], state.first_rank[k]
-    work, attention, all_gather, reduce_scatter, _ = place_delta(
+    work, attention, all_gather, reduce_scatter, unit_count = place_delta(
         tables, k, degree, sums.block_members[m, block_index(tables, degree, first_rank)], -1)
-    work_flops, attention_flops, all_gather_s, reduce_scatter_s = (sums.work_flops, sums.attention_flops,
-                                                                   sums.all_gather_s, sums.reduce_scatter_s)
+    work_flops, attention_flops, all_gather_s, reduce_scatter_s, units = (sums.work_flops, sums.attention_flops,
+                                                                          sums.all_gather_s, sums.reduce_scatter_s,
+                                                                          sums.units)
     slowest_s = 0.0
     for r in range(tables.cp_size):
         if first_rank <= r < first_rank + degree:
             time_s = rank_time_s(tables, work_flops[m, r] + work, attention_flops[m, r] + attention,
-                                 all_gather_s[m, r] + all_gather, reduce_scatter_s[m, r] + reduce_scatter)
+                                 all_gather_s[m, r] + all_gather, reduce_scatter_s[m, r] + reduce_scatter,
+                                 units[m, r] + unit_count)
         else:
             time_s = times_s[m, r]
         slowest_s = max(slowest_s, time_s)
@@ -244,7 +246,8 @@ def _swapped_time_s(tables: CostTables, work_flops: FloatArray, attention_flops:
         if units[m, r] + delta[4] > capacity:
             return np.inf
         slowest_s = max(slowest_s, rank_time_s(tables, work_flops[m, r] + delta[0], attention_flops[m, r] + delta[1],
-                                               all_gather_s[m, r] + delta[2], reduce_scatter_s[m, r] + delta[3]))
+                                               all_gather_s[m, r] + delta[2], reduce_scatter_s[m, r] + delta[3],
+                                               units[m, r] + int(delta[4])))
     return slowest_s
 
 
@@ -376,7 +379,7 @@ def _best_move(state: _State, x: int, slowest: int, threshold_s: float,
                 base_reduce_scatter[r] += removed[3]
                 base_units[r] += removed[4]
                 base_times_s[r] = rank_time_s(tables, base_work[r], base_attention[r], base_all_gather[r],
-                                              base_reduce_scatter[r])
+                                              base_reduce_scatter[r], base_units[r])
         base_micro_batch_s = base_times_s.max()
         for degree in degrees:
             if tables.lengths[x] > degree * tables.bucket_size:
@@ -410,7 +413,7 @@ def _best_move(state: _State, x: int, slowest: int, threshold_s: float,
                         break
                     micro_batch_s = max(micro_batch_s, rank_time_s(
                         tables, base_work[r] + added[0], base_attention[r] + added[1],
-                        base_all_gather[r] + added[2], base_reduce_scatter[r] + added[3]))
+                        base_all_gather[r] + added[2], base_reduce_scatter[r] + added[3], base_units[r] + added[4]))
                 if not fits:
                     continue
                 score_s = max(dp_time_s - base_micro_batch_s + micro_batch_s, slowest_after_s)

@@ -33,6 +33,7 @@ from scheduler_service.core.costing import (
     RankSums,
     empty_sums,
     exposed_comm_s,
+    padding_flops,
     place_degrees,
     rank_time_s,
     sums_of_places,
@@ -67,10 +68,11 @@ class CPRankEstimate:
     distributed_compute_s: float  # this rank's share of the sequences sharded over the whole CP group
     sharded_compute_s: float  # this rank's share of its hybrid groups' sequences
     fixed_s: float  # β: once per micro-batch with work
+    padding_s: float  # the rank's row padded to its token bucket (0 without buckets)
     comm_s: float  # every collective this rank takes part in, forward and backward
     exposed_comm_s: float  # the part local attention does not hide
     launch_bound_s: float  # what the launch-bound floor adds beyond the device's work (0 when compute-bound)
-    time_s: float  # local + distributed + sharded + fixed + exposed_comm + launch_bound
+    time_s: float  # local + distributed + sharded + fixed + padding + exposed_comm + launch_bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,14 +93,15 @@ class _PerRank:
         time_s = float(self.times_s[m, r])
         busy = sums.work_flops[m, r] > 0
         fixed_s = tables.beta_s if busy else 0.0
+        padding_s = alpha * padding_flops(tables, int(sums.units[m, r])) if busy else 0.0
         local_s, distributed_s, sharded_s = (alpha * float(self.compute_flops[part, m, r]) for part in range(3))
         exposed_s = (exposed_comm_s(tables, float(sums.attention_flops[m, r]), all_gather_s, reduce_scatter_s)
                      if comm_s else 0.0)
-        device_s = local_s + distributed_s + sharded_s + fixed_s + exposed_s
+        device_s = local_s + distributed_s + sharded_s + fixed_s + padding_s + exposed_s
         return CPRankEstimate(
             local_tokens=int(self.local_tokens[m, r]), tokens=int(sums.units[m, r]) / tables.cp_size,
             local_compute_s=local_s, distributed_compute_s=distributed_s, sharded_compute_s=sharded_s,
-            fixed_s=fixed_s, comm_s=comm_s, exposed_comm_s=exposed_s,
+            fixed_s=fixed_s, padding_s=padding_s, comm_s=comm_s, exposed_comm_s=exposed_s,
             launch_bound_s=max(0.0, time_s - device_s) if busy else 0.0, time_s=time_s)
 
 
@@ -139,7 +142,7 @@ def _rank_times_s(tables: CostTables, sums: RankSums, times_s: FloatArray) -> No
     for m in range(times_s.shape[0]):
         for r in range(tables.cp_size):
             times_s[m, r] = rank_time_s(tables, sums.work_flops[m, r], sums.attention_flops[m, r],
-                                        sums.all_gather_s[m, r], sums.reduce_scatter_s[m, r])
+                                        sums.all_gather_s[m, r], sums.reduce_scatter_s[m, r], sums.units[m, r])
 
 
 @kernel(types.void(TABLES, INT_1D, INT_1D, INT_1D, FLOAT_3D, INT_2D))

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
@@ -55,9 +56,13 @@ from trainer_client.torch_compat import torch_apis
 
 __all__ = [
     "AttentionBackend",
+    "DacpAttention",
     "KVAllGather",
+    "VarlenKernel",
+    "dacp_attention_with_collectives",
     "dacp_attn_varlen_func",
     "resolve_backend",
+    "resolve_kernel",
     "varlen_causal_attn_func",
 ]
 
@@ -103,6 +108,8 @@ def _sdpa_varlen(
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for q_start, q_end, k_start, k_end in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:], strict=True):
         num_q, num_k = q_end - q_start, k_end - k_start
+        if num_q == 0:  # an empty segment (a row padded to a token bucket keeps its segments' number fixed)
+            continue
         q_1HTD = q_THD[q_start:q_end].transpose(0, 1).unsqueeze(0)
         k_1GSD = k_SGD[k_start:k_end].transpose(0, 1).unsqueeze(0)
         v_1GSD = v_SGD[k_start:k_end].transpose(0, 1).unsqueeze(0)
@@ -115,6 +122,42 @@ def _sdpa_varlen(
                                                 scale=softmax_scale, enable_gqa=True)
         outputs_THD.append(o_1HTD[0].transpose(0, 1))
     return torch.cat(outputs_THD)
+
+
+VarlenKernel = Callable[..., torch.Tensor]  # (q_THD, k_SGD, v_SGD, cu_q, cu_k, max_q, max_k, softmax_scale)
+
+
+def _flash_attn_kernel(q_THD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                       softmax_scale: float | None) -> torch.Tensor:
+    flash_attn_varlen_func = _flash_attn_varlen_func()
+    if flash_attn_varlen_func is None:
+        raise ValueError("attention backend flash_attn needs the flash-attn package (pip install skrull[gpu])")
+    out: torch.Tensor = flash_attn_varlen_func(q_THD, k_SGD.contiguous(), v_SGD.contiguous(), cu_seqlens_q,
+                                               cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+                                               causal=True)
+    return out
+
+
+def _sdpa_kernel(q_THD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                 softmax_scale: float | None) -> torch.Tensor:
+    return _sdpa_varlen(q_THD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+
+
+def resolve_kernel(backend: str | AttentionBackend, *, device: torch.device, dtype: torch.dtype) -> VarlenKernel:
+    """The causal varlen kernel ``backend`` names on ``device`` for ``dtype`` (``resolve_backend``), with
+    flash-attn's contract: resolved once per micro-batch, not in every layer."""
+    kernel = resolve_backend(backend, device=device, dtype=dtype)
+    if kernel == AttentionBackend.FLASH_ATTN:
+        return _flash_attn_kernel
+    if kernel == AttentionBackend.TORCH_VARLEN:
+        varlen_attn = torch_apis().varlen_attn
+        if varlen_attn is None:
+            raise ValueError(f"attention backend torch_varlen needs torch.nn.attention.varlen (torch "
+                             f"{torch.__version__} has none)")
+        return varlen_attn
+    return _sdpa_kernel
 
 
 def varlen_causal_attn_func(
@@ -132,21 +175,8 @@ def varlen_causal_attn_func(
     """Causal attention over packed segments, flash-attn's ``flash_attn_varlen_func`` contract (bottom-right)."""
     if q_THD.shape[0] == 0:
         return q_THD.new_empty(q_THD.shape)
-    kernel = resolve_backend(backend, device=q_THD.device, dtype=q_THD.dtype)
-    if kernel == AttentionBackend.FLASH_ATTN:
-        flash_attn_varlen_func = _flash_attn_varlen_func()
-        if flash_attn_varlen_func is None:
-            raise ValueError("attention backend flash_attn needs the flash-attn package (pip install skrull[gpu])")
-        return flash_attn_varlen_func(q_THD, k_SGD.contiguous(), v_SGD.contiguous(), cu_seqlens_q, cu_seqlens_k,
-                                      max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=True)
-    if kernel == AttentionBackend.TORCH_VARLEN:
-        varlen_attn = torch_apis().varlen_attn
-        if varlen_attn is None:
-            raise ValueError(f"attention backend torch_varlen needs torch.nn.attention.varlen (torch "
-                             f"{torch.__version__} has none)")
-        return varlen_attn(q_THD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale)
-    return _sdpa_varlen(q_THD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+    kernel = resolve_kernel(backend, device=q_THD.device, dtype=q_THD.dtype)
+    return kernel(q_THD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
 
 
 # ---------------------------------------------------------------------------------------------------- communication
@@ -265,6 +295,24 @@ class KVAllGather:
 # ---------------------------------------------------------------------------------------------------- public
 
 
+class DacpAttention:
+    """One micro-batch's attention, as every layer receives it (the ``dacp`` keyword of ``model.model_inputs``): the
+    packing metadata and the kernel resolved for it once.
+
+    A plain object, on purpose: FSDP2 walks the dataclasses and containers among a layer's keyword arguments before
+    and after every layer (for tensors to cast and to hook), and passes over an object like this one. Not a
+    module-level global either: a layer recomputed under activation checkpointing, after another micro-batch's
+    forward has run, must read its own micro-batch.
+    """
+
+    __slots__ = ("has_collectives", "kernel", "metadata")
+
+    def __init__(self, metadata: DacpMetadata, kernel: VarlenKernel | None) -> None:
+        self.metadata = metadata
+        self.kernel = kernel  # None: resolved at each call from the query's device and dtype
+        self.has_collectives = bool(metadata.sharded)
+
+
 def dacp_attn_varlen_func(
     q_THD: torch.Tensor,
     k_TGD: torch.Tensor,
@@ -273,12 +321,16 @@ def dacp_attn_varlen_func(
     *,
     softmax_scale: float | None = None,
     backend: str | AttentionBackend = AttentionBackend.AUTO,
+    kernel: VarlenKernel | None = None,
 ) -> torch.Tensor:
-    """Causal attention of one CP rank's packed micro-batch; equal to unsharded per-sequence attention."""
+    """Causal attention of one CP rank's packed micro-batch; equal to unsharded per-sequence attention.
+    ``kernel``: the varlen kernel, resolved already (else from ``backend``)."""
     num_local = metadata.num_local_tokens
     if q_THD.shape[0] != metadata.num_tokens:
         raise ValueError(f"packed tokens ({q_THD.shape[0]}) != local {num_local} + sharded "
                          f"{metadata.num_sharded_tokens} of the metadata")
+    if kernel is None:
+        kernel = resolve_kernel(backend, device=q_THD.device, dtype=q_THD.dtype)
     # Launch every collective first: local attention below runs while K/V travel.
     gathers: list[tuple[ShardedSpec, slice, KVAllGather]] = []
     first_row = num_local
@@ -290,19 +342,22 @@ def dacp_attn_varlen_func(
         first_row = rows.stop
     outputs = []
     if num_local:
-        outputs.append(varlen_causal_attn_func(
-            q_THD[:num_local], k_TGD[:num_local], v_TGD[:num_local],
-            metadata.cu_seqlens_local, metadata.cu_seqlens_local, metadata.max_seqlen_local, metadata.max_seqlen_local,
-            softmax_scale=softmax_scale, backend=backend,
-        ))
+        # the whole row is local where nothing is sharded: no slice (its backward would copy the gradient)
+        local = slice(None) if num_local == q_THD.shape[0] else slice(num_local)
+        outputs.append(kernel(q_THD[local], k_TGD[local], v_TGD[local], metadata.cu_seqlens_local,
+                              metadata.cu_seqlens_local, metadata.max_seqlen_local, metadata.max_seqlen_local,
+                              softmax_scale))
     for spec, rows, gather in gathers:
         kv_gathered_SXGD = gather.wait()
         kv_prefix_SXGD = kv_gathered_SXGD[spec.kv_index]
-        outputs.append(varlen_causal_attn_func(
-            q_THD[rows], kv_prefix_SXGD[:, 0], kv_prefix_SXGD[:, 1],
-            spec.cu_seqlens_q, spec.cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k,
-            softmax_scale=softmax_scale, backend=backend,
-        ))
+        outputs.append(kernel(q_THD[rows], kv_prefix_SXGD[:, 0], kv_prefix_SXGD[:, 1], spec.cu_seqlens_q,
+                              spec.cu_seqlens_k, spec.max_seqlen_q, spec.max_seqlen_k, softmax_scale))
     if not outputs:
         return q_THD.new_empty(q_THD.shape)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+# The collectives, their autograd functions and the per-collective Python cannot be traced: a compiled block calls
+# this eagerly (a micro-batch with collectives is dominated by them anyway); one without runs the local kernel alone,
+# which Dynamo traces (``model.dacp_attention_forward``).
+dacp_attention_with_collectives = torch.compiler.disable(dacp_attn_varlen_func, recursive=True)

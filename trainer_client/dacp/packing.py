@@ -29,6 +29,15 @@ of that chunk (``cu_seqlens_k``), read from the block's all-gathered K/V through
 of ``c`` tokens sees ``len(prefix) − c + i + 1`` keys) this is exactly the
 unsharded causal attention of the sequence.
 
+**Token buckets** (``pad_to_bucket``, ``pack_micro_batch(token_buckets=...)``): a
+trainer that replays CUDA graphs captured per bucket pads each row to the
+smallest bucket that holds it. The padding goes after the local sequences (the
+shards' rows stay where the collectives expect them) as extra local segments that
+predict nothing, cut evenly so that their attention stays small; the local
+segments are always ``bucket_segments(bucket)`` (real ones, then padding ones,
+empty where there is too little padding), and ``max_seqlen_local`` is the bucket,
+so that a bucket's rows differ in values only, never in shape.
+
 Shape legend: T tokens this rank holds in the micro-batch; K gathered-prefix
 tokens (all chunks of this rank in one collective).
 """
@@ -49,13 +58,18 @@ from trainer_client.dacp.zigzag import padded_length, zigzag_positions
 from trainer_client.data import IGNORE_INDEX, Sample
 
 __all__ = [
+    "MIN_SEGMENT_TOKENS",
     "DacpMetadata",
     "PackedMicroBatch",
     "ShardedSpec",
+    "bucket_segments",
     "distributed_kv_index",
     "pack_micro_batch",
+    "pad_to_bucket",
     "padding_micro_batch",
 ]
+
+MIN_SEGMENT_TOKENS = 16  # a bucket's local segments: one per this many tokens, and one more
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -229,12 +243,14 @@ def pack_micro_batch(
     cp_group: dist.ProcessGroup | None = None,
     cp_block_groups: Mapping[tuple[int, int], dist.ProcessGroup] | None = None,
     pad_token_id: int = 0,
+    token_buckets: Sequence[int] = (),
 ) -> PackedMicroBatch:
     """The packed row CP rank ``cp_rank`` runs for ``micro_batch`` (indices into ``samples``).
 
     ``cp_group`` is the whole CP group, ``cp_block_groups`` maps ``(first CP rank, size)`` of each aligned block
     holding this rank to its process group (``ParallelContext.cp_block_groups``); a collective whose group is
-    missing packs, and fails in attention if it needs to communicate.
+    missing packs, and fails in attention if it needs to communicate. ``token_buckets``: the row padded to the
+    smallest of them that holds it (``pad_to_bucket``).
     """
     if len(micro_batch.local) != cp_size:
         raise ValueError(f"micro-batch has {len(micro_batch.local)} local lists; cp_size is {cp_size}")
@@ -274,16 +290,59 @@ def pack_micro_batch(
         sharded=sharded,
     )
     targets_T = _cat(row.targets)
-    return PackedMicroBatch(input_ids_T=_cat(row.input_ids), position_ids_T=_cat(row.positions), targets_T=targets_T,
+    pack = PackedMicroBatch(input_ids_T=_cat(row.input_ids), position_ids_T=_cat(row.positions), targets_T=targets_T,
                             metadata=metadata, num_loss_tokens=int((targets_T != IGNORE_INDEX).sum()))
+    return pad_to_bucket(pack, token_buckets, pad_token_id=pad_token_id) if token_buckets else pack
 
 
-def padding_micro_batch(*, cp_size: int, cp_rank: int, pad_token_id: int = 0) -> PackedMicroBatch:
+def padding_micro_batch(*, cp_size: int, cp_rank: int, pad_token_id: int = 0,
+                        token_buckets: Sequence[int] = ()) -> PackedMicroBatch:
     """One pad token that predicts nothing: a zero-loss micro-batch that runs every layer (and so every FSDP
     collective) and joins no CP collective. Sharded training runs it where a rank must match its peers'
-    collectives without tokens of its own (``parallelize.py``)."""
+    collectives without tokens of its own (``parallelize.py``). ``token_buckets``: padded as every row is."""
     metadata = DacpMetadata(cp_size=cp_size, cp_rank=cp_rank, num_local_tokens=1, cu_seqlens_local=_cu_seqlens([1]),
                             max_seqlen_local=1, sharded=())
-    return PackedMicroBatch(input_ids_T=torch.tensor([pad_token_id]), position_ids_T=torch.zeros(1, dtype=torch.int64),
+    pack = PackedMicroBatch(input_ids_T=torch.tensor([pad_token_id]), position_ids_T=torch.zeros(1, dtype=torch.int64),
                             targets_T=torch.tensor([IGNORE_INDEX]), metadata=metadata, num_loss_tokens=0,
                             is_padding=True)
+    return pad_to_bucket(pack, token_buckets, pad_token_id=pad_token_id) if token_buckets else pack
+
+
+def bucket_segments(bucket_tokens: int) -> int:
+    """The local segments of every row padded to a bucket of ``bucket_tokens``: a fixed number, so that the
+    bucket's rows have one shape (module docstring)."""
+    return bucket_tokens // MIN_SEGMENT_TOKENS + 1
+
+
+def pad_to_bucket(pack: PackedMicroBatch, token_buckets: Sequence[int], *, pad_token_id: int = 0) -> PackedMicroBatch:
+    """``pack`` padded to the smallest of ``token_buckets`` that holds it (module docstring). ``ValueError`` naming
+    the row and the bucket where none holds it, or where its local sequences outnumber the bucket's segments (the
+    planner keeps rows within BucketSize, the largest bucket: a plan that brings a longer row is refused here)."""
+    metadata, num_tokens = pack.metadata, pack.num_tokens
+    bucket = next((size for size in sorted(token_buckets) if size >= num_tokens), None)
+    if bucket is None:
+        raise ValueError(f"a micro-batch row of {num_tokens} tokens (CP rank {metadata.cp_rank}) is longer than the "
+                         f"largest token bucket, {max(token_buckets)}: the plan exceeds the BucketSize it was made for")
+    segments = bucket_segments(bucket)
+    num_real = metadata.cu_seqlens_local.numel() - 1
+    num_padding = bucket - num_tokens
+    if num_real + (num_padding > 0) > segments:
+        raise ValueError(f"a micro-batch row holds {num_real} local sequences; a bucket of {bucket} tokens has "
+                         f"{segments} segments (sequences of {MIN_SEGMENT_TOKENS} tokens on average)")
+    pad_lengths = np.diff(np.linspace(0, num_padding, segments - num_real + 1).astype(np.int64)).tolist()
+    local_lengths = metadata.cu_seqlens_local.diff().tolist()
+    local, rest = slice(0, metadata.num_local_tokens), slice(metadata.num_local_tokens, None)
+    pad_positions = torch.from_numpy(np.concatenate(
+        [np.arange(length, dtype=np.int64) for length in pad_lengths] or [np.zeros(0, dtype=np.int64)]))
+
+    def inserted(tensor_T: torch.Tensor, padding_T: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tensor_T[local], padding_T, tensor_T[rest]])
+
+    padded_metadata = dataclasses.replace(
+        metadata, num_local_tokens=metadata.num_local_tokens + num_padding,
+        cu_seqlens_local=_cu_seqlens([*local_lengths, *pad_lengths]), max_seqlen_local=bucket)
+    return dataclasses.replace(
+        pack, input_ids_T=inserted(pack.input_ids_T, torch.full((num_padding,), pad_token_id, dtype=torch.int64)),
+        position_ids_T=inserted(pack.position_ids_T, pad_positions),
+        targets_T=inserted(pack.targets_T, torch.full((num_padding,), IGNORE_INDEX, dtype=torch.int64)),
+        metadata=padded_metadata)

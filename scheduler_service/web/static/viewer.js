@@ -14,8 +14,8 @@ const PARTS = [
   { key: "local", label: "local (whole sequences)", fields: ["local_ms"] },
   { key: "distributed", label: "distributed (whole CP group)", fields: ["distributed_ms"] },
   { key: "sharded", label: "sharded (hybrid group)", fields: ["sharded_ms"] },
-  { key: "overhead", label: "fixed, launch-bound floor + exposed communication",
-    fields: ["fixed_ms", "launch_bound_ms", "exposed_comm_ms"] },
+  { key: "overhead", label: "fixed, launch-bound floor, padding + exposed communication",
+    fields: ["fixed_ms", "launch_bound_ms", "padding_ms", "exposed_comm_ms"] },
 ];
 
 // A problem's "field" (its first name) → the plan form's field (data-field) that shows it.
@@ -155,7 +155,7 @@ const microBatches = (plan) => plan.dp_ranks.flatMap((dp) => dp.micro_batches);
 const spanningOf = (plan) => plan.spanning ?? [];
 const sum = (values) => values.reduce((total, value) => total + value, 0);
 const mean = (values) => sum(values) / values.length;
-// A field left out is 0 (launch_bound_ms, under a profile without a launch-bound floor).
+// A field left out is 0 (launch_bound_ms under a profile without a launch-bound floor, padding_ms without buckets).
 const partMs = (rank, part) => sum(part.fields.map((field) => rank[field] ?? 0));
 const spanName = (span) => `DP ${span.dp_ranks[0]}-${span.dp_ranks[span.dp_ranks.length - 1]}`;
 
