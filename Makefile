@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo test test-fast docs bench bench-advise bench-profiles load stress serve schema profile accuracy ranking gpu-check feedback lint clean images docker-smoke
+.PHONY: install system-deps demo test test-fast docs bench bench-advise bench-host bench-profiles load stress serve schema profile accuracy ranking gpu-check feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -47,6 +47,10 @@ bench: install
 
 bench-advise: install
 	$(PY) -m benchmarks.advise_cpu
+
+# The trainer's host cost per decoder layer against plain transformers (docs/benchmarks.md, "The trainer's host cost").
+bench-host: install
+	$(PY) -m benchmarks.host
 
 bench-profiles: install
 	$(PY) -m benchmarks.profiles

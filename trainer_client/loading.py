@@ -63,6 +63,7 @@ class ModelLayout:
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     compiled: bool = False  # each decoder layer under torch.compile (--compile)
     fsdp_units: FsdpUnits = FsdpUnits.LAYER  # what FSDP2 shards as one unit (parallelize.py)
+    cuda_graphs: bool = False  # each decoder layer captured as CUDA graphs per token bucket (--cuda-graphs)
 
     @classmethod
     def on(cls, device: torch.device, *, dtype: str | None, sharding: Sharding,
@@ -94,7 +95,7 @@ def build_training_module(
     module = parallelize(CausalLMLoss(lm, chunk_tokens=layout.loss_chunk_tokens, compute_dtype=layout.param_dtype),
                          parallel.shard_mesh, sharding=layout.sharding,
                          activation_checkpointing=layout.activation_checkpointing, param_dtype=layout.param_dtype,
-                         compile=layout.compiled, fsdp_units=layout.fsdp_units)
+                         compile=layout.compiled, fsdp_units=layout.fsdp_units, cuda_graphs=layout.cuda_graphs)
     module.to_empty(device=parallel.device)
     lm.tie_weights()  # to_empty allocates each module's parameters apart: an unsharded tied LM head comes untied
     _fill_from_rank_0(lm, reference)

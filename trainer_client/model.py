@@ -21,11 +21,13 @@ Causality comes from the packing (``cu_seqlens``, zigzag prefixes), so no mask
 function is registered beside it: transformers then builds no mask and does not
 look for packed sequences in ``position_ids`` (which costs a host sync per
 forward), and a dense [T, T] mask is what DACP exists to avoid. The local
-segments travel as flash-attn's keyword arguments (``cu_seq_lens_q``,
-``max_length_q``, …, transformers' ``FlashAttentionKwargs``), so that a compiled
-block traces the local kernel with them as inputs, the lengths dynamic; the rest
-of the micro-batch (``dacp``, an ``attention.DacpAttention``) is read only where
-it has collectives, which run eagerly.
+segments travel as tensors, so that a compiled block traces the local kernel
+with them as inputs, every length dynamic: ``dacp_cu_seqlens`` (their
+boundaries) and ``dacp_max_seqlen`` (an empty tensor whose first dimension is
+the longest one: a Python int would be a constant a compiled graph specialises
+on, and recompiles at the next length). The rest of the micro-batch (``dacp``,
+an ``attention.DacpAttention``) is read only where it has collectives, which run
+eagerly.
 
 Shape legend: T tokens of the packed row, H query heads, D head dim.
 """
@@ -93,8 +95,8 @@ def dacp_attention_forward(
         out_THD = dacp_attention_with_collectives(q_THD, k_TGD, v_TGD, dacp.metadata, softmax_scale=scaling,
                                                   kernel=kernel)
     else:
-        out_THD = kernel(q_THD, k_TGD, v_TGD, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
-                         kwargs["max_length_q"], kwargs["max_length_k"], scaling)
+        cu_seqlens, max_seqlen = kwargs["dacp_cu_seqlens"], kwargs["dacp_max_seqlen"].shape[0]
+        out_THD = kernel(q_THD, k_TGD, v_TGD, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scaling)
     return out_THD.unsqueeze(0), None
 
 
@@ -130,8 +132,8 @@ def model_inputs(
     kernel = (None if compute_dtype is None
               else resolve_kernel(attention_backend, device=device, dtype=compute_dtype))
     return {"input_ids": pack.input_ids_T.unsqueeze(0), "position_ids": pack.position_ids_T.unsqueeze(0),
-            "use_cache": False, "cu_seq_lens_q": metadata.cu_seqlens_local, "cu_seq_lens_k": metadata.cu_seqlens_local,
-            "max_length_q": metadata.max_seqlen_local, "max_length_k": metadata.max_seqlen_local,
+            "use_cache": False, "dacp_cu_seqlens": metadata.cu_seqlens_local,
+            "dacp_max_seqlen": torch.empty((metadata.max_seqlen_local, 0), device=device),
             "dacp": DacpAttention(metadata, kernel)}
 
 

@@ -76,6 +76,7 @@ __all__ = [
     "apply_fsdp",
     "check_compile",
     "check_compile_layout",
+    "check_cuda_graphs",
     "num_padding_micro_batches",
     "parallelize",
     "prepare_micro_batch",
@@ -94,12 +95,13 @@ class FsdpUnits(StrEnum):
 def parallelize(
     module: CausalLMLoss, mesh: DeviceMesh, *, sharding: Sharding, activation_checkpointing: ActivationCheckpointing,
     param_dtype: torch.dtype, compile: bool = False, fsdp_units: FsdpUnits = FsdpUnits.LAYER,
+    cuda_graphs: bool = False,
 ) -> CausalLMLoss:
-    """Activation checkpointing, then (``compile``) ``torch.compile`` per block, then FSDP2 over ``mesh`` (1-D: the
-    flattened DP × CP ranks), torchtitan's order; in place."""
+    """Activation checkpointing, then (``compile``) ``torch.compile`` per block, captured as CUDA graphs with
+    ``cuda_graphs``, then FSDP2 over ``mesh`` (1-D: the flattened DP × CP ranks), torchtitan's order; in place."""
     apply_activation_checkpointing(module, activation_checkpointing)
-    if compile:
-        apply_compile(module)
+    if compile or cuda_graphs:
+        apply_compile(module, cuda_graphs=cuda_graphs)
     if sharding is not Sharding.NONE:
         apply_fsdp(module, mesh, reshard_after_forward=sharding is Sharding.ZERO3, param_dtype=param_dtype,
                    units=fsdp_units)
@@ -115,27 +117,52 @@ def apply_activation_checkpointing(module: CausalLMLoss, mode: ActivationCheckpo
             composable_checkpoint(layer.get_submodule("mlp"))
 
 
-def apply_compile(module: CausalLMLoss) -> None:
+def apply_compile(module: CausalLMLoss, *, cuda_graphs: bool = False) -> None:
     """Compile each decoder layer's ``forward`` in place (parameter names, and so checkpoints, do not change; the
     layer's hooks, FSDP's and activation checkpointing's, stay around it, eager). Only the token dimension is
     dynamic: packed rows differ in length at every micro-batch, and a graph specialised to each length would
     recompile at every one, but the hidden sizes do not change, and graphs specialised to them run with fewer guards
     and wrapper work than with every dimension symbolic. The first layer's inputs are marked
     (``_mark_token_dims_dynamic``); each compiled layer marks its outputs' dynamic dimensions, so the next layer's
-    input comes marked."""
+    input comes marked. Inductor's size asserts are off: they check, at every call, shapes the graph was traced with.
+
+    ``cuda_graphs`` (``--cuda-graphs``): every row is padded to a token bucket, so shapes are static per bucket, and
+    each layer's graphs are captured per bucket and replayed (inductor's ``reduce-overhead`` mode, CUDA graph
+    trees): one launch per graph instead of one per kernel. ``check_cuda_graphs`` says where that can run."""
     layers = module.decoder_layers()
+    if cuda_graphs:
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, mode="reduce-overhead", dynamic=False)
+        return
     layers[0].register_forward_pre_hook(_mark_token_dims_dynamic, with_kwargs=True)
     for layer in layers:
         layer.forward = torch.compile(layer.forward, options={"size_asserts": False})
 
 
+def check_cuda_graphs(device: torch.device, *, sharding: Sharding, cp_size: int) -> None:
+    """Raise ``ValueError`` saying why ``--cuda-graphs`` cannot run here, before any model is built: a CPU (no CUDA
+    graphs); CP groups of more than one rank (sharded sequences run collectives inside every layer, which a captured
+    graph cannot hold); FSDP sharding (it gathers parameters into new memory at every step, and a graph replays the
+    addresses it was captured with). Spanning micro-batches are not planned (``--cuda-graphs`` plans within CP
+    groups), so DP replicas share no collective inside a layer either."""
+    if device.type != "cuda":
+        raise ValueError("--cuda-graphs needs a CUDA device: CUDA graphs capture GPU kernels; on CPU run without it "
+                         "(--token-buckets pads rows to the same buckets)")
+    if cp_size > 1:
+        raise ValueError(f"--cuda-graphs needs --cp 1: with CP {cp_size}, sharded sequences run collectives inside "
+                         "every layer, which a captured graph cannot hold")
+    if sharding is not Sharding.NONE:
+        raise ValueError(f"--cuda-graphs needs --sharding none: {sharding} gathers the parameters into new memory "
+                         "at every step, and a captured graph replays the addresses it was captured with")
+
+
 def _mark_token_dims_dynamic(layer: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-    """Mark the token dimension of a decoder layer's inputs dynamic: the hidden states and RoPE's cos/sin ``[1, T,
-    …]``, the positions ``[1, T]``, and the local segments' boundaries (``model.model_inputs``)."""
+    """Mark the token dimensions of a decoder layer's inputs dynamic: the hidden states and RoPE's cos/sin ``[1, T,
+    …]``, the positions ``[1, T]``, and the local segments' boundaries and longest length (``model.model_inputs``)."""
     hidden_states = args[0] if args else kwargs["hidden_states"]
     assert isinstance(hidden_states, torch.Tensor)
     torch._dynamo.maybe_mark_dynamic(hidden_states, 1)
-    for name, dim in (("position_ids", 1), ("cu_seq_lens_q", 0), ("cu_seq_lens_k", 0)):
+    for name, dim in (("position_ids", 1), ("dacp_cu_seqlens", 0), ("dacp_max_seqlen", 0)):
         tensor = kwargs.get(name)
         if isinstance(tensor, torch.Tensor):
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
