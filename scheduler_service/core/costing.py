@@ -105,7 +105,7 @@ class CostTables(NamedTuple):
     beta_s: float  # β·L, paid once per micro-batch by each CP rank with work
     floor_s: float  # F = floor·L: no CP rank with work takes less (0: the additive form)
     bucket_units: IntArray  # (U,) the token buckets a rank's row is padded to, ascending, in units; empty: none
-    pad_flops_per_unit: float  # what a padding token costs (the linear layers' FLOP-equivalents), per unit
+    pad_flops_per_unit: float  # what a padding token costs (the linear layers' FLOP-equivalents), per unit; 0: none
     attention_forward_share: float
     cp_size: int
     bucket_size: int
@@ -156,7 +156,7 @@ def cost_tables(perf: PerformanceModel, lengths: IntArray, cp_size: int, bucket_
         alpha_s_per_flop=float(perf.profile.compute.alpha_s_per_flop), beta_s=float(perf.compute_beta_s),
         floor_s=float(perf.compute_floor_s),
         bucket_units=np.array(token_bucket_sizes(bucket_size, token_buckets), dtype=np.int64) * cp_size,
-        pad_flops_per_unit=float(perf.padding_flops_per_token) / cp_size,
+        pad_flops_per_unit=float(perf.padding_flops_per_token) / cp_size if token_buckets else 0.0,
         attention_forward_share=ATTENTION_FORWARD_SHARE, cp_size=cp_size, bucket_size=bucket_size,
         num_blocks=num_blocks)
 
@@ -270,6 +270,8 @@ def exposed_comm_s(tables: CostTables, attention_flops: float, all_gather_s: flo
 def padding_flops(tables: CostTables, units: int) -> float:
     """What padding a row of ``units`` (memory units) to its token bucket costs: the linear layers' FLOP-equivalents
     of the padding tokens; 0 without buckets. The memory bound keeps a row within the largest bucket."""
+    if tables.pad_flops_per_unit == 0.0:  # no buckets: the array field is not read (a read in a loop costs refcounts)
+        return 0.0
     for bucket in tables.bucket_units:
         if units <= bucket:
             return (bucket - units) * tables.pad_flops_per_unit
