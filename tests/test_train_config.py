@@ -26,12 +26,12 @@ FLAGS = [
     "--export-lora", "--collective-timeout", "--max-length", "--truncate", "--metrics-out", "--plan-timeout",
     "--plan-attempts", "--attention-backend", "--dtype", "--no-progress", "--feedback", "--job-id", "--eval-data",
     "--eval-every", "--lora-rank", "--lora-alpha", "--lora-targets", "--report-to", "--logging-dir", "--fail-rank",
-    "--fail-at-step", "--no-spanning", "--skip-bad-records",
+    "--fail-at-step", "--no-spanning", "--skip-bad-records", "--debug",
 ]
 # A bool's other form, so that a flag turns a config file's value either way.
 OTHER_FORMS = [
     "--shuffle", "--no-compile", "--no-async-checkpoint", "--no-resume", "--no-resume-accept-data-change",
-    "--no-truncate", "--progress", "--no-feedback", "--spanning", "--no-skip-bad-records",
+    "--no-truncate", "--progress", "--no-feedback", "--spanning", "--no-skip-bad-records", "--no-debug",
 ]
 
 
@@ -226,3 +226,13 @@ def test_the_example_sft_config_is_a_run_the_trainer_accepts(
     assert (config.dims.world_size, config.keep_last, config.resume, config.report_to) == (
         8, 2, True, (Tracker.WANDB, Tracker.MLFLOW))
     assert set(read_config_file(EXAMPLE)) <= set(TrainConfig.model_fields)
+
+
+def test_the_closed_sets_the_config_names_are_those_the_implementations_take() -> None:
+    # choices.py mirrors them so that the configuration imports no torch; the implementations must agree.
+    from trainer_client import choices, lora, loss
+    from trainer_client.dacp import attention
+
+    assert [m.value for m in choices.AttentionBackend] == [m.value for m in attention.AttentionBackend]
+    assert [m.value for m in choices.LoraExport] == [m.value for m in lora.LoraExport]
+    assert choices.DEFAULT_CHUNK_TOKENS == loss.DEFAULT_CHUNK_TOKENS

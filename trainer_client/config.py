@@ -18,6 +18,10 @@ Errors are ``ConfigError`` (a ``ValueError``), one line naming each wrong value 
 got 0``); an unknown key is named with the closest known one. A rule across fields names the flags, and the keys
 the file gave them.
 
+The configuration imports no torch, transformers or implementation module at import (``choices.py`` holds the
+closed sets it names), so ``--help`` and config checks answer at once; the few checks an implementation module makes
+(LoRA's targets, ``--compile``'s layout) import it when the value is given.
+
 The flags are generated here, from each field's type, description and ``Flag``, rather than by pydantic-settings'
 CLI: that keeps every flag's spelling and meaning (``--plan-timeout`` for ``plan_timeout_s``,
 comma-separated lists, the ``--steps``/``--epochs`` exclusion, argument groups), keeps ``train.build_parser`` a
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from types import NoneType, UnionType
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -53,17 +57,23 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 from skrull_proto.models import JobId
 
+from scheduler_service.core.memory import LORA_TARGETS, ActivationCheckpointing, Sharding
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.plan import SchedulerName
-from trainer_client.dacp.attention import AttentionBackend
+from trainer_client.choices import (
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    AttentionBackend,
+    LoraExport,
+    LRSchedulerName,
+)
 from trainer_client.data import SYNTHETIC_PREFIX
-from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelDims
-from trainer_client.lora import LORA_TARGETS, LoraExport, LoraSettings
-from trainer_client.loss import DEFAULT_CHUNK_TOKENS
-from trainer_client.optim import LRSchedulerName
-from trainer_client.parallelize import ActivationCheckpointing, Sharding, check_compile_layout
 from trainer_client.plan_client import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 from trainer_client.reporting import Tracker, check_installed
+
+if TYPE_CHECKING:  # torch's modules: the configuration imports them only where a value needs them (module docstring)
+    from trainer_client.distributed import ParallelDims
+    from trainer_client.lora import LoraSettings
 
 __all__ = [
     "CONFIG_SUFFIXES",
@@ -311,6 +321,8 @@ class TrainConfig(BaseModel):
     dtype: Annotated[str, AfterValidator(_dtype), Flag(choices=DTYPES)] | None = Field(
         None, description="default: float32 on CPU, bfloat16 on CUDA")
     progress: bool = Field(True, description="a progress bar on rank 0 (the default); --no-progress: none")
+    debug: bool = Field(False, description="print a user error's traceback with its message, and every rank's log "
+                                           "(by default rank 0's alone)")
     feedback: bool = Field(False, description="report measured micro-batch times (and peak memory on CUDA) to the "
                                               "service, which refits this job's profile (POST /feedback; needs "
                                               "--scheduler-url)")
@@ -334,11 +346,15 @@ class TrainConfig(BaseModel):
     def lora(self) -> LoraSettings | None:
         if self.lora_rank is None:
             return None
+        from trainer_client.lora import LoraSettings
+
         alpha = self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
         return LoraSettings(rank=self.lora_rank, alpha=alpha, targets=self.lora_targets)
 
     @property
     def dims(self) -> ParallelDims:
+        from trainer_client.distributed import ParallelDims
+
         return ParallelDims(dp_size=self.dp, cp_size=self.cp)
 
     @model_validator(mode="after")
@@ -361,6 +377,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--lr-scheduler {self.lr_scheduler} does not read --min-lr-ratio (only "
                              f"{', '.join(readers)} do): leave it out, or choose one of those")
         if self.compile:
+            from trainer_client.parallelize import check_compile_layout
+
             check_compile_layout(self.activation_checkpointing)
         if (self.checkpoint_every or self.resume) and self.checkpoint_dir is None:
             raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")

@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from trainer_client.plan_client import PlanOrigin
-from trainer_client.step_metrics import StepMetrics
 
 if TYPE_CHECKING:
     from trainer_client.config import TrainConfig
+    from trainer_client.step_metrics import StepMetrics  # the configuration reads Tracker here: no torch at import
 
 __all__ = [
     "DEFAULT_LOGGING_ROOT",

@@ -109,7 +109,7 @@ from trainer_client.distributed import ParallelContext, max_over_ranks
 from trainer_client.evaluation import EvalSet
 from trainer_client.export import export_model, load_export_tokenizer
 from trainer_client.hub import fetch_on_rank_0_first
-from trainer_client.loading import ModelLayout, build_training_module
+from trainer_client.loading import ModelLayout, build_training_module, check_weights_present
 from trainer_client.loop import SkrullBatches
 from trainer_client.loss import micro_batch_loss, run_micro_batch
 from trainer_client.model import model_folder, model_shape
@@ -160,6 +160,7 @@ class Trainer:
         fetch_on_rank_0_first(parallel, model=config.model, tokenizer=config.tokenizer, data=config.data,
                               eval_data=config.eval_data)
         shape = model_shape(config.model)
+        check_weights_present(config.model)
         if config.compile:
             check_compile(self.device)  # before anything is built
         self.layout = ModelLayout.on(self.device, dtype=config.dtype, sharding=self.sharding,
