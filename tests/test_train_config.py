@@ -26,7 +26,7 @@ FLAGS = [
     "--export-lora", "--collective-timeout", "--max-length", "--truncate", "--metrics-out", "--plan-timeout",
     "--plan-attempts", "--attention-backend", "--dtype", "--no-progress", "--feedback", "--job-id", "--eval-data",
     "--eval-every", "--lora-rank", "--lora-alpha", "--lora-targets", "--report-to", "--logging-dir", "--fail-rank",
-    "--fail-at-step", "--no-spanning", "--skip-bad-records", "--debug",
+    "--fail-at-step", "--no-spanning", "--skip-bad-records", "--debug", "--loss-on", "--chat-template", "--text-field",
 ]
 # A bool's other form, so that a flag turns a config file's value either way.
 OTHER_FORMS = [
@@ -236,3 +236,13 @@ def test_the_closed_sets_the_config_names_are_those_the_implementations_take() -
     assert [m.value for m in choices.AttentionBackend] == [m.value for m in attention.AttentionBackend]
     assert [m.value for m in choices.LoraExport] == [m.value for m in lora.LoraExport]
     assert choices.DEFAULT_CHUNK_TOKENS == loss.DEFAULT_CHUNK_TOKENS
+
+
+def test_a_chat_template_that_is_neither_a_name_nor_a_file_is_refused_before_any_work(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--chat-template 'llama9' is neither a file of Jinja nor a template known by "
+                                         r"name \(chatml\)"):
+        _parse("--dp", "1", "--cp", "1", "--chat-template", "llama9")
+    template = _write(tmp_path / "chat.jinja", "{{ messages }}")
+    assert _parse("--dp", "1", "--cp", "1", "--chat-template", str(template)).chat_template == str(template)
+    with pytest.raises(ValueError, match=r"--loss-on 'prompt' is unknown; known: assistant, completion, all"):
+        TrainConfig(dp=1, cp=1, loss_on="prompt")

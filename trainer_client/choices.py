@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "DEFAULT_COLLECTIVE_TIMEOUT_S", "AttentionBackend", "LRSchedulerName", "LoraExport"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "DEFAULT_COLLECTIVE_TIMEOUT_S", "AttentionBackend", "LRSchedulerName", "LoraExport",
+           "LossOn"]
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # of every process group (distributed.py)
 DEFAULT_CHUNK_TOKENS = 4096  # tokens per chunk of the LM head and cross-entropy (loss.py)
@@ -50,3 +51,12 @@ class LRSchedulerName(StrEnum):
         ``constant_with_warmup`` holds ``lr``, whatever it is."""
         return self in (LRSchedulerName.WARMUP_COSINE, LRSchedulerName.COSINE_WITH_MIN_LR,
                         LRSchedulerName.WARMUP_STABLE_DECAY)
+
+
+class LossOn(StrEnum):
+    """``--loss-on``: which tokens of the records the trainer renders carry loss (``data.RecordEncoder``); TRL's
+    ``assistant_only_loss`` is ``assistant``, its ``completion_only_loss`` ``completion``, neither ``all``."""
+
+    ASSISTANT = "assistant"  # a chat's assistant turns; a prompt–completion record's completion
+    COMPLETION = "completion"  # a chat's last assistant turn; a prompt–completion record's completion
+    ALL = "all"  # every token, the template's markup and the prompts included

@@ -65,9 +65,10 @@ from trainer_client.choices import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     AttentionBackend,
     LoraExport,
+    LossOn,
     LRSchedulerName,
 )
-from trainer_client.data import SYNTHETIC_PREFIX
+from trainer_client.data import CHAT_TEMPLATES, SYNTHETIC_PREFIX, chat_template_of
 from trainer_client.plan_client import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 from trainer_client.reporting import Tracker, check_installed
 
@@ -169,6 +170,11 @@ def _held_out(source: str) -> str:
     return source
 
 
+def _chat_template(spec: str) -> str:
+    chat_template_of(spec)  # a known name, or a file that exists
+    return spec
+
+
 def _dtype(name: str) -> str:
     if name not in DTYPES:
         raise ValueError(f"must be {' or '.join(DTYPES)}, got {name!r}")
@@ -204,7 +210,18 @@ class TrainConfig(BaseModel):
                                                      "picks a split), or a Hugging Face Hub dataset "
                                                      "ORG/NAME[@REVISION][:SPLIT] (split train by default)")
     tokenizer: str | None = Field(None, description="a local tokenizer directory or a Hugging Face Hub id "
-                                                    "ORG/NAME[@REVISION] (for messages and text records)")
+                                                    "ORG/NAME[@REVISION] (for chats, prompt–completion and text "
+                                                    "records)")
+    loss_on: Annotated[LossOn, _one_of(LossOn)] = Field(
+        LossOn.ASSISTANT, description="the tokens with loss of the records the trainer renders: assistant (a chat's "
+                                      "assistant turns, a prompt–completion record's completion; TRL's "
+                                      "assistant_only_loss), completion (a chat's last assistant turn, a "
+                                      "completion; TRL's completion_only_loss) or all (every token); text records "
+                                      "train every token, input_ids records their own labels")
+    chat_template: Annotated[str, AfterValidator(_chat_template)] | None = Field(
+        None, description=f"render chats with this template instead of the tokenizer's: a name "
+                          f"({', '.join(CHAT_TEMPLATES)}) or a file of Jinja")
+    text_field: str = Field("text", description="the key of a plain-text record")
     global_batch: Annotated[int, Positive] = Field(16, description="sequences per global batch")
     steps: Annotated[int, Positive, Flag(exclusive="length")] = Field(
         20, description="optimizer steps (one per global batch)")

@@ -70,7 +70,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -101,8 +101,8 @@ from trainer_client.data import (
     RecordEncoder,
     RecordSource,
     SyntheticSource,
-    load_tokenizer,
     make_source,
+    record_encoder,
 )
 from trainer_client.data_check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records, write_bad_records
 from trainer_client.distributed import ParallelContext, max_over_ranks
@@ -179,8 +179,7 @@ class Trainer:
         self.plan_model = shape if model_folder(config.model) is not None else config.model
         self.source: DataSource = make_source(
             config.data, global_batch_size=config.global_batch, vocab_size=shape.vocab_size,
-            max_length=self.max_length, seed=config.seed, truncate=config.truncate, tokenizer=config.tokenizer,
-            shuffle=config.shuffle,
+            max_length=self.max_length, seed=config.seed, shuffle=config.shuffle, **self._encoding(),
         )
         self._check_data()
         if config.epochs is not None:
@@ -192,7 +191,7 @@ class Trainer:
                          if config.eval_data is not None else None)
         self.identity = RunIdentity.of(config, self.source)  # saved with every checkpoint, checked on resume
         self.lengths = LengthStats()  # of the batches this run trained
-        self.export_tokenizer = (load_export_tokenizer(config.tokenizer)
+        self.export_tokenizer = (load_export_tokenizer(config.tokenizer, chat_template=config.chat_template)
                                  if config.output_dir is not None and config.tokenizer is not None else None)
         self.module = build_training_module(config.model, parallel=parallel, layout=self.layout, seed=config.seed,
                                             lora=config.lora)
@@ -313,13 +312,17 @@ class Trainer:
             factors += f" × dp {self.config.dp}"
         return f"{capacity} tokens ({factors})"
 
+    def _encoding(self) -> dict[str, Any]:
+        """How the run's records become samples (``data.record_encoder``'s flags, the layout's aside)."""
+        config = self.config
+        return {"truncate": config.truncate, "tokenizer": config.tokenizer, "loss_on": config.loss_on,
+                "chat_template": config.chat_template, "text_field": config.text_field}
+
     def _record_encoder(self, shape: ModelShape) -> RecordEncoder:
         """How ``--eval-data`` records become samples: as the training records do."""
         if isinstance(self.source, RecordSource):
             return self.source.encoder
-        tokenizer = load_tokenizer(self.config.tokenizer) if self.config.tokenizer is not None else None
-        return RecordEncoder(max_length=self.max_length, truncate=self.config.truncate, vocab_size=shape.vocab_size,
-                             tokenizer=tokenizer)
+        return record_encoder(max_length=self.max_length, vocab_size=shape.vocab_size, **self._encoding())
 
     def _resume(self, directory: Path) -> None:
         path = self._checkpoint_to_resume(directory)
