@@ -11,7 +11,8 @@ Modules, one concept each:
   ``torch_compat`` (the torch calls that differ between the supported releases);
 * the run: ``data`` (global batches), ``hub`` (Hugging Face Hub ids: the snapshot in the cache each reads),
   ``plan_client`` (service client, embedded fallback, profile registration, feedback), ``distributed`` (mesh, process
-  launcher), ``config`` (the trainer's settings), ``choices`` (the closed sets they name, without torch), ``optim``
+  launcher), ``config`` (the trainer's settings), ``choices`` (the closed sets they name, without torch),
+  ``foreign_keys`` (TRL's, transformers' and axolotl's names of them), ``optim``
   (the schedule and clipping), ``trainer`` (the loop), ``loop`` (Skrull's plans, packing and loss normaliser for a
   training loop of your own), ``step_metrics`` (what a step measures), ``reporting`` (where rank 0 writes it: the
   metrics file and the experiment trackers), ``data_check`` (every record checked before step 0), ``evaluation``

@@ -38,7 +38,7 @@ import os
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import NoneType, UnionType
@@ -69,6 +69,7 @@ from trainer_client.choices import (
     LRSchedulerName,
 )
 from trainer_client.data import CHAT_TEMPLATES, SYNTHETIC_PREFIX, chat_template_of
+from trainer_client.foreign_keys import FOREIGN_KEYS, translate
 from trainer_client.plan_client import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 from trainer_client.reporting import Tracker, check_installed
 
@@ -84,6 +85,8 @@ __all__ = [
     "add_flags",
     "check_output_dir",
     "config_from_args",
+    "flag_aliases",
+    "foreign_flag_refusal",
     "load_config",
     "read_config_file",
 ]
@@ -150,11 +153,26 @@ def _one_of(enum: type[StrEnum]) -> BeforeValidator:
     return BeforeValidator(lambda value: _member(enum, value))
 
 
+def _listed(value: object) -> object:
+    """A list given as one string: its comma-separated items (``report_to: tensorboard``, ``lora_targets:
+    q_proj,v_proj``)."""
+    return tuple(item.strip() for item in value.split(",") if item.strip()) if isinstance(value, str) else value
+
+
 def _trackers(names: object) -> object:
-    """Each tracker once, in the order first named."""
-    if isinstance(names, str) or not isinstance(names, Iterable):
+    """Each tracker once, in the order first named; one name alone is a list of it, and ``none`` (transformers'
+    ``report_to``) no tracker."""
+    names = _listed(names)
+    if not isinstance(names, Iterable):
         return names  # not a sequence: refused as the field's type
+    if list(names) == ["none"]:
+        return ()
     return tuple(dict.fromkeys(_member(Tracker, name) for name in names))
+
+
+def _projections(targets: object) -> object:
+    """``lora_targets`` as a list; peft's ``all-linear`` is every projection of a decoder layer."""
+    return LORA_TARGETS if targets == "all-linear" else _listed(targets)
 
 
 def _http_url(url: str) -> str:
@@ -307,8 +325,8 @@ class TrainConfig(BaseModel):
         None, description="the adapters' rank; absent: full fine-tuning")
     lora_alpha: Annotated[int, Positive, Flag(group="LoRA")] | None = Field(
         None, description="scale the adapters by alpha / rank (default: 2 × rank)")
-    lora_targets: Annotated[tuple[str, ...], Flag(group="LoRA")] = Field(
-        LORA_TARGETS, description="comma-separated projections of each decoder layer to adapt")
+    lora_targets: Annotated[tuple[str, ...], BeforeValidator(_projections), Flag(group="LoRA")] = Field(
+        LORA_TARGETS, description="comma-separated projections of each decoder layer to adapt (all-linear: all)")
     report_to: Annotated[tuple[Tracker, ...], BeforeValidator(_trackers),
                          Flag(group="reporting", metavar="TRACKER[,TRACKER...]")] = Field(
         (), description=f"comma-separated trackers of {', '.join(Tracker)}, each installed by the extra of its name "
@@ -452,10 +470,16 @@ def check_output_dir(path: Path, *, flag: str) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Origin:
     """Where a ``TrainConfig``'s values came from: the config file's keys that no flag overrode, else flags (or
-    keyword arguments, which are named as the flags are)."""
+    keyword arguments, which are named as the flags are). ``spelled``: the file's own name of a field it gave under
+    another trainer's name (``learning_rate`` for ``lr``, ``foreign_keys.py``)."""
 
     path: Path | None = None
     keys: frozenset[str] = frozenset()
+    spelled: Mapping[str, str] = field(default_factory=dict)
+
+    def key(self, field_name: str) -> str:
+        """The file's key of a field the file gave."""
+        return self.spelled.get(field_name, field_name)
 
 
 class ConfigError(ValueError):
@@ -464,7 +488,8 @@ class ConfigError(ValueError):
 
     def __init__(self, errors: list[ErrorDetails], origin: _Origin | None = None) -> None:
         self.errors = errors
-        super().__init__("; ".join(_describe(error, origin or _Origin()) for error in errors))
+        self.lines = [_describe(error, origin or _Origin()) for error in errors]
+        super().__init__("; ".join(self.lines))
 
     def given_in(self, origin: _Origin) -> ConfigError:
         """The same errors, named where ``origin`` says each value was given."""
@@ -478,23 +503,36 @@ def _describe(error: ErrorDetails, origin: _Origin) -> str:
     # a ValueError of a validator here says what is wrong and nothing more; pydantic's own messages are sentences
     message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
     if not error["loc"]:  # a rule across fields: its message names the flags; add the keys the file gave them
-        keys = [field for flag in _FLAG_IN_MESSAGE.findall(message)
-                if (field := _FIELD_OF_FLAG.get(flag)) is not None and field in origin.keys]
+        keys = [origin.key(name) for flag in _FLAG_IN_MESSAGE.findall(message)
+                if (name := _FIELD_OF_FLAG.get(flag)) is not None and name in origin.keys]
         return f"{message} ({origin.path}: {', '.join(dict.fromkeys(keys))})" if keys else message
-    field, *inside = (str(part) for part in error["loc"])
+    name, *inside = (str(part) for part in error["loc"])
     if error["type"] == "extra_forbidden":
-        close = difflib.get_close_matches(field, TrainConfig.model_fields, n=1)
-        hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(TrainConfig.model_fields)}"
-        return (f"{origin.path}: {field}: unknown key{hint}" if field in origin.keys
-                else f"{field!r} is not a setting of the run{hint}")
+        return (f"{origin.path}: {name}: {_unknown(name)}" if name in origin.keys
+                else f"{name!r} is not a setting of the run: {_unknown(name)}")
     if error["type"] == "missing":
-        where = f" (or {field} in {origin.path})" if origin.path is not None else ""
-        return f"{_FLAGS[field].name} is required{where}"
+        where = f" (or {name} in {origin.path})" if origin.path is not None else ""
+        return f"{_FLAGS[name].name} is required{where}"
     if error["type"] != "value_error":
         message = f"{message}, got {error['input']!r}"
-    if field in origin.keys:
-        return f"{origin.path}: {field}{''.join(f'[{part}]' for part in inside)}: {message}"
-    return f"{_FLAGS[field].name} {message}" if error["type"] == "value_error" else f"{_FLAGS[field].name}: {message}"
+    if name in origin.keys:
+        return f"{origin.path}: {origin.key(name)}{''.join(f'[{part}]' for part in inside)}: {message}"
+    return f"{_FLAGS[name].name} {message}" if error["type"] == "value_error" else f"{_FLAGS[name].name}: {message}"
+
+
+def _unknown(key: str) -> str:
+    """What to say of a key that is no field: the Skrull key another trainer's name means, or why Skrull has none
+    (``foreign_keys.py``); else the closest field, or where the fields are listed."""
+    foreign = FOREIGN_KEYS.get(key)
+    if foreign is not None and foreign.key is not None:
+        return f"Skrull calls it {foreign.key}"
+    if foreign is not None:
+        return f"not a setting of Skrull: {foreign.refused({})}"
+    close = difflib.get_close_matches(key, TrainConfig.model_fields, n=1)
+    if close:
+        return f"unknown key; did you mean {close[0]}?"
+    return ("unknown key; `python -m trainer_client.train --help` lists the settings (a key is the flag's name with _ "
+            "for -)")
 
 
 # ---- the command line: a flag per field ------------------------------------------------------------------------------
@@ -671,15 +709,43 @@ def _unique_key_loader() -> type:
 
 def load_config(flags: Mapping[str, object], *, config_file: Path | None = None) -> TrainConfig:
     """The run ``config_file`` describes with ``flags`` (field name → value, those given on the command line)
-    over it. A flag of an exclusive set (``--steps``, ``--epochs``) replaces the file's choice of the other."""
-    from_file = read_config_file(config_file) if config_file is not None else {}
+    over it. A flag of an exclusive set (``--steps``, ``--epochs``) replaces the file's choice of the other. The
+    file may name settings as TRL, transformers or axolotl do (``foreign_keys.py``): an alias is read as its Skrull
+    key, and a setting Skrull has not is refused, each with why and what replaces it, one line each."""
+    written = read_config_file(config_file) if config_file is not None else {}
+    from_file, spelled, refusals = translate(written, context={**written, **flags})
     chosen = {flag.exclusive for name in flags if (flag := _FLAGS.get(name)) is not None} - {None}
     kept = {key: value for key, value in from_file.items()
             if key not in flags and (key not in _FLAGS or _FLAGS[key].exclusive not in chosen)}
+    problems = [f"{config_file}: {refusal}" for refusal in refusals]
     try:
-        return TrainConfig(**{**kept, **flags})
+        config = TrainConfig(**{**kept, **flags})
     except ConfigError as error:
-        raise error.given_in(_Origin(path=config_file, keys=frozenset(kept))) from None
+        described = error.given_in(_Origin(path=config_file, keys=frozenset(kept), spelled=spelled))
+        if not problems:
+            raise described from None
+        problems += described.lines
+    if problems:  # every problem of the file at once, a line each
+        raise ValueError("\n".join(problems))
+    return config
+
+
+def flag_aliases() -> dict[str, str]:
+    """Another trainer's flag for each alias whose value Skrull reads as it is, and Skrull's own
+    (``--learning-rate`` is ``--lr``): the command line takes them too."""
+    return {"--" + key.replace("_", "-"): flag_name for key, foreign in FOREIGN_KEYS.items()
+            if foreign.key is not None and foreign.value is None and (flag_name := _FLAGS[foreign.key].name)}
+
+
+def foreign_flag_refusal(flag: str) -> str | None:
+    """Why Skrull has no such flag, where it is another trainer's setting (``--gradient-accumulation-steps``), and
+    what replaces it."""
+    foreign = FOREIGN_KEYS.get(flag.removeprefix("--").replace("-", "_"))
+    if foreign is None:
+        return None
+    if foreign.key is not None:
+        return f"{flag} is {_FLAGS[foreign.key].name} here, as a config key"
+    return f"{flag} is not a setting of Skrull: {foreign.refused({})}"
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

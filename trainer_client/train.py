@@ -47,7 +47,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import NoReturn
 
-from trainer_client.config import add_flags, config_from_args
+from trainer_client.config import add_flags, config_from_args, flag_aliases, foreign_flag_refusal
 
 __all__ = ["build_parser", "main", "sigterm_exits"]
 
@@ -64,15 +64,28 @@ def _global_rank() -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser, whose usage error is one line, ``error: …``, and a hint, printed by global rank 0 alone:
-    under torchrun every rank parses the same command line, and argparse would print its usage (some 60 lines, one
-    per flag) on each."""
+    """argparse's parser, which also reads another trainer's spelling of a flag Skrull has (``--learning-rate`` is
+    ``--lr``, ``config.flag_aliases``), and whose usage error is one line, ``error: …``, and a hint (why Skrull has
+    no ``--gradient-accumulation-steps``, and what replaces it), printed by global rank 0 alone: under torchrun
+    every rank parses the same command line, and argparse would print its usage (some 60 lines) on each."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
+        aliases = flag_aliases()
+        spelled = []
+        for token in sys.argv[1:] if args is None else args:
+            flag, equals, value = token.partition("=")
+            spelled.append(aliases.get(flag, flag) + equals + value if flag.startswith("--") else token)
+        return super().parse_known_args(spelled, namespace)
 
     def error(self, message: str) -> NoReturn:
         if _global_rank() != 0:
             time.sleep(REPORT_GRACE_S)  # rank 0 prints it and exits, and torchrun stops this rank meanwhile
             self.exit(EXIT_USER_ERROR)
-        self.exit(EXIT_USER_ERROR, f"error: {message}\nhint: {self.prog} --help lists the flags\n")
+        refusals = [refusal for token in message.split() if (refusal := foreign_flag_refusal(token)) is not None]
+        hints = refusals or [f"{self.prog} --help lists the flags"]
+        self.exit(EXIT_USER_ERROR, f"error: {message}\n" + "".join(f"hint: {hint}\n" for hint in hints))
 
 
 def build_parser() -> argparse.ArgumentParser:
