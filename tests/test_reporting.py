@@ -57,7 +57,7 @@ def _config(tracker: Tracker, tmp_path: Path, *, resume: bool = False) -> TrainC
 
 
 def _report(config: TrainConfig, steps: Sequence[StepMetrics], *, failed: bool = False) -> None:
-    reports = open_reports(config, job_id=JOB_ID, first_step=steps[0].step)
+    reports = open_reports(config, job_id=JOB_ID, steps_done=steps[0].step)
     for metrics in steps:
         reports.write(metrics)
     reports.close(failed=failed)
@@ -68,7 +68,7 @@ def _expected(steps: Sequence[StepMetrics]) -> dict[str, list[tuple[int, float]]
     points: dict[str, list[tuple[int, float]]] = {}
     for metrics in steps:
         for name, value in scalars(metrics).items():
-            points.setdefault(name, []).append((metrics.step, value))
+            points.setdefault(name, []).append((metrics.number, value))
     return points
 
 

@@ -28,6 +28,7 @@ FLAGS = [
     "--plan-attempts", "--attention-backend", "--dtype", "--no-progress", "--feedback", "--job-id", "--eval-data",
     "--eval-every", "--lora-rank", "--lora-alpha", "--lora-targets", "--report-to", "--logging-dir", "--fail-rank",
     "--fail-at-step", "--no-spanning", "--skip-bad-records", "--debug", "--loss-on", "--chat-template", "--text-field",
+    "--logging-steps",
 ]
 # A bool's other form, so that a flag turns a config file's value either way.
 OTHER_FORMS = [

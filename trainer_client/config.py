@@ -355,19 +355,24 @@ class TrainConfig(BaseModel):
                                            "installed, else torch's varlen attention; SDPA otherwise")
     dtype: Annotated[str, AfterValidator(_dtype), Flag(choices=DTYPES)] | None = Field(
         None, description="default: float32 on CPU, bfloat16 on CUDA")
-    progress: bool = Field(True, description="a progress bar on rank 0 (the default); --no-progress: none")
+    progress: bool = Field(True, description="a progress bar on rank 0 where stderr is a terminal (the default); "
+                                             "--no-progress: none")
+    logging_steps: Annotated[int, NonNegative] | None = Field(
+        None, description="log a line every N steps on rank 0 (loss, lr, tokens/s, plan source, epoch), bar or no "
+                          "bar; 0: none (default: every step where no bar shows them, none beside the bar)")
     debug: bool = Field(False, description="print a user error's traceback with its message, and every rank's log "
                                            "(by default rank 0's alone)")
     feedback: bool = Field(False, description="report measured micro-batch times (and peak memory on CUDA) to the "
                                               "service, which refits this job's profile (POST /feedback; needs "
                                               "--scheduler-url)")
     job_id: Annotated[str, AfterValidator(_job_id)] | None = Field(
-        None, description="the job name the service keys feedback by: 1-128 letters, digits, . _ : -, starting with "
-                          "a letter or digit (default: random)")
+        None, description="the job's name: the trackers' runs and the service's feedback job: 1-128 letters, "
+                          "digits, . _ : -, starting with a letter or digit (default: --checkpoint-dir's name, else "
+                          "the model's and the data's, and the start time)")
     fail_rank: Annotated[int, Flag(group="fault injection")] | None = Field(
         None, description="the global rank that raises InjectedFault")
     fail_at_step: Annotated[int, Flag(group="fault injection")] | None = Field(
-        None, description="the step at whose start it raises")
+        None, description="the step (1-based, as checkpoints count them) at whose start it raises")
 
     def __init__(self, **values: Any) -> None:
         """Validate ``values``; a refusal is a ``ConfigError`` naming each wrong value by its flag (pydantic's own

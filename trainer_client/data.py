@@ -749,6 +749,10 @@ class RecordSource:
             self._order = (epoch, order if self._trained is None else self._trained[order])
         return self._order[1]
 
+    def epochs_done(self, position: Mapping[str, int]) -> float:
+        """The epochs trained up to ``position`` (a batch's ``next_position``): 1.5 halfway through the second."""
+        return position.get("epoch", 0) + position.get("index", 0) / self.num_records
+
     def steps_for_epochs(self, epochs: float) -> int:
         """Optimizer steps that train every record ``epochs`` times (the last batch may reach into the next
         epoch)."""

@@ -188,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
         if is_main:
             for metrics in history:
                 evaluated = f" eval {metrics.eval_loss:.6f}" if metrics.eval_loss is not None else ""
-                print(f"step {metrics.step:>4} loss {metrics.loss:.6f}{evaluated} plan {metrics.plan_source}",
+                print(f"step {metrics.number:>4} loss {metrics.loss:.6f}{evaluated} plan {metrics.plan_source}",
                       flush=True)
     except Exception as error:
         user_error = isinstance(error, ValueError)
