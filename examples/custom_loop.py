@@ -78,7 +78,7 @@ def main() -> None:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
             if parallel.is_main:
-                print(f"step {step:>4} loss {loss_sum.item() / share.num_loss_tokens:.6f} "
+                print(f"step {step + 1:>4} loss {loss_sum.item() / share.num_loss_tokens:.6f} "
                       f"grad_norm {grad_norm.item():.6e}", flush=True)
     dist.destroy_process_group()
 

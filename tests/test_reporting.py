@@ -21,6 +21,8 @@ from unittest import mock
 
 import pytest
 
+import trainer_client.distributed
+import trainer_client.trainer
 from tests.wandb_records import wandb_records
 from trainer_client import train
 from trainer_client.checkpoint import Checkpointer
@@ -55,7 +57,7 @@ def _config(tracker: Tracker, tmp_path: Path, *, resume: bool = False) -> TrainC
 
 
 def _report(config: TrainConfig, steps: Sequence[StepMetrics], *, failed: bool = False) -> None:
-    reports = open_reports(config, job_id=JOB_ID, first_step=steps[0].step)
+    reports = open_reports(config, job_id=JOB_ID, steps_done=steps[0].step)
     for metrics in steps:
         reports.write(metrics)
     reports.close(failed=failed)
@@ -66,7 +68,7 @@ def _expected(steps: Sequence[StepMetrics]) -> dict[str, list[tuple[int, float]]
     points: dict[str, list[tuple[int, float]]] = {}
     for metrics in steps:
         for name, value in scalars(metrics).items():
-            points.setdefault(name, []).append((metrics.step, value))
+            points.setdefault(name, []).append((metrics.number, value))
     return points
 
 
@@ -213,8 +215,9 @@ def test_sigterm_stops_main_through_its_finally_so_the_trainer_is_closed(monkeyp
     def unhandled(signum: int, frame: FrameType | None) -> None:
         raise _Unhandled
 
-    monkeypatch.setattr(train, "Trainer", Stopped)
-    monkeypatch.setattr(train, "init_parallel", lambda dims, timeout_s: None)
+    # train.py imports them when a rank starts, so that --help imports no torch.
+    monkeypatch.setattr(trainer_client.trainer, "Trainer", Stopped)
+    monkeypatch.setattr(trainer_client.distributed, "init_parallel", lambda dims, timeout_s: None)
     previous = signal.signal(signal.SIGTERM, unhandled)
     try:
         with pytest.raises(SystemExit) as stopped:

@@ -72,9 +72,9 @@ def test_the_sft_example_trains_keeps_its_two_newest_checkpoints_and_resumes_fro
     assert all(math.isfinite(m["loss"]) for m in metrics)  # type: ignore[arg-type]
     evaluated = {m["step"]: m["eval_loss"] for m in metrics if m["eval_loss"] is not None}
     assert evaluated.keys() == {2, 4} and all(math.isfinite(loss) for loss in evaluated.values())  # type: ignore[arg-type]
-    losses = {m["step"]: m["loss"] for m in metrics}
+    losses = {m["step"] + 1: m["loss"] for m in metrics}  # the trackers number steps as checkpoints do
 
-    # W&B: one offline run folder per process that reported, each step's loss once, at the trainer's step
+    # W&B: one offline run folder per process that reported, each step's loss once, at the step's number
     logged: dict[int, float] = {}
     for run_file in (work / "runs" / example["job_id"] / "wandb").glob("offline-run-*/run-*.wandb"):
         for record in wandb_records(run_file):

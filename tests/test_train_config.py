@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from scheduler_service.core.memory import Sharding
 from trainer_client.config import TrainConfig, load_config, read_config_file
+from trainer_client.foreign_keys import FOREIGN_KEYS
 from trainer_client.reporting import Tracker
 from trainer_client.train import build_parser, config_from_args, main
 
@@ -26,12 +27,13 @@ FLAGS = [
     "--export-lora", "--collective-timeout", "--max-length", "--truncate", "--metrics-out", "--plan-timeout",
     "--plan-attempts", "--attention-backend", "--dtype", "--no-progress", "--feedback", "--job-id", "--eval-data",
     "--eval-every", "--lora-rank", "--lora-alpha", "--lora-targets", "--report-to", "--logging-dir", "--fail-rank",
-    "--fail-at-step", "--no-spanning", "--skip-bad-records",
+    "--fail-at-step", "--no-spanning", "--skip-bad-records", "--debug", "--loss-on", "--chat-template", "--text-field",
+    "--logging-steps",
 ]
 # A bool's other form, so that a flag turns a config file's value either way.
 OTHER_FORMS = [
     "--shuffle", "--no-compile", "--no-async-checkpoint", "--no-resume", "--no-resume-accept-data-change",
-    "--no-truncate", "--progress", "--no-feedback", "--spanning", "--no-skip-bad-records",
+    "--no-truncate", "--progress", "--no-feedback", "--spanning", "--no-skip-bad-records", "--no-debug",
 ]
 
 
@@ -163,7 +165,7 @@ def test_dp_and_cp_are_required_from_the_flags_or_the_file(tmp_path: Path) -> No
     ("sharding: zero4", "{run}: sharding: 'zero4' is unknown; known: zero2, zero3, none"),
     ("global_batch: many", "{run}: global_batch: Input should be a valid integer, unable to parse string as an "
                            "integer, got 'many'"),
-    ("report_to: wandb", "{run}: report_to: Input should be a valid tuple, got 'wandb'"),
+    ("report_to: 3", "{run}: report_to: Input should be a valid tuple, got 3"),
     ("lora_rank: 4\nlora_targets: [q_proj, 3]", "{run}: lora_targets[1]: Input should be a valid string, got 3"),
     ("job_id: has space", "{run}: job_id: 'has space' is not a valid job id: 1 to 128 characters, letters, digits "
                           "and . _ : - only, starting with a letter or digit"),
@@ -226,3 +228,168 @@ def test_the_example_sft_config_is_a_run_the_trainer_accepts(
     assert (config.dims.world_size, config.keep_last, config.resume, config.report_to) == (
         8, 2, True, (Tracker.WANDB, Tracker.MLFLOW))
     assert set(read_config_file(EXAMPLE)) <= set(TrainConfig.model_fields)
+
+
+def test_the_closed_sets_the_config_names_are_those_the_implementations_take() -> None:
+    # choices.py mirrors them so that the configuration imports no torch; the implementations must agree.
+    from trainer_client import choices, lora, loss
+    from trainer_client.dacp import attention
+
+    assert [m.value for m in choices.AttentionBackend] == [m.value for m in attention.AttentionBackend]
+    assert [m.value for m in choices.LoraExport] == [m.value for m in lora.LoraExport]
+    assert choices.DEFAULT_CHUNK_TOKENS == loss.DEFAULT_CHUNK_TOKENS
+
+
+def test_a_chat_template_that_is_neither_a_name_nor_a_file_is_refused_before_any_work(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--chat-template 'llama9' is neither a file of Jinja nor a template known by "
+                                         r"name \(chatml\)"):
+        _parse("--dp", "1", "--cp", "1", "--chat-template", "llama9")
+    template = _write(tmp_path / "chat.jinja", "{{ messages }}")
+    assert _parse("--dp", "1", "--cp", "1", "--chat-template", str(template)).chat_template == str(template)
+    with pytest.raises(ValueError, match=r"--loss-on 'prompt' is unknown; known: assistant, completion, all"):
+        TrainConfig(dp=1, cp=1, loss_on="prompt")
+
+
+
+# ---- names people type: TRL's, transformers' and axolotl's settings (foreign_keys.py) ------------------------------
+
+
+TRL_CONFIG = """\
+dp: 4
+cp: 2
+model_name_or_path: Qwen/Qwen2.5-0.5B
+dataset_name: HuggingFaceH4/ultrachat_200k:train_sft
+dataset_text_field: body
+learning_rate: 2.0e-5
+max_steps: 500
+lr_scheduler_type: cosine
+max_seq_length: 8192
+bf16: true
+gradient_checkpointing: true
+packing: true
+assistant_only_loss: true
+save_steps: 100
+save_total_limit: 2
+checkpoint_dir: ckpt
+eval_steps: 50
+eval_data: HuggingFaceH4/ultrachat_200k:test_sft
+run_name: ultrachat-sft
+report_to: tensorboard
+save_strategy: steps
+optim: adamw_torch
+"""
+AXOLOTL_CONFIG = """\
+dp: 2
+cp: 1
+base_model: tiny
+learning_rate: 0.0002
+num_epochs: 2
+sequence_len: 4096
+lora_r: 16
+lora_alpha: 32
+lora_target_modules: q_proj,v_proj
+lora_dropout: 0.0
+adapter: lora
+sample_packing: true
+train_on_inputs: false
+flash_attention: true
+torch_compile: false
+"""
+
+
+def test_trl_and_axolotl_names_are_read_as_the_skrull_settings_they_are(tmp_path: Path) -> None:
+    trl = _parse("--config", str(_write(tmp_path / "trl.yaml", TRL_CONFIG)), "--data", "d.jsonl")
+    assert (trl.model, trl.text_field, trl.lr, trl.steps, trl.lr_scheduler, trl.max_length, trl.dtype) == (
+        "Qwen/Qwen2.5-0.5B", "body", 2e-5, 500, "cosine", 8192, "bfloat16")
+    assert (trl.activation_checkpointing, trl.loss_on, trl.checkpoint_every, trl.keep_last, trl.job_id) == (
+        "full", "assistant", 100, 2, "ultrachat-sft")
+    assert (trl.eval_every, trl.report_to) == (50, (Tracker.TENSORBOARD,))
+    axolotl = _parse("--config", str(_write(tmp_path / "axolotl.yaml", AXOLOTL_CONFIG)), "--data", "d.jsonl")
+    assert (axolotl.model, axolotl.lr, axolotl.epochs, axolotl.max_length) == ("tiny", 2e-4, 2, 4096)
+    assert (axolotl.lora_rank, axolotl.lora_alpha, axolotl.lora_targets) == (16, 32, ("q_proj", "v_proj"))
+    assert (axolotl.loss_on, axolotl.attention_backend, axolotl.compile) == ("assistant", "flash_attn", False)
+
+
+def test_a_setting_skrull_has_not_is_refused_with_what_replaces_it_from_the_files_values(tmp_path: Path) -> None:
+    run = _write(tmp_path / "run.yaml", "dp: 4\ncp: 2\nper_device_train_batch_size: 4\n"
+                                        "gradient_accumulation_steps: 8\nmax_steps: 1000\nwarmup_ratio: 0.03\n"
+                                        "packing: false\n")
+    with pytest.raises(ValueError) as refused:
+        _parse("--config", str(run))
+    batch, warmup, packing = str(refused.value).splitlines()
+    assert batch.startswith(f"{run}: per_device_train_batch_size, gradient_accumulation_steps: not settings of "
+                            "Skrull: Skrull plans every global batch's micro-batches itself")
+    assert batch.endswith("give global_batch, the sequences per optimizer step: here per_device_train_batch_size 4 "
+                          "× gradient_accumulation_steps 8 × dp 4 = 128")
+    assert warmup == (f"{run}: warmup_ratio: not a setting of Skrull: give warmup_steps, the steps of linear warmup: "
+                      "here warmup_ratio 0.03 × steps 1000 = 30")
+    assert packing.startswith(f"{run}: packing: not a setting of Skrull: Skrull always packs")
+
+
+def test_an_unknown_key_is_answered_with_the_closest_setting_or_where_they_are_listed(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as refused:
+        _parse("--config", str(_write(tmp_path / "run.yaml", "dp: 1\ncp: 1\nzqxv: 3\n")))
+    assert str(refused.value) == (f"{tmp_path / 'run.yaml'}: zqxv: unknown key; `python -m trainer_client.train "
+                                  "--help` lists the settings (a key is the flag's name with _ for -)")
+
+
+def test_a_foreign_key_and_the_skrull_key_it_is_may_not_both_be_given(tmp_path: Path) -> None:
+    run = _write(tmp_path / "run.yaml", "dp: 1\ncp: 1\nlr: 0.001\nlearning_rate: 0.0002\n")
+    with pytest.raises(ValueError, match=r"learning_rate: lr sets lr too; give one$"):
+        _parse("--config", str(run))
+
+
+def test_a_wrong_value_under_a_foreign_key_is_named_by_that_key(tmp_path: Path) -> None:
+    run = _write(tmp_path / "run.yaml", "dp: 1\ncp: 1\nlearning_rate: -0.001\n")
+    with pytest.raises(ValueError, match=f"^{run}: learning_rate: must be positive, got -0.001$"):
+        _parse("--config", str(run))
+
+
+def test_a_single_value_is_a_list_where_a_list_is_expected(tmp_path: Path) -> None:
+    run = _write(tmp_path / "run.yaml", "dp: 1\ncp: 1\nreport_to: tensorboard\nlora_rank: 4\n"
+                                        "lora_targets: q_proj\n")
+    config = _parse("--config", str(run))
+    assert (config.report_to, config.lora_targets) == ((Tracker.TENSORBOARD,), ("q_proj",))
+    assert _parse("--dp", "1", "--cp", "1", "--report-to", "none").report_to == ()
+
+
+def test_another_trainers_flag_is_read_as_skrulls_or_refused_with_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _parse("--dp", "1", "--cp", "1", "--learning-rate", "2e-5", "--max-steps=7").lr == 2e-5
+    with pytest.raises(SystemExit) as stopped:
+        main(["--dp", "1", "--cp", "1", "--gradient-accumulation-steps", "4"])
+    assert stopped.value.code == 2
+    error, hint = capsys.readouterr().err.splitlines()
+    assert error == "error: unrecognized arguments: --gradient-accumulation-steps 4"
+    assert hint.startswith("hint: --gradient-accumulation-steps is not a setting of Skrull: Skrull plans every global "
+                           "batch's micro-batches itself")
+
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides"
+
+
+def _guide_block(page: str, opening: str) -> str:
+    """The code block of a docs page whose first line is ``opening``, without its fences."""
+    text = (GUIDE / page).read_text()
+    start = text.index(opening)
+    return text[start:text.index("```", start)]
+
+
+def test_the_training_guides_trl_config_and_its_skrull_twin_say_what_the_trainer_does(tmp_path: Path) -> None:
+    skrull = _write(tmp_path / "sft.yaml", _guide_block("training.md", "# sft.yaml\n"))
+    config = _parse("--config", str(skrull))
+    assert (config.dp, config.cp, config.global_batch, config.loss_on) == (4, 2, 64, "assistant")
+    trl = _write(tmp_path / "trl.yaml", _guide_block("training.md", "# trl.yaml\n") + "dp: 4\ncp: 2\n")
+    with pytest.raises(ValueError) as refused:
+        _parse("--config", str(trl))
+    shown = _guide_block("training.md", "error: trl.yaml: ").replace("trl.yaml", str(trl))
+    assert f"error: {refused.value}" == shown.strip()
+
+
+def test_the_page_for_trl_users_lists_every_name_the_trainer_reads_or_refuses() -> None:
+    rows = {line.split("|")[1].strip().strip("`"): line for line in (GUIDE / "from-trl.md").read_text().splitlines()
+            if line.startswith("| `")}
+    for name, foreign in FOREIGN_KEYS.items():
+        assert name in rows, name
+        assert f"| {foreign.tools} |" in rows[name], name
+        skrull = f"`{foreign.key}`" if foreign.key is not None else ("accepted" if foreign.accepts else "refused")
+        assert rows[name].split("|")[3].strip().startswith(skrull), name

@@ -18,7 +18,7 @@ from datasets import Dataset, DatasetDict
 from transformers import PreTrainedTokenizerFast
 
 from scheduler_service.core.samplers import sample_lengths
-from tests.hub_cache import save_tokenizer
+from tests.hub_cache import CHATML, save_tokenizer
 from trainer_client.data import (
     IGNORE_INDEX,
     DataSource,
@@ -145,7 +145,8 @@ def test_rejects_record_longer_than_max_length_naming_it(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(("record", "message"), [
-    ({"tokens": [1]}, "none of 'input_ids', 'messages', 'text'"),
+    ({"tokens": [1]}, r"none of 'input_ids', 'messages', 'conversations', 'prompt' and 'completion', 'text' \(its "
+                        r"keys: tokens\); --text-field names another key of plain text"),
     ({"input_ids": []}, "non-empty"),
     ({"input_ids": [1, 2], "labels": [1]}, "labels has 1 entries"),
     ({"input_ids": [1, 5000]}, r"token ids must lie in \[0, 1024\)"),
@@ -205,6 +206,94 @@ def test_text_records_train_every_token_and_end_with_end_of_text(tmp_path: Path,
                      tokenizer=tokenizer_dir).batch(0).samples[0]
     assert tokenizer.decode(sample.input_ids) == "the model reads long documents<|endoftext|>"
     assert np.array_equal(sample.labels, sample.input_ids)
+
+
+def _sample(tmp_path: Path, tokenizer_dir: Path, record: dict[str, object], **encoding: object) -> Sample:
+    source = make_source(str(_write(tmp_path / "records.jsonl", [record])), global_batch_size=1, vocab_size=1024,
+                         max_length=512, seed=0, tokenizer=str(tokenizer_dir), **encoding)  # type: ignore[arg-type]
+    return source.batch(0).samples[0]
+
+
+def _trained_text(tokenizer_dir: Path, sample: Sample) -> list[str]:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    return [tokenizer.decode(sample.input_ids[run]) for run in _runs(sample.labels != IGNORE_INDEX)]
+
+
+def test_a_prompt_completion_record_trains_its_completion_and_end_as_trl_does(tmp_path: Path,
+                                                                             tokenizer_dir: Path) -> None:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    record = {"prompt": "what does the scheduler pack", "completion": " short chats beside long ones"}
+    sample = _sample(tmp_path, tokenizer_dir, record)
+    # tokenized apart, so that no token straddles prompt and completion; the completion ends with end-of-text
+    assert sample.input_ids.tolist() == (tokenizer.encode(record["prompt"]) + tokenizer.encode(record["completion"])
+                                         + [tokenizer.eos_token_id])
+    assert _trained_text(tokenizer_dir, sample) == [" short chats beside long ones<|endoftext|>"]
+    everything = _sample(tmp_path, tokenizer_dir, record, loss_on="all")
+    assert np.array_equal(everything.labels, everything.input_ids)
+
+
+def test_a_conversational_prompt_completion_record_is_a_chat_whose_completion_trains(tmp_path: Path,
+                                                                                   tokenizer_dir: Path) -> None:
+    prompt, completion = CHAT["messages"][:-1], CHAT["messages"][-1:]
+    sample = _sample(tmp_path, tokenizer_dir, {"prompt": prompt, "completion": completion})
+    chat = _sample(tmp_path, tokenizer_dir, CHAT)
+    assert np.array_equal(sample.input_ids, chat.input_ids)
+    assert _trained_text(tokenizer_dir, sample) == ["so that every rank finishes at the same time<|im_end|>\n"]
+
+
+def test_a_sharegpt_conversation_is_the_chat_of_its_speakers(tmp_path: Path, tokenizer_dir: Path) -> None:
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    conversations = [{"from": speaker[m["role"]], "value": m["content"]} for m in CHAT["messages"]]
+    sample = _sample(tmp_path, tokenizer_dir, {"conversations": conversations})
+    chat = _sample(tmp_path, tokenizer_dir, CHAT)
+    assert np.array_equal(sample.input_ids, chat.input_ids) and np.array_equal(sample.labels, chat.labels)
+    with pytest.raises(ValueError, match=r"'conversations' has speakers 'narrator'; ShareGPT's are human, user, gpt"):
+        _sample(tmp_path, tokenizer_dir, {"conversations": [{"from": "narrator", "value": "once"}]})
+
+
+@pytest.mark.parametrize(("loss_on", "trained"), [
+    ("assistant", ["short chats beside long ones<|im_end|>\n", "so that every rank finishes at the same time"
+                                                                "<|im_end|>\n"]),
+    ("completion", ["so that every rank finishes at the same time<|im_end|>\n"]),
+])
+def test_loss_on_picks_a_chats_answers_as_trls_assistant_and_completion_only_loss(
+    tmp_path: Path, tokenizer_dir: Path, loss_on: str, trained: list[str]
+) -> None:
+    assert _trained_text(tokenizer_dir, _sample(tmp_path, tokenizer_dir, CHAT, loss_on=loss_on)) == trained
+
+
+def test_loss_on_all_trains_every_token_of_the_rendered_chat(tmp_path: Path, tokenizer_dir: Path) -> None:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    sample = _sample(tmp_path, tokenizer_dir, CHAT, loss_on="all")
+    assert sample.input_ids.tolist() == tokenizer.apply_chat_template(CHAT["messages"], tokenize=True,
+                                                                      return_dict=False)
+    assert np.array_equal(sample.labels, sample.input_ids)
+    # a chat without an assistant turn trains too: every token has loss
+    assert _sample(tmp_path, tokenizer_dir, {"messages": CHAT["messages"][:2]}, loss_on="all").num_loss_tokens > 0
+
+
+def test_text_field_names_the_key_of_plain_text(tmp_path: Path, tokenizer_dir: Path) -> None:
+    sample = _sample(tmp_path, tokenizer_dir, {"body": "the model reads long documents"}, text_field="body")
+    assert np.array_equal(sample.input_ids,
+                          _sample(tmp_path, tokenizer_dir, {"text": "the model reads long documents"}).input_ids)
+
+
+def test_a_tokenizer_without_a_chat_template_takes_one_by_name_or_from_a_file(tmp_path: Path,
+                                                                            tokenizer_dir: Path) -> None:
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"holds a chat, and the tokenizer has no chat template: give "
+                                         r"--chat-template \(chatml, or a file of Jinja\)"):
+        _sample(tmp_path, tmp_path / "plain", CHAT)
+    templated = _sample(tmp_path, tokenizer_dir, CHAT)
+    assert np.array_equal(_sample(tmp_path, tmp_path / "plain", CHAT, chat_template="chatml").labels, templated.labels)
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    from_file = _sample(tmp_path, tmp_path / "plain", CHAT, chat_template=str(tmp_path / "chatml.jinja"))
+    assert np.array_equal(from_file.labels, templated.labels)
+    with pytest.raises(ValueError, match=r"--chat-template 'llama9' is neither a file of Jinja nor a template known by "
+                                         r"name \(chatml\)"):
+        _sample(tmp_path, tmp_path / "plain", CHAT, chat_template="llama9")
 
 
 def test_a_folder_that_holds_no_tokenizer_is_refused_naming_the_flag(tmp_path: Path) -> None:

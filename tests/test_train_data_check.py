@@ -74,12 +74,14 @@ def test_one_pass_finds_every_record_that_cannot_train_by_its_line(tmp_path: Pat
         f"  an empty chat, 1 record: {path}:4",
         f"  a chat without an assistant turn, 1 record: {path}:8",
         "  malformed, 3 records:",
-        f"    record {path}:23 has none of 'input_ids', 'messages', 'text'",
+        f"    record {path}:23 has none of 'input_ids', 'messages', 'conversations', 'prompt' and 'completion', "
+        "'text' (its keys: tokens); --text-field names another key of plain text",
         f"    record {path}:40 is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 "
         "(char 1)",
         f"    record {path}:57: token ids must lie in [0, 1024)",
     ]
-    assert checked.fixes() == ["--truncate cuts records to --max-length"]
+    assert checked.fixes() == ["--truncate cuts records to --max-length",
+                               "--loss-on all trains every token of chats and prompt–completion records"]
     # The distribution of what trains: the 53 good chats.
     assert checked.summary().startswith("53 records, ")
 
@@ -183,8 +185,8 @@ def test_bad_records_stop_every_rank_before_step_0_naming_them_all(tmp_path: Pat
     assert [line.split(",")[0].strip() for line in listed if not line.startswith("    ")] == [
         "longer than --max-length 128", "no token with loss", "an empty chat", "a chat without an assistant turn",
         "malformed"]
-    assert hint == ("hint: --truncate cuts records to --max-length; --skip-bad-records trains the other 53 and "
-                    "leaves these out")
+    assert hint == ("hint: --truncate cuts records to --max-length; --loss-on all trains every token of chats and "
+                    "prompt–completion records; --skip-bad-records trains the other 53 and leaves these out")
     assert not list(checkpoints.glob("step-*"))  # no step trained, no checkpoint written
     assert len((checkpoints / BAD_RECORDS_FILE).read_text().splitlines()) == 7
 

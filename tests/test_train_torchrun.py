@@ -65,9 +65,9 @@ def test_skrull_matches_deepspeed_step_for_step_and_survives_the_service_stoppin
     assert scheduled[-1]["plan_fallbacks"] >= 1
     assert stderr.count("planning with the embedded core instead") == 1
     assert sum(a["num_micro_batches"] for a in scheduled) < sum(b["num_micro_batches"] for b in baseline)
-    # rank 0 prints every step's loss as well
+    # rank 0 prints every step's loss as well, numbered as checkpoints count steps
     assert [line.split()[1] for line in stdout.splitlines() if line.startswith("step ")] == [
-        str(step) for step in range(STEPS)
+        str(step) for step in range(1, STEPS + 1)
     ]
 
 
@@ -77,16 +77,16 @@ def test_a_failing_rank_stops_the_job_at_once_and_every_rank_names_it(tmp_path: 
     job = subprocess.run(
         trainer_command(scheduler="skrull", metrics_out=metrics_out, scheduler_url=None, steps=4, global_batch=8,
                         bucket_size=1024, extra=["--collective-timeout", str(COLLECTIVE_TIMEOUT_S),
-                                                 "--fail-rank", "2", "--fail-at-step", "2"]),
+                                                 "--fail-rank", "2", "--fail-at-step", "3"]),
         env=trainer_env(), capture_output=True, text=True, timeout=300, check=False,
     )
     ended, stderr = time.time(), job.stderr
     assert job.returncode != 0, stderr[-3000:]
-    # Rank 0 logged steps 0 and 1, then waited for global rank 2 in step 2: it and the job ended long before
-    # a collective could time out (seconds, here; the bound leaves room for a loaded machine).
+    # Rank 0 logged steps 1 and 2 (batches 0 and 1), then waited for global rank 2 in step 3: it and the job ended
+    # long before a collective could time out (seconds, here; the bound leaves room for a loaded machine).
     assert [m["step"] for m in read_metrics(metrics_out)] == [0, 1]
     assert ended - metrics_out.stat().st_mtime < COLLECTIVE_TIMEOUT_S / 4
-    reason = "InjectedFault: injected fault at step 2 (--fail-rank 2 --fail-at-step 2)"
+    reason = "InjectedFault: injected fault at step 3 (--fail-rank 2 --fail-at-step 3)"
     final_errors = _final_errors(stderr)
     assert final_errors.pop(2) == f"trainer_client.trainer.{reason}"
     # Each other rank that got to print before torchrun stopped it (all, so far) stops with rank 2's reason, not

@@ -10,14 +10,15 @@ Modules, one concept each:
   copy per rank), ``parallelize`` (activation checkpointing, compiled blocks, FSDP, the gradient all-reduce),
   ``torch_compat`` (the torch calls that differ between the supported releases);
 * the run: ``data`` (global batches), ``hub`` (Hugging Face Hub ids: the snapshot in the cache each reads),
-  ``plan_client`` (service client, embedded fallback, profile registration, feedback), ``distributed`` (mesh,
-  process launcher), ``config`` (the trainer's settings), ``optim`` (the schedule and clipping), ``trainer`` (the
-  loop), ``loop`` (Skrull's plans, packing and loss normaliser for a training loop of your own), ``step_metrics``
-  (what a step measures), ``reporting`` (where rank 0 writes it: the metrics file and the experiment trackers),
-  ``data_check`` (every record checked before step 0), ``evaluation`` (held-out loss), ``checkpoint`` (DCP save
-  and resume), ``run_identity`` (what a checkpoint must share with the run that resumes it), ``export`` (a Hugging
-  Face model folder from the trained model or a checkpoint), ``train`` (the torchrun entrypoint), ``demo`` (the
-  end-to-end job);
+  ``plan_client`` (service client, embedded fallback, profile registration, feedback), ``distributed`` (mesh, process
+  launcher), ``config`` (the trainer's settings), ``choices`` (the closed sets they name, without torch),
+  ``foreign_keys`` (TRL's, transformers' and axolotl's names of them), ``optim``
+  (the schedule and clipping), ``trainer`` (the loop), ``loop`` (Skrull's plans, packing and loss normaliser for a
+  training loop of your own), ``step_metrics`` (what a step measures), ``reporting`` (where rank 0 writes it: the
+  metrics file and the experiment trackers), ``data_check`` (every record checked before step 0), ``evaluation``
+  (held-out loss), ``checkpoint`` (DCP save and resume), ``run_identity`` (what a checkpoint must share with the run
+  that resumes it), ``export`` (a Hugging Face model folder from the trained model or a checkpoint), ``train`` (the
+  entrypoint: ``skrull-train``, or one torchrun rank), ``demo`` (the end-to-end job);
 * profiles: ``profile`` (the profiler's command) over the sub-package ``profiler``: ``profiler.sweeps`` (what it
   measures), ``profiler.document`` (the file it writes) and ``profiler.measure`` (its timing and memory probes);
   ``auto_profile`` (``--profile auto``: measured by the run itself, cached per machine and layout);

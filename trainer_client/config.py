@@ -18,6 +18,10 @@ Errors are ``ConfigError`` (a ``ValueError``), one line naming each wrong value 
 got 0``); an unknown key is named with the closest known one. A rule across fields names the flags, and the keys
 the file gave them.
 
+The configuration imports no torch, transformers or implementation module at import (``choices.py`` holds the
+closed sets it names), so ``--help`` and config checks answer at once; the few checks an implementation module makes
+(LoRA's targets, ``--compile``'s layout) import it when the value is given.
+
 The flags are generated here, from each field's type, description and ``Flag``, rather than by pydantic-settings'
 CLI: that keeps every flag's spelling and meaning (``--plan-timeout`` for ``plan_timeout_s``,
 comma-separated lists, the ``--steps``/``--epochs`` exclusion, argument groups), keeps ``train.build_parser`` a
@@ -34,11 +38,11 @@ import os
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import NoneType, UnionType
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -53,17 +57,25 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 from skrull_proto.models import JobId
 
+from scheduler_service.core.memory import LORA_TARGETS, ActivationCheckpointing, Sharding
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.plan import SchedulerName
-from trainer_client.dacp.attention import AttentionBackend
-from trainer_client.data import SYNTHETIC_PREFIX
-from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelDims
-from trainer_client.lora import LORA_TARGETS, LoraExport, LoraSettings
-from trainer_client.loss import DEFAULT_CHUNK_TOKENS
-from trainer_client.optim import LRSchedulerName
-from trainer_client.parallelize import ActivationCheckpointing, Sharding, check_compile_layout
+from trainer_client.choices import (
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    AttentionBackend,
+    LoraExport,
+    LossOn,
+    LRSchedulerName,
+)
+from trainer_client.data import CHAT_TEMPLATES, SYNTHETIC_PREFIX, chat_template_of
+from trainer_client.foreign_keys import FOREIGN_KEYS, translate
 from trainer_client.plan_client import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 from trainer_client.reporting import Tracker, check_installed
+
+if TYPE_CHECKING:  # torch's modules: the configuration imports them only where a value needs them (module docstring)
+    from trainer_client.distributed import ParallelDims
+    from trainer_client.lora import LoraSettings
 
 __all__ = [
     "CONFIG_SUFFIXES",
@@ -73,6 +85,8 @@ __all__ = [
     "add_flags",
     "check_output_dir",
     "config_from_args",
+    "flag_aliases",
+    "foreign_flag_refusal",
     "load_config",
     "read_config_file",
 ]
@@ -139,11 +153,26 @@ def _one_of(enum: type[StrEnum]) -> BeforeValidator:
     return BeforeValidator(lambda value: _member(enum, value))
 
 
+def _listed(value: object) -> object:
+    """A list given as one string: its comma-separated items (``report_to: tensorboard``, ``lora_targets:
+    q_proj,v_proj``)."""
+    return tuple(item.strip() for item in value.split(",") if item.strip()) if isinstance(value, str) else value
+
+
 def _trackers(names: object) -> object:
-    """Each tracker once, in the order first named."""
-    if isinstance(names, str) or not isinstance(names, Iterable):
+    """Each tracker once, in the order first named; one name alone is a list of it, and ``none`` (transformers'
+    ``report_to``) no tracker."""
+    names = _listed(names)
+    if not isinstance(names, Iterable):
         return names  # not a sequence: refused as the field's type
+    if list(names) == ["none"]:
+        return ()
     return tuple(dict.fromkeys(_member(Tracker, name) for name in names))
+
+
+def _projections(targets: object) -> object:
+    """``lora_targets`` as a list; peft's ``all-linear`` is every projection of a decoder layer."""
+    return LORA_TARGETS if targets == "all-linear" else _listed(targets)
 
 
 def _http_url(url: str) -> str:
@@ -157,6 +186,11 @@ def _held_out(source: str) -> str:
         raise ValueError(f"{source} is synthetic; evaluation needs held-out records: a data file, a dataset folder "
                          "or a Hub data set")
     return source
+
+
+def _chat_template(spec: str) -> str:
+    chat_template_of(spec)  # a known name, or a file that exists
+    return spec
 
 
 def _dtype(name: str) -> str:
@@ -194,7 +228,18 @@ class TrainConfig(BaseModel):
                                                      "picks a split), or a Hugging Face Hub dataset "
                                                      "ORG/NAME[@REVISION][:SPLIT] (split train by default)")
     tokenizer: str | None = Field(None, description="a local tokenizer directory or a Hugging Face Hub id "
-                                                    "ORG/NAME[@REVISION] (for messages and text records)")
+                                                    "ORG/NAME[@REVISION] (for chats, prompt–completion and text "
+                                                    "records)")
+    loss_on: Annotated[LossOn, _one_of(LossOn)] = Field(
+        LossOn.ASSISTANT, description="the tokens with loss of the records the trainer renders: assistant (a chat's "
+                                      "assistant turns, a prompt–completion record's completion; TRL's "
+                                      "assistant_only_loss), completion (a chat's last assistant turn, a "
+                                      "completion; TRL's completion_only_loss) or all (every token); text records "
+                                      "train every token, input_ids records their own labels")
+    chat_template: Annotated[str, AfterValidator(_chat_template)] | None = Field(
+        None, description=f"render chats with this template instead of the tokenizer's: a name "
+                          f"({', '.join(CHAT_TEMPLATES)}) or a file of Jinja")
+    text_field: str = Field("text", description="the key of a plain-text record")
     global_batch: Annotated[int, Positive] = Field(16, description="sequences per global batch")
     steps: Annotated[int, Positive, Flag(exclusive="length")] = Field(
         20, description="optimizer steps (one per global batch)")
@@ -280,8 +325,8 @@ class TrainConfig(BaseModel):
         None, description="the adapters' rank; absent: full fine-tuning")
     lora_alpha: Annotated[int, Positive, Flag(group="LoRA")] | None = Field(
         None, description="scale the adapters by alpha / rank (default: 2 × rank)")
-    lora_targets: Annotated[tuple[str, ...], Flag(group="LoRA")] = Field(
-        LORA_TARGETS, description="comma-separated projections of each decoder layer to adapt")
+    lora_targets: Annotated[tuple[str, ...], BeforeValidator(_projections), Flag(group="LoRA")] = Field(
+        LORA_TARGETS, description="comma-separated projections of each decoder layer to adapt (all-linear: all)")
     report_to: Annotated[tuple[Tracker, ...], BeforeValidator(_trackers),
                          Flag(group="reporting", metavar="TRACKER[,TRACKER...]")] = Field(
         (), description=f"comma-separated trackers of {', '.join(Tracker)}, each installed by the extra of its name "
@@ -310,17 +355,24 @@ class TrainConfig(BaseModel):
                                            "installed, else torch's varlen attention; SDPA otherwise")
     dtype: Annotated[str, AfterValidator(_dtype), Flag(choices=DTYPES)] | None = Field(
         None, description="default: float32 on CPU, bfloat16 on CUDA")
-    progress: bool = Field(True, description="a progress bar on rank 0 (the default); --no-progress: none")
+    progress: bool = Field(True, description="a progress bar on rank 0 where stderr is a terminal (the default); "
+                                             "--no-progress: none")
+    logging_steps: Annotated[int, NonNegative] | None = Field(
+        None, description="log a line every N steps on rank 0 (loss, lr, tokens/s, plan source, epoch), bar or no "
+                          "bar; 0: none (default: every step where no bar shows them, none beside the bar)")
+    debug: bool = Field(False, description="print a user error's traceback with its message, and every rank's log "
+                                           "(by default rank 0's alone)")
     feedback: bool = Field(False, description="report measured micro-batch times (and peak memory on CUDA) to the "
                                               "service, which refits this job's profile (POST /feedback; needs "
                                               "--scheduler-url)")
     job_id: Annotated[str, AfterValidator(_job_id)] | None = Field(
-        None, description="the job name the service keys feedback by: 1-128 letters, digits, . _ : -, starting with "
-                          "a letter or digit (default: random)")
+        None, description="the job's name: the trackers' runs and the service's feedback job: 1-128 letters, "
+                          "digits, . _ : -, starting with a letter or digit (default: --checkpoint-dir's name, else "
+                          "the model's and the data's, and the start time)")
     fail_rank: Annotated[int, Flag(group="fault injection")] | None = Field(
         None, description="the global rank that raises InjectedFault")
     fail_at_step: Annotated[int, Flag(group="fault injection")] | None = Field(
-        None, description="the step at whose start it raises")
+        None, description="the step (1-based, as checkpoints count them) at whose start it raises")
 
     def __init__(self, **values: Any) -> None:
         """Validate ``values``; a refusal is a ``ConfigError`` naming each wrong value by its flag (pydantic's own
@@ -334,11 +386,15 @@ class TrainConfig(BaseModel):
     def lora(self) -> LoraSettings | None:
         if self.lora_rank is None:
             return None
+        from trainer_client.lora import LoraSettings
+
         alpha = self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
         return LoraSettings(rank=self.lora_rank, alpha=alpha, targets=self.lora_targets)
 
     @property
     def dims(self) -> ParallelDims:
+        from trainer_client.distributed import ParallelDims
+
         return ParallelDims(dp_size=self.dp, cp_size=self.cp)
 
     @model_validator(mode="after")
@@ -361,6 +417,8 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--lr-scheduler {self.lr_scheduler} does not read --min-lr-ratio (only "
                              f"{', '.join(readers)} do): leave it out, or choose one of those")
         if self.compile:
+            from trainer_client.parallelize import check_compile_layout
+
             check_compile_layout(self.activation_checkpointing)
         if (self.checkpoint_every or self.resume) and self.checkpoint_dir is None:
             raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
@@ -417,10 +475,16 @@ def check_output_dir(path: Path, *, flag: str) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Origin:
     """Where a ``TrainConfig``'s values came from: the config file's keys that no flag overrode, else flags (or
-    keyword arguments, which are named as the flags are)."""
+    keyword arguments, which are named as the flags are). ``spelled``: the file's own name of a field it gave under
+    another trainer's name (``learning_rate`` for ``lr``, ``foreign_keys.py``)."""
 
     path: Path | None = None
     keys: frozenset[str] = frozenset()
+    spelled: Mapping[str, str] = field(default_factory=dict)
+
+    def key(self, field_name: str) -> str:
+        """The file's key of a field the file gave."""
+        return self.spelled.get(field_name, field_name)
 
 
 class ConfigError(ValueError):
@@ -429,7 +493,8 @@ class ConfigError(ValueError):
 
     def __init__(self, errors: list[ErrorDetails], origin: _Origin | None = None) -> None:
         self.errors = errors
-        super().__init__("; ".join(_describe(error, origin or _Origin()) for error in errors))
+        self.lines = [_describe(error, origin or _Origin()) for error in errors]
+        super().__init__("; ".join(self.lines))
 
     def given_in(self, origin: _Origin) -> ConfigError:
         """The same errors, named where ``origin`` says each value was given."""
@@ -443,23 +508,36 @@ def _describe(error: ErrorDetails, origin: _Origin) -> str:
     # a ValueError of a validator here says what is wrong and nothing more; pydantic's own messages are sentences
     message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
     if not error["loc"]:  # a rule across fields: its message names the flags; add the keys the file gave them
-        keys = [field for flag in _FLAG_IN_MESSAGE.findall(message)
-                if (field := _FIELD_OF_FLAG.get(flag)) is not None and field in origin.keys]
+        keys = [origin.key(name) for flag in _FLAG_IN_MESSAGE.findall(message)
+                if (name := _FIELD_OF_FLAG.get(flag)) is not None and name in origin.keys]
         return f"{message} ({origin.path}: {', '.join(dict.fromkeys(keys))})" if keys else message
-    field, *inside = (str(part) for part in error["loc"])
+    name, *inside = (str(part) for part in error["loc"])
     if error["type"] == "extra_forbidden":
-        close = difflib.get_close_matches(field, TrainConfig.model_fields, n=1)
-        hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(TrainConfig.model_fields)}"
-        return (f"{origin.path}: {field}: unknown key{hint}" if field in origin.keys
-                else f"{field!r} is not a setting of the run{hint}")
+        return (f"{origin.path}: {name}: {_unknown(name)}" if name in origin.keys
+                else f"{name!r} is not a setting of the run: {_unknown(name)}")
     if error["type"] == "missing":
-        where = f" (or {field} in {origin.path})" if origin.path is not None else ""
-        return f"{_FLAGS[field].name} is required{where}"
+        where = f" (or {name} in {origin.path})" if origin.path is not None else ""
+        return f"{_FLAGS[name].name} is required{where}"
     if error["type"] != "value_error":
         message = f"{message}, got {error['input']!r}"
-    if field in origin.keys:
-        return f"{origin.path}: {field}{''.join(f'[{part}]' for part in inside)}: {message}"
-    return f"{_FLAGS[field].name} {message}" if error["type"] == "value_error" else f"{_FLAGS[field].name}: {message}"
+    if name in origin.keys:
+        return f"{origin.path}: {origin.key(name)}{''.join(f'[{part}]' for part in inside)}: {message}"
+    return f"{_FLAGS[name].name} {message}" if error["type"] == "value_error" else f"{_FLAGS[name].name}: {message}"
+
+
+def _unknown(key: str) -> str:
+    """What to say of a key that is no field: the Skrull key another trainer's name means, or why Skrull has none
+    (``foreign_keys.py``); else the closest field, or where the fields are listed."""
+    foreign = FOREIGN_KEYS.get(key)
+    if foreign is not None and foreign.key is not None:
+        return f"Skrull calls it {foreign.key}"
+    if foreign is not None:
+        return f"not a setting of Skrull: {foreign.refused({})}"
+    close = difflib.get_close_matches(key, TrainConfig.model_fields, n=1)
+    if close:
+        return f"unknown key; did you mean {close[0]}?"
+    return ("unknown key; `python -m trainer_client.train --help` lists the settings (a key is the flag's name with _ "
+            "for -)")
 
 
 # ---- the command line: a flag per field ------------------------------------------------------------------------------
@@ -636,15 +714,43 @@ def _unique_key_loader() -> type:
 
 def load_config(flags: Mapping[str, object], *, config_file: Path | None = None) -> TrainConfig:
     """The run ``config_file`` describes with ``flags`` (field name → value, those given on the command line)
-    over it. A flag of an exclusive set (``--steps``, ``--epochs``) replaces the file's choice of the other."""
-    from_file = read_config_file(config_file) if config_file is not None else {}
+    over it. A flag of an exclusive set (``--steps``, ``--epochs``) replaces the file's choice of the other. The
+    file may name settings as TRL, transformers or axolotl do (``foreign_keys.py``): an alias is read as its Skrull
+    key, and a setting Skrull has not is refused, each with why and what replaces it, one line each."""
+    written = read_config_file(config_file) if config_file is not None else {}
+    from_file, spelled, refusals = translate(written, context={**written, **flags})
     chosen = {flag.exclusive for name in flags if (flag := _FLAGS.get(name)) is not None} - {None}
     kept = {key: value for key, value in from_file.items()
             if key not in flags and (key not in _FLAGS or _FLAGS[key].exclusive not in chosen)}
+    problems = [f"{config_file}: {refusal}" for refusal in refusals]
     try:
-        return TrainConfig(**{**kept, **flags})
+        config = TrainConfig(**{**kept, **flags})
     except ConfigError as error:
-        raise error.given_in(_Origin(path=config_file, keys=frozenset(kept))) from None
+        described = error.given_in(_Origin(path=config_file, keys=frozenset(kept), spelled=spelled))
+        if not problems:
+            raise described from None
+        problems += described.lines
+    if problems:  # every problem of the file at once, a line each
+        raise ValueError("\n".join(problems))
+    return config
+
+
+def flag_aliases() -> dict[str, str]:
+    """Another trainer's flag for each alias whose value Skrull reads as it is, and Skrull's own
+    (``--learning-rate`` is ``--lr``): the command line takes them too."""
+    return {"--" + key.replace("_", "-"): flag_name for key, foreign in FOREIGN_KEYS.items()
+            if foreign.key is not None and foreign.value is None and (flag_name := _FLAGS[foreign.key].name)}
+
+
+def foreign_flag_refusal(flag: str) -> str | None:
+    """Why Skrull has no such flag, where it is another trainer's setting (``--gradient-accumulation-steps``), and
+    what replaces it."""
+    foreign = FOREIGN_KEYS.get(flag.removeprefix("--").replace("-", "_"))
+    if foreign is None:
+        return None
+    if foreign.key is not None:
+        return f"{flag} is {_FLAGS[foreign.key].name} here, as a config key"
+    return f"{flag} is not a setting of Skrull: {foreign.refused({})}"
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -32,11 +32,19 @@ Records (``RecordEncoder``), the first key present (and not null) decides:
 - ``{"input_ids": [...]}``, tokenized already, with optional ``"labels"`` (same
   length; -100 = no loss, Hugging Face convention) or ``"loss_mask"`` (0/1);
 - ``{"messages": [{"role": ..., "content": ...}, ...]}``: a chat, rendered with
-  the tokenizer's chat template (``--tokenizer``); only assistant turns carry
-  loss, every prompt token (system, user, tool, the template's markup before
-  each answer) is masked;
-- ``{"text": "..."}``: plain text, tokenized (with the end-of-text token) and
-  trained on every token.
+  the tokenizer's chat template (``--tokenizer``) or ``--chat-template``; by
+  default (``--loss-on assistant``) only assistant turns carry loss, every prompt
+  token (system, user, tool, the template's markup before each answer) is
+  masked;
+- ``{"conversations": [{"from": ..., "value": ...}, ...]}``: ShareGPT's chat,
+  its speakers (human, gpt, system, …) read as roles;
+- ``{"prompt": ..., "completion": ...}``: TRL's prompt–completion record, two
+  strings or two lists of messages; the completion carries loss;
+- ``{"text": "..."}`` (the key ``--text-field``): plain text, tokenized (with
+  the end-of-text token) and trained on every token.
+
+``--loss-on completion`` trains only a chat's last assistant turn, ``--loss-on
+all`` every token of chats and prompt–completion records.
 
 Both record readers read a record at a time, so no rank holds the data. A JSONL
 file is read from the byte offset of its line (an index of the offsets is built
@@ -87,9 +95,11 @@ import numpy as np
 import numpy.typing as npt
 
 from scheduler_service.core.samplers import DATASETS, sample_lengths
+from trainer_client.choices import LossOn
 from trainer_client.hub import HubError, HubSnapshot, RepoKind, fetch, hub_ref, is_data_file_name
 
 __all__ = [
+    "CHAT_TEMPLATES",
     "IGNORE_INDEX",
     "BadRecordError",
     "DataIdentity",
@@ -104,10 +114,12 @@ __all__ = [
     "RecordTooLongError",
     "Sample",
     "SyntheticSource",
+    "chat_template_of",
     "length_summary",
     "load_tokenizer",
     "make_source",
     "open_records",
+    "record_encoder",
 ]
 
 IGNORE_INDEX = -100
@@ -244,6 +256,7 @@ class Tokenizer(Protocol):
     """What the encoder needs of a transformers tokenizer."""
 
     eos_token_id: int | None
+    chat_template: str | dict[str, str] | None
 
     def __len__(self) -> int: ...
 
@@ -274,14 +287,51 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return tokenizer
 
 
+# --chat-template NAME: templates known by name (a file's Jinja otherwise). ChatML, as Qwen's and many others' chats
+# are written; its markers are tokens of their tokenizers, and plain text of any other.
+CHAT_TEMPLATES = {
+    "chatml": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+               "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+               "{% endif %}"),
+}
+# ShareGPT's speakers (``from``) as chat roles: FastChat's and axolotl's human/gpt, and LLaMA-Factory's tool turns.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+                  "chatgpt": "assistant", "function_call": "assistant", "system": "system", "tool": "tool",
+                  "observation": "tool", "function_response": "tool"}
+
+Tokens = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]  # input ids, and labels aligned with them
+
+
+def chat_template_of(spec: str) -> str:
+    """``--chat-template``: a template known by name (``CHAT_TEMPLATES``), or the Jinja text of a file."""
+    if spec in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--chat-template {spec!r} is neither a file of Jinja nor a template known by name "
+                         f"({', '.join(CHAT_TEMPLATES)})")
+    return path.read_text()
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RecordEncoder:
-    """A record (one JSON line or dataset row) → ``Sample``, with every error naming the record."""
+    """A record (one JSON line or dataset row) → ``Sample``, with every error naming the record.
+
+    The first key present (and not null) decides what a record is: ``input_ids`` (with its own ``labels`` or
+    ``loss_mask``), a chat (``messages`` of ``role``/``content``, or ShareGPT's ``conversations`` of
+    ``from``/``value``), TRL's ``prompt`` and ``completion`` (two strings, or two lists of messages), or plain text
+    (the key ``text_field``). ``loss_on`` picks the tokens with loss of the records the encoder renders
+    (``choices.LossOn``); a text record trains every token. ``chat_template`` (Jinja) renders chats instead of the
+    tokenizer's own.
+    """
 
     max_length: int
     truncate: bool = False
     vocab_size: int | None = None
     tokenizer: Tokenizer | None = None
+    loss_on: LossOn = LossOn.ASSISTANT
+    chat_template: str | None = None
+    text_field: str = "text"
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.vocab_size is not None and len(self.tokenizer) > self.vocab_size:
@@ -297,11 +347,18 @@ class RecordEncoder:
         if record.get("input_ids") is not None:
             input_ids, labels = self._tokenized(record, where)
         elif record.get("messages") is not None:
-            input_ids, labels = self._chat(record["messages"], where)
-        elif record.get("text") is not None:
-            input_ids, labels = self._text(record["text"], where)
+            input_ids, labels = self._chat(_messages(record["messages"], where), where)
+        elif record.get("conversations") is not None:
+            input_ids, labels = self._chat(_sharegpt(record["conversations"], where), where)
+        elif record.get("prompt") is not None:
+            input_ids, labels = self._prompt_completion(record, where)
+        elif record.get(self.text_field) is not None:
+            input_ids, labels = self._text(record[self.text_field], where)
         else:
-            raise _malformed(where, f"record {where} has none of 'input_ids', 'messages', 'text'")
+            shapes = f"'input_ids', 'messages', 'conversations', 'prompt' and 'completion', '{self.text_field}'"
+            hint = "" if self.text_field != "text" else "; --text-field names another key of plain text"
+            raise _malformed(where, f"record {where} has none of {shapes} (its keys: "
+                                    f"{', '.join(map(str, record)) or 'none'}){hint}")
         if input_ids.ndim != 1 or input_ids.size == 0:
             raise _malformed(where, f"record {where}: input_ids must be a non-empty list of token ids")
         if labels.shape != input_ids.shape:
@@ -319,26 +376,22 @@ class RecordEncoder:
         return Sample(input_ids=input_ids, labels=labels)
 
     @staticmethod
-    def _tokenized(record: dict[str, Any], where: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def _tokenized(record: dict[str, Any], where: str) -> Tokens:
         try:
-            return RecordEncoder._token_arrays(record, where)
+            input_ids = np.asarray(record["input_ids"], dtype=np.int64)
+            if record.get("labels") is not None:
+                return input_ids, np.asarray(record["labels"], dtype=np.int64)
+            if record.get("loss_mask") is not None:
+                mask = np.asarray(record["loss_mask"], dtype=bool)
+                if mask.shape != input_ids.shape:
+                    raise _malformed(where, f"record {where}: loss_mask has {mask.size} entries, input_ids "
+                                            f"{input_ids.size}")
+                return input_ids, np.where(mask, input_ids, IGNORE_INDEX)
         except (TypeError, ValueError) as error:
             if isinstance(error, BadRecordError):
                 raise
             raise _malformed(where, f"record {where}: input_ids, labels and loss_mask must be lists of integers: "
                                     f"{error}") from None
-
-    @staticmethod
-    def _token_arrays(record: dict[str, Any], where: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        input_ids = np.asarray(record["input_ids"], dtype=np.int64)
-        if record.get("labels") is not None:
-            return input_ids, np.asarray(record["labels"], dtype=np.int64)
-        if record.get("loss_mask") is not None:
-            mask = np.asarray(record["loss_mask"], dtype=bool)
-            if mask.shape != input_ids.shape:
-                raise _malformed(where, f"record {where}: loss_mask has {mask.size} entries, input_ids "
-                                        f"{input_ids.size}")
-            return input_ids, np.where(mask, input_ids, IGNORE_INDEX)
         return input_ids, input_ids.copy()
 
     def _needs_tokenizer(self, kind: str, where: str) -> Tokenizer:
@@ -347,47 +400,82 @@ class RecordEncoder:
                              "Hugging Face Hub id)")
         return self.tokenizer
 
-    def _text(self, text: object, where: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        tokenizer = self._needs_tokenizer("text", where)
+    def _text(self, text: object, where: str) -> Tokens:
         if not isinstance(text, str):
-            raise _malformed(where, f"record {where}: 'text' must be a string")
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if tokenizer.eos_token_id is not None:
-            ids.append(tokenizer.eos_token_id)  # the model learns where a document ends
-        input_ids = np.asarray(ids, dtype=np.int64)
+            raise _malformed(where, f"record {where}: '{self.text_field}' must be a string")
+        input_ids = self._encoded(text, where, kind="text", end=True)
         return input_ids, input_ids.copy()
 
-    def _chat(self, messages: object, where: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Render the chat; train only the tokens each assistant turn adds after its prompt.
+    def _encoded(self, text: str, where: str, *, kind: str, end: bool) -> npt.NDArray[np.int64]:
+        """``text``'s tokens, with the end-of-text token after them where ``end`` (the model learns where a document
+        or an answer ends)."""
+        tokenizer = self._needs_tokenizer(kind, where)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if end and tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+        return np.asarray(ids, dtype=np.int64)
 
-        The prompt of assistant turn ``k`` is the template of ``messages[:k]`` with the generation prompt; its
-        answer is what the template of ``messages[:k + 1]`` adds to that. Templates render prefixes of a chat as
-        prefixes of its tokens (checked: a template that does not is an error naming the record).
+    def _prompt_completion(self, record: dict[str, Any], where: str) -> Tokens:
+        """TRL's prompt–completion record: two strings, tokenized apart (so that no token straddles them) and the
+        completion ended with the end-of-text token; or two lists of messages, one chat whose completion turns are
+        the answer. The completion carries loss, the prompt too with ``--loss-on all``."""
+        prompt, completion = record["prompt"], record.get("completion")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            prompt_ids = self._encoded(prompt, where, kind="a prompt", end=False)
+            completion_ids = self._encoded(completion, where, kind="a completion", end=True)
+            input_ids = np.concatenate([prompt_ids, completion_ids])
+            if self.loss_on is LossOn.ALL:
+                return input_ids, input_ids.copy()
+            return input_ids, np.concatenate([np.full(prompt_ids.size, IGNORE_INDEX, dtype=np.int64), completion_ids])
+        if isinstance(prompt, list) and isinstance(completion, list) and completion:
+            turns = _messages(prompt, where) + _messages(completion, where)
+            return self._chat(turns, where, answers=set(range(len(prompt), len(turns))))
+        raise _malformed(where, f"record {where}: 'prompt' and 'completion' must be two strings, or two lists of "
+                                "messages (the completion's not empty)")
+
+    def _chat(self, messages: list[dict[str, str]], where: str, *, answers: set[int] | None = None) -> Tokens:
+        """Render the chat; train the tokens of the turns ``--loss-on`` picks (``answers``, where a record says which
+        they are), each after its prompt, or with ``--loss-on all`` every token.
+
+        The prompt of answer turn ``k`` (an assistant's) is the template of ``messages[:k]`` with the generation
+        prompt; its answer is what the template of ``messages[:k + 1]`` adds to that. Templates render prefixes of a
+        chat as prefixes of its tokens (checked: a template that does not is a bad record).
         """
         tokenizer = self._needs_tokenizer("a chat", where)
-        if messages == []:
+        if tokenizer.chat_template is None and self.chat_template is None:
+            raise ValueError(f"record {where} holds a chat, and the tokenizer has no chat template: give "
+                             f"--chat-template ({', '.join(CHAT_TEMPLATES)}, or a file of Jinja)")
+        if not messages:
             raise BadRecordError(f"record {where}: the chat is empty", defect=Defect.EMPTY_CHAT, where=where)
-        if not (isinstance(messages, list) and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages)):
-            raise _malformed(where, f"record {where}: 'messages' must be a list of {{role, content}} strings")
-        if not any(m["role"] == "assistant" for m in messages):
-            raise BadRecordError(f"record {where}: the chat has no assistant turn to train on",
-                                 defect=Defect.NO_ASSISTANT, where=where)
 
         def render(turns: list[dict[str, str]], *, prompt: bool) -> list[int]:
-            ids: list[int] = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False,
-                                                           add_generation_prompt=prompt)
+            from jinja2 import TemplateError
+
+            try:
+                ids: list[int] = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False,
+                                                               add_generation_prompt=prompt,
+                                                               chat_template=self.chat_template)
+            except TemplateError as error:  # a template that refuses the chat ("roles must alternate")
+                raise BadRecordError(f"record {where}: the chat template refuses the chat: {error}",
+                                     defect=Defect.TEMPLATE, where=where) from None
             return ids
 
+        if self.loss_on is LossOn.ALL:
+            input_ids = np.asarray(render(messages, prompt=False), dtype=np.int64)
+            return input_ids, input_ids.copy()
+        if answers is None:
+            assistant = [k for k, message in enumerate(messages) if message["role"] == "assistant"]
+            answers = set(assistant[-1:] if self.loss_on is LossOn.COMPLETION else assistant)
+        if not answers:
+            raise BadRecordError(f"record {where}: the chat has no assistant turn to train on",
+                                 defect=Defect.NO_ASSISTANT, where=where)
         ids: list[int] = []
         trained: list[bool] = []
         for k, message in enumerate(messages):
-            if message["role"] == "assistant":
+            if k in answers and message["role"] == "assistant":
                 prompt = render(messages[:k], prompt=True) if k else []
                 self._extend(ids, trained, prompt, train=False, where=where)
-            self._extend(ids, trained, render(messages[: k + 1], prompt=False), train=message["role"] == "assistant",
-                         where=where)
+            self._extend(ids, trained, render(messages[: k + 1], prompt=False), train=k in answers, where=where)
         input_ids = np.asarray(ids, dtype=np.int64)
         return input_ids, np.where(np.asarray(trained), input_ids, IGNORE_INDEX)
 
@@ -400,6 +488,29 @@ class RecordEncoder:
                                  where=where)
         trained.extend([train] * (len(rendered) - len(ids)))
         ids.extend(rendered[len(ids):])
+
+
+def _messages(messages: object, where: str) -> list[dict[str, str]]:
+    """A chat's turns, each a ``role`` and a ``content`` string; ``BadRecordError`` for anything else."""
+    if not (isinstance(messages, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise _malformed(where, f"record {where}: 'messages' must be a list of {{role, content}} strings")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _sharegpt(conversations: object, where: str) -> list[dict[str, str]]:
+    """ShareGPT's ``conversations`` (``from``, ``value``) as a chat's turns, its speakers as roles
+    (``SHAREGPT_ROLES``)."""
+    if not (isinstance(conversations, list) and all(
+            isinstance(c, dict) and isinstance(c.get("from"), str) and isinstance(c.get("value"), str)
+            for c in conversations)):
+        raise _malformed(where, f"record {where}: 'conversations' must be a list of {{from, value}} strings")
+    unknown = sorted({c["from"] for c in conversations} - SHAREGPT_ROLES.keys())
+    if unknown:
+        raise _malformed(where, f"record {where}: 'conversations' has speakers {', '.join(map(repr, unknown))}; "
+                                f"ShareGPT's are {', '.join(SHAREGPT_ROLES)}")
+    return [{"role": SHAREGPT_ROLES[c["from"]], "content": c["value"]} for c in conversations]
 
 
 Position = dict[str, int]  # where a record source resumes: {"epoch": e, "index": i in epoch e's order}
@@ -638,6 +749,10 @@ class RecordSource:
             self._order = (epoch, order if self._trained is None else self._trained[order])
         return self._order[1]
 
+    def epochs_done(self, position: Mapping[str, int]) -> float:
+        """The epochs trained up to ``position`` (a batch's ``next_position``): 1.5 halfway through the second."""
+        return position.get("epoch", 0) + position.get("index", 0) / self.num_records
+
     def steps_for_epochs(self, epochs: float) -> int:
         """Optimizer steps that train every record ``epochs`` times (the last batch may reach into the next
         epoch)."""
@@ -710,13 +825,26 @@ def _folder_records(path: Path, *, split: str | None) -> DatasetRecords:
     return DatasetRecords.from_folder(path, split)
 
 
+def record_encoder(
+    *, max_length: int, vocab_size: int | None, truncate: bool = False, tokenizer: str | None = None,
+    loss_on: LossOn = LossOn.ASSISTANT, chat_template: str | None = None, text_field: str = "text",
+) -> RecordEncoder:
+    """The encoder of the run's flags: ``tokenizer`` a local tokenizer folder or a Hub id, ``chat_template`` a
+    template's name or a file of Jinja (``--chat-template``)."""
+    return RecordEncoder(max_length=max_length, truncate=truncate, vocab_size=vocab_size,
+                         tokenizer=load_tokenizer(tokenizer) if tokenizer is not None else None,
+                         loss_on=LossOn(loss_on),
+                         chat_template=chat_template_of(chat_template) if chat_template is not None else None,
+                         text_field=text_field)
+
+
 def make_source(
     spec: str, *, global_batch_size: int, vocab_size: int, max_length: int, seed: int, truncate: bool = False,
-    tokenizer: str | None = None, shuffle: bool = False,
+    tokenizer: str | None = None, shuffle: bool = False, loss_on: LossOn = LossOn.ASSISTANT,
+    chat_template: str | None = None, text_field: str = "text",
 ) -> DataSource:
-    """``synthetic:NAME``, or the records of a data file, a dataset folder or a Hub data set (``open_records``;
-    ``tokenizer``: a local tokenizer folder or a Hub id; ``shuffle``: a record source's epochs in a seeded order, not
-    file order)."""
+    """``synthetic:NAME``, or the records of a data file, a dataset folder or a Hub data set (``open_records``),
+    encoded as ``record_encoder`` says; ``shuffle``: a record source's epochs in a seeded order, not file order."""
     if spec.startswith(SYNTHETIC_PREFIX):
         return SyntheticSource(dataset=spec.removeprefix(SYNTHETIC_PREFIX), global_batch_size=global_batch_size,
                                vocab_size=vocab_size, max_length=max_length, seed=seed)
@@ -724,8 +852,8 @@ def make_source(
         records = open_records(spec)
     except ValueError as error:
         raise ValueError(f"--data {spec}: {error}") from None
-    encoder = RecordEncoder(max_length=max_length, truncate=truncate, vocab_size=vocab_size,
-                            tokenizer=load_tokenizer(tokenizer) if tokenizer is not None else None)
+    encoder = record_encoder(max_length=max_length, truncate=truncate, vocab_size=vocab_size, tokenizer=tokenizer,
+                             loss_on=loss_on, chat_template=chat_template, text_field=text_field)
     return RecordSource(records=records, encoder=encoder, global_batch_size=global_batch_size, shuffle=shuffle,
                         seed=seed)
 
@@ -746,11 +874,12 @@ class LengthStats:
 
 
 def length_summary(lengths: npt.NDArray[np.integer[Any]], num_loss_tokens: int, *, unit: str) -> str:
-    """How many ``unit`` (sequences, records) of these ``lengths``, their tokens, the share with loss, and the length
-    distribution, as the trainer logs it."""
+    """How many ``unit`` (sequences, records: a plural) of these ``lengths``, their tokens, the share with loss, and
+    the length distribution, as the trainer logs it."""
     if not lengths.size:
         return f"no {unit}"
     p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
     total = int(lengths.sum())
-    return (f"{lengths.size} {unit}, {total} tokens ({num_loss_tokens / total:.0%} with loss); "
+    counted = f"{lengths.size} {unit.removesuffix('s') if lengths.size == 1 else unit}"
+    return (f"{counted}, {total} tokens ({num_loss_tokens / total:.0%} with loss); "
             f"length min {lengths.min()}, median {p50:.0f}, p90 {p90:.0f}, p99 {p99:.0f}, max {lengths.max()}")

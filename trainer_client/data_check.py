@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from trainer_client.data import BadRecordError, Defect, RecordEncoder, RecordReader, length_summary
+from trainer_client.data import CHAT_TEMPLATES, BadRecordError, Defect, RecordEncoder, RecordReader, length_summary
 
 __all__ = ["BAD_RECORDS_FILE", "BadRecord", "BadRecordsError", "RecordCheck", "check_records", "write_bad_records"]
 
@@ -114,7 +114,7 @@ class RecordCheck:
     def fixes(self) -> list[str]:
         """What the user can do about each defect found, in the order ``report`` names them."""
         found = {record.defect for record in self.bad}
-        return [fix for defect, fix in _FIX.items() if defect in found]
+        return list(dict.fromkeys(fix for defect, fix in _FIX.items() if defect in found))
 
 
 # What each defect is, as a report's line names it, and how to train such records; records of a defect without a fix
@@ -128,10 +128,15 @@ _DESCRIPTION: dict[Defect, str] = {
     Defect.TEMPLATE: "the chat template does not render a prefix of the chat as a prefix of its tokens",
     Defect.MALFORMED: "malformed",
 }
+_EVERY_TOKEN = "--loss-on all trains every token of chats and prompt–completion records"
 _FIX: dict[Defect, str] = {
     Defect.TOO_LONG: "--truncate cuts records to --max-length",
     Defect.BEYOND_PLAN: "a larger --bucket-size, or more ranks, holds longer records; --max-length with --truncate "
                         "cuts them to what a plan holds",
+    Defect.NO_LOSS: _EVERY_TOKEN,
+    Defect.NO_ASSISTANT: _EVERY_TOKEN,
+    Defect.TEMPLATE: f"--chat-template ({', '.join(CHAT_TEMPLATES)}, or a file of Jinja) renders the chats with "
+                     "another template; --loss-on all needs no prefixes",
 }
 
 

@@ -65,13 +65,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from scheduler_service.core.check import spanning_widths
 from scheduler_service.core.costing import place_degrees
 from scheduler_service.core.plan import block_degrees, cp_blocks
+from trainer_client.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from trainer_client.torch_compat import default_store, flatten_mesh, group_options
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "FirstFailure", "ParallelContext", "ParallelDims", "PeerFailed",
            "destroy_groups", "free_port", "init_parallel", "max_over_ranks", "report_failure", "spawn_gloo",
            "spawn_ranks"]
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 _FIRST_FAILURE_KEY = "skrull/first_failure"  # in the default group's store: per job, and per torchrun restart
 
 
@@ -297,6 +297,7 @@ class FirstFailure:
 
     global_rank: int
     reason: str  # "ExceptionType: message"
+    user_error: bool = False  # the user's to fix (a ValueError), which that rank prints: its peers exit quietly
 
 
 class PeerFailed(RuntimeError):
@@ -308,8 +309,9 @@ class PeerFailed(RuntimeError):
         self.first = first
 
 
-def report_failure(error: Exception) -> FirstFailure | None:
-    """Report ``error`` as this rank's failure unless a rank reported first; returns the first report.
+def report_failure(error: Exception, *, user_error: bool = False) -> FirstFailure | None:
+    """Report ``error`` (``user_error``: the user's to fix) as this rank's failure unless a rank reported first;
+    returns the first report.
 
     Every rank calls this on failure, before it destroys its process groups, so that a peer woken by the torn-down
     connection finds the report. None without a process group, or when the store is gone (outside torchrun it
@@ -317,7 +319,8 @@ def report_failure(error: Exception) -> FirstFailure | None:
     """
     if not dist.is_initialized():
         return None
-    mine = json.dumps({"global_rank": dist.get_rank(), "reason": f"{type(error).__name__}: {error}"})
+    mine = json.dumps({"global_rank": dist.get_rank(), "reason": f"{type(error).__name__}: {error}",
+                       "user_error": user_error})
     try:
         # compare_set with expected "" sets the key only if it is absent, atomically; it returns the stored value.
         first = default_store().compare_set(_FIRST_FAILURE_KEY, "", mine)

@@ -34,10 +34,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from scheduler_service.core.models import MODEL_CATALOGUE
 from trainer_client.checkpoint import load_model_weights, resolve_checkpoint, saved_run_identity
+from trainer_client.choices import LoraExport
 from trainer_client.config import check_output_dir
-from trainer_client.data import load_tokenizer
+from trainer_client.data import chat_template_of, load_tokenizer
 from trainer_client.hub import RepoKind, fetch, hub_ref
-from trainer_client.lora import LoraExport, LoraSettings, apply_lora
+from trainer_client.lora import LoraSettings, apply_lora
 from trainer_client.loss import CausalLMLoss
 from trainer_client.model import build_model
 from trainer_client.run_identity import model_identity
@@ -48,10 +49,13 @@ __all__ = ["build_parser", "checkpoint_model", "export_checkpoint", "export_mode
 EXIT_USER_ERROR = 2
 
 
-def load_export_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The ``--tokenizer`` folder, read when the run starts so that a bad one stops it before it trains."""
+def load_export_tokenizer(path: str, *, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The ``--tokenizer`` folder, read when the run starts so that a bad one stops it before it trains; with the
+    ``--chat-template`` the run rendered its chats with (a name or a file), so that the folder renders them alike."""
     tokenizer = load_tokenizer(path)
     assert isinstance(tokenizer, PreTrainedTokenizerBase)  # what AutoTokenizer returns
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template_of(chat_template)
     return tokenizer
 
 

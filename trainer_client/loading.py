@@ -43,10 +43,13 @@ from trainer_client.loss import DEFAULT_CHUNK_TOKENS, CausalLMLoss
 from trainer_client.model import build_empty_model, build_model, model_folder
 from trainer_client.parallelize import ActivationCheckpointing, FsdpUnits, Sharding, parallelize
 
-__all__ = ["CheckpointMismatch", "ModelLayout", "build_training_module", "check_checkpoint", "checkpoint_shapes"]
+__all__ = ["CheckpointMismatch", "ModelLayout", "build_training_module", "check_checkpoint", "check_weights_present",
+           "checkpoint_shapes"]
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
+# What transformers' from_pretrained loads weights from; a folder with none of them has only a config.
+_WEIGHT_FILES = (_SINGLE_FILE, _INDEX_FILE, "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 class CheckpointMismatch(ValueError):
@@ -146,6 +149,18 @@ def _fill_from_rank_0(lm: PreTrainedModel, reference: PreTrainedModel | None) ->
 
 
 # ---------------------------------------------------------------------------------------------------- checks
+
+
+def check_weights_present(model: str) -> None:
+    """Raise ``ValueError`` naming ``--model`` and what its folder holds when it is a folder without weights (its
+    config alone): checked when the run starts, before its data is read, rather than when rank 0 loads the model."""
+    directory = model_folder(model)
+    if directory is None or any((directory / name).is_file() for name in _WEIGHT_FILES):
+        return
+    held = sorted(path.name for path in directory.iterdir())
+    raise ValueError(f"--model {model}: the folder {directory} holds no weights, only {', '.join(held) or 'nothing'}; "
+                     f"a model folder holds one of {', '.join(_WEIGHT_FILES)} (save_pretrained writes them), or give a "
+                     "built-in model to train from a random initialisation")
 
 
 def checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:

@@ -39,33 +39,15 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable
-from enum import StrEnum
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from trainer_client.choices import LRSchedulerName
+
 __all__ = ["LRSchedulerName", "clip_gradients", "lr_factors", "lr_schedule", "warmup_cosine_factor",
            "wsd_decay_steps"]
-
-
-class LRSchedulerName(StrEnum):
-    """``--lr-scheduler``: the default, then names of transformers' ``SchedulerType`` (written out: importing
-    transformers' scheduler module imports its trainer's, and peft with it, a second of every process's start)."""
-
-    WARMUP_COSINE = "warmup_cosine"
-    LINEAR = "linear"
-    COSINE = "cosine"
-    COSINE_WITH_MIN_LR = "cosine_with_min_lr"
-    CONSTANT_WITH_WARMUP = "constant_with_warmup"
-    WARMUP_STABLE_DECAY = "warmup_stable_decay"
-
-    @property
-    def reads_min_lr_ratio(self) -> bool:
-        """Whether ``--min-lr-ratio`` is this schedule's ``m``; ``linear`` and ``cosine`` end at 0 and
-        ``constant_with_warmup`` holds ``lr``, whatever it is."""
-        return self in (LRSchedulerName.WARMUP_COSINE, LRSchedulerName.COSINE_WITH_MIN_LR,
-                        LRSchedulerName.WARMUP_STABLE_DECAY)
 
 
 def warmup_cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -14,8 +14,9 @@ Where each tracker writes, after the conventions of Hugging Face Trainer's ``rep
   the working directory: one database for every run, as MLflow's UI expects); experiment
   ``MLFLOW_EXPERIMENT_NAME`` (default ``skrull``), run name the job id.
 
-The job id is ``--job-id``, random when absent; give one to find a run by name, and to continue its W&B and
-MLflow runs after ``--resume``.
+The job id is ``--job-id``; without one, the run's name and the time it started (``default_job_id``:
+``qwen2.5-0.5b-ultrachat-20261128-081500``, from ``--checkpoint-dir``'s name, else the model's and the data's); give
+one to continue its W&B and MLflow runs after ``--resume``.
 
 Each tracker's package is an extra of its own (``pip install 'skrull[wandb]'``) and is imported only by a run
 that reports to it; ``check_installed`` refuses a missing one when ``TrainConfig`` is built, on every rank,
@@ -23,7 +24,9 @@ before any process group. Measured import cost on the 2-core development machine
 ``mlflow`` 1.1–3.9 s, ``torch.utils.tensorboard`` under 0.1 s after torch; a new MLflow SQLite database takes
 1.5 s or more to create its tables.
 
-Resuming: the numbering continues at the checkpoint's step. TensorBoard first discards the events after it (the
+The trackers number the steps 1-based, as the checkpoints count them (``step-<n>`` after ``n`` steps,
+``StepMetrics.number``); a ``--metrics-out`` line's ``step`` is its global batch's index, one less. Resuming: the
+numbering continues after the checkpoint's step. TensorBoard first discards the events after it (the
 killed run may have logged them). Under ``--resume`` W&B resumes the run of the same id and MLflow continues the
 latest run of the job's name; W&B accepts each step once, so it keeps the killed run's points for the steps
 after the checkpoint and drops the repeats, and MLflow appends, so it holds both. Without ``--resume`` a job id
@@ -35,6 +38,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -43,10 +47,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from trainer_client.plan_client import PlanOrigin
-from trainer_client.step_metrics import StepMetrics
 
 if TYPE_CHECKING:
     from trainer_client.config import TrainConfig
+    from trainer_client.step_metrics import StepMetrics  # the configuration reads Tracker here: no torch at import
 
 __all__ = [
     "DEFAULT_LOGGING_ROOT",
@@ -59,6 +63,7 @@ __all__ = [
     "Tracker",
     "WandbRun",
     "check_installed",
+    "default_job_id",
     "open_reports",
     "scalars",
 ]
@@ -74,6 +79,19 @@ class Tracker(StrEnum):
     TENSORBOARD = "tensorboard"
     WANDB = "wandb"
     MLFLOW = "mlflow"
+
+
+def default_job_id(config: TrainConfig) -> str:
+    """The job's name where ``--job-id`` gives none: its ``--checkpoint-dir``'s name, else its model's and data's,
+    and the time it started (``ultrachat-sft-20261128-081500``), in the characters a job id may hold."""
+    if config.checkpoint_dir is not None:
+        name = config.checkpoint_dir.resolve().name
+    else:  # the last part of each: qwen2.5-0.5b from Qwen/Qwen2.5-0.5B@main, chats from data/chats.jsonl:train
+        parts = [spec.removeprefix("synthetic:").split("@")[0].rstrip("/").rsplit("/", 1)[-1].split(":")[0]
+                 for spec in (config.model, config.data)]
+        name = "-".join(re.sub(r"\.(jsonl|json|parquet|csv)$", "", part) for part in parts)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:100] or "run"
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def check_installed(tracker: Tracker) -> None:
@@ -93,6 +111,7 @@ def scalars(metrics: StepMetrics) -> dict[str, float]:
         "train/lr": metrics.lr,
         "train/grad_norm": metrics.grad_norm,
         "train/tokens_per_s": metrics.tokens_per_s,
+        "train/epoch": metrics.epoch,
         "time/step_s": metrics.step_time_s,
         "time/micro_batches_measured_ms": metrics.micro_batch_time_s * 1e3,
         "time/micro_batches_predicted_ms": metrics.estimated_time_ms,
@@ -115,14 +134,14 @@ class Reporter(Protocol):
 
 class MetricsFile:
     """``--metrics-out``: one JSON line per step, each step once. A resumed run keeps the lines of the steps its
-    checkpoint holds and rewrites the ones after (which the killed run may have logged)."""
+    checkpoint holds (``steps_done``) and rewrites the ones after (which the killed run may have logged)."""
 
-    def __init__(self, path: Path, *, keep_steps_before: int) -> None:
+    def __init__(self, path: Path, *, steps_done: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
-        if keep_steps_before and path.is_file():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < keep_steps_before]
+        if steps_done and path.is_file():
+            kept = [line for line in path.read_text().splitlines()  # each line's step is its batch's index
+                    if line.strip() and json.loads(line)["step"] < steps_done]
         self._handle = path.open("w")
         self._handle.writelines(line + "\n" for line in kept)
         self._handle.flush()
@@ -137,17 +156,17 @@ class MetricsFile:
 
 class TensorBoardLog:
     """``--report-to tensorboard``: the scalars as TensorBoard events in ``directory``. A resumed run first
-    discards the events of the steps from ``first_step`` on (``purge_step``), which the killed run may have
-    logged."""
+    discards the events of the steps after its checkpoint's ``steps_done`` (``purge_step``), which the killed run
+    may have logged."""
 
-    def __init__(self, directory: Path, *, first_step: int) -> None:
+    def __init__(self, directory: Path, *, steps_done: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(directory), purge_step=first_step or None)
+        self._writer = SummaryWriter(log_dir=str(directory), purge_step=steps_done + 1 if steps_done else None)
 
     def write(self, metrics: StepMetrics) -> None:
         for name, value in scalars(metrics).items():
-            self._writer.add_scalar(name, value, global_step=metrics.step)
+            self._writer.add_scalar(name, value, global_step=metrics.number)
         self._writer.flush()
 
     def close(self, *, failed: bool) -> None:
@@ -165,7 +184,7 @@ class WandbRun:
                                id=job_id.replace(":", "-"), dir=directory, resume="allow" if resume else "never")
 
     def write(self, metrics: StepMetrics) -> None:
-        self._run.log(scalars(metrics), step=metrics.step)
+        self._run.log(scalars(metrics), step=metrics.number)
 
     def close(self, *, failed: bool) -> None:
         self._run.finish(exit_code=1 if failed else 0)
@@ -197,7 +216,7 @@ class MlflowRun:
         from mlflow.entities import Metric
 
         timestamp_ms = int(time.time() * 1000)
-        self._client.log_batch(self.run_id, metrics=[Metric(name, value, timestamp_ms, metrics.step)
+        self._client.log_batch(self.run_id, metrics=[Metric(name, value, timestamp_ms, metrics.number)
                                                      for name, value in scalars(metrics).items()])
 
     def close(self, *, failed: bool) -> None:
@@ -222,26 +241,26 @@ class Reports:
                 closing.callback(reporter.close, failed=failed)
 
 
-def open_reports(config: TrainConfig, *, job_id: str, first_step: int) -> Reports:
-    """Rank 0's reporters of the run ``config`` describes, continuing at ``first_step`` (a resumed run's); those
-    opened before one that fails to open are closed again."""
+def open_reports(config: TrainConfig, *, job_id: str, steps_done: int) -> Reports:
+    """Rank 0's reporters of the run ``config`` describes, continuing after ``steps_done`` (a resumed run's
+    checkpoint's); those opened before one that fails to open are closed again."""
     opened: list[Reporter] = []
     try:
         if config.metrics_out is not None:
-            opened.append(MetricsFile(config.metrics_out, keep_steps_before=first_step))
+            opened.append(MetricsFile(config.metrics_out, steps_done=steps_done))
         for tracker in config.report_to:
-            opened.append(_open_tracker(tracker, config, job_id=job_id, first_step=first_step))
+            opened.append(_open_tracker(tracker, config, job_id=job_id, steps_done=steps_done))
     except BaseException:
         Reports(opened).close(failed=True)
         raise
     return Reports(opened)
 
 
-def _open_tracker(tracker: Tracker, config: TrainConfig, *, job_id: str, first_step: int) -> Reporter:
+def _open_tracker(tracker: Tracker, config: TrainConfig, *, job_id: str, steps_done: int) -> Reporter:
     directory = config.logging_dir or DEFAULT_LOGGING_ROOT / job_id
     match tracker:
         case Tracker.TENSORBOARD:
-            return TensorBoardLog(directory, first_step=first_step)
+            return TensorBoardLog(directory, steps_done=steps_done)
         case Tracker.WANDB:
             return WandbRun(directory, job_id=job_id, resume=config.resume)
         case Tracker.MLFLOW:

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from trainer_client.choices import LRSchedulerName
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource
 from trainer_client.lora import LoraSettings
 from trainer_client.model import model_folder
-from trainer_client.optim import LRSchedulerName
 
 __all__ = ["Change", "Difference", "ResumeMismatch", "RunIdentity", "check_resume", "differences", "model_identity"]
 

@@ -25,6 +25,10 @@ __all__ = ["MicroBatchTimer", "StepMetrics", "peak_memory"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepMetrics:
+    """What one optimizer step measured. ``step`` is its global batch's index (0-based: the data's and the plans'
+    key, as ``--metrics-out`` has always written it); ``number`` counts it as everything a person reads does (the
+    logs, the trackers, ``step-<n>`` folders): 1-based, the steps done after it."""
+
     step: int
     loss: float
     tokens: int
@@ -43,6 +47,11 @@ class StepMetrics:
     peak_memory_bytes: int | None
     memory_kind: str
     eval_loss: float | None = None  # the mean token loss of --eval-data after this step, where it was evaluated
+    epoch: float | None = None  # records: epochs trained after this step (1.5: half of the second); synthetic: none
+
+    @property
+    def number(self) -> int:
+        return self.step + 1
 
     def to_json(self) -> str:
         return json.dumps({name: getattr(self, name) for name in self.__slots__})

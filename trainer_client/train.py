@@ -1,8 +1,8 @@
-"""``torchrun --nproc-per-node DP×CP -m trainer_client.train …``: parse → build → train → close.
+"""``skrull-train …`` or ``torchrun --nproc-per-node DP×CP -m trainer_client.train …``: parse → build → train → close.
 
 Example (4 CPU processes, plans from a local scheduler service):
 
-    torchrun --nproc-per-node 4 -m trainer_client.train --dp 2 --cp 2 --model tiny \\
+    skrull-train --dp 2 --cp 2 --model tiny \\
       --data synthetic:lmsys --global-batch 16 --steps 20 --scheduler skrull \\
       --scheduler-url http://127.0.0.1:8000 --bucket-size 4096 --seed 0 --metrics-out metrics.jsonl
 
@@ -10,20 +10,27 @@ or the same settings in a file, keyed by field name (``examples/sft.yaml``), fla
 
     torchrun --nproc-per-node 4 -m trainer_client.train --config run.yaml --steps 40
 
-The flags and the file's keys are ``config.TrainConfig``'s fields, declared once there.
+The flags and the file's keys are ``config.TrainConfig``'s fields, declared once there. ``--help`` and the
+configuration's checks import no torch (``config.py``).
 
-Exit status 2 with one message on stderr for a user error (a torch older than
-the supported range, bad flags, world size ≠ dp × cp, a record too long, a batch no planner can plan, ``--resume``
-of a checkpoint another run wrote). Any other failure of a rank is recorded for
-torchrun (``@record``): the agent stops the other ranks at once and names the
-failing rank and its traceback; with
-``--max-restarts N --resume`` the job restarts from the newest complete checkpoint. The
-first rank to fail reports its reason (``distributed.report_failure``), and every
-other rank stops with ``PeerFailed`` naming that rank and reason rather than with
-the broken collective it was left in. torchrun stops the ranks still running with
-SIGTERM, which ``main`` turns into ``SystemExit`` (exit status 128 + 15): the
-trainer is closed as on any other failure, so the trackers record the run as
-failed instead of leaving it running.
+**Launching.** Under a launcher (torchrun sets ``LOCAL_RANK``), this process is one rank. Started without one
+(``skrull-train``, ``python -m trainer_client.train``), it checks the configuration and then, for dp × cp > 1, runs
+torchrun's own launcher in this process (``torchrun --standalone --nproc-per-node DP×CP``: one node) with this
+command line, and ends with the workers' status: 2 after a user error, which a worker printed, without torchrun's
+summary of a failed worker (about 30 lines that a user error does not need). Several nodes, and restarts
+(``--max-restarts``), take torchrun.
+
+**Errors.** A user error (a ``ValueError``: bad flags or keys, world size ≠ dp × cp, records that cannot train, a
+``--resume`` of another run's checkpoint, a model folder without weights, …) ends the job with exit status 2 and
+one message on stderr, ``error: …`` (and a ``hint:`` where there is one), printed once: by the first rank to fail
+(``distributed.report_failure``), where every rank has the same error by rank 0; the other ranks exit quietly with
+status 2, also those whose collective the failure cut short, and a usage error of argparse is printed by rank 0
+alone. Its traceback is printed too with ``--debug``. Any other failure of a rank is recorded for torchrun
+(``@record``): the agent stops the other ranks at once and names the failing rank and its traceback; with
+``--max-restarts N --resume`` the job restarts from the newest complete checkpoint. Every other rank stops with
+``PeerFailed`` naming that rank and reason rather than with the broken collective it was left in. torchrun stops
+the ranks still running with SIGTERM, which ``main`` turns into ``SystemExit`` (exit status 128 + 15): the trainer
+is closed as on any other failure, so the trackers record the run as failed instead of leaving it running.
 """
 
 from __future__ import annotations
@@ -34,17 +41,13 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
+from typing import NoReturn
 
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from trainer_client.config import add_flags, config_from_args
-from trainer_client.distributed import PeerFailed, init_parallel, report_failure
-from trainer_client.torch_compat import check_torch_version
-from trainer_client.trainer import Trainer
+from trainer_client.config import add_flags, config_from_args, flag_aliases, foreign_flag_refusal
 
 __all__ = ["build_parser", "main", "sigterm_exits"]
 
@@ -52,11 +55,42 @@ EXIT_USER_ERROR = 2
 # Before there is a process group, rank 0 reports a user error; the others wait this long for it (torchrun stops every
 # rank as soon as one exits, and rank 0 could be stopped before it prints), and report it themselves if not stopped.
 REPORT_GRACE_S = 30.0
+_LAUNCHED = ("LOCAL_RANK", "RANK")  # set for every rank by torchrun (and by spawn_gloo in tests)
+_MODULE = "trainer_client.train"
+
+
+def _global_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, which also reads another trainer's spelling of a flag Skrull has (``--learning-rate`` is
+    ``--lr``, ``config.flag_aliases``), and whose usage error is one line, ``error: …``, and a hint (why Skrull has
+    no ``--gradient-accumulation-steps``, and what replaces it), printed by global rank 0 alone: under torchrun
+    every rank parses the same command line, and argparse would print its usage (some 60 lines) on each."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
+        aliases = flag_aliases()
+        spelled = []
+        for token in sys.argv[1:] if args is None else args:
+            flag, equals, value = token.partition("=")
+            spelled.append(aliases.get(flag, flag) + equals + value if flag.startswith("--") else token)
+        return super().parse_known_args(spelled, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        if _global_rank() != 0:
+            time.sleep(REPORT_GRACE_S)  # rank 0 prints it and exits, and torchrun stops this rank meanwhile
+            self.exit(EXIT_USER_ERROR)
+        refusals = [refusal for token in message.split() if (refusal := foreign_flag_refusal(token)) is not None]
+        hints = refusals or [f"{self.prog} --help lists the flags"]
+        self.exit(EXIT_USER_ERROR, f"error: {message}\n" + "".join(f"hint: {hint}\n" for hint in hints))
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's flags, generated from ``TrainConfig`` (``config.add_flags``), with ``--config``."""
-    parser = argparse.ArgumentParser(prog="python -m trainer_client.train", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m trainer_client.train", description=__doc__.splitlines()[0])
     add_flags(parser)
     return parser
 
@@ -76,21 +110,77 @@ def sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, recorded: bool = False) -> int:
+    """Train as the command line ``argv`` says (module docstring, "Launching"); the exit status. ``recorded``: a
+    failure that is not the user's is recorded for torchrun's summary (``@record``)."""
     args = build_parser().parse_args(argv)
+    if not any(name in os.environ for name in _LAUNCHED):
+        try:
+            config = config_from_args(args)
+        except ValueError as error:
+            return _user_error(error, debug=bool(getattr(args, "debug", False)))
+        if config.dp * config.cp > 1:
+            return _launch(list(sys.argv[1:] if argv is None else argv), config.dp * config.cp)
+    run: Callable[[argparse.Namespace], int | None] = _run
+    if recorded:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        run = record(_run)
     with sigterm_exits():  # torchrun stops a rank with SIGTERM: the trainer and its trackers close as on a failure
-        return _run(args)
+        return run(args) or 0
+
+
+def _user_error(error: BaseException, *, debug: bool) -> int:
+    """Print a user error as ``error: …`` (its traceback before it with ``--debug``); the exit status."""
+    if debug:
+        traceback.print_exception(error)
+    print(f"error: {error}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+def _launch(argv: list[str], num_processes: int) -> int:
+    """``torchrun --standalone --nproc-per-node NUM_PROCESSES -m trainer_client.train ARGV`` in this process; the
+    workers' exit status. A worker prints its own error, so a user error (status 2) ends here without torchrun's
+    summary, and another failure with the summary alone (the failing worker printed its traceback)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes, without its warning
+    logging.disable(logging.ERROR)  # the agent's own log of a failed worker: the worker said what went wrong
+    launch = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(num_processes), "-m", _MODULE,
+                                           *argv])
+    try:
+        run(launch)
+    except ChildFailedError as error:
+        _, first = error.get_first_failure()
+        if first.exitcode == EXIT_USER_ERROR:
+            return EXIT_USER_ERROR
+        print(error, file=sys.stderr)
+        return 1
+    except SignalException as error:
+        return 128 + int(error.sigval)
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
-    is_main = int(os.environ.get("RANK", "0")) == 0
-    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING,
+    """Train as one rank of the job; a user error's exit status (module docstring, "Errors")."""
+    import torch.distributed as dist
+
+    from trainer_client.distributed import PeerFailed, init_parallel, report_failure
+    from trainer_client.torch_compat import check_torch_version
+    from trainer_client.trainer import Trainer
+
+    is_main = _global_rank() == 0
+    debug = bool(getattr(args, "debug", False))
+    logging.basicConfig(level=logging.INFO if is_main or debug else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     trainer = None
     try:
         if (warning := check_torch_version()) is not None and is_main:
             logging.getLogger("trainer_client.train").warning(warning)
         config = config_from_args(args)
+        debug = config.debug
         config.dims.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))  # before any process group work
         parallel = init_parallel(config.dims, timeout_s=config.collective_timeout_s)
         trainer = Trainer(config, parallel)
@@ -98,21 +188,21 @@ def _run(args: argparse.Namespace) -> int:
         if is_main:
             for metrics in history:
                 evaluated = f" eval {metrics.eval_loss:.6f}" if metrics.eval_loss is not None else ""
-                print(f"step {metrics.step:>4} loss {metrics.loss:.6f}{evaluated} plan {metrics.plan_source}",
+                print(f"step {metrics.number:>4} loss {metrics.loss:.6f}{evaluated} plan {metrics.plan_source}",
                       flush=True)
     except Exception as error:
-        first = report_failure(error)
+        user_error = isinstance(error, ValueError)
+        first = report_failure(error, user_error=user_error)
         if first is not None and first.global_rank != dist.get_rank():
-            if isinstance(error, ValueError) and first.reason == f"{type(error).__name__}: {error}":
-                return EXIT_USER_ERROR  # the same user error on every rank: the first reports it
+            if first.user_error:
+                return EXIT_USER_ERROR  # the first rank to fail reports it; this rank's error followed from it
             raise PeerFailed(first) from error
-        if not isinstance(error, ValueError):
+        if not user_error:
             raise
         # A user error: the first rank to fail reports it (rank 0 before there is a process group to tell).
         if first is None and not is_main:
             time.sleep(REPORT_GRACE_S)  # rank 0 has the same error, reports it and exits: torchrun stops us here
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _user_error(error, debug=debug)
     finally:
         if trainer is not None:
             trainer.close()
@@ -123,4 +213,4 @@ def _run(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     # Recorded for torchrun's error summary only here: tests call main() in a process whose stderr has no fileno.
-    sys.exit(record(main)())
+    sys.exit(main(recorded=True))

@@ -65,18 +65,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
-import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from scheduler_service.contract.profiles import load_profile
 from scheduler_service.core.memory import training_profile
@@ -101,15 +102,15 @@ from trainer_client.data import (
     RecordEncoder,
     RecordSource,
     SyntheticSource,
-    load_tokenizer,
     make_source,
+    record_encoder,
 )
 from trainer_client.data_check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records, write_bad_records
 from trainer_client.distributed import ParallelContext, max_over_ranks
 from trainer_client.evaluation import EvalSet
 from trainer_client.export import export_model, load_export_tokenizer
 from trainer_client.hub import fetch_on_rank_0_first
-from trainer_client.loading import ModelLayout, build_training_module
+from trainer_client.loading import ModelLayout, build_training_module, check_weights_present
 from trainer_client.loop import SkrullBatches
 from trainer_client.loss import micro_batch_loss, run_micro_batch
 from trainer_client.model import model_folder, model_shape
@@ -122,7 +123,7 @@ from trainer_client.parallelize import (
 )
 from trainer_client.plan_client import MicroBatchTiming, plan_capacity
 from trainer_client.profiler.measure import check_profile_machine
-from trainer_client.reporting import Reports, open_reports
+from trainer_client.reporting import Reports, default_job_id, open_reports
 from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume
 from trainer_client.step_metrics import MicroBatchTimer, StepMetrics
 
@@ -160,6 +161,7 @@ class Trainer:
         fetch_on_rank_0_first(parallel, model=config.model, tokenizer=config.tokenizer, data=config.data,
                               eval_data=config.eval_data)
         shape = model_shape(config.model)
+        check_weights_present(config.model)
         if config.compile:
             check_compile(self.device)  # before anything is built
         self.layout = ModelLayout.on(self.device, dtype=config.dtype, sharding=self.sharding,
@@ -178,8 +180,7 @@ class Trainer:
         self.plan_model = shape if model_folder(config.model) is not None else config.model
         self.source: DataSource = make_source(
             config.data, global_batch_size=config.global_batch, vocab_size=shape.vocab_size,
-            max_length=self.max_length, seed=config.seed, truncate=config.truncate, tokenizer=config.tokenizer,
-            shuffle=config.shuffle,
+            max_length=self.max_length, seed=config.seed, shuffle=config.shuffle, **self._encoding(),
         )
         self._check_data()
         if config.epochs is not None:
@@ -191,7 +192,7 @@ class Trainer:
                          if config.eval_data is not None else None)
         self.identity = RunIdentity.of(config, self.source)  # saved with every checkpoint, checked on resume
         self.lengths = LengthStats()  # of the batches this run trained
-        self.export_tokenizer = (load_export_tokenizer(config.tokenizer)
+        self.export_tokenizer = (load_export_tokenizer(config.tokenizer, chat_template=config.chat_template)
                                  if config.output_dir is not None and config.tokenizer is not None else None)
         self.module = build_training_module(config.model, parallel=parallel, layout=self.layout, seed=config.seed,
                                             lora=config.lora)
@@ -212,7 +213,10 @@ class Trainer:
         self.lr_schedule = lr_schedule(self.optimizer, scheduler=config.lr_scheduler, lr=config.lr,
                                        warmup_steps=config.warmup_steps, total_steps=config.steps,
                                        min_lr_ratio=config.min_lr_ratio, first_step=self.first_step)
-        job_id = config.job_id or uuid.uuid4().hex  # rank 0's names the service's feedback job and the reported run
+        # rank 0's names the service's feedback job and the reported runs (--logging-dir's default runs/JOB_ID)
+        job_id = config.job_id or default_job_id(config)
+        if parallel.is_main and config.report_to:
+            logger.info("job %s: reporting to %s", job_id, ", ".join(config.report_to))
         # Plans, packing, plan prefetch and feedback: the loop API a training loop of one's own uses (loop.py).
         self.batches = SkrullBatches(
             parallel, model=self.plan_model, bucket_size=self.bucket_size,
@@ -228,7 +232,7 @@ class Trainer:
         self.micro_batch_timings: list[MicroBatchTiming] = []  # this rank's, of the latest step
         self._next_batch: GlobalBatch | None = None  # rank 0: the batch built for the prefetch, trained next step
         self._trained = False  # train() ran to its end: the trackers record the run as finished, else failed
-        self.reports = (open_reports(config, job_id=job_id, first_step=self.first_step) if parallel.is_main
+        self.reports = (open_reports(config, job_id=job_id, steps_done=self.first_step) if parallel.is_main
                         else Reports())
         opened.callback(lambda: self.reports.close(failed=not self._trained))
 
@@ -312,13 +316,17 @@ class Trainer:
             factors += f" × dp {self.config.dp}"
         return f"{capacity} tokens ({factors})"
 
+    def _encoding(self) -> dict[str, Any]:
+        """How the run's records become samples (``data.record_encoder``'s flags, the layout's aside)."""
+        config = self.config
+        return {"truncate": config.truncate, "tokenizer": config.tokenizer, "loss_on": config.loss_on,
+                "chat_template": config.chat_template, "text_field": config.text_field}
+
     def _record_encoder(self, shape: ModelShape) -> RecordEncoder:
         """How ``--eval-data`` records become samples: as the training records do."""
         if isinstance(self.source, RecordSource):
             return self.source.encoder
-        tokenizer = load_tokenizer(self.config.tokenizer) if self.config.tokenizer is not None else None
-        return RecordEncoder(max_length=self.max_length, truncate=self.config.truncate, vocab_size=shape.vocab_size,
-                             tokenizer=tokenizer)
+        return record_encoder(max_length=self.max_length, vocab_size=shape.vocab_size, **self._encoding())
 
     def _resume(self, directory: Path) -> None:
         path = self._checkpoint_to_resume(directory)
@@ -445,6 +453,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ loop
 
     def train_step(self, step: int, batch: GlobalBatch) -> StepMetrics:
+        """Train global batch ``step`` (0-based: the batch's index; step number ``step + 1``)."""
         started = time.perf_counter()
         decision = self.batches.decide(batch)
         if self.parallel.is_main and step + 1 < self.config.steps:
@@ -470,6 +479,7 @@ class Trainer:
             num_padding_micro_batches=self.num_padding_micro_batches,
             plan_fallbacks=self.batches.num_fallbacks, lr=lr, grad_norm=grad_norm,
             peak_memory_bytes=peak, memory_kind=memory_kind,
+            epoch=self.source.epochs_done(batch.next_position) if isinstance(self.source, RecordSource) else None,
         )
 
     def batch(self, step: int) -> GlobalBatch:
@@ -480,32 +490,41 @@ class Trainer:
         return self.source.batch(step)
 
     def train(self) -> list[StepMetrics]:
+        """Train the steps from the first (0, or the resumed checkpoint's) to the last; every rank calls it. Steps
+        are numbered as the checkpoints count them: step ``n`` is the ``n``-th optimizer step (1-based), after which
+        ``n`` steps are done, in the logs, the trackers and ``step-<n>`` folders alike (``StepMetrics.number``)."""
         history = []
-        bar = tqdm(total=self.config.steps, initial=self.first_step, desc=f"train {self.config.scheduler}",
-                   unit="step", disable=not (self.parallel.is_main and self.config.progress))
-        every = self.config.checkpoint_every
-        with bar:
-            for step in range(self.first_step, self.config.steps):
-                if (step, self.parallel.global_rank) == (self.config.fail_at_step, self.config.fail_rank):
-                    raise InjectedFault(f"injected fault at step {step} (--fail-rank {self.config.fail_rank} "
+        config, is_main = self.config, self.parallel.is_main
+        # A bar only where someone watches it: in a log file its carriage-return updates pile up.
+        show_bar = is_main and config.progress and sys.stderr.isatty()
+        # --logging-steps N: a line every N steps; by default every step where no bar shows them, none beside it.
+        every_line = config.logging_steps if config.logging_steps is not None else (0 if show_bar else 1)
+        bar = tqdm(total=config.steps, initial=self.first_step, desc=f"train {config.scheduler}", unit="step",
+                   disable=not show_bar)
+        every = config.checkpoint_every
+        with bar, logging_redirect_tqdm() if show_bar else nullcontext():
+            for index in range(self.first_step, config.steps):
+                step = index + 1
+                if (step, self.parallel.global_rank) == (config.fail_at_step, config.fail_rank):
+                    raise InjectedFault(f"injected fault at step {step} (--fail-rank {config.fail_rank} "
                                         f"--fail-at-step {step})")
-                batch = self.batch(step)
-                metrics = self.train_step(step, batch)
-                done = step + 1
-                if self.eval_set is not None and ((self.config.eval_every and done % self.config.eval_every == 0)
-                                                  or done == self.config.steps):
+                batch = self.batch(index)
+                metrics = self.train_step(index, batch)
+                if self.eval_set is not None and ((config.eval_every and step % config.eval_every == 0)
+                                                  or step == config.steps):
                     metrics = dataclasses.replace(metrics, eval_loss=self.evaluate())
-                    if self.parallel.is_main:
+                    if is_main:
                         logger.info("step %d: eval loss %.6f (train loss %.6f)", step, metrics.eval_loss,
                                     metrics.loss)
                 self.lengths.add(batch)
                 history.append(metrics)
                 self.reports.write(metrics)
-                if self.config.checkpoint_dir is not None and ((every and done % every == 0)
-                                                               or done == self.config.steps):
-                    self.save_checkpoint(done, batch)
-                if self.config.export_every and done % self.config.export_every == 0 and done < self.config.steps:
-                    self.export(done)
+                if is_main and every_line and (step % every_line == 0 or step == config.steps):
+                    logger.info("%s", self._step_line(metrics))
+                if config.checkpoint_dir is not None and ((every and step % every == 0) or step == config.steps):
+                    self.save_checkpoint(step, batch)
+                if config.export_every and step % config.export_every == 0 and step < config.steps:
+                    self.export(step)
                 bar.set_postfix(loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:.0f}",
                                 plan=metrics.plan_source)
                 bar.update()
@@ -517,6 +536,17 @@ class Trainer:
             logger.info("trained: %s", self.lengths.summary())
         self._trained = True
         return history
+
+    def _step_line(self, metrics: StepMetrics) -> str:
+        """A step as ``--logging-steps`` logs it: ``step 10/100: loss 2.345678, lr 2.00e-05, 1234 tokens/s, plan
+        service, epoch 0.25``."""
+        fields = [f"loss {metrics.loss:.6f}", f"lr {metrics.lr:.2e}", f"{metrics.tokens_per_s:.0f} tokens/s",
+                  f"plan {metrics.plan_source}"]
+        if metrics.epoch is not None:
+            fields.append(f"epoch {metrics.epoch:.2f}")
+        if metrics.eval_loss is not None:
+            fields.append(f"eval loss {metrics.eval_loss:.6f}")
+        return f"step {metrics.number}/{self.config.steps}: {', '.join(fields)}"
 
     def close(self) -> None:
         """Close what the trainer opened, newest first and each once, also when closing one raises (its error is
