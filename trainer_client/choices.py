@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "DEFAULT_COLLECTIVE_TIMEOUT_S", "AttentionBackend", "LRSchedulerName", "LoraExport",
-           "LossOn"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "DEFAULT_COLLECTIVE_TIMEOUT_S", "AttentionBackend", "FsdpUnits", "LRSchedulerName",
+           "LoraExport", "LossOn"]
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # of every process group (distributed.py)
 DEFAULT_CHUNK_TOKENS = 4096  # tokens per chunk of the LM head and cross-entropy (loss.py)
@@ -25,6 +25,13 @@ class AttentionBackend(StrEnum):
     FLASH_ATTN = "flash_attn"
     TORCH_VARLEN = "torch_varlen"
     SDPA = "sdpa"
+
+
+class FsdpUnits(StrEnum):
+    """``--fsdp-units``: what FSDP2 shards as one unit (``parallelize.py``)."""
+
+    LAYER = "layer"  # each decoder layer, and the root
+    MODEL = "model"  # the whole model (zero2 only: its parameters stay gathered for the step anyway)
 
 
 class LoraExport(StrEnum):

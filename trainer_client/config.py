@@ -59,11 +59,12 @@ from skrull_proto.models import JobId
 
 from scheduler_service.core.memory import LORA_TARGETS, ActivationCheckpointing, Sharding
 from scheduler_service.core.models import MODEL_CATALOGUE
-from scheduler_service.core.plan import SchedulerName
+from scheduler_service.core.plan import MAX_TOKEN_BUCKETS, SchedulerName
 from trainer_client.choices import (
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     AttentionBackend,
+    FsdpUnits,
     LoraExport,
     LossOn,
     LRSchedulerName,
@@ -283,9 +284,27 @@ class TrainConfig(BaseModel):
     activation_checkpointing: Annotated[ActivationCheckpointing, _one_of(ActivationCheckpointing)] = Field(
         ActivationCheckpointing.NONE, description="per decoder layer: selective recomputes the MLP, full the whole "
                                                   "layer")
-    compile: bool = Field(False, description="torch.compile each decoder layer (dynamic shapes; attention stays "
-                                             "eager): fewer, fused kernels, so a GPU's launch-bound micro-batches "
-                                             "run faster; the first steps pay the compilation")
+    compile: bool = Field(False, description="torch.compile each decoder layer (the token dimension dynamic; a "
+                                             "micro-batch of local sequences one graph per layer, attention "
+                                             "included; collectives eager): fewer, fused kernels, so a GPU's "
+                                             "launch-bound micro-batches run faster; the first steps pay the "
+                                             "compilation")
+    cuda_graphs: bool = Field(False, description="capture each decoder layer as CUDA graphs per token bucket and "
+                                                 "replay them (torch.compile's reduce-overhead mode over "
+                                                 "--token-buckets, 4 unless given): one launch per graph instead of "
+                                                 "one per kernel; needs CUDA, --cp 1 and --sharding none, and plans "
+                                                 "within CP groups")
+    token_buckets: Annotated[int, NonNegative] | None = Field(
+        None, description="pad each rank's row of a micro-batch to the smallest of this many token buckets "
+                          "(BucketSize and its halves, at most 8), the padding priced by the planner so that plans "
+                          "fill buckets; what --cuda-graphs captures graphs per (default 4 with it, 0 without: rows "
+                          "as packed)")
+    fsdp_units: Annotated[FsdpUnits, _one_of(FsdpUnits)] | None = Field(
+        None, description="what FSDP2 shards as one unit: layer (each decoder layer, and the root) or model (one "
+                          "unit: FSDP's hooks run once per micro-batch instead of once per layer; zero2 only, whose "
+                          "parameters stay gathered for the step anyway, at the price of the whole model's fp32 "
+                          "gradient reduction at once in the last backward); default: model under zero2 where that "
+                          "reduction fits the activation memory the backward has freed by then, else layer")
     loss_chunk_tokens: Annotated[int, Positive] = Field(
         DEFAULT_CHUNK_TOKENS, description="tokens per chunk of the LM head + cross-entropy (bounds the fp32 logits "
                                           "held)")
@@ -416,10 +435,19 @@ class TrainConfig(BaseModel):
             readers = [str(name) for name in LRSchedulerName if name.reads_min_lr_ratio]
             raise ValueError(f"--lr-scheduler {self.lr_scheduler} does not read --min-lr-ratio (only "
                              f"{', '.join(readers)} do): leave it out, or choose one of those")
-        if self.compile:
+        if self.compile or self.cuda_graphs:
             from trainer_client.parallelize import check_compile_layout
 
             check_compile_layout(self.activation_checkpointing)
+        if self.token_buckets is not None and self.token_buckets > MAX_TOKEN_BUCKETS:
+            raise ValueError(f"--token-buckets is at most {MAX_TOKEN_BUCKETS} (BucketSize down to 1/"
+                             f"{2 ** (MAX_TOKEN_BUCKETS - 1)} of it), got {self.token_buckets}")
+        if self.cuda_graphs and self.token_buckets == 0:
+            raise ValueError("--cuda-graphs captures graphs per token bucket: give --token-buckets 1 or more (or "
+                             "leave it out: 4)")
+        if self.fsdp_units is FsdpUnits.MODEL and self.sharding is not Sharding.ZERO2:
+            raise ValueError(f"--fsdp-units model is for --sharding zero2 (one unit keeps every parameter gathered "
+                             f"through the forward), not {self.sharding}")
         if (self.checkpoint_every or self.resume) and self.checkpoint_dir is None:
             raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
         if (self.keep_last is not None or self.async_checkpoint) and self.checkpoint_dir is None:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from scheduler_service.core.check import check_plan
-from scheduler_service.core.costing import place_degrees
+from scheduler_service.core.costing import place_degrees, token_bucket_sizes
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import MicroBatch, Plan, SchedulerName, SpanningMicroBatch
 from scheduler_service.core.profile import Profile
@@ -75,7 +75,9 @@ class SkrullBatches:
     profile for from what the steps measured (feedback); None reports nothing. ``sharding``: how the loop shards
     its model (``NONE`` replicated, ``ZERO2``/``ZERO3`` FSDP2 keeping parameters gathered for the step or
     resharding them after every forward), which decides the padding micro-batches. ``spanning``: plans may hold
-    micro-batches over several DP replicas (False: every micro-batch within one replica's CP group). Rank 0
+    micro-batches over several DP replicas (False: every micro-batch within one replica's CP group).
+    ``token_buckets``: every row padded to the smallest of that many token buckets (``packing.pad_to_bucket``),
+    which the planner prices (the CUDA graphs of ``--cuda-graphs`` are captured per bucket). Rank 0
     compiles the planner's kernels on construction (or loads them from the JIT cache), so that no plan waits for
     them.
     """
@@ -95,17 +97,19 @@ class SkrullBatches:
         plan_attempts: int = DEFAULT_PLAN_ATTEMPTS,
         job_id: str | None = None,
         spanning: bool = True,
+        token_buckets: int = 0,
     ) -> None:
         self.parallel = parallel
         self.sharding = sharding
         self.pad_token_id = pad_token_id
+        self.token_buckets = token_buckets
         self.plans: PlanSource | None = None  # rank 0's alone: it decides, the others receive
         if parallel.is_main:
             client = (PlanClient(scheduler_url, timeout_s=plan_timeout_s, max_attempts=plan_attempts)
                       if scheduler_url is not None else None)
             self.plans = PlanSource(scheduler=scheduler, dp_size=parallel.dims.dp_size, cp_size=parallel.dims.cp_size,
                                     model=model, bucket_size=bucket_size, profile=profile, client=client,
-                                    job_id=job_id, spanning=spanning)
+                                    job_id=job_id, spanning=spanning, token_buckets=token_buckets)
             self.plans.check_service()
             self.plans.warm_up()
 
@@ -130,7 +134,8 @@ class SkrullBatches:
         (``micro_batch_packers``)."""
         assert decision.plan is not None
         return micro_batch_packers(batch.samples, decision.plan, parallel=self.parallel, sharding=self.sharding,
-                                   pad_token_id=self.pad_token_id)
+                                   pad_token_id=self.pad_token_id,
+                                   token_buckets=token_bucket_sizes(decision.bucket_size, self.token_buckets))
 
     def packed(self, batch: GlobalBatch, decision: PlanDecision) -> PrefetchedMicroBatches:
         """This rank's micro-batches of ``decision``, packed (and on CUDA copied to the device) by a background
@@ -210,18 +215,21 @@ def decide_plan(plans: PlanSource | None, batch: GlobalBatch, *, parallel: Paral
 
 def micro_batch_packers(
     samples: Sequence[Sample], plan: Plan, *, parallel: ParallelContext, sharding: Sharding, pad_token_id: int,
+    token_buckets: Sequence[int] = (),
 ) -> list[Callable[[], PackedMicroBatch]]:
     """This rank's micro-batches of ``plan`` in plan order, each packed when called (a prefetch thread may pack
     ahead, ``dacp/prefetch.py``): the spanning micro-batches its DP rank is part of, in the plan's order, then its
     DP rank's own. Under FSDP the idle ones are padding, and padding follows them where the sharding needs as many
-    micro-batches as another DP rank runs (``num_padding_micro_batches``)."""
+    micro-batches as another DP rank runs (``num_padding_micro_batches``). ``token_buckets``: the sizes every row
+    is padded to (``packing.pad_to_bucket``)."""
     dp_rank, cp_size = parallel.dp_rank, parallel.dims.cp_size
-    padding = padding_micro_batch(cp_size=cp_size, cp_rank=parallel.cp_rank, pad_token_id=pad_token_id)
+    padding = padding_micro_batch(cp_size=cp_size, cp_rank=parallel.cp_rank, pad_token_id=pad_token_id,
+                                  token_buckets=token_buckets)
 
     def pack(micro_batch: MicroBatch) -> PackedMicroBatch:
         packed = pack_micro_batch(samples, micro_batch, cp_size=cp_size, cp_rank=parallel.cp_rank,
                                   cp_group=parallel.cp_group, cp_block_groups=parallel.cp_block_groups,
-                                  pad_token_id=pad_token_id)
+                                  pad_token_id=pad_token_id, token_buckets=token_buckets)
         return padding if packed.is_idle and sharding is not Sharding.NONE else packed
 
     def pack_spanning(spanning: SpanningMicroBatch) -> PackedMicroBatch:
@@ -234,7 +242,8 @@ def micro_batch_packers(
                         for first in range(0, len(world_ranks), degree) if first <= position < first + degree}
         packed = pack_micro_batch(samples, spanning.micro_batch, cp_size=len(world_ranks), cp_rank=position,
                                   cp_group=parallel.world_block_group(world_ranks[0], len(world_ranks)),
-                                  cp_block_groups=block_groups, pad_token_id=pad_token_id)
+                                  cp_block_groups=block_groups, pad_token_id=pad_token_id,
+                                  token_buckets=token_buckets)
         return padding if packed.is_idle and sharding is not Sharding.NONE else packed
 
     packers: list[Callable[[], PackedMicroBatch]] = [

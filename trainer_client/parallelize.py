@@ -14,16 +14,20 @@
    kernels, which is what the eager trainer's launch-bound floor pays for on a GPU (one kernel launch per
    operator). A micro-batch whose sequences are all local traces its attention kernel too (one forward and one
    backward graph per layer); the collectives of sharded sequences run eagerly
-   (``attention.dacp_attention_with_collectives``).
+   (``attention.dacp_attention_with_collectives``). ``cuda_graphs=True`` (``--cuda-graphs``) compiles each
+   block with static shapes in ``reduce-overhead`` mode instead: CUDA graphs per token bucket, replayed with one
+   launch each (``check_cuda_graphs`` says where they cannot run).
 3. shards with FSDP2 (``fully_shard``) over the flattened DP × CP mesh (``Sharding``). CP ranks hold different
    tokens of the same global batch, so for the optimizer they are data-parallel ranks like any other. Under
    ``zero3`` every decoder layer is one unit and the root (embeddings, final norm, the tied LM head) another, so
    that a layer's parameters are gathered only while it runs. Under ``zero2`` they stay gathered for the whole
-   step whatever the units, so FSDP_UNITS decides: ``layer`` as under ``zero3``, or ``model``, one unit for the
-   whole model, whose hooks run once per micro-batch instead of once per layer (FSDP2 pays each hook in Python:
-   a new ``torch._dynamo.disable`` wrapper per call, the walk of the layer's inputs and outputs), at the price of
-   no overlap of the step's first all-gather and last reduce-scatter with compute and of the whole model's
-   reduce-scatter input at once in the last backward (``benchmarks.host`` measures both).
+   step whatever the units, so ``fsdp_units`` (``--fsdp-units``) decides: ``layer`` as under ``zero3``, or
+   ``model``, one unit for the whole model (the trainer's default where the whole model's fp32 gradients fit in
+   the activation memory the last backward has freed by then), whose hooks run once per micro-batch instead of
+   once per layer (FSDP2 pays each hook in Python: a new ``torch._dynamo.disable`` wrapper per call, the walk of
+   the layer's inputs and outputs), at the price of no overlap of the step's first all-gather and last
+   reduce-scatter with compute and of the whole model's reduce-scatter input at once in the last backward
+   (``benchmarks.host`` measures both).
 
 Under FSDP the ranks of one CP group run the same micro-batches in the same order, the idle ones (no token, no
 collective) as zero-loss padding micro-batches: a rank skipping one would pair its next FSDP collective (over
@@ -56,7 +60,6 @@ import shutil
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 import torch.distributed as dist
@@ -64,6 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding
+from trainer_client.choices import FsdpUnits
 from trainer_client.loss import CausalLMLoss
 from trainer_client.torch_compat import composable_checkpoint, dynamo_supported
 
@@ -83,13 +87,6 @@ __all__ = [
     "reduce_gradients",
     "reshard",
 ]
-
-class FsdpUnits(StrEnum):
-    """What FSDP2 shards as one unit (module docstring, step 3)."""
-
-    LAYER = "layer"  # each decoder layer, and the root
-    MODEL = "model"  # the whole model (zero2 only: its parameters stay gathered for the step anyway)
-
 
 
 def parallelize(

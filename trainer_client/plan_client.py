@@ -444,9 +444,11 @@ class PlanSource:
         client: PlanClient | None = None,
         job_id: str | None = None,
         spanning: bool = True,
+        token_buckets: int = 0,
     ) -> None:
         self.scheduler = scheduler
         self.spanning = spanning  # plans may hold micro-batches over several DP replicas
+        self.token_buckets = token_buckets  # rows padded to this many token buckets, priced by the planner
         self.dp_size = dp_size
         self.cp_size = cp_size
         self.model = model
@@ -528,7 +530,7 @@ class PlanSource:
                            cp_size=self.cp_size, model=self._wire_model(), bucket_size=self.bucket_size,
                            scheduler=SchedulerName(self.scheduler),
                            profile=self.profile.name if isinstance(self.profile, Profile) else self.profile,
-                           job_id=self._plan_job_id)
+                           job_id=self._plan_job_id, token_buckets=self.token_buckets)
 
     def _register_profile(self) -> None:
         """Register the profile object as the base of the job the plans name (``PUT /jobs/{job_id}/profile``).
@@ -629,7 +631,7 @@ class PlanSource:
         try:
             problem = make_problem(sequence_lengths=sequence_lengths, dp_size=self.dp_size, cp_size=self.cp_size,
                                    model=self.model, bucket_size=self.bucket_size, profile=self.profile,
-                                   spanning=self.spanning)
+                                   spanning=self.spanning, token_buckets=self.token_buckets)
             result = make_plan(problem, self.scheduler)
         except PlanningError as error:
             return PlanDecision(step=step, scheduler=self.scheduler, origin=PlanOrigin.EMBEDDED,

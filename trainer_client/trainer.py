@@ -80,8 +80,9 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from scheduler_service.contract.profiles import load_profile
-from scheduler_service.core.memory import training_profile
+from scheduler_service.core.memory import Sharding, training_profile
 from scheduler_service.core.models import ModelShape
+from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, builtin_profiles, resolve_profile
 from trainer_client.auto_profile import AUTO_PROFILE, auto_profile, default_profile
@@ -93,6 +94,7 @@ from trainer_client.checkpoint import (
     saved_run_identity,
     step_dir,
 )
+from trainer_client.choices import FsdpUnits
 from trainer_client.config import TrainConfig
 from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.data import (
@@ -117,6 +119,7 @@ from trainer_client.model import model_folder, model_shape
 from trainer_client.optim import clip_gradients, lr_schedule
 from trainer_client.parallelize import (
     check_compile,
+    check_cuda_graphs,
     prepare_micro_batch,
     reduce_gradients,
     reshard,
@@ -130,6 +133,9 @@ from trainer_client.step_metrics import MicroBatchTimer, StepMetrics
 __all__ = ["InjectedFault", "MicroBatches", "Trainer"]
 
 logger = logging.getLogger("trainer_client.trainer")
+
+DEFAULT_CUDA_GRAPH_BUCKETS = 4  # --cuda-graphs without --token-buckets: BucketSize down to an eighth of it
+FP32_BYTES = 4  # FSDP reduces gradients in fp32
 
 
 class MicroBatches(Protocol):
@@ -162,8 +168,10 @@ class Trainer:
                               eval_data=config.eval_data)
         shape = model_shape(config.model)
         check_weights_present(config.model)
-        if config.compile:
+        if config.compile or config.cuda_graphs:
             check_compile(self.device)  # before anything is built
+        if config.cuda_graphs:
+            check_cuda_graphs(self.device, sharding=self.sharding, cp_size=config.cp)
         self.layout = ModelLayout.on(self.device, dtype=config.dtype, sharding=self.sharding,
                                      activation_checkpointing=config.activation_checkpointing,
                                      loss_chunk_tokens=config.loss_chunk_tokens, compiled=config.compile)
@@ -175,6 +183,10 @@ class Trainer:
         if known is not None:
             check_profile_machine(known, self.device)
         self.bucket_size = config.bucket_size or self._derived_bucket_size(shape, self.layout.param_dtype)
+        fsdp_units = config.fsdp_units or self._default_fsdp_units(shape, known)
+        self.layout = dataclasses.replace(self.layout, fsdp_units=fsdp_units, cuda_graphs=config.cuda_graphs)
+        self.token_buckets = config.token_buckets if config.token_buckets is not None else (
+            DEFAULT_CUDA_GRAPH_BUCKETS if config.cuda_graphs else 0)
         self.max_length = config.max_length or self.bucket_size * config.cp
         # What the planner costs sequences with: a catalogue name, or a checkpoint's shape.
         self.plan_model = shape if model_folder(config.model) is not None else config.model
@@ -222,7 +234,8 @@ class Trainer:
             parallel, model=self.plan_model, bucket_size=self.bucket_size,
             scheduler=config.scheduler, scheduler_url=config.scheduler_url or None, profile=self.profile,
             sharding=self.sharding, pad_token_id=self.pad_token_id, plan_timeout_s=config.plan_timeout_s,
-            plan_attempts=config.plan_attempts, spanning=config.spanning,
+            plan_attempts=config.plan_attempts, spanning=config.spanning and not config.cuda_graphs,
+            token_buckets=self.token_buckets,
             job_id=job_id if config.feedback and parallel.is_main else None,
         )
         opened.callback(self.batches.close)
@@ -243,6 +256,17 @@ class Trainer:
             return auto_profile(self.config.model, parallel=self.parallel, layout=self.layout,
                                 attention_backend=self.config.attention_backend, progress=self.config.progress)
         return load_profile(choice) if choice is not None and Path(choice).is_file() else choice
+
+    def _default_fsdp_units(self, shape: ModelShape, profile: Profile | None) -> FsdpUnits:
+        """``--fsdp-units`` left out: one unit under zero2 where the whole model's fp32 gradient reduction, at the
+        end of the last backward, fits in the activation memory of a BucketSize, which the backward has freed by
+        then (``parallelize.py``); else one per layer (also without a profile this process can read)."""
+        if self.sharding is not Sharding.ZERO2 or profile is None:
+            return FsdpUnits.LAYER
+        lora = self.config.lora
+        trained = lora.shape.num_parameters(shape) if lora is not None else shape.num_parameters
+        activations = PerformanceModel(model=shape, profile=profile).activation_bytes(self.bucket_size)
+        return FsdpUnits.MODEL if FP32_BYTES * trained <= activations else FsdpUnits.LAYER
 
     def _derived_bucket_size(self, shape: ModelShape, param_dtype: torch.dtype) -> int:
         """BucketSize from the profile, as the planner derives it when a request leaves it out, with the static
