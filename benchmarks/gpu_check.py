@@ -15,17 +15,23 @@ Each step runs as its own process, under a deadline, and what it printed is kept
    DP 1 × CP 1 with that profile, and where there are 2 GPUs at DP 1 × CP 2;
 5. ``train-skrull-dp1-cp1-auto``: the trainer as a user runs it on a GPU, ``--profile auto``: it measures its own
    profile (afresh, into ``gpu-check/cache``) and plans with it; how long that takes, and its fit beside step 2's;
-6. ``train-skrull-dp1-cp1-compiled``: step 4 with ``--compile``, the same profile and so the same plans: what
-   compiled blocks gain in tokens/s, nothing else changed (not in the CPU rehearsal: tests/test_compile.py
-   compiles on the CPU);
-7. ``train-deepspeed-…``: step 4 with ``deepspeed``'s plans: the same losses, another schedule.
+6. the trainer's faster paths at DP 1 × CP 1 with step 2's profile: ``train-skrull-dp1-cp1-compiled``
+   (``--compile``: the same plans, the blocks compiled) and ``train-skrull-dp1-cp1-cuda-graphs`` (``--cuda-graphs
+   --sharding none``: rows padded to 4 token buckets, which the plans fill, each layer's graphs captured per
+   bucket and replayed); the CPU rehearsal runs ``train-skrull-dp1-cp1-buckets`` (``--token-buckets 4``, the
+   padding alone) instead, since neither compiles there within its time (tests/test_trainer_paths.py compiles on
+   the CPU);
+7. ``train-deepspeed-…``: step 4 with ``deepspeed``'s plans: the same losses, another schedule;
+8. ``profile-compiled`` (GPU only): step 2's sweep with ``--compile``, for the launch-bound floor per layer of
+   compiled blocks beside step 2's eager one.
 
 Then it prints one summary and writes it as ``gpu-check/summary.json``: the machine and software, each step's
 outcome and time, the GPU tests' result, the profile's fits and BucketSize, the predicted against the measured
 time per micro-batch (median and worst error, by size class) and per step, whether the model orders them as they
 were measured (``benchmarks.ranking``: the share of pairs of micro-batches, of steps and of one batch's plans
 ordered correctly, and the regret of picking by the model, under the profile and under its two-coefficient fit),
-tokens/s, how far the two schedulers' losses are apart, the peak memory per GPU, and what ``--compile`` gained.
+tokens/s, how far the two schedulers' losses are apart, the peak memory per GPU, and per faster path its tokens/s
+against the eager run's, its losses' distance from them, its peak memory and its fitted floor.
 Exit status 0 when every step ran, 1 when one failed, 2 when this machine cannot run the check (no CUDA; a
 dependency missing).
 
@@ -69,6 +75,19 @@ STOP_GRACE_S = 30.0  # a step past its deadline gets SIGTERM (torchrun then stop
 SIZE_CLASS_TOKENS = 2048  # micro-batches below it are launch-bound on a GPU (the eager floor), above compute-bound
 
 
+@dataclass(frozen=True, slots=True)
+class FastPath:
+    """One of the trainer's faster paths: the name its run is suffixed with, and its flags beside the eager run's."""
+
+    name: str
+    flags: tuple[str, ...]
+
+
+GPU_FAST_PATHS = (FastPath("compiled", ("--compile",)),
+                  FastPath("cuda-graphs", ("--cuda-graphs", "--sharding", "none")))
+CPU_FAST_PATHS = (FastPath("buckets", ("--token-buckets", "4")),)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Settings:
     """What the check runs: the GPU defaults, or the CPU rehearsal's."""
@@ -81,7 +100,8 @@ class Settings:
     bucket_size: int
     profile_args: tuple[str, ...]
     accuracy_args: tuple[str, ...]
-    compile: bool  # step 5 with --compile (the CPU rehearsal leaves it out: tests/test_compile.py covers it there)
+    fast_paths: tuple[FastPath, ...]  # step 6
+    profile_compiled: bool  # step 8
 
     @classmethod
     def for_gpu(cls, model: str, steps: int) -> Settings:
@@ -89,7 +109,8 @@ class Settings:
                    bucket_size=16384,
                    profile_args=("--sizes", "512,1024,2048,4096,8192,16384", "--short-length", "512",
                                  "--memory-sizes", "4096,8192,16384", "--shard-sizes", "2048,8192", "--repeats", "3"),
-                   accuracy_args=("--global-batch", "32", "--bucket-size", "16384", "--repeats", "2"), compile=True)
+                   accuracy_args=("--global-batch", "32", "--bucket-size", "16384", "--repeats", "2"),
+                   fast_paths=GPU_FAST_PATHS, profile_compiled=True)
 
     @classmethod
     def for_rehearsal(cls, steps: int) -> Settings:
@@ -98,7 +119,7 @@ class Settings:
                    profile_args=("--sizes", "32,128,512", "--short-length", "16", "--memory-sizes", "64,256",
                                  "--repeats", "1", "--warmup", "0", "--threads", "1"),
                    accuracy_args=("--global-batch", "8", "--bucket-size", "512", "--repeats", "1",
-                                  "--datasets", "lmsys"), compile=False)
+                                  "--datasets", "lmsys"), fast_paths=CPU_FAST_PATHS, profile_compiled=False)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,7 +149,7 @@ class Check:
     training: list[dict[str, Any]] = field(default_factory=list)
     loss_agreement: list[dict[str, Any]] = field(default_factory=list)
     auto: dict[str, Any] = field(default_factory=dict)
-    compiled: dict[str, Any] = field(default_factory=dict)
+    paths: list[dict[str, Any]] = field(default_factory=list)
     ranking: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -279,17 +300,35 @@ def _auto_summary(log: Path, cache: Path, sweep_profile: dict[str, Any]) -> dict
     return summary
 
 
-def _compiled_summary(training: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
-    """The ``--compile`` run against the eager one of the same plans: tokens/s, losses, peak memory."""
+def _floor_ms_per_layer(profile: dict[str, Any]) -> float | None:
+    """A profile summary's launch-bound floor per layer, in ms (None: its kept fit has none)."""
+    floor = profile["fit"][profile["fit"].get("form", "extended")].get("floor_s_per_layer") if profile else None
+    return floor * 1e3 if floor else None
+
+
+def _paths_summary(training: Sequence[dict[str, Any]], paths: Sequence[FastPath], *, eager_profile: dict[str, Any],
+                   compiled_profile: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per faster path that trained, against the eager run of the same profile (``train-skrull-dp1-cp1``): tokens/s,
+    how far its losses are from eager's, peak memory, and the fitted floor per layer where a profile measured one
+    (eager: step 2's; compiled: step 8's)."""
     by_run = {run["run"]: run for run in training}
-    compiled, eager = by_run.get(name), by_run.get("train-skrull-dp1-cp1")
-    if compiled is None or eager is None:
-        return {}
-    return {"tokens_per_s": compiled["tokens_per_s"], "eager_tokens_per_s": eager["tokens_per_s"],
-            "speedup_tokens_per_s": compiled["tokens_per_s"] / eager["tokens_per_s"],
-            "max_relative_loss_difference": max(
-                abs(a - b) / abs(b) for a, b in zip(compiled["losses"], eager["losses"], strict=False)),
-            "peak_memory_bytes": compiled["peak_memory_bytes"], "eager_peak_memory_bytes": eager["peak_memory_bytes"]}
+    eager = by_run.get("train-skrull-dp1-cp1")
+    if eager is None:
+        return []
+    floors = {"eager": _floor_ms_per_layer(eager_profile), "compiled": _floor_ms_per_layer(compiled_profile)}
+    rows = [{"path": "eager", "flags": [], "tokens_per_s": eager["tokens_per_s"], "speedup_tokens_per_s": 1.0,
+             "max_relative_loss_difference": 0.0, "peak_memory_bytes": eager["peak_memory_bytes"],
+             "floor_ms_per_layer": floors["eager"]}]
+    for path in paths:
+        run = by_run.get(f"train-skrull-dp1-cp1-{path.name}")
+        if run is None:
+            continue
+        rows.append({"path": path.name, "flags": list(path.flags), "tokens_per_s": run["tokens_per_s"],
+                     "speedup_tokens_per_s": run["tokens_per_s"] / eager["tokens_per_s"],
+                     "max_relative_loss_difference": max(
+                         abs(a - b) / abs(b) for a, b in zip(run["losses"], eager["losses"], strict=False)),
+                     "peak_memory_bytes": run["peak_memory_bytes"], "floor_ms_per_layer": floors.get(path.name)})
+    return rows if len(rows) > 1 else []
 
 
 def _ranking_summary(accuracy_path: Path | None, metrics: Sequence[Path]) -> list[dict[str, Any]]:
@@ -351,10 +390,13 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
 
     profile_path = out_dir / "profile.json"
     ranks = 2 if num_gpus >= 2 else 1
-    profile_args = ["--model", settings.model, "--device", settings.device, "--out", str(profile_path),
-                    "--no-progress", *settings.profile_args]
-    profile = run("profile", _torchrun(ranks, "trainer_client.profile", *profile_args) if ranks > 1 else
-                  [sys.executable, "-m", "trainer_client.profile", *profile_args])
+
+    def profile_args(out: Path) -> list[str]:
+        return ["--model", settings.model, "--device", settings.device, "--out", str(out), "--no-progress",
+                *settings.profile_args]
+
+    profile = run("profile", _torchrun(ranks, "trainer_client.profile", *profile_args(profile_path)) if ranks > 1
+                  else [sys.executable, "-m", "trainer_client.profile", *profile_args(profile_path)])
     if not profile.ok:
         return check
     check.profile = _profile_summary(profile_path)
@@ -387,6 +429,9 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
 
     for dp, cp in layouts:
         train(dp, cp, "skrull", "--profile", str(profile_path))
+    for path in settings.fast_paths:  # step 2's profile, as the eager run: the path alone differs (and the plans
+        # where its token buckets' padding is priced)
+        train(1, 1, "skrull", "--profile", str(profile_path), *path.flags, suffix=f"-{path.name}")
     # As a user runs it on a GPU: the profile measured by the run itself (afresh, into the check's cache: its time
     # is reported); before the deepspeed runs, whose figures an earlier check has too. The planner's compiled
     # kernels stay where the other steps cached them: only the profile is measured afresh.
@@ -397,12 +442,18 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
                  step_env={**env, "XDG_CACHE_HOME": str(cache), **kernels})
     if any(run["run"] == auto for run in check.training):
         check.auto = _auto_summary(out_dir / f"{auto}.log", cache, check.profile)
-    if settings.compile:  # the same profile as step 4, so the same plans: the blocks' compilation alone differs
-        compiled = train(1, 1, "skrull", "--profile", str(profile_path), "--compile", suffix="-compiled")
-        check.compiled = _compiled_summary(check.training, compiled)
     for dp, cp in layouts:
         train(dp, cp, "deepspeed", "--profile", str(profile_path))
     check.loss_agreement = _loss_agreement(check.training)
+    compiled_profile: dict[str, Any] = {}
+    if settings.profile_compiled:
+        compiled_path = out_dir / "profile-compiled.json"
+        step = run("profile-compiled", [sys.executable, "-m", "trainer_client.profile",
+                                        *profile_args(compiled_path), "--compile"])
+        if step.ok:
+            compiled_profile = _profile_summary(compiled_path)
+    check.paths = _paths_summary(check.training, settings.fast_paths, eager_profile=check.profile,
+                                 compiled_profile=compiled_profile)
     trained = {run["run"] for run in check.training}
     planned_with_profile = [out_dir / f"train-{scheduler}-dp{dp}-cp{cp}.jsonl" for dp, cp in layouts
                             for scheduler in ("skrull", "deepspeed") if f"train-{scheduler}-dp{dp}-cp{cp}" in trained]
@@ -465,11 +516,13 @@ def _print_summary(check: Check) -> None:
             print(f": floor (or beta) {floors[1] * 1e3:.2f} ms/layer (the sweep's {floors[0] * 1e3:.2f}), fit median "
                   f"{auto['fit']['median_relative_error']:.1%}", end="")
         print()
-    compiled = check.compiled
-    if compiled:
-        print(f"--compile (the same plans): {compiled['eager_tokens_per_s']:,.0f} -> {compiled['tokens_per_s']:,.0f} "
-              f"tokens/s (x{compiled['speedup_tokens_per_s']:.2f}); losses within "
-              f"{compiled['max_relative_loss_difference']:.1e} of eager")
+    for path in check.paths:
+        floor = f", floor {path['floor_ms_per_layer']:.2f} ms/layer" if path["floor_ms_per_layer"] else ""
+        peak = f"{path['peak_memory_bytes'] / 2**30:.1f} GiB" if path["peak_memory_bytes"] is not None else "n/a"
+        print(f"path {path['path']} {' '.join(path['flags'])}".rstrip() + f": {path['tokens_per_s']:,.0f} tokens/s "
+              f"(x{path['speedup_tokens_per_s']:.2f} of eager){floor}, peak memory {peak}, losses within "
+              f"{path['max_relative_loss_difference']:.1e} of eager")
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0])

@@ -18,7 +18,13 @@ from trainer_client.distributed import init_parallel, spawn_gloo
 from trainer_client.loading import ModelLayout
 from trainer_client.loss import CausalLMLoss
 from trainer_client.model import build_model
-from trainer_client.parallelize import ActivationCheckpointing, Sharding, apply_compile, check_compile
+from trainer_client.parallelize import (
+    ActivationCheckpointing,
+    Sharding,
+    apply_compile,
+    check_compile,
+    check_cuda_graphs,
+)
 from trainer_client.trainer import Trainer
 
 STEPS = 3
@@ -118,3 +124,34 @@ def test_the_trainer_checks_compile_before_building_the_model(monkeypatch: pytes
     cpu_rank = SimpleNamespace(device=torch.device("cpu"))  # no process group: nothing may get that far
     with pytest.raises(ValueError, match=r"C\+\+ compiler"):
         Trainer(TrainConfig(dp=1, cp=1, compile=True, progress=False), cpu_rank)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("device", "sharding", "cp", "why"), [
+    ("cpu", Sharding.NONE, 1, r"--cuda-graphs needs a CUDA device"),
+    ("cuda", Sharding.NONE, 2, r"--cuda-graphs needs --cp 1: with CP 2, sharded sequences run collectives"),
+    ("cuda", Sharding.ZERO2, 1, r"--cuda-graphs needs --sharding none: zero2 gathers the parameters"),
+])
+def test_cuda_graphs_are_refused_where_a_captured_graph_cannot_run(device: str, sharding: Sharding, cp: int,
+                                                                    why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        check_cuda_graphs(torch.device(device), sharding=sharding, cp_size=cp)
+
+
+def test_the_trainer_checks_cuda_graphs_before_building_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("trainer_client.trainer.build_training_module",
+                        lambda *args, **kwargs: pytest.fail("the model was built before --cuda-graphs was checked"))
+    cpu_rank = SimpleNamespace(device=torch.device("cpu"))
+    config = TrainConfig(dp=1, cp=1, cuda_graphs=True, sharding=Sharding.NONE, progress=False)
+    with pytest.raises(ValueError, match=r"--cuda-graphs needs a CUDA device"):
+        Trainer(config, cpu_rank)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("flags", "why"), [
+    ({"token_buckets": 9}, r"--token-buckets is at most 8 \(BucketSize down to 1/128 of it\), got 9"),
+    ({"cuda_graphs": True, "token_buckets": 0}, r"--cuda-graphs captures graphs per token bucket: give "
+                                                r"--token-buckets 1 or more"),
+    ({"fsdp_units": "model", "sharding": "zero3"}, r"--fsdp-units model is for --sharding zero2 .*, not zero3"),
+])
+def test_faster_path_flags_that_cannot_work_together_are_refused_by_name(flags: dict[str, object], why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        TrainConfig(dp=1, cp=1, **flags)

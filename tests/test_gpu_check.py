@@ -50,21 +50,27 @@ def test_the_rehearsal_runs_every_step_and_fills_the_summary(tmp_path: Path) -> 
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [step["name"] for step in summary["steps"]] == [
-        "gpu-tests", "profile", "accuracy", "train-skrull-dp1-cp1", "train-skrull-dp1-cp1-auto",
-        "train-deepspeed-dp1-cp1"]
+        "gpu-tests", "profile", "accuracy", "train-skrull-dp1-cp1", "train-skrull-dp1-cp1-buckets",
+        "train-skrull-dp1-cp1-auto", "train-deepspeed-dp1-cp1"]
     assert all(step["ok"] for step in summary["steps"])
     assert summary["gpu_tests"]["skipped"] == 2  # no CUDA: the GPU tests skip, and say so
     assert summary["profile"]["fit"]["extended"]["median_relative_error"] >= 0
     (accuracy,) = summary["accuracy"]
     assert accuracy["cp_size"] == 1 and accuracy["micro_batches"] > 0 and accuracy["by_size"]
-    assert [run["steps"] for run in summary["training"]] == [2, 2, 2]
+    assert [run["steps"] for run in summary["training"]] == [2, 2, 2, 2]
     (agreement,) = summary["loss_agreement"]
     assert agreement["layout"] == "dp1-cp1" and agreement["max_relative_difference"] < 1e-5
     assert "losses skrull vs deepspeed at dp1-cp1" in result.stdout
     auto = summary["auto"]  # --profile auto measured its profile into the check's cache, then trained with it
     assert auto["auto_profile_s"] is not None and Path(auto["auto_profile"]).is_file()
     assert auto["fit"]["median_relative_error"] >= 0 and auto["sweep_fit"]["median_relative_error"] >= 0
-    assert summary["compiled"] == {}  # --compile runs on a GPU; tests/test_compile.py compiles on the CPU
+    # the faster paths beside eager: on the CPU the token buckets' padding alone (--compile and --cuda-graphs run on
+    # a GPU; tests/test_trainer_paths.py compiles on the CPU)
+    eager, buckets = summary["paths"]
+    assert (eager["path"], buckets["path"]) == ("eager", "buckets") and buckets["flags"] == ["--token-buckets", "4"]
+    assert buckets["floor_ms_per_layer"] is None  # no profile measures the padded rows' floor
+    assert buckets["tokens_per_s"] > 0 and buckets["max_relative_loss_difference"] < 1e-5
+    assert "path buckets --token-buckets 4: " in result.stdout
     assert "--profile auto measured in" in result.stdout
     # benchmarks.ranking over the accuracy run and the runs planned with step 2's profile (not --profile auto's)
     ranking = {(entry["fit"], entry["ranked"]): entry for entry in summary["ranking"]}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from scheduler_service.core.plan import MicroBatch
-from trainer_client.dacp.packing import pack_micro_batch
+from trainer_client.dacp.packing import bucket_segments, pack_micro_batch
 from trainer_client.dacp.zigzag import padded_length, zigzag_positions
 from trainer_client.data import IGNORE_INDEX, Sample
 
@@ -107,3 +107,65 @@ def test_empty_rank_packs_nothing() -> None:
     packed = pack_micro_batch(_samples(), micro_batch, cp_size=2, cp_rank=1)
     assert packed.num_tokens == 0 and packed.input_ids_T.dtype == torch.int64
     assert not packed.metadata.sharded and packed.is_idle
+
+
+BUCKETS = (64, 128, 256)
+
+
+def test_a_row_is_padded_to_the_smallest_bucket_with_segments_of_the_bucket_s_shape() -> None:
+    """Rows of one bucket differ in values only: as many tokens and local segments, the same longest segment."""
+    samples = _samples()
+    shapes = set()
+    for local in ((0, 1), (2,), (4, 6, 1)):  # 22, 64 and 20 tokens: all the 64-token bucket
+        packed = pack_micro_batch(samples, MicroBatch(local=(local,), distributed=()), cp_size=1, cp_rank=0)
+        padded = pack_micro_batch(samples, MicroBatch(local=(local,), distributed=()), cp_size=1, cp_rank=0,
+                                  token_buckets=BUCKETS)
+        metadata = padded.metadata
+        shapes.add((padded.num_tokens, metadata.cu_seqlens_local.numel(), metadata.max_seqlen_local))
+        real = packed.num_tokens  # the sequences first, as packed; the padding predicts nothing
+        assert torch.equal(padded.input_ids_T[:real], packed.input_ids_T)
+        assert torch.equal(padded.targets_T[:real], packed.targets_T)
+        assert (padded.targets_T[real:] == IGNORE_INDEX).all() and padded.num_loss_tokens == packed.num_loss_tokens
+        lengths = metadata.cu_seqlens_local.diff().tolist()
+        assert lengths[:len(local)] == [samples[i].num_tokens for i in local]
+        pad_positions = padded.position_ids_T[real:].tolist()  # each padding segment counts its positions from 0
+        assert pad_positions == [p for length in lengths[len(local):] for p in range(length)]
+    assert shapes == {(64, bucket_segments(64) + 1, 64)}
+
+
+def test_a_row_of_more_sequences_than_its_bucket_s_segments_takes_a_larger_bucket() -> None:
+    samples = _samples(lengths=(1,) * 8)  # 8 one-token sequences: more than the 5 segments of a 64-token bucket
+    padded = pack_micro_batch(samples, MicroBatch(local=(tuple(range(8)),), distributed=()), cp_size=1, cp_rank=0,
+                              token_buckets=BUCKETS)
+    assert padded.num_tokens == 128 and padded.metadata.cu_seqlens_local.numel() == bucket_segments(128) + 1
+
+
+def test_a_row_of_more_sequences_than_any_bucket_s_segments_gets_the_segments_it_needs() -> None:
+    samples = _samples(lengths=(1,) * 20)
+    padded = pack_micro_batch(samples, MicroBatch(local=(tuple(range(20)),), distributed=()), cp_size=1, cp_rank=0,
+                              token_buckets=(64,))
+    assert padded.num_tokens == 64 and padded.metadata.cu_seqlens_local.numel() == 20 + 1 + 1  # + one of padding
+
+
+def test_a_row_of_local_sequences_longer_than_the_largest_bucket_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"a micro-batch row of 100 tokens \(CP rank 0\) is longer than the largest "
+                                         r"token bucket, 64"):
+        pack_micro_batch(_samples(), MicroBatch(local=((5,),), distributed=()), cp_size=1, cp_rank=0,
+                         token_buckets=(64,))
+
+
+def test_a_row_past_the_largest_bucket_by_its_shards_rounding_runs_as_packed() -> None:
+    """Zigzag chunks round a sharded sequence up: 17 tokens over CP 2 are 10 per rank, a token past the exact 8.5
+    that the memory bound counts. Such a row runs collectives, which no graph holds: it stays as packed."""
+    samples = _samples(lengths=(17, 55))
+    micro_batch = MicroBatch(local=((1,), ()), distributed=(0,))
+    packed = pack_micro_batch(samples, micro_batch, cp_size=2, cp_rank=0)
+    padded = pack_micro_batch(samples, micro_batch, cp_size=2, cp_rank=0, token_buckets=(64,))
+    assert packed.num_tokens == 65 and torch.equal(padded.input_ids_T, packed.input_ids_T)
+
+
+def test_an_idle_row_is_not_padded() -> None:
+    """The planner prices an idle rank at nothing; padded, it would run a bucket of padding."""
+    padded = pack_micro_batch(_samples(), MicroBatch(local=((0,), ()), distributed=()), cp_size=2, cp_rank=1,
+                              token_buckets=BUCKETS)
+    assert padded.is_idle

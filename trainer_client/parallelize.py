@@ -176,20 +176,20 @@ def check_compile_layout(activation_checkpointing: ActivationCheckpointing) -> N
                          "compiled block recomputed whole) or none")
 
 
-def check_compile(device: torch.device) -> None:
-    """Raise ``ValueError`` saying why ``--compile`` cannot run here, before any model is built: a torch without
-    a working ``torch.compile`` (Windows; Python newer than it supports), or a CPU with no C++ compiler for
-    inductor's kernels."""
+def check_compile(device: torch.device, *, flag: str = "--compile") -> None:
+    """Raise ``ValueError`` saying why ``flag`` (``--compile``, or ``--cuda-graphs``, which compiles too) cannot run
+    here, before any model is built: a torch without a working ``torch.compile`` (Windows; Python newer than it
+    supports), or a CPU with no C++ compiler for inductor's kernels."""
     if not dynamo_supported():
-        raise ValueError(f"--compile needs torch.compile, which torch {torch.__version__} does not support on "
-                         "this platform or Python")
+        raise ValueError(f"{flag} needs torch.compile, which torch {torch.__version__} does not support on this "
+                         "platform or Python")
     if device.type == "cpu" and not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
-        raise ValueError("--compile on CPU needs a C++ compiler (g++ or clang++) for inductor's kernels; none is "
-                         "on PATH")
+        raise ValueError(f"{flag} on CPU needs a C++ compiler (g++ or clang++) for inductor's kernels; none is on "
+                         "PATH")
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
         if major < 7:
-            raise ValueError(f"--compile needs a GPU of compute capability 7.0 or more for Triton; "
+            raise ValueError(f"{flag} needs a GPU of compute capability 7.0 or more for Triton; "
                              f"{torch.cuda.get_device_name(device)} has {major}.x")
 
 

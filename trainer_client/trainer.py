@@ -168,10 +168,11 @@ class Trainer:
                               eval_data=config.eval_data)
         shape = model_shape(config.model)
         check_weights_present(config.model)
-        if config.compile or config.cuda_graphs:
-            check_compile(self.device)  # before anything is built
-        if config.cuda_graphs:
+        if config.cuda_graphs:  # before anything is built
             check_cuda_graphs(self.device, sharding=self.sharding, cp_size=config.cp)
+            check_compile(self.device, flag="--cuda-graphs")
+        elif config.compile:
+            check_compile(self.device)
         self.layout = ModelLayout.on(self.device, dtype=config.dtype, sharding=self.sharding,
                                      activation_checkpointing=config.activation_checkpointing,
                                      loss_chunk_tokens=config.loss_chunk_tokens, compiled=config.compile)

@@ -36,7 +36,9 @@ shards' rows stay where the collectives expect them) as extra local segments tha
 predict nothing, cut evenly so that their attention stays small; the local
 segments are always ``bucket_segments(bucket)`` (real ones, then padding ones,
 empty where there is too little padding), and ``max_seqlen_local`` is the bucket,
-so that a bucket's rows differ in values only, never in shape.
+so that a bucket's rows differ in values only, never in shape. Only a row of more
+than one sequence per ``MIN_SEGMENT_TOKENS`` tokens of its bucket has a shape of
+its own (more segments: another graph).
 
 Shape legend: T tokens this rank holds in the micro-batch; K gathered-prefix
 tokens (all chunks of this rank in one collective).
@@ -250,7 +252,7 @@ def pack_micro_batch(
     ``cp_group`` is the whole CP group, ``cp_block_groups`` maps ``(first CP rank, size)`` of each aligned block
     holding this rank to its process group (``ParallelContext.cp_block_groups``); a collective whose group is
     missing packs, and fails in attention if it needs to communicate. ``token_buckets``: the row padded to the
-    smallest of them that holds it (``pad_to_bucket``).
+    smallest of them that holds it (``pad_to_bucket``), unless it is idle (the planner prices an idle rank at 0).
     """
     if len(micro_batch.local) != cp_size:
         raise ValueError(f"micro-batch has {len(micro_batch.local)} local lists; cp_size is {cp_size}")
@@ -292,7 +294,9 @@ def pack_micro_batch(
     targets_T = _cat(row.targets)
     pack = PackedMicroBatch(input_ids_T=_cat(row.input_ids), position_ids_T=_cat(row.positions), targets_T=targets_T,
                             metadata=metadata, num_loss_tokens=int((targets_T != IGNORE_INDEX).sum()))
-    return pad_to_bucket(pack, token_buckets, pad_token_id=pad_token_id) if token_buckets else pack
+    if not token_buckets or pack.is_idle:  # an idle row is skipped, or replaced by a padding micro-batch
+        return pack
+    return pad_to_bucket(pack, token_buckets, pad_token_id=pad_token_id)
 
 
 def padding_micro_batch(*, cp_size: int, cp_rank: int, pad_token_id: int = 0,
@@ -315,20 +319,23 @@ def bucket_segments(bucket_tokens: int) -> int:
 
 
 def pad_to_bucket(pack: PackedMicroBatch, token_buckets: Sequence[int], *, pad_token_id: int = 0) -> PackedMicroBatch:
-    """``pack`` padded to the smallest of ``token_buckets`` that holds it (module docstring). ``ValueError`` naming
-    the row and the bucket where none holds it, or where its local sequences outnumber the bucket's segments (the
-    planner keeps rows within BucketSize, the largest bucket: a plan that brings a longer row is refused here)."""
+    """``pack`` padded to the smallest of ``token_buckets`` that holds its tokens and, where one does, its local
+    sequences (module docstring); a row of more sequences than even the largest bucket's segments gets as many
+    segments as it needs (a shape of its own). A row longer than the largest bucket: as packed where it holds
+    shards (the zigzag split rounds each sharded sequence up to whole chunks, a few tokens past the memory bound's
+    exact share, and a row with collectives is captured in no graph anyway), else ``ValueError`` naming it (the
+    plan exceeds the BucketSize it was checked against)."""
     metadata, num_tokens = pack.metadata, pack.num_tokens
-    bucket = next((size for size in sorted(token_buckets) if size >= num_tokens), None)
-    if bucket is None:
+    num_real = metadata.cu_seqlens_local.numel() - 1
+    holding = [size for size in sorted(token_buckets) if size >= num_tokens]
+    if not holding:
+        if metadata.sharded:
+            return pack
         raise ValueError(f"a micro-batch row of {num_tokens} tokens (CP rank {metadata.cp_rank}) is longer than the "
                          f"largest token bucket, {max(token_buckets)}: the plan exceeds the BucketSize it was made for")
-    segments = bucket_segments(bucket)
-    num_real = metadata.cu_seqlens_local.numel() - 1
+    bucket = next((size for size in holding if num_real + (size > num_tokens) <= bucket_segments(size)), holding[0])
     num_padding = bucket - num_tokens
-    if num_real + (num_padding > 0) > segments:
-        raise ValueError(f"a micro-batch row holds {num_real} local sequences; a bucket of {bucket} tokens has "
-                         f"{segments} segments (sequences of {MIN_SEGMENT_TOKENS} tokens on average)")
+    segments = max(bucket_segments(bucket), num_real + (num_padding > 0))
     pad_lengths = np.diff(np.linspace(0, num_padding, segments - num_real + 1).astype(np.int64)).tolist()
     local_lengths = metadata.cu_seqlens_local.diff().tolist()
     local, rest = slice(0, metadata.num_local_tokens), slice(metadata.num_local_tokens, None)
