@@ -300,7 +300,8 @@ class TrainConfig(BaseModel):
                                                       "for the one before it")
     resume: bool = Field(False, description="continue from the newest complete checkpoint in --checkpoint-dir when "
                                             "there is one; it must have been written with the same --model, --dp × "
-                                            "--cp, --global-batch and --data (another schedule is accepted)")
+                                            "--cp, --global-batch, --data and --seed (other hyperparameters are "
+                                            "accepted)")
     resume_accept_data_change: bool = Field(
         False, description="with --resume: accept a checkpoint trained on other --data (another source, or the "
                            "same one changed) and continue from its saved data position")
