@@ -404,3 +404,9 @@ def test_length_stats_summarise_what_was_trained() -> None:
     summary = stats.summary()
     assert summary.startswith(f"24 sequences, {sum(lengths)} tokens")
     assert f"min {min(lengths)}" in summary and f"max {max(lengths)}" in summary
+
+
+def test_a_fraction_of_an_epoch_is_that_share_of_the_records_rounded_up_to_a_step(tmp_path: Path) -> None:
+    source = _source(_numbered(tmp_path / "d.jsonl", 10), global_batch=3)
+    assert isinstance(source, RecordSource)
+    assert (source.steps_for_epochs(0.5), source.steps_for_epochs(1), source.steps_for_epochs(2.5)) == (2, 4, 9)

@@ -243,7 +243,7 @@ class TrainConfig(BaseModel):
     global_batch: Annotated[int, Positive] = Field(16, description="sequences per global batch")
     steps: Annotated[int, Positive, Flag(exclusive="length")] = Field(
         20, description="optimizer steps (one per global batch)")
-    epochs: Annotated[int, Positive, Flag(exclusive="length")] | None = Field(
+    epochs: Annotated[float, Positive, Flag(exclusive="length")] | None = Field(
         None, description="train every record this many times (records, not synthetic data): the steps are "
                           "epochs × records / --global-batch, rounded up")
     shuffle: bool = Field(True, description="train each epoch's records in a permutation seeded by --seed and the "

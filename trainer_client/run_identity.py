@@ -33,10 +33,12 @@ from pathlib import Path
 from trainer_client.choices import LRSchedulerName
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource
+from trainer_client.hub import RepoKind, fetch, hub_ref
 from trainer_client.lora import LoraSettings
 from trainer_client.model import model_folder
 
-__all__ = ["Change", "Difference", "ResumeMismatch", "RunIdentity", "check_resume", "differences", "model_identity"]
+__all__ = ["Change", "Difference", "ResumeMismatch", "RunIdentity", "check_resume", "differences", "model_identity",
+           "model_source"]
 
 ACCEPT_DATA_CHANGE_FLAG = "--resume-accept-data-change"
 
@@ -65,6 +67,9 @@ class RunIdentity:
     weight_decay: float | None = None
     max_grad_norm: float | None = None
     loss_on: str | None = None
+    # Where the model was read (not compared: the digest is the model): a local folder's absolute path, a Hub id at
+    # the commit read; None for a catalogue name. skrull-export builds the model from it.
+    model_source: str | None = None
 
     @classmethod
     def of(cls, config: TrainConfig, data: DataSource) -> RunIdentity:
@@ -72,7 +77,7 @@ class RunIdentity:
                    data=data.identity(), steps=config.steps, warmup_steps=config.warmup_steps, lr=config.lr,
                    min_lr_ratio=config.min_lr_ratio, lora=config.lora, lr_scheduler=config.lr_scheduler,
                    seed=data.order_seed, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm,
-                   loss_on=config.loss_on)
+                   loss_on=config.loss_on, model_source=model_source(config.model))
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
@@ -120,6 +125,15 @@ def model_identity(model: str) -> str:
                     if not key.startswith("_") and key != "transformers_version"}
     digest = hashlib.sha256(json.dumps(architecture, sort_keys=True).encode()).hexdigest()[:16]
     return f"config.json sha256 {digest}"
+
+
+def model_source(model: str) -> str | None:
+    """Where ``--model`` is read, as another process finds it again: a local folder's absolute path, a Hub id at the
+    commit this process read (``ORG/NAME@COMMIT``); None for a catalogue name."""
+    if Path(model).is_dir():
+        return str(Path(model).resolve())
+    ref = hub_ref(model, RepoKind.MODEL_CONFIG)
+    return f"{ref.repo_id}@{fetch(ref).commit}" if ref is not None else None
 
 
 class Change(StrEnum):
