@@ -27,7 +27,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dp", type=int, default=2, help="data-parallel degree")
     parser.add_argument("--cp", type=int, default=2, help="context-parallel degree")
     parser.add_argument("--model", default="tiny", help="a built-in model shape, random init (no download)")
-    parser.add_argument("--data", default="synthetic:lmsys", help="synthetic:NAME, a JSONL file or a datasets folder")
+    parser.add_argument("--data", default="synthetic:lmsys", help="synthetic:NAME, or records: a JSONL, parquet, CSV "
+                                                                  "or JSON file, a datasets folder or a Hub data set")
+    parser.add_argument("--tokenizer", help="a tokenizer folder or a Hub id, for chats, prompt-completion and text "
+                                            "records (whose chat template renders the chats)")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per global batch")
     parser.add_argument("--bucket-size", type=int, default=1024, help="tokens per CP rank per micro-batch")
     parser.add_argument("--steps", type=int, default=4)
@@ -58,7 +61,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     # Global batch s depends on (seed, s) alone: every rank builds the same one, Skrull plans it whole.
     source = make_source(args.data, global_batch_size=args.global_batch, vocab_size=model.config.vocab_size,
-                         max_length=args.bucket_size * args.cp, seed=args.seed)
+                         max_length=args.bucket_size * args.cp, seed=args.seed, tokenizer=args.tokenizer)
 
     with SkrullBatches(parallel, model=args.model, bucket_size=args.bucket_size,
                        scheduler_url=args.scheduler_url) as batches:

@@ -7,10 +7,12 @@ from collections.abc import Callable
 
 from hypothesis import strategies as st
 
-from scheduler_service.core.plan import PlanningProblem, make_problem
+from scheduler_service.core.errors import BaselineCannotPlanError
+from scheduler_service.core.plan import PlanningProblem, SchedulerName, make_problem
 from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, resolve_profile
 
-__all__ = ["ADDITIVE_PROFILE", "LAUNCH_BOUND_FLOOR_S_PER_LAYER", "ProblemFactory", "hybrid_problems", "with_floor"]
+__all__ = ["ADDITIVE_PROFILE", "LAUNCH_BOUND_FLOOR_S_PER_LAYER", "ProblemFactory", "hybrid_problems",
+           "refusal_is_the_peers_own", "with_floor"]
 
 ProblemFactory = Callable[..., PlanningProblem]
 
@@ -45,3 +47,15 @@ def hybrid_problems(draw: st.DrawFn, max_sequences: int = 24) -> PlanningProblem
     return make_problem(sequence_lengths=lengths, dp_size=draw(st.integers(1, 3)), cp_size=cp_size,
                         model=draw(st.sampled_from(["tiny", "qwen2.5-0.5b", "qwen2.5-7b"])), bucket_size=bucket_size,
                         profile=with_floor(LAUNCH_BOUND_FLOOR_S_PER_LAYER) if profile == "floor" else profile)
+
+
+def refusal_is_the_peers_own(scheduler: SchedulerName, problem: PlanningProblem,
+                             error: BaselineCannotPlanError) -> bool:
+    """Whether a baseline's refusal is one its own system makes: Megatron's dynamic CP refuses every pool but a
+    power of two of at least 2 ranks, and plans all of those; the HF samplers refuse a sequence or micro-batch over
+    one CP group's capacity, or fewer sequences than DP ranks."""
+    pool = problem.dp_size * problem.cp_size
+    if scheduler is SchedulerName.DYNAMIC_CP:
+        return (pool < 2 or pool & (pool - 1) != 0) and error.scheduler == "dynamic_cp"
+    return error.scheduler == scheduler.value and (
+        f"holds {problem.micro_batch_capacity}" in error.reason or problem.num_sequences < problem.dp_size)

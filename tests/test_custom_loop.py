@@ -12,12 +12,14 @@ the gradient norm grows eightfold or shrinks fourfold.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.hub_cache import save_tokenizer
 from trainer_client.demo import read_metrics, run_trainer, trainer_command, trainer_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,3 +50,19 @@ def test_custom_loop_example_matches_the_bundled_trainer_step_for_step(tmp_path:
         assert float(fields[3]) == pytest.approx(metrics["loss"], rel=RELATIVE_TOLERANCE), f"step {fields[1]}"
         assert float(fields[5]) == pytest.approx(metrics["grad_norm"], rel=RELATIVE_TOLERANCE), f"step {fields[1]}"
     assert any(m["num_micro_batches"] > 2 for m in bundled)  # several micro-batches: accumulation is exercised
+
+
+@pytest.mark.slow
+def test_custom_loop_example_trains_chats_with_a_tokenizer(tmp_path: Path) -> None:
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": "the model reads " * (k % 4 + 1)},
+        {"role": "assistant", "content": "long documents " * (k % 3 + 1)}]}) + "\n" for k in range(8)))
+    example = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
+         "--dp", "1", "--cp", "2", "--data", str(chats), "--tokenizer", str(save_tokenizer(tmp_path / "tokenizer")),
+         "--global-batch", "4", "--steps", "2"],
+        cwd=tmp_path, env=trainer_env(), capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert example.returncode == 0, example.stderr[-3000:]
+    assert [line.split()[1] for line in example.stdout.splitlines() if line.startswith("step ")] == ["1", "2"]

@@ -313,3 +313,15 @@ def test_skrull_export_of_a_run_trained_from_a_local_folder_takes_that_folder_as
                                        f"({record.model}): give that folder as --model\n")
     assert export_main([str(checkpoint), str(tmp_path / "model"), "--model", str(base_model)]) == 0
     _same_folder(tmp_path / "model", step_dir(base_model, 1))  # the checkpoint's weights, not the folder's
+    # a record of where the model was read (the trainer writes it): no --model needed while the folder holds it
+    recorded = dataclasses.replace(record, model_source=str(base_model.resolve()))
+    checkpoint = _checkpoint_with_record(first_step, tmp_path / "sourced" / first_step.name, recorded.to_json())
+    assert export_main([str(checkpoint), str(tmp_path / "sourced-model")]) == 0
+    _same_folder(tmp_path / "sourced-model", step_dir(base_model, 1))
+    moved = dataclasses.replace(record, model_source=str(tmp_path / "moved"))
+    checkpoint = _checkpoint_with_record(first_step, tmp_path / "moved-record" / first_step.name, moved.to_json())
+    capsys.readouterr()
+    assert export_main([str(checkpoint), str(tmp_path / "moved-model")]) == 2
+    assert capsys.readouterr().err == (f"error: checkpoint {checkpoint} was trained from {tmp_path / 'moved'}, which "
+                                       f"no longer holds that model ({record.model}): give the model's folder or Hub "
+                                       "id as --model\n")

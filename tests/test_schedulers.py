@@ -15,7 +15,7 @@ from scheduler_service.core.partition import MAX_KARMARKAR_KARP_CELLS, karmarkar
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, SchedulerName, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
 from scheduler_service.core.simulate import simulate
-from tests.problem_builders import ADDITIVE_PROFILE, ProblemFactory
+from tests.problem_builders import ADDITIVE_PROFILE, ProblemFactory, refusal_is_the_peers_own
 
 
 @st.composite
@@ -41,18 +41,6 @@ def micro_batch_violations(problem: PlanningProblem, indices: list[int], micro_b
     violations = find_violations(plan, sequence_lengths=lengths, dp_size=1, cp_size=problem.cp_size,
                                  bucket_size=problem.bucket_size)
     return [v for v in violations if "not scheduled" not in v]
-
-
-def refusal_is_the_peers_own(scheduler: SchedulerName, problem: PlanningProblem,
-                             error: BaselineCannotPlanError) -> bool:
-    """Whether a baseline's refusal is one its own system makes: Megatron's dynamic CP refuses every pool but a
-    power of two of at least 2 ranks, and plans all of those; the HF samplers refuse a sequence or micro-batch over
-    one CP group's capacity, or fewer sequences than DP ranks."""
-    pool = problem.dp_size * problem.cp_size
-    if scheduler is SchedulerName.DYNAMIC_CP:
-        return (pool < 2 or pool & (pool - 1) != 0) and error.scheduler == "dynamic_cp"
-    return error.scheduler == scheduler.value and (
-        f"holds {problem.micro_batch_capacity}" in error.reason or problem.num_sequences < problem.dp_size)
 
 
 @pytest.mark.parametrize("scheduler", list(HEURISTIC_SCHEDULERS))

@@ -160,9 +160,10 @@ def test_keep_last_leaves_the_newest_complete_checkpoints_and_resume_reads_the_n
 def test_every_checkpoint_records_the_run_that_wrote_it(runs: Path) -> None:
     config = _config()
     expected = RunIdentity(model="tiny", dp=DP, cp=CP, global_batch=GLOBAL_BATCH,
-                           data=DataIdentity(source="synthetic:lmsys",
-                                             fingerprint=f"seed 0, max length {BUCKET_SIZE * CP}"),
-                           steps=STEPS, warmup_steps=1, lr=config.lr, min_lr_ratio=config.min_lr_ratio)
+                           data=DataIdentity(source="synthetic:lmsys", fingerprint=f"max length {BUCKET_SIZE * CP}"),
+                           steps=STEPS, warmup_steps=1, lr=config.lr, min_lr_ratio=config.min_lr_ratio, seed=0,
+                           weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm,
+                           loss_on=config.loss_on)
     steps = sorted((runs / "checkpoints-zero2").glob("step-*"))
     assert [saved_run_identity(step) for step in steps] == [expected] * len(steps)
 
@@ -219,10 +220,10 @@ def test_torchrun_refuses_another_global_batch_and_extends_the_run_on_accepted_o
                                         "--resume-accept-data-change", "--lr-scheduler", "cosine_with_min_lr"),
                               env=trainer_env(), capture_output=True, text=True, timeout=300, check=False)
     assert extended.returncode == 0, extended.stderr[-3000:]
-    assert (f"--resume-accept-data-change: checkpoint {latest} was trained on synthetic:lmsys (seed 0, max length "
-            f"{BUCKET_SIZE * CP}); this run trains on synthetic:lmsys (seed 1, max length {BUCKET_SIZE * CP}) from "
-            "the saved data position") in extended.stderr
-    assert f"resuming checkpoint {latest} with another schedule: --steps {STEPS} → {STEPS + 3}" in extended.stderr
+    assert (f"--resume-accept-data-change: checkpoint {latest} was trained on --seed 0; this run trains on --seed 1 "
+            "from the saved data position") in extended.stderr
+    assert (f"resuming checkpoint {latest} with other hyperparameters: --steps {STEPS} → {STEPS + 3}"
+            in extended.stderr)
     extended_steps = read_metrics(extended_out)
     assert [m["step"] for m in extended_steps] == [STEPS, STEPS + 1, STEPS + 2]
     # the extended run's own schedule (another scheduler too) from the restored step on, not the saved run's

@@ -393,3 +393,16 @@ def test_the_page_for_trl_users_lists_every_name_the_trainer_reads_or_refuses() 
         assert f"| {foreign.tools} |" in rows[name], name
         skrull = f"`{foreign.key}`" if foreign.key is not None else ("accepted" if foreign.accepts else "refused")
         assert rows[name].split("|")[3].strip().startswith(skrull), name
+
+
+def test_a_negative_number_is_a_flags_value_not_another_flag() -> None:
+    with pytest.raises(ValueError, match=r"^--lr must be positive, got -0.0001$"):
+        _parse("--dp", "1", "--cp", "1", "--lr", "-1e-4")
+    assert _parse("--dp", "1", "--cp", "1", "--seed", "-3", "--weight-decay", "-0").seed == -3
+
+
+def test_epochs_may_be_a_fraction_of_the_records(tmp_path: Path) -> None:
+    config = _parse("--dp", "1", "--cp", "1", "--data", "records.jsonl", "--epochs", "0.5")
+    assert config.epochs == 0.5
+    with pytest.raises(ValueError, match=r"--epochs must be positive, got 0.0"):
+        _parse("--dp", "1", "--cp", "1", "--data", "records.jsonl", "--epochs", "0")

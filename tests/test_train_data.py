@@ -126,9 +126,9 @@ def test_a_resumed_source_continues_the_same_order_mid_epoch(tmp_path: Path, shu
 
 def test_a_records_order_is_part_of_what_a_resume_checks(tmp_path: Path) -> None:
     path = _numbered(tmp_path / "d.jsonl", 3)
-    identities = {str(_source(path, shuffle=shuffle, seed=seed).identity()) for shuffle, seed in
-                  ((True, 1), (True, 2), (False, 1))}
-    assert len(identities) == 3
+    orders = {(str(source.identity()), source.order_seed) for source in (
+        _source(path, shuffle=shuffle, seed=seed) for shuffle, seed in ((True, 1), (True, 2), (False, 1)))}
+    assert len(orders) == 3  # the seed of a shuffled order is an item of its own (run_identity.py)
     assert str(_source(path).identity()).endswith(", file order)")
 
 
@@ -404,3 +404,9 @@ def test_length_stats_summarise_what_was_trained() -> None:
     summary = stats.summary()
     assert summary.startswith(f"24 sequences, {sum(lengths)} tokens")
     assert f"min {min(lengths)}" in summary and f"max {max(lengths)}" in summary
+
+
+def test_a_fraction_of_an_epoch_is_that_share_of_the_records_rounded_up_to_a_step(tmp_path: Path) -> None:
+    source = _source(_numbered(tmp_path / "d.jsonl", 10), global_batch=3)
+    assert isinstance(source, RecordSource)
+    assert (source.steps_for_epochs(0.5), source.steps_for_epochs(1), source.steps_for_epochs(2.5)) == (2, 4, 9)

@@ -121,3 +121,12 @@ def test_closed_set_flags_hold_their_enums_and_an_unknown_value_names_the_flag_a
         TrainConfig(dp=1, cp=1, sharding="zero4")
     with pytest.raises(ValueError, match=r"--export-lora 'both' is unknown; known: merged, adapter"):
         TrainConfig(dp=1, cp=1, export_lora="both")
+
+
+@pytest.mark.slow
+def test_bfloat16_on_the_cpu_trains_with_a_warning_saying_what_it_means() -> None:
+    result = _torchrun(1, "--dp", "1", "--cp", "1", "--steps", "1", "--global-batch", "2", "--bucket-size", "256",
+                       "--dtype", "bfloat16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("--dtype bfloat16 on the CPU: the model computes in bfloat16 there, which most CPUs run "
+                               "slower than float32 and no CPU test checks; float32 is the CPU's default") == 1

@@ -23,8 +23,9 @@ from trainer_client.trainer import Trainer
 
 CHECKPOINT = Path("ck/step-00000002")
 SAVED = RunIdentity(model="tiny", dp=2, cp=2, global_batch=16,
-                    data=DataIdentity(source="synthetic:lmsys", fingerprint="seed 0, max length 1024"),
-                    steps=20, warmup_steps=2, lr=1e-3, min_lr_ratio=0.1)
+                    data=DataIdentity(source="synthetic:lmsys", fingerprint="max length 1024"),
+                    steps=20, warmup_steps=2, lr=1e-3, min_lr_ratio=0.1, seed=0, weight_decay=0.0, max_grad_norm=1.0,
+                    loss_on="assistant")
 
 
 def _check(current: RunIdentity, *, accept_data_change: bool = False, saved: RunIdentity | None = SAVED) -> list[str]:
@@ -49,8 +50,33 @@ def _data_identity(spec: Path | str, *, seed: int = 0) -> DataIdentity:
 
 def test_the_identity_is_a_readable_json_file_that_reads_back_equal() -> None:
     text = SAVED.to_json()
-    assert json.loads(text)["data"] == {"source": "synthetic:lmsys", "fingerprint": "seed 0, max length 1024"}
+    assert json.loads(text)["data"] == {"source": "synthetic:lmsys", "fingerprint": "max length 1024"}
     assert RunIdentity.from_json(text) == SAVED
+
+
+@pytest.mark.parametrize(("fingerprint", "seed", "read"), [
+    ("seed 3, max length 1024", 3, "max length 1024"),
+    ("812 bytes, first and last records sha256 0123, shuffled with seed 7", 7,
+     "812 bytes, first and last records sha256 0123, shuffled"),
+    ("812 bytes, first and last records sha256 0123, file order", None,
+     "812 bytes, first and last records sha256 0123, file order"),
+])
+def test_a_record_written_before_the_seed_had_its_own_item_reads_it_from_the_fingerprint(
+    fingerprint: str, seed: int | None, read: str
+) -> None:
+    fields = json.loads(SAVED.to_json())
+    for later in ("seed", "weight_decay", "max_grad_norm", "loss_on"):
+        del fields[later]
+    fields["data"]["fingerprint"] = fingerprint
+    old = RunIdentity.from_json(json.dumps(fields))
+    assert (old.seed, old.data.fingerprint, old.weight_decay) == (seed, read, None)
+    # what the record lacks is not compared: this run's weight decay and clipping pass without a word
+    current = dataclasses.replace(old, weight_decay=0.01, max_grad_norm=0.5, loss_on="all")
+    assert _check(current, saved=old) == []
+
+
+def test_where_the_model_was_read_is_recorded_and_not_compared_its_digest_is(tmp_path: Path) -> None:
+    assert _check(dataclasses.replace(SAVED, model_source=str(tmp_path / "moved"))) == []
 
 
 def test_a_checkpoint_without_a_record_has_no_identity_and_a_broken_record_names_its_file(tmp_path: Path) -> None:
@@ -82,43 +108,56 @@ def test_another_model_layout_or_global_batch_is_refused_naming_both_values(
 
 def test_one_message_names_every_difference() -> None:
     other = dataclasses.replace(SAVED, model="small", global_batch=8,
-                                data=DataIdentity(source="synthetic:wikipedia", fingerprint="seed 0, max length 1024"))
+                                data=DataIdentity(source="synthetic:wikipedia", fingerprint="max length 1024"))
     with pytest.raises(ResumeMismatch) as refusal:
         _check(other)
     assert str(refusal.value).splitlines()[1:] == [
         "  --model: saved tiny, this run small",
         "  --global-batch: saved 16, this run 8",
-        "  --data: saved synthetic:lmsys (seed 0, max length 1024), this run synthetic:wikipedia (seed 0, max length "
-        "1024)",
+        "  --data: saved synthetic:lmsys (max length 1024), this run synthetic:wikipedia (max length 1024)",
         "resume with the saved values, or give another --checkpoint-dir to start afresh; --resume-accept-data-change "
         "trains the new data from the saved data position",
     ]
 
 
 def test_other_data_is_refused_unless_accepted_and_then_named_in_a_warning() -> None:
-    other = dataclasses.replace(SAVED, data=DataIdentity(source="synthetic:lmsys", fingerprint="seed 1, max length "
-                                                                                               "1024"))
-    with pytest.raises(ResumeMismatch, match="--data: saved synthetic:lmsys .seed 0, max length 1024., this run "
-                                             r"synthetic:lmsys .seed 1, max length 1024.\n.*--resume-accept-data"):
+    other = dataclasses.replace(SAVED, data=DataIdentity(source="synthetic:lmsys", fingerprint="max length 2048"))
+    with pytest.raises(ResumeMismatch, match="--data: saved synthetic:lmsys .max length 1024., this run "
+                                             r"synthetic:lmsys .max length 2048.\n.*--resume-accept-data"):
         _check(other)
     assert _check(other, accept_data_change=True) == [
-        "--resume-accept-data-change: checkpoint ck/step-00000002 was trained on synthetic:lmsys (seed 0, max length "
-        "1024); this run trains on synthetic:lmsys (seed 1, max length 1024) from the saved data position"]
+        "--resume-accept-data-change: checkpoint ck/step-00000002 was trained on synthetic:lmsys (max length 1024); "
+        "this run trains on synthetic:lmsys (max length 2048) from the saved data position"]
 
 
-def test_another_schedule_is_accepted_with_a_warning_naming_each_change() -> None:
-    assert _check(dataclasses.replace(SAVED, steps=40, warmup_steps=0, lr=2e-3, min_lr_ratio=0.0)) == [
-        "resuming checkpoint ck/step-00000002 with another schedule: --steps 20 → 40, --warmup-steps 2 → 0, "
-        "--lr 0.001 → 0.002, --min-lr-ratio 0.1 → 0.0"]
+def test_another_seed_is_named_plainly_and_refused_as_other_data_is() -> None:
+    with pytest.raises(ResumeMismatch) as refusal:
+        _check(dataclasses.replace(SAVED, seed=1))
+    assert str(refusal.value).splitlines()[1] == "  --seed: saved 0, this run 1"
+    assert _check(dataclasses.replace(SAVED, seed=1), accept_data_change=True) == [
+        "--resume-accept-data-change: checkpoint ck/step-00000002 was trained on --seed 0; this run trains on --seed 1 "
+        "from the saved data position"]
 
 
-@pytest.mark.parametrize("field", [field.name for field in dataclasses.fields(RunIdentity)])
+def test_other_hyperparameters_are_accepted_with_a_warning_naming_each_change() -> None:
+    changed = dataclasses.replace(SAVED, steps=40, warmup_steps=0, lr=2e-3, min_lr_ratio=0.0, weight_decay=0.01,
+                                  max_grad_norm=0.5, loss_on="all")
+    assert _check(changed) == [
+        "resuming checkpoint ck/step-00000002 with other hyperparameters: --steps 20 → 40, --warmup-steps 2 → 0, "
+        "--lr 0.001 → 0.002, --min-lr-ratio 0.1 → 0.0, --weight-decay 0.0 → 0.01, --max-grad-norm 1.0 → 0.5, "
+        "--loss-on assistant → all"]
+
+
+@pytest.mark.parametrize("field", [field.name for field in dataclasses.fields(RunIdentity)
+                                   if field.name != "model_source"])
 def test_every_item_of_the_identity_is_checked(field: str) -> None:
     value = getattr(SAVED, field)
     if isinstance(value, DataIdentity):
         changed: object = dataclasses.replace(value, fingerprint="other")
     elif field == "lora":  # full fine-tuning saved; LoRA adapters now
         changed = LoraSettings(rank=8, alpha=16)
+    elif isinstance(value, int | float):
+        changed = value + 1
     else:
         changed = value * 2
     try:
@@ -167,6 +206,13 @@ def test_a_jsonl_file_is_another_source_when_records_are_added_removed_or_change
     assert _data_identity(_write_jsonl(tmp_path / "copy.jsonl", records)).source != saved.source
 
 
+def test_the_seed_of_records_is_their_orders_and_in_file_order_they_have_none(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2]}])
+    assert _source(path, seed=5, shuffle=True).order_seed == 5
+    assert _source(path, seed=5).order_seed is None  # file order: the seed changes nothing a resume trains
+    assert _source(path, seed=5, shuffle=True).identity().fingerprint.endswith(", shuffled")
+
+
 def test_a_datasets_directory_is_known_by_its_rows_and_datasets_fingerprint(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}).save_to_disk(tmp_path / "a")
@@ -177,10 +223,9 @@ def test_a_datasets_directory_is_known_by_its_rows_and_datasets_fingerprint(tmp_
     assert _data_identity(tmp_path / "b").fingerprint != saved.fingerprint
 
 
-def test_a_synthetic_source_is_its_name_and_seed() -> None:
-    assert _data_identity("synthetic:lmsys") == DataIdentity(source="synthetic:lmsys",
-                                                             fingerprint="seed 0, max length 64")
-    assert _data_identity("synthetic:lmsys", seed=1) != _data_identity("synthetic:lmsys")
+def test_a_synthetic_source_is_its_name_and_longest_length_and_its_seed_an_item_of_its_own() -> None:
+    assert _data_identity("synthetic:lmsys") == DataIdentity(source="synthetic:lmsys", fingerprint="max length 64")
+    assert _source("synthetic:lmsys", seed=1).order_seed == 1
 
 
 def test_a_model_directory_is_known_by_its_config_wherever_and_however_it_was_saved(tmp_path: Path) -> None:

@@ -244,7 +244,7 @@ class TrainConfig(BaseModel):
     global_batch: Annotated[int, Positive] = Field(16, description="sequences per global batch")
     steps: Annotated[int, Positive, Flag(exclusive="length")] = Field(
         20, description="optimizer steps (one per global batch)")
-    epochs: Annotated[int, Positive, Flag(exclusive="length")] | None = Field(
+    epochs: Annotated[float, Positive, Flag(exclusive="length")] | None = Field(
         None, description="train every record this many times (records, not synthetic data): the steps are "
                           "epochs × records / --global-batch, rounded up")
     shuffle: bool = Field(True, description="train each epoch's records in a permutation seeded by --seed and the "
@@ -319,7 +319,8 @@ class TrainConfig(BaseModel):
                                                       "for the one before it")
     resume: bool = Field(False, description="continue from the newest complete checkpoint in --checkpoint-dir when "
                                             "there is one; it must have been written with the same --model, --dp × "
-                                            "--cp, --global-batch and --data (another schedule is accepted)")
+                                            "--cp, --global-batch, --data and --seed (other hyperparameters are "
+                                            "accepted)")
     resume_accept_data_change: bool = Field(
         False, description="with --resume: accept a checkpoint trained on other --data (another source, or the "
                            "same one changed) and continue from its saved data position")

@@ -58,7 +58,7 @@ resumed run continues the same order. What a source is
 (``DataSource.identity``) is saved beside them, so that a resume can tell
 whether it reads the same data (``run_identity.py``):
 
-- a synthetic set: its name and seed;
+- a synthetic set: its name and longest length (its seed, ``order_seed``, is compared on its own);
 - a JSONL file: its path, its size and a digest of its first and last records;
 - a parquet, CSV or JSON file: its path, its size, its rows and a digest of its
   first and last 64 KiB;
@@ -68,7 +68,10 @@ whether it reads the same data (``run_identity.py``):
   ``datasets`` derives from the files' paths and modification times (touching
   a file counts as a change);
 - a Hub data set: its id and split, the commit read and its rows, wherever the
-  cache lies.
+  cache lies;
+
+and for records, their order (shuffled, with ``order_seed``, or file order) and
+the records left out.
 
 None of these reads a large file whole.
 
@@ -243,10 +246,15 @@ class SyntheticSource:
     def seek(self, position: Mapping[str, int]) -> None:
         """Nothing to restore: batch ``s`` depends on ``(seed, s)`` alone."""
 
+    @property
+    def order_seed(self) -> int:
+        """The seed the batches depend on (``run_identity`` compares it on its own)."""
+        return self.seed
+
     def identity(self) -> DataIdentity:
-        # The batch size is the run's (checked on its own); the longest length clips the lengths drawn.
-        return DataIdentity(source=f"{SYNTHETIC_PREFIX}{self.dataset}",
-                            fingerprint=f"seed {self.seed}, max length {self.max_length}")
+        # The batch size is the run's (checked on its own); the longest length clips the lengths drawn; the seed is
+        # order_seed.
+        return DataIdentity(source=f"{SYNTHETIC_PREFIX}{self.dataset}", fingerprint=f"max length {self.max_length}")
 
 
 # ---------------------------------------------------------------------------------------------------- records
@@ -763,11 +771,17 @@ class RecordSource:
             raise ValueError(f"data position {dict(position)} is not one of a record source ({{'epoch', 'index'}})")
         self.position = dict(position)
 
+    @property
+    def order_seed(self) -> int | None:
+        """The seed of the records' order: shuffled, ``seed``; in file order, none (``run_identity`` compares it on
+        its own)."""
+        return self.seed if self.shuffle else None
+
     def identity(self) -> DataIdentity:
-        """The records' identity, the records left out and the order: another seed, order or choice of records
-        gives other batches from the same position."""
+        """The records' identity, the records left out and the order (its seed is ``order_seed``): another order or
+        choice of records gives other batches from the same position."""
         records = self.records.identity()
-        order = f"shuffled with seed {self.seed}" if self.shuffle else "file order"
+        order = "shuffled" if self.shuffle else "file order"
         left_out = ""
         if self.left_out:
             digest = hashlib.sha256(np.asarray(self.left_out, dtype=np.int64).tobytes()).hexdigest()[:16]

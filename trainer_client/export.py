@@ -118,16 +118,24 @@ def export_model(
 
 
 def checkpoint_model(checkpoint: Path, model: str | None) -> str:
-    """The ``--model`` that trained ``checkpoint``: ``model`` checked against its ``run.json``, else the catalogue
-    model the record names (one trained from a local folder or a Hub id records only a digest of its config)."""
+    """The ``--model`` that trained ``checkpoint``: ``model`` checked against its ``run.json``, else the model the
+    record names: a catalogue name, or the folder or Hub id it was read from where that still holds the model
+    trained (a record written before sources were recorded holds only a digest of its config)."""
     saved = saved_run_identity(checkpoint)
     if model is None:
         if saved is None:
             raise ValueError(f"checkpoint {checkpoint} has no record of the model that trained it: give --model")
-        if saved.model not in MODEL_CATALOGUE:
+        if saved.model in MODEL_CATALOGUE:
+            return saved.model
+        source = saved.model_source
+        if source is None:
             raise ValueError(f"checkpoint {checkpoint} was trained from a local model folder ({saved.model}): give "
                              "that folder as --model")
-        return saved.model
+        if not (Path(source).is_dir() or hub_ref(source, RepoKind.MODEL) is not None) or (
+                model_identity(source) != saved.model):
+            raise ValueError(f"checkpoint {checkpoint} was trained from {source}, which no longer holds that model "
+                             f"({saved.model}): give the model's folder or Hub id as --model")
+        return source
     if saved is not None and model_identity(model) != saved.model:
         raise ValueError(f"--model {model} is not the model checkpoint {checkpoint} was trained from: its run.json "
                          f"records {saved.model}, --model is {model_identity(model)}")

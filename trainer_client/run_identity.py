@@ -9,8 +9,11 @@ compares the saved identity with this run's, item by item, before any DCP state 
 - ``--data`` (where the data lies and what it holds, ``data.DataIdentity``): refused the same way unless
   ``--resume-accept-data-change`` says the change is meant; then a warning names it and training goes on from
   the saved data position;
-- the schedule (``--steps``, ``--warmup-steps``, ``--lr``, ``--min-lr-ratio``, ``--lr-scheduler``): changing it
-  is how a run is extended, so it is accepted, and a warning names each change.
+- ``--seed`` (of the data's order: shuffled records, synthetic data): another seed gives other batches from the saved
+  position, so it is refused as a change of the data is, and named on its own line;
+- the hyperparameters (``--steps``, ``--warmup-steps``, ``--lr``, ``--min-lr-ratio``, ``--lr-scheduler``,
+  ``--weight-decay``, ``--max-grad-norm``, ``--loss-on``): changing them is how a run is extended or tuned, so it is
+  accepted, and a warning names each change. A record written before an item was recorded does not compare it.
 
 A checkpoint without ``run.json`` holds no record to check against: it is resumed with a warning that says so,
 and the checkpoints this run writes carry the record.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -29,10 +33,12 @@ from pathlib import Path
 from trainer_client.choices import LRSchedulerName
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource
+from trainer_client.hub import RepoKind, fetch, hub_ref
 from trainer_client.lora import LoraSettings
 from trainer_client.model import model_folder
 
-__all__ = ["Change", "Difference", "ResumeMismatch", "RunIdentity", "check_resume", "differences", "model_identity"]
+__all__ = ["Change", "Difference", "ResumeMismatch", "RunIdentity", "check_resume", "differences", "model_identity",
+           "model_source"]
 
 ACCEPT_DATA_CHANGE_FLAG = "--resume-accept-data-change"
 
@@ -56,12 +62,22 @@ class RunIdentity:
     min_lr_ratio: float
     lora: LoraSettings | None = None  # the adapters a LoRA run trains (absent from records of full fine-tuning)
     lr_scheduler: str = LRSchedulerName.WARMUP_COSINE  # absent from records written before there was a choice
+    # None in a record written before each was recorded, which is then not compared:
+    seed: int | None = None  # of the data's order (shuffled records, synthetic data); None where it has none
+    weight_decay: float | None = None
+    max_grad_norm: float | None = None
+    loss_on: str | None = None
+    # Where the model was read (not compared: the digest is the model): a local folder's absolute path, a Hub id at
+    # the commit read; None for a catalogue name. skrull-export builds the model from it.
+    model_source: str | None = None
 
     @classmethod
     def of(cls, config: TrainConfig, data: DataSource) -> RunIdentity:
         return cls(model=model_identity(config.model), dp=config.dp, cp=config.cp, global_batch=config.global_batch,
                    data=data.identity(), steps=config.steps, warmup_steps=config.warmup_steps, lr=config.lr,
-                   min_lr_ratio=config.min_lr_ratio, lora=config.lora, lr_scheduler=config.lr_scheduler)
+                   min_lr_ratio=config.min_lr_ratio, lora=config.lora, lr_scheduler=config.lr_scheduler,
+                   seed=data.order_seed, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm,
+                   loss_on=config.loss_on, model_source=model_source(config.model))
 
     def to_json(self) -> str:
         fields = dataclasses.asdict(self)
@@ -72,11 +88,28 @@ class RunIdentity:
     def from_json(cls, text: str) -> RunIdentity:
         fields = json.loads(text)
         try:
-            lora = fields.get("lora")
-            return cls(**{**fields, "data": DataIdentity(**fields["data"]),
-                          "lora": LoraSettings.from_json(lora) if lora is not None else None})
+            lora, data = fields.get("lora"), DataIdentity(**fields["data"])
+            if "seed" not in fields:  # a record that kept the seed in the data's fingerprint
+                data, fields["seed"] = _seed_apart(data)
+            return cls(**{**fields, "data": data, "lora": LoraSettings.from_json(lora) if lora is not None else None})
         except (KeyError, TypeError) as error:
             raise ValueError(f"not a run identity: {error}") from None
+
+
+# How records written before the seed was an item of its own held it in the data's fingerprint: a synthetic set's
+# "seed 0, max length 1024", a record source's "…, shuffled with seed 0".
+_SEED_IN_FINGERPRINT = re.compile(r"^seed (?P<synthetic>-?\d+), |, shuffled with seed (?P<shuffled>-?\d+)")
+
+
+def _seed_apart(data: DataIdentity) -> tuple[DataIdentity, int | None]:
+    """An older record's data identity as this trainer writes it, and the seed its fingerprint held."""
+    found = _SEED_IN_FINGERPRINT.search(data.fingerprint)
+    if found is None:
+        return data, None
+    seed = int(found["synthetic"] if found["synthetic"] is not None else found["shuffled"])
+    fingerprint = _SEED_IN_FINGERPRINT.sub(lambda match: "" if match["synthetic"] is not None else ", shuffled",
+                                           data.fingerprint)
+    return DataIdentity(source=data.source, fingerprint=fingerprint), seed
 
 
 def model_identity(model: str) -> str:
@@ -94,6 +127,15 @@ def model_identity(model: str) -> str:
     return f"config.json sha256 {digest}"
 
 
+def model_source(model: str) -> str | None:
+    """Where ``--model`` is read, as another process finds it again: a local folder's absolute path, a Hub id at the
+    commit this process read (``ORG/NAME@COMMIT``); None for a catalogue name."""
+    if Path(model).is_dir():
+        return str(Path(model).resolve())
+    ref = hub_ref(model, RepoKind.MODEL_CONFIG)
+    return f"{ref.repo_id}@{fetch(ref).commit}" if ref is not None else None
+
+
 class Change(StrEnum):
     """What ``--resume`` does when an item of the checkpoint's identity differs from this run's."""
 
@@ -102,7 +144,8 @@ class Change(StrEnum):
     SCHEDULE = "schedule"  # accepted and logged
 
 
-# Each item by the flags that set it, what a difference does, and its value as the user reads it.
+# Each item by the flags that set it, what a difference does, and its value as the user reads it (None: a record
+# written before the item was recorded, which is not compared).
 _ITEMS: tuple[tuple[str, Change, Callable[[RunIdentity], object]], ...] = (
     ("--model", Change.REFUSED, lambda run: run.model),
     ("--dp × --cp", Change.REFUSED, lambda run: f"{run.dp} × {run.cp}"),
@@ -111,11 +154,16 @@ _ITEMS: tuple[tuple[str, Change, Callable[[RunIdentity], object]], ...] = (
      lambda run: "none (full fine-tuning)" if run.lora is None else
      f"rank {run.lora.rank}, alpha {run.lora.alpha}, targets {','.join(run.lora.targets)}"),
     ("--data", Change.DATA, lambda run: run.data),
+    # the order of the records, or synthetic data, from the saved position on: another seed is other batches
+    ("--seed", Change.DATA, lambda run: run.seed),
     ("--steps", Change.SCHEDULE, lambda run: run.steps),
     ("--warmup-steps", Change.SCHEDULE, lambda run: run.warmup_steps),
     ("--lr", Change.SCHEDULE, lambda run: run.lr),
     ("--min-lr-ratio", Change.SCHEDULE, lambda run: run.min_lr_ratio),
     ("--lr-scheduler", Change.SCHEDULE, lambda run: run.lr_scheduler),
+    ("--weight-decay", Change.SCHEDULE, lambda run: run.weight_decay),
+    ("--max-grad-norm", Change.SCHEDULE, lambda run: run.max_grad_norm),
+    ("--loss-on", Change.SCHEDULE, lambda run: run.loss_on),
 )
 
 
@@ -129,10 +177,23 @@ class Difference:
     def __str__(self) -> str:
         return f"{self.item}: saved {self.saved}, this run {self.current}"
 
+    def named(self, value: str) -> str:
+        """``value`` with the flag it is of, where the value alone does not say (``--seed 0``; the data does)."""
+        return value if self.item == "--data" else f"{self.item} {value}"
+
 
 def differences(saved: RunIdentity, current: RunIdentity) -> list[Difference]:
-    return [Difference(item=item, change=change, saved=str(value(saved)), current=str(value(current)))
-            for item, change, value in _ITEMS if value(saved) != value(current)]
+    return [Difference(item=item, change=change, saved=_shown(value(saved)), current=_shown(value(current)))
+            for item, change, value in _ITEMS
+            if value(saved) != value(current) and not (value(saved) is None and item in _RECORDED_LATER)]
+
+
+# Items an older record may lack (saved None): not compared. A seed of None is one the data's order never read.
+_RECORDED_LATER = frozenset({"--weight-decay", "--max-grad-norm", "--loss-on"})
+
+
+def _shown(value: object) -> str:
+    return "none (file order)" if value is None else str(value)
 
 
 def check_resume(
@@ -151,9 +212,10 @@ def check_resume(
             advice += f"; {ACCEPT_DATA_CHANGE_FLAG} trains the new data from the saved data position"
         raise ResumeMismatch("\n".join([f"checkpoint {checkpoint} was written by another run:",
                                         *(f"  {d}" for d in refused), advice]))
-    warnings = [f"{ACCEPT_DATA_CHANGE_FLAG}: checkpoint {checkpoint} was trained on {d.saved}; this run trains on "
-                f"{d.current} from the saved data position" for d in found if d.change is Change.DATA]
+    warnings = [f"{ACCEPT_DATA_CHANGE_FLAG}: checkpoint {checkpoint} was trained on {d.named(d.saved)}; this run "
+                f"trains on {d.named(d.current)} from the saved data position"
+                for d in found if d.change is Change.DATA]
     schedule = [f"{d.item} {d.saved} → {d.current}" for d in found if d.change is Change.SCHEDULE]
     if schedule:
-        warnings.append(f"resuming checkpoint {checkpoint} with another schedule: {', '.join(schedule)}")
+        warnings.append(f"resuming checkpoint {checkpoint} with other hyperparameters: {', '.join(schedule)}")
     return warnings

@@ -73,11 +73,18 @@ class _Parser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None,
     ) -> tuple[argparse.Namespace, list[str]]:
         aliases = flag_aliases()
-        spelled = []
+        spelled: list[str] = []
         for token in sys.argv[1:] if args is None else args:
             flag, equals, value = token.partition("=")
+            if spelled and self._takes_a_value(spelled[-1]) and _is_number(token):
+                spelled[-1] += "=" + token  # --lr -1e-4: argparse reads a negative number as a flag of its own
+                continue
             spelled.append(aliases.get(flag, flag) + equals + value if flag.startswith("--") else token)
         return super().parse_known_args(spelled, namespace)
+
+    def _takes_a_value(self, token: str) -> bool:
+        action = self._option_string_actions.get(token)
+        return action is not None and action.nargs is None
 
     def error(self, message: str) -> NoReturn:
         if _global_rank() != 0:
@@ -86,6 +93,14 @@ class _Parser(argparse.ArgumentParser):
         refusals = [refusal for token in message.split() if (refusal := foreign_flag_refusal(token)) is not None]
         hints = refusals or [f"{self.prog} --help lists the flags"]
         self.exit(EXIT_USER_ERROR, f"error: {message}\n" + "".join(f"hint: {hint}\n" for hint in hints))
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -177,6 +177,9 @@ class Trainer:
                                      activation_checkpointing=config.activation_checkpointing,
                                      loss_chunk_tokens=config.loss_chunk_tokens, compiled=config.compile)
         self.autocast_dtype = self.layout.autocast_dtype
+        if self.device.type == "cpu" and self.layout.param_dtype == torch.bfloat16 and parallel.is_main:
+            logger.warning("--dtype bfloat16 on the CPU: the model computes in bfloat16 there, which most CPUs run "
+                           "slower than float32 and no CPU test checks; float32 is the CPU's default")
         self.profile = self._profile(config.profile or default_profile(self.device))
         # A file, or a shipped profile by name; another name is the service's, which this process cannot read.
         known = (self.profile if isinstance(self.profile, Profile)
@@ -199,7 +202,7 @@ class Trainer:
         if config.epochs is not None:
             assert isinstance(self.source, RecordSource)  # TrainConfig refuses --epochs of synthetic data
             self.config = config = config.model_copy(update={"steps": self.source.steps_for_epochs(config.epochs)})
-            logger.info("%d epochs of %d records: %d steps", config.epochs, self.source.num_records, config.steps)
+            logger.info("%g epochs of %d records: %d steps", config.epochs, self.source.num_records, config.steps)
         self.eval_set = (EvalSet.load(config.eval_data, encoder=self._record_encoder(shape),
                                       global_batch_size=config.global_batch)
                          if config.eval_data is not None else None)
