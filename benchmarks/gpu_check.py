@@ -1,4 +1,4 @@
-"""``make gpu-check``: the project on a CUDA machine in one command, within 8 minutes on one H100 or H200.
+"""``make gpu-check``: the project on a CUDA machine in one command, within 10 minutes on one H100 or H200.
 
     make gpu-check                                   # the machine's own python3; artefacts in gpu-check/
     make gpu-check GPU_PYTHON=/opt/py/bin/python GPU_CHECK_ARGS="--wheels /data/wheels"

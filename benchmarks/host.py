@@ -11,7 +11,9 @@ float32. Each figure is per layer: the difference between the model with 24 laye
 * ``skrull eager`` — the trainer's module (``loading.build_training_module``: the chunked loss, FSDP2 ``zero2``)
   running one micro-batch as the trainer runs it (``prepare_micro_batch``, ``run_micro_batch``), DACP attention
   on the GPU's path (``torch_varlen``).
-* ``skrull compiled`` — the same with ``--compile`` (each decoder layer under ``torch.compile``).
+* ``skrull eager, one FSDP unit`` — the same with ``--fsdp-units model``: FSDP2's hooks once per micro-batch.
+* ``skrull compiled`` and ``skrull compiled, one FSDP unit`` — both with ``--compile`` (each decoder layer's
+  forward under ``torch.compile``).
 
 The GPU's attention path cannot run on a CPU, so torch's flash attention operator and its backward
 (``aten::_flash_attention_forward``, ``torch_compat``) get a CPU kernel here that only allocates their outputs:
@@ -41,11 +43,12 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from trainer_client.choices import FsdpUnits
 from trainer_client.dacp.attention import AttentionBackend
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_ranks
 from trainer_client.loading import ModelLayout, build_training_module
 from trainer_client.loss import run_micro_batch
-from trainer_client.parallelize import ActivationCheckpointing, FsdpUnits, Sharding, prepare_micro_batch
+from trainer_client.parallelize import ActivationCheckpointing, Sharding, prepare_micro_batch
 from trainer_client.profiler.measure import local_pack
 
 __all__ = ["HostCost", "counted", "host_us", "main"]

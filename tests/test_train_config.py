@@ -28,12 +28,13 @@ FLAGS = [
     "--plan-attempts", "--attention-backend", "--dtype", "--no-progress", "--feedback", "--job-id", "--eval-data",
     "--eval-every", "--lora-rank", "--lora-alpha", "--lora-targets", "--report-to", "--logging-dir", "--fail-rank",
     "--fail-at-step", "--no-spanning", "--skip-bad-records", "--debug", "--loss-on", "--chat-template", "--text-field",
-    "--logging-steps",
+    "--logging-steps", "--cuda-graphs", "--token-buckets", "--fsdp-units",
 ]
 # A bool's other form, so that a flag turns a config file's value either way.
 OTHER_FORMS = [
     "--shuffle", "--no-compile", "--no-async-checkpoint", "--no-resume", "--no-resume-accept-data-change",
     "--no-truncate", "--progress", "--no-feedback", "--spanning", "--no-skip-bad-records", "--no-debug",
+    "--no-cuda-graphs",
 ]
 
 

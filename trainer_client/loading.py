@@ -37,11 +37,12 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import PreTrainedModel
 
+from trainer_client.choices import FsdpUnits
 from trainer_client.distributed import ParallelContext
 from trainer_client.lora import LoraSettings, apply_lora
 from trainer_client.loss import DEFAULT_CHUNK_TOKENS, CausalLMLoss
 from trainer_client.model import build_empty_model, build_model, model_folder
-from trainer_client.parallelize import ActivationCheckpointing, FsdpUnits, Sharding, parallelize
+from trainer_client.parallelize import ActivationCheckpointing, Sharding, parallelize
 
 __all__ = ["CheckpointMismatch", "ModelLayout", "build_training_module", "check_checkpoint", "check_weights_present",
            "checkpoint_shapes"]
