@@ -174,7 +174,8 @@ def dp_rank_times_s(problem: PlanningProblem, places: Places) -> FloatArray:
     """(DP,) each DP rank's time in the plan ``places``: the sum of its micro-batches' (``estimate_places``'s
     ``DPRankEstimate.time_s``, without the breakdowns a search that compares plans does not read)."""
     _, times_s = _rank_times_of(problem, places)
-    return np.bincount(places.dp_rank, weights=times_s.max(axis=1, initial=0.0), minlength=problem.dp_size)
+    busiest_s = times_s.max(axis=1, initial=0.0)  # numpy's stubs type a weighted bincount as integers: it is float64
+    return np.bincount(places.dp_rank, weights=busiest_s, minlength=problem.dp_size).astype(np.float64, copy=False)
 
 
 def estimate_places(problem: PlanningProblem, places: Places) -> PlanEstimate:
