@@ -1,34 +1,29 @@
-"""The end-to-end demo (``make demo``): the service plans, a 4-process CPU trainer trains, Skrull vs DeepSpeed.
+"""The end-to-end demo (``make demo``): the service plans, a CPU trainer trains, Skrull vs DeepSpeed.
 
-1. measure a profile of this machine as the demo will use it (``torchrun
-   --nproc-per-node 4 -m trainer_client.profile``: 4 ranks sharing its cores),
-   unless ``--profile NAME`` names a shipped one (``cpu-tiny``);
-2. start the scheduler service on a free loopback port with that profile and
-   wait for ``/readyz``;
-3. run ``torchrun --nproc-per-node 4 -m trainer_client.train --dp 2 --cp 2
-   --sharding zero2`` (tiny Qwen2 model, ``synthetic:lmsys``) with
-   ``--scheduler skrull``, then with ``--scheduler deepspeed`` on the same data
-   and the same profile: only the schedule differs;
-4. print, per scheduler and side by side, the step time the performance model
-   predicts for the plans (the service's estimate) and the measured time of the
-   micro-batches (the slowest rank's, what the estimate models) and of the
-   whole step (plus planning, the loss and gradient-norm collectives, the
-   optimizer), the speedups both ways, and whether the losses are equal at
-   every step;
+1. choose the layout: as many processes as this machine has cores, at most 4 (dp 2 × cp 2 on 4 cores, dp 1 × cp 2
+   on 2; ``default_layout``); ``--dp``/``--cp`` ask for another, a larger one too;
+2. start the scheduler service on a free loopback port and wait for ``/readyz``;
+3. in each of ``--rounds`` rounds (3 by default): measure a profile of this machine with the run's processes
+   (``torchrun -m trainer_client.profile``, the compute sweep up to the most tokens a rank holds in a micro-batch:
+   the BucketSize), then train ``--steps`` steps with ``--scheduler skrull`` and the same steps with ``--scheduler
+   deepspeed`` (``--sharding zero2``, tiny Qwen2, ``synthetic:lmsys`` drawn with the round's seed), both planned by
+   the service with that profile: only the schedule differs;
+4. print, per scheduler, the step time the performance model predicts for its plans (the service's estimate) and
+   the measured time of the micro-batches (the slowest rank's, what the estimate models) and of the whole step
+   (plus planning, the loss and gradient-norm collectives, the optimizer), each round's and all rounds', the
+   speedups both ways, and whether the losses are equal at every step; the first step of every run pays one-off
+   costs (the first plan, the allocator's growth) and is left out of the times;
 5. stop the service.
 
-Nothing is tuned per scheduler. CPU step times of a tiny model reflect
-per-micro-batch overheads and 4 ranks sharing the machine's cores, not GPU
-kernels; that is why the profile is measured here, with 4 ranks, its
-collectives up to the largest message the demo sends (a whole CP group's
-bucket of K/V in one layer).
+Nothing is tuned per scheduler. A profile describes the machine as it was while measured: each round's is measured
+seconds before the runs it predicts, by as many processes as they use, so that both share its load; one profile
+minutes before a run on a shared machine predicted it 30-50 % off. No more processes than cores: 4 processes on 2
+cores share them unevenly in training (a rank that waits in a collective lends its core to another), which a
+profile measured with every rank busy does not describe, and the performance model (one device per rank) neither.
 
-The runs keep every micro-batch within a DP replica's CP group
-(``--no-spanning``). On 2 cores shared by 4 ranks, a replica that waits lends
-its cores to the busy one, which the performance model (one device per rank)
-does not see: it predicted spanning micro-batches to save about twice what they
-measured here (docs/benchmarks.md, "End-to-end demo"), and the demo's goal is
-that its predictions hold.
+The runs keep every micro-batch within a DP replica's CP group (``--no-spanning``): a replica that waits lends its
+cores to the busy one when processes outnumber cores, which the model does not see (docs/benchmarks.md,
+"End-to-end demo").
 """
 
 from __future__ import annotations
@@ -36,12 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +48,8 @@ from trainer_client.distributed import free_port
 from trainer_client.model import model_shape
 from trainer_client.profile import ProfileOptions
 
-__all__ = ["RunSummary", "build_parser", "demo_comm_sizes", "main", "run_trainer", "start_service", "stop_service",
-           "summarize"]
+__all__ = ["RunSummary", "build_parser", "default_layout", "demo_comm_sizes", "main", "run_trainer", "start_service",
+           "stop_service", "summarize"]
 
 
 def start_service(port: int, *, ready_timeout_s: float = 120.0,
@@ -123,9 +120,12 @@ def read_metrics(path: Path) -> list[dict[str, object]]:
 
 
 def profile_command(*, name: str, out: Path, nproc: int = 4, repeats: int = 3,
-                    comm_sizes: Sequence[int] | None = None) -> list[str]:
-    """The profiler under torchrun with as many ranks as the demo trains with: they share the cores as they will."""
+                    comm_sizes: Sequence[int] | None = None, sizes: Sequence[int] | None = None) -> list[str]:
+    """The profiler under torchrun with as many ranks as the demo trains with: they share the cores as they will.
+    ``sizes``: the compute sweep's packed tokens (the profiler's own by default)."""
     extra = ["--comm-sizes", ",".join(map(str, comm_sizes))] if comm_sizes else []
+    if sizes:
+        extra += ["--sizes", ",".join(map(str, sizes))]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "trainer_client.profile", "--model", "tiny", "--device", "cpu", "--name", name, "--out", str(out),
             "--repeats", str(repeats), "--no-progress", *extra]
@@ -142,6 +142,72 @@ def demo_comm_sizes(*, bucket_size: int, cp: int) -> list[int]:
     return [*sizes, largest_bytes]
 
 
+def demo_compute_sizes(*, bucket_size: int) -> list[int]:
+    """The compute sweep's sizes: from 64 tokens by factors of 2 up to the BucketSize, the most a rank holds in a
+    micro-batch, so that every micro-batch the runs train is priced within the sweep, none extrapolated beyond it."""
+    sizes = [64]
+    while sizes[-1] * 2 < bucket_size:
+        sizes.append(sizes[-1] * 2)
+    return [*sizes, bucket_size]
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds every process of this machine has run since boot (Linux's ``/proc/stat``), None elsewhere."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(value) for value in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's finished children and theirs (torchrun's workers)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass(slots=True)
+class OtherWork:
+    """How much of the machine processes other than the demo's used while its runs ran: the performance model
+    gives every rank a device of its own, so a core another job takes makes every micro-batch slower than
+    predicted, and the slower the more the ranks wait for each other."""
+
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+    @contextmanager
+    def measured(self) -> Iterator[None]:
+        """Count the other processes' CPU time while the block runs (which starts and waits for children)."""
+        machine, children, started = machine_busy_s(), children_cpu_s(), time.perf_counter()
+        yield
+        if machine is not None:
+            after = machine_busy_s()
+            assert after is not None
+            self.cpu_s += max(0.0, (after - machine) - (children_cpu_s() - children))
+            self.wall_s += time.perf_counter() - started
+
+    @property
+    def cores(self) -> float | None:
+        """The cores the other processes kept busy, on average; None where this machine cannot tell."""
+        return self.cpu_s / self.wall_s if self.wall_s else None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as a container or taskset limits it), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_layout(cores: int) -> tuple[int, int]:
+    """(dp, cp) of as many processes as ``cores``, at most 4: dp 2 × cp 2, else dp 1 × cp 2, else one process."""
+    if cores >= 4:
+        return 2, 2
+    return (1, 2) if cores >= 2 else (1, 1)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunSummary:
     scheduler: str
@@ -155,9 +221,11 @@ class RunSummary:
     wall_time_s: float
 
 
-def summarize(scheduler: str, metrics: list[dict[str, object]], wall_time_s: float) -> RunSummary:
-    # Step 0 pays one-off costs (first plan, allocator warm-up); measure the steady state after it.
-    steady = metrics[1:] or metrics
+def summarize(scheduler: str, runs: Sequence[list[dict[str, object]]], wall_time_s: float) -> RunSummary:
+    """A scheduler's runs (one a round) as one: the times of every step but each run's first, which pays one-off
+    costs (its first plan, the allocator's growth), and every step's loss."""
+    metrics = [m for run in runs for m in run]
+    steady = [m for run in runs for m in (run[1:] or run)]
 
     def values(key: str) -> list[float]:
         return [float(m[key]) for m in steady]  # type: ignore[arg-type]
@@ -184,10 +252,21 @@ SPEEDUP_GOAL = 2.0
 PREDICTION_TOLERANCE = 0.15
 
 
+def round_lines(rounds: Sequence[Mapping[str, RunSummary]]) -> list[str]:
+    """Each round's predicted and measured micro-batch times, per scheduler."""
+    lines = []
+    for number, round_ in enumerate(rounds, start=1):
+        parts = [f"{run.scheduler} predicted {run.predicted_step_time_s:.3f} s, measured "
+                 f"{run.micro_batch_time_s:.3f} s ({run.predicted_step_time_s / run.micro_batch_time_s - 1:+.1%})"
+                 for run in round_.values()]
+        lines.append(f"round {number}: " + "; ".join(parts))
+    return lines
+
+
 def format_table(skrull: RunSummary, deepspeed: RunSummary, *, profile: str) -> str:
     rel = max_relative_difference(skrull.losses, deepspeed.losses)
     rows = [
-        f"plans and predictions: profile {profile}",
+        f"plans and predictions: {profile}",
         f"{'scheduler':<10} {'steps':>5} {'final loss':>11} {'predicted s':>11} {'micro-batches s':>15} "
         f"{'error':>7} {'whole step s':>12} {'tokens/s':>9} {'plans from':<16}",
     ]
@@ -217,65 +296,97 @@ def format_table(skrull: RunSummary, deepspeed: RunSummary, *, profile: str) -> 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer_client.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="training steps of each run")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of a profile and one run of each scheduler")
+    parser.add_argument("--steps", type=int, default=7, help="training steps of each run (the first is not timed)")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per global batch")
     parser.add_argument("--bucket-size", type=int, default=4096, help="tokens one CP rank holds (BucketSize)")
-    parser.add_argument("--dp", type=int, default=2, help="data-parallel size")
-    parser.add_argument("--cp", type=int, default=2, help="context-parallel size")
+    parser.add_argument("--dp", type=int, help="data-parallel size (default: from the cores, default_layout)")
+    parser.add_argument("--cp", type=int, help="context-parallel size (default: from the cores)")
     parser.add_argument("--data", default="synthetic:lmsys", help="the trainer's --data")
     parser.add_argument("--profile", default="measure",
-                        help="'measure': profile this machine first, with the demo's 4 processes (about 80-150 s); "
-                             "or a shipped profile name (cpu-tiny)")
+                        help="'measure': profile this machine at the start of each round, with the run's processes "
+                             "(20-60 s); or a shipped profile name (cpu-tiny) for every round")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    nproc = args.dp * args.cp
-
+    args = build_parser().parse_args(argv)
+    cores = usable_cores()
+    default_dp, default_cp = default_layout(cores)
+    dp, cp = args.dp or default_dp, args.cp or default_cp
+    nproc = dp * cp
+    if nproc > cores:
+        print(f"note: {nproc} processes on {cores} cores share them, which no profile describes well: predictions "
+              "hold best with no more processes than cores", flush=True)
+    print(f"{cores} cores: dp {dp} × cp {cp} ({nproc} CPU processes, --sharding zero2), {args.rounds} rounds; load "
+          f"average {os.getloadavg()[0]:.1f}", flush=True)
+    rounds: list[dict[str, RunSummary]] = []
+    other_work = [OtherWork() for _ in range(args.rounds)]
+    runs: dict[str, list[list[dict[str, object]]]] = {"skrull": [], "deepspeed": []}
+    wall_time_s = dict.fromkeys(runs, 0.0)
     with tempfile.TemporaryDirectory(prefix="skrull-demo-") as work:
-        profile_dir = None
-        profile = args.profile
-        if profile == "measure":
-            profile, profile_dir = "cpu-tiny-demo", Path(work) / "profiles"
-            print(f"measuring a CPU profile of this machine ({nproc} processes) …", flush=True)
-            comm_sizes = demo_comm_sizes(bucket_size=args.bucket_size, cp=args.cp)
-            result = run_trainer(profile_command(name=profile, out=profile_dir / f"{profile}.json", nproc=nproc,
-                                                 comm_sizes=comm_sizes))
-            if result.returncode != 0:
-                print(result.stderr[-4000:], file=sys.stderr)
-                print(f"error: profiling failed with exit code {result.returncode}", file=sys.stderr)
-                return 1
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         print(f"starting the scheduler service on {url} …", flush=True)
-        service = start_service(port, profile_dir=profile_dir)
-        summaries: dict[str, RunSummary] = {}
+        service = start_service(port)
         try:
-            for scheduler in ("skrull", "deepspeed"):
-                metrics_out = Path(work) / f"{scheduler}.jsonl"
-                command = trainer_command(scheduler=scheduler, metrics_out=metrics_out, scheduler_url=url,
-                                          nproc=nproc, dp=args.dp, cp=args.cp, steps=args.steps,
-                                          global_batch=args.global_batch, bucket_size=args.bucket_size,
-                                          data=args.data, extra=["--profile", profile, "--sharding", "zero2"])
-                print(f"training {args.steps} steps with --scheduler {scheduler} ({nproc} CPU processes: "
-                      f"dp {args.dp} × cp {args.cp}, --sharding zero2) …", flush=True)
-                started = time.perf_counter()
-                result = run_trainer(command)
-                wall_time_s = time.perf_counter() - started
-                if result.returncode != 0:
-                    print(result.stderr[-4000:], file=sys.stderr)
-                    print(f"error: the {scheduler} run failed with exit code {result.returncode}", file=sys.stderr)
-                    return 1
-                summaries[scheduler] = summarize(scheduler, read_metrics(metrics_out), wall_time_s)
+            for number in range(args.rounds):
+                profile = args.profile
+                if profile == "measure":
+                    profile = str(Path(work) / f"profile-{number}.json")
+                    print(f"round {number + 1}: measuring a CPU profile of this machine ({nproc} processes) …",
+                          flush=True)
+                    result = run_trainer(profile_command(
+                        name=f"cpu-tiny-demo-{number + 1}", out=Path(profile), nproc=nproc,
+                        comm_sizes=demo_comm_sizes(bucket_size=args.bucket_size, cp=cp),
+                        sizes=demo_compute_sizes(bucket_size=args.bucket_size)))
+                    if result.returncode != 0:
+                        print(result.stderr[-4000:], file=sys.stderr)
+                        print(f"error: profiling failed with exit code {result.returncode}", file=sys.stderr)
+                        return 1
+                round_: dict[str, RunSummary] = {}
+                for scheduler in runs:
+                    metrics_out = Path(work) / f"{scheduler}-{number}.jsonl"
+                    # Each round draws other batches (its seed); both schedulers train the same ones.
+                    command = trainer_command(scheduler=scheduler, metrics_out=metrics_out, scheduler_url=url,
+                                              nproc=nproc, dp=dp, cp=cp, steps=args.steps, seed=number,
+                                              global_batch=args.global_batch, bucket_size=args.bucket_size,
+                                              data=args.data, extra=["--profile", profile, "--sharding", "zero2",
+                                                                     "--job-id", f"demo-{scheduler}-{number + 1}"])
+                    print(f"round {number + 1}: training {args.steps} steps with --scheduler {scheduler} …",
+                          flush=True)
+                    started = time.perf_counter()
+                    with other_work[number].measured():
+                        result = run_trainer(command)
+                    if result.returncode != 0:
+                        print(result.stderr[-4000:], file=sys.stderr)
+                        print(f"error: the {scheduler} run failed with exit code {result.returncode}", file=sys.stderr)
+                        return 1
+                    wall_time_s[scheduler] += time.perf_counter() - started
+                    runs[scheduler].append(read_metrics(metrics_out))
+                    round_[scheduler] = summarize(scheduler, runs[scheduler][-1:], time.perf_counter() - started)
+                rounds.append(round_)
         finally:
             stop_service(service)
             print("scheduler service stopped", flush=True)
+    summaries = {scheduler: summarize(scheduler, scheduler_runs, wall_time_s[scheduler])
+                 for scheduler, scheduler_runs in runs.items()}
+    source = ("a profile measured at the start of each round" if args.profile == "measure"
+              else f"profile {args.profile}")
     print()
-    print(format_table(summaries["skrull"], summaries["deepspeed"], profile=profile))
+    print(format_table(summaries["skrull"], summaries["deepspeed"], profile=source))
+    print("\n".join(f"{line}; other processes used {_cores_text(work)}" for line, work in
+                    zip(round_lines(rounds), other_work, strict=True)))
+    whole = OtherWork(cpu_s=sum(work.cpu_s for work in other_work), wall_s=sum(work.wall_s for work in other_work))
+    print(f"while the demo trained, other processes used {_cores_text(whole)} of this machine's {cores} cores (the "
+          "predictions give every rank a core of its own); load average at the end "
+          f"{os.getloadavg()[0]:.1f}")
     rel = max_relative_difference(summaries["skrull"].losses, summaries["deepspeed"].losses)
     return 0 if rel <= 1e-5 else 1
+
+
+def _cores_text(work: OtherWork) -> str:
+    return "an unknown share" if work.cores is None else f"{work.cores:.2f} cores"
 
 
 if __name__ == "__main__":
