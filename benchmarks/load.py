@@ -107,7 +107,7 @@ def in_process_times(batches: list[PlanRequest], repeats: int) -> tuple[list[flo
         for body in bodies:
             started = time.perf_counter()
             request = PlanRequest.model_validate_json(body)
-            plan_request(request, limits)
+            plan_request(request)
             end_to_end.append(time.perf_counter() - started)
             problem = request_to_problem(request, limits=limits)
             started = time.perf_counter()

@@ -9,7 +9,7 @@ import pytest
 from skrull_proto import PlanRequest
 
 from scheduler_service.contract.wire import request_to_problem
-from scheduler_service.core.plan import PlanLimits, SchedulerName
+from scheduler_service.core.plan import SchedulerName
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.runtime.cost import baseline_cells, feedback_cells, plan_cost
 from scheduler_service.runtime.work import plan_request
@@ -39,7 +39,7 @@ def test_estimate_bounds_the_plan_and_sizes_its_answer(scheduler: SchedulerName)
         request = request.model_copy(update={"scheduler": scheduler.value})
         problem = request_to_problem(request)
         cost = plan_cost(problem, scheduler)
-        body = plan_request(request, PlanLimits()).answer(job_state=None)
+        body = plan_request(request).answer(job_state=None)
         answer = json.loads(body)
         num_micro_batches = (sum(len(dp_rank["micro_batches"]) for dp_rank in answer["dp_ranks"])
                              + len(answer.get("spanning", [])))
@@ -53,7 +53,7 @@ def test_estimate_bounds_the_plan_and_sizes_its_answer(scheduler: SchedulerName)
 def test_breakdown_answers_are_estimated_with_their_per_rank_estimates() -> None:
     request = PlanRequest(sequence_lengths=[1000] * 32, dp_size=1, cp_size=64, bucket_size=16, breakdown=True)
     cost = plan_cost(request_to_problem(request), SchedulerName.SKRULL, breakdown=True)
-    body = plan_request(request, PlanLimits()).answer(job_state=None)
+    body = plan_request(request).answer(job_state=None)
     assert len(body) / 2 <= cost.answer_bytes <= 2 * len(body)
 
 

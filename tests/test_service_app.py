@@ -472,14 +472,14 @@ def test_a_capped_job_plans_with_or_without_bucket_size_alike() -> None:
 
 
 # What admitting a /plan request does, each exactly once wherever it runs (``_count_admission``).
-_ADMISSION_STEPS = ("parse", "search_budget", "validate", "cost")
+_ADMISSION_STEPS = ("parse", "admit", "model", "profile", "validate", "cost")
 _ADMISSION_LOG_ENV = "SKRULL_TEST_ADMISSION_LOG"
 
 
 def _count_admission(log: Path, patch: Callable[[object, str, Any], None]) -> None:
     """Make this process append a line ``<pid> <step>`` to ``log`` at every step of a /plan request's admission:
-    its parse (any validation of a ``PlanRequest``), its search budget's check, its validation by the core
-    (``make_problem``) and its cost estimate."""
+    its parse (any validation of a ``PlanRequest``), the admission (``work.admit_plan``), its model's and its
+    profile's resolution, its validation by the core (``make_problem``) and its cost estimate."""
     from scheduler_service.contract import wire
     from scheduler_service.runtime import service, work
 
@@ -502,10 +502,11 @@ def _count_admission(log: Path, patch: Callable[[object, str, Any], None]) -> No
             return counted("parse", attribute) if name.startswith("validate_") else attribute
 
     patch(PlanRequest, "__pydantic_validator__", CountingValidator(PlanRequest.__pydantic_validator__))
+    patch(service, "admit_plan", counted("admit", service.admit_plan))
+    patch(work, "request_model", counted("model", work.request_model))
+    patch(work, "resolve_profile", counted("profile", work.resolve_profile))
     patch(wire, "make_problem", counted("validate", wire.make_problem))
     patch(work, "plan_cost", counted("cost", work.plan_cost))
-    for module in (service, work):
-        patch(module, "check_search_budget", counted("search_budget", module.check_search_budget))
     write("started")
 
 
@@ -517,7 +518,7 @@ def _init_counting_worker() -> None:
     _count_admission(Path(os.environ[_ADMISSION_LOG_ENV]), setattr)
 
 
-def test_a_plan_is_parsed_validated_and_costed_once_in_every_process(monkeypatch: pytest.MonkeyPatch,
+def test_a_plan_is_parsed_admitted_resolved_validated_and_costed_once_in_every_process(monkeypatch: pytest.MonkeyPatch,
                                                                       tmp_path: Path) -> None:
     from scheduler_service.runtime import pools
 

@@ -12,11 +12,11 @@ import pytest
 from skrull_proto import PlanRequest, PlanResponse
 
 from scheduler_service.contract.wire import result_to_response, result_to_response_data
-from scheduler_service.core.plan import PlanLimits, SolverReport, make_problem
+from scheduler_service.core.plan import SolverReport, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, PlanResult, make_plan
 from scheduler_service.core.profile import DEFAULT_PROFILE
 from scheduler_service.core.samplers import sample_lengths
-from scheduler_service.runtime.work import plan_validated, validate_request
+from scheduler_service.runtime.work import plan_request
 from tests.grouped_plans import GROUPED_PLAN, result_of
 from tests.problem_builders import ADDITIVE_PROFILE, with_floor
 
@@ -62,7 +62,7 @@ def test_a_launch_bound_breakdown_adds_up_and_names_the_floor_only_where_there_i
 @pytest.mark.parametrize("job_state", [None, "unavailable: file is not a database"])
 def test_the_services_answer_carries_job_state_where_the_model_writes_it(job_state: str | None) -> None:
     request = PlanRequest(sequence_lengths=[812, 30311, 97, 4096, 1500, 256], dp_size=2, cp_size=4, breakdown=True)
-    batch = plan_validated(validate_request(request, PlanLimits(), search_budget=None))
+    batch = plan_request(request)
     plan = PlanResponse.model_validate_json(batch.answer(None))
     assert plan.job_state is None
     expected = plan.model_copy(update={"job_state": job_state}).model_dump_json().encode()

@@ -4,7 +4,11 @@ This package depends on pydantic alone, so the trainer can speak the contract
 without importing FastAPI or the planner. Types and lower bounds (positive
 sizes, a non-empty batch) are checked here and appear in the exported JSON
 Schema; upper bounds are limits the service configures, so the planning core
-checks them and names the offending field and the limit in its error.
+checks them and names the offending field and the limit in its error. A batch's
+lengths are the exception: typed here, their bounds documented in the schema,
+and checked by the core alone, which every caller's batch passes through and
+which names the first bad index (pydantic would describe every bad item of a
+body of millions).
 
 The JSON Schemas of ``PlanRequest``, ``PlanResponse`` and ``Problem`` and the
 service's OpenAPI document are exported beside this module
@@ -16,7 +20,15 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, ClassVar, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictInt, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    WithJsonSchema,
+    model_serializer,
+)
 
 from skrull_proto.profile import ProfileDocument
 
@@ -65,6 +77,8 @@ SCHEMA_VERSION: Final = 1
 SPANNING_SCHEMA_VERSION: Final = 2
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
+# A length of a batch: the planning core checks that it is positive (module docstring); the schema says so.
+SequenceLength = Annotated[StrictInt, WithJsonSchema({"minimum": 1, "type": "integer"})]
 SequenceIndex = Annotated[StrictInt, Field(ge=0)]
 CPRank = Annotated[StrictInt, Field(ge=0)]
 JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
@@ -137,8 +151,8 @@ class PlanRequest(_Strict):
         description="Contract version. 2 (the default): the plan may hold spanning micro-batches (`spanning`), and a "
         "sequence may be as long as the world holds, bucket_size x cp_size x dp_size. 1: a client that cannot run "
         "them; every sequence must fit one CP group (bucket_size x cp_size).")
-    sequence_lengths: list[PositiveInt] = Field(
-        min_length=1,
+    sequence_lengths: list[SequenceLength] = Field(
+        json_schema_extra={"minItems": 1},  # the core checks it (module docstring)
         description="Token count of every sequence of the global batch, in dataset order; plans refer to "
         "positions here. The service caps the count and each length (GET /models lists the limits).",
     )

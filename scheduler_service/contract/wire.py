@@ -85,16 +85,19 @@ def sampler_to_spec(name: str, distribution: LengthDistribution) -> SamplerSpec:
 
 
 def request_to_problem(
-    request: PlanRequest, *, limits: PlanLimits = DEFAULT_LIMITS, extra_profiles: dict[str, Profile] | None = None
+    request: PlanRequest, *, limits: PlanLimits = DEFAULT_LIMITS, extra_profiles: dict[str, Profile] | None = None,
+    model: ModelShape | None = None, profile: Profile | None = None,
 ) -> PlanningProblem:
-    """Validate a request's values with the core (which names the offending field)."""
+    """Validate a request's values with the core (which names the offending field). ``model`` and ``profile``:
+    the request's, resolved already (the service's admission resolves them once); None: resolved here, the profile
+    among the shipped ones and ``extra_profiles``."""
     return make_problem(
         sequence_lengths=request.sequence_lengths,
         dp_size=request.dp_size,
         cp_size=request.cp_size,
-        model=_model_shape(request.model),
+        model=_model_shape(request.model) if model is None else model,
         bucket_size=request.bucket_size,
-        profile=request.profile,
+        profile=request.profile if profile is None else profile,
         limits=limits,
         extra_profiles=extra_profiles,
         gpus_per_node=request.gpus_per_node,

@@ -67,12 +67,18 @@ def _restore(cls: type[PlanningError], state: dict[str, Any]) -> PlanningError:
 
 
 class InvalidRequestError(PlanningError):
-    """A request field is malformed or outside its allowed range."""
+    """A request field is malformed or outside its allowed range; ``limit``: the bound it broke, where one did."""
+
+    def __init__(self, message: str, *, field: str | None = None, limit: int | float | None = None) -> None:
+        super().__init__(message, field=field)
+        self.limit = limit
 
 
 class SequenceTooLongError(InvalidRequestError):
     """A sequence does not fit even when sharded over the whole CP group, or, where blocks may span DP replicas
     (``dp_size`` given), over the whole world: its capacity is ``bucket_size × cp_size × dp_size``."""
+
+    limit: int  # the capacity, in tokens
 
     def __init__(self, *, index: int, num_tokens: int, bucket_size: int, cp_size: int,
                  dp_size: int | None = None) -> None:
@@ -80,10 +86,9 @@ class SequenceTooLongError(InvalidRequestError):
         over = f"bucket_size {bucket_size} × cp_size {cp_size}" + (
             f" × dp_size {dp_size} = {limit} fit (the world's capacity)" if dp_size is not None else f" = {limit} fit")
         super().__init__(f"sequence {index} has {num_tokens} tokens; at most {over}",
-                         field=f"sequence_lengths[{index}]")
+                         field=f"sequence_lengths[{index}]", limit=limit)
         self.index = index
         self.num_tokens = num_tokens
-        self.limit = limit
 
 
 class UnknownModelError(InvalidRequestError):

@@ -70,6 +70,7 @@ __all__ = [
     "MemoryObservation",
     "MicroBatchMeasurement",
     "effective_bucket_size",
+    "job_key",
     "observe",
     "start_job",
 ]
@@ -197,6 +198,11 @@ class JobFeedback:
     num_downweighted: int = 0  # observations of the window the robust fit treated as outliers
     compute_window: tuple[ComputeObservation, ...] = field(default=(), repr=False)
     memory_window: tuple[MemoryObservation, ...] = field(default=(), repr=False)
+
+
+def job_key(job: JobFeedback) -> tuple[str, ModelShape, int, int]:
+    """What a job's plans share: a plan that changes any of these restarts the job."""
+    return job.base.name, job.model, job.dp_size, job.cp_size
 
 
 def start_job(

@@ -36,8 +36,7 @@ class RequestLimitError(InvalidRequestError):
     """A request exceeds a limit the service configures (the core's own limits say so in their message)."""
 
     def __init__(self, message: str, *, field: str, limit: int | float) -> None:
-        super().__init__(message, field=field)
-        self.limit = limit
+        super().__init__(message, field=field, limit=limit)
 
 
 class RequestBodyError(Exception):

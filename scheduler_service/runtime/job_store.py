@@ -75,7 +75,13 @@ import anyio.to_thread
 import redis
 from pydantic import BeforeValidator, ConfigDict, PlainSerializer, PlainValidator, TypeAdapter
 
-from scheduler_service.core.feedback import ComputeObservation, FeedbackConfig, JobFeedback, MemoryObservation
+from scheduler_service.core.feedback import (
+    ComputeObservation,
+    FeedbackConfig,
+    JobFeedback,
+    MemoryObservation,
+    job_key,
+)
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.profile import Profile, parse_profile
 from scheduler_service.runtime.errors import JobStoreUnavailableError, unavailable_job_state
@@ -89,7 +95,6 @@ __all__ = [
     "StoredJob",
     "decode_job",
     "encode_job",
-    "job_key",
     "open_job_store",
 ]
 
@@ -102,11 +107,6 @@ _REDIS_TIMEOUT_S = 2.0  # a Redis call that takes longer fails rather than holdi
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
-
-
-def job_key(job: JobFeedback) -> tuple[str, ModelShape, int, int]:
-    """What a job's plans share: a plan that changes any of these restarts the job."""
-    return job.base.name, job.model, job.dp_size, job.cp_size
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,8 +1,9 @@
 """Parsing request bodies into the wire models, cheaply and with bounded error reports.
 
 Done here rather than by the web framework so that the service decides where
-the work runs: a large body is parsed in a pool process, never on the event
-loop (a 4 MB /feedback report takes seconds to validate). Errors are
+the work runs: a large ``/plan`` body is parsed in a worker thread and a large
+``/feedback`` report in a pool process, never on the event loop (a 4 MB report
+takes seconds to validate). Errors are
 ``RequestBodyError``s (pydantic's items, bounded) or ``RequestLimitError``s.
 """
 
@@ -16,6 +17,7 @@ from skrull_proto import FeedbackRequest, JobProfileRequest, PlanRequest
 from skrull_proto.advise import AdviseRequest
 
 from scheduler_service.contract.profiles import MAX_PROFILE_FILE_BYTES
+from scheduler_service.core.plan import PlanLimits, check_sequence_count
 from scheduler_service.runtime.errors import RequestBodyError, RequestLimitError, UnsupportedMediaTypeError
 
 __all__ = [
@@ -29,17 +31,14 @@ __all__ = [
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
-def parse_plan_request(body: bytes, content_type: str | None, *, max_sequences: int) -> PlanRequest:
-    """Parse POST /plan's body, refusing an over-long batch *before* validating its items: pydantic reports
-    every bad item, and a 4 MB body of negative lengths would cost seconds to describe. Counting first bounds
-    that by ``max_sequences``."""
+def parse_plan_request(body: bytes, content_type: str | None, *, limits: PlanLimits) -> PlanRequest:
+    """Parse POST /plan's body, refusing an over-long batch *before* validating its items (the core's
+    ``check_sequence_count``): pydantic reports every bad item, and a 4 MB body of strings would cost seconds to
+    describe. The lengths' values are the core's to check (``make_problem``), which names the first bad one."""
     data = _json(body, content_type)
     lengths = data.get("sequence_lengths") if isinstance(data, dict) else None
-    if isinstance(lengths, list) and len(lengths) > max_sequences:
-        raise RequestLimitError(
-            f"sequence_lengths has {len(lengths)} sequences; at most {max_sequences} are accepted",
-            field="sequence_lengths", limit=max_sequences,
-        )
+    if isinstance(lengths, list):
+        check_sequence_count(len(lengths), limits)
     return _validate(PlanRequest, data)
 
 

@@ -33,7 +33,6 @@ from typing import TypeVar
 from skrull_proto import PlanRequest, SchedulerName
 
 from scheduler_service.core.feedback import JobFeedback
-from scheduler_service.core.plan import PlanLimits
 from scheduler_service.runtime.errors import ServiceBusyError, ServiceUnavailableError
 from scheduler_service.runtime.events import ClientWatch, ServiceEvents
 from scheduler_service.runtime.lifeline import end_with_parent, exit_now
@@ -213,6 +212,6 @@ def warm_cpsat_worker() -> str:
     default time limit), so the first real request pays no start-up."""
     request = PlanRequest(sequence_lengths=[4000, 3000, 2000, 1000, 500, 200], dp_size=2, cp_size=2,
                           bucket_size=4096, scheduler=SchedulerName.CPSAT)
-    batch = plan_request(request, PlanLimits())
+    batch = plan_request(request)
     assert batch.summary.solver_status is not None
     return batch.summary.solver_status

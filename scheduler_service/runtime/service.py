@@ -1,11 +1,11 @@
 """Where plans are made: inline on the event loop, in the heavy pool, or in the CP-SAT pool.
 
-A ``/plan`` body has one admission path (``PlanningService.plan``): it is
-parsed, its shape bounded, its job read, and its values validated and costed
-(``work.validate_request``), each exactly once and in this process; the pools
-receive what was validated (``work.ValidatedPlan``) and only plan it. Bodies
-over 64 KB are parsed, and batches larger than an inline plan validated, in a
-worker thread, so the event loop keeps answering.
+A ``/plan`` body is parsed and its job read here; ``work.admit_plan`` admits it
+(every check, once, in this process), and the service only decides where that
+and the planning run: the pools receive what was admitted
+(``work.ValidatedPlan``) and only plan it. Bodies over 64 KB are parsed, and
+batches larger than an inline plan admitted, in a worker thread, so the event
+loop keeps answering.
 
 Every plan's cost is estimated from its shape before any work (``cost``:
 cells = micro-batches × ``cp_size`` local lists, plus sequences; and the
@@ -92,8 +92,8 @@ from scheduler_service.contract.wire import document_to_profile, job_to_feedback
 from scheduler_service.core import feedback as core_feedback
 from scheduler_service.core import jit
 from scheduler_service.core.errors import InvalidRequestError
-from scheduler_service.core.feedback import FeedbackConfig, JobFeedback
-from scheduler_service.core.profile import Profile, builtin_profiles, resolve_profile
+from scheduler_service.core.feedback import FeedbackConfig, JobFeedback, job_key
+from scheduler_service.core.profile import Profile, builtin_profiles
 from scheduler_service.runtime.advising import advise_in_worker, check_sample_size
 from scheduler_service.runtime.cost import baseline_cells, feedback_cells, search_seconds
 from scheduler_service.runtime.errors import (
@@ -105,17 +105,16 @@ from scheduler_service.runtime.errors import (
     UnknownJobError,
 )
 from scheduler_service.runtime.events import ClientWatch, ServiceEvents
-from scheduler_service.runtime.job_store import AsyncJobStore, StoredJob, job_key, open_job_store
+from scheduler_service.runtime.job_store import AsyncJobStore, StoredJob, open_job_store
 from scheduler_service.runtime.parsing import check_json_media_type, parse_feedback_request, parse_plan_request
 from scheduler_service.runtime.pools import WorkerPool, feedback_job_id_in_worker, refit_in_worker, warm_cpsat_worker
 from scheduler_service.runtime.profiles import ProfileFolder
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.runtime.work import (
-    CostLimits,
-    check_search_budget,
+    admit_plan,
     plan_validated,
     refit_job,
-    validate_request,
+    requested_search_budget,
     warm_planner,
 )
 
@@ -209,26 +208,17 @@ class PlanningService:
 
     # -- feedback
 
-    async def _job_for(self, request: PlanRequest, profiles: dict[str, Profile]) -> JobFeedback | None:
-        """The request's job as its plan will use it: the one kept, or a new one when its model, profile or sizes
-        changed (or it is new). A base profile the job's trainer registered stays the base while the request names
-        no other profile (none, or that one's name). Kept only once the plan succeeds (``_keep_job``): a refused
-        request changes no job. Model and profile are resolved without validating the batch, so this is cheap for
-        any batch."""
+    async def _stored_job_for(self, request: PlanRequest) -> tuple[JobFeedback | None, str | None]:
+        """The request's job as the store keeps it (None: no ``job_id``, feedback off, or none kept), and the
+        store's state where it could not be read: the request then plans as one without a ``job_id`` (the base
+        profile), and its answer says so."""
         if request.job_id is None or not self.settings.feedback:
-            return None
-        stored = await self.jobs.get(request.job_id)
-        kept = None if stored is None else stored.job
-        model = request_model(request.model)
-        if kept is not None and kept.base_registered and request.profile in (None, kept.base.name):
-            profile, registered = kept.base, True
-        else:
-            profile, registered = resolve_profile(request.profile, profiles), False
-        if kept is not None and job_key(kept) == (profile.name, model, request.dp_size, request.cp_size):
-            return kept
-        return core_feedback.start_job(request.job_id, base=profile, model=model, dp_size=request.dp_size,
-                                       cp_size=request.cp_size, config=self.feedback_config,
-                                       base_registered=registered)
+            return None, None
+        try:
+            stored = await self.jobs.get(request.job_id)
+        except JobStoreUnavailableError as failure:
+            return None, failure.job_state  # this call's failure: the store's own may have changed since
+        return (None if stored is None else stored.job), None
 
     async def register_profile(self, job_id: str, request: JobProfileRequest) -> FeedbackResponse:
         """Make a profile its trainer measured the job's base (``PUT /jobs/{job_id}/profile``), the job keyed by the
@@ -335,64 +325,49 @@ class PlanningService:
 
     async def plan(self, body: bytes, content_type: str | None, *, watch: ClientWatch | None = None,
                    named: Callable[[SchedulerName], None] | None = None) -> bytes:
-        """The answer to one ``POST /plan`` body: its one admission path. The body is parsed, its shape bounded,
-        its job read, and its values validated and costed, each once and in that order; it is then planned
-        inline, in the heavy pool or in the CP-SAT pool, which receive what was validated. A heavy request takes
-        its pool slot before it is validated (a full pool refuses it before that work); a cpsat request after
-        (bad input never takes a solver slot). ``named``: told the request's scheduler as soon as it is parsed
-        (the metrics label every answer with it). ``watch``: stop waiting for a pool when the client hangs
-        up."""
+        """The answer to one ``POST /plan`` body. The body is parsed and its job read here; ``work.admit_plan``
+        admits it, and the service decides where that and the planning run: inline, in a worker thread, in the
+        heavy pool or in the CP-SAT pool. A heavy request takes its pool slot before it is admitted (a full pool
+        refuses it before that work); a cpsat request after (bad input never takes a solver slot). A request that
+        its shape alone puts over a limit (``max_plan_cells``, ``max_search_budget``) is admitted inline, which
+        refuses it at once. ``named``: told
+        the request's scheduler as soon as it is parsed (the metrics label every answer with it). ``watch``: stop
+        waiting for a pool when the client hangs up."""
         # Parsing (or describing the errors of) a huge body must not stall the event loop.
         request = await _maybe_in_thread(
-            functools.partial(parse_plan_request, body, content_type, max_sequences=self.settings.max_sequences),
+            functools.partial(parse_plan_request, body, content_type, limits=self.limits),
             inline=len(body) <= _INLINE_MAX_BODY_BYTES)
         if named is not None:
             named(request.scheduler)
         if not self.ready:
             raise ServiceUnavailableError("the planner is still warming up")
-        profiles = self.profiles  # once: one request sees one version of the folder
         settings = self.settings
-        search_budget = settings.search_budget if request.search_budget is None else request.search_budget
-        # A cp_size over its limit is left to validation, which names that limit.
+        stored_job, job_state = await self._stored_job_for(request)
+        admit = functools.partial(admit_plan, request, settings, profiles=self.profiles, stored_job=stored_job,
+                                  feedback=self.feedback_config if settings.feedback else None)
         at_least = baseline_cells(len(request.sequence_lengths), min(request.cp_size, self.limits.max_cp_size))
-        if at_least > settings.max_plan_cells:  # over the limit whatever the micro-batches: refused at once
-            raise RequestLimitError(
-                f"every plan of {len(request.sequence_lengths)} sequences on cp_size {request.cp_size} holds at "
-                f"least {at_least} cells (the deepspeed baseline's sequences × cp_size local lists); the service "
-                f"plans at most {settings.max_plan_cells}: use a smaller cp_size or a smaller batch",
-                field="sequence_lengths", limit=settings.max_plan_cells)
-        check_search_budget(search_budget, self.limits)
-        try:
-            job, job_state = await self._job_for(request, profiles), None
-        except JobStoreUnavailableError as failure:
-            # Planned as a request without a job_id: the base profile. The state is this call's failure (the
-            # store's own may have changed since, in another thread).
-            job, job_state = None, failure.job_state
-        if job is not None and job.base_registered:
-            # The job's own base profile, which the shared profiles do not hold: the request names it, so that it
-            # is validated (its BucketSize derived) with it.
-            profiles = {**profiles, job.base.name: job.base}
-            request = request.model_copy(update={"profile": job.base.name})
-        time_limit_s = self._cpsat_time_limit_s(request) if request.scheduler is SchedulerName.CPSAT else None
-        validate = functools.partial(
-            validate_request, request, self.limits, search_budget=search_budget, time_limit_s=time_limit_s,
-            extra_profiles=profiles, job=job,
-            cost_limits=CostLimits(max_cells=settings.max_plan_cells, max_answer_bytes=settings.max_answer_bytes))
-        # Validation costs ~3 µs per sequence: off the event loop for anything larger than an inline plan.
-        validate_inline = at_least <= settings.inline_max_cells
-        if time_limit_s is not None:  # cpsat: validated before taking a slot, so bad input never takes one
-            validated = await _maybe_in_thread(validate, inline=validate_inline)
-            batch = await self.cpsat_pool.run(plan_validated, validated, expected_s=time_limit_s, watch=watch)
-        elif validate_inline and (search_budget or 0) <= settings.inline_max_search_budget:
-            batch = plan_validated(validate())
+        search_budget = requested_search_budget(request, settings) or 0
+        # Refused at once by the admission, whose first checks these are: no thread, no pool slot.
+        over_a_limit = at_least > settings.max_plan_cells or search_budget > self.limits.max_search_budget
+        # Admission costs ~3 µs per sequence: off the event loop for anything larger than an inline plan.
+        admit_inline = at_least <= settings.inline_max_cells or over_a_limit
+        if request.scheduler is SchedulerName.CPSAT:  # admitted before taking a slot: bad input never takes one
+            admitted = await _maybe_in_thread(admit, inline=admit_inline)
+            validated = admitted.validated
+            assert validated.time_limit_s is not None
+            batch = await self.cpsat_pool.run(plan_validated, validated, expected_s=validated.time_limit_s,
+                                              watch=watch)
+        elif admit_inline and (search_budget <= settings.inline_max_search_budget or over_a_limit):
+            admitted = admit()
+            batch = plan_validated(admitted.validated)
         else:
             # Planning costs about twice the baseline's cells, plus the search asked for; the estimate only feeds
             # Retry-After and the give-up.
-            expected_s = 2 * at_least * _SECONDS_PER_CELL + search_seconds(search_budget or 0, at_least)
-            with self.heavy_pool.admit(expected_s=expected_s) as slot:  # a full pool refuses before validation
-                validated = await _maybe_in_thread(validate, inline=validate_inline)
-                batch = await slot.run(plan_validated, validated, watch=watch)
-        job_state = await self._keep_job(job) or job_state
+            expected_s = 2 * at_least * _SECONDS_PER_CELL + search_seconds(search_budget, at_least)
+            with self.heavy_pool.admit(expected_s=expected_s) as slot:  # a full pool refuses before admission
+                admitted = await _maybe_in_thread(admit, inline=admit_inline)
+                batch = await slot.run(plan_validated, admitted.validated, watch=watch)
+        job_state = await self._keep_job(admitted.job) or job_state
         self.events.plan_made(batch.summary, num_sequences=len(request.sequence_lengths))
         return batch.answer(job_state)
 
@@ -409,20 +384,6 @@ class PlanningService:
             advise_in_worker, request.model_dump_json().encode(), limits, settings.max_advise_cells, self.profiles,
             expected_s=expected_s, watch=watch)
         return document
-
-    def _cpsat_time_limit_s(self, request: PlanRequest) -> float:
-        """The solver's time limit: the request's, capped by the settings. A batch over ``cpsat_max_sequences`` is
-        refused."""
-        settings = self.settings
-        if len(request.sequence_lengths) > settings.cpsat_max_sequences:
-            raise InvalidRequestError(
-                f"cpsat plans at most {settings.cpsat_max_sequences} sequences per request, got "
-                f"{len(request.sequence_lengths)}; use a heuristic scheduler for larger batches",
-                field="sequence_lengths",
-            )
-        requested_s = request.time_limit_s or settings.cpsat_default_time_limit_s
-        return min(float(requested_s), settings.cpsat_max_time_limit_s)
-
 
 async def _maybe_in_thread(fn: Callable[[], T], *, inline: bool) -> T:
     """``fn()`` on the event loop when it is cheap (``inline``), else in a worker thread, which keeps the loop

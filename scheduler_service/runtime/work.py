@@ -1,11 +1,14 @@
-"""One request's work, synchronously, wherever it runs: planning a batch, refitting a job.
+"""One request's work, synchronously, wherever it runs: admitting a ``/plan`` request, planning it, refitting a job.
 
-``validate_request`` validates and costs one ``/plan`` request, once, where
-``service.PlanningService`` admits it; ``plan_validated`` plans, checks and
-simulates what it validated; ``refit_job`` refits a job from one ``/feedback``
-report. They are pure functions of their arguments, so the service calls them
-inline on the event loop for small requests and ``pools`` runs the planning and
-the refits in pool processes for large ones, with the same results.
+``admit_plan`` is the one admission of a ``/plan`` request: every check it
+passes, cheapest first, each made here only (its shape, its search budget, a
+CP-SAT request's size and time limit, its model and profile, resolved once, its
+job, its values through the core, its estimated cost). ``plan_validated`` plans,
+checks and simulates what was admitted; ``refit_job`` refits a job from one
+``/feedback`` report. They are pure functions of their arguments, so the service
+(``service.PlanningService``) only decides where each runs: inline on the event
+loop for small requests, in a worker thread, or in ``pools``' processes for
+large ones, with the same results.
 """
 
 from __future__ import annotations
@@ -17,31 +20,38 @@ from typing import Any
 import orjson
 from skrull_proto import FeedbackRequest, PlanRequest, SchedulerName
 
-from scheduler_service.contract.wire import feedback_to_measurements, request_to_problem, result_to_response_data
+from scheduler_service.contract.wire import (
+    feedback_to_measurements,
+    request_model,
+    request_to_problem,
+    result_to_response_data,
+)
 from scheduler_service.core import feedback as core_feedback
 from scheduler_service.core.check import block_violation
 from scheduler_service.core.errors import InvalidRequestError
-from scheduler_service.core.feedback import JobFeedback
+from scheduler_service.core.feedback import FeedbackConfig, JobFeedback, job_key
+from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
-from scheduler_service.core.plan import Plan, PlanLimits, PlanningProblem
+from scheduler_service.core.plan import Plan, PlanningProblem
 from scheduler_service.core.plan import SchedulerName as CoreSchedulerName
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan, warm_up
-from scheduler_service.core.profile import Profile
-from scheduler_service.runtime.cost import plan_cost
+from scheduler_service.core.profile import Profile, resolve_profile
+from scheduler_service.runtime.cost import baseline_cells, plan_cost
 from scheduler_service.runtime.errors import RequestLimitError
+from scheduler_service.runtime.settings import Settings
 
 __all__ = [
-    "CostLimits",
+    "AdmittedPlan",
     "Placement",
     "PlanSummary",
     "PlannedBatch",
     "ValidatedPlan",
-    "check_search_budget",
+    "admit_plan",
     "job_problem",
     "plan_request",
     "plan_validated",
     "refit_job",
-    "validate_request",
+    "requested_search_budget",
     "warm_planner",
 ]
 
@@ -94,7 +104,7 @@ class PlannedBatch:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ValidatedPlan:
-    """A ``/plan`` request once validated and costed (``validate_request``): what ``plan_validated`` plans, inline
+    """A ``/plan`` request once validated and costed (``admit_plan``): what ``plan_validated`` plans, inline
     or in a pool process, without validating anything again. Picklable: a pool receives it as it is."""
 
     problem: PlanningProblem  # as the job plans it (``job_problem``)
@@ -121,52 +131,100 @@ def job_problem(problem: PlanningProblem, job: JobFeedback | None) -> PlanningPr
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CostLimits:
-    """The most a plan may cost (``Settings.max_plan_cells``, ``max_answer_bytes``), checked where it is planned."""
+class AdmittedPlan:
+    """A ``/plan`` request admitted (``admit_plan``): what to plan, and the job to keep once it is planned (a refused
+    or failed request changes no job)."""
 
-    max_cells: int
-    max_answer_bytes: int
-
-    def check(self, problem: PlanningProblem, scheduler: CoreSchedulerName, *, breakdown: bool) -> None:
-        """Refuse ``problem`` (as the job plans it) when its estimate is over a limit, naming limit and estimate."""
-        cost = plan_cost(problem, scheduler, breakdown=breakdown)
-        shape = (f"this plan would hold about {cost.num_micro_batches} micro-batches × cp_size {problem.cp_size} "
-                 f"local lists for {problem.num_sequences} sequences, beside the deepspeed baseline's "
-                 f"{problem.num_sequences} × {problem.cp_size}: an estimated {cost.cells} cells and a "
-                 f"{cost.answer_bytes / 1e6:.1f} MB answer")
-        advice = "use a larger bucket_size, a smaller cp_size or a smaller batch"
-        if cost.cells > self.max_cells:
-            raise RequestLimitError(f"{shape}; the service plans at most {self.max_cells} cells: {advice}",
-                                    field="sequence_lengths", limit=self.max_cells)
-        if cost.answer_bytes > self.max_answer_bytes:
-            raise RequestLimitError(f"{shape}; the service answers at most {self.max_answer_bytes} bytes: "
-                                    f"{advice}, or leave out the breakdown", field="sequence_lengths",
-                                    limit=self.max_answer_bytes)
+    validated: ValidatedPlan
+    job: JobFeedback | None
 
 
-def check_search_budget(search_budget: int | None, limits: PlanLimits) -> None:
-    """A search budget (the request's, or the service's default) over the limit is refused before any work."""
+def requested_search_budget(request: PlanRequest, settings: Settings) -> int | None:
+    """The search budget a request plans with: its own, or the service's default."""
+    return settings.search_budget if request.search_budget is None else request.search_budget
+
+
+def admit_plan(request: PlanRequest, settings: Settings, *, profiles: dict[str, Profile],
+               stored_job: JobFeedback | None, feedback: FeedbackConfig | None) -> AdmittedPlan:
+    """Admit one ``/plan`` request (module docstring), or refuse it naming the field and the limit. ``profiles``:
+    the profiles the service shares beside the shipped ones; ``stored_job``: the request's job as the job store
+    keeps it (None: none, or none could be read); ``feedback``: None where the service keeps no jobs.
+
+    The checks, in order: the cells every plan of this shape holds at least (sequences × ``cp_size``, known before
+    validating the batch, which costs ~3 µs per sequence); the search budget; for ``cpsat``, the batch's size and
+    the time limit, capped; the model and the profile (the job's own base where its trainer registered one and the
+    request names no other), each resolved once; the job; the values, by the core (``make_problem``); and, as the
+    job plans it, the plan's estimated cells and answer bytes."""
+    limits = settings.plan_limits
+    num_sequences = len(request.sequence_lengths)
+    # A cp_size over its limit is left to the core, which names that limit.
+    at_least = baseline_cells(num_sequences, min(request.cp_size, limits.max_cp_size))
+    if at_least > settings.max_plan_cells:
+        raise RequestLimitError(
+            f"every plan of {num_sequences} sequences on cp_size {request.cp_size} holds at least {at_least} cells "
+            f"(the deepspeed baseline's sequences × cp_size local lists); the service plans at most "
+            f"{settings.max_plan_cells}: use a smaller cp_size or a smaller batch", field="sequence_lengths",
+            limit=settings.max_plan_cells)
+    search_budget = requested_search_budget(request, settings)
     if search_budget is not None and search_budget > limits.max_search_budget:
         raise RequestLimitError(f"search_budget {search_budget} is over the service's limit "
                                 f"{limits.max_search_budget}", field="search_budget", limit=limits.max_search_budget)
-
-
-def validate_request(
-    request: PlanRequest, limits: PlanLimits, *, search_budget: int | None, time_limit_s: float | None = None,
-    extra_profiles: dict[str, Profile] | None = None, job: JobFeedback | None = None,
-    cost_limits: CostLimits | None = None,
-) -> ValidatedPlan:
-    """Validate a request's values with the core, as ``job`` plans it (its refit profile, its memory cap on the
-    BucketSize), and refuse it when its estimate is over ``cost_limits``: the one place a ``/plan`` request's
-    values are validated and costed, once per request, before it is planned anywhere."""
-    base = request_to_problem(request, limits=limits, extra_profiles=extra_profiles)
+    time_limit_s = _cpsat_time_limit_s(request, settings) if request.scheduler is SchedulerName.CPSAT else None
+    model = request_model(request.model)
+    if stored_job is not None and stored_job.base_registered and request.profile in (None, stored_job.base.name):
+        profile, registered = stored_job.base, True  # the trainer's own, which the shared profiles do not hold
+    else:
+        profile, registered = resolve_profile(request.profile, profiles), False
+    job = None if feedback is None or request.job_id is None else _plan_job(
+        request, request.job_id, stored_job, model=model, profile=profile, registered=registered, config=feedback)
+    base = request_to_problem(request, limits=limits, model=model, profile=profile)
     problem = job_problem(base, job)
     scheduler = CoreSchedulerName(request.scheduler)
-    if cost_limits is not None:
-        cost_limits.check(problem, scheduler, breakdown=request.breakdown)
-    return ValidatedPlan(problem=problem, scheduler=scheduler, search_budget=search_budget,
-                         time_limit_s=time_limit_s, breakdown=request.breakdown,
-                         bucket_lowered=problem.bucket_size < base.bucket_size)
+    _check_cost(problem, scheduler, settings, breakdown=request.breakdown)
+    return AdmittedPlan(validated=ValidatedPlan(problem=problem, scheduler=scheduler, search_budget=search_budget,
+                                                time_limit_s=time_limit_s, breakdown=request.breakdown,
+                                                bucket_lowered=problem.bucket_size < base.bucket_size),
+                        job=job)
+
+
+def _cpsat_time_limit_s(request: PlanRequest, settings: Settings) -> float:
+    """The solver's time limit: the request's, capped by the settings. A batch over ``cpsat_max_sequences`` is
+    refused."""
+    if len(request.sequence_lengths) > settings.cpsat_max_sequences:
+        raise InvalidRequestError(
+            f"cpsat plans at most {settings.cpsat_max_sequences} sequences per request, got "
+            f"{len(request.sequence_lengths)}; use a heuristic scheduler for larger batches",
+            field="sequence_lengths", limit=settings.cpsat_max_sequences)
+    requested_s = request.time_limit_s or settings.cpsat_default_time_limit_s
+    return min(float(requested_s), settings.cpsat_max_time_limit_s)
+
+
+def _plan_job(request: PlanRequest, job_id: str, stored: JobFeedback | None, *, model: ModelShape, profile: Profile,
+              registered: bool, config: FeedbackConfig) -> JobFeedback:
+    """The request's job as its plan uses it: the one kept, or a new one when its model, profile or sizes changed
+    (or it is new)."""
+    if stored is not None and job_key(stored) == (profile.name, model, request.dp_size, request.cp_size):
+        return stored
+    return core_feedback.start_job(job_id, base=profile, model=model, dp_size=request.dp_size,
+                                   cp_size=request.cp_size, config=config, base_registered=registered)
+
+
+def _check_cost(problem: PlanningProblem, scheduler: CoreSchedulerName, settings: Settings, *,
+                breakdown: bool) -> None:
+    """Refuse ``problem`` (as the job plans it) when its estimate is over ``max_plan_cells`` or
+    ``max_answer_bytes``, naming limit and estimate."""
+    cost = plan_cost(problem, scheduler, breakdown=breakdown)
+    shape = (f"this plan would hold about {cost.num_micro_batches} micro-batches × cp_size {problem.cp_size} local "
+             f"lists for {problem.num_sequences} sequences, beside the deepspeed baseline's {problem.num_sequences} "
+             f"× {problem.cp_size}: an estimated {cost.cells} cells and a {cost.answer_bytes / 1e6:.1f} MB answer")
+    advice = "use a larger bucket_size, a smaller cp_size or a smaller batch"
+    if cost.cells > settings.max_plan_cells:
+        raise RequestLimitError(f"{shape}; the service plans at most {settings.max_plan_cells} cells: {advice}",
+                                field="sequence_lengths", limit=settings.max_plan_cells)
+    if cost.answer_bytes > settings.max_answer_bytes:
+        raise RequestLimitError(f"{shape}; the service answers at most {settings.max_answer_bytes} bytes: {advice}, "
+                                "or leave out the breakdown", field="sequence_lengths",
+                                limit=settings.max_answer_bytes)
 
 
 def plan_validated(validated: ValidatedPlan) -> PlannedBatch:
@@ -188,11 +246,11 @@ def plan_validated(validated: ValidatedPlan) -> PlannedBatch:
     return PlannedBatch(response={**response, "dp_ranks": orjson.dumps(response["dp_ranks"])}, summary=summary)
 
 
-def plan_request(request: PlanRequest, limits: PlanLimits) -> PlannedBatch:
-    """One request planned in this process as it is, without a service's settings, jobs or cost limits (warm-ups,
-    benchmarks)."""
-    check_search_budget(request.search_budget, limits)
-    return plan_validated(validate_request(request, limits, search_budget=request.search_budget))
+def plan_request(request: PlanRequest, settings: Settings | None = None) -> PlannedBatch:
+    """One request admitted and planned in this process, without a job store (warm-ups, benchmarks): under
+    ``settings``' limits, the defaults' when None."""
+    admitted = admit_plan(request, settings or Settings(), profiles={}, stored_job=None, feedback=None)
+    return plan_validated(admitted.validated)
 
 
 def warm_planner() -> None:
@@ -201,8 +259,7 @@ def warm_planner() -> None:
     warm_up()
     for scheduler in HEURISTIC_SCHEDULERS:
         plan_request(PlanRequest(sequence_lengths=_WARMUP_LENGTHS, dp_size=2, cp_size=_WARMUP_CP_SIZE,
-                                 bucket_size=_WARMUP_BUCKET_SIZE, scheduler=SchedulerName(scheduler.value)),
-                     PlanLimits())
+                                 bucket_size=_WARMUP_BUCKET_SIZE, scheduler=SchedulerName(scheduler.value)))
 
 
 def _placements(plan: Plan) -> tuple[dict[Placement, int], list[int]]:

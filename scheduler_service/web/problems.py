@@ -61,7 +61,6 @@ from scheduler_service.runtime.errors import (
     ClientDisconnectedError,
     FeedbackDisabledError,
     RequestBodyError,
-    RequestLimitError,
     ServiceBusyError,
     ServiceUnavailableError,
     UnknownJobError,
@@ -271,11 +270,10 @@ async def _on_planning_error(request: Request, error: Exception) -> Response:
     if isinstance(error, InfeasiblePlanError):
         return problem_response(422, error.message, problem_type="infeasible-plan", title="Infeasible plan",
                                 field=error.field, errors=field_errors)
-    limit = error.limit if isinstance(error, SequenceTooLongError | RequestLimitError) else None
     problem_type = "sequence-too-long" if isinstance(error, SequenceTooLongError) else "invalid-request"
     assert isinstance(error, InvalidRequestError), f"unmapped planning error {type(error).__name__}"
     return problem_response(422, error.message, problem_type=problem_type, title="Invalid request",
-                            field=error.field, limit=limit, errors=field_errors)
+                            field=error.field, limit=error.limit, errors=field_errors)
 
 
 async def _on_unsupported_media_type(request: Request, error: Exception) -> Response:
