@@ -62,6 +62,7 @@ from scheduler_service.runtime.errors import (
     FeedbackDisabledError,
     RequestBodyError,
     ServiceBusyError,
+    ServiceError,
     ServiceUnavailableError,
     UnknownJobError,
     UnsupportedMediaTypeError,
@@ -203,14 +204,14 @@ _MAX_ERRORS_LISTED = 50
 
 
 async def _on_validation_error(request: Request, error: Exception) -> Response:
-    """A body that is not JSON or not the wire model (``RequestBodyError``, raised by the runtime's parsing), or
-    a bad path or query parameter (FastAPI's ``RequestValidationError``)."""
-    if isinstance(error, RequestBodyError):
-        details, total = error.errors, error.total
-    else:
-        assert isinstance(error, RequestValidationError)
-        details = list(error.errors())[:MAX_BODY_ERRORS]
-        total = len(error.errors())
+    """A bad path or query parameter (FastAPI's ``RequestValidationError``)."""
+    assert isinstance(error, RequestValidationError)
+    return _validation_problem(list(error.errors())[:MAX_BODY_ERRORS], len(error.errors()))
+
+
+def _validation_problem(details: Sequence[Mapping[str, Any]], total: int) -> Response:
+    """pydantic's error items (``total`` of them, ``details`` the first few) as one 422 naming the first fields, or
+    the 400 of a body that is not JSON."""
     for item in details:
         if item.get("type") == "json_invalid":
             reason = (item.get("ctx") or {}).get("error", item.get("msg", "JSON decode error"))
@@ -276,20 +277,31 @@ async def _on_planning_error(request: Request, error: Exception) -> Response:
                             field=error.field, limit=error.limit, errors=field_errors)
 
 
-async def _on_unsupported_media_type(request: Request, error: Exception) -> Response:
-    assert isinstance(error, UnsupportedMediaTypeError)
-    return problem_response(415, error.message, problem_type="unsupported-media-type", field="body")
+# The runtime's failures (``ServiceError``), each class's status, problem type and title; a subclass not listed
+# answers as its nearest listed base (``JobStoreUnavailableError`` as ``ServiceUnavailableError``).
+_SERVICE_PROBLEMS: dict[type[ServiceError], tuple[int, str, str | None]] = {
+    UnsupportedMediaTypeError: (415, "unsupported-media-type", None),
+    UnknownJobError: (404, "unknown-job", "Unknown job"),
+    FeedbackDisabledError: (404, "feedback-disabled", "Feedback disabled"),
+    ServiceBusyError: (429, "busy", None),
+    ServiceUnavailableError: (503, "unavailable", None),
+}
 
 
-async def _on_busy(request: Request, error: Exception) -> Response:
-    assert isinstance(error, ServiceBusyError)
-    return problem_response(429, error.message, problem_type="busy", limit=error.limit,
-                            headers={"Retry-After": str(error.retry_after_s)})
-
-
-async def _on_client_disconnected(request: Request, error: Exception) -> Response:
-    """Nobody reads this answer (the server drops it); its status is what the log and the metrics record."""
-    return Response(status_code=CLIENT_CLOSED_REQUEST)
+async def _on_service_error(request: Request, error: Exception) -> Response:
+    """Every ``ServiceError``: a body the wire model refused as pydantic's items are answered; a client that hung
+    up gets 499 without a body (nobody reads it: its status is what the log and the metrics record); the others
+    by ``_SERVICE_PROBLEMS``, with Retry-After where waiting helps."""
+    assert isinstance(error, ServiceError)
+    if isinstance(error, RequestBodyError):
+        return _validation_problem(error.errors, error.total)
+    if isinstance(error, ClientDisconnectedError):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    status, problem_type, title = next(_SERVICE_PROBLEMS[kind] for kind in type(error).__mro__
+                                       if kind in _SERVICE_PROBLEMS)
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return problem_response(status, error.message, problem_type=problem_type, title=title, field=error.field,
+                            limit=error.limit, headers=headers)
 
 
 async def _on_unauthorized(request: Request, error: Exception) -> Response:
@@ -298,23 +310,6 @@ async def _on_unauthorized(request: Request, error: Exception) -> Response:
     challenge = 'Bearer error="invalid_token"' if error.token_given else "Bearer"
     return problem_response(401, error.message, problem_type="unauthorized", title="Unauthorized",
                             headers={"WWW-Authenticate": challenge})
-
-
-async def _on_unknown_job(request: Request, error: Exception) -> Response:
-    assert isinstance(error, UnknownJobError)
-    return problem_response(404, error.message, problem_type="unknown-job", title="Unknown job", field="job_id",
-                            limit=error.limit)
-
-
-async def _on_feedback_disabled(request: Request, error: Exception) -> Response:
-    assert isinstance(error, FeedbackDisabledError)
-    return problem_response(404, error.message, problem_type="feedback-disabled", title="Feedback disabled")
-
-
-async def _on_unavailable(request: Request, error: Exception) -> Response:
-    assert isinstance(error, ServiceUnavailableError)
-    return problem_response(503, error.message, problem_type="unavailable",
-                            headers={"Retry-After": str(error.retry_after_s)})
 
 
 async def _on_http_exception(request: Request, error: Exception) -> Response:
@@ -341,14 +336,9 @@ def internal_error_response() -> Response:
 
 
 def install_problem_handlers(app: FastAPI) -> None:
+    """One handler per family of failures: FastAPI's validation, the core's, the runtime's, the web layer's."""
     app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(RequestBodyError, _on_validation_error)
     app.add_exception_handler(PlanningError, _on_planning_error)
-    app.add_exception_handler(UnsupportedMediaTypeError, _on_unsupported_media_type)
-    app.add_exception_handler(ServiceBusyError, _on_busy)
-    app.add_exception_handler(ServiceUnavailableError, _on_unavailable)
+    app.add_exception_handler(ServiceError, _on_service_error)
     app.add_exception_handler(UnauthorizedError, _on_unauthorized)
-    app.add_exception_handler(UnknownJobError, _on_unknown_job)
-    app.add_exception_handler(ClientDisconnectedError, _on_client_disconnected)
-    app.add_exception_handler(FeedbackDisabledError, _on_feedback_disabled)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
