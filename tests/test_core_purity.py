@@ -97,3 +97,21 @@ def _imported_packages(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.partition(".")[0])
     return names
+
+
+def test_importing_one_module_of_the_core_loads_that_module_alone() -> None:
+    code = ("import json, sys\nimport scheduler_service.core.errors\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m == 'numba' or m.startswith('scheduler_service.core.')"
+            ")))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                       text=True).stdout)
+    assert loaded == ["scheduler_service.core.errors"]
+
+
+def test_every_name_the_core_exports_is_the_one_its_module_defines() -> None:
+    import importlib
+
+    for name in scheduler_service.core.__all__:
+        value = getattr(scheduler_service.core, name)
+        assert any(getattr(importlib.import_module(module), name, None) is value
+                   for module in _modules(scheduler_service.core) if module != "scheduler_service.core"), name

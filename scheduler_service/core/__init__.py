@@ -1,99 +1,81 @@
 """The pure planning core: performance model, schedulers, simulator, plan checker.
 
-Plain Python with dataclasses and numpy (``ortools`` only inside ``cpsat``);
-no FastAPI, pydantic or torch, so the service, the CLI and the trainer's
-embedded fallback share it.
+Plain Python with dataclasses and numpy, and numba-compiled scalar kernels for the searches' inner loops
+(``jit``; ``ortools`` only inside ``cpsat``); no FastAPI, pydantic or torch, so the service, the CLI and the
+trainer's embedded fallback share it.
+
+The names below are importable from here (``from scheduler_service.core import make_plan``), each loaded from its
+module on first use: importing one module of the core (``core.errors``, say) loads that module alone, not numba
+and every scheduler. (A name that is also a module's, as ``advise`` and ``simulate``, would be that module once it is
+imported: ``core.advise.advise`` and ``core.simulate.simulate`` are the functions.)
 """
 
-from scheduler_service.core.advise import Advice, GlobalBatchSize, LayoutProblem, advise, advise_cost
-from scheduler_service.core.check import check_plan, find_violations
-from scheduler_service.core.errors import (
-    BaselineCannotPlanError,
-    InfeasiblePlanError,
-    InvalidRequestError,
-    PlanCheckError,
-    PlanningError,
-    SequenceTooLongError,
-    UnknownModelError,
-    UnknownProfileError,
-    UnknownSchedulerError,
-)
-from scheduler_service.core.feedback import (
-    FeedbackConfig,
-    GroupLengths,
-    JobFeedback,
-    MicroBatchMeasurement,
-    effective_bucket_size,
-    observe,
-    start_job,
-)
-from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape, resolve_model
-from scheduler_service.core.perf_model import PerformanceModel
-from scheduler_service.core.plan import (
-    DPRankPlan,
-    MicroBatch,
-    Plan,
-    PlanLimits,
-    PlanningProblem,
-    SchedulerName,
-    ShardedGroup,
-    SolverReport,
-    block_degrees,
-    cp_blocks,
-    make_problem,
-)
-from scheduler_service.core.planner import PlanResult, make_plan, schedule
-from scheduler_service.core.profile import Profile, builtin_profiles, resolve_profile
-from scheduler_service.core.samplers import DATASETS, sample_lengths
-from scheduler_service.core.simulate import PlanEstimate, simulate
+from __future__ import annotations
 
-__all__ = [
-    "DATASETS",
-    "MODEL_CATALOGUE",
-    "Advice",
-    "BaselineCannotPlanError",
-    "DPRankPlan",
-    "FeedbackConfig",
-    "GlobalBatchSize",
-    "GroupLengths",
-    "InfeasiblePlanError",
-    "InvalidRequestError",
-    "JobFeedback",
-    "LayoutProblem",
-    "MicroBatch",
-    "MicroBatchMeasurement",
-    "ModelShape",
-    "PerformanceModel",
-    "Plan",
-    "PlanCheckError",
-    "PlanEstimate",
-    "PlanLimits",
-    "PlanResult",
-    "PlanningError",
-    "PlanningProblem",
-    "Profile",
-    "SchedulerName",
-    "SequenceTooLongError",
-    "ShardedGroup",
-    "SolverReport",
-    "UnknownModelError",
-    "UnknownProfileError",
-    "UnknownSchedulerError",
-    "advise",
-    "advise_cost",
-    "block_degrees",
-    "builtin_profiles",
-    "check_plan",
-    "cp_blocks",
-    "effective_bucket_size",
-    "find_violations",
-    "make_plan",
-    "make_problem",
-    "observe",
-    "resolve_model",
-    "resolve_profile",
-    "sample_lengths",
-    "schedule",
-    "simulate",
-    "start_job",
-]
+import importlib
+from typing import Any
+
+# Each name importable from the package, and the module of the core that defines it.
+_EXPORTS = {
+    "Advice": "advise",
+    "GlobalBatchSize": "advise",
+    "LayoutProblem": "advise",
+    "advise_cost": "advise",
+    "check_plan": "check",
+    "find_violations": "check",
+    "BaselineCannotPlanError": "errors",
+    "InfeasiblePlanError": "errors",
+    "InvalidRequestError": "errors",
+    "PlanCheckError": "errors",
+    "PlanningError": "errors",
+    "SequenceTooLongError": "errors",
+    "UnknownModelError": "errors",
+    "UnknownProfileError": "errors",
+    "UnknownSchedulerError": "errors",
+    "FeedbackConfig": "feedback",
+    "GroupLengths": "feedback",
+    "JobFeedback": "feedback",
+    "MicroBatchMeasurement": "feedback",
+    "effective_bucket_size": "feedback",
+    "observe": "feedback",
+    "start_job": "feedback",
+    "MODEL_CATALOGUE": "models",
+    "ModelShape": "models",
+    "resolve_model": "models",
+    "PerformanceModel": "perf_model",
+    "DPRankPlan": "plan",
+    "MicroBatch": "plan",
+    "Plan": "plan",
+    "PlanLimits": "plan",
+    "PlanningProblem": "plan",
+    "SchedulerName": "plan",
+    "ShardedGroup": "plan",
+    "SolverReport": "plan",
+    "block_degrees": "plan",
+    "cp_blocks": "plan",
+    "make_problem": "plan",
+    "PlanResult": "planner",
+    "make_plan": "planner",
+    "schedule": "planner",
+    "Profile": "profile",
+    "builtin_profiles": "profile",
+    "resolve_profile": "profile",
+    "DATASETS": "samplers",
+    "sample_lengths": "samplers",
+    "PlanEstimate": "simulate",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # loaded once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
