@@ -133,3 +133,14 @@ def test_wire_and_core_name_the_same_schedulers() -> None:
     from scheduler_service.core.plan import SchedulerName as CoreSchedulerName
 
     assert [s.value for s in WireSchedulerName] == [s.value for s in CoreSchedulerName]
+
+
+def test_wire_and_core_name_the_same_sharding_and_checkpointing_modes() -> None:
+    # The advisor's wire enums copy the core's (the contract imports nothing of the core): a mode added to one must
+    # be added to the other.
+    from skrull_proto.advise import CheckpointingMode, ShardingMode
+
+    from scheduler_service.core.memory import ActivationCheckpointing, Sharding
+
+    assert [mode.value for mode in ShardingMode] == [mode.value for mode in Sharding]
+    assert [mode.value for mode in CheckpointingMode] == [mode.value for mode in ActivationCheckpointing]

@@ -21,12 +21,17 @@ class _Strict(BaseModel):
 
 
 class ShardingMode(StrEnum):
+    """The trainer's ``--sharding`` (the core's ``memory.Sharding``, which the contract does not import;
+    tests/test_proto_contract.py ties the two)."""
+
     ZERO2 = "zero2"
     ZERO3 = "zero3"
     NONE = "none"
 
 
 class CheckpointingMode(StrEnum):
+    """The trainer's ``--activation-checkpointing`` (the core's ``memory.ActivationCheckpointing``, tied likewise)."""
+
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
