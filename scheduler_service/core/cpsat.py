@@ -250,11 +250,10 @@ class _JointModel:
     def __init__(self, problem: PlanningProblem, *, hybrid: bool) -> None:
         self.problem = problem
         self.costs = costs = _quantise(problem, hybrid=hybrid)
-        self.model = model = cp_model.CpModel()
+        self.model = cp_model.CpModel()
         num_sequences, cp_size, bucket_size = problem.num_sequences, problem.cp_size, problem.bucket_size
-        lengths = [int(length) for length in problem.lengths]
-        capacity = bucket_size * cp_size  # tokens per micro-batch over the CP group (eq. 10's C·N)
-        beta = costs.compute_fixed
+        self.lengths = lengths = [int(length) for length in problem.lengths]
+        self.capacity = bucket_size * cp_size  # tokens per micro-batch over the CP group (eq. 10's C·N)
         # The aligned blocks a sequence may be sharded over, (first CP rank, degree): none in the binary space.
         self.blocks = blocks = [(first, degree) for degree in costs.blocks for first in range(0, cp_size, degree)]
         # Without blocks the CP ranks of a micro-batch are interchangeable and are numbered (below); a block pins
@@ -262,8 +261,9 @@ class _JointModel:
         self.ordered_cp_ranks = ordered = not blocks
         # No plan is slower than running every sequence alone, one after another, paying every fixed cost of
         # every place.
-        horizon = sum(costs.local) + sum(costs.distributed) + sum(costs.all_gather) + sum(costs.reduce_scatter) \
-            + num_sequences * (beta + costs.compute_floor + costs.all_gather_fixed + costs.reduce_scatter_fixed) \
+        self.horizon = sum(costs.local) + sum(costs.distributed) + sum(costs.all_gather) + sum(costs.reduce_scatter) \
+            + num_sequences * (costs.compute_fixed + costs.compute_floor + costs.all_gather_fixed
+                               + costs.reduce_scatter_fixed) \
             + sum(
                 sum(block.compute) + sum(block.all_gather) + sum(block.reduce_scatter)
                 + num_sequences * (block.all_gather_fixed + block.reduce_scatter_fixed)
@@ -272,159 +272,179 @@ class _JointModel:
         # Micro-batch slots (i, r): the micro-batch of DP rank i whose smallest sequence index (representative)
         # is r. Every micro-batch of every plan has exactly one such name. Numbering DP ranks by their smallest
         # index (below) makes DP rank i start at an index >= i, so r >= i.
-        num_dp_ranks = min(problem.dp_size, num_sequences)  # the others stay empty
-        self.slots = slots = [(i, r) for i in range(num_dp_ranks) for r in range(i, num_sequences)]
+        self.num_dp_ranks = min(problem.dp_size, num_sequences)  # the others stay empty
+        self.slots = slots = [(i, r) for i in range(self.num_dp_ranks) for r in range(i, num_sequences)]
         # In the binary space, CP ranks of a micro-batch numbered by their smallest local index make CP rank j
         # start at an index >= r + j. A sequence longer than C never fits whole on one rank (eq. 7). CP ranks that
         # no sequence can use are left out of the binary model (they form a suffix); the hybrid one keeps every
         # rank, since blocks may put work on it.
-        fits_whole = [length <= bucket_size for length in lengths]
+        self.fits_whole = fits_whole = [length <= bucket_size for length in lengths]
         self.members = {(i, r, j): [k for k in range(r + j if ordered else r, num_sequences) if fits_whole[k]]
                         for i, r in slots for j in range(cp_size)}
         self.cp_ranks = {(i, r): [j for j in range(cp_size) if self.members[i, r, j]] for i, r in slots}
         self.distributable = {(i, r): range(r, num_sequences) for i, r in slots}
         self.shardable = {(i, r, b): [k for k in range(r, num_sequences) if lengths[k] <= degree * bucket_size]
                           for i, r in slots for b, (_, degree) in enumerate(blocks)}
+        self.modelled_ranks = {(i, r): self.cp_ranks[i, r] if ordered else range(cp_size) for i, r in slots}
 
-        # Placement booleans: local[k, i, r, j] keeps sequence k whole on CP rank j of micro-batch (i, r)
-        # (P_kj); dist[k, i, r] shards it over the CP group (D_k); group[k, i, r, b] over block b.
-        self.local = local = {
+        self._declare_variables()
+        self._each_sequence_once()
+        for i, r in slots:
+            in_blocks = [b for b in range(len(blocks)) if self.shardable[i, r, b]]
+            self._open_and_indicators(i, r, in_blocks)
+            self._symmetry_breaking(i, r)
+            self._memory_bound(i, r, in_blocks)
+            self._micro_batch_time(i, r, in_blocks)
+        self._redundant_counts()
+        self._iteration_time()
+
+    def _declare_variables(self) -> None:
+        """Placement booleans: ``local[k, i, r, j]`` keeps sequence k whole on CP rank j of micro-batch (i, r)
+        (P_kj); ``dist[k, i, r]`` shards it over the CP group (D_k); ``group[k, i, r, b]`` over block b.
+
+        Indicator booleans, each true exactly when its group is non-empty: ``opens[i, r]`` (the micro-batch),
+        ``busy[i, r, j]`` (CP rank j has local work), ``sharded[i, r]`` (distributed work; it pays T_fixed and every
+        CP rank pays β), ``used[i, r, b]`` (block b has a sequence; it pays its T_fixed and its ranks β),
+        ``working[i, r, j]`` (any of these on CP rank j: it pays β). Micro-batch times and the iteration time, in
+        ticks."""
+        model, slots, num_blocks = self.model, self.slots, len(self.blocks)
+        self.local = {
             (k, i, r, j): model.new_bool_var(f"local[{k},{i},{r},{j}]")
             for i, r in slots for j in self.cp_ranks[i, r] for k in self.members[i, r, j]
         }
-        self.dist = dist = {
+        self.dist = {
             (k, i, r): model.new_bool_var(f"dist[{k},{i},{r}]") for i, r in slots for k in self.distributable[i, r]
         }
-        self.group = group = {
+        self.group = {
             (k, i, r, b): model.new_bool_var(f"group[{k},{i},{r},{b}]")
-            for i, r in slots for b in range(len(blocks)) for k in self.shardable[i, r, b]
+            for i, r in slots for b in range(num_blocks) for k in self.shardable[i, r, b]
         }
+        self.opens = {(i, r): model.new_bool_var(f"opens[{i},{r}]") for i, r in slots}
+        self.busy = {(i, r, j): model.new_bool_var(f"busy[{i},{r},{j}]") for i, r in slots for j in self.cp_ranks[i, r]}
+        self.sharded = {(i, r): model.new_bool_var(f"sharded[{i},{r}]") for i, r in slots}
+        self.used = {(i, r, b): model.new_bool_var(f"used[{i},{r},{b}]")
+                     for i, r in slots for b in range(num_blocks) if self.shardable[i, r, b]}
+        self.working = {(i, r, j): model.new_bool_var(f"working[{i},{r},{j}]")
+                        for i, r in slots for j in self.modelled_ranks[i, r]}
+        self.mb_time = {(i, r): model.new_int_var(0, self.horizon, f"time[{i},{r}]") for i, r in slots}
+        self.iteration_time = model.new_int_var(0, self.horizon, "iteration_time")
 
-        # Indicator booleans, each true exactly when its group is non-empty: opens[i, r] (the micro-batch),
-        # busy[i, r, j] (CP rank j has local work), sharded[i, r] (distributed work; it pays T_fixed and every
-        # CP rank pays β), used[i, r, b] (block b has a sequence; it pays its T_fixed and its ranks β),
-        # working[i, r, j] (any of these on CP rank j: it pays β).
-        self.opens = opens = {(i, r): model.new_bool_var(f"opens[{i},{r}]") for i, r in slots}
-        self.busy = busy = {(i, r, j): model.new_bool_var(f"busy[{i},{r},{j}]")
-                            for i, r in slots for j in self.cp_ranks[i, r]}
-        self.sharded = sharded = {(i, r): model.new_bool_var(f"sharded[{i},{r}]") for i, r in slots}
-        self.used = used = {(i, r, b): model.new_bool_var(f"used[{i},{r},{b}]")
-                            for i, r in slots for b in range(len(blocks)) if self.shardable[i, r, b]}
-        self.modelled_ranks = {(i, r): self.cp_ranks[i, r] if ordered else range(cp_size) for i, r in slots}
-        self.working = working = {(i, r, j): model.new_bool_var(f"working[{i},{r},{j}]")
-                                  for i, r in slots for j in self.modelled_ranks[i, r]}
-
-        # Micro-batch times and the iteration time, in ticks.
-        self.mb_time = mb_time = {(i, r): model.new_int_var(0, horizon, f"time[{i},{r}]") for i, r in slots}
-        self.iteration_time = model.new_int_var(0, horizon, "iteration_time")
-
-        # Each sequence is scheduled exactly once (eq. 9).
-        places: list[list[cp_model.IntVar]] = [[] for _ in range(num_sequences)]
-        for (k, *_), variable in [*dist.items(), *local.items(), *group.items()]:
+    def _each_sequence_once(self) -> None:
+        """Each sequence is scheduled exactly once (eq. 9)."""
+        places: list[list[cp_model.IntVar]] = [[] for _ in range(self.problem.num_sequences)]
+        for (k, *_), variable in [*self.dist.items(), *self.local.items(), *self.group.items()]:
             places[k].append(variable)
-        for k in range(num_sequences):
-            model.add_exactly_one(places[k])
+        for variables in places:
+            self.model.add_exactly_one(variables)
 
-        for i, r in slots:
-            distributable = self.distributable[i, r]
-            cp_ranks = self.cp_ranks[i, r]
-            in_blocks = [b for b in range(len(blocks)) if self.shardable[i, r, b]]
-            in_micro_batch = [dist[k, i, r] for k in distributable] + [
-                local[k, i, r, j] for j in cp_ranks for k in self.members[i, r, j]] + [
-                group[k, i, r, b] for b in in_blocks for k in self.shardable[i, r, b]]
+    def _open_and_indicators(self, i: int, r: int, in_blocks: list[int]) -> None:
+        """Representatives: micro-batch (i, r) is open exactly when sequence r is in it (if local in the binary
+        space, on CP rank 0, the rank of the smallest local index), and every member needs it open. The indicators
+        tied both ways to their groups."""
+        model, dist, local, group = self.model, self.dist, self.local, self.group
+        distributable, cp_ranks = self.distributable[i, r], self.cp_ranks[i, r]
+        in_micro_batch = [dist[k, i, r] for k in distributable] + [
+            local[k, i, r, j] for j in cp_ranks for k in self.members[i, r, j]] + [
+            group[k, i, r, b] for b in in_blocks for k in self.shardable[i, r, b]]
+        representative = [dist[r, i, r]] + [group[r, i, r, b] for b in in_blocks if r in self.shardable[i, r, b]]
+        if self.fits_whole[r]:
+            representative += [local[r, i, r, j] for j in ([0] if self.ordered_cp_ranks else cp_ranks)]
+        model.add(self.opens[i, r] == sum(representative))
+        for variable in in_micro_batch:
+            model.add_implication(variable, self.opens[i, r])
+        model.add_max_equality(self.sharded[i, r], [dist[k, i, r] for k in distributable])
+        for j in cp_ranks:
+            model.add_max_equality(self.busy[i, r, j], [local[k, i, r, j] for k in self.members[i, r, j]])
+        for b in in_blocks:
+            model.add_max_equality(self.used[i, r, b], [group[k, i, r, b] for k in self.shardable[i, r, b]])
 
-            # Representatives: micro-batch (i, r) is open exactly when sequence r is in it (if local in the binary
-            # space, on CP rank 0, the rank of the smallest local index), and every member needs it open.
-            representative = [dist[r, i, r]] + [group[r, i, r, b] for b in in_blocks if r in self.shardable[i, r, b]]
-            if fits_whole[r]:
-                representative += [local[r, i, r, j] for j in ([0] if ordered else cp_ranks)]
-            model.add(opens[i, r] == sum(representative))
-            for variable in in_micro_batch:
-                model.add_implication(variable, opens[i, r])
+    def _symmetry_breaking(self, i: int, r: int) -> None:
+        """Binary space, CP ranks in order: CP rank j has local work only if CP rank j - 1 has. DP ranks in order
+        of their smallest index: micro-batch r opens on DP rank i > 0 only if DP rank i - 1 has a micro-batch with
+        a smaller representative."""
+        model = self.model
+        if self.ordered_cp_ranks:
+            for j in self.cp_ranks[i, r][1:]:
+                model.add_implication(self.busy[i, r, j], self.busy[i, r, j - 1])
+        if i > 0:
+            model.add(self.opens[i, r] <= sum(self.opens[i - 1, earlier] for earlier in range(i - 1, r)))
 
-            # Indicators tied both ways to their groups.
-            model.add_max_equality(sharded[i, r], [dist[k, i, r] for k in distributable])
-            for j in cp_ranks:
-                model.add_max_equality(busy[i, r, j], [local[k, i, r, j] for k in self.members[i, r, j]])
-            for b in in_blocks:
-                model.add_max_equality(used[i, r, b], [group[k, i, r, b] for k in self.shardable[i, r, b]])
+    def _memory_bound(self, i: int, r: int, in_blocks: list[int]) -> None:
+        """Memory bound per CP rank, in integer tokens × N (eqs. 7, 10): its local tokens × N, the distributed
+        tokens, and N / s of the tokens of each block of s ranks it is in. Each side is also bounded by its
+        indicator times the capacity, which changes no integer solution and tightens the LP relaxation."""
+        model, lengths, blocks = self.model, self.lengths, self.blocks
+        cp_size, bucket_size = self.problem.cp_size, self.problem.bucket_size
+        dist_tokens = sum(lengths[k] * self.dist[k, i, r] for k in self.distributable[i, r])
+        model.add(dist_tokens <= self.capacity * self.sharded[i, r])
+        block_tokens = {b: sum(lengths[k] * self.group[k, i, r, b] for k in self.shardable[i, r, b]) for b in in_blocks}
+        for b in in_blocks:
+            model.add(block_tokens[b] <= blocks[b][1] * bucket_size * self.used[i, r, b])
+        for j in self.modelled_ranks[i, r]:
+            local_tokens = sum(lengths[k] * self.local[k, i, r, j] for k in self.members[i, r, j])
+            model.add(cp_size * local_tokens + dist_tokens + sum(
+                cp_size // blocks[b][1] * block_tokens[b] for b in in_blocks if _holds(blocks[b], j))
+                <= self.capacity * self.opens[i, r])
+            if j in self.cp_ranks[i, r]:
+                model.add(local_tokens <= bucket_size * self.busy[i, r, j])
 
-            # Binary space, CP ranks in order: CP rank j has local work only if CP rank j - 1 has.
-            if ordered:
-                for j in cp_ranks[1:]:
-                    model.add_implication(busy[i, r, j], busy[i, r, j - 1])
+    def _micro_batch_time(self, i: int, r: int, in_blocks: list[int]) -> None:
+        """Micro-batch time, per CP rank: its compute, one β, and the communication its local attention does not
+        hide (the forward all-gathers, the backward reduce-scatters of every group it is in), each exposure >= 0
+        and >= its argument; and at least the launch-bound floor once open (every CP rank with work takes at
+        least it), so that it is max(floor, its slowest rank's device time)."""
+        model, costs, blocks, horizon = self.model, self.costs, self.blocks, self.horizon
+        dist, group, local, used, sharded = self.dist, self.group, self.local, self.used, self.sharded
+        beta, distributable, mb_time = costs.compute_fixed, self.distributable[i, r], self.mb_time
+        dist_compute = sum(costs.distributed[k] * dist[k, i, r] for k in distributable)
+        all_gather = sum(costs.all_gather[k] * dist[k, i, r] for k in distributable) \
+            + costs.all_gather_fixed * sharded[i, r]
+        reduce_scatter = sum(costs.reduce_scatter[k] * dist[k, i, r] for k in distributable) \
+            + costs.reduce_scatter_fixed * sharded[i, r]
+        block_compute, block_all_gather, block_reduce_scatter = {}, {}, {}
+        for b in in_blocks:
+            block_costs, members = costs.blocks[blocks[b][1]], self.shardable[i, r, b]
+            block_compute[b] = sum(block_costs.compute[k] * group[k, i, r, b] for k in members)
+            block_all_gather[b] = sum(block_costs.all_gather[k] * group[k, i, r, b] for k in members) \
+                + block_costs.all_gather_fixed * used[i, r, b]
+            block_reduce_scatter[b] = sum(block_costs.reduce_scatter[k] * group[k, i, r, b] for k in members) \
+                + block_costs.reduce_scatter_fixed * used[i, r, b]
+        if self.ordered_cp_ranks:  # a CP rank that can hold nothing whole: distributed work only, nothing hides
+            model.add(mb_time[i, r] >= dist_compute + beta * sharded[i, r] + all_gather + reduce_scatter)
+        cp_ranks = self.cp_ranks[i, r]
+        for j in self.modelled_ranks[i, r]:
+            members = self.members[i, r, j]
+            rank_blocks = [b for b in in_blocks if _holds(blocks[b], j)]
+            model.add_max_equality(self.working[i, r, j], [*([self.busy[i, r, j]] if j in cp_ranks else []),
+                                                           sharded[i, r], *(used[i, r, b] for b in rank_blocks)])
+            exposed_forward = model.new_int_var(0, horizon, f"exposed_forward[{i},{r},{j}]")
+            exposed_backward = model.new_int_var(0, horizon, f"exposed_backward[{i},{r},{j}]")
+            model.add(exposed_forward >= all_gather + sum(block_all_gather[b] for b in rank_blocks) - sum(
+                costs.attention_forward[k] * local[k, i, r, j] for k in members))
+            model.add(exposed_backward >= reduce_scatter + sum(block_reduce_scatter[b] for b in rank_blocks)
+                      - sum(costs.attention_backward[k] * local[k, i, r, j] for k in members))
+            local_compute = sum(costs.local[k] * local[k, i, r, j] for k in members)
+            model.add(mb_time[i, r] >= local_compute + dist_compute + sum(block_compute[b] for b in rank_blocks)
+                      + beta * self.working[i, r, j] + exposed_forward + exposed_backward)
+        model.add(mb_time[i, r] >= beta * self.opens[i, r])
+        if costs.compute_floor:
+            model.add(mb_time[i, r] >= costs.compute_floor * self.opens[i, r])
 
-            # DP ranks in order of their smallest index: micro-batch r opens on DP rank i > 0 only if DP rank
-            # i - 1 has a micro-batch with a smaller representative.
-            if i > 0:
-                model.add(opens[i, r] <= sum(opens[i - 1, earlier] for earlier in range(i - 1, r)))
+    def _redundant_counts(self) -> None:
+        """For the bound: the memory bound summed over micro-batches needs at least this many micro-batches, and
+        (binary space, where a sequence longer than C can only be distributed) at least this many with
+        distributed work."""
+        lengths = self.problem.lengths
+        self.model.add(sum(self.opens.values()) >= min_micro_batches(lengths, self.capacity))
+        if self.ordered_cp_ranks:
+            self.model.add(sum(self.sharded.values()) >= min_micro_batches(lengths[lengths > self.problem.bucket_size],
+                                                                           self.capacity))
 
-            # Memory bound per CP rank, in integer tokens × N (eqs. 7, 10): its local tokens × N, the distributed
-            # tokens, and N / s of the tokens of each block of s ranks it is in. Each side is also bounded by its
-            # indicator times the capacity, which changes no integer solution and tightens the LP relaxation.
-            dist_tokens = sum(lengths[k] * dist[k, i, r] for k in distributable)
-            model.add(dist_tokens <= capacity * sharded[i, r])
-            block_tokens = {b: sum(lengths[k] * group[k, i, r, b] for k in self.shardable[i, r, b]) for b in in_blocks}
-            for b in in_blocks:
-                model.add(block_tokens[b] <= blocks[b][1] * bucket_size * used[i, r, b])
-            for j in self.modelled_ranks[i, r]:
-                local_tokens = sum(lengths[k] * local[k, i, r, j] for k in self.members[i, r, j])
-                model.add(cp_size * local_tokens + dist_tokens + sum(
-                    cp_size // blocks[b][1] * block_tokens[b] for b in in_blocks if _holds(blocks[b], j))
-                    <= capacity * opens[i, r])
-                if j in cp_ranks:
-                    model.add(local_tokens <= bucket_size * busy[i, r, j])
-
-            # Micro-batch time, per CP rank: its compute, one β, and the communication its local attention does
-            # not hide (the forward all-gathers, the backward reduce-scatters of every group it is in), each
-            # exposure >= 0 and >= its argument.
-            dist_compute = sum(costs.distributed[k] * dist[k, i, r] for k in distributable)
-            all_gather = sum(costs.all_gather[k] * dist[k, i, r] for k in distributable) \
-                + costs.all_gather_fixed * sharded[i, r]
-            reduce_scatter = sum(costs.reduce_scatter[k] * dist[k, i, r] for k in distributable) \
-                + costs.reduce_scatter_fixed * sharded[i, r]
-            block_compute, block_all_gather, block_reduce_scatter = {}, {}, {}
-            for b in in_blocks:
-                block_costs, members = costs.blocks[blocks[b][1]], self.shardable[i, r, b]
-                block_compute[b] = sum(block_costs.compute[k] * group[k, i, r, b] for k in members)
-                block_all_gather[b] = sum(block_costs.all_gather[k] * group[k, i, r, b] for k in members) \
-                    + block_costs.all_gather_fixed * used[i, r, b]
-                block_reduce_scatter[b] = sum(block_costs.reduce_scatter[k] * group[k, i, r, b] for k in members) \
-                    + block_costs.reduce_scatter_fixed * used[i, r, b]
-            if ordered:  # a CP rank that can hold nothing whole: distributed work only, nothing hides its comm
-                model.add(mb_time[i, r] >= dist_compute + beta * sharded[i, r] + all_gather + reduce_scatter)
-            for j in self.modelled_ranks[i, r]:
-                members = self.members[i, r, j]
-                rank_blocks = [b for b in in_blocks if _holds(blocks[b], j)]
-                model.add_max_equality(working[i, r, j], [*([busy[i, r, j]] if j in cp_ranks else []), sharded[i, r],
-                                                          *(used[i, r, b] for b in rank_blocks)])
-                exposed_forward = model.new_int_var(0, horizon, f"exposed_forward[{i},{r},{j}]")
-                exposed_backward = model.new_int_var(0, horizon, f"exposed_backward[{i},{r},{j}]")
-                model.add(exposed_forward >= all_gather + sum(block_all_gather[b] for b in rank_blocks) - sum(
-                    costs.attention_forward[k] * local[k, i, r, j] for k in members))
-                model.add(exposed_backward >= reduce_scatter + sum(block_reduce_scatter[b] for b in rank_blocks)
-                          - sum(costs.attention_backward[k] * local[k, i, r, j] for k in members))
-                local_compute = sum(costs.local[k] * local[k, i, r, j] for k in members)
-                model.add(mb_time[i, r] >= local_compute + dist_compute + sum(block_compute[b] for b in rank_blocks)
-                          + beta * working[i, r, j] + exposed_forward + exposed_backward)
-            model.add(mb_time[i, r] >= beta * opens[i, r])
-            # The launch-bound floor: every CP rank with work takes at least it, so an open micro-batch does; with
-            # the constraints above, the micro-batch takes max(floor, its slowest rank's device time).
-            if costs.compute_floor:
-                model.add(mb_time[i, r] >= costs.compute_floor * opens[i, r])
-
-        # Redundant counts, for the bound: the memory bound summed over micro-batches needs at least this many
-        # micro-batches, and (binary space, where a sequence longer than C can only be distributed) at least this
-        # many with distributed work.
-        model.add(sum(opens.values()) >= min_micro_batches(problem.lengths, capacity))
-        if ordered:
-            model.add(sum(sharded.values()) >= min_micro_batches(problem.lengths[problem.lengths > bucket_size],
-                                                                 capacity))
-
-        # Iteration time: the slowest DP rank's sum over its micro-batches (eq. 8).
-        for i in range(num_dp_ranks):
-            model.add(self.iteration_time >= sum(mb_time[i, r] for r in range(i, num_sequences)))
-        model.minimize(self.iteration_time)
+    def _iteration_time(self) -> None:
+        """The objective: the slowest DP rank's sum over its micro-batches (eq. 8)."""
+        for i in range(self.num_dp_ranks):
+            self.model.add(self.iteration_time >= sum(self.mb_time[i, r] for r in range(i, self.problem.num_sequences)))
+        self.model.minimize(self.iteration_time)
 
     def add_hint(self, plan: Plan) -> None:
         """Warm start from a valid plan of the model's space: the placement, the indicators and the times in model
