@@ -5,7 +5,8 @@
 each chunk under activation checkpointing. The fp32 logits of a whole 32K-token row over a 152K vocabulary
 (~20 GB) are never held: at most one chunk's (``chunk_tokens × V`` fp32, and its gradient) at a time, forward
 and backward; the price is one extra LM-head matmul per chunk in backward. It returns the *sum* of token losses;
-the trainer divides by the global batch's loss tokens (``trainer.py``).
+``run_micro_batch`` divides it by the global batch's loss tokens before backward, so that the gradients of a
+step's micro-batches, whatever their number on each rank, add up to those of the global batch's mean loss.
 
 The wrapper is the trainer's root module: ``parallelize.py`` shards it (the embeddings, final norm and tied LM
 head are the root FSDP unit), so the LM head's weight is unsharded while ``forward`` runs.

@@ -171,7 +171,8 @@ def _spanning_data(spanning: SpanningMicroBatch, estimate: MicroBatchEstimate, b
 def result_to_response_data(result: PlanResult, *, breakdown: bool = False) -> dict[str, Any]:
     """A plan's response as JSON-ready data, spelt as ``PlanResponse`` serialises it (every field, empty optional
     lists left out): the one description of the response. ``result_to_response`` validates it; the service writes
-    it as it is (``sync_planning``), which costs a third of building the models (a test checks they agree)."""
+    it as it is (``runtime.work.plan_validated``), which costs a third of building the models (a test checks they
+    agree)."""
     problem, estimate = result.problem, result.estimate
     dp_ranks = [
         {"micro_batches": [_micro_batch_data(micro_batch, mb_estimate, breakdown) for micro_batch, mb_estimate
