@@ -31,12 +31,13 @@ demo: install
 	$(PY) -m trainer_client.demo
 	$(PY) -m benchmarks.planning
 
+# Every core (pytest-xdist), each test module on one worker, so that its module-scoped runs are made once.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadscope
 
 # The edit-test loop: everything but the slow tests, the CP-SAT proofs and the browser (about a minute).
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not cpsat and not browser"
+	$(PY) -m pytest -q -n auto --dist loadscope -m "not slow and not cpsat and not browser"
 
 # The docs site (Sphinx + MyST) into docs/_build/html; a warning is an error (tests/test_docs.py builds it too).
 docs: install
