@@ -58,8 +58,8 @@ from trainer_client.dacp.attention import (
 from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.hub import HubError, RepoKind, fetch, hub_ref
 
-__all__ = ["DACP_ATTENTION", "build_empty_model", "build_model", "check_attention_settings", "model_config",
-           "model_folder", "model_inputs", "model_shape", "register_dacp_attention"]
+__all__ = ["DACP_ATTENTION", "build_empty_model", "build_model", "check_attention_settings", "config_shape",
+           "model_config", "model_folder", "model_inputs", "model_shape", "register_dacp_attention"]
 
 DACP_ATTENTION = "dacp"
 MAX_POSITION_EMBEDDINGS = 1 << 20  # RoPE is computed from position ids on the fly; this only bounds them
@@ -245,10 +245,15 @@ def model_shape(model: str) -> ModelShape:
     path = model_folder(model, weights=False)
     if path is None:
         return _catalogue_shape(model)
-    config = model_config(model)
+    return config_shape(model_config(model), name=path.name if Path(model).is_dir() else model)
+
+
+def config_shape(config: PretrainedConfig, *, name: str) -> ModelShape:
+    """The planner's view of a transformers config: what the performance model costs a sequence with (a checkpoint's
+    ``model_shape``, or the model a Trainer was given, ``trainer_client.hf``)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return ModelShape(
-        name=path.name if Path(model).is_dir() else model,
+        name=name,
         hidden_size=config.hidden_size,
         num_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,

@@ -221,7 +221,7 @@ def apply_fsdp(
         for layer in module.decoder_layers():
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed_precision)
-    sharded = tuple(unit for unit in module.modules() if isinstance(unit, FSDPModule))
+    sharded = _fsdp_units(module)
     for unit in sharded:
         # Sum, not mean: the loss is already normalised by the global token count. A plain SUM reduction (gloo
         # has no PREMUL_SUM) followed by a division by 1, which is exact.
@@ -230,11 +230,25 @@ def apply_fsdp(
     _GRADIENT_SYNC[module] = _GradientSync(units=sharded)
 
 
+def _fsdp_units(module: torch.nn.Module) -> tuple[FSDPModule, ...]:
+    return tuple(unit for unit in module.modules() if isinstance(unit, FSDPModule))
+
+
+def _gradient_sync(module: torch.nn.Module) -> _GradientSync:
+    """``module``'s FSDP units and their settings: registered by ``apply_fsdp``, else (a module sharded by another
+    library, accelerate under the Hugging Face Trainer, ``trainer_client.hf``; or a replicated one, none) found at
+    the first micro-batch."""
+    sync = _GRADIENT_SYNC.get(module)
+    if sync is None:
+        sync = _GRADIENT_SYNC[module] = _GradientSync(units=_fsdp_units(module))
+    return sync
+
+
 def prepare_micro_batch(module: torch.nn.Module, *, sharding: Sharding, is_last: bool) -> None:
     """Tell FSDP whether this rank's coming micro-batch is its last of the step (where gradients are reduced): set
     on each unit alone, and only when it changes (FSDP's own setters walk every module of the model)."""
-    sync = _GRADIENT_SYNC.get(module)
-    if sync is None:
+    sync = _gradient_sync(module)
+    if not sync.units:
         return
     requires_gradient_sync = is_last or sharding is Sharding.ZERO3
     if sync.requires_gradient_sync is not requires_gradient_sync:
