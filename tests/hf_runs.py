@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 
 from trainer_client.data import GlobalBatch, make_source
 
-__all__ = ["PaddingCollator", "batches", "fresh_accelerate_state", "records", "training_arguments", "write_jsonl"]
+__all__ = ["PaddingCollator", "Recorder", "batches", "dataset", "fresh_accelerate_state", "logged_steps", "records",
+           "training_arguments", "write_jsonl"]
 
 VOCAB_SIZE = 1024  # the tiny model's
 
@@ -67,16 +68,17 @@ class PaddingCollator:
         return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
-def training_arguments(output_dir: Path, **changes: Any) -> TrainingArguments:
-    """The tests' Trainer arguments: the bundled trainer's optimizer (AdamW, a constant learning rate of 1e-3, no
-    weight decay, clipping at 1.0), every step logged, records in file order, nothing reported or saved unless a
-    test says so."""
+def training_arguments(output_dir: Path, arguments: type[TrainingArguments] = TrainingArguments,
+                       **changes: Any) -> Any:
+    """The tests' Trainer arguments (``arguments``: TRL's ``SFTConfig`` or another subclass): the bundled trainer's
+    optimizer (AdamW, a constant learning rate of 1e-3, no weight decay, clipping at 1.0), fp32, every step logged,
+    records in file order, nothing reported or saved unless a test says so."""
     settings: dict[str, Any] = {
         "output_dir": str(output_dir), "use_cpu": True, "learning_rate": 1e-3, "lr_scheduler_type": "constant",
         "optim": "adamw_torch", "weight_decay": 0.0, "max_grad_norm": 1.0, "logging_steps": 1, "report_to": [],
         "save_strategy": "no", "disable_tqdm": True, "seed": 0, "train_sampling_strategy": "sequential",
-        **changes}
-    return TrainingArguments(**settings)
+        "bf16": False, **changes}
+    return arguments(**settings)
 
 
 def fresh_accelerate_state() -> None:
@@ -92,3 +94,27 @@ def fresh_accelerate_state() -> None:
 def logged_steps(log_history: Sequence[dict[str, float]]) -> list[dict[str, float]]:
     """The Trainer's per-step training logs (``loss``, ``grad_norm``, ...), in step order."""
     return [entry for entry in log_history if "loss" in entry]
+
+
+class Recorder(TrainerCallback):
+    """The Trainer's events a run went through, by name, and what it logged."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.logs: list[dict[str, float]] = []
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append("train_begin")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append(f"step_end {state.global_step}")
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append(f"evaluate {state.global_step}")
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
+               **kwargs: Any) -> None:
+        self.logs.append(dict(logs or {}))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.events.append("train_end")

@@ -82,7 +82,7 @@ def test_the_trainer_package_docstring_names_every_module_and_each_sub_package_i
     assert trainer_client.__doc__ is not None
     top = {path.stem for path in root.glob("*.py")} - {"__init__"}
     sub_packages = {path.parent.name for path in root.glob("*/__init__.py")}
-    assert sub_packages == {"dacp", "profiler"}
+    assert sub_packages == {"dacp", "hf", "profiler"}
     unnamed = sorted(name for name in top | sub_packages if f"``{name}``" not in trainer_client.__doc__)
     for package in sorted(sub_packages):
         docstring = importlib.import_module(f"trainer_client.{package}").__doc__ or ""

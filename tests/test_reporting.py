@@ -132,6 +132,27 @@ def test_a_wandb_offline_run_holds_every_scalar_at_the_trainer_step_and_a_failed
     assert exit_record.exit_code == 1
 
 
+def test_wandb_honours_the_folder_name_and_id_the_user_set_in_its_own_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for variable, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"),
+                            ("WANDB_CONFIG_DIR", str(tmp_path / "config")), ("WANDB_CACHE_DIR", str(tmp_path)),
+                            ("WANDB_DATA_DIR", str(tmp_path)), ("WANDB_DIR", str(tmp_path / "tracked")),
+                            ("WANDB_NAME", "nightly"), ("WANDB_RUN_ID", "nightly-7")):
+        monkeypatch.setenv(variable, value)
+
+    _report(_config(Tracker.WANDB, tmp_path), STEPS[:1])
+    import wandb
+
+    wandb.teardown()
+
+    assert not (tmp_path / "run").exists()  # --logging-dir, where the run would be without WANDB_DIR
+    (run_file,) = (tmp_path / "tracked" / "wandb").glob("offline-run-*/run-*.wandb")
+    (run,) = [record.run for record in wandb_records(run_file) if record.HasField("run")]
+    assert (run.display_name, run.run_id) == ("nightly", "nightly-7")
+
+
 def test_mlflow_holds_every_scalar_and_a_resume_continues_the_jobs_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,6 +24,8 @@ Modules, one concept each:
   ``auto_profile`` (``--profile auto``: measured by the run itself, cached per machine and layout);
 * the layout advisor's command: ``advise`` (``skrull-advise``) over ``advise_inputs`` (a data set's lengths as
   this trainer encodes them, a checkpoint's shape, a profile file).
+* the sub-package ``hf``: Skrull inside transformers' ``Trainer`` and TRL's ``SFTTrainer`` (``SkrullTrainer``,
+  ``SkrullSFTTrainer``), imported only by a script that uses them.
 
 Public names resolve lazily, so ``import trainer_client`` does not import torch.
 """

@@ -9,7 +9,9 @@ Where each tracker writes, after the conventions of Hugging Face Trainer's ``rep
 * TensorBoard: event files in ``--logging-dir`` (default ``runs/<job id>``, the run's own folder);
 * W&B: its run folder under ``--logging-dir``/wandb; project ``WANDB_PROJECT`` (default ``skrull``), run name
   the job id, run id the job id with ``:`` as ``-`` (W&B reserves ``:``); ``WANDB_MODE=offline`` keeps the run
-  local, and W&B reads its other settings (``WANDB_ENTITY``, ``WANDB_API_KEY``) from the environment itself;
+  local, and W&B reads its other settings (``WANDB_ENTITY``, ``WANDB_API_KEY``) from the environment itself. The
+  folder, the name and the id are W&B's own settings too (``WANDB_DIR``, ``WANDB_NAME``, ``WANDB_RUN_ID``), and an
+  argument of ``wandb.init`` overrides its variable: each is given only where the user has not set its variable;
 * MLflow: the tracking URI MLflow resolves (``MLFLOW_TRACKING_URI``, else its default ``sqlite:///mlflow.db`` in
   the working directory: one database for every run, as MLflow's UI expects); experiment
   ``MLFLOW_EXPERIMENT_NAME`` (default ``skrull``), run name the job id.
@@ -179,9 +181,17 @@ class WandbRun:
     def __init__(self, directory: Path, *, job_id: str, resume: bool) -> None:
         import wandb
 
-        directory.mkdir(parents=True, exist_ok=True)  # else W&B warns that it finds no git repository there
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT), name=job_id,
-                               id=job_id.replace(":", "-"), dir=directory, resume="allow" if resume else "never")
+        def unless_set(variable: str, value: str) -> str | None:
+            """``value``, or None (W&B then reads ``variable`` itself) where the user set ``variable``."""
+            return None if variable in os.environ else value
+
+        run_dir = unless_set("WANDB_DIR", str(directory))
+        if run_dir is not None:
+            directory.mkdir(parents=True, exist_ok=True)  # else W&B warns that it finds no git repository there
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
+                               name=unless_set("WANDB_NAME", job_id),
+                               id=unless_set("WANDB_RUN_ID", job_id.replace(":", "-")), dir=run_dir,
+                               resume="allow" if resume else "never")
 
     def write(self, metrics: StepMetrics) -> None:
         self._run.log(scalars(metrics), step=metrics.number)
