@@ -24,10 +24,12 @@ from trainer_client.config import TrainConfig
 from trainer_client.distributed import init_parallel, spawn_gloo
 from trainer_client.hf import SkrullArguments, SkrullSFTTrainer
 from trainer_client.model import build_model
+from trainer_client.plan_client import PlanSource
 from trainer_client.trainer import Trainer as BundledTrainer
 
 # TRL 1.16's SFTConfig defaults the name transformers 5.23 deprecated (gradient_checkpointing=True)
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")]
 
 RELATIVE_TOLERANCE = 1e-6
 PROFILE = "h100-paper"
@@ -42,8 +44,8 @@ MARKED_CHATML = (
 
 
 def chats(count: int, *, seed: int) -> list[dict[str, Any]]:
-    """Chats of a system prompt, then user and assistant turns, of lengths from a few tokens to past
-    ``MAX_LENGTH``."""
+    """Chats of a system prompt, then one or two user and assistant turns: 16 of them (seed 3) are 58 to 236
+    tokens long, so that some are kept whole on one CP rank, some sharded and some cut at ``MAX_LENGTH``."""
     rng = np.random.default_rng(seed)
 
     def text(num_words: int) -> str:
@@ -53,8 +55,8 @@ def chats(count: int, *, seed: int) -> list[dict[str, Any]]:
     for _ in range(count):
         messages = [{"role": "system", "content": text(3)}]
         for _ in range(int(rng.integers(1, 3))):
-            messages += [{"role": "user", "content": text(int(rng.integers(2, 30)))},
-                         {"role": "assistant", "content": text(int(rng.integers(2, 60)))}]
+            messages += [{"role": "user", "content": text(int(rng.integers(1, 12)))},
+                         {"role": "assistant", "content": text(int(rng.integers(1, 40)))}]
         records.append({"messages": messages})
     return records
 
@@ -112,6 +114,12 @@ def test_trls_assistant_only_labels_are_the_bundled_trainers_and_max_length_cuts
     assert sft == bundled
     assert max(len(input_ids) for input_ids, _ in sft) == MAX_LENGTH  # some chats were longer, and cut
     assert all(-100 in labels and any(label != -100 for label in labels) for _, labels in sft)
+    source = PlanSource(scheduler="skrull", dp_size=1, cp_size=2, model="tiny", bucket_size=BUCKET_SIZE,
+                        profile=PROFILE)
+    plans = [source.decide(step, [len(input_ids) for input_ids, _ in sft[step * GLOBAL_BATCH:][:GLOBAL_BATCH]]).plan
+             for step in range(NUM_STEPS)]
+    micro_batches = [mb for plan in plans for rank in plan.dp_ranks for mb in rank.micro_batches]
+    assert any(mb.distributed for mb in micro_batches) and any(any(mb.local) for mb in micro_batches)
 
 
 def test_sft_losses_equal_the_bundled_trainers_masked_losses(sft_run: dict[str, Any]) -> None:

@@ -45,8 +45,8 @@ class TrainerLayout:
 
 def trainer_layout(args: TrainingArguments, skrull: SkrullArguments) -> TrainerLayout:
     """Check ``args`` against Skrull (``ValueError`` naming the field and what replaces it) and set the fields whose
-    meaning changes: ``per_device_train_batch_size`` to the global batch, ``gradient_accumulation_steps`` to 1,
-    ``ddp_broadcast_buffers`` to False. Called before the accelerator exists, which reads them."""
+    meaning changes: ``per_device_train_batch_size`` to the global batch, ``gradient_accumulation_steps`` to 1.
+    Called before the accelerator exists, which reads them."""
     world_size = args.world_size
     if world_size % skrull.cp:
         raise ValueError(f"SkrullArguments.cp {skrull.cp} does not divide the world size {world_size}: the world is "
@@ -75,7 +75,6 @@ def trainer_layout(args: TrainingArguments, skrull: SkrullArguments) -> TrainerL
         "over all ranks the same way")
     args.per_device_train_batch_size = global_batch
     args.gradient_accumulation_steps = 1
-    args.ddp_broadcast_buffers = False
     return TrainerLayout(dims=dims, global_batch=global_batch, explanation=explanation)
 
 

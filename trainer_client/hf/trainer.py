@@ -38,6 +38,7 @@ import datasets
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput, TrainOutput
@@ -159,6 +160,11 @@ class SkrullTrainerMixin(_TrainerBase):
         returns their summed loss (the Trainer averages it over the ranks for its logs: the batch's mean token loss).
         The Trainer's ``num_items_in_batch`` is None here: the normaliser is the global batch's own."""
         model.train()
+        if isinstance(model, DistributedDataParallel):
+            # DDP broadcasts buffers in every forward, a collective per micro-batch, and ranks run different numbers
+            # of micro-batches; nothing trains the buffers (RoPE's frequencies), so they stay as DDP synced them at
+            # its start. Set on the module, as torch 2.13 deprecates the argument the Trainer would pass it through.
+            model.broadcast_buffers = False
         optimizer_train = getattr(self.optimizer, "train", None)
         if callable(optimizer_train):  # schedule-free optimizers, as the Trainer does
             optimizer_train()
