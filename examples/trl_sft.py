@@ -5,14 +5,15 @@
 Every rank reads the whole global batch (per_device_train_batch_size × gradient_accumulation_steps × dp
 sequences); Skrull plans it over all dp × cp ranks, keeps short chats whole on one rank and shards only the long
 ones, over as few CP ranks as they need. TRL still renders the chats, masks everything but the assistant's answers
-and cuts each chat at max_length. It runs on CPU as it is (gloo, fp32 where no bf16). docs/guides/hf-trainer.md
-walks through it.
+and cuts each chat at max_length; its own packing stays off (packing=False, its default), since Skrull's plan packs.
+The script runs on CPU as it is (gloo). docs/guides/hf-trainer.md walks through it.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig
@@ -24,7 +25,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="a Hub id or a local folder")
-    parser.add_argument("--dataset", default="trl-lib/Capybara", help="chats ({'messages': [...]}): a Hub id")
+    parser.add_argument("--dataset", default="trl-lib/Capybara",
+                        help="chats ({'messages': [...]}): a Hub id or a folder of data files")
     parser.add_argument("--output-dir", default="qwen2.5-0.5b-sft")
     parser.add_argument("--max-length", type=int, default=8192, help="tokens; a longer chat is cut")
     parser.add_argument("--per-device-batch", type=int, default=4)
@@ -51,8 +53,7 @@ def main() -> None:
         logging_steps=1,
         report_to=[],
         save_strategy="no",
-        bf16=False,  # fp32 on CPU; on GPUs that have it, leave TRL's default (bf16)
-        packing=False,  # Skrull: its plan packs, each chat kept apart by DACP attention
+        use_cpu=not torch.cuda.is_available(),  # without it, accelerate trains torchrun's CPU processes each alone
     )
     trainer = SkrullSFTTrainer(  # Skrull: was SFTTrainer
         model=model,

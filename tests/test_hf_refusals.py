@@ -61,6 +61,15 @@ def test_the_trainer_refuses_what_skrull_cannot_run_by_name_before_any_process_g
     assert not dist.is_initialized()
 
 
+def test_processes_accelerate_would_train_each_alone_are_refused_naming_use_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun launches two processes: without GPUs, accelerate sees one
+    with pytest.raises(ValueError, match=r"use_cpu: torchrun launched 2 processes and accelerate trains with 1"):
+        _build(tmp_path, use_cpu=False)
+    assert not dist.is_initialized()
+
+
 def _sft(tmp_path: Path, **config: Any) -> None:
     from transformers import AutoTokenizer
     from trl import SFTConfig

@@ -22,6 +22,7 @@ batch over all ranks: how many micro-batches each DP rank runs, and which sequen
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from transformers import TrainingArguments
@@ -48,6 +49,10 @@ def trainer_layout(args: TrainingArguments, skrull: SkrullArguments) -> TrainerL
     meaning changes: ``per_device_train_batch_size`` to the global batch, ``gradient_accumulation_steps`` to 1.
     Called before the accelerator exists, which reads them."""
     world_size = args.world_size
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != launched:
+        raise ValueError(f"use_cpu: torchrun launched {launched} processes and accelerate trains with {world_size}, "
+                         "each alone: without GPUs, accelerate joins the processes only with use_cpu=True; set it")
     if world_size % skrull.cp:
         raise ValueError(f"SkrullArguments.cp {skrull.cp} does not divide the world size {world_size}: the world is "
                          f"dp × cp processes; launch a multiple of {skrull.cp} (torchrun --nproc-per-node), or give "
