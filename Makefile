@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo test test-fast docs bench bench-advise bench-host bench-profiles load stress serve schema profile accuracy ranking gpu-check feedback lint clean images docker-smoke
+.PHONY: install system-deps demo test test-fast docs bench bench-advise bench-host bench-hf bench-profiles load stress serve schema profile accuracy ranking gpu-check feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -52,6 +52,10 @@ bench-advise: install
 # The trainer's host cost per decoder layer against plain transformers (docs/benchmarks.md, "The trainer's host cost").
 bench-host: install
 	$(PY) -m benchmarks.host
+
+# The Hugging Face Trainer path's step time against the bundled trainer's on the same plans (docs/benchmarks.md).
+bench-hf: install
+	$(PY) -m benchmarks.hf_trainer
 
 bench-profiles: install
 	$(PY) -m benchmarks.profiles

@@ -34,8 +34,8 @@ def test_the_trl_example_trains_on_cpu_and_saves_a_model_transformers_loads(tmp_
     out = tmp_path / "out"
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-         "--dataset", str(data), "--output-dir", str(out), "--max-length", "256", "--per-device-batch", "4", "--gradient-accumulation", "2",
-         "--max-steps", "2", "--cp", "2", "--bucket-size", "160"],
+         "--dataset", str(data), "--output-dir", str(out), "--max-length", "256", "--per-device-batch", "4",
+         "--gradient-accumulation", "2", "--max-steps", "2", "--cp", "2", "--bucket-size", "160"],
         cwd=tmp_path, env={**trainer_env(), **hub.env()}, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.count("'loss'") == 2  # the Trainer's log line of each step, from rank 0
