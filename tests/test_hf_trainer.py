@@ -4,11 +4,11 @@ features working (gloo ranks on CPU, fp32).
 * DP 2 × CP 1: step for step, the losses and gradient norms of plain ``transformers.Trainer`` with token-sum loss
   normalisation (``average_tokens_across_devices``, its default) on padded batches of the same sequences; and
   ``save_model`` writes the trained weights, which transformers loads.
-* DP 1 × CP 2 and DP 2 × CP 2: those of the bundled trainer on the same plans, the plans holding sequences kept whole
-  and sharded, the DP 2 × CP 2 ones spanning micro-batches with hybrid groups and DP ranks with different
-  micro-batch counts; the evaluation loss too, and the Trainer's callbacks, logs, TensorBoard events and evaluation
-  schedule. Under DDP: accelerate 1.15 shards with FSDP only on accelerators (given ``fsdp`` on CPU it trains with
-  DDP), so the FSDP2 path is not exercised on CPU.
+* DP 1 × CP 2 and DP 2 × CP 2, planning with the scheduler service: those of the bundled trainer on the same plans
+  (its embedded planner's), the plans holding sequences kept whole and sharded, the DP 2 × CP 2 ones spanning
+  micro-batches with hybrid groups and DP ranks with different micro-batch counts; the evaluation loss too, and the
+  Trainer's callbacks, logs, TensorBoard events and evaluation schedule. Under DDP: accelerate 1.15 shards with FSDP
+  only on accelerators (given ``fsdp`` on CPU it trains with DDP), so the FSDP2 path is not exercised on CPU.
 * A run resumed from the Trainer's own checkpoint continues bit for bit (a shuffled epoch boundary inside).
 * LoRA adapters saved by the Trainer load with peft, equal to what trained.
 
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
@@ -120,9 +121,10 @@ def _plans_of(global_batches: list[Any], *, dp: int, cp: int) -> list[Any]:
     return [source.decide(step, batch.sequence_lengths).plan for step, batch in enumerate(global_batches)]
 
 
-def _bundled_and_skrull(out: Path, dp: int, cp: int) -> None:
-    """The bundled trainer (replicated), then ``SkrullTrainer`` under accelerate's DDP, both evaluating every two
-    steps and after the last, the Trainer reporting to TensorBoard."""
+def _bundled_and_skrull(out: Path, dp: int, cp: int, scheduler_url: str) -> None:
+    """The bundled trainer (replicated, planning with the embedded planner), then ``SkrullTrainer`` under
+    accelerate's DDP, planning with the scheduler service at ``scheduler_url``; both evaluate every two steps and
+    after the last, the Trainer reporting to TensorBoard."""
     fresh_accelerate_state()
     global_batches = batches(num_steps=NUM_STEPS, global_batch=GLOBAL_BATCH, max_length=MAX_LENGTH, seed=SEED)
     train_file = write_jsonl(out / f"train-{dist.get_rank()}.jsonl", records(global_batches))
@@ -142,10 +144,12 @@ def _bundled_and_skrull(out: Path, dp: int, cp: int) -> None:
     trainer = SkrullTrainer(model=build_model("tiny", attn_implementation="sdpa", seed=0), args=args,
                             train_dataset=dataset(records(global_batches)), eval_dataset=dataset(held_out),
                             data_collator=PaddingCollator(), callbacks=[recorder],
-                            skrull=SkrullArguments(bucket_size=BUCKET_SIZE, cp=cp, profile=PROFILE))
+                            skrull=SkrullArguments(bucket_size=BUCKET_SIZE, cp=cp, profile=PROFILE,
+                                                   scheduler_url=scheduler_url))
     trainer.train()
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps({
+            "fallbacks": trainer.skrull_batches.num_fallbacks,
             "bundled": [(m.loss, m.grad_norm, m.eval_loss) for m in history],
             "wrapped": type(trainer.model_wrapped).__name__, "steps": _steps(trainer.state.log_history),
             "eval": [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry],
@@ -155,12 +159,22 @@ def _bundled_and_skrull(out: Path, dp: int, cp: int) -> None:
 LAYOUTS = {"dp1-cp2": (1, 2), "dp2-cp2": (2, 2)}
 
 
+def _plans_served(port: int) -> float:
+    """The plans the service at ``port`` has answered, by its Prometheus metrics."""
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith('skrull_plan_requests_total{scheduler="skrull",status="200"}'))
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def bundled_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def bundled_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                live_port: int) -> dict[str, Any]:
     dp, cp = LAYOUTS[request.param]
-    out = _run(tmp_path_factory, request.param, _bundled_and_skrull, dp * cp, dp, cp)
+    served = _plans_served(live_port)
+    out = _run(tmp_path_factory, request.param, _bundled_and_skrull, dp * cp, dp, cp,
+               f"http://127.0.0.1:{live_port}")
     results: dict[str, Any] = json.loads((out / "results.json").read_text())
-    return {**results, "out": out}
+    return {**results, "out": out, "plans_served": _plans_served(live_port) - served}
 
 
 def test_the_plans_hold_what_the_comparison_claims() -> None:
@@ -172,6 +186,12 @@ def test_the_plans_hold_what_the_comparison_claims() -> None:
         if dp > 1:
             assert any(spanning.micro_batch.sharded for plan in plans for spanning in plan.spanning)
             assert any(len({len(rank.micro_batches) for rank in plan.dp_ranks}) > 1 for plan in plans)
+
+
+def test_the_trainer_plans_with_the_scheduler_service_when_given_one(bundled_run: dict[str, Any]) -> None:
+    # Every step's batch, and the held-out set's two batches (8 and 4 records) at each of the two evaluations
+    assert bundled_run["plans_served"] == NUM_STEPS + 2 * 2
+    assert bundled_run["fallbacks"] == 0
 
 
 def test_losses_and_evaluations_equal_the_bundled_trainers_on_the_same_plans(bundled_run: dict[str, Any]) -> None:
