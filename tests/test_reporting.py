@@ -26,11 +26,12 @@ import trainer_client.trainer
 from tests.wandb_records import wandb_records
 from trainer_client import train
 from trainer_client.checkpoint import Checkpointer
+from trainer_client.choices import Tracker
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import init_parallel, spawn_gloo
 from trainer_client.loop import SkrullBatches
 from trainer_client.plan_client import PlanOrigin
-from trainer_client.reporting import Reports, Tracker, open_reports, scalars
+from trainer_client.reporting import Reports, open_reports, scalars
 from trainer_client.step_metrics import StepMetrics
 from trainer_client.train import build_parser, config_from_args
 from trainer_client.trainer import Trainer
@@ -57,7 +58,8 @@ def _config(tracker: Tracker, tmp_path: Path, *, resume: bool = False) -> TrainC
 
 
 def _report(config: TrainConfig, steps: Sequence[StepMetrics], *, failed: bool = False) -> None:
-    reports = open_reports(config, job_id=JOB_ID, steps_done=steps[0].step)
+    reports = open_reports(job_id=JOB_ID, steps_done=steps[0].step, metrics_out=config.metrics_out,
+                           report_to=config.report_to, logging_dir=config.logging_dir, resume=config.resume)
     for metrics in steps:
         reports.write(metrics)
     reports.close(failed=failed)

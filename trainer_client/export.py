@@ -34,9 +34,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from scheduler_service.core.models import MODEL_CATALOGUE
 from trainer_client.checkpoint import load_model_weights, resolve_checkpoint, saved_run_identity
-from trainer_client.choices import LoraExport
+from trainer_client.choices import LoraExport, chat_template_of
 from trainer_client.config import check_output_dir
-from trainer_client.data import chat_template_of, load_tokenizer
+from trainer_client.data import load_tokenizer
 from trainer_client.hub import RepoKind, fetch, hub_ref
 from trainer_client.lora import LoraSettings, apply_lora
 from trainer_client.loss import CausalLMLoss

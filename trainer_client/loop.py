@@ -37,14 +37,13 @@ from scheduler_service.core.costing import place_degrees, token_bucket_sizes
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import MicroBatch, Plan, SchedulerName, SpanningMicroBatch
 from scheduler_service.core.profile import Profile
+from trainer_client.choices import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
 from trainer_client.dacp.prefetch import PrefetchedMicroBatches
 from trainer_client.data import GlobalBatch, Sample
 from trainer_client.distributed import ParallelContext
 from trainer_client.parallelize import Sharding, num_padding_micro_batches
 from trainer_client.plan_client import (
-    DEFAULT_PLAN_ATTEMPTS,
-    DEFAULT_PLAN_TIMEOUT_S,
     MicroBatchTiming,
     PlanClient,
     PlanDecision,

@@ -115,10 +115,9 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import DEFAULT_LIMITS, Plan, make_problem
 from scheduler_service.core.planner import make_plan, warm_up
 from scheduler_service.core.profile import Profile
+from trainer_client.choices import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 
 __all__ = [
-    "DEFAULT_PLAN_ATTEMPTS",
-    "DEFAULT_PLAN_TIMEOUT_S",
     "MicroBatchTiming",
     "PlanClient",
     "PlanClientError",
@@ -133,8 +132,6 @@ __all__ = [
 
 logger = logging.getLogger("trainer_client.plan_client")
 
-DEFAULT_PLAN_TIMEOUT_S = 5.0  # per POST /plan attempt
-DEFAULT_PLAN_ATTEMPTS = 3  # before the embedded planner plans the batch
 
 # Transient answers worth another attempt: a body the service stopped waiting for (408), busy (429), failing (5xx).
 _RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})

@@ -230,7 +230,8 @@ class Trainer:
                                        warmup_steps=config.warmup_steps, total_steps=config.steps,
                                        min_lr_ratio=config.min_lr_ratio, first_step=self.first_step)
         # rank 0's names the service's feedback job and the reported runs (--logging-dir's default runs/JOB_ID)
-        job_id = config.job_id or default_job_id(config)
+        job_id = config.job_id or default_job_id(model=config.model, data=config.data,
+                                                   checkpoint_dir=config.checkpoint_dir)
         if parallel.is_main and config.report_to:
             logger.info("job %s: reporting to %s", job_id, ", ".join(config.report_to))
         # Plans, packing, plan prefetch and feedback: the loop API a training loop of one's own uses (loop.py).
@@ -249,8 +250,9 @@ class Trainer:
         self.micro_batch_timings: list[MicroBatchTiming] = []  # this rank's, of the latest step
         self._next_batch: GlobalBatch | None = None  # rank 0: the batch built for the prefetch, trained next step
         self._trained = False  # train() ran to its end: the trackers record the run as finished, else failed
-        self.reports = (open_reports(config, job_id=job_id, steps_done=self.first_step) if parallel.is_main
-                        else Reports())
+        self.reports = (open_reports(job_id=job_id, steps_done=self.first_step, metrics_out=config.metrics_out,
+                                     report_to=config.report_to, logging_dir=config.logging_dir, resume=config.resume)
+                        if parallel.is_main else Reports())
         opened.callback(lambda: self.reports.close(failed=not self._trained))
 
     def _profile(self, choice: str | None) -> str | Profile | None:

@@ -23,12 +23,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
+from scheduler_service.core.choices import MAX_TOKEN_BUCKETS, SchedulerName
 from scheduler_service.core.costing import CostTables, block_degrees, cost_tables, place_degrees
 from scheduler_service.core.errors import BadSequenceLengthError, InvalidRequestError, SequenceTooLongError
 from scheduler_service.core.models import ModelShape, resolve_model
@@ -60,20 +60,6 @@ IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
 
-class SchedulerName(StrEnum):
-    SKRULL = "skrull"
-    SKRULL_BINARY = "skrull_binary"
-    SKRULL_PAPER = "skrull_paper"
-    DEEPSPEED = "deepspeed"
-    SORTED = "sorted"
-    ROUND_ROBIN = "round_robin"
-    BALANCED = "balanced"
-    CPSAT = "cpsat"
-    DYNAMIC_CP = "dynamic_cp"  # Megatron-Core's dynamic CP, for comparison (``dynamic_cp``)
-    GROUP_BY_LENGTH = "group_by_length"  # the HF Trainer's length-grouped sampler (``baselines``)
-    BATCH_REBALANCE = "batch_rebalance"  # the HF Trainer's batch-rebalance sampler (``baselines``)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanLimits:
     """Bounds that keep one request from exhausting the planner; the service makes them configurable."""
@@ -86,7 +72,6 @@ class PlanLimits:
 
 
 DEFAULT_LIMITS = PlanLimits()
-MAX_TOKEN_BUCKETS = 8  # BucketSize down to 1/128 of it: more buckets capture more graphs for little padding saved
 
 
 def cp_blocks(cp_size: int, degree: int) -> tuple[tuple[int, ...], ...]:
