@@ -77,7 +77,7 @@ def test_the_trainer_and_the_gpu_check_need_nothing_of_the_service() -> None:
 
 def test_the_service_never_imports_the_trainer() -> None:
     """Every module of ``scheduler_service`` (web, runtime, CLI and export included): the service image has no
-    torch, and the advisor's data-set and checkpoint readers live in ``trainer_client.advise_inputs``."""
+    torch, and the advisor's data-set and checkpoint readers live in ``trainer_client.advise.inputs``."""
     modules = [name for name in _modules(scheduler_service) if not name.endswith(".__main__")]  # __main__ runs
     assert {"scheduler_service.cli", "scheduler_service.runtime.advising", "scheduler_service.web.routes.advise",
             "scheduler_service.contract.advice", "scheduler_service.core.advise"} <= set(modules)

@@ -16,7 +16,7 @@ from tests.train_reference import unscheduled_step
 from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch, make_source
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.plan_client import PlanDecision, PlanOrigin
+from trainer_client.planning.source import PlanDecision, PlanOrigin
 from trainer_client.trainer import Trainer
 
 GLOBAL_BATCH, MAX_LENGTH = 8, 256

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from trainer_client.components.reporting import default_job_id
 from trainer_client.config import TrainConfig
 from trainer_client.demo import read_metrics, trainer_env
-from trainer_client.reporting import default_job_id
 
 STEP_LINE = re.compile(r"INFO trainer_client\.trainer: step (\d+)/(\d+): loss [0-9.]+, lr [0-9.e+-]+, \d+ tokens/s, "
                        r"plan embedded, epoch ([0-9.]+)")

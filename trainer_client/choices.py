@@ -19,10 +19,10 @@ __all__ = ["CHAT_TEMPLATES", "DEFAULT_CHUNK_TOKENS", "DEFAULT_COLLECTIVE_TIMEOUT
            "DEFAULT_PLAN_TIMEOUT_S", "SYNTHETIC_PREFIX", "AttentionBackend", "FsdpUnits", "LRSchedulerName",
            "LoraExport", "LossOn", "Tracker", "chat_template_of", "check_installed"]
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # of every process group (distributed.py)
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # of every process group (distributed/)
 DEFAULT_CHUNK_TOKENS = 4096  # tokens per chunk of the LM head and cross-entropy (loss.py)
-DEFAULT_PLAN_TIMEOUT_S = 5.0  # per POST /plan attempt (plan_client.py)
-DEFAULT_PLAN_ATTEMPTS = 3  # before the embedded planner plans the batch (plan_client.py)
+DEFAULT_PLAN_TIMEOUT_S = 5.0  # per POST /plan attempt (planning/client.py)
+DEFAULT_PLAN_ATTEMPTS = 3  # before the embedded planner plans the batch (planning/source.py)
 SYNTHETIC_PREFIX = "synthetic:"  # --data synthetic:DATASET: lengths drawn from a built-in sampler (data.py)
 
 # --chat-template NAME: templates known by name (a file's Jinja otherwise). ChatML, as Qwen's and many others' chats

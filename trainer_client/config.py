@@ -80,7 +80,7 @@ from trainer_client.foreign_keys import FOREIGN_KEYS, translate
 
 if TYPE_CHECKING:  # torch's modules: the configuration imports them only where a value needs them (module docstring)
     from trainer_client.distributed import ParallelDims
-    from trainer_client.lora import LoraSettings
+    from trainer_client.models.lora import LoraSettings
 
 __all__ = [
     "CONFIG_SUFFIXES",
@@ -418,7 +418,7 @@ class TrainConfig(BaseModel):
     def lora(self) -> LoraSettings | None:
         if self.lora_rank is None:
             return None
-        from trainer_client.lora import LoraSettings
+        from trainer_client.models.lora import LoraSettings
 
         alpha = self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
         return LoraSettings(rank=self.lora_rank, alpha=alpha, targets=self.lora_targets)
@@ -449,7 +449,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--lr-scheduler {self.lr_scheduler} does not read --min-lr-ratio (only "
                              f"{', '.join(readers)} do): leave it out, or choose one of those")
         if self.compile or self.cuda_graphs:
-            from trainer_client.parallelize import check_compile_layout
+            from trainer_client.distributed.parallelize import check_compile_layout
 
             check_compile_layout(self.activation_checkpointing)
         if self.token_buckets is not None and self.token_buckets > MAX_TOKEN_BUCKETS:

@@ -1,6 +1,6 @@
 """The training loop: one optimizer step per global batch, planned by Skrull, run with DACP.
 
-Per global batch ``s`` (identical data on every rank, ``data.py``):
+Per global batch ``s`` (identical data on every rank, ``data``):
 
 1. rank 0 decides the plan (``PlanSource``: service, else embedded core) and
    broadcasts the *decision* over a gloo group; the plan is checked once on
@@ -84,8 +84,8 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, builtin_profiles, resolve_profile
-from trainer_client.auto_profile import AUTO_PROFILE, auto_profile, default_profile
-from trainer_client.checkpoint import (
+from trainer_client.choices import FsdpUnits
+from trainer_client.components.checkpoint import (
     Checkpointer,
     TrainState,
     latest_checkpoint,
@@ -93,7 +93,11 @@ from trainer_client.checkpoint import (
     saved_run_identity,
     step_dir,
 )
-from trainer_client.choices import FsdpUnits
+from trainer_client.components.export import export_model, load_export_tokenizer
+from trainer_client.components.optim import build_optimizer, clip_gradients, lr_schedule
+from trainer_client.components.reporting import Reports, default_job_id, open_reports
+from trainer_client.components.run_identity import ResumeMismatch, RunIdentity, check_resume
+from trainer_client.components.step_metrics import MicroBatchTimer, StepMetrics
 from trainer_client.config import TrainConfig
 from trainer_client.data import (
     DataSource,
@@ -105,28 +109,24 @@ from trainer_client.data import (
     make_source,
     record_encoder,
 )
-from trainer_client.data_check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records, write_bad_records
+from trainer_client.data.check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records, write_bad_records
+from trainer_client.data.evaluation import EvalSet
+from trainer_client.data.hub import fetch_on_rank_0_first
 from trainer_client.distributed import ParallelContext, max_over_ranks
-from trainer_client.evaluation import EvalSet
-from trainer_client.export import export_model, load_export_tokenizer
-from trainer_client.hub import fetch_on_rank_0_first
-from trainer_client.loading import ModelLayout, build_training_module, check_weights_present
-from trainer_client.loop import RankBatch, SkrullBatches
-from trainer_client.loss import micro_batch_loss, run_micro_batch
-from trainer_client.model import model_folder, model_shape
-from trainer_client.optim import build_optimizer, clip_gradients, lr_schedule
-from trainer_client.parallelize import (
+from trainer_client.distributed.parallelize import (
     check_compile,
     check_cuda_graphs,
     prepare_micro_batch,
     reduce_gradients,
     reshard,
 )
-from trainer_client.plan_client import MicroBatchTiming, plan_capacity
+from trainer_client.loop import RankBatch, SkrullBatches
+from trainer_client.models.loading import ModelLayout, build_training_module, check_weights_present
+from trainer_client.models.loss import micro_batch_loss, run_micro_batch
+from trainer_client.models.model import model_folder, model_shape
+from trainer_client.planning.source import MicroBatchTiming, plan_capacity
+from trainer_client.profiler.auto import AUTO_PROFILE, auto_profile, default_profile
 from trainer_client.profiler.measure import check_profile_machine
-from trainer_client.reporting import Reports, default_job_id, open_reports
-from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume
-from trainer_client.step_metrics import MicroBatchTimer, StepMetrics
 
 __all__ = ["InjectedFault", "Trainer"]
 
@@ -307,7 +307,7 @@ class Trainer:
                             profile=profile).bucket_size
 
     def _check_data(self) -> None:
-        """Find, before step 0, every training record that cannot train (``data_check.py``): every rank encodes its
+        """Find, before step 0, every training record that cannot train (``data/check.py``): every rank encodes its
         share of the records and every rank gets the whole verdict. Records that cannot train stop every rank with
         one message listing them, unless ``--skip-bad-records`` leaves them out of every epoch; either way rank 0
         lists them in the run folder. Logs the layout's sizes and, for records, the length distribution of what

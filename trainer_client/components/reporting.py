@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from trainer_client.choices import SYNTHETIC_PREFIX, Tracker
-from trainer_client.plan_client import PlanOrigin
+from trainer_client.planning.source import PlanOrigin
 
 if TYPE_CHECKING:
-    from trainer_client.step_metrics import StepMetrics
+    from trainer_client.components.step_metrics import StepMetrics
 
 __all__ = [
     "DEFAULT_LOGGING_ROOT",

@@ -99,7 +99,7 @@ import numpy.typing as npt
 
 from scheduler_service.core.samplers import DATASETS, sample_lengths
 from trainer_client.choices import CHAT_TEMPLATES, SYNTHETIC_PREFIX, LossOn, chat_template_of
-from trainer_client.hub import HubError, HubSnapshot, RepoKind, fetch, hub_ref, is_data_file_name
+from trainer_client.data.hub import HubError, HubSnapshot, RepoKind, fetch, hub_ref, is_data_file_name
 
 __all__ = [
     "IGNORE_INDEX",
@@ -131,7 +131,7 @@ _SNIFF_BYTES = 1 << 12  # where a .json file's first character is looked for
 
 
 class Defect(StrEnum):
-    """Why a record cannot train; ``data_check`` reports the records of each defect together, with its fix."""
+    """Why a record cannot train; ``data.check`` reports the records of each defect together, with its fix."""
 
     TOO_LONG = "too_long"  # longer than --max-length, and --truncate is off
     BEYOND_PLAN = "beyond_plan"  # longer than any plan of the layout holds (a --max-length above it)
