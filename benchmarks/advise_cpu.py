@@ -55,8 +55,8 @@ from scheduler_service.core.advise import Advice, LayoutProblem, PricedLayout, a
 from scheduler_service.core.memory import Sharding
 from scheduler_service.core.models import resolve_model
 from scheduler_service.core.samplers import sample_lengths
-from trainer_client.advise import format_advice
-from trainer_client.advise_inputs import read_lengths
+from trainer_client.advise.command import format_advice
+from trainer_client.advise.inputs import read_lengths
 from trainer_client.demo import demo_comm_sizes, profile_command, read_metrics, run_trainer
 
 __all__ = ["LayoutRun", "local_argv", "main", "measured_ranks", "spearman", "write_records"]
@@ -64,7 +64,7 @@ __all__ = ["LayoutRun", "local_argv", "main", "measured_ranks", "spearman", "wri
 MODEL = "tiny"
 VOCAB_SIZE = 1024  # the tiny model's
 TRAINER_TIMEOUT_S = 600.0
-# Of each step's metrics line (trainer_client.step_metrics.StepMetrics): all numbers.
+# Of each step's metrics line (trainer_client.components.step_metrics.StepMetrics): all numbers.
 _KEPT_METRICS = ("step", "tokens", "step_time_s", "micro_batch_time_s", "estimated_time_ms")
 
 

@@ -53,8 +53,8 @@ from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch
 from trainer_client.demo import start_service, stop_service
 from trainer_client.distributed import free_port, init_parallel, spawn_gloo
-from trainer_client.plan_client import PlanDecision
-from trainer_client.profile import ProfileOptions, measure_profile
+from trainer_client.planning.source import PlanDecision
+from trainer_client.profiler.command import ProfileOptions, measure_profile
 from trainer_client.trainer import Trainer
 
 __all__ = ["main"]

@@ -83,7 +83,7 @@ def _trainer_steps(args: argparse.Namespace, dp: int, cp: int, records: list[dic
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from trainer_client.hf import SkrullArguments, SkrullTrainer
-    from trainer_client.model import build_model
+    from trainer_client.models.model import build_model
 
     class StepEnds(TrainerCallback):
         """When training started and each step ended."""

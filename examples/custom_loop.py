@@ -66,16 +66,20 @@ def main() -> None:
     with SkrullBatches(parallel, model=args.model, bucket_size=args.bucket_size,
                        scheduler_url=args.scheduler_url) as batches:
         for step in range(args.steps):
-            share = batches.plan(source.batch(step))
             optimizer.zero_grad(set_to_none=True)
             loss_sum = torch.zeros((), dtype=torch.float64, device=parallel.device)
-            for pack in share.micro_batches:
-                logits_TV = model(**model_inputs(pack)).logits[0]
-                token_loss_sum = F.cross_entropy(logits_TV.float(), pack.targets_T, ignore_index=IGNORE_INDEX,
-                                                 reduction="sum")
-                # Divided by the whole global batch's loss tokens, not this micro-batch's: every token weighs the same.
-                (token_loss_sum / share.num_loss_tokens).backward()
-                loss_sum += token_loss_sum.detach().double()
+            # This rank's micro-batches, packed one ahead of the loop by a background thread (stopped at the end).
+            with batches.plan(source.batch(step)) as share:
+                for pack in share.micro_batches:
+                    if pack.is_idle:  # this rank holds no token of it (replicated training): no peer waits
+                        continue
+                    logits_TV = model(**model_inputs(pack)).logits[0]
+                    token_loss_sum = F.cross_entropy(logits_TV.float(), pack.targets_T, ignore_index=IGNORE_INDEX,
+                                                     reduction="sum")
+                    # Divided by the whole global batch's loss tokens, not this micro-batch's: every token weighs
+                    # the same.
+                    (token_loss_sum / share.num_loss_tokens).backward()
+                    loss_sum += token_loss_sum.detach().double()
             all_reduce_gradients(model)
             dist.all_reduce(loss_sum)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -4,6 +4,7 @@ of each test's own, and real Redis servers (a shared one, and one a test may sto
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -17,6 +18,12 @@ from scheduler_service.web.app import create_app
 from tests.job_store_backends import RedisServer
 from tests.problem_builders import ADDITIVE_PROFILE, ProblemFactory
 from tests.servers import uvicorn_in_thread
+
+# One torch thread per process, in every process a test starts too (they inherit it): pytest-xdist keeps a worker
+# busy on every core, and a process that also took a thread per core (a one-rank trainer, a profile, torch in the
+# worker itself: none is imported above) would have OpenMP's spinning threads fight them, many times slower (the
+# rehearsal's --profile auto: 38-71 s instead of 4). torchrun sets the same for several ranks, spawn_gloo too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -61,7 +61,7 @@ def save_tokenizer(folder: Path) -> Path:
 def save_tiny_model(folder: Path, *, max_shard_size: str | None = None) -> Path:
     """The ``tiny`` catalogue model with seed 0 (what ``build_model("tiny", seed=0)`` makes), saved in ``folder``:
     in one file, or in shards of at most ``max_shard_size`` (``"300KB"``) with ``model.safetensors.index.json``."""
-    from trainer_client.model import build_model
+    from trainer_client.models.model import build_model
 
     model = build_model("tiny", seed=0)
     if max_shard_size is None:
@@ -108,7 +108,7 @@ class HubCache:
 
     def add_model_config(self, repo_id: str, *, commit: str | None = None) -> Path:
         """The ``tiny`` model's ``config.json`` alone as a model repository in the cache; its snapshot folder."""
-        from trainer_client.model import model_config
+        from trainer_client.models.model import model_config
 
         folder = self.snapshot(repo_id, commit=commit)
         model_config("tiny").save_pretrained(folder)

@@ -22,9 +22,9 @@ from skrull_proto.advise import AdviceDocument
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.hub_cache import WORDS, save_tokenizer
-from trainer_client.advise import build_parser
-from trainer_client.advise import main as advise_main
-from trainer_client.advise_inputs import read_lengths
+from trainer_client.advise.command import build_parser
+from trainer_client.advise.command import main as advise_main
+from trainer_client.advise.inputs import read_lengths
 from trainer_client.config import config_from_args
 from trainer_client.data import make_source
 from trainer_client.demo import trainer_env

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import trainer_client.auto_profile as auto
-from trainer_client.auto_profile import CPU_PROFILE, auto_profile, cache_path, default_profile, profile_key
+import trainer_client.profiler.auto as auto
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
-from trainer_client.loading import ModelLayout
-from trainer_client.parallelize import ActivationCheckpointing, Sharding
+from trainer_client.distributed.parallelize import ActivationCheckpointing, Sharding
+from trainer_client.models.loading import ModelLayout
+from trainer_client.profiler.auto import CPU_PROFILE, auto_profile, cache_path, default_profile, profile_key
 from trainer_client.profiler.sweeps import ProfileOptions
 from trainer_client.trainer import Trainer
 
@@ -167,7 +167,7 @@ def test_a_trainer_with_profile_auto_plans_with_what_it_measured(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(auto, "auto_profile_options", lambda model, device, layout, **kwargs: _options())
-    caplog.set_level(logging.INFO, logger="trainer_client.auto_profile")
+    caplog.set_level(logging.INFO, logger="trainer_client.profiler.auto")
     trainer = Trainer(TrainConfig(dp=1, cp=1, steps=1, global_batch=4, profile="auto", progress=False),
                       init_parallel(ParallelDims(dp_size=1, cp_size=1)))
     try:

@@ -77,7 +77,7 @@ def test_the_trainer_and_the_gpu_check_need_nothing_of_the_service() -> None:
 
 def test_the_service_never_imports_the_trainer() -> None:
     """Every module of ``scheduler_service`` (web, runtime, CLI and export included): the service image has no
-    torch, and the advisor's data-set and checkpoint readers live in ``trainer_client.advise_inputs``."""
+    torch, and the advisor's data-set and checkpoint readers live in ``trainer_client.advise.inputs``."""
     modules = [name for name in _modules(scheduler_service) if not name.endswith(".__main__")]  # __main__ runs
     assert {"scheduler_service.cli", "scheduler_service.runtime.advising", "scheduler_service.web.routes.advise",
             "scheduler_service.contract.advice", "scheduler_service.core.advise"} <= set(modules)
@@ -115,3 +115,14 @@ def test_every_name_the_core_exports_is_the_one_its_module_defines() -> None:
         value = getattr(scheduler_service.core, name)
         assert any(getattr(importlib.import_module(module), name, None) is value
                    for module in _modules(scheduler_service.core) if module != "scheduler_service.core"), name
+
+
+def test_the_trainers_configuration_is_its_bottom_layer() -> None:
+    """``trainer_client.config`` (so ``--help`` and a config file's checks) loads no torch, transformers, numpy or
+    numba, no HTTP client, not the wire models, and of the trainer only the names it is declared with."""
+    code = ("import json, sys\nimport trainer_client.config\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('trainer_client.') "
+            "or m.partition('.')[0] in {'torch', 'transformers', 'numpy', 'numba', 'httpx', 'skrull_proto'})))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                       text=True).stdout)
+    assert loaded == ["trainer_client.choices", "trainer_client.config", "trainer_client.foreign_keys"]

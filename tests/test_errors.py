@@ -8,6 +8,7 @@ import pytest
 
 from scheduler_service.core import errors
 from scheduler_service.core.errors import (
+    BadSequenceLengthError,
     BaselineCannotPlanError,
     InfeasiblePlanError,
     InvalidRequestError,
@@ -24,6 +25,7 @@ EXAMPLES: list[PlanningError] = [
     PlanningError("cannot plan", field="body"),
     InvalidRequestError("dp_size must be positive", field="dp_size"),
     SequenceTooLongError(index=17, num_tokens=250_000, bucket_size=26_000, cp_size=8),
+    BadSequenceLengthError("sequence 3 length must be positive, got -5 (and 2 more bad lengths)", index=3, limit=1),
     UnknownModelError("llama-9000", ["qwen2.5-0.5b", "llama3-8b"]),
     UnknownSchedulerError("magic", ["skrull", "deepspeed"]),
     UnknownProfileError("h900", ["a100"]),

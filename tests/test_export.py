@@ -24,14 +24,14 @@ from torch.multiprocessing import ProcessRaisedException
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from tests.job_store_backends import read_only, small_tmpfs
-from trainer_client.checkpoint import COMPLETE, RUN_IDENTITY, saved_run_identity, step_dir
+from trainer_client.components.checkpoint import COMPLETE, RUN_IDENTITY, saved_run_identity, step_dir
+from trainer_client.components.export import main as export_main
+from trainer_client.components.run_identity import model_identity
 from trainer_client.config import TrainConfig
 from trainer_client.demo import trainer_env
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.export import main as export_main
-from trainer_client.model import build_model
-from trainer_client.parallelize import Sharding
-from trainer_client.run_identity import model_identity
+from trainer_client.distributed.parallelize import Sharding
+from trainer_client.models.model import build_model
 from trainer_client.train import main as train_main
 from trainer_client.trainer import Trainer
 

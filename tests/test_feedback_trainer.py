@@ -15,7 +15,8 @@ from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch
 from trainer_client.demo import read_metrics, run_trainer, start_service, stop_service, trainer_command
 from trainer_client.distributed import free_port, init_parallel, spawn_gloo
-from trainer_client.trainer import MicroBatches, Trainer
+from trainer_client.loop import RankBatch
+from trainer_client.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +62,8 @@ class _CountingSource:
 class _HourLongMicroBatches(Trainer):
     """Every micro-batch reports two hours: a report the contract refuses (time_ms ≤ one hour)."""
 
-    def forward_backward(self, batch: GlobalBatch, packs: MicroBatches) -> tuple[float, int]:
-        result = super().forward_backward(batch, packs)
+    def forward_backward(self, share: RankBatch) -> tuple[float, int]:
+        result = super().forward_backward(share)
         self.micro_batch_timings = [dataclasses.replace(t, time_s=7200.0) for t in self.micro_batch_timings]
         return result
 

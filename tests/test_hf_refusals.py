@@ -19,7 +19,7 @@ from tests.hf_runs import PaddingCollator, batches, dataset, records, training_a
 from tests.hub_cache import save_tokenizer
 from trainer_client.hf import SkrullArguments, SkrullSFTTrainer, SkrullTrainer
 from trainer_client.hf.versions import TESTED, check_versions
-from trainer_client.model import build_model
+from trainer_client.models.model import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # TRL 1.16's SFTConfig defaults the name transformers 5.23 deprecated (gradient_checkpointing=True)

@@ -23,8 +23,8 @@ from tests.hub_cache import WORDS, save_tokenizer
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import init_parallel, spawn_gloo
 from trainer_client.hf import SkrullArguments, SkrullSFTTrainer
-from trainer_client.model import build_model
-from trainer_client.plan_client import PlanSource
+from trainer_client.models.model import build_model
+from trainer_client.planning.source import PlanSource
 from trainer_client.trainer import Trainer as BundledTrainer
 
 # TRL 1.16's SFTConfig defaults the name transformers 5.23 deprecated (gradient_checkpointing=True)

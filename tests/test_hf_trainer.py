@@ -42,8 +42,8 @@ from tests.hf_runs import (
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import init_parallel, spawn_gloo
 from trainer_client.hf import SkrullArguments, SkrullTrainer
-from trainer_client.model import build_model
-from trainer_client.plan_client import PlanSource
+from trainer_client.models.model import build_model
+from trainer_client.planning.source import PlanSource
 from trainer_client.trainer import Trainer as BundledTrainer
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ import pytest
 from scheduler_service.core import gds
 from scheduler_service.core.plan import Plan, PlanningProblem, make_problem
 from scheduler_service.core.simulate import simulate
-from trainer_client.auto_profile import CPU_PROFILE
 from trainer_client.data import SyntheticSource
 from trainer_client.demo import read_metrics, run_trainer, trainer_command
+from trainer_client.profiler.auto import CPU_PROFILE
 
 # A batch whose plan shards one mid-length sequence over a block of 2 (most small batches under the tiny model's
 # profile are cheapest whole or over the whole group; the precondition test below pins this one).

@@ -14,7 +14,7 @@ from tests.train_reference import unscheduled_step
 from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch, make_source
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.plan_client import PlanDecision, PlanOrigin
+from trainer_client.planning.source import PlanDecision, PlanOrigin
 from trainer_client.trainer import Trainer
 
 DP, CP = 1, 4
@@ -56,8 +56,9 @@ def _one_step_on_both_plans(out_dir: Path) -> None:
                        ("deepspeed", _deepspeed_plan(batch.sequence_lengths))):
         check_plan(plan, sequence_lengths=batch.sequence_lengths, dp_size=DP, cp_size=CP, bucket_size=BUCKET_SIZE)
         decision = PlanDecision(step=0, scheduler=name, origin=PlanOrigin.EMBEDDED, plan=plan, bucket_size=BUCKET_SIZE)
-        packs = [pack() for pack in trainer.batches.packers(batch, decision)]
-        loss, num_loss_tokens = trainer.forward_backward(batch, packs)
+        with trainer.batches.share(batch, decision) as share:
+            loss, num_loss_tokens = trainer.forward_backward(share)
+        packs = [pack() for pack in trainer.batches.packers(batch, decision)]  # what the step ran, packed again
         torch.save([pack.is_padding for pack in packs], out_dir / f"idle_{name}_{parallel.cp_rank}.pt")
         grads = trainer.gradients()  # collective under FSDP
         if parallel.is_main:

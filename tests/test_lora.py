@@ -16,14 +16,14 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from trainer_client.checkpoint import latest_checkpoint, saved_run_identity
+from trainer_client.components.checkpoint import latest_checkpoint, saved_run_identity
+from trainer_client.components.export import main as export_main
+from trainer_client.components.run_identity import Change, RunIdentity, differences
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.export import main as export_main
-from trainer_client.lora import LORA_TARGETS, LoraSettings, apply_lora, check_lora_targets
-from trainer_client.model import build_model
-from trainer_client.run_identity import Change, RunIdentity, differences
+from trainer_client.models.lora import LORA_TARGETS, LoraSettings, apply_lora, check_lora_targets
+from trainer_client.models.model import build_model
 from trainer_client.trainer import Trainer
 
 DP, CP, STEPS = 2, 2, 2

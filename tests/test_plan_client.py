@@ -21,21 +21,14 @@ from scheduler_service.core.profile import parse_profile
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.service_inputs import measured_document
-from trainer_client import plan_client
 from trainer_client.distributed import free_port
-from trainer_client.plan_client import (
-    MicroBatchTiming,
-    PlanClient,
-    PlanOrigin,
-    PlanRejected,
-    PlanSource,
-    PlanTimeout,
-    PlanUnavailable,
-)
+from trainer_client.planning import source as plan_source
+from trainer_client.planning.client import PlanClient, PlanRejected, PlanTimeout, PlanUnavailable
+from trainer_client.planning.source import MicroBatchTiming, PlanOrigin, PlanSource
 
 LENGTHS = (637, 208, 90, 138, 35, 1216, 326, 301, 270, 1742, 1014, 958, 344, 304, 347, 123)
 DP, CP, BUCKET_SIZE = 2, 2, 1024
-LOGGER = "trainer_client.plan_client"
+LOGGER = "trainer_client.planning.source"
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +227,8 @@ def test_report_the_contract_refuses_is_counted_and_warned_once_not_raised(
         assert source.report(1, plan, LENGTHS, hour_long) is None
         # > MAX_FEEDBACK_MICRO_BATCHES micro-batches in one step (measurements repeated to get there cheaply)
         with pytest.MonkeyPatch.context() as patch:
-            real = plan_client.measurements_of
-            patch.setattr(plan_client, "measurements_of",
+            real = plan_source.measurements_of
+            patch.setattr(plan_source, "measurements_of",
                           lambda *args: real(*args) * (MAX_FEEDBACK_MICRO_BATCHES + 1))
             assert source.report(2, plan, LENGTHS, [MicroBatchTiming(dp_rank=0, index=0, time_s=0.1)]) is None
     assert source.num_feedback_failures == 2

@@ -1,5 +1,5 @@
-"""``--report-to`` (``trainer_client.reporting``): TensorBoard, W&B and MLflow each hold, read back from what they
-wrote, every scalar of every step at the trainer's step; a resumed run continues the numbering; a failed run is
+"""``--report-to`` (``trainer_client.components.reporting``): TensorBoard, W&B and MLflow each hold, read back from what
+they wrote, every scalar of every step at the trainer's step; a resumed run continues the numbering; a failed run is
 recorded as failed, also one torchrun stops with SIGTERM, and the trainer closes its reports, planner and
 checkpointer whatever raises; a tracker whose package is missing is refused when the config is built, naming its
 extra. W&B runs offline and MLflow against a file store, both in the test's folder."""
@@ -25,13 +25,14 @@ import trainer_client.distributed
 import trainer_client.trainer
 from tests.wandb_records import wandb_records
 from trainer_client import train
-from trainer_client.checkpoint import Checkpointer
+from trainer_client.choices import Tracker
+from trainer_client.components.checkpoint import Checkpointer
+from trainer_client.components.reporting import Reports, open_reports, scalars
+from trainer_client.components.step_metrics import StepMetrics
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import init_parallel, spawn_gloo
 from trainer_client.loop import SkrullBatches
-from trainer_client.plan_client import PlanOrigin
-from trainer_client.reporting import Reports, Tracker, open_reports, scalars
-from trainer_client.step_metrics import StepMetrics
+from trainer_client.planning.source import PlanOrigin
 from trainer_client.train import build_parser, config_from_args
 from trainer_client.trainer import Trainer
 
@@ -57,7 +58,8 @@ def _config(tracker: Tracker, tmp_path: Path, *, resume: bool = False) -> TrainC
 
 
 def _report(config: TrainConfig, steps: Sequence[StepMetrics], *, failed: bool = False) -> None:
-    reports = open_reports(config, job_id=JOB_ID, steps_done=steps[0].step)
+    reports = open_reports(job_id=JOB_ID, steps_done=steps[0].step, metrics_out=config.metrics_out,
+                           report_to=config.report_to, logging_dir=config.logging_dir, resume=config.resume)
     for metrics in steps:
         reports.write(metrics)
     reports.close(failed=failed)

@@ -282,6 +282,14 @@ def test_reports_the_bound_of_a_range_error(client: TestClient) -> None:
     assert problem.limit == 1
 
 
+def test_one_answer_names_a_bad_length_beside_the_other_bad_fields(client: TestClient) -> None:
+    problem = assert_problem(client.post("/plan", json=plan_body(sequence_lengths=[812, -5, 97, 0], dp_size=0)),
+                             422, "sequence_lengths[1]")
+    assert {error.field for error in problem.errors} == {"sequence_lengths[1]", "dp_size"}
+    assert "(and 1 more bad lengths)" in problem.detail
+    assert problem.limit == 1
+
+
 def test_many_bad_items_give_a_short_bounded_report(client: TestClient) -> None:
     problem = assert_problem(client.post("/plan", json=plan_body(sequence_lengths=[-1] * 1000)), 422,
                              "sequence_lengths[0]")

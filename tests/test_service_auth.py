@@ -13,7 +13,7 @@ from scheduler_service.core.profile import DEFAULT_PROFILE
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.service_inputs import measured_document, settings
-from trainer_client.plan_client import PlanClient, PlanRejected
+from trainer_client.planning.client import PlanClient, PlanRejected
 
 TOKEN = "s3cret-token-for-tests"
 PLAN: dict[str, Any] = {"sequence_lengths": [637, 208, 90, 1742], "dp_size": 1, "cp_size": 2, "model": "tiny",

@@ -17,7 +17,8 @@ from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles
 from scheduler_service.web.app import create_app
 from tests.answers import assert_problem
 from tests.service_inputs import LENGTHS, report, settings
-from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanOrigin, PlanSource, measurements_of
+from trainer_client.planning.client import PlanClient
+from trainer_client.planning.source import MicroBatchTiming, PlanOrigin, PlanSource, measurements_of
 
 PAPER = builtin_profiles()["h100-paper"]
 

@@ -16,7 +16,7 @@ from tests.train_reference import unscheduled_step
 from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch, make_source
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.plan_client import PlanDecision, PlanOrigin
+from trainer_client.planning.source import PlanDecision, PlanOrigin
 from trainer_client.trainer import Trainer
 
 GLOBAL_BATCH, MAX_LENGTH = 8, 256
@@ -100,8 +100,8 @@ def _steps(out_dir: Path, dp: int, cp: int, sharding: str, case: str) -> None:
                    bucket_size=config.bucket_size)
         decision = PlanDecision(step=0, scheduler=name, origin=PlanOrigin.EMBEDDED, plan=plan,
                                 bucket_size=config.bucket_size)
-        loss, num_loss_tokens = trainer.forward_backward(batch, [pack() for pack in trainer.batches.packers(batch,
-                                                                                                            decision)])
+        with trainer.batches.share(batch, decision) as share:
+            loss, num_loss_tokens = trainer.forward_backward(share)
         grads = trainer.gradients()  # collective under FSDP
         if parallel.is_main:
             torch.save({"loss": loss, "num_loss_tokens": num_loss_tokens, "grads": grads, "plan": plan},

@@ -19,7 +19,7 @@ from trainer_client.dacp.attention import AttentionBackend, dacp_attn_varlen_fun
 from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.data import Sample
 from trainer_client.distributed import spawn_gloo
-from trainer_client.torch_compat import (
+from trainer_client.distributed.torch_compat import (
     SUPPORTED_TORCH,
     CausalVarlenAttn,
     UnsupportedTorch,

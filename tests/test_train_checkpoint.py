@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.multiprocessing import ProcessExitedException
 
-from trainer_client.checkpoint import (
+from trainer_client.components.checkpoint import (
     COMPLETE,
     LEGACY_LATEST,
     Checkpointer,
@@ -39,12 +39,12 @@ from trainer_client.checkpoint import (
     saved_run_identity,
     step_dir,
 )
+from trainer_client.components.optim import LRSchedulerName, lr_factors
+from trainer_client.components.run_identity import RunIdentity
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity
 from trainer_client.demo import read_metrics, trainer_env
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.optim import LRSchedulerName, lr_factors
-from trainer_client.run_identity import RunIdentity
 from trainer_client.train import build_parser, config_from_args
 from trainer_client.trainer import Trainer
 
@@ -254,7 +254,7 @@ def test_resume_picks_the_newest_complete_checkpoint_and_logs_each_newer_one_cut
     for num_steps_done, complete in ((2, True), (4, True), (6, False)):
         _checkpoint(tmp_path, num_steps_done, complete=complete)
     step_dir(tmp_path, 8).mkdir()  # killed before DCP wrote anything
-    with caplog.at_level(logging.INFO, logger="trainer_client.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="trainer_client.components.checkpoint"):
         assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 4)
     assert caplog.messages == [f"skipping {step_dir(tmp_path, n)}: it has no complete marker, so its save did not "
                                "finish" for n in (8, 6)]

@@ -11,9 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from scheduler_service.core.memory import Sharding
+from trainer_client.choices import Tracker
 from trainer_client.config import TrainConfig, load_config, read_config_file
 from trainer_client.foreign_keys import FOREIGN_KEYS
-from trainer_client.reporting import Tracker
 from trainer_client.train import build_parser, config_from_args, main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sft.yaml"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from trainer_client.demo import trainer_env
-from trainer_client.model import model_config
+from trainer_client.models.model import model_config
 
 LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING) trainer_client\.")
 

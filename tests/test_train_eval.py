@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from trainer_client.config import TrainConfig
 from trainer_client.data import IGNORE_INDEX, RecordEncoder
+from trainer_client.data.evaluation import EvalSet
 from trainer_client.demo import trainer_env
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.evaluation import EvalSet
-from trainer_client.model import build_model
+from trainer_client.models.model import build_model
 from trainer_client.trainer import Trainer
 
 DP, CP, STEPS, GLOBAL_BATCH, BUCKET_SIZE = 2, 2, 3, 4, 256

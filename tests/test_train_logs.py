@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from trainer_client.components.reporting import default_job_id
 from trainer_client.config import TrainConfig
 from trainer_client.demo import read_metrics, trainer_env
-from trainer_client.reporting import default_job_id
 
 STEP_LINE = re.compile(r"INFO trainer_client\.trainer: step (\d+)/(\d+): loss [0-9.]+, lr [0-9.e+-]+, \d+ tokens/s, "
                        r"plan embedded, epoch ([0-9.]+)")
@@ -79,8 +79,9 @@ def test_the_logs_the_trackers_and_the_checkpoints_number_the_steps_alike(
 
 def test_a_job_without_a_job_id_is_named_after_its_run_and_start() -> None:
     started = time.strftime("%Y%m%d-%H%M")
-    with_checkpoints = default_job_id(TrainConfig(dp=1, cp=1, checkpoint_dir=Path("checkpoints/qwen ultrachat")))
+    with_checkpoints = default_job_id(model="tiny", data="synthetic:lmsys",
+                                      checkpoint_dir=Path("checkpoints/qwen ultrachat"))
     assert with_checkpoints.startswith(f"qwen-ultrachat-{started}")
-    bare = default_job_id(TrainConfig(dp=1, cp=1, model="org/Qwen2.5-0.5B@main", data="data/chats.jsonl"))
+    bare = default_job_id(model="org/Qwen2.5-0.5B@main", data="data/chats.jsonl", checkpoint_dir=None)
     assert bare.startswith(f"Qwen2.5-0.5B-chats-{started}")
     TrainConfig(dp=1, cp=1, job_id=bare)  # a job id the contract takes

@@ -13,7 +13,7 @@ from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.plan import MicroBatch
 from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.data import Sample
-from trainer_client.model import build_model, model_inputs, model_shape
+from trainer_client.models.model import build_model, model_inputs, model_shape
 
 LENGTHS = (40, 7, 129, 1, 64)
 
@@ -62,7 +62,7 @@ def test_checkpoint_directory_loads_with_dacp_attention(tmp_path: Path) -> None:
 
 
 def test_shape_without_attention_bias_builds_a_llama_model() -> None:
-    from trainer_client.model import _config_from_shape
+    from trainer_client.models.model import _config_from_shape
 
     config = _config_from_shape(MODEL_CATALOGUE["llama-3-8b"])
     assert config.model_type == "llama" and config.attention_bias is False

@@ -13,11 +13,7 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import get_scheduler
 
-from trainer_client.config import TrainConfig
-from trainer_client.data import IGNORE_INDEX
-from trainer_client.loss import CausalLMLoss, chunked_cross_entropy
-from trainer_client.model import build_model
-from trainer_client.optim import (
+from trainer_client.components.optim import (
     LRSchedulerName,
     clip_gradients,
     lr_factors,
@@ -25,7 +21,11 @@ from trainer_client.optim import (
     warmup_cosine_factor,
     wsd_decay_steps,
 )
-from trainer_client.parallelize import ActivationCheckpointing, apply_activation_checkpointing
+from trainer_client.config import TrainConfig
+from trainer_client.data import IGNORE_INDEX
+from trainer_client.distributed.parallelize import ActivationCheckpointing, apply_activation_checkpointing
+from trainer_client.models.loss import CausalLMLoss, chunked_cross_entropy
+from trainer_client.models.model import build_model
 from trainer_client.profiler.measure import local_pack
 from trainer_client.train import build_parser, config_from_args
 

@@ -13,12 +13,12 @@ import pytest
 import torch.distributed as dist
 
 from trainer_client import trainer as trainer_module
-from trainer_client.checkpoint import COMPLETE, RUN_IDENTITY, saved_run_identity
+from trainer_client.components.checkpoint import COMPLETE, RUN_IDENTITY, saved_run_identity
+from trainer_client.components.run_identity import ResumeMismatch, RunIdentity, check_resume, model_identity
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource, make_source
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.lora import LoraSettings
-from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume, model_identity
+from trainer_client.models.lora import LoraSettings
 from trainer_client.trainer import Trainer
 
 CHECKPOINT = Path("ck/step-00000002")

@@ -31,9 +31,9 @@ def _one_step_on_every_plan(out_dir: Path) -> None:
     for name, config in runs:
         trainer = Trainer(config, parallel)
         batch = trainer.source.batch(0)
-        decision = trainer.batches.decide(batch)
-        packs = [pack() for pack in trainer.batches.packers(batch, decision)]
-        loss, num_loss_tokens = trainer.forward_backward(batch, packs)
+        with trainer.batches.plan(batch) as share:
+            loss, num_loss_tokens = trainer.forward_backward(share)
+        decision = share.decision
         grads = trainer.gradients()  # collective under FSDP
         if parallel.is_main:
             micro_batches = [len(d.micro_batches) for d in decision.plan.dp_ranks]

@@ -93,8 +93,10 @@ def test_a_failing_rank_stops_the_job_at_once_and_every_rank_names_it(tmp_path: 
     # its broken collective's.
     assert final_errors
     assert set(final_errors.values()) == {f"trainer_client.distributed.PeerFailed: global rank 2 failed: {reason}"}
+    # torchrun's summary: its first observed failure is whichever rank its agent saw exit first (rank 2, or on a
+    # loaded machine a peer that stopped on rank 2's failure), and either names rank 2's reason.
     root_cause = stderr.split("Root Cause (first observed failure):")[1]
-    assert "rank      : 2 (local_rank: 2)" in root_cause and reason in root_cause  # torchrun's summary
+    assert reason in root_cause
 
 
 def _final_errors(stderr: str) -> dict[int, str]:

@@ -28,7 +28,8 @@ from scheduler_service.runtime import work
 from scheduler_service.web.app import create_app
 from tests.grouped_plans import BINARY_PLAN, BUCKET_SIZE, CP, DP, GROUPED_PLAN, LENGTHS, problem, result_of
 from tests.service_inputs import settings
-from trainer_client.plan_client import MicroBatchTiming, PlanClient, PlanOrigin, PlanSource, measurements_of
+from trainer_client.planning.client import PlanClient
+from trainer_client.planning.source import MicroBatchTiming, PlanOrigin, PlanSource, measurements_of
 
 # ---- a JSON Schema reader, enough for the exported contract (no jsonschema dependency) ------------------------
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_client.dacp import attention
-from trainer_client.torch_compat import torch_apis
+from trainer_client.distributed.torch_compat import torch_apis
 
 RELEASES = ("2.10", "2.11", "2.12", "2.13")
 

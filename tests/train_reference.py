@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer_client.data import IGNORE_INDEX, GlobalBatch
-from trainer_client.model import build_model
+from trainer_client.models.model import build_model
 
 
 def unscheduled_step(batch: GlobalBatch) -> tuple[float, dict[str, torch.Tensor]]:

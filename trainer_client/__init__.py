@@ -1,31 +1,38 @@
 """Skrull's training client: torchrun DP × CP training with DACP attention and plans from the scheduler.
 
-Modules, one concept each:
+Sub-packages, from the bottom up (docs/development.md, "Layers"):
 
-* ``dacp``, the sub-package a loop of your own reuses: ``dacp.zigzag`` (which tokens a CP rank owns),
-  ``dacp.packing`` (a CP rank's row of a micro-batch), ``dacp.attention`` (DACP attention), ``dacp.prefetch``
-  (micro-batches packed and copied to the device ahead of the step);
-* the model: ``model`` (transformers model + attention registration), ``lora`` (adapters), ``loss`` (the chunked
-  loss of a micro-batch, its forward and backward), ``loading`` (the trained module on every rank without a full
-  copy per rank), ``parallelize`` (activation checkpointing, compiled blocks, FSDP, the gradient all-reduce),
-  ``torch_compat`` (the torch calls that differ between the supported releases);
-* the run: ``data`` (global batches), ``hub`` (Hugging Face Hub ids: the snapshot in the cache each reads),
-  ``plan_client`` (service client, embedded fallback, profile registration, feedback), ``distributed`` (mesh, process
-  launcher), ``config`` (the trainer's settings), ``choices`` (the closed sets they name, without torch),
-  ``foreign_keys`` (TRL's, transformers' and axolotl's names of them), ``optim``
-  (the schedule and clipping), ``trainer`` (the loop), ``loop`` (Skrull's plans, packing and loss normaliser for a
-  training loop of your own), ``step_metrics`` (what a step measures), ``reporting`` (where rank 0 writes it: the
-  metrics file and the experiment trackers), ``data_check`` (every record checked before step 0), ``evaluation``
-  (held-out loss), ``checkpoint`` (DCP save and resume), ``run_identity`` (what a checkpoint must share with the run
-  that resumes it), ``export`` (a Hugging Face model folder from the trained model or a checkpoint), ``train`` (the
-  entrypoint: ``skrull-train``, or one torchrun rank), ``demo`` (the end-to-end job);
-* profiles: ``profile`` (the profiler's command) over the sub-package ``profiler``: ``profiler.sweeps`` (what it
-  measures), ``profiler.document`` (the file it writes) and ``profiler.measure`` (its timing and memory probes);
-  ``auto_profile`` (``--profile auto``: measured by the run itself, cached per machine and layout);
-* the layout advisor's command: ``advise`` (``skrull-advise``) over ``advise_inputs`` (a data set's lengths as
-  this trainer encodes them, a checkpoint's shape, a profile file).
-* the sub-package ``hf``: Skrull inside transformers' ``Trainer`` and TRL's ``SFTTrainer`` (``SkrullTrainer``,
-  ``SkrullSFTTrainer``), imported only by a script that uses them.
+* the configuration, which imports nothing of the rest (no torch): ``config`` (the trainer's settings), ``choices``
+  (the closed sets and defaults they name) and ``foreign_keys`` (TRL's, transformers' and axolotl's names of them);
+* ``distributed``: the ("dp", "cp") mesh, its process groups and the process launcher; ``distributed.parallelize``
+  (activation checkpointing, compiled blocks, FSDP, the gradient all-reduce) and ``distributed.torch_compat`` (the
+  torch calls that differ between the supported releases);
+* ``dacp``, what a loop of your own reuses: ``dacp.zigzag`` (which tokens a CP rank owns), ``dacp.packing`` (a CP
+  rank's row of a micro-batch), ``dacp.attention`` (DACP attention), ``dacp.prefetch`` (micro-batches packed and
+  copied to the device ahead of the step);
+* ``models``: ``models.model`` (transformers model + attention registration), ``models.lora`` (adapters),
+  ``models.loss`` (the chunked loss of a micro-batch, its forward and backward), ``models.loading`` (the trained
+  module on every rank without a full copy per rank);
+* ``data``: global batches of records or synthetic lengths; ``data.hub`` (Hugging Face Hub ids: the snapshot in the
+  cache each reads), ``data.check`` (every record checked before step 0), ``data.evaluation`` (held-out loss);
+* ``planning``: ``planning.client`` (the scheduler service over HTTP) and ``planning.source`` (rank 0's plans: the
+  service's, the embedded core's as fallback, profile registration, feedback);
+* ``components``: ``optim`` (AdamW, the schedule, clipping), ``step_metrics`` (what a step measures),
+  ``reporting`` (where rank 0 writes it: the metrics file and the experiment trackers), ``checkpoint`` (DCP save and
+  resume), ``run_identity`` (what a checkpoint must share with the run that resumes it), ``export`` (a Hugging Face
+  model folder from the trained model or a checkpoint);
+* ``profiler``: ``profiler.command`` (``skrull-profile``, ``python -m trainer_client.profile``) over
+  ``profiler.sweeps`` (what it measures), ``profiler.document`` (the file it writes) and ``profiler.measure`` (its
+  timing and memory probes); ``profiler.auto`` (``--profile auto``: measured by the run itself, cached per machine
+  and layout);
+* ``advise``: the layout advisor's command (``skrull-advise``, ``python -m trainer_client.advise``) over
+  ``advise.inputs`` (a data set's lengths as this trainer encodes them, a checkpoint's shape, a profile file);
+* the loop and its commands: ``loop`` (Skrull's plans, packing and loss normaliser, for ``Trainer`` and a training
+  loop of your own), ``trainer`` (the bundled loop), ``train`` (the entrypoint: ``skrull-train``, or one torchrun
+  rank), ``demo`` (the end-to-end job); ``profile`` and ``export`` keep ``python -m trainer_client.profile`` and
+  ``python -m trainer_client.export`` running the commands that moved into ``profiler`` and ``components``.
+* ``hf``: Skrull inside transformers' ``Trainer`` and TRL's ``SFTTrainer`` (``SkrullTrainer``, ``SkrullSFTTrainer``),
+  imported only by a script that uses them.
 
 Public names resolve lazily, so ``import trainer_client`` does not import torch.
 """
@@ -80,31 +87,31 @@ _MODULE_OF = {
     "pack_micro_batch": "dacp.packing",
     "GlobalBatch": "data",
     "Sample": "data",
-    "PlanClient": "plan_client",
-    "PlanClientError": "plan_client",
-    "PlanDecision": "plan_client",
-    "PlanRejected": "plan_client",
-    "PlanSource": "plan_client",
-    "PlanTimeout": "plan_client",
-    "PlanUnavailable": "plan_client",
+    "PlanClient": "planning.client",
+    "PlanClientError": "planning.client",
+    "PlanDecision": "planning.source",
+    "PlanRejected": "planning.client",
+    "PlanSource": "planning.source",
+    "PlanTimeout": "planning.client",
+    "PlanUnavailable": "planning.client",
     "TrainConfig": "config",
     "Trainer": "trainer",
-    "build_model": "model",
-    "register_dacp_attention": "model",
-    "model_inputs": "model",
+    "build_model": "models.model",
+    "register_dacp_attention": "models.model",
+    "model_inputs": "models.model",
     "RankBatch": "loop",
     "SkrullBatches": "loop",
     "PlanningFailed": "loop",
     "ParallelContext": "distributed",
     "ParallelDims": "distributed",
     "init_parallel": "distributed",
-    "Sharding": "parallelize",
+    "Sharding": "distributed.parallelize",
     "padded_length": "dacp.zigzag",
     "zigzag_positions": "dacp.zigzag",
-    "run_micro_batch": "loss",
-    "MicroBatchTiming": "plan_client",
-    "ProfileOptions": "profile",
-    "measure_profile": "profile",
+    "run_micro_batch": "models.loss",
+    "MicroBatchTiming": "planning.source",
+    "ProfileOptions": "profiler.command",
+    "measure_profile": "profiler.command",
 }
 
 

@@ -2,6 +2,8 @@
 fields with them, so that ``--help`` and a config's checks answer without importing torch or transformers (the
 configuration is the bottom of the trainer; the modules that implement a choice read it from here).
 
+The defaults of the plan client and the data's names (``DEFAULT_PLAN_*``, ``SYNTHETIC_PREFIX``, ``CHAT_TEMPLATES``)
+and the trackers (``Tracker``) live here, and their modules read them from here.
 ``AttentionBackend``, ``LoraExport`` and ``DEFAULT_CHUNK_TOKENS`` are also defined by the modules that implement them
 (``dacp.attention``, ``lora``, ``loss``), until those read them from here; ``tests/test_train_config.py`` holds the two
 definitions equal.
@@ -9,13 +11,38 @@ definitions equal.
 
 from __future__ import annotations
 
+import importlib.util
 from enum import StrEnum
+from pathlib import Path
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "DEFAULT_COLLECTIVE_TIMEOUT_S", "AttentionBackend", "FsdpUnits", "LRSchedulerName",
-           "LoraExport", "LossOn"]
+__all__ = ["CHAT_TEMPLATES", "DEFAULT_CHUNK_TOKENS", "DEFAULT_COLLECTIVE_TIMEOUT_S", "DEFAULT_PLAN_ATTEMPTS",
+           "DEFAULT_PLAN_TIMEOUT_S", "SYNTHETIC_PREFIX", "AttentionBackend", "FsdpUnits", "LRSchedulerName",
+           "LoraExport", "LossOn", "Tracker", "chat_template_of", "check_installed"]
 
-DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # of every process group (distributed.py)
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # of every process group (distributed/)
 DEFAULT_CHUNK_TOKENS = 4096  # tokens per chunk of the LM head and cross-entropy (loss.py)
+DEFAULT_PLAN_TIMEOUT_S = 5.0  # per POST /plan attempt (planning/client.py)
+DEFAULT_PLAN_ATTEMPTS = 3  # before the embedded planner plans the batch (planning/source.py)
+SYNTHETIC_PREFIX = "synthetic:"  # --data synthetic:DATASET: lengths drawn from a built-in sampler (data.py)
+
+# --chat-template NAME: templates known by name (a file's Jinja otherwise). ChatML, as Qwen's and many others' chats
+# are written; its markers are tokens of their tokenizers, and plain text of any other.
+CHAT_TEMPLATES = {
+    "chatml": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+               "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+               "{% endif %}"),
+}
+
+
+def chat_template_of(spec: str) -> str:
+    """``--chat-template``: a template known by name (``CHAT_TEMPLATES``), or the Jinja text of a file."""
+    if spec in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--chat-template {spec!r} is neither a file of Jinja nor a template known by name "
+                         f"({', '.join(CHAT_TEMPLATES)})")
+    return path.read_text()
 
 
 class AttentionBackend(StrEnum):
@@ -67,3 +94,20 @@ class LossOn(StrEnum):
     ASSISTANT = "assistant"  # a chat's assistant turns; a prompt–completion record's completion
     COMPLETION = "completion"  # a chat's last assistant turn; a prompt–completion record's completion
     ALL = "all"  # every token, the template's markup and the prompts included
+
+
+class Tracker(StrEnum):
+    """An experiment tracker ``--report-to`` can name (``reporting.py``). Its value is also the module it imports
+    and the extra that installs it (the ``mlflow`` extra installs mlflow-skinny, whose module is ``mlflow``)."""
+
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    MLFLOW = "mlflow"
+
+
+def check_installed(tracker: Tracker) -> None:
+    """Raise ``ValueError`` naming the extra to install unless ``tracker``'s package can be imported; it looks the
+    package up without importing it, so a config check costs nothing."""
+    if importlib.util.find_spec(tracker.value) is None:
+        raise ValueError(f"--report-to {tracker} needs the {tracker} package, which is not installed: "
+                         f"pip install 'skrull[{tracker}]'")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import os
 import re
@@ -55,28 +56,31 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import ErrorDetails
-from skrull_proto.models import JobId
 
+from scheduler_service.core.choices import MAX_TOKEN_BUCKETS, SchedulerName
 from scheduler_service.core.memory import LORA_TARGETS, ActivationCheckpointing, Sharding
 from scheduler_service.core.models import MODEL_CATALOGUE
-from scheduler_service.core.plan import MAX_TOKEN_BUCKETS, SchedulerName
 from trainer_client.choices import (
+    CHAT_TEMPLATES,
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_COLLECTIVE_TIMEOUT_S,
+    DEFAULT_PLAN_ATTEMPTS,
+    DEFAULT_PLAN_TIMEOUT_S,
+    SYNTHETIC_PREFIX,
     AttentionBackend,
     FsdpUnits,
     LoraExport,
     LossOn,
     LRSchedulerName,
+    Tracker,
+    chat_template_of,
+    check_installed,
 )
-from trainer_client.data import CHAT_TEMPLATES, SYNTHETIC_PREFIX, chat_template_of
 from trainer_client.foreign_keys import FOREIGN_KEYS, translate
-from trainer_client.plan_client import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
-from trainer_client.reporting import Tracker, check_installed
 
 if TYPE_CHECKING:  # torch's modules: the configuration imports them only where a value needs them (module docstring)
     from trainer_client.distributed import ParallelDims
-    from trainer_client.lora import LoraSettings
+    from trainer_client.models.lora import LoraSettings
 
 __all__ = [
     "CONFIG_SUFFIXES",
@@ -103,7 +107,6 @@ GROUPS: dict[str, str] = {
                  "and measured step time, peak memory) in experiment trackers, from rank 0",
     "fault injection": "for tests of failure handling; never in real runs",
 }
-_JOB_ID: TypeAdapter[str] = TypeAdapter(JobId)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,9 +203,18 @@ def _dtype(name: str) -> str:
     return name
 
 
+@functools.cache
+def _job_id_rule() -> TypeAdapter[str]:
+    """The wire contract's job id, imported at the first one checked: the contract's models take 0.2 s to build,
+    which ``--help`` and a run without ``--job-id`` need not pay."""
+    from skrull_proto.models import JobId
+
+    return TypeAdapter(JobId)
+
+
 def _job_id(job_id: str) -> str:
     try:
-        return _JOB_ID.validate_python(job_id)
+        return _job_id_rule().validate_python(job_id)
     except ValidationError:
         raise ValueError(f"{job_id!r} is not a valid job id: 1 to 128 characters, letters, digits and . _ : - only, "
                          "starting with a letter or digit") from None
@@ -406,7 +418,7 @@ class TrainConfig(BaseModel):
     def lora(self) -> LoraSettings | None:
         if self.lora_rank is None:
             return None
-        from trainer_client.lora import LoraSettings
+        from trainer_client.models.lora import LoraSettings
 
         alpha = self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
         return LoraSettings(rank=self.lora_rank, alpha=alpha, targets=self.lora_targets)
@@ -437,7 +449,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--lr-scheduler {self.lr_scheduler} does not read --min-lr-ratio (only "
                              f"{', '.join(readers)} do): leave it out, or choose one of those")
         if self.compile or self.cuda_graphs:
-            from trainer_client.parallelize import check_compile_layout
+            from trainer_client.distributed.parallelize import check_compile_layout
 
             check_compile_layout(self.activation_checkpointing)
         if self.token_buckets is not None and self.token_buckets > MAX_TOKEN_BUCKETS:

@@ -45,8 +45,8 @@ from pathlib import Path
 import httpx
 
 from trainer_client.distributed import free_port
-from trainer_client.model import model_shape
-from trainer_client.profile import ProfileOptions
+from trainer_client.models.model import model_shape
+from trainer_client.profiler.command import ProfileOptions
 
 __all__ = ["RunSummary", "build_parser", "default_layout", "demo_comm_sizes", "main", "run_trainer", "start_service",
            "stop_service", "summarize"]

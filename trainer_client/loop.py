@@ -17,9 +17,10 @@ The model sees each micro-batch through one attention function: ``register_dacp_
 calls it) makes ``attn_implementation="dacp"`` available to transformers, and ``model_inputs(pack)`` hands
 the metadata to it. ``examples/custom_loop.py`` is a whole loop; docs/guides/custom-loop.md walks through it.
 
-``Trainer`` is such a loop too: it takes the same three steps in finer grains (``decide``, then ``packed``: the
-micro-batches packed one ahead on a background thread), asks for the next batch's plan while a step trains
-(``prefetch``) and reports what the step measured (``report``), all through one ``SkrullBatches``.
+``Trainer`` is such a loop too, on the same entry point: ``plan`` (with ``prefetch=``, the next batch, whose plan
+is asked for while a step trains), then ``report`` of what the step measured (feedback). The micro-batches come
+packed one ahead of the loop by a background thread (``dacp/prefetch.py``); a plan made elsewhere is packed by
+``share`` (``decide`` is ``plan``'s first half).
 """
 
 from __future__ import annotations
@@ -37,31 +38,37 @@ from scheduler_service.core.costing import place_degrees, token_bucket_sizes
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import MicroBatch, Plan, SchedulerName, SpanningMicroBatch
 from scheduler_service.core.profile import Profile
+from trainer_client.choices import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
 from trainer_client.dacp.prefetch import PrefetchedMicroBatches
 from trainer_client.data import GlobalBatch, Sample
 from trainer_client.distributed import ParallelContext
-from trainer_client.parallelize import Sharding, num_padding_micro_batches
-from trainer_client.plan_client import (
-    DEFAULT_PLAN_ATTEMPTS,
-    DEFAULT_PLAN_TIMEOUT_S,
-    MicroBatchTiming,
-    PlanClient,
-    PlanDecision,
-    PlanOrigin,
-    PlanSource,
-)
+from trainer_client.distributed.parallelize import Sharding, num_padding_micro_batches
+from trainer_client.planning.client import PlanClient
+from trainer_client.planning.source import MicroBatchTiming, PlanDecision, PlanOrigin, PlanSource
 
 __all__ = ["PlanningFailed", "RankBatch", "SkrullBatches", "decide_plan", "micro_batch_packers", "run_order"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankBatch:
-    """One rank's share of a global batch: what it runs, in order, and what every micro-batch's loss is divided by."""
+    """One rank's share of a global batch: what it runs, in order, and what every micro-batch's loss is divided by.
+    Use it in ``with`` (or iterate its micro-batches to the end): leaving the block stops the thread that packs them.
+    """
 
     decision: PlanDecision  # the plan every rank received, where it came from and its estimated time
-    micro_batches: tuple[PackedMicroBatch, ...]  # run in order, accumulating gradients; idle ones are left out
+    # Run in order, once, accumulating gradients: each packed (and on CUDA copied to the device) by a background
+    # thread one ahead of the one the loop runs. Replicated training only may have idle ones (``is_idle``: this rank
+    # holds no token of it, and no peer waits for it), which the loop skips; under FSDP padding stands in.
+    micro_batches: PrefetchedMicroBatches
     num_loss_tokens: int  # of the whole global batch, the same on every rank: the loss normaliser
+
+    def __enter__(self) -> RankBatch:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.micro_batches.close()
 
 
 class SkrullBatches:
@@ -113,21 +120,29 @@ class SkrullBatches:
             self.plans.check_service()
             self.plans.warm_up()
 
-    def plan(self, batch: GlobalBatch) -> RankBatch:
-        """This rank's packed micro-batches of ``batch``, on its device, and the loss normaliser.
+    def plan(self, batch: GlobalBatch, *, prefetch: GlobalBatch | None = None) -> RankBatch:
+        """This rank's share of ``batch``: its plan, its micro-batches and the loss normaliser (``RankBatch``).
 
-        Collective: every rank calls it with the same batch. Raises ``PlanningFailed`` on every rank when rank 0
-        cannot plan the batch (a sequence longer than ``bucket_size × cp_size``).
+        ``prefetch``: the next global batch, whose plan rank 0 asks the service for while this one trains (only
+        rank 0's is read; without a service nothing is asked ahead). Collective: every rank calls it with the same
+        batch. Raises ``PlanningFailed`` on every rank when rank 0 cannot plan the batch (a sequence longer than
+        the world holds, ``bucket_size × cp_size × dp_size``).
         """
         decision = self.decide(batch)
-        packs = (pack().to(self.parallel.device) for pack in self.packers(batch, decision))
-        # Only replicated training has idle micro-batches (no token, no collective): no peer waits for them.
-        return RankBatch(decision=decision, micro_batches=tuple(pack for pack in packs if not pack.is_idle),
-                         num_loss_tokens=batch.num_loss_tokens)
+        if prefetch is not None and self.plans is not None:
+            self.plans.prefetch(prefetch.step, prefetch.sequence_lengths)
+        return self.share(batch, decision)
 
     def decide(self, batch: GlobalBatch) -> PlanDecision:
-        """``batch``'s plan on every rank, checked (``decide_plan``). Collective, as ``plan``."""
+        """``batch``'s plan on every rank, checked (``decide_plan``): the first half of ``plan``. Collective."""
         return decide_plan(self.plans, batch, parallel=self.parallel)
+
+    def share(self, batch: GlobalBatch, decision: PlanDecision) -> RankBatch:
+        """This rank's share of ``batch`` under ``decision``: the second half of ``plan``, also for a plan made
+        elsewhere (the tests' hand-built ones). Not collective."""
+        return RankBatch(decision=decision,
+                         micro_batches=PrefetchedMicroBatches(self.packers(batch, decision), self.parallel.device),
+                         num_loss_tokens=batch.num_loss_tokens)
 
     def packers(self, batch: GlobalBatch, decision: PlanDecision) -> list[Callable[[], PackedMicroBatch]]:
         """This rank's micro-batches of ``decision`` in plan order, each packed when called
@@ -136,18 +151,6 @@ class SkrullBatches:
         return micro_batch_packers(batch.samples, decision.plan, parallel=self.parallel, sharding=self.sharding,
                                    pad_token_id=self.pad_token_id,
                                    token_buckets=token_bucket_sizes(decision.bucket_size, self.token_buckets))
-
-    def packed(self, batch: GlobalBatch, decision: PlanDecision) -> PrefetchedMicroBatches:
-        """This rank's micro-batches of ``decision``, packed (and on CUDA copied to the device) by a background
-        thread one ahead of the one the loop runs; iterate once inside ``with``. Idle ones are included (their
-        ``is_idle`` says so), as the loop's gradient synchronisation may need their count."""
-        return PrefetchedMicroBatches(self.packers(batch, decision), self.parallel.device)
-
-    def prefetch(self, batch: GlobalBatch) -> None:
-        """Start asking the service for ``batch``'s plan while the current step trains (rank 0; elsewhere, and
-        without a service, nothing)."""
-        if self.plans is not None:
-            self.plans.prefetch(batch.step, batch.sequence_lengths)
 
     def report(self, batch: GlobalBatch, decision: PlanDecision, timings: Sequence[MicroBatchTiming]) -> None:
         """Report what this rank measured of ``batch``'s micro-batches to the service (feedback), in the

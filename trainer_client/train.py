@@ -183,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from trainer_client.distributed import PeerFailed, init_parallel, report_failure
-    from trainer_client.torch_compat import check_torch_version
+    from trainer_client.distributed.torch_compat import check_torch_version
     from trainer_client.trainer import Trainer
 
     is_main = _global_rank() == 0

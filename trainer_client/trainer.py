@@ -1,6 +1,6 @@
 """The training loop: one optimizer step per global batch, planned by Skrull, run with DACP.
 
-Per global batch ``s`` (identical data on every rank, ``data.py``):
+Per global batch ``s`` (identical data on every rank, ``data``):
 
 1. rank 0 decides the plan (``PlanSource``: service, else embedded core) and
    broadcasts the *decision* over a gloo group; the plan is checked once on
@@ -67,10 +67,9 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,8 +84,8 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, builtin_profiles, resolve_profile
-from trainer_client.auto_profile import AUTO_PROFILE, auto_profile, default_profile
-from trainer_client.checkpoint import (
+from trainer_client.choices import FsdpUnits
+from trainer_client.components.checkpoint import (
     Checkpointer,
     TrainState,
     latest_checkpoint,
@@ -94,9 +93,12 @@ from trainer_client.checkpoint import (
     saved_run_identity,
     step_dir,
 )
-from trainer_client.choices import FsdpUnits
+from trainer_client.components.export import export_model, load_export_tokenizer
+from trainer_client.components.optim import build_optimizer, clip_gradients, lr_schedule
+from trainer_client.components.reporting import Reports, default_job_id, open_reports
+from trainer_client.components.run_identity import ResumeMismatch, RunIdentity, check_resume
+from trainer_client.components.step_metrics import MicroBatchTimer, StepMetrics
 from trainer_client.config import TrainConfig
-from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.data import (
     DataSource,
     GlobalBatch,
@@ -107,43 +109,31 @@ from trainer_client.data import (
     make_source,
     record_encoder,
 )
-from trainer_client.data_check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records, write_bad_records
+from trainer_client.data.check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records, write_bad_records
+from trainer_client.data.evaluation import EvalSet
+from trainer_client.data.hub import fetch_on_rank_0_first
 from trainer_client.distributed import ParallelContext, max_over_ranks
-from trainer_client.evaluation import EvalSet
-from trainer_client.export import export_model, load_export_tokenizer
-from trainer_client.hub import fetch_on_rank_0_first
-from trainer_client.loading import ModelLayout, build_training_module, check_weights_present
-from trainer_client.loop import SkrullBatches
-from trainer_client.loss import micro_batch_loss, run_micro_batch
-from trainer_client.model import model_folder, model_shape
-from trainer_client.optim import clip_gradients, lr_schedule
-from trainer_client.parallelize import (
+from trainer_client.distributed.parallelize import (
     check_compile,
     check_cuda_graphs,
     prepare_micro_batch,
     reduce_gradients,
     reshard,
 )
-from trainer_client.plan_client import MicroBatchTiming, plan_capacity
+from trainer_client.loop import RankBatch, SkrullBatches
+from trainer_client.models.loading import ModelLayout, build_training_module, check_weights_present
+from trainer_client.models.loss import micro_batch_loss, run_micro_batch
+from trainer_client.models.model import model_folder, model_shape
+from trainer_client.planning.source import MicroBatchTiming, plan_capacity
+from trainer_client.profiler.auto import AUTO_PROFILE, auto_profile, default_profile
 from trainer_client.profiler.measure import check_profile_machine
-from trainer_client.reporting import Reports, default_job_id, open_reports
-from trainer_client.run_identity import ResumeMismatch, RunIdentity, check_resume
-from trainer_client.step_metrics import MicroBatchTimer, StepMetrics
 
-__all__ = ["InjectedFault", "MicroBatches", "Trainer"]
+__all__ = ["InjectedFault", "Trainer"]
 
 logger = logging.getLogger("trainer_client.trainer")
 
 DEFAULT_CUDA_GRAPH_BUCKETS = 4  # --cuda-graphs without --token-buckets: BucketSize down to an eighth of it
 FP32_BYTES = 4  # FSDP reduces gradients in fp32
-
-
-class MicroBatches(Protocol):
-    """A step's packed micro-batches, iterated once in plan order: a list, or ``PrefetchedMicroBatches``."""
-
-    def __len__(self) -> int: ...
-
-    def __iter__(self) -> Iterator[PackedMicroBatch]: ...
 
 
 class InjectedFault(RuntimeError):
@@ -159,6 +149,7 @@ class Trainer:
             self._resources = opened.pop_all()
 
     def _build(self, config: TrainConfig, parallel: ParallelContext, opened: ExitStack) -> None:
+        """Each part of the run, in the order each needs the ones before it."""
         self.config = config
         self.parallel = parallel
         self.device = parallel.device
@@ -173,11 +164,25 @@ class Trainer:
             check_compile(self.device, flag="--cuda-graphs")
         elif config.compile:
             check_compile(self.device)
+        self._build_layout(shape)
+        self._build_data(shape)
+        self._build_model()
+        self.optimizer = build_optimizer(self.params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+        self._build_checkpointing(opened)
+        self.lr_schedule = lr_schedule(self.optimizer, scheduler=self.config.lr_scheduler, lr=self.config.lr,
+                                       warmup_steps=self.config.warmup_steps, total_steps=self.config.steps,
+                                       min_lr_ratio=self.config.min_lr_ratio, first_step=self.first_step)
+        self._build_loop(opened)
+
+    def _build_layout(self, shape: ModelShape) -> None:
+        """How the model lies on the device (dtype, sharding, FSDP units, compilation), the profile that prices it,
+        and what a rank holds: the BucketSize, the token buckets, the longest sequence."""
+        config = self.config
         self.layout = ModelLayout.on(self.device, dtype=config.dtype, sharding=self.sharding,
                                      activation_checkpointing=config.activation_checkpointing,
                                      loss_chunk_tokens=config.loss_chunk_tokens, compiled=config.compile)
         self.autocast_dtype = self.layout.autocast_dtype
-        if self.device.type == "cpu" and self.layout.param_dtype == torch.bfloat16 and parallel.is_main:
+        if self.device.type == "cpu" and self.layout.param_dtype == torch.bfloat16 and self.parallel.is_main:
             logger.warning("--dtype bfloat16 on the CPU: the model computes in bfloat16 there, which most CPUs run "
                            "slower than float32 and no CPU test checks; float32 is the CPU's default")
         self.profile = self._profile(config.profile or default_profile(self.device))
@@ -194,6 +199,11 @@ class Trainer:
         self.max_length = config.max_length or self.bucket_size * config.cp
         # What the planner costs sequences with: a catalogue name, or a checkpoint's shape.
         self.plan_model = shape if model_folder(config.model) is not None else config.model
+
+    def _build_data(self, shape: ModelShape) -> None:
+        """The training records (every one checked before step 0, ``_check_data``), the steps ``--epochs`` makes of
+        them, the eval set, and the run's identity that every checkpoint keeps."""
+        config = self.config
         self.source: DataSource = make_source(
             config.data, global_batch_size=config.global_batch, vocab_size=shape.vocab_size,
             max_length=self.max_length, seed=config.seed, shuffle=config.shuffle, **self._encoding(),
@@ -208,32 +218,42 @@ class Trainer:
                          if config.eval_data is not None else None)
         self.identity = RunIdentity.of(config, self.source)  # saved with every checkpoint, checked on resume
         self.lengths = LengthStats()  # of the batches this run trained
+
+    def _build_model(self) -> None:
+        """The model as the layout lays it out (LoRA adapters included), its trained parameters, and the tokenizer
+        an export saves beside it."""
+        config = self.config
         self.export_tokenizer = (load_export_tokenizer(config.tokenizer, chat_template=config.chat_template)
                                  if config.output_dir is not None and config.tokenizer is not None else None)
-        self.module = build_training_module(config.model, parallel=parallel, layout=self.layout, seed=config.seed,
-                                            lora=config.lora)
+        self.module = build_training_module(config.model, parallel=self.parallel, layout=self.layout,
+                                            seed=config.seed, lora=config.lora)
         self.pad_token_id = int(getattr(self.module.lm.config, "pad_token_id", None) or 0)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+
+    def _build_checkpointing(self, opened: ExitStack) -> None:
+        """The checkpointer of ``--checkpoint-dir``, and under ``--resume`` the state it restores (weights,
+        optimizer, data position, the steps done)."""
+        config = self.config
         self.first_step = 0
-        self.num_padding_micro_batches = 0  # of the latest step, summed over all ranks
-        self.micro_batch_time_s = 0.0  # of the latest step, the slowest rank's
         self.checkpointer = (Checkpointer(config.checkpoint_dir, keep_last=config.keep_last,
-                                          async_save=config.async_checkpoint, timeout=parallel.collective_timeout)
+                                          async_save=config.async_checkpoint,
+                                          timeout=self.parallel.collective_timeout)
                              if config.checkpoint_dir is not None else None)
         if self.checkpointer is not None:
             opened.callback(self.checkpointer.close)
         if config.resume:
             assert config.checkpoint_dir is not None
             self._resume(config.checkpoint_dir)
-        self.lr_schedule = lr_schedule(self.optimizer, scheduler=config.lr_scheduler, lr=config.lr,
-                                       warmup_steps=config.warmup_steps, total_steps=config.steps,
-                                       min_lr_ratio=config.min_lr_ratio, first_step=self.first_step)
+
+    def _build_loop(self, opened: ExitStack) -> None:
+        """What each step runs through: the plans, packing, plan prefetch and feedback (``SkrullBatches``, the loop
+        API a training loop of one's own uses), the micro-batch timer, and rank 0's reports."""
+        config, parallel = self.config, self.parallel
         # rank 0's names the service's feedback job and the reported runs (--logging-dir's default runs/JOB_ID)
-        job_id = config.job_id or default_job_id(config)
+        job_id = config.job_id or default_job_id(model=config.model, data=config.data,
+                                                   checkpoint_dir=config.checkpoint_dir)
         if parallel.is_main and config.report_to:
             logger.info("job %s: reporting to %s", job_id, ", ".join(config.report_to))
-        # Plans, packing, plan prefetch and feedback: the loop API a training loop of one's own uses (loop.py).
         self.batches = SkrullBatches(
             parallel, model=self.plan_model, bucket_size=self.bucket_size,
             scheduler=config.scheduler, scheduler_url=config.scheduler_url or None, profile=self.profile,
@@ -247,10 +267,13 @@ class Trainer:
         self.timer = MicroBatchTimer(self.device, dp_rank=parallel.dp_rank,
                                      enabled=self.device.type != "cuda" or config.feedback)
         self.micro_batch_timings: list[MicroBatchTiming] = []  # this rank's, of the latest step
+        self.num_padding_micro_batches = 0  # of the latest step, summed over all ranks
+        self.micro_batch_time_s = 0.0  # of the latest step, the slowest rank's
         self._next_batch: GlobalBatch | None = None  # rank 0: the batch built for the prefetch, trained next step
         self._trained = False  # train() ran to its end: the trackers record the run as finished, else failed
-        self.reports = (open_reports(config, job_id=job_id, steps_done=self.first_step) if parallel.is_main
-                        else Reports())
+        self.reports = (open_reports(job_id=job_id, steps_done=self.first_step, metrics_out=config.metrics_out,
+                                     report_to=config.report_to, logging_dir=config.logging_dir, resume=config.resume)
+                        if parallel.is_main else Reports())
         opened.callback(lambda: self.reports.close(failed=not self._trained))
 
     def _profile(self, choice: str | None) -> str | Profile | None:
@@ -284,7 +307,7 @@ class Trainer:
                             profile=profile).bucket_size
 
     def _check_data(self) -> None:
-        """Find, before step 0, every training record that cannot train (``data_check.py``): every rank encodes its
+        """Find, before step 0, every training record that cannot train (``data/check.py``): every rank encodes its
         share of the records and every rank gets the whole verdict. Records that cannot train stop every rank with
         one message listing them, unless ``--skip-bad-records`` leaves them out of every epoch; either way rank 0
         lists them in the run folder. Logs the layout's sizes and, for records, the length distribution of what
@@ -422,14 +445,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ compute
 
-    def forward_backward(self, batch: GlobalBatch, packs: MicroBatches) -> tuple[float, int]:
-        """Accumulate this rank's gradients over ``packs`` (iterated once, in order) and reduce them over all ranks;
-        returns (global loss, loss tokens packed by all ranks).
+    def forward_backward(self, share: RankBatch) -> tuple[float, int]:
+        """Accumulate this rank's gradients over its share of a global batch (its micro-batches iterated once, in
+        order) and reduce them over all ranks; returns (global loss, loss tokens packed by all ranks).
 
         Every rank holds the same global batch, so each divides by its loss-token count without a collective first
         (appendix A); what the ranks actually packed is summed afterwards, for the caller to check against it.
         """
-        num_loss_tokens = batch.num_loss_tokens
+        packs, num_loss_tokens = share.micro_batches, share.num_loss_tokens
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.timer.start_step()
@@ -468,8 +491,8 @@ class Trainer:
         self.module.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in self.eval_set.batches:
-            with self.batches.packed(batch, self.batches.decide(batch)) as packs:
-                for pack in packs:
+            with self.batches.plan(batch) as share:
+                for pack in share.micro_batches:
                     if not pack.is_idle:
                         loss_sum += micro_batch_loss(self.module, pack, autocast_dtype=self.autocast_dtype,
                                                      attention_backend=self.config.attention_backend).double()
@@ -483,12 +506,12 @@ class Trainer:
     def train_step(self, step: int, batch: GlobalBatch) -> StepMetrics:
         """Train global batch ``step`` (0-based: the batch's index; step number ``step + 1``)."""
         started = time.perf_counter()
-        decision = self.batches.decide(batch)
+        next_batch = None  # rank 0 asks for its plan while this one trains
         if self.parallel.is_main and step + 1 < self.config.steps:
-            self._next_batch = self.source.batch(step + 1)
-            self.batches.prefetch(self._next_batch)
-        with self.batches.packed(batch, decision) as packs:
-            loss, num_loss_tokens = self.forward_backward(batch, packs)
+            next_batch = self._next_batch = self.source.batch(step + 1)
+        with self.batches.plan(batch, prefetch=next_batch) as share:
+            loss, num_loss_tokens = self.forward_backward(share)
+        decision = share.decision
         assert num_loss_tokens == batch.num_loss_tokens, "packing lost or repeated loss tokens"
         grad_norm = clip_gradients(self.params, max_norm=self.config.max_grad_norm)
         lr = float(self.lr_schedule.get_last_lr()[0])

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BadSequenceLengthError",
     "BaselineCannotPlanError",
     "InfeasiblePlanError",
     "InvalidRequestError",
@@ -72,6 +73,14 @@ class InvalidRequestError(PlanningError):
     def __init__(self, message: str, *, field: str | None = None, limit: int | float | None = None) -> None:
         super().__init__(message, field=field)
         self.limit = limit
+
+
+class BadSequenceLengthError(InvalidRequestError):
+    """A batch's length that is not a positive integer within the service's cap: the first such, by ``index``."""
+
+    def __init__(self, message: str, *, index: int, limit: int | None) -> None:
+        super().__init__(message, field=f"sequence_lengths[{index}]", limit=limit)
+        self.index = index
 
 
 class SequenceTooLongError(InvalidRequestError):

@@ -23,13 +23,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
+from scheduler_service.core.choices import MAX_TOKEN_BUCKETS, SchedulerName
 from scheduler_service.core.costing import CostTables, block_degrees, cost_tables, place_degrees
-from scheduler_service.core.errors import InvalidRequestError, SequenceTooLongError
+from scheduler_service.core.errors import BadSequenceLengthError, InvalidRequestError, SequenceTooLongError
 from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import Profile, resolve_profile
@@ -51,25 +52,12 @@ __all__ = [
     "block_degrees",
     "check_sequence_count",
     "cp_blocks",
+    "find_bad_length",
     "make_problem",
 ]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
-
-
-class SchedulerName(StrEnum):
-    SKRULL = "skrull"
-    SKRULL_BINARY = "skrull_binary"
-    SKRULL_PAPER = "skrull_paper"
-    DEEPSPEED = "deepspeed"
-    SORTED = "sorted"
-    ROUND_ROBIN = "round_robin"
-    BALANCED = "balanced"
-    CPSAT = "cpsat"
-    DYNAMIC_CP = "dynamic_cp"  # Megatron-Core's dynamic CP, for comparison (``dynamic_cp``)
-    GROUP_BY_LENGTH = "group_by_length"  # the HF Trainer's length-grouped sampler (``baselines``)
-    BATCH_REBALANCE = "batch_rebalance"  # the HF Trainer's batch-rebalance sampler (``baselines``)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,7 +72,6 @@ class PlanLimits:
 
 
 DEFAULT_LIMITS = PlanLimits()
-MAX_TOKEN_BUCKETS = 8  # BucketSize down to 1/128 of it: more buckets capture more graphs for little padding saved
 
 
 def cp_blocks(cp_size: int, degree: int) -> tuple[tuple[int, ...], ...]:
@@ -376,20 +363,29 @@ def check_sequence_count(count: int, limits: PlanLimits) -> None:
 
 def _validate_lengths(sequence_lengths: Sequence[int], limits: PlanLimits) -> tuple[int, ...]:
     """Every length a positive integer within ``limits.max_sequence_length``: the one place these are checked (the
-    wire model types them as integers and documents the bounds). The first bad one is named by its index, with how
-    many others are bad, so that a batch of a million bad lengths costs one error to describe."""
+    wire model types them as integers and documents the bounds)."""
     check_sequence_count(len(sequence_lengths), limits)
+    problem = find_bad_length(sequence_lengths, limits)
+    if problem is not None:
+        raise problem
+    return tuple(sequence_lengths) if set(map(type, sequence_lengths)) == {int} else tuple(map(int, sequence_lengths))
+
+
+def find_bad_length(sequence_lengths: Sequence[object], limits: PlanLimits) -> BadSequenceLengthError | None:
+    """The error of the first bad length, named by its index with how many others are bad (a batch of a million
+    bad lengths costs one error to describe), or None when every one is a positive integer within
+    ``limits.max_sequence_length``. The service's parser also asks it when other fields are bad, so that one
+    answer names every bad field."""
     types = set(map(type, sequence_lengths))  # the common case checked at C speed (a plan of 4096 waits for it)
-    if all(kind is not bool and issubclass(kind, int | np.integer) for kind in types) \
-            and min(sequence_lengths) >= 1 and max(sequence_lengths) <= limits.max_sequence_length:
-        return tuple(sequence_lengths) if types == {int} else tuple(map(int, sequence_lengths))
+    if all(kind is not bool and issubclass(kind, int | np.integer) for kind in types):
+        integers = cast("Sequence[int]", sequence_lengths)
+        if min(integers, default=1) >= 1 and max(integers, default=1) <= limits.max_sequence_length:
+            return None
     problems = ((index, _length_problem(index, length, limits)) for index, length in enumerate(sequence_lengths))
     bad = [(index, problem) for index, problem in problems if problem is not None]
-    if bad:
-        (index, (message, limit)), more = bad[0], len(bad) - 1
-        raise InvalidRequestError(message + (f" (and {more} more bad lengths)" if more else ""),
-                                  field=f"sequence_lengths[{index}]", limit=limit)
-    return tuple(int(length) for length in sequence_lengths)
+    (index, (message, limit)), more = bad[0], len(bad) - 1
+    return BadSequenceLengthError(message + (f" (and {more} more bad lengths)" if more else ""), index=index,
+                                  limit=limit)
 
 
 def _length_problem(index: int, length: object, limits: PlanLimits) -> tuple[str, int | None] | None:

@@ -17,7 +17,7 @@ from skrull_proto import FeedbackRequest, JobProfileRequest, PlanRequest
 from skrull_proto.advise import AdviseRequest
 
 from scheduler_service.contract.profiles import MAX_PROFILE_FILE_BYTES
-from scheduler_service.core.plan import PlanLimits, check_sequence_count
+from scheduler_service.core.plan import PlanLimits, check_sequence_count, find_bad_length
 from scheduler_service.runtime.errors import RequestBodyError, RequestLimitError, UnsupportedMediaTypeError
 
 __all__ = [
@@ -34,12 +34,21 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 def parse_plan_request(body: bytes, content_type: str | None, *, limits: PlanLimits) -> PlanRequest:
     """Parse POST /plan's body, refusing an over-long batch *before* validating its items (the core's
     ``check_sequence_count``): pydantic reports every bad item, and a 4 MB body of strings would cost seconds to
-    describe. The lengths' values are the core's to check (``make_problem``), which names the first bad one."""
+    describe. The lengths' values are the core's to check (``make_problem``, which names the first bad one); when
+    other fields are bad too, the core's finding joins pydantic's, so that one answer names every bad field."""
     data = _json(body, content_type)
     lengths = data.get("sequence_lengths") if isinstance(data, dict) else None
     if isinstance(lengths, list):
         check_sequence_count(len(lengths), limits)
-    return _validate(PlanRequest, data)
+    try:
+        return _validate(PlanRequest, data)
+    except RequestBodyError as error:
+        bad_length = find_bad_length(lengths, limits) if isinstance(lengths, list) and lengths else None
+        if bad_length is None:
+            raise
+        item = {"type": "value_error", "loc": ("body", "sequence_lengths", bad_length.index),
+                "msg": bad_length.message, "ctx": {"limit": bad_length.limit}}
+        raise RequestBodyError([item, *error.errors], error.total + 1) from None
 
 
 def parse_advise_request(body: bytes, content_type: str | None) -> AdviseRequest:

@@ -193,7 +193,7 @@ def validation_field_path(location: Iterable[int | str]) -> str:
 
 
 def _limit_from_context(context: Mapping[str, Any] | None) -> int | float | None:
-    for key in ("ge", "gt", "le", "lt", "min_length", "max_length"):
+    for key in ("limit", "ge", "gt", "le", "lt", "min_length", "max_length"):  # limit: the core's (parsing.py)
         value = (context or {}).get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
             return value

@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer_client.dacp.packing import DacpMetadata, ShardedSpec
-from trainer_client.torch_compat import torch_apis
+from trainer_client.distributed.torch_compat import torch_apis
 
 __all__ = [
     "AttentionBackend",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from scheduler_service.core.plan import SchedulerName
 from trainer_client.dacp.attention import AttentionBackend
-from trainer_client.plan_client import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
+from trainer_client.planning.source import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 
 __all__ = ["SkrullArguments"]
 

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.trainer_utils import unwrap_peft_model
 
-from trainer_client.model import DACP_ATTENTION, check_attention_settings, register_dacp_attention
+from trainer_client.models.model import DACP_ATTENTION, check_attention_settings, register_dacp_attention
 
 __all__ = ["check_replaceable", "dacp_attention"]
 

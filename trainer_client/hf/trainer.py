@@ -53,8 +53,8 @@ from trainer_client.hf.inputs import SequenceCollator, check_collator
 from trainer_client.hf.layout import trainer_layout
 from trainer_client.hf.versions import check_versions
 from trainer_client.loop import SkrullBatches
-from trainer_client.model import config_shape, model_inputs
-from trainer_client.parallelize import prepare_micro_batch, reshard
+from trainer_client.models.model import config_shape, model_inputs
+from trainer_client.distributed.parallelize import prepare_micro_batch, reshard
 
 __all__ = ["SkrullTrainer", "SkrullTrainerMixin", "every_rank_reads_every_batch", "padding_rule"]
 

@@ -37,7 +37,7 @@ from scheduler_service.core.plan import MicroBatch
 from scheduler_service.core.profile import Profile
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.data import Sample
-from trainer_client.torch_compat import memory_tracker, torch_apis, torch_release
+from trainer_client.distributed.torch_compat import memory_tracker, torch_apis, torch_release
 
 __all__ = [
     "COLLECTIVES",

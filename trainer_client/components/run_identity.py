@@ -33,9 +33,9 @@ from pathlib import Path
 from trainer_client.choices import LRSchedulerName
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource
-from trainer_client.hub import RepoKind, fetch, hub_ref
-from trainer_client.lora import LoraSettings
-from trainer_client.model import model_folder
+from trainer_client.data.hub import RepoKind, fetch, hub_ref
+from trainer_client.models.lora import LoraSettings
+from trainer_client.models.model import model_folder
 
 __all__ = ["Change", "Difference", "ResumeMismatch", "RunIdentity", "check_resume", "differences", "model_identity",
            "model_source"]

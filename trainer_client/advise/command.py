@@ -1,7 +1,7 @@
 """``skrull-advise`` (``python -m trainer_client.advise``): the layout of N GPUs that trains a data set fastest.
 
 It reads a sample of sequence lengths from ``--data`` (what the trainer's ``--data`` takes, plus a file of lengths
-or a synthetic sample: ``advise_inputs``), prices every layout with the planning core (``core.advise``), prints
+or a synthetic sample: ``advise.inputs``), prices every layout with the planning core (``core.advise``), prints
 the ranked table with the reason the winner wins and the layouts left out, and writes the document
 ``POST /advise`` answers (``--json``, validated by the service's model), the winner's trainer config file
 (``--emit-config``, validated by the trainer's ``TrainConfig``; refused for a file of lengths, which the trainer
@@ -46,7 +46,7 @@ from scheduler_service.core.errors import PlanningError
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.samplers import DATASETS
-from trainer_client.advise_inputs import is_lengths_file, read_lengths, read_model, read_profile
+from trainer_client.advise.inputs import is_lengths_file, read_lengths, read_model, read_profile
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

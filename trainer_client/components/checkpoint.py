@@ -65,7 +65,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer_client.run_identity import RunIdentity
+from trainer_client.components.run_identity import RunIdentity
 
 __all__ = ["COMPLETE", "LEGACY_LATEST", "RUN_IDENTITY", "Checkpointer", "TrainState", "is_complete",
            "latest_checkpoint", "load_checkpoint", "load_model_weights", "prune_checkpoints", "resolve_checkpoint",
@@ -76,7 +76,7 @@ LEGACY_LATEST = "latest"
 RUN_IDENTITY = "run.json"
 _STEP_FOLDER = re.compile(r"step-(\d+)")
 
-logger = logging.getLogger("trainer_client.checkpoint")
+logger = logging.getLogger("trainer_client.components.checkpoint")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -34,7 +34,7 @@ from scheduler_service.contract.profiles import load_profile
 from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.profile import Profile, resolve_profile
 from scheduler_service.core.samplers import DATASETS, sample_lengths
-from trainer_client.hub import RepoKind, hub_ref
+from trainer_client.data.hub import RepoKind, hub_ref
 
 __all__ = ["SYNTHETIC_PREFIX", "is_lengths_file", "read_lengths", "read_model", "read_profile"]
 
@@ -106,7 +106,7 @@ def read_model(name_or_dir: str) -> ModelShape:
     Hugging Face Hub id (``ORG/NAME[@REVISION]``, whose config.json alone is fetched)."""
     if Path(name_or_dir).is_dir() or hub_ref(name_or_dir, RepoKind.MODEL_CONFIG) is not None:
         try:
-            from trainer_client.model import model_shape
+            from trainer_client.models.model import model_shape
         except ImportError as error:
             raise ValueError(f"--model {name_or_dir}: reading a checkpoint's config needs the trainer extra: "
                              f"{error}") from None

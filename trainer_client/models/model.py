@@ -56,7 +56,7 @@ from trainer_client.dacp.attention import (
     resolve_kernel,
 )
 from trainer_client.dacp.packing import PackedMicroBatch
-from trainer_client.hub import HubError, RepoKind, fetch, hub_ref
+from trainer_client.data.hub import HubError, RepoKind, fetch, hub_ref
 
 __all__ = ["DACP_ATTENTION", "build_empty_model", "build_model", "check_attention_settings", "config_shape",
            "model_config", "model_folder", "model_inputs", "model_shape", "register_dacp_attention"]
@@ -82,7 +82,7 @@ def dacp_attention_forward(
     dacp: DacpAttention | None = kwargs.get("dacp")
     if dacp is None:
         raise ValueError("DACP attention needs its micro-batch: call the model with **model_inputs(pack) "
-                         "(trainer_client.model.model_inputs)")
+                         "(trainer_client.models.model.model_inputs)")
     q_THD, k_TGD, v_TGD = (tensor.squeeze(0).transpose(0, 1) for tensor in (query, key, value))
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):

@@ -66,7 +66,7 @@ from scheduler_service.core.check import spanning_widths
 from scheduler_service.core.costing import place_degrees
 from scheduler_service.core.plan import block_degrees, cp_blocks
 from trainer_client.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
-from trainer_client.torch_compat import default_store, flatten_mesh, group_options
+from trainer_client.distributed.torch_compat import default_store, flatten_mesh, group_options
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "FirstFailure", "ParallelContext", "ParallelDims", "PeerFailed",
            "destroy_groups", "free_port", "init_parallel", "max_over_ranks", "report_failure", "spawn_gloo",

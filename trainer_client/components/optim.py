@@ -46,8 +46,14 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from trainer_client.choices import LRSchedulerName
 
-__all__ = ["LRSchedulerName", "clip_gradients", "lr_factors", "lr_schedule", "warmup_cosine_factor",
+__all__ = ["LRSchedulerName", "build_optimizer", "clip_gradients", "lr_factors", "lr_schedule", "warmup_cosine_factor",
            "wsd_decay_steps"]
+
+
+def build_optimizer(parameters: Iterable[torch.Tensor], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (torch's, its default betas and epsilon) over the trained ``parameters``: under LoRA the adapters
+    alone, under FSDP each rank's shards, so every rank keeps the optimizer states of what it holds."""
+    return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
 
 
 def warmup_cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -68,8 +68,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding
 from trainer_client.choices import FsdpUnits
-from trainer_client.loss import CausalLMLoss
-from trainer_client.torch_compat import composable_checkpoint, dynamo_supported
+from trainer_client.distributed.torch_compat import composable_checkpoint, dynamo_supported
+from trainer_client.models.loss import CausalLMLoss
 
 __all__ = [
     "ActivationCheckpointing",

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from trainer_client.dacp.attention import AttentionBackend
 from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.data import IGNORE_INDEX
-from trainer_client.model import model_inputs
+from trainer_client.models.model import model_inputs
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "CausalLMLoss", "chunked_cross_entropy", "micro_batch_loss", "run_micro_batch"]
 

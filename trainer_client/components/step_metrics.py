@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer_client.plan_client import MicroBatchTiming
+from trainer_client.planning.source import MicroBatchTiming
 
 __all__ = ["MicroBatchTimer", "StepMetrics", "peak_memory"]
 

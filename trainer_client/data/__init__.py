@@ -98,11 +98,10 @@ import numpy as np
 import numpy.typing as npt
 
 from scheduler_service.core.samplers import DATASETS, sample_lengths
-from trainer_client.choices import LossOn
-from trainer_client.hub import HubError, HubSnapshot, RepoKind, fetch, hub_ref, is_data_file_name
+from trainer_client.choices import CHAT_TEMPLATES, SYNTHETIC_PREFIX, LossOn, chat_template_of
+from trainer_client.data.hub import HubError, HubSnapshot, RepoKind, fetch, hub_ref, is_data_file_name
 
 __all__ = [
-    "CHAT_TEMPLATES",
     "IGNORE_INDEX",
     "BadRecordError",
     "DataIdentity",
@@ -117,7 +116,6 @@ __all__ = [
     "RecordTooLongError",
     "Sample",
     "SyntheticSource",
-    "chat_template_of",
     "length_summary",
     "load_tokenizer",
     "make_source",
@@ -126,7 +124,6 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-SYNTHETIC_PREFIX = "synthetic:"
 DEFAULT_SPLIT = "train"  # of a dataset folder or a Hub data set given without :SPLIT
 _TAIL_BLOCK_BYTES = 1 << 16  # a JSONL file's last record is looked for this many bytes at a time, from the end
 _DIGEST_BYTES = 1 << 16  # a parquet, CSV or JSON file's identity digests this many bytes at each end
@@ -134,7 +131,7 @@ _SNIFF_BYTES = 1 << 12  # where a .json file's first character is looked for
 
 
 class Defect(StrEnum):
-    """Why a record cannot train; ``data_check`` reports the records of each defect together, with its fix."""
+    """Why a record cannot train; ``data.check`` reports the records of each defect together, with its fix."""
 
     TOO_LONG = "too_long"  # longer than --max-length, and --truncate is off
     BEYOND_PLAN = "beyond_plan"  # longer than any plan of the layout holds (a --max-length above it)
@@ -295,30 +292,12 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return tokenizer
 
 
-# --chat-template NAME: templates known by name (a file's Jinja otherwise). ChatML, as Qwen's and many others' chats
-# are written; its markers are tokens of their tokenizers, and plain text of any other.
-CHAT_TEMPLATES = {
-    "chatml": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
-               "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-               "{% endif %}"),
-}
 # ShareGPT's speakers (``from``) as chat roles: FastChat's and axolotl's human/gpt, and LLaMA-Factory's tool turns.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                   "chatgpt": "assistant", "function_call": "assistant", "system": "system", "tool": "tool",
                   "observation": "tool", "function_response": "tool"}
 
 Tokens = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]  # input ids, and labels aligned with them
-
-
-def chat_template_of(spec: str) -> str:
-    """``--chat-template``: a template known by name (``CHAT_TEMPLATES``), or the Jinja text of a file."""
-    if spec in CHAT_TEMPLATES:
-        return CHAT_TEMPLATES[spec]
-    path = Path(spec)
-    if not path.is_file():
-        raise ValueError(f"--chat-template {spec!r} is neither a file of Jinja nor a template known by name "
-                         f"({', '.join(CHAT_TEMPLATES)})")
-    return path.read_text()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -21,7 +21,7 @@ The job id is ``--job-id``; without one, the run's name and the time it started 
 one to continue its W&B and MLflow runs after ``--resume``.
 
 Each tracker's package is an extra of its own (``pip install 'skrull[wandb]'``) and is imported only by a run
-that reports to it; ``check_installed`` refuses a missing one when ``TrainConfig`` is built, on every rank,
+that reports to it; ``choices.check_installed`` refuses a missing one when ``TrainConfig`` is built, on every rank,
 before any process group. Measured import cost on the 2-core development machine: ``wandb`` 0.4–1.9 s,
 ``mlflow`` 1.1–3.9 s, ``torch.utils.tensorboard`` under 0.1 s after torch; a new MLflow SQLite database takes
 1.5 s or more to create its tables.
@@ -37,22 +37,20 @@ W&B already has is refused when the run starts.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from trainer_client.plan_client import PlanOrigin
+from trainer_client.choices import SYNTHETIC_PREFIX, Tracker
+from trainer_client.planning.source import PlanOrigin
 
 if TYPE_CHECKING:
-    from trainer_client.config import TrainConfig
-    from trainer_client.step_metrics import StepMetrics  # the configuration reads Tracker here: no torch at import
+    from trainer_client.components.step_metrics import StepMetrics
 
 __all__ = [
     "DEFAULT_LOGGING_ROOT",
@@ -62,9 +60,7 @@ __all__ = [
     "Reporter",
     "Reports",
     "TensorBoardLog",
-    "Tracker",
     "WandbRun",
-    "check_installed",
     "default_job_id",
     "open_reports",
     "scalars",
@@ -74,34 +70,18 @@ DEFAULT_LOGGING_ROOT = Path("runs")  # --logging-dir defaults to runs/<job id>, 
 DEFAULT_PROJECT = "skrull"  # the W&B project and the MLflow experiment unless WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME
 
 
-class Tracker(StrEnum):
-    """An experiment tracker ``--report-to`` can name. Its value is also the module it imports and the extra
-    that installs it (the ``mlflow`` extra installs mlflow-skinny, whose module is ``mlflow``)."""
-
-    TENSORBOARD = "tensorboard"
-    WANDB = "wandb"
-    MLFLOW = "mlflow"
-
-
-def default_job_id(config: TrainConfig) -> str:
-    """The job's name where ``--job-id`` gives none: its ``--checkpoint-dir``'s name, else its model's and data's,
-    and the time it started (``ultrachat-sft-20261128-081500``), in the characters a job id may hold."""
-    if config.checkpoint_dir is not None:
-        name = config.checkpoint_dir.resolve().name
+def default_job_id(*, model: str, data: str, checkpoint_dir: Path | None) -> str:
+    """The job's name where ``--job-id`` gives none: its ``--checkpoint-dir``'s name, else its ``--model``'s and
+    ``--data``'s, and the time it started (``ultrachat-sft-20261128-081500``), in the characters a job id may
+    hold."""
+    if checkpoint_dir is not None:
+        name = checkpoint_dir.resolve().name
     else:  # the last part of each: qwen2.5-0.5b from Qwen/Qwen2.5-0.5B@main, chats from data/chats.jsonl:train
-        parts = [spec.removeprefix("synthetic:").split("@")[0].rstrip("/").rsplit("/", 1)[-1].split(":")[0]
-                 for spec in (config.model, config.data)]
+        parts = [spec.removeprefix(SYNTHETIC_PREFIX).split("@")[0].rstrip("/").rsplit("/", 1)[-1].split(":")[0]
+                 for spec in (model, data)]
         name = "-".join(re.sub(r"\.(jsonl|json|parquet|csv)$", "", part) for part in parts)
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:100] or "run"
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def check_installed(tracker: Tracker) -> None:
-    """Raise ``ValueError`` naming the extra to install unless ``tracker``'s package can be imported; it looks the
-    package up without importing it, so a config check costs nothing."""
-    if importlib.util.find_spec(tracker.value) is None:
-        raise ValueError(f"--report-to {tracker} needs the {tracker} package, which is not installed: "
-                         f"pip install 'skrull[{tracker}]'")
 
 
 def scalars(metrics: StepMetrics) -> dict[str, float]:
@@ -251,27 +231,29 @@ class Reports:
                 closing.callback(reporter.close, failed=failed)
 
 
-def open_reports(config: TrainConfig, *, job_id: str, steps_done: int) -> Reports:
-    """Rank 0's reporters of the run ``config`` describes, continuing after ``steps_done`` (a resumed run's
-    checkpoint's); those opened before one that fails to open are closed again."""
+def open_reports(*, job_id: str, steps_done: int, metrics_out: Path | None = None, report_to: Sequence[Tracker] = (),
+                 logging_dir: Path | None = None, resume: bool = False) -> Reports:
+    """Rank 0's reporters of job ``job_id`` (``--metrics-out``, ``--report-to``, ``--logging-dir``, ``--resume``),
+    continuing after ``steps_done`` (a resumed run's checkpoint's); those opened before one that fails to open are
+    closed again."""
     opened: list[Reporter] = []
     try:
-        if config.metrics_out is not None:
-            opened.append(MetricsFile(config.metrics_out, steps_done=steps_done))
-        for tracker in config.report_to:
-            opened.append(_open_tracker(tracker, config, job_id=job_id, steps_done=steps_done))
+        if metrics_out is not None:
+            opened.append(MetricsFile(metrics_out, steps_done=steps_done))
+        for tracker in report_to:
+            opened.append(_open_tracker(tracker, job_id=job_id, steps_done=steps_done,
+                                        directory=logging_dir or DEFAULT_LOGGING_ROOT / job_id, resume=resume))
     except BaseException:
         Reports(opened).close(failed=True)
         raise
     return Reports(opened)
 
 
-def _open_tracker(tracker: Tracker, config: TrainConfig, *, job_id: str, steps_done: int) -> Reporter:
-    directory = config.logging_dir or DEFAULT_LOGGING_ROOT / job_id
+def _open_tracker(tracker: Tracker, *, job_id: str, steps_done: int, directory: Path, resume: bool) -> Reporter:
     match tracker:
         case Tracker.TENSORBOARD:
             return TensorBoardLog(directory, steps_done=steps_done)
         case Tracker.WANDB:
-            return WandbRun(directory, job_id=job_id, resume=config.resume)
+            return WandbRun(directory, job_id=job_id, resume=resume)
         case Tracker.MLFLOW:
-            return MlflowRun(job_id=job_id, resume=config.resume)
+            return MlflowRun(job_id=job_id, resume=resume)

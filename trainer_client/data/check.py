@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from trainer_client.data import CHAT_TEMPLATES, BadRecordError, Defect, RecordEncoder, RecordReader, length_summary
+from trainer_client.choices import CHAT_TEMPLATES
+from trainer_client.data import BadRecordError, Defect, RecordEncoder, RecordReader, length_summary
 
 __all__ = ["BAD_RECORDS_FILE", "BadRecord", "BadRecordsError", "RecordCheck", "check_records", "write_bad_records"]
 

@@ -41,12 +41,12 @@ from scheduler_service.core import perf_model
 from scheduler_service.core import profile as core_profile
 from scheduler_service.core.profile import Profile
 from trainer_client.distributed import ParallelContext
-from trainer_client.loading import ModelLayout
-from trainer_client.model import model_shape
-from trainer_client.profile import measure_profile
+from trainer_client.models.loading import ModelLayout
+from trainer_client.models.model import model_shape
 from trainer_client.profiler import document as profiler_document
 from trainer_client.profiler import measure as profiler_measure
 from trainer_client.profiler import sweeps as profiler_sweeps
+from trainer_client.profiler.command import measure_profile
 from trainer_client.profiler.measure import hardware_info
 from trainer_client.profiler.sweeps import ProfileOptions
 

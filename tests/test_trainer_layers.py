@@ -1,0 +1,102 @@
+"""The trainer's sub-packages stand on each other in one order (docs/development.md, "The trainer's layers"): a
+module imports, when it is loaded, only modules of its own layer or of a layer below. Lazy imports inside functions
+(the configuration checks ``--compile`` against the parallelizer only when a config asks for it) and imports for the
+type checker alone are not loads; what importing the configuration loads is checked in a fresh interpreter
+(``tests/test_core_purity.py``: no torch, nothing of the trainer but its names).
+
+Every module of ``trainer_client`` has a layer, so a new module is placed on purpose.
+"""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+from pathlib import Path
+
+import trainer_client
+
+# Bottom first. A module belongs to the layer of its longest listed prefix.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("configuration", ("choices", "foreign_keys", "config")),
+    ("processes and plans", ("distributed", "distributed.torch_compat", "planning", "data.hub")),
+    ("data and DACP", ("data", "dacp")),
+    ("models", ("models", "distributed.parallelize")),
+    ("components, profiler, advisor", ("components", "profiler", "advise")),
+    ("loops and commands", ("loop", "trainer", "train", "demo", "profile", "export", "hf")),
+)
+
+
+def _modules() -> list[str]:
+    found = pkgutil.walk_packages(trainer_client.__path__, "trainer_client.")
+    return [info.name for info in found]
+
+
+def _layer(module: str) -> int:
+    """The index of ``module``'s layer (``trainer_client.X.Y``), by its longest listed prefix."""
+    name = module.removeprefix("trainer_client.")
+    matches = [(len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+               if name == prefix or name.startswith(prefix + ".")]
+    if not matches:
+        raise AssertionError(f"{module} is in no layer of LAYERS: place it")
+    return max(matches)[1]
+
+
+def _loaded_imports(path: Path, module: str) -> set[str]:
+    """The ``trainer_client`` modules ``path`` imports when it is loaded: module-level statements (in ``try`` and
+    plain ``if`` blocks too), not function bodies and not ``if TYPE_CHECKING:``."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    imported: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, one level up per dot after the first
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                imported.add(base)
+                imported.update(f"{base}.{alias.name}" for alias in node.names)  # a submodule imported by name
+            elif isinstance(node, ast.If):
+                if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                    visit(node.body)
+                    visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(ast.parse(path.read_text(), filename=str(path)).body)
+    modules = set(_modules()) | {"trainer_client"}
+    return {name for name in imported if name in modules and name != "trainer_client"}
+
+
+def test_every_trainer_module_has_a_layer() -> None:
+    modules = _modules()
+    assert {"trainer_client.config", "trainer_client.models.model", "trainer_client.planning.source",
+            "trainer_client.profiler.auto", "trainer_client.advise.command"} <= set(modules)
+    for module in modules:
+        _layer(module)
+
+
+def test_a_trainer_module_loads_nothing_of_a_layer_above_its_own() -> None:
+    root = Path(trainer_client.__file__).parent
+    upward = []
+    for module in _modules():
+        relative = Path(*module.split(".")[1:])
+        path = root / relative / "__init__.py" if (root / relative).is_dir() else root / relative.with_suffix(".py")
+        for imported in sorted(_loaded_imports(path, module)):
+            if _layer(imported) > _layer(module):
+                upward.append(f"{module} ({LAYERS[_layer(module)][0]}) imports {imported} "
+                              f"({LAYERS[_layer(imported)][0]})")
+    assert upward == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
+    source = tmp_path / "choices.py"
+    source.write_text("from trainer_client.trainer import Trainer\nif TYPE_CHECKING:\n    import trainer_client.loop\n"
+                      "def later():\n    import trainer_client.demo\n")
+    assert _loaded_imports(source, "trainer_client.choices") == {"trainer_client.trainer"}
