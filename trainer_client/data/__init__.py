@@ -1,4 +1,6 @@
-"""Training data: global batches of token sequences, identical on every rank.
+"""Training data: global batches of token sequences, identical on every rank. Beside it in this package: ``hub``
+(Hugging Face Hub ids: the snapshot in the cache each reads), ``check`` (every record checked before step 0) and
+``evaluation`` (the held-out set and its loss).
 
 Sources, chosen by ``--data``:
 

@@ -1,4 +1,6 @@
-"""Process-group plumbing: the DP × CP mesh, and a gloo launcher for CPU tests and tools.
+"""Process-group plumbing: the DP × CP mesh, and a gloo launcher for CPU tests and tools. Beside it in this
+package: ``parallelize`` (activation checkpointing, compiled blocks, FSDP, the gradient all-reduce, over this mesh)
+and ``torch_compat`` (the torch calls that differ between the supported releases).
 
 ``ParallelDims`` names every rank by its coordinates: ``global_rank = dp_rank ·
 cp_size + cp_rank`` (the row-major layout of ``init_device_mesh``), so the CP

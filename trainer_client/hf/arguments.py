@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_service.core.plan import SchedulerName
-from trainer_client.dacp.attention import AttentionBackend
-from trainer_client.planning.source import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
+from scheduler_service.core.choices import SchedulerName
+from trainer_client.choices import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S, AttentionBackend
 
 __all__ = ["SkrullArguments"]
 

@@ -47,6 +47,7 @@ from scheduler_service.core.memory import Sharding
 from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.data import GlobalBatch
 from trainer_client.distributed import init_parallel
+from trainer_client.distributed.parallelize import prepare_micro_batch, reshard
 from trainer_client.hf.arguments import SkrullArguments
 from trainer_client.hf.attention import check_replaceable, dacp_attention
 from trainer_client.hf.inputs import SequenceCollator, check_collator
@@ -54,7 +55,6 @@ from trainer_client.hf.layout import trainer_layout
 from trainer_client.hf.versions import check_versions
 from trainer_client.loop import SkrullBatches
 from trainer_client.models.model import config_shape, model_inputs
-from trainer_client.distributed.parallelize import prepare_micro_batch, reshard
 
 __all__ = ["SkrullTrainer", "SkrullTrainerMixin", "every_rank_reads_every_batch", "padding_rule"]
 
@@ -169,10 +169,10 @@ class SkrullTrainerMixin(_TrainerBase):
         if callable(optimizer_train):  # schedule-free optimizers, as the Trainer does
             optimizer_train()
         batch = GlobalBatch(step=self.state.global_step, samples=inputs["samples"])
-        decision = self.skrull_batches.decide(batch)
         loss = torch.zeros((), device=self.args.device)
         input_ids_T = []
-        with self.skrull_batches.packed(batch, decision) as packs:
+        with self.skrull_batches.plan(batch) as share:
+            packs = share.micro_batches
             for index, pack in enumerate(packs):
                 with self.gradient_sync(model, is_last=index == len(packs) - 1):
                     with self.compute_loss_context_manager():
@@ -227,9 +227,13 @@ class SkrullTrainerMixin(_TrainerBase):
         with dacp_attention(self.transformers_model), torch.no_grad(), self.accelerator.autocast():
             for inputs in dataloader:
                 batch = GlobalBatch(step=self.state.global_step, samples=inputs["samples"])
-                for pack in self.skrull_batches.plan(batch).micro_batches:
-                    # Divided by 1: the summed token loss (times the world size, undone below).
-                    loss_sum += self.micro_batch_loss(model, self.micro_batch_inputs(pack), num_loss_tokens=1).double()
+                with self.skrull_batches.plan(batch) as share:
+                    for pack in share.micro_batches:
+                        if pack.is_idle:  # this rank holds no token of it (replicated): no peer waits for it
+                            continue
+                        # Divided by 1: the summed token loss (times the world size, undone below).
+                        loss_sum += self.micro_batch_loss(model, self.micro_batch_inputs(pack),
+                                                          num_loss_tokens=1).double()
                 num_loss_tokens += batch.num_loss_tokens
                 num_tokens += batch.num_tokens
                 num_samples += len(batch.samples)
