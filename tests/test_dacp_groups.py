@@ -7,16 +7,23 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.core import dacp, dacp_search, gds
+from scheduler_service.core import baselines, dacp, dacp_search, gds
 from scheduler_service.core.check import find_violations
 from scheduler_service.core.costing import empty_sums, rank_time_s
 from scheduler_service.core.dacp_search import BINARY, CAP_CANDIDATES, HYBRID, STATIC
 from scheduler_service.core.errors import BaselineCannotPlanError
 from scheduler_service.core.gds_search import spread_longest_first
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, ShardedGroup, make_problem
-from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
+from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan, schedule
 from scheduler_service.core.simulate import iteration_lower_bound_s, micro_batch_sums, micro_batch_time_s, simulate
-from tests.problem_builders import ADDITIVE_PROFILE, ProblemFactory, hybrid_problems, refusal_is_the_peers_own
+from tests.problem_builders import (
+    ADDITIVE_PROFILE,
+    LAUNCH_BOUND_FLOOR_S_PER_LAYER,
+    ProblemFactory,
+    hybrid_problems,
+    refusal_is_the_peers_own,
+    with_floor,
+)
 
 LENGTHS = [9000, 7000, 5000, 3000]
 
@@ -130,6 +137,30 @@ def test_no_scheduler_beats_the_iteration_lower_bound(problem: PlanningProblem) 
             assert refusal_is_the_peers_own(name, problem, error), error
             continue
         assert simulate(problem, plan).iteration_time_s >= lower_bound_s * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("lengths", [(196, 196), (196, 190), (300, 250, 100)])
+def test_the_lower_bound_prices_every_sequence_a_spanning_block_runs_cheaper(lengths: tuple[int, ...]) -> None:
+    """Three replicas of one rank: a spanning block over all three runs two sequences (equally long, as the search
+    above found, or not) in one micro-batch, and one over two replicas runs a sequence no replica holds. The bound
+    prices every sequence whose share sets its costliest term on such blocks, of every spanning width."""
+    problem = make_problem(sequence_lengths=lengths, dp_size=3, cp_size=1, model="qwen2.5-7b", bucket_size=256,
+                           profile=with_floor(LAUNCH_BOUND_FLOOR_S_PER_LAYER))
+    lower_bound_s = iteration_lower_bound_s(problem)
+    for name in HEURISTIC_SCHEDULERS:
+        try:
+            plan, _ = schedule(problem, name)
+        except BaselineCannotPlanError as error:
+            assert refusal_is_the_peers_own(name, problem, error), error
+            continue
+        assert simulate(problem, plan).iteration_time_s >= lower_bound_s * (1 - 1e-12), name
+
+
+def test_the_balanced_baseline_ends_with_one_micro_batch_each_when_a_sequence_overfills_one() -> None:
+    """Called alone (the planner spans such a sequence first), it stops at the finest split instead of looking for
+    a finer one forever."""
+    problem = make_problem(sequence_lengths=[300, 100], dp_size=2, cp_size=1, model="tiny", bucket_size=256)
+    assert [len(rank.micro_batches) for rank in baselines.balanced(problem).dp_ranks] == [1, 1]
 
 
 def test_hybrid_shards_mid_length_sequences_over_blocks_where_that_is_cheaper(problem_of: ProblemFactory) -> None:

@@ -29,11 +29,11 @@ from scheduler_service.core.shard_effect import efficiency_candidate, predicted_
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.shard_effect_cases import flat_and_true_models, rows_timed_by
-from trainer_client import profile as profiler
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.models.loading import ModelLayout, build_training_module
 from trainer_client.models.loss import run_micro_batch
 from trainer_client.planning.source import PlanSource
+from trainer_client.profiler import command as profiler
 from trainer_client.profiler import sweeps as profile_sweeps
 from trainer_client.profiler.document import compute_section, document_json, with_shard_effect
 from trainer_client.profiler.measure import check_profile_machine, local_pack, peak_bytes

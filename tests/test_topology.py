@@ -23,8 +23,8 @@ from scheduler_service.core.plan import make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles, parse_profile
 from scheduler_service.core.simulate import simulate
-from trainer_client import profile as profiler
 from trainer_client.distributed import spawn_gloo
+from trainer_client.profiler import command as profiler
 from trainer_client.profiler.document import split_by_node
 from trainer_client.profiler.sweeps import ProfileOptions
 

@@ -233,8 +233,9 @@ def test_the_example_sft_config_is_a_run_the_trainer_accepts(
 
 def test_the_closed_sets_the_config_names_are_those_the_implementations_take() -> None:
     # choices.py mirrors them so that the configuration imports no torch; the implementations must agree.
-    from trainer_client import choices, lora, loss
+    from trainer_client import choices
     from trainer_client.dacp import attention
+    from trainer_client.models import lora, loss
 
     assert [m.value for m in choices.AttentionBackend] == [m.value for m in attention.AttentionBackend]
     assert [m.value for m in choices.LoraExport] == [m.value for m in lora.LoraExport]

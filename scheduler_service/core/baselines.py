@@ -128,7 +128,9 @@ def balanced(problem: PlanningProblem) -> Plan:
         count = min_micro_batches(problem.lengths[np.asarray(share, dtype=np.int64)], problem.micro_batch_capacity)
         while share:
             groups = karmarkar_karp(share, lengths, count)
-            if max(sum(lengths[k] for k in group) for group in groups) <= problem.micro_batch_capacity:
+            # one each is the finest split (a sequence no CP group holds is spanned before: with_needed_spanning)
+            if count == len(share) or max(sum(lengths[k] for k in group) for group in groups) \
+                    <= problem.micro_batch_capacity:
                 break
             count = min(len(share), count + max(1, count // 4))  # geometric: O(log n) tries, ends at one each
         per_rank.append(groups)

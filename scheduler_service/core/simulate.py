@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import types
 
+from scheduler_service.core.check import spanning_widths
 from scheduler_service.core.costing import (
     SUMS,
     TABLES,
@@ -292,15 +293,24 @@ def iteration_lower_bound_s(problem: PlanningProblem) -> float:
 
 def _world_placements(problem: PlanningProblem, area: FloatArray,
                       cheapest_flops: FloatArray) -> tuple[FloatArray, FloatArray]:
-    """``area`` and ``cheapest_flops`` where blocks up to the whole world are placements too. Only the longest
-    sequence can raise the bound's costliest-sequence term (a rank's share of a sequence falls with the degree and
-    grows with the length), and spreading a sequence wider never lowers its area (its total work over its ranks),
-    so only that sequence and those no CP group holds (whose area is otherwise infinite) are priced again."""
-    repriced = np.unique(np.array([*problem.too_long_for_a_replica(), np.argmax(problem.lengths)], dtype=np.int64))
-    world_degrees = np.asarray(place_degrees(problem.dp_size * problem.cp_size))[:, None]
-    lengths = problem.lengths[repriced]
-    rank_flops = np.asarray([problem.perf.placement_flops(lengths, int(degree)) for degree in world_degrees[:, 0]])
-    fits = lengths <= world_degrees * problem.bucket_size
-    area[repriced] = np.minimum(area[repriced], np.where(fits, world_degrees * rank_flops, np.inf).min(axis=0))
-    cheapest_flops[repriced] = np.minimum(cheapest_flops[repriced], np.where(fits, rank_flops, np.inf).min(axis=0))
+    """``area`` and ``cheapest_flops`` where spanning blocks (of every width up to the whole world) are placements
+    too. Spreading a sequence
+    wider never lowers its area (its total work over its ranks), so the sequences priced again are those no CP group
+    holds (whose area is otherwise infinite) and those that set the costliest-sequence term: the longest first (a
+    rank's share of a sequence falls with the degree and grows with the length), then, while the costliest share is
+    a sequence not yet priced so (an equally long one; a shorter one the CP group holds whole, above the longest's
+    share of the world), every such sequence, until the costliest is one priced on the world's blocks."""
+    # every degree a spanning block's places have: blocks of each spanning width (check.spanning_widths)
+    world_degrees = np.asarray(sorted({degree for width in (1, *spanning_widths(problem.dp_size))
+                                       for degree in place_degrees(width * problem.cp_size)}))[:, None]
+    repriced = np.zeros(len(problem.lengths), dtype=bool)
+    pending = np.unique(np.array([*problem.too_long_for_a_replica(), np.argmax(problem.lengths)], dtype=np.int64))
+    while pending.size:
+        lengths = problem.lengths[pending]
+        rank_flops = np.asarray([problem.perf.placement_flops(lengths, int(degree)) for degree in world_degrees[:, 0]])
+        fits = lengths <= world_degrees * problem.bucket_size
+        area[pending] = np.minimum(area[pending], np.where(fits, world_degrees * rank_flops, np.inf).min(axis=0))
+        cheapest_flops[pending] = np.minimum(cheapest_flops[pending], np.where(fits, rank_flops, np.inf).min(axis=0))
+        repriced[pending] = True
+        pending = np.flatnonzero(~repriced & (cheapest_flops > cheapest_flops[repriced].max()))
     return area, cheapest_flops
