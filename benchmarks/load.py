@@ -40,6 +40,7 @@ from scheduler_service.contract.wire import request_to_problem
 from scheduler_service.core.plan import PlanLimits
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.samplers import sample_lengths
+from scheduler_service.processes import stop_process
 from scheduler_service.runtime.settings import default_workers
 from scheduler_service.runtime.work import plan_request
 
@@ -302,11 +303,7 @@ def run(args: argparse.Namespace) -> LoadReport:
         load_average = os.getloadavg()[0]
         app_after_s, app_after_n = _app_time_s(base_url)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process(server)
     return LoadReport(
         requests=len(latencies_s), concurrency=args.concurrency, client="raw" if args.raw_client else "httpx",
         rate_per_s=args.rate, errors=errors, wall_s=wall_s,

@@ -38,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script by any Python 3: the one helper it shares is the service's, stdlib only
+from scheduler_service.processes import stop_process  # noqa: E402
+
 DOCKER = os.environ.get("DOCKER") or ("/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker")
 COMPOSE = os.environ.get("COMPOSE", "docker-compose").split()
 SCHEDULER_IMAGE, TRAINER_IMAGE = "skrull-scheduler:0.1.0", "skrull-trainer:0.1.0"
@@ -75,12 +78,7 @@ def docker_engine() -> Iterator[None]:
             time.sleep(0.5)
         yield
     finally:
-        daemon.terminate()
-        try:
-            daemon.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        stop_process(daemon, grace_s=60)
         print(f"stopped dockerd (pid {daemon.pid})")
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import httpx
 
+from scheduler_service.processes import stop_process
 from trainer_client.distributed import free_port
 from trainer_client.models.model import model_shape
 from trainer_client.profiler.command import ProfileOptions
@@ -79,15 +80,8 @@ def start_service(port: int, *, ready_timeout_s: float = 120.0, profile_dir: Pat
 
 
 def stop_service(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    if process.stderr is not None:
-        process.stderr.close()
+    """Stop the service ``start_service`` started (``processes.stop_process``: SIGTERM, then SIGKILL after 20 s)."""
+    stop_process(process)
 
 
 def trainer_command(
