@@ -8,7 +8,13 @@ import torch.distributed as dist
 
 from scheduler_service.core.plan import MicroBatch
 from tests.attention_reference import reference_attention
-from trainer_client.dacp.attention import AttentionBackend, KVAllGather, dacp_attn_varlen_func, varlen_causal_attn_func
+from trainer_client.dacp.attention import (
+    AttentionBackend,
+    KVAllGather,
+    _BottomRightCausalCPU,
+    dacp_attn_varlen_func,
+    varlen_causal_attn_func,
+)
 from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.dacp.zigzag import zigzag_positions
 from trainer_client.data import Sample
@@ -122,6 +128,31 @@ def test_bottom_right_causal_alignment_when_queries_are_a_suffix() -> None:
     cu_q, cu_k = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 10], dtype=torch.int32)
     suffix = varlen_causal_attn_func(q_THD[7:], k_TGD, v_TGD, cu_q, cu_k, 3, 10, backend="sdpa")
     torch.testing.assert_close(suffix, full[7:])
+
+
+@pytest.mark.parametrize(("num_q", "num_k"), [(3, 11), (16, 16), (1, 7), (24, 96)])
+def test_bottom_right_causal_on_cpu_equals_the_masked_kernel_forward_and_backward(num_q: int, num_k: int) -> None:
+    """The CPU path of a query segment shorter than its keys (two flash calls merged by log-sum-exp) against one SDPA
+    call with the bottom-right causal mask, grouped K/V heads included; and its gradients against finite
+    differences."""
+    generator = torch.Generator().manual_seed(num_q * 100 + num_k)
+
+    def tensor(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
+
+    q_1HTD, k_1GSD, v_1GSD = tensor(1, NUM_HEADS, num_q, HEAD_DIM), tensor(1, 2, num_k, HEAD_DIM), tensor(
+        1, 2, num_k, HEAD_DIM)
+    mask_TS = torch.ones(num_q, num_k, dtype=torch.bool).tril(diagonal=num_k - num_q)
+    expected = torch.nn.functional.scaled_dot_product_attention(q_1HTD, k_1GSD, v_1GSD, attn_mask=mask_TS,
+                                                                enable_gqa=True)
+    actual = _BottomRightCausalCPU.apply(q_1HTD, k_1GSD, v_1GSD, None)
+    torch.testing.assert_close(actual, expected)
+    grad_out = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+    for got, want in zip(torch.autograd.grad(actual, (q_1HTD, k_1GSD, v_1GSD), grad_out),
+                         torch.autograd.grad(expected, (q_1HTD, k_1GSD, v_1GSD), grad_out), strict=True):
+        torch.testing.assert_close(got, want)
+    assert torch.autograd.gradcheck(lambda q, k, v: _BottomRightCausalCPU.apply(q, k, v, 0.5),
+                                    (q_1HTD, k_1GSD, v_1GSD))
 
 
 def test_kv_all_gather_fails_loudly_on_misuse() -> None:

@@ -1,6 +1,7 @@
 """Process-group plumbing: the DP × CP mesh, and a gloo launcher for CPU tests and tools. Beside it in this
-package: ``parallelize`` (activation checkpointing, compiled blocks, FSDP, the gradient all-reduce, over this mesh)
-and ``torch_compat`` (the torch calls that differ between the supported releases).
+package: ``parallelize`` (activation checkpointing, compiled blocks, FSDP, the gradient all-reduce, over this mesh),
+``torch_compat`` (the torch calls that differ between the supported releases) and ``host_memory`` (a CPU rank keeps
+the memory its micro-batches free, as a GPU's caching allocator does: ``init_parallel`` sets it).
 
 ``ParallelDims`` names every rank by its coordinates: ``global_rank = dp_rank ·
 cp_size + cp_rank`` (the row-major layout of ``init_device_mesh``), so the CP
@@ -68,6 +69,7 @@ from scheduler_service.core.check import spanning_widths
 from scheduler_service.core.costing import place_degrees
 from scheduler_service.core.plan import block_degrees, cp_blocks
 from trainer_client.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
+from trainer_client.distributed.host_memory import retain_freed_memory
 from trainer_client.distributed.torch_compat import default_store, flatten_mesh, group_options
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "FirstFailure", "ParallelContext", "ParallelDims", "PeerFailed",
@@ -221,6 +223,7 @@ def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_T
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+        retain_freed_memory()  # the trainer and the profiler alike: the profile measures what the runs will do
     backend = "nccl" if use_cuda else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():

@@ -99,6 +99,10 @@ CPU_SIZES = (64, 128, 256, 512, 1024, 2048)
 CUDA_SIZES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+# Timed runs of each collective at least (its mean: measure.collective_latency_s).
+COLLECTIVE_REPEATS = 10
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProfileOptions:
     model: str
@@ -360,9 +364,10 @@ def _collective_table(bench: _Bench, collective: str, group: dist.ProcessGroup |
     table = []
     for num_bytes in bench.options.comm_sizes:
         lead_s = collective_lead_s(fit, bench.shape, num_bytes, group_size, bench.kv_bytes_per_element())
+        # A mean (collective_latency_s) of a long-tailed latency needs more runs than a median to settle.
         latency_s = collective_latency_s(collective, num_bytes, group=group, device=bench.device,
-                                         dtype=bench.layout.param_dtype,
-                                         warmup=max(bench.options.warmup, 1), repeats=max(bench.options.repeats, 3),
+                                         dtype=bench.layout.param_dtype, warmup=max(bench.options.warmup, 1),
+                                         repeats=max(bench.options.repeats, COLLECTIVE_REPEATS),
                                          lead=lead.of_seconds(lead_s))
         if group is not None:  # every block measured at once; a micro-batch waits for the slowest
             latency_s = max_over_ranks(latency_s, bench.device)
