@@ -236,8 +236,8 @@ def test_shard_micro_batch_puts_one_sequence_on_every_aligned_block() -> None:
 
 def test_written_efficiency_makes_the_model_reproduce_the_measured_shard_times() -> None:
     document, _, true = flat_and_true_models()
-    rows = rows_timed_by(true, [512, 2048], [2, 4])
-    options = ProfileOptions(model="tiny", shard_sizes=(512, 2048))
+    rows = rows_timed_by(true, [1024, 4096], [2, 4])
+    options = ProfileOptions(model="tiny", shard_sizes=(1024, 4096))
     written = document_json(with_shard_effect(ProfileDocument.model_validate(document), MODEL_CATALOGUE["tiny"],
                                               rows, options))
     assert written["compute"]["attention_efficiency"]["source"].startswith("derived from compute.shard_effect")

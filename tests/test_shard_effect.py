@@ -25,12 +25,22 @@ def test_shard_effect_rows_put_the_models_prediction_beside_each_measurement() -
 
 def test_efficiency_derivation_recovers_the_curve_the_times_came_from() -> None:
     _, flat, true = flat_and_true_models()
-    rows = rows_timed_by(true, [512, 2048], [2, 4])
+    rows = rows_timed_by(true, [1024, 4096], [2, 4])
     fit = derive_attention_efficiency(flat, rows)
-    assert fit.result == "written: 5 points" and fit.reference_query_tokens == 2048
+    assert fit.result == "written: 5 points" and fit.reference_query_tokens == 4096
     queries = [query for query, _ in fit.points]
-    assert queries == [64, 128, 256, 512, 2048]  # 512 whole and 2048 over 2 ranks both query 512 tokens
+    assert queries == [128, 256, 512, 1024, 4096]  # 1024 whole and 4096 over 2 ranks both query 1024 tokens
     assert [relative for _, relative in fit.points] == pytest.approx(true.attention_efficiency(queries).tolist())
+
+
+def test_efficiency_leaves_out_times_where_attention_is_a_small_share() -> None:
+    """512 tokens over 2 or 4 ranks: attention at efficiency 1 is under a quarter of the time, the rest the model's
+    other terms, whose error would be most of the efficiency solved from it."""
+    _, flat, true = flat_and_true_models()
+    fit = derive_attention_efficiency(flat, rows_timed_by(true, [512, 2048], [2, 4]))
+    assert fit.verdicts[64].startswith("ill-determined: attention at efficiency 1 is under 25%")
+    assert fit.verdicts[128].startswith("ill-determined: attention at efficiency 1 is under 25%")
+    assert [query for query, _ in fit.points] == [256, 512, 2048]
 
 
 def test_efficiency_is_omitted_when_fewer_than_two_lengths_are_determined() -> None:
@@ -45,22 +55,22 @@ def test_efficiency_is_omitted_when_fewer_than_two_lengths_are_determined() -> N
 
 def test_efficiency_drops_lengths_whose_candidates_disagree_or_beat_the_reference() -> None:
     _, flat, true = flat_and_true_models()
-    rows = rows_timed_by(true, [512, 1024, 2048], [2, 4])
+    rows = rows_timed_by(true, [1024, 2048, 4096], [2, 4])
     by_case = {(row["num_tokens"], row["degree"]): row for row in rows}
-    by_case[(1024, 4)]["shard_s"] *= 3  # query 128 twice (512 over 2, 1024 over 4): now far apart
+    by_case[(2048, 4)]["shard_s"] *= 1.6  # query 256 twice (1024 over 2, 2048 over 4): now far apart
     for row in rows:
-        if row["num_tokens"] == 1024:
-            row["whole_s"] *= 0.5  # 1024 tokens whole faster than the model allows at efficiency 1
+        if row["num_tokens"] == 2048:
+            row["whole_s"] *= 0.5  # 2048 tokens whole faster than the model allows at efficiency 1
     fit = derive_attention_efficiency(flat, rows)
-    assert fit.verdicts[128].startswith("ill-determined: its candidates disagree")
-    assert fit.verdicts[1024].startswith("ill-determined") or fit.verdicts[1024].startswith("dropped")
-    assert 128 not in dict(fit.points) and 1024 not in dict(fit.points)
-    assert all(0 < relative <= 1 for _, relative in fit.points) and dict(fit.points)[2048] == 1.0
+    assert fit.verdicts[256].startswith("ill-determined: its candidates disagree")
+    assert fit.verdicts[2048].startswith("ill-determined") or fit.verdicts[2048].startswith("dropped")
+    assert 256 not in dict(fit.points) and 2048 not in dict(fit.points)
+    assert all(0 < relative <= 1 for _, relative in fit.points) and dict(fit.points)[4096] == 1.0
 
 
 def test_efficiency_is_omitted_when_it_falls_as_queries_lengthen() -> None:
-    _, flat, true = flat_and_true_models([[64, 0.9], [256, 0.4], [2048, 1.0]])  # a machine whose load varied
-    fit = derive_attention_efficiency(flat, rows_timed_by(true, [512, 2048], [2, 4]))
+    _, flat, true = flat_and_true_models([[128, 0.9], [512, 0.5], [2048, 1.0]])  # a machine whose load varied
+    fit = derive_attention_efficiency(flat, rows_timed_by(true, [1024, 4096], [2, 4]))
     assert fit.points == ()
     assert fit.result.startswith("omitted: not sensible, the relative throughput falls from")
 

@@ -113,7 +113,7 @@ def read_metrics(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def profile_command(*, name: str, out: Path, nproc: int = 4, repeats: int = 3,
+def profile_command(*, name: str, out: Path, nproc: int = 4, repeats: int = 5,
                     comm_sizes: Sequence[int] | None = None, sizes: Sequence[int] | None = None) -> list[str]:
     """The profiler under torchrun with as many ranks as the demo trains with: they share the cores as they will.
     ``sizes``: the compute sweep's packed tokens (the profiler's own by default)."""
@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", default="synthetic:lmsys", help="the trainer's --data")
     parser.add_argument("--profile", default="measure",
                         help="'measure': profile this machine at the start of each round, with the run's processes "
-                             "(20-60 s); or a shipped profile name (cpu-tiny) for every round")
+                             "(about a minute); or a shipped profile name (cpu-tiny) for every round")
     return parser
 
 

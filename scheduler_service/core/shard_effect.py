@@ -36,9 +36,13 @@ __all__ = [
     "shard_effect_rows",
 ]
 
-# An efficiency is solved from the measured time minus the model's other terms; where attention is less than
-# this share of the measured time, a few percent of noise in the other terms is a large error in it.
-MIN_ATTENTION_SHARE = 0.1
+# An efficiency is solved from the measured time minus the model's other terms: ideal / (measured − other). Where
+# attention, priced at efficiency 1, is a share s of the measured time, an error ε of the other terms (1 − s of it)
+# moves the efficiency by about ε·(1 − s)/s. The compute fit's residuals reach 15 % of a point on a CPU (make demo's
+# profiles), so s ≥ 1/4 keeps that within the spread candidates may have (MAX_CANDIDATE_SPREAD). At 1/10, as before,
+# a 512-token sequence over 2 CPU ranks (attention 7 % of its time, the rest mostly the collectives' latency) put
+# 0.14-0.29 at 128-token queries, and the curve priced every mid-sized shard of the demo 10-20 % high.
+MIN_ATTENTION_SHARE = 0.25
 # Candidates at one query length (from different sequence lengths and degrees) measure the same kernel; where they
 # disagree by more than this factor, noise or a term the model lacks dominates, not the kernel's efficiency.
 MAX_CANDIDATE_SPREAD = 1.5
@@ -87,7 +91,9 @@ class EfficiencyCandidate:
 
     @property
     def is_determined(self) -> bool:
-        return self.attention_s >= MIN_ATTENTION_SHARE * self.time_s
+        """Whether the time says something of the kernel: attention at efficiency 1 is at least
+        ``MIN_ATTENTION_SHARE`` of it, and the model's other terms leave time for it."""
+        return self.ideal_attention_s >= MIN_ATTENTION_SHARE * self.time_s and self.attention_s > 0
 
     @property
     def efficiency(self) -> float | None:
@@ -144,11 +150,11 @@ def derive_attention_efficiency(perf: PerformanceModel, rows: Sequence[Mapping[s
 
     Per whole sequence (query ``S``) and per shard (query ``S / 2d``): the efficiency ``e`` with
     ``α·A/(d·e) + other = measured`` (``A`` the attention FLOPs, ``other`` the model's remaining terms), where
-    attention is at least ``MIN_ATTENTION_SHARE`` of the measured time; per query length the median, where its
-    candidates agree within ``MAX_CANDIDATE_SPREAD``, divided by the value at the longest query measured (a whole
-    sequence, about 1 against the compute fit: within ``MAX_REFERENCE_DEVIATION`` of it). Points in (0, 1] are
-    kept; fewer than 2, or a curve that falls by more than ``MAX_CANDIDATE_SPREAD`` towards longer queries, is no
-    curve.
+    attention at efficiency 1 is at least ``MIN_ATTENTION_SHARE`` of the measured time; per query length the
+    median, where its candidates agree within ``MAX_CANDIDATE_SPREAD``, divided by the value at the longest query
+    measured (a whole sequence, about 1 against the compute fit: within ``MAX_REFERENCE_DEVIATION`` of it). Points
+    in (0, 1] are kept; fewer than 2, or a curve that falls by more than ``MAX_CANDIDATE_SPREAD`` towards longer
+    queries, is no curve.
     """
     if perf.profile.compute.attention_efficiency:
         raise ValueError(f"profile {perf.profile.name} already has an attention efficiency curve; the efficiency is "
@@ -165,8 +171,8 @@ def derive_attention_efficiency(perf: PerformanceModel, rows: Sequence[Mapping[s
     determined: dict[float, float] = {}  # query tokens -> efficiency, ascending
     for query, values in sorted(by_query.items()):
         if not values:
-            verdicts[query] = (f"ill-determined: attention is under {MIN_ATTENTION_SHARE:.0%} of the measured time "
-                               f"or the model's other terms exceed it")
+            verdicts[query] = (f"ill-determined: attention at efficiency 1 is under {MIN_ATTENTION_SHARE:.0%} of the "
+                               f"measured time, or the model's other terms exceed it")
         elif max(values) > MAX_CANDIDATE_SPREAD * min(values):
             verdicts[query] = (f"ill-determined: its candidates disagree ({min(values):.3f} .. {max(values):.3f}, "
                                f"more than {MAX_CANDIDATE_SPREAD}x apart)")

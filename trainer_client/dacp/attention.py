@@ -177,7 +177,7 @@ class _BottomRightCausalCPU(torch.autograd.Function):
             dv_1HSD = torch.cat([prefix_dv_1HSD, dv_1HSD], dim=2)
         _, num_heads, num_keys, head_dim = dk_1HSD.shape
         kv_shape = (1, num_heads // ctx.heads_per_kv, ctx.heads_per_kv, num_keys, head_dim)
-        return dq_1HTD, dk_1HSD.view(kv_shape).sum(2), dv_1HSD.view(kv_shape).sum(2), None
+        return dq_1HTD, dk_1HSD.reshape(kv_shape).sum(2), dv_1HSD.reshape(kv_shape).sum(2), None
 
 
 VarlenKernel = Callable[..., torch.Tensor]  # (q_THD, k_SGD, v_SGD, cu_q, cu_k, max_q, max_k, softmax_scale)

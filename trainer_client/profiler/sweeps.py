@@ -100,7 +100,7 @@ CUDA_SIZES = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 # Timed runs of each collective at least (its mean: measure.collective_latency_s).
-COLLECTIVE_REPEATS = 10
+COLLECTIVE_REPEATS = 30
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
