@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo test test-fast docs bench bench-advise bench-host bench-hf bench-profiles load stress serve schema profile accuracy ranking gpu-check feedback lint clean images docker-smoke
+.PHONY: install system-deps demo test test-fast docs bench bench-advise bench-host bench-hf bench-cpu-costs bench-profiles load stress serve schema profile accuracy ranking gpu-check feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -56,6 +56,11 @@ bench-host: install
 # The Hugging Face Trainer path's step time against the bundled trainer's on the same plans (docs/benchmarks.md).
 bench-hf: install
 	$(PY) -m benchmarks.hf_trainer
+
+# What a CPU run pays that its profile must price: sharded attention's kernel, gloo's collective latency
+# (docs/benchmarks.md, "End-to-end demo").
+bench-cpu-costs: install
+	$(PY) -m benchmarks.cpu_costs
 
 bench-profiles: install
 	$(PY) -m benchmarks.profiles
