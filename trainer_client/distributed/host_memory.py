@@ -4,16 +4,15 @@ On a GPU, torch's caching allocator keeps the blocks a micro-batch frees and han
 pays for new memory only while the micro-batches grow. On a CPU, tensors come from the C library's ``malloc``.
 glibc returns a large freed block to the operating system (``munmap``, or trimming the heap's top), and the next
 micro-batch of another size gets fresh pages, each faulted in and zeroed on first touch. Training runs micro-batches
-of ever different sizes, so it paid that again and again: 11,000-41,000 page faults per step of ``make demo``
-(tiny Qwen2, dp 1 × cp 2, 2-4k tokens a rank), several percent to more than ten of its time. The profiler repeats
-one micro-batch at a time, so glibc's adaptive threshold soon served it from the heap: the profile measured a
-machine without those faults, and predicted the runs low.
+of ever different sizes, so it paid that again and again: 11,000-41,000 page faults per step of ``make demo`` (tiny
+Qwen2, dp 1 × cp 2, 2-4k tokens a rank). The profiler repeats one micro-batch at a time, which glibc's adaptive
+threshold soon served from its heap: the profile measured a machine without those faults, and predicted runs low.
 
 ``retain_freed_memory`` sets glibc's thresholds once (``mallopt``): blocks up to 32 MiB (glibc's largest
-threshold) come from the heap, and the heap is not trimmed, so after its first steps a run reuses what it freed
-(tens of page faults a step). The process keeps its peak's memory, which it needed anyway at that peak: what a
-caching allocator does. Larger blocks are still mapped and unmapped each time. Elsewhere than glibc (macOS,
-musl) nothing changes.
+threshold) come from the heap, and the heap is not trimmed, so after its first two steps a run reuses what it
+freed (2-3,825 page faults a step in the same run). The process keeps its peak's memory, which it needed anyway at
+that peak: what a caching allocator does. Larger blocks are still mapped and unmapped each time. Elsewhere than
+glibc (macOS, musl) nothing changes.
 """
 
 from __future__ import annotations
