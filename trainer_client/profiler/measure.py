@@ -3,11 +3,11 @@
 Timings are repeated after warm-up and summarised by their median (robust to a
 run slowed by another process); on CUDA they use CUDA events, so they time the
 device, not the launch. Collectives are the exception: their mean, because their
-slow runs are their own. On gloo a small collective's mean is about twice its median
-(the 2-core development machine: an all-gather of 4 KiB 330 µs median, 690 µs mean;
-an all-reduce 580 µs and 1.6 ms), as its worker threads wait for a core; a step pays
-every one of them, so the median priced micro-batches that shard a sequence 5-7 ms
-low each, and ``make demo``'s ``deepspeed`` runs 13-27 % low. Peak memory is the allocator's peak on CUDA; on CPU,
+slow runs are their own. On gloo a small collective's mean is 2-3 times its median
+(``make bench-cpu-costs``: 4 KiB, 2 ranks, all-gather 247 µs median and 561 µs
+mean, reduce-scatter 417 µs and 1.4 ms), and a step pays every slow one: the median
+priced micro-batches that shard a sequence 5-7 ms low each, and ``make demo``'s
+``deepspeed`` runs 13-27 % low. Peak memory is the allocator's peak on CUDA; on CPU,
 where no allocator keeps one, PyTorch's ``MemTracker`` (a dispatch mode that
 follows every tensor storage's life) counts the bytes live at the peak —
 exact for tensors, blind to the allocator's own slack, and blind to tensors
