@@ -38,10 +38,11 @@ __all__ = [
 
 # An efficiency is solved from the measured time minus the model's other terms: ideal / (measured − other). Where
 # attention, priced at efficiency 1, is a share s of the measured time, an error ε of the other terms (1 − s of it)
-# moves the efficiency by about ε·(1 − s)/s. The compute fit's residuals reach 15 % of a point on a CPU (make demo's
-# profiles), so s ≥ 1/4 keeps that within the spread candidates may have (MAX_CANDIDATE_SPREAD). At 1/10, as before,
-# a 512-token sequence over 2 CPU ranks (attention 7 % of its time, the rest mostly the collectives' latency) put
-# 0.14-0.29 at 128-token queries, and the curve priced every mid-sized shard of the demo 10-20 % high.
+# moves the efficiency by about ε·(1 − s)/s. The compute fit's residuals reach 15-20 % of a point on a CPU (make
+# demo's profiles), which s ≥ 1/4 turns into 45-60 %, about the spread candidates may have (MAX_CANDIDATE_SPREAD),
+# and 1/10, as before, into 135-180 %: a 512-token sequence over 2 CPU ranks (attention 7 % of its time, the rest
+# mostly the collectives' latency) put 0.14-0.29 at 128-token queries, and the curve priced every mid-sized shard
+# of the demo 10-20 % high.
 MIN_ATTENTION_SHARE = 0.25
 # Candidates at one query length (from different sequence lengths and degrees) measure the same kernel; where they
 # disagree by more than this factor, noise or a term the model lacks dominates, not the kernel's efficiency.
