@@ -17,10 +17,11 @@ Each time is the median of ``--repeats`` runs (the collectives: the median and t
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import statistics
-import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from trainer_client.dacp.attention import _BottomRightCausalCPU
 from trainer_client.distributed import spawn_ranks
 from trainer_client.distributed.torch_compat import torch_apis
+from trainer_client.profiler.measure import timed_runs
 
 __all__ = ["main"]
 
@@ -38,13 +40,7 @@ COLLECTIVE_BYTES = 4096
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
+    return statistics.median(timed_runs(fn, device=torch.device("cpu"), warmup=1, repeats=repeats)) * 1e3
 
 
 def _attention_ms(num_q: int, num_k: int, kernel: str, repeats: int) -> float:
@@ -84,6 +80,10 @@ def attention_table(repeats: int) -> list[str]:
     return rows
 
 
+def _launch_and_wait(launch: Callable[[], Any]) -> None:
+    launch().wait()
+
+
 def _collectives(runs: int, out: list[str]) -> None:
     torch.set_num_threads(1)
     full, shard = torch.ones(COLLECTIVE_BYTES // 4), torch.ones(COLLECTIVE_BYTES // 8)
@@ -92,12 +92,8 @@ def _collectives(runs: int, out: list[str]) -> None:
         "reduce-scatter": lambda: torch_apis().reduce_scatter_single(shard, full, group=None, async_op=True),
     }
     for name, launch in launches.items():
-        times = []
-        for _ in range(runs + 10):  # the first 10: warm-up
-            started = time.perf_counter()
-            launch().wait()
-            times.append(time.perf_counter() - started)
-        times = times[10:]
+        times = timed_runs(functools.partial(_launch_and_wait, launch), device=torch.device("cpu"), warmup=10,
+                           repeats=runs)
         median, mean = statistics.median(times) * 1e6, statistics.fmean(times) * 1e6
         if dist.get_rank() == 0:
             out.append(f"| {name} | {median:,.0f} | {mean:,.0f} | {mean / median:.2f} |")
