@@ -4,9 +4,11 @@ run slower than predicted, each against what it was before the fix, in the same 
 1. **Sharded attention.** A CP rank of a sequence zigzag-sharded over 2 runs two query chunks of ``S/4`` tokens
    against their causal prefix (chunks 0 and 3 on rank 0, 1 and 2 on rank 1). Timed per rank (forward and
    backward of one layer of tiny Qwen2's attention: 4 query heads, 2 K/V heads, head dim 16, float32, one thread):
-   one SDPA call per chunk with a boolean bottom-right mask (what the trainer ran), and the trainer's CPU kernel
-   now (``dacp.attention._BottomRightCausalCPU``: two flash calls merged by log-sum-exp). Each against half the
-   whole sequence's causal attention, what the performance model prices a rank at (efficiency 1).
+   one SDPA call per chunk with a boolean bottom-right mask, and two flash calls merged by log-sum-exp
+   (``dacp.attention._BottomRightCausalCPU``). The trainer runs the masked call below
+   ``dacp.attention.CPU_SPLIT_MIN_QUERIES`` queries a chunk and the two calls from there (the masked call alone
+   before 2 December 2026). Each against half the whole sequence's causal attention, what the performance model
+   prices a rank at (efficiency 1).
 2. **Collective latency on gloo.** Two processes, one thread each, an all-gather and a reduce-scatter of 4 KiB
    (a small sequence's K/V in one layer), launched and waited as DACP attention does, back to back: the median
    (what the profiler priced before) and the mean (what a step pays, and what it prices now).
@@ -35,7 +37,7 @@ from trainer_client.profiler.measure import timed_runs
 __all__ = ["main"]
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16  # tiny Qwen2's attention
-SEQUENCE_LENGTHS = (512, 1024, 2048, 4096)
+SEQUENCE_LENGTHS = (256, 512, 1024, 2048, 4096)
 COLLECTIVE_BYTES = 4096
 
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from scheduler_service.core.plan import MicroBatch
 from tests.attention_reference import reference_attention
 from trainer_client.dacp.attention import (
+    CPU_SPLIT_MIN_QUERIES,
     AttentionBackend,
     KVAllGather,
     _BottomRightCausalCPU,
@@ -119,15 +120,18 @@ def test_dacp_attention_matches_unsharded_reference(cp_size: int) -> None:
     spawn_gloo(_check_cp_group, cp_size)
 
 
-def test_bottom_right_causal_alignment_when_queries_are_a_suffix() -> None:
+@pytest.mark.parametrize(("num_q", "num_k"), [(3, 10), (CPU_SPLIT_MIN_QUERIES, 2 * CPU_SPLIT_MIN_QUERIES + 5)],
+                         ids=["masked call", "two flash calls"])
+def test_bottom_right_causal_alignment_when_queries_are_a_suffix(num_q: int, num_k: int) -> None:
+    """Queries ``num_k − num_q ..`` of a sequence see what they see in the whole sequence, on either CPU path."""
     generator = torch.Generator().manual_seed(1)
-    q_THD = torch.randn(10, 2, 4, generator=generator, dtype=torch.float64)
-    k_TGD = torch.randn(10, 1, 4, generator=generator, dtype=torch.float64)
-    v_TGD = torch.randn(10, 1, 4, generator=generator, dtype=torch.float64)
+    q_THD = torch.randn(num_k, 2, 4, generator=generator, dtype=torch.float64)
+    k_TGD = torch.randn(num_k, 1, 4, generator=generator, dtype=torch.float64)
+    v_TGD = torch.randn(num_k, 1, 4, generator=generator, dtype=torch.float64)
     full = reference_attention(q_THD, k_TGD, v_TGD)
-    cu_q, cu_k = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 10], dtype=torch.int32)
-    suffix = varlen_causal_attn_func(q_THD[7:], k_TGD, v_TGD, cu_q, cu_k, 3, 10, backend="sdpa")
-    torch.testing.assert_close(suffix, full[7:])
+    cu_q, cu_k = torch.tensor([0, num_q], dtype=torch.int32), torch.tensor([0, num_k], dtype=torch.int32)
+    suffix = varlen_causal_attn_func(q_THD[num_k - num_q:], k_TGD, v_TGD, cu_q, cu_k, num_q, num_k, backend="sdpa")
+    torch.testing.assert_close(suffix, full[num_k - num_q:])
 
 
 @pytest.mark.parametrize(("num_q", "num_k"), [(3, 11), (16, 16), (1, 7), (24, 96)])

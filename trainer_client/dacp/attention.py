@@ -67,6 +67,11 @@ __all__ = [
 ]
 
 BACKEND_ENV = "SKRULL_ATTENTION_BACKEND"
+# A CPU query segment shorter than its keys runs as two flash calls (``_BottomRightCausalCPU``) from this many
+# queries, below it as one call with a mask: there the rectangle is small and the second call and the merge cost
+# more than the masked blocks (per layer of tiny Qwen2, forward and backward: 0.2 ms saved per sequence up to 512
+# tokens over 2 ranks, 128-query chunks; even at 1,024, the split ahead from 2,048, ``make bench-cpu-costs``).
+CPU_SPLIT_MIN_QUERIES = 256
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -104,7 +109,7 @@ def _sdpa_varlen(
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, softmax_scale: float | None,
 ) -> torch.Tensor:
     """One SDPA call per segment; causal aligned bottom-right when a query segment is shorter than its keys (on CPU
-    ``_BottomRightCausalCPU``, elsewhere a boolean mask)."""
+    from ``CPU_SPLIT_MIN_QUERIES`` queries ``_BottomRightCausalCPU``, otherwise a boolean mask)."""
     outputs_THD = []
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for q_start, q_end, k_start, k_end in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:], strict=True):
@@ -117,7 +122,7 @@ def _sdpa_varlen(
         if num_q == num_k:
             o_1HTD = F.scaled_dot_product_attention(q_1HTD, k_1GSD, v_1GSD, is_causal=True, scale=softmax_scale,
                                                     enable_gqa=True)
-        elif q_THD.device.type == "cpu":
+        elif q_THD.device.type == "cpu" and num_q >= CPU_SPLIT_MIN_QUERIES:
             o_1HTD = _BottomRightCausalCPU.apply(q_1HTD, k_1GSD, v_1GSD, softmax_scale)
         else:
             mask_TS = torch.ones(num_q, num_k, dtype=torch.bool, device=q_THD.device).tril(diagonal=num_k - num_q)
