@@ -223,6 +223,19 @@ def test_refit_profile_is_itself_a_valid_profile_document() -> None:
     assert reparsed.model == "tiny"
 
 
+def test_refit_scales_a_shard_cost_with_the_other_measured_costs() -> None:
+    """A shard's cost is host work like a sequence's: a machine measured slower by u pays u times it too."""
+    base = dataclasses.replace(PAPER, compute=dataclasses.replace(PAPER.compute, alpha_s_per_shard=2e-3))
+    job = tiny_job(base=base)
+    for report in step_reports(np.random.default_rng(7), 3):
+        job = observe(job, report)
+    compute = job.profile.compute
+    assert job.compute_scale != pytest.approx(1.0)
+    assert compute.alpha_s_per_shard == pytest.approx(2e-3 * job.compute_scale)
+    assert compute.alpha_s_per_flop == pytest.approx(PAPER.compute.alpha_s_per_flop * job.compute_scale)
+    assert profile_from_document(job.profile.raw).compute == compute
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(1, 4096), min_size=1, max_size=8),
                           st.floats(1e-5, 1e3, allow_nan=False, allow_infinity=False),

@@ -1,5 +1,6 @@
 """The performance model follows the paper's appendix C formulas."""
 
+import dataclasses
 import math
 
 import pytest
@@ -74,3 +75,15 @@ def test_model_parameter_counts_match_published_sizes() -> None:
     assert MODEL_CATALOGUE["qwen2.5-0.5b"].num_parameters == pytest.approx(494e6, rel=0.02)
     assert MODEL_CATALOGUE["qwen2.5-7b"].num_parameters == pytest.approx(7.62e9, rel=0.02)
     assert MODEL_CATALOGUE["llama-3-8b"].num_parameters == pytest.approx(8.03e9, rel=0.02)
+
+
+def test_a_sharded_sequence_costs_each_rank_the_profiles_shard_cost_and_a_whole_one_does_not() -> None:
+    profile = builtin_profiles()["cpu-tiny"]
+    costly = dataclasses.replace(profile, compute=dataclasses.replace(profile.compute, alpha_s_per_shard=3e-3))
+    plain = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=profile)
+    with_cost = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=costly)
+    lengths = [0, 64, 4096]
+    assert with_cost.placement_flops(lengths, 1).tolist() == plain.placement_flops(lengths, 1).tolist()
+    for degree in (2, 4):
+        extra_flops = with_cost.placement_flops(lengths, degree) - plain.placement_flops(lengths, degree)
+        assert (extra_flops * profile.compute.alpha_s_per_flop).tolist() == pytest.approx([0.0, 3e-3, 3e-3])

@@ -28,7 +28,7 @@ from scheduler_service.core.profile import builtin_profiles, parse_profile
 from scheduler_service.core.shard_effect import efficiency_candidate, predicted_shard_s
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
-from tests.shard_effect_cases import flat_and_true_models, rows_timed_by
+from tests.shard_effect_cases import TRUE_CURVE, flat_and_true_models, rows_timed_by
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.models.loading import ModelLayout, build_training_module
 from trainer_client.models.loss import run_micro_batch
@@ -246,6 +246,32 @@ def test_written_efficiency_makes_the_model_reproduce_the_measured_shard_times()
         assert predicted_shard_s(derived, row["num_tokens"], row["degree"]) == pytest.approx(row["shard_s"])
     assert [row["predicted_shard_s"] < row["shard_s"] for row in written["compute"]["shard_effect"]] == [True] * 4
     assert "attention efficiency (relative throughput" in profiler.summary(written)
+
+
+def test_written_shard_cost_and_efficiency_together_reproduce_the_measured_shard_times() -> None:
+    """A machine whose shards each cost 2 ms beyond the model and whose kernel follows TRUE_CURVE: the profile
+    gets both, the cost from the 64-token rows and the curve from the rest read with that cost, and its model then
+    times every row as measured."""
+    document, _, _ = flat_and_true_models()
+    true_document = json.loads(json.dumps(document))
+    true_document["compute"] |= {"alpha_s_per_shard": 2e-3,
+                                 "attention_efficiency": {"points": TRUE_CURVE, "source": "test"}}
+    rows = rows_timed_by(PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=parse_profile(true_document)),
+                         [64, 1024, 4096], [2, 4])
+    written = document_json(with_shard_effect(ProfileDocument.model_validate(document), MODEL_CATALOGUE["tiny"],
+                                              rows, ProfileOptions(model="tiny", shard_sizes=(64, 1024, 4096))))
+    compute = written["compute"]
+    # within 5 %: the cost takes in the 64-token rows' attention at its true efficiency, 1-3 % of their time
+    assert compute["alpha_s_per_shard"] == pytest.approx(2e-3, rel=0.05)
+    assert "ms: the median of 2 sharded row(s)" in compute["fit"]["shard_cost"]["result"]
+    assert compute["attention_efficiency"]["source"].startswith("derived from compute.shard_effect")
+    derived = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=parse_profile(written))
+    shortest_on_curve = compute["attention_efficiency"]["points"][0][0]
+    for row in compute["shard_effect"]:  # a shorter query is priced at the curve's first point
+        tolerance = 0.01 if row["query_tokens"] >= shortest_on_curve else 0.1
+        assert predicted_shard_s(derived, row["num_tokens"], row["degree"]) == pytest.approx(row["shard_s"],
+                                                                                             rel=tolerance)
+    assert "ms per sharded sequence and rank beyond the model's terms" in profiler.summary(written)
 
 
 def test_an_undetermined_efficiency_is_left_out_and_the_note_says_why() -> None:

@@ -3,10 +3,17 @@
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import pytest
 
+from scheduler_service.core.models import MODEL_CATALOGUE
+from scheduler_service.core.perf_model import PerformanceModel
+from scheduler_service.core.profile import parse_profile
 from scheduler_service.core.shard_effect import (
     derive_attention_efficiency,
+    derive_shard_cost,
     efficiency_candidate,
     predicted_shard_s,
     shard_effect_rows,
@@ -21,6 +28,41 @@ def test_shard_effect_rows_put_the_models_prediction_beside_each_measurement() -
     assert row["predicted_shard_s"] == predicted_shard_s(flat, 2048, 4)
     assert row["predicted_whole_s"] == pytest.approx(flat.compute_time_s(flat.flops(2048)))
     assert row["shard_relative_error"] == pytest.approx(abs(row["predicted_shard_s"] - 0.4) / 0.4)
+
+
+def with_shard_cost(document: dict[str, Any], cost_s: float) -> PerformanceModel:
+    """The model of ``document`` whose shards each cost ``cost_s`` more on every rank."""
+    costly = copy.deepcopy(document)
+    costly["compute"]["alpha_s_per_shard"] = cost_s
+    return PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=parse_profile(costly))
+
+
+def test_shard_cost_is_what_short_sharded_rows_take_beyond_the_model() -> None:
+    """A machine whose shards each cost 2.5 ms more than the model says: the cost is read from the rows whose
+    attention is at most 5 % of their time (64 and 128 tokens), not from those where attention's efficiency could
+    explain the difference (512 tokens and more)."""
+    document, flat, _ = flat_and_true_models()
+    rows = rows_timed_by(with_shard_cost(document, 2.5e-3), [64, 128, 512, 2048], [2, 4])
+    fit = derive_shard_cost(flat, rows)
+    assert fit.alpha_s_per_shard == pytest.approx(2.5e-3)
+    assert [(c["num_tokens"], c["degree"]) for c in fit.candidates if c["used"]] == [(64, 2), (64, 4), (128, 2),
+                                                                                      (128, 4)]
+    assert fit.result.startswith("2.5 ms: the median of 4 sharded row(s)")
+    rows[0]["shard_s"] += 1.0  # one row's outlier moves a median of four by half the gap between its middle two
+    assert derive_shard_cost(flat, rows).alpha_s_per_shard == pytest.approx(2.5e-3, rel=0.2)
+
+
+def test_shard_cost_is_zero_without_a_short_row_or_where_shards_beat_the_model() -> None:
+    document, flat, _ = flat_and_true_models()
+    fit = derive_shard_cost(flat, rows_timed_by(with_shard_cost(document, 2.5e-3), [2048], [2, 4]))
+    assert fit.alpha_s_per_shard == 0 and fit.result.startswith("0: no sharded row whose attention is at most 5%")
+    faster = rows_timed_by(flat, [64, 128], [2])
+    for row in faster:
+        row["shard_s"] *= 0.9
+    fit = derive_shard_cost(flat, faster)
+    assert fit.alpha_s_per_shard == 0 and "clamped at 0" in fit.result
+    with pytest.raises(ValueError, match="already has a shard cost"):
+        derive_shard_cost(with_shard_cost(document, 1e-3), faster)
 
 
 def test_efficiency_derivation_recovers_the_curve_the_times_came_from() -> None:

@@ -155,6 +155,7 @@ class PerformanceModel:
     reduce_scatter: LinearFit = field(init=False)
     _flops_per_token: float = field(init=False, repr=False)  # measured per-token cost, in FLOP-equivalents
     _flops_per_sequence: float = field(init=False, repr=False)  # measured per-sequence cost, in FLOP-equivalents
+    _flops_per_shard: float = field(init=False, repr=False)  # a sharded sequence's own cost per rank, the same
     _collectives: dict[int, CollectiveCost] = field(init=False, repr=False)  # by group size, filled on demand
 
     def __post_init__(self) -> None:
@@ -176,6 +177,7 @@ class PerformanceModel:
         compute = self.profile.compute
         object.__setattr__(self, "_flops_per_token", compute.alpha_s_per_token / compute.alpha_s_per_flop)
         object.__setattr__(self, "_flops_per_sequence", compute.alpha_s_per_sequence / compute.alpha_s_per_flop)
+        object.__setattr__(self, "_flops_per_shard", compute.alpha_s_per_shard / compute.alpha_s_per_flop)
         object.__setattr__(self, "_collectives", {})
 
     # -- compute --------------------------------------------------------------
@@ -204,12 +206,13 @@ class PerformanceModel:
     def placement_flops(self, lengths: npt.ArrayLike, degree: int) -> npt.NDArray[np.float64]:
         """FLOP-equivalents each of ``degree`` CP ranks computes for a sequence kept whole (``degree`` 1) or
         zigzag-sharded over ``degree`` ranks: ``1/degree`` of its work, attention at the efficiency of its query
-        chunks (the whole sequence, or two chunks of ``S / 2·degree``), one attention call per chunk."""
+        chunks (the whole sequence, or two chunks of ``S / 2·degree``), one attention call per chunk, and when
+        sharded the profile's cost of a shard (``alpha_s_per_shard``)."""
         s = np.asarray(lengths, dtype=np.float64)
         attention = self._attention_at_efficiency(s, degree)
         flops = (_linear_flops(self.model, s) + self._flops_per_token * s + attention) / degree
-        calls_per_rank = 1 if degree == 1 else 2
-        return flops + np.where(s > 0, calls_per_rank * self._flops_per_sequence, 0.0)
+        per_sequence = self._flops_per_sequence if degree == 1 else 2 * self._flops_per_sequence + self._flops_per_shard
+        return flops + np.where(s > 0, per_sequence, 0.0)
 
     def placement_attention_flops(self, lengths: npt.ArrayLike, degree: int) -> npt.NDArray[np.float64]:
         """The attention part of ``placement_flops(lengths, degree)``: what each of the ``degree`` ranks computes

@@ -23,6 +23,11 @@ paper's model:
   0): the measured cost eq. 13 leaves out (the LM head, norms and element-wise
   kernels per token; one attention call per sequence per layer where the
   kernel is not varlen, as SDPA on CPU);
+* ``compute.alpha_s_per_shard`` (default 0): what a sequence sharded over
+  several ranks costs each of them beyond its share of the work, its two
+  chunks' calls and its collectives' tables (the profiler measures it on
+  sequences too short for their attention to matter,
+  ``core/shard_effect.derive_shard_cost``);
 * ``compute.floor_s_per_layer`` (default 0): the launch-bound floor of eager
   execution on a GPU, where the host dispatches the kernels while the device
   runs earlier ones: a packed group then takes ``max(floor·L, T_comp)``
@@ -92,6 +97,9 @@ class ComputeProfile:
     beta_s_per_layer: float
     alpha_s_per_token: float = 0.0
     alpha_s_per_sequence: float = 0.0
+    # What a sequence sharded over d ≥ 2 ranks costs each of them beyond its share of the work, its two chunks' calls
+    # and its collectives' tables: the sharded path's own fixed cost (``PerformanceModel.placement_flops``).
+    alpha_s_per_shard: float = 0.0
     # The host's dispatch per layer that the device's work overlaps (eager execution on a GPU): a packed group takes
     # at least floor·layers. 0: the additive form, host and device one after the other (CPU).
     floor_s_per_layer: float = 0.0
@@ -157,7 +165,8 @@ class Profile:
             raise InvalidRequestError(f"profile compute.alpha_s_per_flop must be at least {MIN_ALPHA_S_PER_FLOP:g} "
                                       f"(a yottaFLOP/s device), got {compute.alpha_s_per_flop}",
                                       field="profile.compute.alpha_s_per_flop")
-        for name in ("beta_s_per_layer", "alpha_s_per_token", "alpha_s_per_sequence", "floor_s_per_layer"):
+        for name in ("beta_s_per_layer", "alpha_s_per_token", "alpha_s_per_sequence", "alpha_s_per_shard",
+                     "floor_s_per_layer"):
             if not getattr(compute, name) >= 0:
                 raise InvalidRequestError(f"profile compute.{name} must not be negative, got {getattr(compute, name)}",
                                           field=f"profile.compute.{name}")
@@ -256,6 +265,7 @@ def parse_profile(data: dict[str, Any]) -> Profile:
             beta_s_per_layer=float(compute["beta_s_per_layer"]),
             alpha_s_per_token=float(compute.get("alpha_s_per_token", 0.0)),
             alpha_s_per_sequence=float(compute.get("alpha_s_per_sequence", 0.0)),
+            alpha_s_per_shard=float(compute.get("alpha_s_per_shard", 0.0)),
             floor_s_per_layer=float(compute.get("floor_s_per_layer", 0.0)),
             attention_efficiency=_points(efficiency.get("points", ())),
         ),

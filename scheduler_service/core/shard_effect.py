@@ -6,6 +6,11 @@ The profiler measures one sequence of ``S`` tokens run whole on a rank and zigza
 
 * ``shard_effect_rows``: each measurement beside the model's prediction of both times (eq. 2 with no local
   work: a rank holding only its shard, so nothing hides its collectives, ``predicted_shard_s``);
+* ``derive_shard_cost``: what a shard costs beyond the model's terms, from the sharded rows too short for their
+  attention to matter (``MAX_ATTENTION_SHARE_FOR_COST``): there no efficiency can explain the measured time, and what
+  the model leaves over is the sharded path's own fixed cost (its chunks' kernels and merge, the K/V stacking, the
+  waits beyond the collectives' tables). The result is the profile's ``compute.alpha_s_per_shard``, read before the
+  efficiency;
 * ``derive_attention_efficiency``: per measured attention call (a whole sequence: query ``S``; a shard: query
   ``S / 2d``, each zigzag chunk) the efficiency ``e`` with ``α·A/(d·e) + other = measured``, ``A`` the attention
   FLOPs and ``other`` the model's remaining terms; per query length the median, relative to the longest query
@@ -25,12 +30,15 @@ from typing import Any
 from scheduler_service.core.perf_model import PerformanceModel
 
 __all__ = [
+    "MAX_ATTENTION_SHARE_FOR_COST",
     "MAX_CANDIDATE_SPREAD",
     "MAX_REFERENCE_DEVIATION",
     "MIN_ATTENTION_SHARE",
     "EfficiencyCandidate",
     "EfficiencyFit",
+    "ShardCostFit",
     "derive_attention_efficiency",
+    "derive_shard_cost",
     "efficiency_candidate",
     "predicted_shard_s",
     "shard_effect_rows",
@@ -50,6 +58,13 @@ MAX_CANDIDATE_SPREAD = 1.5
 # The longest query is a whole sequence like the compute sweep's, so against the sweep's fit its efficiency is
 # about 1; further off than this, the machine ran differently during the shard runs (load) and nothing is normalised.
 MAX_REFERENCE_DEVIATION = 0.25
+# A sharded row says what a shard costs beyond the model where attention at efficiency 1 is at most this share of
+# its time: even at efficiency 0.5 its attention would move the cost by no more than this share. On the demo's CPU
+# profiles a sequence over 2 ranks of 64 tokens: under 1 %; 128: 1-2 %; 512: 7-10 %, near enough to a bound of
+# 10 % to be used in one profile and not the next, its excess over the model 5.5-7.8 ms in one demo's profiles
+# against 1.8-5.8 at 128 tokens (its attention less efficient than 1, taken for a shard's cost); 2,048: 39 %, an
+# efficiency candidate instead.
+MAX_ATTENTION_SHARE_FOR_COST = 0.05
 
 
 def predicted_shard_s(perf: PerformanceModel, num_tokens: int, degree: int) -> float:
@@ -74,6 +89,54 @@ def shard_effect_rows(perf: PerformanceModel, shards: Sequence[Mapping[str, Any]
                      "predicted_shard_s": predicted_s,
                      "shard_relative_error": abs(predicted_s - shard["shard_s"]) / shard["shard_s"]})
     return rows
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardCostFit:
+    """``compute.alpha_s_per_shard`` derived from the shard-effect rows, or why it is 0."""
+
+    alpha_s_per_shard: float  # seconds per sharded sequence and rank; 0 where nothing determines it
+    candidates: tuple[dict[str, Any], ...]  # per sharded row: its measured and predicted time, and whether it is used
+    result: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The derivation as the profile records it (``compute.fit.shard_cost``)."""
+        return {"alpha_s_per_shard": self.alpha_s_per_shard, "max_attention_share": MAX_ATTENTION_SHARE_FOR_COST,
+                "candidates": list(self.candidates), "result": self.result}
+
+
+def derive_shard_cost(perf: PerformanceModel, shards: Sequence[Mapping[str, Any]]) -> ShardCostFit:
+    """What a sequence sharded over ``d`` ranks costs each of them beyond the model's terms: the median, over the
+    sharded rows whose attention at efficiency 1 is at most ``MAX_ATTENTION_SHARE_FOR_COST`` of their measured time,
+    of that time minus the model's (``predicted_shard_s``), at least 0; 0 without such a row.
+
+    The model prices a shard as its share of the work, two attention calls and its collectives as their tables
+    measured them alone. The sharded path pays more than those on a CPU: its chunks' kernels and their merge, the
+    K/V stacked and gathered, each wait beyond a table's: ``make demo``'s sequences under 150 tokens over 2 ranks
+    ran 1.2-1.4x their price, about 2.5 ms each, while whole sequences of the same micro-batches met theirs."""
+    if perf.profile.compute.alpha_s_per_shard:
+        raise ValueError(f"profile {perf.profile.name} already has a shard cost; it is derived against the model "
+                         f"without one")
+    candidates = []
+    residuals = []
+    for row in shards:
+        size, degree, time_s = row["num_tokens"], row["degree"], row["shard_s"]
+        predicted_s = predicted_shard_s(perf, size, degree)
+        attention_share = efficiency_candidate(perf, size, degree, time_s).ideal_attention_s / time_s
+        used = attention_share <= MAX_ATTENTION_SHARE_FOR_COST
+        candidates.append({"num_tokens": size, "degree": degree, "shard_s": time_s, "predicted_s": predicted_s,
+                           "attention_share": attention_share, "used": used})
+        if used:
+            residuals.append(time_s - predicted_s)
+    if not residuals:
+        return ShardCostFit(alpha_s_per_shard=0.0, candidates=tuple(candidates),
+                            result=f"0: no sharded row whose attention is at most {MAX_ATTENTION_SHARE_FOR_COST:.0%} "
+                                   f"of its time (measure a short sequence, --shard-sizes)")
+    median_s = statistics.median(residuals)
+    return ShardCostFit(alpha_s_per_shard=max(median_s, 0.0), candidates=tuple(candidates),
+                        result=f"{max(median_s, 0.0) * 1e3:.3g} ms: the median of {len(residuals)} sharded row(s)' "
+                               f"time beyond the model's" + (f" ({median_s * 1e3:.3g} ms, clamped at 0)"
+                                                            if median_s < 0 else ""))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -68,9 +68,10 @@ __all__ = [
 
 BACKEND_ENV = "SKRULL_ATTENTION_BACKEND"
 # A CPU query segment shorter than its keys runs as two flash calls (``_BottomRightCausalCPU``) from this many
-# queries, below it as one call with a mask: there the rectangle is small and the second call and the merge cost
-# more than the masked blocks (per layer of tiny Qwen2, forward and backward: 0.2 ms saved per sequence up to 512
-# tokens over 2 ranks, 128-query chunks; even at 1,024, the split ahead from 2,048, ``make bench-cpu-costs``).
+# queries, below it as one call with a mask: there the rectangle is small, and the second call and the merge cost
+# more than its masked blocks. ``make bench-cpu-costs``, a layer of tiny Qwen2 forward and backward, a sequence over
+# 2 ranks (chunks of a quarter of it): the masked call 0.2 ms cheaper up to 512 tokens, the two within 10 % of each
+# other at 1,024, the two calls ahead from 2,048.
 CPU_SPLIT_MIN_QUERIES = 256
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -168,10 +168,12 @@ def summary(document: dict[str, Any]) -> str:
 
 
 def _shard_table(compute: dict[str, Any], perf: PerformanceModel) -> list[str]:
-    """The per-degree shard effect: measured whole and shard times, the model's shard time with efficiency 1 and
-    (where the profile carries one) with its attention efficiency curve."""
+    """The shard cost, and the per-degree shard effect: measured whole and shard times, the model's shard time (the
+    shard cost included) with efficiency 1 and (where the profile carries one) with its attention efficiency curve."""
     with_curve = bool(compute.get("attention_efficiency"))
-    lines = ["shard effect (one sequence whole on each rank vs zigzag shards over every aligned block of d ranks; "
+    lines = [f"shard cost: {compute.get('alpha_s_per_shard', 0.0) * 1e3:.2f} ms per sharded sequence and rank beyond "
+             f"the model's terms (compute.fit.shard_cost)",
+             "shard effect (one sequence whole on each rank vs zigzag shards over every aligned block of d ranks; "
              "ms per micro-batch):",
              f"  {'tokens':>6} {'d':>3} {'query':>6} {'whole':>8} {'shard':>8} {'speedup':>7} {'par.eff':>7} "
              f"{'model':>8} {'error':>6}" + (f" {'+curve':>8} {'error':>6}" if with_curve else "")]

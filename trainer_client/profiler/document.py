@@ -36,8 +36,8 @@ from scheduler_service.core.memory import static_bytes_per_parameter
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, fit_compute, fit_memory
 from scheduler_service.core.profile import parse_profile
-from scheduler_service.core.shard_effect import derive_attention_efficiency, shard_effect_rows
-from trainer_client.profiler.sweeps import Measurements, ProfileOptions, compute_points
+from scheduler_service.core.shard_effect import derive_attention_efficiency, derive_shard_cost, shard_effect_rows
+from trainer_client.profiler.sweeps import Measurements, ProfileOptions, compute_points, shard_runs
 
 __all__ = ["LinkTables", "build_document", "compute_form", "compute_section", "document_json", "rebase_compute",
            "refit_compute", "split_by_node", "with_shard_effect"]
@@ -318,25 +318,31 @@ def _communication_section(measured: Measurements) -> CommunicationSection:
 
 def with_shard_effect(document: ProfileDocument, shape: ModelShape, shards: Sequence[Mapping[str, Any]],
                       options: ProfileOptions) -> ProfileDocument:
-    """``document`` with the shard-effect rows of ``shards`` (``compute.shard_effect``) and their note, the
-    efficiency's derivation (``compute.fit.attention_efficiency``) and, where the rows determine it, the curve
-    (``compute.attention_efficiency``). ``document`` has no curve: the rows are read against efficiency 1."""
+    """``document`` with the shard-effect rows of ``shards`` (``compute.shard_effect``) and their note, the cost of
+    a shard (``compute.alpha_s_per_shard``, derived in ``compute.fit.shard_cost``), the efficiency's derivation
+    (``compute.fit.attention_efficiency``) and, where the rows determine it, the curve
+    (``compute.attention_efficiency``). ``document`` has neither: the rows are read first against the model without
+    a shard cost, for that cost, then with it and at efficiency 1, for the efficiency."""
+    cost = derive_shard_cost(PerformanceModel(model=shape, profile=parse_profile(document_json(document))), shards)
+    document = document.model_copy(update={"compute": document.compute.model_copy(
+        update={"alpha_s_per_shard": cost.alpha_s_per_shard})})
     perf = PerformanceModel(model=shape, profile=parse_profile(document_json(document)))
     rows = shard_effect_rows(perf, shards)
     fit = derive_attention_efficiency(perf, rows)
     degrees = sorted({row["degree"] for row in rows})
     note = (f"one sequence of each of {list(options.shard_sizes)} tokens run whole on every rank at once (whole_s: "
-            f"mean over ranks) vs as zigzag shards over every aligned block of d ranks at once, d in {degrees} "
-            f"(shard_s: slowest rank); each the median of {options.repeats} timed runs after {options.warmup} "
-            f"warm-up. predicted_*: this profile's model with attention efficiency 1 (a rank holding only its "
-            f"shard: nothing hides the collectives, whose cost is the table measured for d). ")
+            f"mean over ranks; the median of {options.repeats} timed runs after {options.warmup} warm-up) vs as "
+            f"zigzag shards over every aligned block of d ranks at once, d in {degrees} (shard_s: slowest rank; "
+            f"the mean of {shard_runs(options)} timed runs, as its collectives' tables). predicted_*: this profile's "
+            f"model with attention efficiency 1 (a rank holding only its shard: nothing hides the collectives, "
+            f"whose cost is the table measured for d). ")
     compute = document.compute
     fits = (compute.model_extra or {}).get("fit", {})
     update: dict[str, Any] = {
-        "fit": {**fits, "attention_efficiency": fit.to_json()},
+        "fit": {**fits, "shard_cost": cost.to_json(), "attention_efficiency": fit.to_json()},
         "shard_effect": rows,
-        "shard_effect_note": note + (f"attention_efficiency: {fit.result}; candidates and verdicts in "
-                                     f"compute.fit.attention_efficiency."),
+        "shard_effect_note": note + (f"alpha_s_per_shard: {cost.result}; attention_efficiency: {fit.result}; "
+                                     f"candidates and verdicts in compute.fit."),
     }
     if fit.points:
         update["attention_efficiency"] = AttentionEfficiency.model_validate({

@@ -88,6 +88,7 @@ __all__ = [
     "run_sweeps",
     "shard_degrees",
     "shard_micro_batch",
+    "shard_runs",
 ]
 
 GROUP_COLLECTIVES = ("all_gather", "reduce_scatter")  # what a hybrid group's attention runs (dacp/attention.py)
@@ -113,7 +114,8 @@ class ProfileOptions:
     short_length: int = 128  # tokens of each sequence in the "many short" mixes
     memory_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
     comm_sizes: tuple[int, ...] = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes per collective
-    shard_sizes: tuple[int, ...] = (512, 2048)  # tokens of the sequence computed whole vs sharded at each degree
+    # tokens of the sequence computed whole vs sharded at each degree; the two shortest price a shard's own cost
+    shard_sizes: tuple[int, ...] = (64, 128, 512, 2048)
     warmup: int = 1
     repeats: int = 5
     memory_budget_bytes: float | None = None
@@ -398,6 +400,12 @@ def _measure_group_collectives(
     return by_size
 
 
+def shard_runs(options: ProfileOptions) -> int:
+    """Timed runs of a sharded row: its collectives' latency is long-tailed, so its mean, what a step pays, needs as
+    many runs as a collective's (``COLLECTIVE_REPEATS``)."""
+    return max(options.repeats, COLLECTIVE_REPEATS)
+
+
 def _measure_shards(bench: _Bench, bar: tqdm, world_size: int) -> list[dict[str, Any]]:
     """Figure 1(b) per degree: one sequence whole on every rank (concurrently) vs as 1/d zigzag shards over
     every aligned block of d ranks (concurrently)."""
@@ -418,9 +426,9 @@ def _measure_shards(bench: _Bench, bar: tqdm, world_size: int) -> list[dict[str,
                                        cp_block_groups=parallel.cp_block_groups).to(bench.device)
             dist.barrier()
             shard_times = timed_runs(functools.partial(bench.step, sharded), device=bench.device,
-                                     warmup=options.warmup, repeats=options.repeats)
+                                     warmup=options.warmup, repeats=shard_runs(options))
             results.append({"num_tokens": size, "degree": degree, "whole_s": whole_s,
-                            "shard_s": max_over_ranks(statistics.median(shard_times), bench.device)})
+                            "shard_s": max_over_ranks(statistics.fmean(shard_times), bench.device)})
             bar.update()
     bench.zero_grad()
     return results
