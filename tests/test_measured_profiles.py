@@ -38,6 +38,14 @@ def test_the_shipped_h200_profile_is_this_versions_fit_of_the_recorded_sweep() -
     assert perf.bucket_size(1) == 87_970  # zero2, bf16, one H200, its reserved memory measured
 
 
+def test_a_refit_keeps_what_the_shard_rows_measured_the_shard_cost_included() -> None:
+    recorded = _recorded("profile.json")
+    recorded["compute"] |= {"alpha_s_per_shard": 1e-3}
+    recorded["compute"]["fit"]["shard_cost"] = {"alpha_s_per_shard": 1e-3, "result": "test"}
+    again = refit_compute(recorded, name="again", command="test", date="now")["compute"]
+    assert again["alpha_s_per_shard"] == 1e-3 and again["fit"]["shard_cost"]["result"] == "test"
+
+
 def test_the_shipped_h200_profile_fits_its_own_sweep_within_12_percent() -> None:
     fit = builtin_profiles()["h200-qwen2.5-0.5b"].raw["compute"]["fit"]
     assert fit["form"] == "launch_bound"

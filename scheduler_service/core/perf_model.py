@@ -155,7 +155,7 @@ class PerformanceModel:
     reduce_scatter: LinearFit = field(init=False)
     _flops_per_token: float = field(init=False, repr=False)  # measured per-token cost, in FLOP-equivalents
     _flops_per_sequence: float = field(init=False, repr=False)  # measured per-sequence cost, in FLOP-equivalents
-    _flops_per_shard: float = field(init=False, repr=False)  # a sharded sequence's own cost per rank, the same
+    _flops_per_shard: float = field(init=False, repr=False)  # a sharded sequence's own cost per rank, the same units
     _collectives: dict[int, CollectiveCost] = field(init=False, repr=False)  # by group size, filled on demand
 
     def __post_init__(self) -> None:

@@ -203,9 +203,11 @@ def refit_compute(document: Mapping[str, Any], *, name: str, command: str, date:
     section = compute_section(compute["points"], num_layers=provenance["model"]["num_layers"],
                               on_gpu="gpu" in provenance.get("hardware", {}), timing=timing)
     refit = section.model_dump(mode="json", exclude_unset=True)
-    shard_effect = {key: value for key, value in compute.items() if key.startswith(("shard_effect", "attention_"))}
-    if "attention_efficiency" in compute.get("fit", {}):
-        refit["fit"]["attention_efficiency"] = compute["fit"]["attention_efficiency"]
+    shard_effect = {key: value for key, value in compute.items()
+                    if key.startswith(("shard_effect", "attention_")) or key == "alpha_s_per_shard"}
+    for derived in ("shard_cost", "attention_efficiency"):
+        if derived in compute.get("fit", {}):
+            refit["fit"][derived] = compute["fit"][derived]
     record = {"tool": TOOL, "command": command, "date": date, "from": document.get("name"),
               "replaced_fit": compute.get("fit")}
     return {**document, "name": name, "compute": {**refit, **shard_effect},
