@@ -53,9 +53,15 @@ def refusal_is_the_peers_own(scheduler: SchedulerName, problem: PlanningProblem,
                              error: BaselineCannotPlanError) -> bool:
     """Whether a baseline's refusal is one its own system makes: Megatron's dynamic CP refuses every pool but a
     power of two of at least 2 ranks, and plans all of those; the HF samplers refuse a sequence or micro-batch over
-    one CP group's capacity, or fewer sequences than DP ranks."""
+    one CP group's capacity, or fewer sequences than DP ranks; the static SP schedulers refuse a CP group of one rank,
+    or one whose size (Ulysses) or every proper divisor (USP) the model's heads do not split evenly over."""
     pool = problem.dp_size * problem.cp_size
     if scheduler is SchedulerName.DYNAMIC_CP:
         return (pool < 2 or pool & (pool - 1) != 0) and error.scheduler == "dynamic_cp"
+    cp_size, heads_allow = problem.cp_size, problem.perf.heads_allow
+    if scheduler is SchedulerName.ULYSSES and (cp_size == 1 or not heads_allow(cp_size)):
+        return error.scheduler == "ulysses"
+    if scheduler is SchedulerName.USP and not any(cp_size % u == 0 and heads_allow(u) for u in range(2, cp_size)):
+        return error.scheduler == "usp"
     return error.scheduler == scheduler.value and (
         f"holds {problem.micro_batch_capacity}" in error.reason or problem.num_sequences < problem.dp_size)

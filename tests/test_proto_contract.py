@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from pydantic import ValidationError
-from skrull_proto import SPANNING_SCHEMA_VERSION, ModelSpec, PlanRequest, PlanResponse, Problem
+from skrull_proto import SCHEMES_SCHEMA_VERSION, ModelSpec, PlanRequest, PlanResponse, Problem
 
 from scheduler_service.export_schema import CONTRACT_DIR, contract_documents, main, stale_documents
 
@@ -74,7 +74,7 @@ def test_json_schemas_describe_the_models() -> None:
 
 def test_request_example_in_the_schema_is_valid() -> None:
     for example in PlanRequest.model_json_schema()["examples"]:
-        assert PlanRequest.model_validate(example).schema_version == SPANNING_SCHEMA_VERSION
+        assert PlanRequest.model_validate(example).schema_version == SCHEMES_SCHEMA_VERSION
 
 
 def test_request_forbids_unknown_fields_and_other_versions() -> None:
@@ -82,7 +82,7 @@ def test_request_forbids_unknown_fields_and_other_versions() -> None:
     with pytest.raises(ValidationError):
         PlanRequest.model_validate({**base, "dp": 2})
     with pytest.raises(ValidationError):
-        PlanRequest.model_validate({**base, "schema_version": 3})
+        PlanRequest.model_validate({**base, "schema_version": 4})
 
 
 @pytest.mark.parametrize(

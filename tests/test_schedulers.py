@@ -174,9 +174,16 @@ def test_simulator_hides_collectives_behind_local_attention_only_and_takes_the_s
 
 
 def test_same_request_gives_the_same_plan(problem_of: ProblemFactory) -> None:
-    problem = problem_of([3000, 17, 900, 12000, 45, 700, 2500, 8000, 64, 300], dp_size=2, cp_size=4)
-    for scheduler in HEURISTIC_SCHEDULERS:
-        assert make_plan(problem, scheduler).plan == make_plan(problem, scheduler).plan
+    lengths = [3000, 17, 900, 12000, 45, 700, 2500, 8000, 64, 300]
+    for model in ("qwen2.5-0.5b", "tiny"):  # tiny's heads split over cp_size 4: the static SP schedulers plan
+        problem = problem_of(lengths, dp_size=2, cp_size=4, model=model)
+        for scheduler in HEURISTIC_SCHEDULERS:
+            try:
+                first = make_plan(problem, scheduler).plan
+            except BaselineCannotPlanError:
+                assert scheduler in (SchedulerName.ULYSSES, SchedulerName.USP) and model != "tiny"
+                continue
+            assert first == make_plan(problem, scheduler).plan
 
 
 def test_make_plan_reports_speedup_against_deepspeed(problem_of: ProblemFactory) -> None:
@@ -193,6 +200,8 @@ def test_search_starts_at_one_micro_batch_per_sequence_over_half_the_capacity(pr
     # from ⌈tokens / C·N⌉ one cut at a time (quadratic in n).
     problem = problem_of([2049] * 300, dp_size=1, cp_size=2, bucket_size=2048)
     for scheduler in HEURISTIC_SCHEDULERS:
+        if scheduler is SchedulerName.USP:  # a CP group of 2 has no 2D layout: refused (test_static_sp.py)
+            continue
         plan = HEURISTIC_SCHEDULERS[scheduler](problem)
         assert violations_of(problem, plan) == []
         assert plan.num_micro_batches == 300

@@ -28,6 +28,7 @@ from pydantic import (
     StrictInt,
     WithJsonSchema,
     model_serializer,
+    model_validator,
 )
 
 from skrull_proto.profile import ProfileDocument
@@ -39,7 +40,9 @@ __all__ = [
     "MIN_MEMORY_BYTES",
     "MIN_MICRO_BATCH_TIME_MS",
     "SCHEMA_VERSION",
+    "SCHEMES_SCHEMA_VERSION",
     "SPANNING_SCHEMA_VERSION",
+    "CollectiveScheme",
     "CPRankEstimateModel",
     "ComputeCoefficients",
     "DPRankPlanModel",
@@ -75,6 +78,9 @@ SCHEMA_VERSION: Final = 1
 # Plans that may hold spanning micro-batches (blocks over several DP replicas): a request of this version accepts
 # them (the default), a response has it exactly when it holds one.
 SPANNING_SCHEMA_VERSION: Final = 2
+# Plans whose collectives may name a scheme other than all-gather-KV (``scheme``, ``ulysses_degree``): a request of
+# this version accepts them (the default), a response has it exactly when it holds one.
+SCHEMES_SCHEMA_VERSION: Final = 3
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 # A length of a batch: the planning core checks that it is positive (module docstring); the schema says so.
@@ -104,6 +110,8 @@ class SchedulerName(StrEnum):
     DYNAMIC_CP = "dynamic_cp"
     GROUP_BY_LENGTH = "group_by_length"
     BATCH_REBALANCE = "batch_rebalance"
+    ULYSSES = "ulysses"
+    USP = "usp"
 
 
 class _Strict(BaseModel):
@@ -146,11 +154,12 @@ class PlanRequest(_Strict):
         },
     )
 
-    schema_version: Literal[1, 2] = Field(
-        default=SPANNING_SCHEMA_VERSION,
-        description="Contract version. 2 (the default): the plan may hold spanning micro-batches (`spanning`), and a "
-        "sequence may be as long as the world holds, bucket_size x cp_size x dp_size. 1: a client that cannot run "
-        "them; every sequence must fit one CP group (bucket_size x cp_size).")
+    schema_version: Literal[1, 2, 3] = Field(
+        default=SCHEMES_SCHEMA_VERSION,
+        description="Contract version. 3 (the default): a collective may be Ulysses or 2D (`scheme`), as well as "
+        "all that 2 allows. 2: the plan may hold spanning micro-batches (`spanning`), and a sequence may be as long "
+        "as the world holds, bucket_size x cp_size x dp_size; every collective all-gathers K/V. 1: a client that "
+        "cannot run spanning micro-batches either; every sequence must fit one CP group (bucket_size x cp_size).")
     sequence_lengths: list[SequenceLength] = Field(
         json_schema_extra={"minItems": 1},  # the core checks it (module docstring)
         description="Token count of every sequence of the global batch, in dataset order; plans refer to "
@@ -212,6 +221,7 @@ class _OmitsEmpty(_Strict):
     instead of silently running the plan without them."""
 
     _omitted_when_empty: ClassVar[tuple[str, ...]]  # the fields left out when empty (or null)
+    _omitted_when_default: ClassVar[dict[str, str]] = {}  # the fields left out when they hold this value
 
     # No return annotation: pydantic would take it as the serialisation schema instead of the model's own.
     @model_serializer(mode="wrap")
@@ -221,14 +231,54 @@ class _OmitsEmpty(_Strict):
             for name in self._omitted_when_empty:
                 if not data.get(name, True):
                     del data[name]
+            for name, default in self._omitted_when_default.items():
+                if name in data and data[name] == default:
+                    del data[name]
         return data
 
 
-class ShardedGroupModel(_Strict):
-    """Hybrid DACP: sequences sharded (zigzag) over part of the CP group."""
+class CollectiveScheme(StrEnum):
+    """How a collective (sequences sharded over one block of s ranks) moves its attention's data."""
+
+    ALL_GATHER_KV = "all_gather_kv"
+    ULYSSES = "ulysses"
+    TWO_D = "2d"
+
+
+_SCHEME = ("How the collective's attention moves its data: `all_gather_kv` (the default, omitted: zigzag shards, K/V "
+           "all-gathered over the block), `ulysses` (contiguous shards, all-to-all over heads), `2d` (Ulysses over "
+           "`ulysses_degree` consecutive ranks, K/V all-gathered across the block's sub-blocks of that size).")
+_ULYSSES_DEGREE = ("`2d` only: the ranks of one Ulysses group, a divisor of the block's size strictly between 1 and "
+                   "it; omitted otherwise (all_gather_kv: 1, ulysses: the block's size).")
+
+
+class _HasScheme(_OmitsEmpty):
+    """A collective's scheme, with the 2D degree it needs and nothing it does not."""
+
+    def _check_scheme(self, scheme: CollectiveScheme, ulysses_degree: int | None, size: int, name: str) -> None:
+        if scheme is CollectiveScheme.TWO_D:
+            if ulysses_degree is None or not 1 < ulysses_degree < size or size % ulysses_degree:
+                raise ValueError(f"{name}scheme 2d needs {name}ulysses_degree, a divisor of the block's {size} ranks "
+                                 f"strictly between 1 and {size}; got {ulysses_degree}")
+        elif ulysses_degree is not None:
+            raise ValueError(f"{name}ulysses_degree is for scheme 2d only; {name}scheme is {scheme.value}")
+
+
+class ShardedGroupModel(_HasScheme):
+    """Hybrid DACP: sequences sharded over part of the CP group."""
+
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("ulysses_degree",)
+    _omitted_when_default: ClassVar[dict[str, str]] = {"scheme": "all_gather_kv"}
 
     cp_ranks: list[CPRank] = Field(min_length=2, description=f"The group's CP ranks, an aligned block: {_BLOCK_RULE}.")
     sequences: list[SequenceIndex] = Field(min_length=1, description="Indices sharded over these CP ranks.")
+    scheme: CollectiveScheme = Field(default=CollectiveScheme.ALL_GATHER_KV, description=_SCHEME)
+    ulysses_degree: PositiveInt | None = Field(default=None, description=_ULYSSES_DEGREE)
+
+    @model_validator(mode="after")
+    def _scheme_fits(self) -> ShardedGroupModel:
+        self._check_scheme(self.scheme, self.ulysses_degree, len(self.cp_ranks), "")
+        return self
 
 
 class CPRankEstimateModel(_OmitsEmpty):
@@ -255,11 +305,15 @@ class CPRankEstimateModel(_OmitsEmpty):
                                        "launch_bound.")
 
 
-class MicroBatchModel(_OmitsEmpty):
-    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("sharded", "cp_ranks")
+class MicroBatchModel(_HasScheme):
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("sharded", "cp_ranks", "distributed_ulysses_degree")
+    _omitted_when_default: ClassVar[dict[str, str]] = {"distributed_scheme": "all_gather_kv"}
 
     local: list[list[SequenceIndex]] = Field(description="cp_size lists: indices kept whole on that CP rank.")
-    distributed: list[SequenceIndex] = Field(description="Indices sharded (zigzag) over the whole CP group.")
+    distributed: list[SequenceIndex] = Field(description="Indices sharded over the whole CP group.")
+    distributed_scheme: CollectiveScheme = Field(default=CollectiveScheme.ALL_GATHER_KV,
+                                                 description=f"The scheme of `distributed`. {_SCHEME}")
+    distributed_ulysses_degree: PositiveInt | None = Field(default=None, description=_ULYSSES_DEGREE)
     sharded: list[ShardedGroupModel] = Field(
         default_factory=list,
         description="Hybrid DACP groups: indices sharded over an aligned block of CP ranks; a CP rank may belong "
@@ -272,6 +326,12 @@ class MicroBatchModel(_OmitsEmpty):
         "`breakdown`; omitted otherwise.",
     )
 
+    @model_validator(mode="after")
+    def _scheme_fits(self) -> MicroBatchModel:
+        self._check_scheme(self.distributed_scheme, self.distributed_ulysses_degree, len(self.local),
+                           "distributed_")
+        return self
+
 
 class DPRankPlanModel(_Strict):
     micro_batches: list[MicroBatchModel] = Field(description="Run in order with gradient accumulation, after the "
@@ -281,25 +341,35 @@ class DPRankPlanModel(_Strict):
                                                  "of its own micro-batch estimates.")
 
 
-class SpanningGroupModel(_Strict):
-    """Sequences sharded (zigzag) over an aligned block of a spanning micro-batch's world ranks."""
+class SpanningGroupModel(_HasScheme):
+    """Sequences sharded over an aligned block of a spanning micro-batch's world ranks."""
+
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ()
+    _omitted_when_default: ClassVar[dict[str, str]] = {"scheme": "all_gather_kv"}
 
     ranks: list[CPRank] = Field(min_length=2, description="World ranks (dp_rank x cp_size + cp_rank), an aligned "
                                                           "block of the spanning micro-batch's ranks: size s dividing "
                                                           "their number, starting s x k ranks after the first.")
     sequences: list[SequenceIndex] = Field(min_length=1, description="Indices sharded over these ranks.")
+    scheme: Literal[CollectiveScheme.ALL_GATHER_KV, CollectiveScheme.ULYSSES] = Field(
+        default=CollectiveScheme.ALL_GATHER_KV, description="`all_gather_kv` (the default, omitted) or `ulysses`: "
+        "across DP replicas no collective is 2D.")
 
 
 class SpanningMicroBatchModel(_OmitsEmpty):
     """One micro-batch over an aligned block of DP replicas, run by each of them as one synchronised step."""
 
     _omitted_when_empty: ClassVar[tuple[str, ...]] = ("sharded", "ranks")
+    _omitted_when_default: ClassVar[dict[str, str]] = {"distributed_scheme": "all_gather_kv"}
 
     dp_ranks: list[CPRank] = Field(min_length=2, description="The DP replicas of the block: at least two, "
                                                              "consecutive, starting at a multiple of their number.")
     local: list[list[SequenceIndex]] = Field(description="One list per world rank of the block, in rank order: "
                                                          "indices kept whole on that rank.")
     distributed: list[SequenceIndex] = Field(description="Indices sharded over every rank of the block.")
+    distributed_scheme: Literal[CollectiveScheme.ALL_GATHER_KV, CollectiveScheme.ULYSSES] = Field(
+        default=CollectiveScheme.ALL_GATHER_KV, description="The scheme of `distributed`: `all_gather_kv` (the "
+        "default, omitted) or `ulysses`.")
     sharded: list[SpanningGroupModel] = Field(default_factory=list, description="Indices sharded over an aligned "
                                                                                 "block of the block's ranks.")
     estimated_time_ms: float = Field(description="max over the block's ranks of the estimated micro-batch time.")
@@ -321,10 +391,12 @@ class SolverReport(_Strict):
 class PlanResponse(_OmitsEmpty):
     """The plan of one global batch, with its estimate beside the deepspeed baseline's."""
 
-    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("spanning", "job_state")
+    _omitted_when_empty: ClassVar[tuple[str, ...]] = ("spanning", "job_state", "notes")
 
-    schema_version: Literal[1, 2] = Field(default=SCHEMA_VERSION, description="1: a plan within CP groups, as "
-                                                                              "before; 2: it holds `spanning`.")
+    schema_version: Literal[1, 2, 3] = Field(default=SCHEMA_VERSION, description="1: a plan within CP groups, as "
+                                                                                 "before; 2: it holds `spanning`; 3: "
+                                                                                 "a collective names a `scheme` "
+                                                                                 "other than all_gather_kv.")
     scheduler: SchedulerName
     model: str = Field(description="The model the estimate is for.")
     profile: str = Field(description="The hardware profile the estimate is for.")
@@ -347,6 +419,10 @@ class PlanResponse(_OmitsEmpty):
         "estimated_iteration_time_ms / lower_bound_ms - 1 is at most what a better plan could gain."
     )
     solver: SolverReport | None = Field(default=None, description="cpsat only: status, objective and bound.")
+    notes: list[str] = Field(
+        default_factory=list,
+        description="What the plan could not use and why, e.g. every collective kept to all_gather_kv because the "
+        "profile has no all_to_all table. Omitted when empty.")
     job_state: str | None = Field(
         default=None,
         description="Only when the request named a `job_id` and the service's job store failed during it: "

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from skrull_proto import (
     SCHEMA_VERSION,
+    SCHEMES_SCHEMA_VERSION,
     SPANNING_SCHEMA_VERSION,
     ComputeCoefficients,
     FeedbackRequest,
@@ -29,6 +30,7 @@ from skrull_proto import (
 )
 
 from scheduler_service.core import feedback as core_feedback
+from scheduler_service.core.choices import CollectiveScheme
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.plan import (
@@ -42,9 +44,10 @@ from scheduler_service.core.plan import (
     SpanningMicroBatch,
     make_problem,
 )
-from scheduler_service.core.planner import PlanResult
+from scheduler_service.core.planner import SCHEME_CHOOSERS, PlanResult
 from scheduler_service.core.profile import Profile, parse_profile
 from scheduler_service.core.samplers import LengthDistribution
+from scheduler_service.core.schemes import schemes_note
 from scheduler_service.core.simulate import CPRankEstimate, MicroBatchEstimate
 
 __all__ = [
@@ -103,6 +106,7 @@ def request_to_problem(
         gpus_per_node=request.gpus_per_node,
         spanning=request.schema_version >= SPANNING_SCHEMA_VERSION,
         token_buckets=request.token_buckets,
+        schemes=request.schema_version >= SCHEMES_SCHEMA_VERSION,
     )
 
 
@@ -138,11 +142,42 @@ def _cp_rank_data(rank: CPRankEstimate) -> dict[str, Any]:
     return data
 
 
+def _scheme_data(degree: int, ulysses_degree: int, prefix: str = "") -> dict[str, Any]:
+    """A collective's scheme as the wire spells it: nothing for all-gather-KV (the default, left out), the name,
+    and the degree for 2D only."""
+    scheme = CollectiveScheme.of(degree, ulysses_degree)
+    if scheme is CollectiveScheme.ALL_GATHER_KV:
+        return {}
+    data: dict[str, Any] = {f"{prefix}scheme": scheme.value}
+    if scheme is CollectiveScheme.TWO_D:
+        data[f"{prefix}ulysses_degree"] = ulysses_degree
+    return data
+
+
+def _ulysses_degree(scheme: str, ulysses_degree: int | None, degree: int) -> int:
+    """The core's Ulysses degree of a wire scheme (the contract checked that 2D names its degree)."""
+    if scheme == CollectiveScheme.ULYSSES:
+        return degree
+    if scheme == CollectiveScheme.TWO_D:
+        assert ulysses_degree is not None
+        return ulysses_degree
+    return 1
+
+
+def _has_schemes(plan: Plan) -> bool:
+    micro_batches = [mb for dp_plan in plan.dp_ranks for mb in dp_plan.micro_batches]
+    micro_batches += [spanning.micro_batch for spanning in plan.spanning]
+    return any(collective.ulysses_degree != 1 for mb in micro_batches for collective in mb.collectives())
+
+
 def _micro_batch_data(micro_batch: MicroBatch, estimate: MicroBatchEstimate, breakdown: bool) -> dict[str, Any]:
     data: dict[str, Any] = {"local": [list(rank_local) for rank_local in micro_batch.local],
-                            "distributed": list(micro_batch.distributed)}
+                            "distributed": list(micro_batch.distributed),
+                            **_scheme_data(len(micro_batch.local), micro_batch.distributed_ulysses_degree,
+                                           "distributed_")}
     if micro_batch.sharded:  # empty optional lists are left out, as ``MicroBatchModel`` serialises them
-        data["sharded"] = [{"cp_ranks": list(group.cp_ranks), "sequences": list(group.sequences)}
+        data["sharded"] = [{"cp_ranks": list(group.cp_ranks), "sequences": list(group.sequences),
+                            **_scheme_data(group.degree, group.ulysses_degree)}
                            for group in micro_batch.sharded]
     data["estimated_time_ms"] = _ms(estimate.time_s)
     if breakdown:
@@ -158,10 +193,13 @@ def _spanning_data(spanning: SpanningMicroBatch, estimate: MicroBatchEstimate, b
     first_rank = spanning.world_ranks(cp_size)[0]
     data: dict[str, Any] = {"dp_ranks": list(spanning.dp_ranks),
                             "local": [list(rank_local) for rank_local in micro_batch.local],
-                            "distributed": list(micro_batch.distributed)}
+                            "distributed": list(micro_batch.distributed),
+                            **_scheme_data(len(micro_batch.local), micro_batch.distributed_ulysses_degree,
+                                           "distributed_")}
     if micro_batch.sharded:
         data["sharded"] = [{"ranks": [first_rank + rank for rank in group.cp_ranks],
-                            "sequences": list(group.sequences)} for group in micro_batch.sharded]
+                            "sequences": list(group.sequences), **_scheme_data(group.degree, group.ulysses_degree)}
+                           for group in micro_batch.sharded]
     data["estimated_time_ms"] = _ms(estimate.time_s)
     if breakdown:
         data["ranks"] = [_cp_rank_data(rank) for rank in estimate.cp_ranks]
@@ -188,8 +226,11 @@ def result_to_response_data(result: PlanResult, *, breakdown: bool = False) -> d
                   "wall_time_ms": _ms(report.wall_time_s)}
     spanning = [_spanning_data(micro_batch, mb_estimate, breakdown, problem.cp_size)
                 for micro_batch, mb_estimate in zip(result.plan.spanning, estimate.spanning, strict=True)]
+    note = schemes_note(problem) if problem.schemes and result.scheduler in SCHEME_CHOOSERS else None
+    version = (SCHEMES_SCHEMA_VERSION if _has_schemes(result.plan)
+               else SPANNING_SCHEMA_VERSION if spanning else SCHEMA_VERSION)
     return {
-        "schema_version": SPANNING_SCHEMA_VERSION if spanning else SCHEMA_VERSION,
+        "schema_version": version,
         "scheduler": result.scheduler.value,
         "model": problem.perf.model.name,
         "profile": problem.perf.profile.name,
@@ -202,6 +243,7 @@ def result_to_response_data(result: PlanResult, *, breakdown: bool = False) -> d
         "speedup_vs_deepspeed": round(float(result.speedup_vs_deepspeed), 6),
         "lower_bound_ms": _ms(result.lower_bound_s),
         "solver": solver,
+        **({"notes": [note]} if note else {}),
     }
 
 
@@ -215,7 +257,11 @@ def _micro_batch(model: MicroBatchModel) -> MicroBatch:
     return MicroBatch(
         local=tuple(tuple(rank_local) for rank_local in model.local),
         distributed=tuple(model.distributed),
-        sharded=tuple(ShardedGroup(cp_ranks=tuple(group.cp_ranks), sequences=tuple(group.sequences))
+        distributed_ulysses_degree=_ulysses_degree(model.distributed_scheme, model.distributed_ulysses_degree,
+                                                   len(model.local)),
+        sharded=tuple(ShardedGroup(cp_ranks=tuple(group.cp_ranks), sequences=tuple(group.sequences),
+                                   ulysses_degree=_ulysses_degree(group.scheme, group.ulysses_degree,
+                                                                  len(group.cp_ranks)))
                       for group in model.sharded),
     )
 
@@ -231,8 +277,11 @@ def _spanning_micro_batch(model: SpanningMicroBatchModel) -> SpanningMicroBatch:
                                   field="spanning.dp_ranks")
     return SpanningMicroBatch(first_dp_rank=first_dp_rank, num_dp_ranks=len(model.dp_ranks), micro_batch=MicroBatch(
         local=tuple(tuple(rank_local) for rank_local in model.local), distributed=tuple(model.distributed),
+        distributed_ulysses_degree=_ulysses_degree(model.distributed_scheme, None, len(model.local)),
         sharded=tuple(ShardedGroup(cp_ranks=tuple(rank - first_rank for rank in group.ranks),
-                                   sequences=tuple(group.sequences)) for group in model.sharded)))
+                                   sequences=tuple(group.sequences),
+                                   ulysses_degree=_ulysses_degree(group.scheme, None, len(group.ranks)))
+                      for group in model.sharded)))
 
 
 def response_to_plan(response: PlanResponse) -> Plan:

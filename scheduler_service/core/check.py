@@ -30,10 +30,10 @@ import numpy as np
 import numpy.typing as npt
 
 from scheduler_service.core.errors import PlanCheckError
-from scheduler_service.core.plan import MicroBatch, Places, Plan, block_degrees, cp_blocks
+from scheduler_service.core.plan import Collective, MicroBatch, Places, Plan, block_degrees, cp_blocks
 
-__all__ = ["block_violation", "check_places", "check_plan", "find_violations", "spanning_block_violation",
-           "spanning_widths"]
+__all__ = ["block_violation", "check_places", "check_plan", "check_schemes", "find_violations", "scheme_violation",
+           "spanning_block_violation", "spanning_widths"]
 
 
 def block_violation(cp_ranks: tuple[int, ...], cp_size: int) -> str | None:
@@ -44,6 +44,30 @@ def block_violation(cp_ranks: tuple[int, ...], cp_size: int) -> str | None:
         return f"has {degree} CP ranks; a group needs 2 <= size < cp_size {cp_size} and a size dividing it"
     if cp_ranks not in cp_blocks(cp_size, degree):
         return f"CP ranks {list(cp_ranks)} are not an aligned block (consecutive, starting at a multiple of {degree})"
+    return None
+
+
+def scheme_violation(collective: Collective, heads: tuple[int, int] | None, *, spanning: bool = False) -> str | None:
+    """Why ``collective``'s scheme cannot run (None when it can): its Ulysses degree ``u`` must divide its degree;
+    with the model's ``heads`` (query, K/V), ``u`` must divide the query heads and the K/V heads divide ``u`` or
+    ``u`` them (docs/concepts/schemes.md: heads are never split unevenly); a spanning micro-batch runs no 2D
+    collective (the trainer makes strided groups only within a CP group)."""
+    degree, ulysses_degree = collective.degree, collective.ulysses_degree
+    if ulysses_degree < 1 or degree % ulysses_degree:
+        return (f"asks for Ulysses degree {ulysses_degree} over {degree} ranks; it must divide the block's size "
+                f"(1: all-gather-KV, {degree}: Ulysses, a divisor between: 2D)")
+    if spanning and 1 < ulysses_degree < degree:
+        return (f"asks for 2D (Ulysses degree {ulysses_degree} over {degree} ranks) in a spanning micro-batch; "
+                "only all-gather-KV and Ulysses run across DP replicas")
+    if heads is None or ulysses_degree == 1:
+        return None
+    num_heads, num_kv_heads = heads
+    if num_heads % ulysses_degree or (num_kv_heads % ulysses_degree and ulysses_degree % num_kv_heads):
+        working = [u for u in range(1, degree + 1) if degree % u == 0 and num_heads % u == 0
+                   and (num_kv_heads % u == 0 or u % num_kv_heads == 0)]
+        return (f"asks for Ulysses degree {ulysses_degree}: the model's {num_heads} query and {num_kv_heads} K/V "
+                f"heads do not split evenly over {ulysses_degree} ranks (degrees that would: "
+                f"{', '.join(map(str, working))})")
     return None
 
 
@@ -100,9 +124,11 @@ def _memory_violations(
 
 
 def find_violations(
-    plan: Plan, *, sequence_lengths: Sequence[int], dp_size: int, cp_size: int, bucket_size: int
+    plan: Plan, *, sequence_lengths: Sequence[int], dp_size: int, cp_size: int, bucket_size: int,
+    heads: tuple[int, int] | None = None,
 ) -> list[str]:
-    """Every way ``plan`` breaks the contract, as readable sentences (empty when valid)."""
+    """Every way ``plan`` breaks the contract, as readable sentences (empty when valid). ``heads``: the model's
+    query and K/V heads, which every Ulysses or 2D collective must split evenly (``scheme_violation``)."""
     violations: list[str] = []
     num_sequences = len(sequence_lengths)
     if len(plan.dp_ranks) != dp_size:
@@ -132,6 +158,13 @@ def find_violations(
                 blocks_valid = False
             if not group.sequences:
                 violations.append(f"{where}.sharded[{group_index}] holds no sequence")
+        for collective in micro_batch.collectives():
+            if not 0 < collective.degree <= group_size:
+                continue  # a bad block, named above
+            scheme_problem = scheme_violation(collective, heads, spanning=first_world_rank is not None)
+            if scheme_problem is not None:
+                ranks = list(range(collective.first_rank, collective.first_rank + collective.degree))
+                violations.append(f"{where} collective over ranks {ranks} {scheme_problem}")
         if blocks_valid:  # the memory bound is only defined over the group's ranks and valid blocks
             violations.extend(_memory_violations(micro_batch, sequence_lengths, group_size, bucket_size, where,
                                                  first_world_rank))
@@ -157,12 +190,33 @@ def find_violations(
 
 
 def check_plan(
-    plan: Plan, *, sequence_lengths: Sequence[int], dp_size: int, cp_size: int, bucket_size: int
+    plan: Plan, *, sequence_lengths: Sequence[int], dp_size: int, cp_size: int, bucket_size: int,
+    heads: tuple[int, int] | None = None,
 ) -> None:
     """Raise ``PlanCheckError`` listing every violation; return quietly for a valid plan."""
     violations = find_violations(
-        plan, sequence_lengths=sequence_lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size
+        plan, sequence_lengths=sequence_lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
+        heads=heads,
     )
+    if violations:
+        raise PlanCheckError(violations)
+
+
+def check_schemes(plan: Plan, *, heads: tuple[int, int]) -> None:
+    """Raise ``PlanCheckError`` where a collective's scheme cannot run (``scheme_violation``): what a plan checked
+    as places (``check_places``, all-gather-KV) needs once its schemes are chosen."""
+    violations = []
+    for dp_rank, dp_plan in enumerate(plan.dp_ranks):
+        for index, micro_batch in enumerate(dp_plan.micro_batches):
+            violations += [f"dp_ranks[{dp_rank}].micro_batches[{index}] collective over ranks "
+                           f"{collective.first_rank}..{collective.first_rank + collective.degree - 1} {problem}"
+                           for collective in micro_batch.collectives()
+                           if (problem := scheme_violation(collective, heads)) is not None]
+    for position, spanning in enumerate(plan.spanning):
+        violations += [f"spanning[{position}] collective over block ranks {collective.first_rank}.."
+                       f"{collective.first_rank + collective.degree - 1} {problem}"
+                       for collective in spanning.micro_batch.collectives()
+                       if (problem := scheme_violation(collective, heads, spanning=True)) is not None]
     if violations:
         raise PlanCheckError(violations)
 

@@ -66,6 +66,7 @@ __all__ = [
     "place_delta",
     "rank_compute_time_s",
     "rank_time_s",
+    "scheme_rank_time_s",
     "sum_rank_time_s",
     "sums_of_places",
     "token_bucket_sizes",
@@ -180,10 +181,13 @@ class RankSums(NamedTuple):
     reduce_scatter_s: FloatArray  # (M, C)
     units: IntArray  # (M, C) memory, in 1/C token
     block_members: IntArray  # (M, B) sequences placed on each block
+    # (M, C) communication nothing hides: a Ulysses or 2D collective's (``schemes``); the searches place by
+    # all-gather-KV alone and leave it 0
+    exposed_s: FloatArray
 
 
 SUMS = numba.typeof(RankSums(np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1)),
-                             np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)))
+                             np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1))))
 
 
 @kernel(SUMS(TABLES, types.int64))
@@ -191,7 +195,8 @@ def empty_sums(tables: CostTables, num_micro_batches: int) -> RankSums:
     """The sums of ``num_micro_batches`` empty micro-batches."""
     shape = (num_micro_batches, tables.cp_size)
     return RankSums(np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape),
-                    np.zeros(shape, dtype=np.int64), np.zeros((num_micro_batches, tables.num_blocks), dtype=np.int64))
+                    np.zeros(shape, dtype=np.int64), np.zeros((num_micro_batches, tables.num_blocks), dtype=np.int64),
+                    np.zeros(shape))
 
 
 @kernel(types.void(SUMS, types.int64))
@@ -203,6 +208,7 @@ def clear_row(sums: RankSums, m: int) -> None:
     sums.reduce_scatter_s[m, :] = 0.0
     sums.units[m, :] = 0
     sums.block_members[m, :] = 0
+    sums.exposed_s[m, :] = 0.0
 
 
 @kernel(types.float64(FLOAT_1D, types.int64, types.int64))
@@ -283,11 +289,20 @@ def padding_flops(tables: CostTables, units: int) -> float:
 def rank_time_s(tables: CostTables, work_flops: float, attention_flops: float, all_gather_s: float,
                 reduce_scatter_s: float, units: int) -> float:
     """``T_r`` (module docstring): the one cost function of every scheduler, the refinement and the simulator, for
-    a rank holding ``units`` of memory."""
+    a rank holding ``units`` of memory, whose collectives are all-gather-KV."""
+    return scheme_rank_time_s(tables, work_flops, attention_flops, all_gather_s, reduce_scatter_s, 0.0, units)
+
+
+@kernel(types.float64(TABLES, types.float64, types.float64, types.float64, types.float64, types.float64,
+                      types.int64), inline=True)
+def scheme_rank_time_s(tables: CostTables, work_flops: float, attention_flops: float, all_gather_s: float,
+                       reduce_scatter_s: float, exposed_s: float, units: int) -> float:
+    """``T_r`` with ``exposed_s`` of communication nothing hides (a Ulysses or 2D collective's, ``schemes``); the
+    hidden parts of its communication are in ``all_gather_s`` (forward) and ``reduce_scatter_s`` (backward)."""
     if work_flops <= 0.0:
         return 0.0
     return max(tables.floor_s, tables.alpha_s_per_flop * (work_flops + padding_flops(tables, units)) + tables.beta_s
-               + exposed_comm_s(tables, attention_flops, all_gather_s, reduce_scatter_s))
+               + exposed_comm_s(tables, attention_flops, all_gather_s, reduce_scatter_s) + exposed_s)
 
 
 @kernel(types.float64(TABLES, types.float64), inline=True)
@@ -302,8 +317,8 @@ def rank_compute_time_s(tables: CostTables, work_flops: float) -> float:
 @kernel(types.float64(TABLES, SUMS, types.int64, types.int64))
 def sum_rank_time_s(tables: CostTables, sums: RankSums, m: int, r: int) -> float:
     """``T_r`` of CP rank ``r`` of micro-batch ``m``."""
-    return rank_time_s(tables, sums.work_flops[m, r], sums.attention_flops[m, r], sums.all_gather_s[m, r],
-                       sums.reduce_scatter_s[m, r], sums.units[m, r])
+    return scheme_rank_time_s(tables, sums.work_flops[m, r], sums.attention_flops[m, r], sums.all_gather_s[m, r],
+                              sums.reduce_scatter_s[m, r], sums.exposed_s[m, r], sums.units[m, r])
 
 
 @kernel(types.float64(TABLES, SUMS, types.int64))

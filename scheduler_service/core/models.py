@@ -58,6 +58,11 @@ class ModelShape:
             )
 
     @property
+    def heads(self) -> tuple[int, int]:
+        """(query heads, K/V heads): what a Ulysses or 2D collective splits over its ranks (``check.scheme_violation``)."""
+        return self.num_attention_heads, self.num_key_value_heads
+
+    @property
     def kv_hidden_size(self) -> int:
         """h_kv of eq. 13 and eq. 15: the width of K (or V) per token."""
         return self.num_key_value_heads * self.head_dim

@@ -73,6 +73,7 @@ from scheduler_service.core.profile import Profile, Tables
 __all__ = [
     "ATTENTION_FORWARD_SHARE",
     "CollectiveCost",
+    "SchemeCommCost",
     "ComputeFit",
     "ComputePoint",
     "LinearFit",
@@ -117,6 +118,27 @@ class CollectiveCost:
         return self.reduce_scatter_s_per_token * num_tokens + self.reduce_scatter_fixed_s if num_tokens > 0 else 0.0
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchemeCommCost:
+    """One collective's communication over all layers, forward and backward, by how the trainer overlaps it, per
+    token sharded over its block (``T``, all ranks' tokens) and once per micro-batch where it has a sequence:
+    ``hidden_forward`` is launched before local attention's forward and hides behind it, ``hidden_backward``
+    likewise behind its backward, and ``exposed`` waits with nothing to hide behind."""
+
+    hidden_forward: LinearFit
+    hidden_backward: LinearFit
+    exposed: LinearFit
+
+    def hidden_forward_s(self, num_tokens: float) -> float:
+        return self.hidden_forward(num_tokens) if num_tokens > 0 else 0.0
+
+    def hidden_backward_s(self, num_tokens: float) -> float:
+        return self.hidden_backward(num_tokens) if num_tokens > 0 else 0.0
+
+    def exposed_s(self, num_tokens: float) -> float:
+        return self.exposed(num_tokens) if num_tokens > 0 else 0.0
+
+
 @cache  # profiles are parsed once but performance models are built per request
 def fit_line(points: tuple[tuple[float, float], ...], relative: bool = False) -> LinearFit:
     """Least-squares line through (x, y) points, on absolute or (``relative``) relative error; both coefficients
@@ -157,6 +179,7 @@ class PerformanceModel:
     _flops_per_sequence: float = field(init=False, repr=False)  # measured per-sequence cost, in FLOP-equivalents
     _flops_per_shard: float = field(init=False, repr=False)  # a sharded sequence's own cost per rank, the same units
     _collectives: dict[int, CollectiveCost] = field(init=False, repr=False)  # by group size, filled on demand
+    _schemes: dict[tuple[int, int], SchemeCommCost | None] = field(init=False, repr=False)  # by (degree, u)
 
     def __post_init__(self) -> None:
         measured_for = self.profile.model
@@ -179,6 +202,7 @@ class PerformanceModel:
         object.__setattr__(self, "_flops_per_sequence", compute.alpha_s_per_sequence / compute.alpha_s_per_flop)
         object.__setattr__(self, "_flops_per_shard", compute.alpha_s_per_shard / compute.alpha_s_per_flop)
         object.__setattr__(self, "_collectives", {})
+        object.__setattr__(self, "_schemes", {})
 
     # -- compute --------------------------------------------------------------
     def flops(self, num_tokens: float) -> float:
@@ -203,15 +227,16 @@ class PerformanceModel:
         log_lengths = np.log2([length for length, _ in points])
         return np.interp(np.log2(np.maximum(q, 1.0)), log_lengths, [efficiency for _, efficiency in points])
 
-    def placement_flops(self, lengths: npt.ArrayLike, degree: int) -> npt.NDArray[np.float64]:
-        """FLOP-equivalents each of ``degree`` CP ranks computes for a sequence kept whole (``degree`` 1) or
-        zigzag-sharded over ``degree`` ranks: ``1/degree`` of its work, attention at the efficiency of its query
-        chunks (the whole sequence, or two chunks of ``S / 2·degree``), one attention call per chunk, and when
-        sharded the profile's cost of a shard (``alpha_s_per_shard``)."""
+    def placement_flops(self, lengths: npt.ArrayLike, degree: int, ulysses_degree: int = 1) -> npt.NDArray[np.float64]:
+        """FLOP-equivalents each of ``degree`` CP ranks computes for a sequence kept whole (``degree`` 1) or sharded
+        over ``degree`` ranks by the scheme of ``ulysses_degree`` (``CollectiveScheme.of``): ``1/degree`` of its work,
+        attention at the efficiency of its query segments (``_attention_at_efficiency``), one attention call per
+        segment, and when sharded the profile's cost of a shard (``alpha_s_per_shard``)."""
         s = np.asarray(lengths, dtype=np.float64)
-        attention = self._attention_at_efficiency(s, degree)
+        attention = self._attention_at_efficiency(s, degree, ulysses_degree)
         flops = (_linear_flops(self.model, s) + self._flops_per_token * s + attention) / degree
-        per_sequence = self._flops_per_sequence if degree == 1 else 2 * self._flops_per_sequence + self._flops_per_shard
+        calls = 1 if degree == ulysses_degree else 2
+        per_sequence = calls * self._flops_per_sequence + (self._flops_per_shard if degree > 1 else 0.0)
         return flops + np.where(s > 0, per_sequence, 0.0)
 
     def placement_attention_flops(self, lengths: npt.ArrayLike, degree: int) -> npt.NDArray[np.float64]:
@@ -219,10 +244,13 @@ class PerformanceModel:
         of the sequence's attention."""
         return self._attention_at_efficiency(np.asarray(lengths, dtype=np.float64), degree) / degree
 
-    def _attention_at_efficiency(self, s: npt.NDArray[np.float64], degree: int) -> npt.NDArray[np.float64]:
-        """A sequence's attention FLOPs over all its ranks, at the efficiency of its query chunks (the whole
-        sequence, or two chunks of ``S / 2·degree``)."""
-        query_tokens = s if degree == 1 else s / (2 * degree)
+    def _attention_at_efficiency(self, s: npt.NDArray[np.float64], degree: int,
+                                 ulysses_degree: int = 1) -> npt.NDArray[np.float64]:
+        """A sequence's attention FLOPs over all its ranks, at the efficiency of its query segments: the whole
+        sequence where one rank (or a Ulysses group, each for its heads) attends all of it, else the two zigzag
+        chunks of ``S / 2g`` tokens, ``g = degree / ulysses_degree`` the ranks the K/V are gathered over."""
+        gathered_over = degree // ulysses_degree
+        query_tokens = s if gathered_over == 1 else s / (2 * gathered_over)
         return _attention_flops(self.model, s) / self.attention_efficiency(query_tokens)
 
     def local_attention_flops(self, lengths: npt.ArrayLike) -> npt.NDArray[np.float64]:
@@ -317,6 +345,95 @@ class PerformanceModel:
         tables were measured on): an all-gather of K/V per layer forward and a reduce-scatter of dK/dV backward."""
         cost = self.collective_cost(group_size or self.profile.communication.world_size or 2)
         return cost.all_gather_s(num_tokens) + cost.reduce_scatter_s(num_tokens)
+
+    # -- schemes ------------------------------------------------------------------
+    def ulysses_degrees(self, degree: int) -> tuple[int, ...]:
+        """The Ulysses degrees ``u > 1`` a collective over ``degree`` ranks may have (``CollectiveScheme``): ``u``
+        divides the degree and the query heads, and the K/V heads divide ``u`` or ``u`` them (K/V heads repeated
+        where ``u`` is larger), and the profile prices its all-to-all (``scheme_comm``). An uneven split of
+        heads is never chosen: its ranks would wait for the one with most heads, and the trainer refuses it."""
+        return tuple(u for u in range(2, degree + 1)
+                     if degree % u == 0 and self.heads_allow(u) and self.scheme_comm(degree, u) is not None)
+
+    def heads_allow(self, ulysses_degree: int) -> bool:
+        """Whether the model's heads split evenly over ``ulysses_degree`` ranks (``ulysses_degrees``)."""
+        heads, kv_heads = self.model.num_attention_heads, self.model.num_key_value_heads
+        return heads % ulysses_degree == 0 and (kv_heads % ulysses_degree == 0 or ulysses_degree % kv_heads == 0)
+
+    def scheme_comm(self, degree: int, ulysses_degree: int) -> SchemeCommCost | None:
+        """The communication of a collective over ``degree`` ranks with Ulysses degree ``u`` (docs/concepts/
+        schemes.md, "The price"), all layers; None where the profile cannot price it (no ``all_to_all`` table for
+        the link the Ulysses group uses).
+
+        * u = 1, all-gather-KV: the all-gather of K/V hides behind local attention's forward, the reduce-scatter
+          of their gradients behind its backward (``collective_cost``).
+        * u > 1: per layer one all-to-all takes Q, K and V to their heads' ranks (``(H + 2G')·D`` values per
+          token, ``G' = max(G, u)``: K/V heads repeated), launched before local attention, and one takes the
+          output back (``H·D``), after the collective's attention, with nothing left to hide behind; backward
+          mirrors it. Each moves the rank's ``T/degree`` tokens, ``(u−1)/u`` of them to other ranks.
+        * 1 < u < degree, 2D: between the two, the all-gather of the K/V (``2G'/u`` heads) over the ``g =
+          degree/u`` sub-blocks, forward, and its reduce-scatter backward, exposed too (they need the
+          all-to-all's result first).
+        """
+        key = (degree, ulysses_degree)
+        if key not in self._schemes:
+            self._schemes[key] = self._scheme_comm(degree, ulysses_degree)
+        return self._schemes[key]
+
+    def _scheme_comm(self, degree: int, ulysses_degree: int) -> SchemeCommCost | None:
+        layers = self.model.num_layers
+        if ulysses_degree == 1:
+            cost = self.collective_cost(degree)
+            return SchemeCommCost(
+                hidden_forward=LinearFit(slope=cost.all_gather_s_per_token, intercept=cost.all_gather_fixed_s),
+                hidden_backward=LinearFit(slope=cost.reduce_scatter_s_per_token,
+                                          intercept=cost.reduce_scatter_fixed_s),
+                exposed=_NO_COST)
+        all_to_all = self._all_to_all_fit(ulysses_degree)
+        if all_to_all is None:
+            return None
+        model, element_bytes = self.model, self.profile.communication.kv_bytes_per_element
+        kv_heads = max(model.num_key_value_heads, ulysses_degree)
+        bytes_per_token = model.head_dim * element_bytes / degree  # a token's share of a rank's buffer, per head
+        inbound = LinearFit(slope=layers * all_to_all.slope * bytes_per_token * (model.num_attention_heads
+                                                                                 + 2 * kv_heads),
+                            intercept=layers * all_to_all.intercept)
+        outbound = LinearFit(slope=layers * all_to_all.slope * bytes_per_token * model.num_attention_heads,
+                             intercept=layers * all_to_all.intercept)
+        exposed = LinearFit(slope=2 * outbound.slope, intercept=2 * outbound.intercept)
+        gathered_over = degree // ulysses_degree
+        if gathered_over > 1:
+            if self.crosses_nodes(degree) and not self.crosses_nodes(gathered_over):
+                return None  # a strided group across nodes: the tables of its link are not the ones of its size
+            gather = self.collective_cost(gathered_over)
+            kv_share = kv_heads / ulysses_degree / model.num_key_value_heads  # the K/V heads a rank gathers
+            exposed = LinearFit(
+                slope=exposed.slope + kv_share * (gather.all_gather_s_per_token + gather.reduce_scatter_s_per_token),
+                intercept=exposed.intercept + gather.all_gather_fixed_s + gather.reduce_scatter_fixed_s)
+        return SchemeCommCost(hidden_forward=inbound, hidden_backward=inbound, exposed=exposed)
+
+    def _all_to_all_fit(self, group_size: int) -> LinearFit | None:
+        """One all-to-all over ``group_size`` ranks: seconds per byte of a rank's buffer and per call; from the
+        table measured for that size, else the link's table with its bandwidth term scaled by ``(n−1)/n`` (the
+        share each rank sends away) relative to the measured group; None without an ``all_to_all`` table."""
+        try:
+            tables, by_group_size, world_size = self._link_tables(group_size)
+        except InvalidRequestError:
+            return None
+        relative = self.profile.communication.relative_fit
+        measured = by_group_size.get(group_size, {})
+        if measured.get("all_to_all"):
+            return fit_line(measured["all_to_all"], relative)
+        if not tables.get("all_to_all"):
+            return None
+        fit = fit_line(tables["all_to_all"], relative)
+        scale = _ring_volume(group_size) / _ring_volume(world_size or group_size)
+        return LinearFit(slope=fit.slope * scale, intercept=fit.intercept)
+
+    def has_all_to_all(self) -> bool:
+        """Whether the profile measured an all-to-all: without one, no collective is ever priced but by
+        all-gather-KV."""
+        return bool(self.profile.communication.tables.get("all_to_all"))
 
     # -- memory -------------------------------------------------------------------
     @property

@@ -38,6 +38,7 @@ from scheduler_service.core.profile import Profile, resolve_profile
 __all__ = [
     "DEFAULT_LIMITS",
     "MAX_TOKEN_BUCKETS",
+    "Collective",
     "DPRankPlan",
     "MicroBatch",
     "Place",
@@ -81,10 +82,12 @@ def cp_blocks(cp_size: int, degree: int) -> tuple[tuple[int, ...], ...]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardedGroup:
-    """Sequences zigzag-sharded over ``cp_ranks``, an aligned block of the CP group (the checker verifies it)."""
+    """Sequences sharded over ``cp_ranks``, an aligned block of the CP group (the checker verifies it), by the scheme
+    of ``ulysses_degree`` (``CollectiveScheme.of``: 1 all-gather-KV, the degree Ulysses, between them 2D)."""
 
     cp_ranks: tuple[int, ...]
     sequences: tuple[int, ...]
+    ulysses_degree: int = 1
 
     @property
     def degree(self) -> int:
@@ -99,6 +102,7 @@ class MicroBatch:
     local: tuple[tuple[int, ...], ...]  # one tuple per CP rank: indices kept whole there
     distributed: tuple[int, ...]  # indices sharded over the whole CP group
     sharded: tuple[ShardedGroup, ...] = ()  # hybrid DACP: indices sharded over part of the CP group
+    distributed_ulysses_degree: int = 1  # the scheme of ``distributed`` (``ShardedGroup.ulysses_degree``)
 
     @classmethod
     def from_places(cls, places: Sequence[Place], cp_size: int) -> MicroBatch:
@@ -131,6 +135,38 @@ class MicroBatch:
 
     def indices(self) -> list[int]:
         return [index for index, _, _ in self.places()]
+
+    def collectives(self) -> Iterator[Collective]:
+        """Every collective, in the trainer's row order: ``distributed`` (when it has sequences), then the groups."""
+        if self.distributed:
+            yield Collective(first_rank=0, degree=len(self.local), sequences=self.distributed,
+                             ulysses_degree=self.distributed_ulysses_degree)
+        for group in self.sharded:
+            yield Collective(first_rank=group.cp_ranks[0], degree=group.degree, sequences=group.sequences,
+                             ulysses_degree=group.ulysses_degree)
+
+    def with_ulysses_degrees(self, ulysses_degrees: Sequence[int]) -> MicroBatch:
+        """The same micro-batch with each collective's Ulysses degree replaced, in ``collectives()``'s order."""
+        collectives = list(self.collectives())
+        if len(ulysses_degrees) != len(collectives):
+            raise ValueError(f"{len(ulysses_degrees)} Ulysses degrees for {len(collectives)} collectives")
+        by_group = list(ulysses_degrees[1:] if self.distributed else ulysses_degrees)
+        return MicroBatch(
+            local=self.local, distributed=self.distributed,
+            distributed_ulysses_degree=ulysses_degrees[0] if self.distributed else 1,
+            sharded=tuple(ShardedGroup(cp_ranks=group.cp_ranks, sequences=group.sequences, ulysses_degree=degree)
+                          for group, degree in zip(self.sharded, by_group, strict=True)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Collective:
+    """One collective of a micro-batch: ``sequences`` sharded over the aligned block of ``degree`` ranks from
+    ``first_rank``, by the scheme of ``ulysses_degree`` (``CollectiveScheme.of``)."""
+
+    first_rank: int
+    degree: int
+    sequences: tuple[int, ...]
+    ulysses_degree: int = 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -194,8 +230,10 @@ class Plan:
             return MicroBatch(
                 local=tuple(tuple(indices[i] for i in rank_local) for rank_local in micro_batch.local),
                 distributed=tuple(indices[i] for i in micro_batch.distributed),
+                distributed_ulysses_degree=micro_batch.distributed_ulysses_degree,
                 sharded=tuple(ShardedGroup(cp_ranks=group.cp_ranks,
-                                           sequences=tuple(indices[i] for i in group.sequences))
+                                           sequences=tuple(indices[i] for i in group.sequences),
+                                           ulysses_degree=group.ulysses_degree)
                               for group in micro_batch.sharded))
 
         return Plan(dp_ranks=tuple(DPRankPlan(micro_batches=tuple(map(rename, dp_plan.micro_batches)))
@@ -265,6 +303,7 @@ class PlanningProblem:
     bucket_size: int  # C: tokens per CP rank per micro-batch
     perf: PerformanceModel
     spanning: bool = True  # whether a plan may hold spanning micro-batches (``SpanningMicroBatch``)
+    schemes: bool = True  # whether a collective may be Ulysses or 2D (``schemes``); False: all-gather-KV only
     token_buckets: int = 0  # rows padded to this many token buckets (``costing.token_bucket_sizes``); 0: none
     lengths: IntArray = field(init=False, repr=False)  # (N,)
     flops: FloatArray = field(init=False, repr=False)  # (N,) eq. 13 with the profile's measured terms
@@ -275,6 +314,8 @@ class PlanningProblem:
     tables: CostTables = field(init=False, repr=False)  # what the kernels read
     # the problems of blocks of several DP replicas, by their number of replicas (``span_problem``)
     _span_problems: dict[int, PlanningProblem] = field(init=False, repr=False, compare=False)
+    # (N,) rank FLOP-equivalents by (degree, Ulysses degree > 1), filled on demand (``scheme_rank_flops``)
+    _scheme_flops: dict[tuple[int, int], FloatArray] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         lengths = np.asarray(self.sequence_lengths, dtype=np.int64)
@@ -287,6 +328,7 @@ class PlanningProblem:
         set_field("rank_flops", tables.rank_flops)
         set_field("area", tables.area)
         set_field("_span_problems", {})
+        set_field("_scheme_flops", {})
 
     @property
     def num_sequences(self) -> int:
@@ -305,14 +347,16 @@ class PlanningProblem:
         if num_dp_ranks not in self._span_problems:
             self._span_problems[num_dp_ranks] = PlanningProblem(
                 sequence_lengths=self.sequence_lengths, dp_size=1, cp_size=num_dp_ranks * self.cp_size,
-                bucket_size=self.bucket_size, perf=self.perf, spanning=False, token_buckets=self.token_buckets)
+                bucket_size=self.bucket_size, perf=self.perf, spanning=False, schemes=self.schemes,
+                token_buckets=self.token_buckets)
         return self._span_problems[num_dp_ranks]
 
     def sub_problem(self, indices: Sequence[int]) -> PlanningProblem:
         """The batch of the sequences ``indices`` alone, on the same ranks (``Plan.renumbered`` names them back)."""
         return PlanningProblem(sequence_lengths=tuple(self.sequence_lengths[i] for i in indices),
                                dp_size=self.dp_size, cp_size=self.cp_size, bucket_size=self.bucket_size,
-                               perf=self.perf, spanning=self.spanning, token_buckets=self.token_buckets)
+                               perf=self.perf, spanning=self.spanning, schemes=self.schemes,
+                               token_buckets=self.token_buckets)
 
     def too_long_for_a_replica(self) -> list[int]:
         """The sequences no CP group holds (longer than ``bucket_size × cp_size``): only spanning blocks can."""
@@ -340,6 +384,22 @@ class PlanningProblem:
     def rank_flops_at(self, degree: int) -> FloatArray:
         """(N,) what each rank of a block of ``degree`` ranks computes for each sequence sharded over it."""
         return self.rank_flops[self.degrees.index(degree)]
+
+    def scheme_rank_flops(self, degree: int, ulysses_degree: int) -> FloatArray:
+        """(N,) ``rank_flops_at(degree)`` for collectives of Ulysses degree ``ulysses_degree`` (``schemes``)."""
+        if ulysses_degree == 1:
+            return self.rank_flops_at(degree)
+        key = (degree, ulysses_degree)
+        if key not in self._scheme_flops:
+            self._scheme_flops[key] = self.perf.placement_flops(self.lengths, degree, ulysses_degree)
+        return self._scheme_flops[key]
+
+    def cheapest_rank_flops(self) -> FloatArray:
+        """(D, N) the least each rank of a block of each degree computes for a sequence there, over every scheme
+        the block may use: what a lower bound on any plan reads (``simulate.iteration_lower_bound_s``)."""
+        return np.stack([np.minimum.reduce([self.rank_flops[d], *(self.scheme_rank_flops(degree, u)
+                                                                   for u in self.perf.ulysses_degrees(degree))])
+                         for d, degree in enumerate(self.degrees)])
 
 
 def _validate_int(value: object, name: str, low: int, high: int) -> int:
@@ -433,6 +493,7 @@ def make_problem(
     gpus_per_node: int | None = None,
     spanning: bool = True,
     token_buckets: int = 0,
+    schemes: bool = True,
 ) -> PlanningProblem:
     """Validate a request and derive what it leaves out (BucketSize from the profile). ``gpus_per_node``: the
     collectives of blocks larger than a node are priced with the profile's inter-node tables (``perf_model``,
@@ -440,7 +501,8 @@ def make_problem(
     holds, up to the world's capacity (blocks that span DP replicas hold it); False: one CP group's capacity is the
     limit, for a client that cannot run spanning micro-batches. ``token_buckets``: the client pads each rank's row
     to the smallest of that many token buckets (``costing.token_bucket_sizes``: BucketSize and its halves), and the
-    padding is priced; 0: rows run as packed."""
+    padding is priced; 0: rows run as packed. ``schemes``: a collective may be Ulysses or 2D where that is faster
+    (``schemes``); False: all-gather-KV only, for a client that cannot run them."""
     lengths = _validate_lengths(sequence_lengths, limits)
     dp_size = _validate_int(dp_size, "dp_size", 1, limits.max_dp_size)
     cp_size = _validate_int(cp_size, "cp_size", 1, limits.max_cp_size)
@@ -465,4 +527,4 @@ def make_problem(
                                        dp_size=dp_size if spanning else None)
     token_buckets = _validate_int(token_buckets, "token_buckets", 0, MAX_TOKEN_BUCKETS)
     return PlanningProblem(sequence_lengths=lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
-                           perf=perf, spanning=spanning, token_buckets=token_buckets)
+                           perf=perf, spanning=spanning, schemes=schemes, token_buckets=token_buckets)

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler_service.core import baselines, gds
-from scheduler_service.core.check import check_places, check_plan
+from scheduler_service.core import baselines, gds, static_sp
+from scheduler_service.core.check import check_places, check_plan, check_schemes
 from scheduler_service.core.dynamic_cp import dynamic_cp
 from scheduler_service.core.errors import UnknownSchedulerError
 from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
 from scheduler_service.core.samplers import DATASETS, sample_lengths
+from scheduler_service.core.schemes import choose_schemes
 from scheduler_service.core.simulate import (
     PlanEstimate,
     estimate_places,
@@ -27,7 +28,7 @@ from scheduler_service.core.simulate import (
 )
 from scheduler_service.core.spanning import plan_with_spanning, spanned_if_faster, with_needed_spanning
 
-__all__ = ["HEURISTIC_SCHEDULERS", "PlanResult", "make_plan", "parse_scheduler", "schedule", "skrull", "warm_up"]
+__all__ = ["HEURISTIC_SCHEDULERS", "SCHEME_CHOOSERS", "PlanResult", "make_plan", "parse_scheduler", "schedule", "skrull", "warm_up"]
 
 DEFAULT_CPSAT_TIME_LIMIT_S = 10.0
 
@@ -65,12 +66,16 @@ HEURISTIC_SCHEDULERS: dict[SchedulerName, Callable[[PlanningProblem], Plan]] = {
     SchedulerName.DYNAMIC_CP: dynamic_cp,
     SchedulerName.GROUP_BY_LENGTH: baselines.group_by_length,
     SchedulerName.BATCH_REBALANCE: baselines.batch_rebalance,
+    SchedulerName.ULYSSES: static_sp.ulysses,
+    SchedulerName.USP: static_sp.usp,
 }
 
 # Peers' schedulers, planned as their own systems plan (the whole pool for dynamic CP; within CP groups, refusing a
-# sequence no CP group holds, for the HF samplers); every other scheduler plans within CP groups, and the sequences
-# no CP group holds are given spanning micro-batches around it (``spanning.with_needed_spanning``).
-_PEER_SCHEDULERS = frozenset({SchedulerName.DYNAMIC_CP, SchedulerName.GROUP_BY_LENGTH, SchedulerName.BATCH_REBALANCE})
+# sequence no CP group holds, for the HF samplers and the static SP of XTuner/SWIFT and USP); every other scheduler
+# plans within CP groups, and the sequences no CP group holds are given spanning micro-batches around it
+# (``spanning.with_needed_spanning``).
+_PEER_SCHEDULERS = frozenset({SchedulerName.DYNAMIC_CP, SchedulerName.GROUP_BY_LENGTH, SchedulerName.BATCH_REBALANCE,
+                              SchedulerName.ULYSSES, SchedulerName.USP})
 
 
 def parse_scheduler(name: str | SchedulerName) -> SchedulerName:
@@ -107,12 +112,21 @@ def schedule(
     return with_needed_spanning(problem, HEURISTIC_SCHEDULERS[name]), None
 
 
+# Skrull's schedulers give each collective its fastest scheme (``schemes.choose_schemes``); the others run as their
+# systems do, all-gather-KV (``deepspeed``, the samplers, Megatron's ring priced as its own) or their one static
+# scheme (``ulysses``, ``usp``).
+SCHEME_CHOOSERS = frozenset({SchedulerName.SKRULL, SchedulerName.SKRULL_BINARY, SchedulerName.CPSAT})
+
+
 def make_plan(
     problem: PlanningProblem, scheduler: str | SchedulerName = SchedulerName.SKRULL, *,
-    time_limit_s: float = DEFAULT_CPSAT_TIME_LIMIT_S, search_budget: int | None = None,
+    time_limit_s: float = DEFAULT_CPSAT_TIME_LIMIT_S, search_budget: int | None = None, schemes: bool = True,
 ) -> PlanResult:
     """Schedule, check (every plan, every scheduler) and simulate one global batch. The compiled schedulers'
-    places are checked as arrays before the plan is built from them; any other plan is checked as it is."""
+    places are checked as arrays before the plan is built from them; any other plan is checked as it is.
+    ``schemes``: Skrull's schedulers choose each collective's scheme (``SCHEME_CHOOSERS``) where the problem allows
+    it (``PlanningProblem.schemes``); False: all-gather-KV everywhere, as before the choice (``make bench`` compares
+    the two)."""
     name = parse_scheduler(scheduler)
     started = time.perf_counter()
     report = None
@@ -139,6 +153,12 @@ def make_plan(
         check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
                    cp_size=problem.cp_size, bucket_size=problem.bucket_size)
         estimate = estimate_plan(problem, plan)
+    if schemes and problem.schemes and name in SCHEME_CHOOSERS:
+        chosen = choose_schemes(problem, plan)
+        if chosen is not plan:
+            check_schemes(chosen, heads=problem.perf.model.heads)
+            plan, estimate = chosen, estimate_plan(problem, chosen)
+        solve_time_s = time.perf_counter() - started
     if name is SchedulerName.DEEPSPEED:
         baseline_time_s = estimate.iteration_time_s
     elif not within_groups:

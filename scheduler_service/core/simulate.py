@@ -36,11 +36,12 @@ from scheduler_service.core.costing import (
     exposed_comm_s,
     padding_flops,
     place_degrees,
-    rank_time_s,
+    sum_rank_time_s,
     sums_of_places,
 )
 from scheduler_service.core.jit import FLOAT_2D, FLOAT_3D, INT_1D, INT_2D, kernel
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem, SpanningMicroBatch
+from scheduler_service.core.schemes import BlockChange, scheme_sums
 
 __all__ = [
     "CPRankEstimate",
@@ -90,14 +91,15 @@ class _PerRank:
         tables, sums = self.tables, self.sums
         alpha = tables.alpha_s_per_flop
         all_gather_s, reduce_scatter_s = float(sums.all_gather_s[m, r]), float(sums.reduce_scatter_s[m, r])
-        comm_s = all_gather_s + reduce_scatter_s
+        unhidden_s = float(sums.exposed_s[m, r])
+        comm_s = all_gather_s + reduce_scatter_s + unhidden_s
         time_s = float(self.times_s[m, r])
         busy = sums.work_flops[m, r] > 0
         fixed_s = tables.beta_s if busy else 0.0
         padding_s = alpha * padding_flops(tables, int(sums.units[m, r])) if busy else 0.0
         local_s, distributed_s, sharded_s = (alpha * float(self.compute_flops[part, m, r]) for part in range(3))
         exposed_s = (exposed_comm_s(tables, float(sums.attention_flops[m, r]), all_gather_s, reduce_scatter_s)
-                     if comm_s else 0.0)
+                     + unhidden_s if comm_s else 0.0)
         device_s = local_s + distributed_s + sharded_s + fixed_s + padding_s + exposed_s
         return CPRankEstimate(
             local_tokens=int(self.local_tokens[m, r]), tokens=int(sums.units[m, r]) / tables.cp_size,
@@ -142,8 +144,7 @@ class PlanEstimate:
 def _rank_times_s(tables: CostTables, sums: RankSums, times_s: FloatArray) -> None:
     for m in range(times_s.shape[0]):
         for r in range(tables.cp_size):
-            times_s[m, r] = rank_time_s(tables, sums.work_flops[m, r], sums.attention_flops[m, r],
-                                        sums.all_gather_s[m, r], sums.reduce_scatter_s[m, r], sums.units[m, r])
+            times_s[m, r] = sum_rank_time_s(tables, sums, m, r)
 
 
 @kernel(types.void(TABLES, INT_1D, INT_1D, INT_1D, FLOAT_3D, INT_2D))
@@ -161,32 +162,45 @@ def _compute_by_kind(tables: CostTables, micro_batch: IntArray, degree: IntArray
             local_tokens[m, first_rank[k]] += tables.lengths[k]
 
 
-def _rank_times_of(problem: PlanningProblem, places: Places) -> tuple[RankSums, FloatArray]:
-    """The per micro-batch and CP rank sums of ``places``, and their ``T_r`` (M, C)."""
+def _rank_times_of(problem: PlanningProblem, places: Places,
+                   micro_batches: Sequence[MicroBatch] = ()) -> tuple[RankSums, FloatArray, list[tuple[int, BlockChange]]]:
+    """The per micro-batch and CP rank sums of ``places`` with the schemes of its ``micro_batches`` (in place order;
+    none: all-gather-KV), their ``T_r`` (M, C), and the changes the schemes made (``schemes.scheme_sums``)."""
     tables = problem.tables
     sums = empty_sums(tables, places.num_micro_batches)
     sums_of_places(tables, sums, places.micro_batch, places.degree, places.first_rank)
+    changes = scheme_sums(problem, sums, micro_batches) if micro_batches else []
     times_s = np.zeros((places.num_micro_batches, tables.cp_size))
     _rank_times_s(tables, sums, times_s)
-    return sums, times_s
+    return sums, times_s, changes
+
+
+def _own_micro_batches(plan: Plan) -> list[MicroBatch]:
+    """The plan's own micro-batches in place order, where any has a scheme other than all-gather-KV; else none."""
+    own = [micro_batch for dp_plan in plan.dp_ranks for micro_batch in dp_plan.micro_batches]
+    return own if any(c.ulysses_degree != 1 for mb in own for c in mb.collectives()) else []
 
 
 def dp_rank_times_s(problem: PlanningProblem, places: Places) -> FloatArray:
     """(DP,) each DP rank's time in the plan ``places``: the sum of its micro-batches' (``estimate_places``'s
     ``DPRankEstimate.time_s``, without the breakdowns a search that compares plans does not read)."""
-    _, times_s = _rank_times_of(problem, places)
+    _, times_s, _ = _rank_times_of(problem, places)
     busiest_s = times_s.max(axis=1, initial=0.0)  # numpy's stubs type a weighted bincount as integers: it is float64
     return np.bincount(places.dp_rank, weights=busiest_s, minlength=problem.dp_size).astype(np.float64, copy=False)
 
 
-def estimate_places(problem: PlanningProblem, places: Places) -> PlanEstimate:
-    """Estimated times of every micro-batch, DP rank and the iteration of the plan ``places``."""
+def estimate_places(problem: PlanningProblem, places: Places,
+                    micro_batches: Sequence[MicroBatch] = ()) -> PlanEstimate:
+    """Estimated times of every micro-batch, DP rank and the iteration of the plan ``places``, its collectives by
+    the schemes of ``micro_batches`` (its micro-batches in place order; none: all-gather-KV)."""
     tables = problem.tables
     num_micro_batches = places.num_micro_batches
-    sums, times_s = _rank_times_of(problem, places)
+    sums, times_s, changes = _rank_times_of(problem, places, micro_batches)
     compute_flops = np.zeros((3, num_micro_batches, tables.cp_size))
     local_tokens = np.zeros((num_micro_batches, tables.cp_size), dtype=np.int64)
     _compute_by_kind(tables, places.micro_batch, places.degree, places.first_rank, compute_flops, local_tokens)
+    for m, change in changes:
+        compute_flops[1 if change.degree == tables.cp_size else 2, m, change.ranks] += change.work_flops
     per_rank = _PerRank(tables, sums, times_s, compute_flops, local_tokens)
     critical = times_s.argmax(axis=1).tolist() if tables.cp_size else []
     micro_batch_times_s = times_s.max(axis=1, initial=0.0).tolist()
@@ -220,7 +234,8 @@ def _spanning_estimates(problem: PlanningProblem, spanning: Sequence[SpanningMic
     for width in sorted({s.num_dp_ranks for s in spanning}):
         positions = [p for p, s in enumerate(spanning) if s.num_dp_ranks == width]
         block_plan = Plan(dp_ranks=(DPRankPlan(micro_batches=tuple(spanning[p].micro_batch for p in positions)),))
-        block_estimate = estimate_places(problem.span_problem(width), block_plan.places(problem.num_sequences))
+        block_estimate = estimate_places(problem.span_problem(width), block_plan.places(problem.num_sequences),
+                                         _own_micro_batches(block_plan))
         for p, estimate in zip(positions, block_estimate.dp_ranks[0].micro_batches, strict=True):
             estimates[p] = estimate
         peak_tokens = max(peak_tokens, block_estimate.peak_rank_tokens)
@@ -230,7 +245,8 @@ def _spanning_estimates(problem: PlanningProblem, spanning: Sequence[SpanningMic
 def estimate_plan(problem: PlanningProblem, plan: Plan, places: Places | None = None) -> PlanEstimate:
     """``estimate_places`` of a plan that may hold spanning micro-batches (``places``: its own micro-batches' places,
     when the caller has them)."""
-    own = estimate_places(problem, plan.places(problem.num_sequences) if places is None else places)
+    own = estimate_places(problem, plan.places(problem.num_sequences) if places is None else places,
+                          _own_micro_batches(plan))
     if not plan.spanning:
         return own
     spanning, spanning_peak = _spanning_estimates(problem, plan.spanning)
@@ -255,8 +271,9 @@ def micro_batch_sums(problem: PlanningProblem, micro_batch: MicroBatch) -> RankS
 
 
 def micro_batch_time_s(problem: PlanningProblem, micro_batch: MicroBatch) -> float:
-    """The slowest CP rank's ``T_r``."""
+    """The slowest CP rank's ``T_r``, its collectives by their schemes."""
     sums = micro_batch_sums(problem, micro_batch)
+    scheme_sums(problem, sums, [micro_batch])
     times_s = np.zeros((1, problem.cp_size))
     _rank_times_s(problem.tables, sums, times_s)
     return float(times_s.max())
@@ -273,7 +290,11 @@ def iteration_lower_bound_s(problem: PlanningProblem) -> float:
     num_ranks = problem.dp_size * problem.cp_size
     min_micro_batches = -(-int(problem.lengths.sum()) // problem.micro_batch_capacity)
     degrees = np.asarray(problem.degrees)[:, None]
-    cheapest_flops = np.where(problem.lengths <= degrees * problem.bucket_size, problem.rank_flops, np.inf).min(axis=0)
+    # every scheme's compute: a collective of any scheme is no cheaper than its sequences' cheapest share
+    rank_flops = problem.cheapest_rank_flops()
+    fits = problem.lengths <= degrees * problem.bucket_size
+    cheapest_flops = np.where(fits, rank_flops, np.inf).min(axis=0)
+    area = np.where(fits, degrees * rank_flops, np.inf).min(axis=0)
 
     def bound_s(area: FloatArray, cheapest_flops: FloatArray) -> tuple[float, float]:
         """(the larger of the spread and floor terms, the costliest-sequence term)."""
@@ -283,11 +304,11 @@ def iteration_lower_bound_s(problem: PlanningProblem) -> float:
         longest_s = max(problem.floor_s, problem.alpha_s_per_flop * float(cheapest_flops.max()) + problem.beta_s)
         return max(spread_s, floor_bound_s), longest_s
 
-    others_s, longest_s = bound_s(problem.area, cheapest_flops)
+    others_s, longest_s = bound_s(area, cheapest_flops)
     # the world's blocks only lower the costliest-sequence term: repriced where that term sets the bound, or where
     # a sequence no CP group holds has no placement yet
     if problem.spanning and (longest_s > others_s or problem.too_long_for_a_replica()):
-        others_s, longest_s = bound_s(*_world_placements(problem, problem.area.copy(), cheapest_flops))
+        others_s, longest_s = bound_s(*_world_placements(problem, area, cheapest_flops))
     return max(others_s, longest_s)
 
 
@@ -307,7 +328,9 @@ def _world_placements(problem: PlanningProblem, area: FloatArray,
     pending = np.unique(np.array([*problem.too_long_for_a_replica(), np.argmax(problem.lengths)], dtype=np.int64))
     while pending.size:
         lengths = problem.lengths[pending]
-        rank_flops = np.asarray([problem.perf.placement_flops(lengths, int(degree)) for degree in world_degrees[:, 0]])
+        rank_flops = np.asarray([np.minimum.reduce([problem.perf.placement_flops(lengths, int(degree), u)
+                                                    for u in (1, *problem.perf.ulysses_degrees(int(degree)))])
+                                 for degree in world_degrees[:, 0]])
         fits = lengths <= world_degrees * problem.bucket_size
         area[pending] = np.minimum(area[pending], np.where(fits, world_degrees * rank_flops, np.inf).min(axis=0))
         cheapest_flops[pending] = np.minimum(cheapest_flops[pending], np.where(fits, rank_flops, np.inf).min(axis=0))

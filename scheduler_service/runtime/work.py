@@ -258,8 +258,11 @@ def warm_planner() -> None:
     heuristic through the service's own path: the first plans pay imports and caches."""
     warm_up()
     for scheduler in HEURISTIC_SCHEDULERS:
+        # the default model's 14 heads split over no Ulysses degree of this CP group: tiny's 4 and 2 do
+        static_sp = scheduler in (SchedulerName.ULYSSES, SchedulerName.USP)
         plan_request(PlanRequest(sequence_lengths=_WARMUP_LENGTHS, dp_size=2, cp_size=_WARMUP_CP_SIZE,
-                                 bucket_size=_WARMUP_BUCKET_SIZE, scheduler=SchedulerName(scheduler.value)))
+                                 bucket_size=_WARMUP_BUCKET_SIZE, scheduler=SchedulerName(scheduler.value),
+                                 **({"model": "tiny"} if static_sp else {})))
 
 
 def _placements(plan: Plan) -> tuple[dict[Placement, int], list[int]]:

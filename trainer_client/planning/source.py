@@ -58,7 +58,7 @@ from enum import StrEnum
 from pydantic import ValidationError
 from skrull_proto import (
     SCHEMA_VERSION,
-    SPANNING_SCHEMA_VERSION,
+    SCHEMES_SCHEMA_VERSION,
     FeedbackRequest,
     FeedbackResponse,
     JobProfileRequest,
@@ -73,7 +73,7 @@ from scheduler_service.contract.wire import micro_batch_to_measurement, response
 from scheduler_service.core import jit
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.errors import PlanCheckError, PlanningError, SequenceTooLongError
-from scheduler_service.core.models import ModelShape
+from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.plan import DEFAULT_LIMITS, Plan, make_problem
 from scheduler_service.core.planner import make_plan, warm_up
 from scheduler_service.core.profile import Profile
@@ -251,7 +251,8 @@ class PlanSource:
         return self.model if isinstance(self.model, str) else shape_to_model_spec(self.model)
 
     def _request(self, sequence_lengths: Sequence[int]) -> PlanRequest:
-        return PlanRequest(schema_version=SPANNING_SCHEMA_VERSION if self.spanning else SCHEMA_VERSION,
+        # 3: the trainer runs every scheme (``dacp/attention.py``); without spanning, neither (version 1)
+        return PlanRequest(schema_version=SCHEMES_SCHEMA_VERSION if self.spanning else SCHEMA_VERSION,
                            sequence_lengths=[int(n) for n in sequence_lengths], dp_size=self.dp_size,
                            cp_size=self.cp_size, model=self._wire_model(), bucket_size=self.bucket_size,
                            scheduler=SchedulerName(self.scheduler),
@@ -306,7 +307,7 @@ class PlanSource:
         plan = response_to_plan(response)
         try:
             check_plan(plan, sequence_lengths=sequence_lengths, dp_size=self.dp_size, cp_size=self.cp_size,
-                       bucket_size=response.bucket_size)
+                       bucket_size=response.bucket_size, heads=resolve_model(self.model).heads)
         except PlanCheckError as error:
             raise PlanRejected(f"the service's plan fails the checker: {error.message}") from None
         return _ServicePlan(plan=plan, estimated_time_ms=response.estimated_iteration_time_ms,
@@ -357,7 +358,8 @@ class PlanSource:
         try:
             problem = make_problem(sequence_lengths=sequence_lengths, dp_size=self.dp_size, cp_size=self.cp_size,
                                    model=self.model, bucket_size=self.bucket_size, profile=self.profile,
-                                   spanning=self.spanning, token_buckets=self.token_buckets)
+                                   spanning=self.spanning, token_buckets=self.token_buckets,
+                                   schemes=self.spanning)
             result = make_plan(problem, self.scheduler)
         except PlanningError as error:
             return PlanDecision(step=step, scheduler=self.scheduler, origin=PlanOrigin.EMBEDDED,
