@@ -163,6 +163,18 @@ MODEL_CATALOGUE: dict[str, ModelShape] = {
             intermediate_size=14336,
             vocab_size=128256,
         ),
+        # Without GQA (as many K/V heads as query heads): all-gather-KV moves as much as Ulysses from 2 ranks on, so
+        # the choice of scheme matters most here (docs/concepts/schemes.md).
+        ModelShape(
+            name="llama-2-7b",
+            hidden_size=4096,
+            num_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            head_dim=128,
+            intermediate_size=11008,
+            vocab_size=32000,
+        ),
     )
 }
 
