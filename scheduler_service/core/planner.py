@@ -6,6 +6,7 @@ so one request gets one answer wherever it is planned.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,6 +159,12 @@ def make_plan(
         if chosen is not plan:
             check_schemes(chosen, heads=problem.perf.model.heads)
             plan, estimate = chosen, estimate_plan(problem, chosen)
+            if report is not None:  # CP-SAT proved its bound over all-gather-KV plans: with schemes, the model's
+                report = dataclasses.replace(  # bound over every scheme is one, and optimality is not proven
+                    report, status="FEASIBLE" if report.status == "OPTIMAL" else report.status,
+                    objective_s=estimate.iteration_time_s,
+                    bound_s=None if report.bound_s is None else min(report.bound_s,
+                                                                    iteration_lower_bound_s(problem)))
         solve_time_s = time.perf_counter() - started
     if name is SchedulerName.DEEPSPEED:
         baseline_time_s = estimate.iteration_time_s
