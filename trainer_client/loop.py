@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from scheduler_service.core.check import check_plan
+from scheduler_service.core.choices import CollectiveScheme
 from scheduler_service.core.costing import place_degrees, token_bucket_sizes
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.plan import MicroBatch, Plan, SchedulerName, SpanningMicroBatch
@@ -232,13 +233,21 @@ def micro_batch_packers(
     def pack(micro_batch: MicroBatch) -> PackedMicroBatch:
         packed = pack_micro_batch(samples, micro_batch, cp_size=cp_size, cp_rank=parallel.cp_rank,
                                   cp_group=parallel.cp_group, cp_block_groups=parallel.cp_block_groups,
-                                  pad_token_id=pad_token_id, token_buckets=token_buckets)
+                                  cp_stride_groups=parallel.cp_stride_groups, pad_token_id=pad_token_id,
+                                  token_buckets=token_buckets)
         return padding if packed.is_idle and sharding is not Sharding.NONE else packed
 
     def pack_spanning(spanning: SpanningMicroBatch) -> PackedMicroBatch:
         """This rank's row of a spanning micro-batch: a micro-batch of the block's ranks, this rank at its position
-        there, each block it shards over found among the world's groups."""
+        there, each block it shards over found among the world's groups. Its collectives run all-gather-KV or
+        Ulysses: 2D would need strided groups of world ranks, which ``init_parallel`` does not make."""
         world_ranks = spanning.world_ranks(cp_size)
+        for collective in spanning.micro_batch.collectives():
+            if CollectiveScheme.of(collective.degree, collective.ulysses_degree) is CollectiveScheme.TWO_D:
+                raise ValueError(f"a spanning micro-batch over world ranks {world_ranks[0]}-{world_ranks[-1]} has a "
+                                 f"collective of {collective.degree} ranks with Ulysses degree "
+                                 f"{collective.ulysses_degree} (2D); spanning micro-batches run Ulysses degree 1 "
+                                 f"or the collective's size only")
         position = parallel.global_rank - world_ranks[0]
         block_groups = {(first, degree): parallel.world_block_group(world_ranks[0] + first, degree)
                         for degree in place_degrees(len(world_ranks))[1:-1]

@@ -163,8 +163,8 @@ def find_violations(
                 continue  # a bad block, named above
             scheme_problem = scheme_violation(collective, heads, spanning=first_world_rank is not None)
             if scheme_problem is not None:
-                ranks = list(range(collective.first_rank, collective.first_rank + collective.degree))
-                violations.append(f"{where} collective over ranks {ranks} {scheme_problem}")
+                block_ranks = list(range(collective.first_rank, collective.first_rank + collective.degree))
+                violations.append(f"{where} collective over ranks {block_ranks} {scheme_problem}")
         if blocks_valid:  # the memory bound is only defined over the group's ranks and valid blocks
             violations.extend(_memory_violations(micro_batch, sequence_lengths, group_size, bucket_size, where,
                                                  first_world_rank))

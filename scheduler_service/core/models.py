@@ -59,7 +59,8 @@ class ModelShape:
 
     @property
     def heads(self) -> tuple[int, int]:
-        """(query heads, K/V heads): what a Ulysses or 2D collective splits over its ranks (``check.scheme_violation``)."""
+        """(query heads, K/V heads): what a Ulysses or 2D collective splits over its ranks
+        (``check.scheme_violation``)."""
         return self.num_attention_heads, self.num_key_value_heads
 
     @property

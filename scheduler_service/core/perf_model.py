@@ -73,12 +73,12 @@ from scheduler_service.core.profile import Profile, Tables
 __all__ = [
     "ATTENTION_FORWARD_SHARE",
     "CollectiveCost",
-    "SchemeCommCost",
     "ComputeFit",
     "ComputePoint",
     "LinearFit",
     "MemoryFit",
     "PerformanceModel",
+    "SchemeCommCost",
     "eq13_flops",
     "fit_compute",
     "fit_line",

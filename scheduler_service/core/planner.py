@@ -29,7 +29,8 @@ from scheduler_service.core.simulate import (
 )
 from scheduler_service.core.spanning import plan_with_spanning, spanned_if_faster, with_needed_spanning
 
-__all__ = ["HEURISTIC_SCHEDULERS", "SCHEME_CHOOSERS", "PlanResult", "make_plan", "parse_scheduler", "schedule", "skrull", "warm_up"]
+__all__ = ["HEURISTIC_SCHEDULERS", "SCHEME_CHOOSERS", "PlanResult", "make_plan", "parse_scheduler", "schedule",
+           "skrull", "warm_up"]
 
 DEFAULT_CPSAT_TIME_LIMIT_S = 10.0
 

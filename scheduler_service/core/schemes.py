@@ -130,6 +130,16 @@ def scheme_sums(problem: PlanningProblem, sums: RankSums, micro_batches: Sequenc
     return changes
 
 
+def _change_with(problem: PlanningProblem, collectives: Sequence[Collective], chosen: Sequence[int], i: int,
+                 ulysses_degree: int) -> BlockChange:
+    """The change of collective ``i``'s block with ``ulysses_degree`` for it and ``chosen`` for the block's others."""
+    collective = collectives[i]
+    block = (collective.first_rank, collective.degree)
+    members = [(other.sequences, ulysses_degree if j == i else chosen[j]) for j, other in enumerate(collectives)
+               if (other.first_rank, other.degree) == block]
+    return _block_change(problem, collective.first_rank, collective.degree, members)
+
+
 def _chosen(problem: PlanningProblem, sums: RankSums, m: int, micro_batch: MicroBatch, *,
             allow_2d: bool) -> MicroBatch:
     """``micro_batch`` (row ``m`` of ``sums``, all-gather-KV) with each collective's fastest scheme, largest
@@ -142,24 +152,15 @@ def _chosen(problem: PlanningProblem, sums: RankSums, m: int, micro_batch: Micro
     order = sorted(range(len(collectives)), key=lambda i: -int(lengths[list(collectives[i].sequences)].sum()))
     best_s = micro_batch_time_s(problem.tables, sums, m)
     for i in order:
-        collective = collectives[i]
-        candidates = [u for u in problem.perf.ulysses_degrees(collective.degree)
-                      if allow_2d or u == collective.degree]
+        degree = collectives[i].degree
+        candidates = [u for u in problem.perf.ulysses_degrees(degree) if allow_2d or u == degree]
         if not candidates:
             continue
-        same_block = [j for j, other in enumerate(collectives)
-                      if (other.first_rank, other.degree) == (collective.first_rank, collective.degree)]
-
-        def change_with(ulysses_degree: int) -> BlockChange:
-            degrees = {j: (ulysses_degree if j == i else chosen[j]) for j in same_block}
-            return _block_change(problem, collective.first_rank, collective.degree,
-                                 [(collectives[j].sequences, degrees[j]) for j in same_block])
-
-        current = change_with(chosen[i])
+        current = _change_with(problem, collectives, chosen, i, chosen[i])
         _apply(sums, m, current, -1.0)
         best_u, best_change = chosen[i], current
         for ulysses_degree in candidates:
-            change = change_with(ulysses_degree)
+            change = _change_with(problem, collectives, chosen, i, ulysses_degree)
             _apply(sums, m, change)
             time_s = micro_batch_time_s(problem.tables, sums, m)
             _apply(sums, m, change, -1.0)

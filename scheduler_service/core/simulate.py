@@ -162,8 +162,8 @@ def _compute_by_kind(tables: CostTables, micro_batch: IntArray, degree: IntArray
             local_tokens[m, first_rank[k]] += tables.lengths[k]
 
 
-def _rank_times_of(problem: PlanningProblem, places: Places,
-                   micro_batches: Sequence[MicroBatch] = ()) -> tuple[RankSums, FloatArray, list[tuple[int, BlockChange]]]:
+def _rank_times_of(problem: PlanningProblem, places: Places, micro_batches: Sequence[MicroBatch] = ()
+                   ) -> tuple[RankSums, FloatArray, list[tuple[int, BlockChange]]]:
     """The per micro-batch and CP rank sums of ``places`` with the schemes of its ``micro_batches`` (in place order;
     none: all-gather-KV), their ``T_r`` (M, C), and the changes the schemes made (``schemes.scheme_sums``)."""
     tables = problem.tables

@@ -59,7 +59,8 @@ def ulysses(problem: PlanningProblem) -> Plan:
     if problem.cp_size == 1:
         raise BaselineCannotPlanError("ulysses", "cp_size is 1: Ulysses needs an SP group of at least 2 ranks")
     if not problem.perf.heads_allow(problem.cp_size):
-        raise _refuse_heads(problem, "ulysses", problem.cp_size, _working_degrees(problem, problem.perf.model.num_attention_heads))
+        working = _working_degrees(problem, problem.perf.model.num_attention_heads)
+        raise _refuse_heads(problem, "ulysses", problem.cp_size, working)
     return _static_plan(problem, "ulysses", problem.cp_size)
 
 

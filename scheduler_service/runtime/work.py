@@ -262,7 +262,7 @@ def warm_planner() -> None:
         static_sp = scheduler in (SchedulerName.ULYSSES, SchedulerName.USP)
         plan_request(PlanRequest(sequence_lengths=_WARMUP_LENGTHS, dp_size=2, cp_size=_WARMUP_CP_SIZE,
                                  bucket_size=_WARMUP_BUCKET_SIZE, scheduler=SchedulerName(scheduler.value),
-                                 **({"model": "tiny"} if static_sp else {})))
+                                 model="tiny" if static_sp else "qwen2.5-0.5b"))
 
 
 def _placements(plan: Plan) -> tuple[dict[Placement, int], list[int]]:

@@ -3,31 +3,52 @@
 For micro-batch ``m`` of DP rank ``i`` and CP rank ``j`` the packed row is
 
     [ local[j][0] | local[j][1] | … | shards of distributed | shards of sharded[g] | shards of sharded[g'] | … ]
-      whole sequences, positions 0..L−1  zigzag over all N ranks   zigzag over each hybrid group g ∋ j, plan order
+      whole sequences, positions 0..L−1  over all N ranks        over each hybrid group g ∋ j, plan order
 
-A run of shards is one *collective*: the sequences zigzag-sharded over one
-aligned block of ``s`` CP ranks (all ``N`` for ``distributed``, a hybrid group's
-``cp_ranks`` otherwise; docs/design.md, "Wire contract"). Each such sequence is padded
-to a multiple of ``2s`` and cut into ``2s`` chunks; the rank at position
-``p = j − first rank of the block`` holds chunks ``p`` and ``2s − 1 − p``
-(``zigzag.py`` with ``cp_size = s``, ``cp_rank = p``). The whole CP group is
-just the block of all ranks: one code path packs both.
+A run of shards is one *collective*: the sequences sharded over one aligned
+block of ``s`` CP ranks (all ``N`` for ``distributed``, a hybrid group's
+``cp_ranks`` otherwise; docs/design.md, "Wire contract"), laid out by the
+collective's **Ulysses degree** ``u`` (``MicroBatch.collectives()``; the rule is
+``zigzag.shard_positions``, position ``p = j − first rank of the block``):
+
+- ``u = 1``, all-gather-KV: each sequence padded to a multiple of ``2s`` and
+  cut into ``2s`` chunks; position ``p`` holds chunks ``p`` and ``2s − 1 − p``
+  (``zigzag.py`` with ``cp_size = s``, ``cp_rank = p``);
+- ``u = s``, Ulysses: padded to a multiple of ``s``; position ``p`` holds the
+  contiguous ``p``-th ``1/s`` of each sequence;
+- ``1 < u < s``, 2D: ``p = i·u + j'``; zigzag over the ``g = s/u`` sub-blocks,
+  then the contiguous ``j'``-th ``1/u`` of sub-block ``i``'s tokens.
+
+The whole CP group is just the block of all ranks: one code path packs both.
 
 Local sequences keep their own positions; shards carry the *global* positions
-of their tokens (RoPE and the causal mask need them). Targets are shifted
-before sharding, so the token at the end of chunk ``p`` still predicts the first
-token of chunk ``p + 1`` on another rank.
+of their tokens (RoPE and the causal mask need them), padding rows positions
+past the sequence's end and ``IGNORE_INDEX`` targets (they predict nothing).
+Targets are shifted before sharding, so the token at the end of one rank's
+shard still predicts the first token of the next rank's.
 
 ``DacpMetadata`` is what attention needs, named as flash-attn names it:
 ``cu_seqlens_local``/``max_seqlen_local`` for the local sequences, and one
 ``ShardedSpec`` per collective (the whole CP group first when there are
 distributed sequences, then every hybrid group holding ``j``, in plan order).
-In a spec each of the rank's two chunks per sequence is a separate query
-segment (``cu_seqlens_q``) whose keys are the sequence's *prefix* up to the end
-of that chunk (``cu_seqlens_k``), read from the block's all-gathered K/V through
-``kv_index``. With causal attention aligned bottom-right (query ``i`` of a chunk
-of ``c`` tokens sees ``len(prefix) − c + i + 1`` keys) this is exactly the
-unsharded causal attention of the sequence.
+Its query segments (``cu_seqlens_q``) are the rows attention runs for this rank:
+
+- all-gather-KV: each of the rank's two chunks per sequence is a segment whose
+  keys are the sequence's *prefix* up to the end of that chunk
+  (``cu_seqlens_k``), read from the block's all-gathered K/V through
+  ``kv_index``. With causal attention aligned bottom-right (query ``i`` of a
+  chunk of ``c`` tokens sees ``len(prefix) − c + i + 1`` keys) this is exactly
+  the unsharded causal attention of the sequence;
+- Ulysses: after the all-to-all over the block, the rank holds every whole
+  (padded) sequence for ``H/u`` heads: one segment per sequence, its own keys
+  (``kv_index`` None). ``ulysses_index`` reorders the all-to-all's received rows
+  (source-major: each source's part of every sequence in turn) into whole
+  sequences, ``ulysses_inverse`` puts the output rows back in source order;
+- 2D: after the all-to-all over the ``u`` ranks of the sub-block
+  (``ulysses_group``), the rank holds its sub-block's zigzag shard of every
+  sequence for ``H/u`` heads (``ulysses_index``); from there it is the
+  all-gather-KV case over the ``g`` ranks with the same ``j'`` (``stride_group``,
+  ``ParallelContext.cp_stride_groups``) at ``cp_size = g``, ``cp_rank = i``.
 
 **Token buckets** (``pad_to_bucket``, ``pack_micro_batch(token_buckets=...)``): a
 trainer that replays CUDA graphs captured per bucket pads each row to the
@@ -41,7 +62,7 @@ than one sequence per ``MIN_SEGMENT_TOKENS`` tokens of its bucket has a shape of
 its own (more segments: another graph).
 
 Shape legend: T tokens this rank holds in the micro-batch; K gathered-prefix
-tokens (all chunks of this rank in one collective).
+tokens (all chunks of this rank in one collective); U the Ulysses degree.
 """
 
 from __future__ import annotations
@@ -55,8 +76,8 @@ import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-from scheduler_service.core.plan import MicroBatch, cp_blocks
-from trainer_client.dacp.zigzag import padded_length, zigzag_positions
+from scheduler_service.core.plan import Collective, MicroBatch, cp_blocks
+from trainer_client.dacp.zigzag import padded_length, shard_padded_length, shard_positions, zigzag_positions
 from trainer_client.data import IGNORE_INDEX, Sample
 
 __all__ = [
@@ -76,25 +97,45 @@ MIN_SEGMENT_TOKENS = 16  # a bucket's local segments: one per this many tokens, 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardedSpec:
-    """One collective of a CP rank: the sequences zigzag-sharded over one aligned block of CP ranks."""
+    """One collective of a CP rank: the sequences sharded over one aligned block of CP ranks, by the scheme of its
+    Ulysses degree (module docstring)."""
 
     cp_ranks: tuple[int, ...]  # the block, consecutive CP ranks; all of them for the micro-batch's distributed part
     group: dist.ProcessGroup | None  # the block's process group; None only where nothing is sent (size 1, tests)
     group_rank: int  # this rank's position in the block: cp_rank − cp_ranks[0]
     num_tokens: int  # this rank's shard tokens; the same on every rank of the block
-    cu_seqlens_q: torch.Tensor  # int32 [2 · num sequences + 1]: one query segment per chunk
-    cu_seqlens_k: torch.Tensor  # int32 [2 · num sequences + 1]: the prefix each chunk attends to
+    cu_seqlens_q: torch.Tensor  # int32: the query segments attention runs (after the all-to-all where u > 1)
+    cu_seqlens_k: torch.Tensor  # int32, as many: the keys each segment attends to
     max_seqlen_q: int
     max_seqlen_k: int
-    kv_index: torch.Tensor  # int64 [K]: rows of the gathered [group_size · num_tokens] K/V, rank-major
+    # int64 [K]: rows of the all-gathered [kv_group_size · rows] K/V, rank-major; None (Ulysses): the queries' own
+    kv_index: torch.Tensor | None
+    ulysses_degree: int = 1  # u, a divisor of the block's size: its scheme (CollectiveScheme.of)
+    ulysses_group: dist.ProcessGroup | None = None  # u > 1: the u consecutive ranks of this rank's sub-block
+    stride_group: dist.ProcessGroup | None = None  # 2D: the s/u ranks at this rank's place in their sub-blocks
+    ulysses_index: torch.Tensor | None = None  # int64 [u · num_tokens]: received rows → attention order
+    ulysses_inverse: torch.Tensor | None = None  # int64 [u · num_tokens]: attention rows → the all-to-all's order
 
     @property
     def group_size(self) -> int:
         return len(self.cp_ranks)
 
+    @property
+    def kv_group_size(self) -> int:
+        """Ranks the K/V are all-gathered over: the block (all-gather-KV), 1 (Ulysses), the sub-blocks (2D)."""
+        return self.group_size // self.ulysses_degree
+
+    @property
+    def kv_group(self) -> dist.ProcessGroup | None:
+        return self.group if self.ulysses_degree == 1 else self.stride_group
+
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ShardedSpec:
+        def maybe(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else fn(tensor)
+
         return dataclasses.replace(self, cu_seqlens_q=fn(self.cu_seqlens_q), cu_seqlens_k=fn(self.cu_seqlens_k),
-                                   kv_index=fn(self.kv_index))
+                                   kv_index=maybe(self.kv_index), ulysses_index=maybe(self.ulysses_index),
+                                   ulysses_inverse=maybe(self.ulysses_inverse))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -204,6 +245,34 @@ class _Row:
     targets: list[npt.NDArray[np.int64]]
 
 
+def _append_shard(row: _Row, sample: Sample, positions: npt.NDArray[np.int64], pad_token_id: int) -> None:
+    """Append the tokens of ``sample`` at global ``positions`` to ``row``; positions past its end are padding rows
+    that predict nothing."""
+    is_real = positions < sample.num_tokens
+    real_positions = np.minimum(positions, sample.num_tokens - 1)
+    row.input_ids.append(np.where(is_real, sample.input_ids[real_positions], pad_token_id))
+    row.targets.append(np.where(is_real, sample.targets[real_positions], IGNORE_INDEX))
+    row.positions.append(positions)
+
+
+@dataclass(slots=True)
+class _PrefixSegments:
+    """Query segments of zigzag chunks and the gathered rows of their causal prefixes (module docstring)."""
+
+    lengths_q: list[int]
+    lengths_k: list[int]
+    kv_index: list[npt.NDArray[np.int64]]
+
+    def add(self, positions: npt.NDArray[np.int64], location: npt.NDArray[np.int64]) -> None:
+        """The two chunks at zigzag ``positions`` of one sequence whose rows in the gathered K/V are ``location``."""
+        chunk_tokens = len(positions) // 2
+        for chunk_first in (positions[0], positions[chunk_tokens]):
+            prefix_end = int(chunk_first) + chunk_tokens
+            self.lengths_q.append(chunk_tokens)
+            self.lengths_k.append(prefix_end)
+            self.kv_index.append(location[:prefix_end])
+
+
 def _pack_shards(
     row: _Row, samples: Sequence[Sample], indices: Sequence[int], *, cp_ranks: tuple[int, ...], cp_rank: int,
     group: dist.ProcessGroup | None, pad_token_id: int,
@@ -211,28 +280,61 @@ def _pack_shards(
     """Append this rank's zigzag shards of ``indices`` (sharded over ``cp_ranks``) to ``row``; their spec."""
     group_size, group_rank = len(cp_ranks), cp_rank - cp_ranks[0]
     locations, shard_tokens = distributed_kv_index([samples[i].num_tokens for i in indices], cp_size=group_size)
-    chunk_lengths_q: list[int] = []
-    chunk_lengths_k: list[int] = []
-    kv_index: list[npt.NDArray[np.int64]] = []
+    segments = _PrefixSegments(lengths_q=[], lengths_k=[], kv_index=[])
     for index, location in zip(indices, locations, strict=True):
         sample = samples[index]
-        shard_positions = zigzag_positions(sample.num_tokens, cp_size=group_size, cp_rank=group_rank)
-        is_real = shard_positions < sample.num_tokens
-        real_positions = np.minimum(shard_positions, sample.num_tokens - 1)
-        row.input_ids.append(np.where(is_real, sample.input_ids[real_positions], pad_token_id))
-        row.targets.append(np.where(is_real, sample.targets[real_positions], IGNORE_INDEX))
-        row.positions.append(shard_positions)
-        chunk_tokens = len(shard_positions) // 2
-        for chunk_first in (shard_positions[0], shard_positions[chunk_tokens]):
-            prefix_end = int(chunk_first) + chunk_tokens
-            chunk_lengths_q.append(chunk_tokens)
-            chunk_lengths_k.append(prefix_end)
-            kv_index.append(location[:prefix_end])
+        positions = zigzag_positions(sample.num_tokens, cp_size=group_size, cp_rank=group_rank)
+        _append_shard(row, sample, positions, pad_token_id)
+        segments.add(positions, location)
     return ShardedSpec(
         cp_ranks=cp_ranks, group=group, group_rank=group_rank, num_tokens=shard_tokens,
-        cu_seqlens_q=_cu_seqlens(chunk_lengths_q), cu_seqlens_k=_cu_seqlens(chunk_lengths_k),
-        max_seqlen_q=max(chunk_lengths_q, default=0), max_seqlen_k=max(chunk_lengths_k, default=0),
-        kv_index=_cat(kv_index),
+        cu_seqlens_q=_cu_seqlens(segments.lengths_q), cu_seqlens_k=_cu_seqlens(segments.lengths_k),
+        max_seqlen_q=max(segments.lengths_q, default=0), max_seqlen_k=max(segments.lengths_k, default=0),
+        kv_index=_cat(segments.kv_index),
+    )
+
+
+def _pack_ulysses_shards(
+    row: _Row, samples: Sequence[Sample], indices: Sequence[int], *, cp_ranks: tuple[int, ...], cp_rank: int,
+    ulysses_degree: int, group: dist.ProcessGroup | None, ulysses_group: dist.ProcessGroup | None,
+    stride_group: dist.ProcessGroup | None, pad_token_id: int,
+) -> ShardedSpec:
+    """Append this rank's Ulysses (``ulysses_degree`` = the block's size) or 2D shards of ``indices`` to ``row``;
+    their spec, whose segments are those of the rows the all-to-all gives this rank (module docstring)."""
+    degree, group_rank = len(cp_ranks), cp_rank - cp_ranks[0]
+    num_sub_blocks, sub_block = degree // ulysses_degree, group_rank // ulysses_degree
+    padded = [shard_padded_length(samples[i].num_tokens, degree=degree, ulysses_degree=ulysses_degree)
+              for i in indices]
+    for index in indices:
+        positions = shard_positions(samples[index].num_tokens, degree=degree, ulysses_degree=ulysses_degree,
+                                    position=group_rank)
+        _append_shard(row, samples[index], positions, pad_token_id)
+    shard_lengths = [length // degree for length in padded]
+    num_tokens = sum(shard_lengths)
+    # The all-to-all receives [u sources, num_tokens] rows, source-major; source j holds the j-th 1/u of each
+    # sequence's (sub-block's) tokens, so a sequence is its rows from every source in turn.
+    offsets = np.cumsum([0, *shard_lengths[:-1]], dtype=np.int64)
+    ulysses_index = np.concatenate([
+        source * num_tokens + offset + np.arange(length, dtype=np.int64)
+        for offset, length in zip(offsets.tolist(), shard_lengths, strict=True) for source in range(ulysses_degree)])
+    ulysses_inverse = np.empty_like(ulysses_index)
+    ulysses_inverse[ulysses_index] = np.arange(len(ulysses_index), dtype=np.int64)
+    if num_sub_blocks == 1:  # Ulysses: whole sequences, each attending to itself
+        cu_seqlens, cu_seqlens_k, kv_index = _cu_seqlens(padded), _cu_seqlens(padded), None
+        max_seqlen = max_seqlen_k = max(padded)
+    else:  # 2D: the sub-block's zigzag shards (padded is a multiple of 2g), K/V gathered across the sub-blocks
+        locations, _ = distributed_kv_index(padded, cp_size=num_sub_blocks)
+        segments = _PrefixSegments(lengths_q=[], lengths_k=[], kv_index=[])
+        for length, location in zip(padded, locations, strict=True):
+            segments.add(zigzag_positions(length, cp_size=num_sub_blocks, cp_rank=sub_block), location)
+        cu_seqlens, cu_seqlens_k = _cu_seqlens(segments.lengths_q), _cu_seqlens(segments.lengths_k)
+        max_seqlen, max_seqlen_k = max(segments.lengths_q), max(segments.lengths_k)
+        kv_index = _cat(segments.kv_index)
+    return ShardedSpec(
+        cp_ranks=cp_ranks, group=group, group_rank=group_rank, num_tokens=num_tokens, cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen_k, kv_index=kv_index,
+        ulysses_degree=ulysses_degree, ulysses_group=ulysses_group, stride_group=stride_group,
+        ulysses_index=torch.from_numpy(ulysses_index), ulysses_inverse=torch.from_numpy(ulysses_inverse),
     )
 
 
@@ -244,18 +346,26 @@ def pack_micro_batch(
     cp_rank: int,
     cp_group: dist.ProcessGroup | None = None,
     cp_block_groups: Mapping[tuple[int, int], dist.ProcessGroup] | None = None,
+    cp_stride_groups: Mapping[tuple[int, int, int], dist.ProcessGroup] | None = None,
     pad_token_id: int = 0,
     token_buckets: Sequence[int] = (),
 ) -> PackedMicroBatch:
     """The packed row CP rank ``cp_rank`` runs for ``micro_batch`` (indices into ``samples``).
 
     ``cp_group`` is the whole CP group, ``cp_block_groups`` maps ``(first CP rank, size)`` of each aligned block
-    holding this rank to its process group (``ParallelContext.cp_block_groups``); a collective whose group is
+    holding this rank to its process group (``ParallelContext.cp_block_groups``; a 2D collective's Ulysses groups
+    are among them), ``cp_stride_groups`` maps ``(first CP rank, size, stride)`` of each strided group holding this
+    rank to its group (``ParallelContext.cp_stride_groups``; 2D collectives only). A collective whose group is
     missing packs, and fails in attention if it needs to communicate. ``token_buckets``: the row padded to the
     smallest of them that holds it (``pad_to_bucket``), unless it is idle (the planner prices an idle rank at 0).
     """
     if len(micro_batch.local) != cp_size:
         raise ValueError(f"micro-batch has {len(micro_batch.local)} local lists; cp_size is {cp_size}")
+    for sharded_group in micro_batch.sharded:
+        cp_ranks, degree = sharded_group.cp_ranks, sharded_group.degree
+        if not degree or cp_size % degree or cp_ranks not in cp_blocks(cp_size, degree):
+            raise ValueError(f"sharded group over CP ranks {list(cp_ranks)} is not an aligned block of "
+                             f"cp_size {cp_size}")
     row = _Row(input_ids=[], positions=[], targets=[])
 
     local_lengths = []
@@ -267,21 +377,13 @@ def pack_micro_batch(
         local_lengths.append(sample.num_tokens)
 
     # One collective per block, in row order: the whole CP group, then the hybrid groups holding this rank.
-    collectives: list[tuple[tuple[int, ...], Sequence[int], dist.ProcessGroup | None]] = []
-    if micro_batch.distributed:
-        collectives.append((tuple(range(cp_size)), micro_batch.distributed, cp_group))
-    for group in micro_batch.sharded:
-        cp_ranks, degree = group.cp_ranks, group.degree
-        if not degree or cp_size % degree or cp_ranks not in cp_blocks(cp_size, degree):
-            raise ValueError(f"sharded group over CP ranks {list(cp_ranks)} is not an aligned block of "
-                             f"cp_size {cp_size}")
-        if cp_rank in cp_ranks and group.sequences:
-            block_group = (cp_group if degree == cp_size
-                           else (cp_block_groups or {}).get((cp_ranks[0], degree)))
-            collectives.append((cp_ranks, group.sequences, block_group))
-    sharded = tuple(_pack_shards(row, samples, indices, cp_ranks=cp_ranks, cp_rank=cp_rank, group=block_group,
-                                 pad_token_id=pad_token_id)
-                    for cp_ranks, indices, block_group in collectives)
+    block_groups = dict(cp_block_groups or {})
+    block_groups[(0, cp_size)] = cp_group  # type: ignore[assignment]
+    sharded = tuple(
+        _pack_collective(row, samples, collective, cp_rank=cp_rank, block_groups=block_groups,
+                         stride_groups=cp_stride_groups or {}, pad_token_id=pad_token_id)
+        for collective in micro_batch.collectives()
+        if collective.sequences and collective.first_rank <= cp_rank < collective.first_rank + collective.degree)
 
     metadata = DacpMetadata(
         cp_size=cp_size,
@@ -297,6 +399,32 @@ def pack_micro_batch(
     if not token_buckets or pack.is_idle:  # an idle row is skipped, or replaced by a padding micro-batch
         return pack
     return pad_to_bucket(pack, token_buckets, pad_token_id=pad_token_id)
+
+
+def _pack_collective(
+    row: _Row, samples: Sequence[Sample], collective: Collective, *, cp_rank: int,
+    block_groups: Mapping[tuple[int, int], dist.ProcessGroup | None],
+    stride_groups: Mapping[tuple[int, int, int], dist.ProcessGroup], pad_token_id: int,
+) -> ShardedSpec:
+    """Append this rank's shards of one collective to ``row`` in its scheme's layout; its spec."""
+    first, degree, ulysses_degree = collective.first_rank, collective.degree, collective.ulysses_degree
+    cp_ranks = tuple(range(first, first + degree))
+    if ulysses_degree < 1 or degree % ulysses_degree:
+        raise ValueError(f"the collective over CP ranks {list(cp_ranks)} has Ulysses degree {ulysses_degree}, not "
+                         f"a divisor of its {degree} ranks")
+    group = block_groups.get((first, degree))
+    if ulysses_degree == 1:
+        return _pack_shards(row, samples, collective.sequences, cp_ranks=cp_ranks, cp_rank=cp_rank, group=group,
+                            pad_token_id=pad_token_id)
+    # Position p = i·u + j: the Ulysses group is sub-block i's u consecutive ranks, the strided group the g ranks
+    # at place j of every sub-block (ParallelContext.cp_stride_groups).
+    sub_block, in_group = divmod(cp_rank - first, ulysses_degree)
+    ulysses_group = block_groups.get((first + sub_block * ulysses_degree, ulysses_degree))
+    stride_group = (stride_groups.get((first + in_group, degree // ulysses_degree, ulysses_degree))
+                    if ulysses_degree < degree else None)
+    return _pack_ulysses_shards(row, samples, collective.sequences, cp_ranks=cp_ranks, cp_rank=cp_rank,
+                                ulysses_degree=ulysses_degree, group=group, ulysses_group=ulysses_group,
+                                stride_group=stride_group, pad_token_id=pad_token_id)
 
 
 def padding_micro_batch(*, cp_size: int, cp_rank: int, pad_token_id: int = 0,

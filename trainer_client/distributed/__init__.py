@@ -21,6 +21,15 @@ too (``ParallelDims.span_block_ranks``), and
 ``ParallelContext.world_block_group(first, s)`` looks up any aligned block of
 world ranks holding this rank.
 
+A collective of 2D attention (Ulysses degree ``1 < u < s``, ``dacp/attention.py``)
+also all-gathers K/V over a *strided* set of its block: the ``s/u`` ranks at the
+same place ``j`` of each of its sub-blocks of ``u``. ``init_parallel`` creates
+those for every aligned block of every degree ``s`` of the CP group (the whole
+group included) and every such ``u`` (``ParallelDims.cp_stride_ranks``; 10 per
+DP row for cp_size 8), and ``ParallelContext.cp_stride_groups`` keys them by
+``(first CP rank, size, stride)``. Spanning micro-batches get none: their
+collectives run all-gather-KV or Ulysses only.
+
 Every process group (the world, the mesh's, the flattened DP × CP mesh FSDP
 shards over, the block groups, the gloo object group) is created with the same
 collective timeout: a rank that stops answering fails its peers' next
@@ -111,6 +120,19 @@ class ParallelDims:
         return tuple((dp_rank, block) for degree in block_degrees(self.cp_size) for dp_rank in range(self.dp_size)
                      for block in cp_blocks(self.cp_size, degree))
 
+    def cp_stride_ranks(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """(dp_rank, strided CP ranks) of every 2D all-gather group of every DP row, in the order groups are created.
+
+        Per degree ``s`` of ``block_degrees(cp_size)`` and ``cp_size``, ascending, per Ulysses degree ``u`` with
+        ``1 < u < s`` dividing ``s``, ascending, per DP row, per aligned block of ``s``, per place ``j < u``: the
+        ranks ``first + j, first + j + u, …`` (``s/u`` of them).
+        """
+        degrees = (*block_degrees(self.cp_size), self.cp_size) if self.cp_size > 1 else ()
+        return tuple((dp_rank, block[place::ulysses_degree])
+                     for degree in degrees for ulysses_degree in range(2, degree) if degree % ulysses_degree == 0
+                     for dp_rank in range(self.dp_size) for block in cp_blocks(self.cp_size, degree)
+                     for place in range(ulysses_degree))
+
     def is_cp_block(self, ranks: tuple[int, ...]) -> bool:
         """Whether consecutive world ``ranks`` are an aligned block of one DP row's CP group (or the group)."""
         offset = ranks[0] % self.cp_size
@@ -156,6 +178,9 @@ class ParallelContext:
     cp_block_groups: Mapping[tuple[int, int], dist.ProcessGroup]
     # (first world rank, size) → process group, for every block of ``span_block_ranks`` that holds this rank.
     span_groups: Mapping[tuple[int, int], dist.ProcessGroup]
+    # (first CP rank, size, stride) → process group of CP ranks first, first + stride, … (size of them), for every
+    # strided group of ``cp_stride_ranks`` that holds this rank (2D attention's K/V all-gathers).
+    cp_stride_groups: Mapping[tuple[int, int, int], dist.ProcessGroup]
     object_group: dist.ProcessGroup  # gloo: plans and decisions travel here even when training on NCCL
     collective_timeout: timedelta  # of every group above
 
@@ -240,12 +265,14 @@ def init_parallel(dims: ParallelDims, *, timeout_s: float = DEFAULT_COLLECTIVE_T
     dp_rank, cp_rank = dims.coordinates(global_rank)
     cp_block_groups = _new_cp_block_groups(dims, global_rank, timeout)
     span_groups = _new_span_groups(dims, global_rank, timeout)
+    cp_stride_groups = _new_cp_stride_groups(dims, global_rank, timeout)
     object_group = dist.new_group(backend="gloo", timeout=timeout) if use_cuda else dist.group.WORLD
     assert object_group is not None
     cp_group = mesh.get_group("cp")
     return ParallelContext(dims=dims, mesh=mesh, shard_mesh=shard_mesh, global_rank=global_rank, dp_rank=dp_rank,
                            cp_rank=cp_rank, device=device, cp_group=cp_group, cp_block_groups=cp_block_groups,
-                           span_groups=span_groups, object_group=object_group, collective_timeout=timeout)
+                           span_groups=span_groups, cp_stride_groups=cp_stride_groups, object_group=object_group,
+                           collective_timeout=timeout)
 
 
 def destroy_groups(parallel: ParallelContext) -> None:
@@ -254,7 +281,8 @@ def destroy_groups(parallel: ParallelContext) -> None:
     NCCL's buffers on the GPU among them. Every rank calls it, after the context's last collective."""
     world = dist.group.WORLD
     groups = [parallel.mesh.get_group("dp"), parallel.mesh.get_group("cp"), parallel.shard_mesh.get_group(),
-              *parallel.cp_block_groups.values(), *parallel.span_groups.values(), parallel.object_group]
+              *parallel.cp_block_groups.values(), *parallel.span_groups.values(),
+              *parallel.cp_stride_groups.values(), parallel.object_group]
     for group in {id(group): group for group in groups if group is not world}.values():
         dist.destroy_process_group(group)
 
@@ -271,6 +299,22 @@ def _new_cp_block_groups(
         if row == dp_rank and cp_rank in block:
             assert group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
             groups[(block[0], len(block))] = group
+    return groups
+
+
+def _new_cp_stride_groups(
+    dims: ParallelDims, global_rank: int, timeout: timedelta
+) -> dict[tuple[int, int, int], dist.ProcessGroup]:
+    """Create every strided group of every DP row (``cp_stride_ranks``); keep this rank's. Every rank runs the same
+    calls in the same order."""
+    dp_rank, cp_rank = dims.coordinates(global_rank)
+    groups: dict[tuple[int, int, int], dist.ProcessGroup] = {}
+    for row, members in dims.cp_stride_ranks():
+        # Group rank = sub-block index: new_group orders members by global rank, ascending here.
+        group = dist.new_group([dims.global_rank(row, member) for member in members], timeout=timeout)
+        if row == dp_rank and cp_rank in members:
+            assert group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
+            groups[(members[0], len(members), members[1] - members[0])] = group
     return groups
 
 

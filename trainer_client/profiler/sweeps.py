@@ -423,7 +423,8 @@ def _measure_shards(bench: _Bench, bar: tqdm, world_size: int) -> list[dict[str,
             samples = [sample] * (1 if micro_batch.distributed else len(micro_batch.sharded))
             sharded = pack_micro_batch(samples, micro_batch, cp_size=world_size, cp_rank=rank,
                                        cp_group=parallel.cp_group,
-                                       cp_block_groups=parallel.cp_block_groups).to(bench.device)
+                                       cp_block_groups=parallel.cp_block_groups,
+                                       cp_stride_groups=parallel.cp_stride_groups).to(bench.device)
             dist.barrier()
             shard_times = timed_runs(functools.partial(bench.step, sharded), device=bench.device,
                                      warmup=options.warmup, repeats=shard_runs(options))

@@ -285,8 +285,10 @@ function drawSpanning(root, plan, { cpSize, scale, rowTop }) {
     const block = svg("rect", { class: "span", "data-span": spanIndex, "data-dp-ranks": span.dp_ranks.join(","),
       "data-start-ms": startMs, x: GANTT.left + startMs * scale, y: top, width: span.estimated_time_ms * scale,
       height: bottom - top }, root);
+    const schemes = schemesOf(span);
     tooltip(block, `spanning micro-batch ${spanIndex} over ${spanName(span)} (world ranks ${first * cpSize}-`
-      + `${(last + 1) * cpSize - 1}): from ${fmt(startMs)} ms, ${fmt(span.estimated_time_ms)} ms`);
+      + `${(last + 1) * cpSize - 1}): from ${fmt(startMs)} ms, ${fmt(span.estimated_time_ms)} ms`
+      + (schemes ? `; ${schemes}` : ""));
     const dpOf = (world) => first + Math.floor(world / cpSize);
     drawRankParts(root, { ranks: span.ranks ?? [], startMs, totalMs: span.estimated_time_ms, scale,
       bucketSize: plan.bucket_size, rowTop: (world) => rowTop(dpOf(world), world % cpSize),
@@ -300,6 +302,20 @@ function drawSpanning(root, plan, { cpSize, scale, rowTop }) {
     for (const dpRank of span.dp_ranks) readyMs[dpRank] = endMs;
   });
   return readyMs;
+}
+
+// A micro-batch's collectives that do not all-gather K/V (schema version 3), as its tooltip names them; "" for none.
+function schemesOf(mb) {
+  const name = (scheme, ulyssesDegree) => (scheme === "2d" ? `2D (Ulysses over ${ulyssesDegree})` : "Ulysses");
+  const parts = [];
+  if (mb.distributed.length && mb.distributed_scheme) {
+    parts.push(`whole group ${name(mb.distributed_scheme, mb.distributed_ulysses_degree)}`);
+  }
+  for (const group of mb.sharded ?? []) {
+    const ranks = group.cp_ranks ?? group.ranks;
+    if (group.scheme) parts.push(`ranks ${ranks[0]}-${ranks[ranks.length - 1]} ${name(group.scheme, group.ulysses_degree)}`);
+  }
+  return parts.join(", ");
 }
 
 function renderGantt(plan, xMaxMs) {
@@ -319,10 +335,12 @@ function renderGantt(plan, xMaxMs) {
     const top = rowTop(dpRank, 0);
     let startMs = ownStartsMs[dpRank];
     dp.micro_batches.forEach((mb, mbIndex) => {
+      const schemes = schemesOf(mb);
       const band = svg("rect", { class: `mb mb-${mbIndex % 2}`, "data-dp": dpRank, "data-mb": mbIndex,
-        x: GANTT.left + startMs * scale, y: top, width: mb.estimated_time_ms * scale, height: cpSize * GANTT.row },
-      root);
-      tooltip(band, `DP ${dpRank}, micro-batch ${mbIndex}: ${fmt(mb.estimated_time_ms)} ms`);
+        "data-schemes": schemes, x: GANTT.left + startMs * scale, y: top, width: mb.estimated_time_ms * scale,
+        height: cpSize * GANTT.row }, root);
+      tooltip(band, `DP ${dpRank}, micro-batch ${mbIndex}: ${fmt(mb.estimated_time_ms)} ms`
+        + (schemes ? `; ${schemes}` : ""));
       drawRankParts(root, { ranks: mb.cp_ranks, startMs, totalMs: mb.estimated_time_ms, scale,
         bucketSize: plan.bucket_size, rowTop: (cpRank) => rowTop(dpRank, cpRank),
         who: (cpRank) => `DP ${dpRank} · CP ${cpRank} · micro-batch ${mbIndex}` });
