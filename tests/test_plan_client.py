@@ -448,7 +448,8 @@ def test_a_source_without_spanning_plans_within_cp_groups_embedded_and_from_the_
                               spanning=spanning)
         remote = PlanSource(scheduler="skrull", dp_size=DP, cp_size=CP, model="tiny", bucket_size=BUCKET_SIZE,
                             client=PlanClient("http://testserver", client=service), spanning=spanning)
-        assert remote._request(too_long_for_a_group).schema_version == (3 if spanning else 1)
+        request = remote._request(too_long_for_a_group)
+        assert (request.schema_version, request.spanning) == (3, spanning)
         for source in (embedded, remote):
             decision = source.decide(0, too_long_for_a_group)
             if spanning:

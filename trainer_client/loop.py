@@ -36,9 +36,10 @@ import torch.distributed as dist
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.choices import CollectiveScheme
 from scheduler_service.core.costing import place_degrees, token_bucket_sizes
-from scheduler_service.core.models import ModelShape
+from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.plan import MicroBatch, Plan, SchedulerName, SpanningMicroBatch
 from scheduler_service.core.profile import Profile
+from scheduler_service.core.static_sp import static_layout_problem
 from trainer_client.choices import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
 from trainer_client.dacp.prefetch import PrefetchedMicroBatches
@@ -112,6 +113,12 @@ class SkrullBatches:
         self.pad_token_id = pad_token_id
         self.token_buckets = token_buckets
         self.plans: PlanSource | None = None  # rank 0's alone: it decides, the others receive
+        # the model's heads, which every Ulysses or 2D collective of a plan must split evenly (checked per plan)
+        self.heads = resolve_model(model).heads
+        # Every rank refuses a static layout the heads cannot run, at start and alike: none waits in a collective.
+        layout_problem = static_layout_problem(str(scheduler), self.heads, parallel.dims.cp_size)
+        if layout_problem is not None:
+            raise ValueError(layout_problem)
         if parallel.is_main:
             client = (PlanClient(scheduler_url, timeout_s=plan_timeout_s, max_attempts=plan_attempts)
                       if scheduler_url is not None else None)
@@ -136,7 +143,7 @@ class SkrullBatches:
 
     def decide(self, batch: GlobalBatch) -> PlanDecision:
         """``batch``'s plan on every rank, checked (``decide_plan``): the first half of ``plan``. Collective."""
-        return decide_plan(self.plans, batch, parallel=self.parallel)
+        return decide_plan(self.plans, batch, parallel=self.parallel, heads=self.heads)
 
     def share(self, batch: GlobalBatch, decision: PlanDecision) -> RankBatch:
         """This rank's share of ``batch`` under ``decision``: the second half of ``plan``, also for a plan made
@@ -192,10 +199,12 @@ class PlanningFailed(ValueError):
     """Rank 0 could not plan a global batch; every rank raises this with rank 0's message."""
 
 
-def decide_plan(plans: PlanSource | None, batch: GlobalBatch, *, parallel: ParallelContext) -> PlanDecision:
+def decide_plan(plans: PlanSource | None, batch: GlobalBatch, *, parallel: ParallelContext,
+                heads: tuple[int, int] | None = None) -> PlanDecision:
     """Rank 0 decides with ``plans``; every rank receives the decision. Each plan is checked once per rank: rank 0's
     ``PlanSource`` gives only checked plans (the embedded planner checks its own; a service plan that fails the
-    checker is replaced by the embedded one), every other rank checks the plan against its own copy of the batch.
+    checker is replaced by the embedded one), every other rank checks the plan against its own copy of the batch,
+    and its schemes against the model's ``heads`` (query, K/V).
     A failure to plan reaches every rank as ``PlanningFailed``, so none is left in a collective."""
     decision: list[PlanDecision | None] = [None]
     if parallel.is_main:
@@ -213,7 +222,7 @@ def decide_plan(plans: PlanSource | None, batch: GlobalBatch, *, parallel: Paral
     assert received.plan is not None
     if not parallel.is_main:
         check_plan(received.plan, sequence_lengths=batch.sequence_lengths, dp_size=parallel.dims.dp_size,
-                   cp_size=parallel.dims.cp_size, bucket_size=received.bucket_size)
+                   cp_size=parallel.dims.cp_size, bucket_size=received.bucket_size, heads=heads)
     return received
 
 

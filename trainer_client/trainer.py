@@ -78,7 +78,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from scheduler_service.contract.profiles import load_profile
+from scheduler_service.contract.profiles import profile_or_name
 from scheduler_service.core.memory import Sharding, training_profile
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
@@ -282,7 +282,7 @@ class Trainer:
         if choice == AUTO_PROFILE:
             return auto_profile(self.config.model, parallel=self.parallel, layout=self.layout,
                                 attention_backend=self.config.attention_backend, progress=self.config.progress)
-        return load_profile(choice) if choice is not None and Path(choice).is_file() else choice
+        return profile_or_name(choice)
 
     def _default_fsdp_units(self, shape: ModelShape, profile: Profile | None) -> FsdpUnits:
         """``--fsdp-units`` left out: one unit under zero2 where the whole model's fp32 gradient reduction, at the

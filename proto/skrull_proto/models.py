@@ -42,8 +42,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "SCHEMES_SCHEMA_VERSION",
     "SPANNING_SCHEMA_VERSION",
-    "CollectiveScheme",
     "CPRankEstimateModel",
+    "CollectiveScheme",
     "ComputeCoefficients",
     "DPRankPlanModel",
     "FeedbackRequest",
@@ -160,6 +160,10 @@ class PlanRequest(_Strict):
         "all that 2 allows. 2: the plan may hold spanning micro-batches (`spanning`), and a sequence may be as long "
         "as the world holds, bucket_size x cp_size x dp_size; every collective all-gathers K/V. 1: a client that "
         "cannot run spanning micro-batches either; every sequence must fit one CP group (bucket_size x cp_size).")
+    spanning: bool | None = Field(
+        default=None, description="Whether the plan may hold spanning micro-batches; absent: as schema_version "
+        "says (from 2). False: every sequence must fit one CP group, whatever the version; True needs version 2 or "
+        "later.")
     sequence_lengths: list[SequenceLength] = Field(
         json_schema_extra={"minItems": 1},  # the core checks it (module docstring)
         description="Token count of every sequence of the global batch, in dataset order; plans refer to "
@@ -208,6 +212,18 @@ class PlanRequest(_Strict):
         description="Add each CP rank's estimated time and tokens to every micro-batch of the response "
         "(`cp_ranks`), as the plan viewer draws them. Off by default: responses stay as they were.",
     )
+
+    @model_validator(mode="after")
+    def _spanning_needs_version_2(self) -> PlanRequest:
+        if self.spanning and self.schema_version < SPANNING_SCHEMA_VERSION:
+            raise ValueError(f"spanning needs schema_version {SPANNING_SCHEMA_VERSION} or later; got "
+                             f"{self.schema_version}")
+        return self
+
+    @property
+    def allows_spanning(self) -> bool:
+        """Whether the plan may hold spanning micro-batches (``spanning``, else the version)."""
+        return self.schema_version >= SPANNING_SCHEMA_VERSION if self.spanning is None else self.spanning
 
 
 _BLOCK_RULE = ("size s with 2 <= s < cp_size and s dividing cp_size, the ranks consecutive and ascending from a "

@@ -20,7 +20,7 @@ from skrull_proto import ProfileDocument
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.profile import Profile, parse_profile
 
-__all__ = ["MAX_PROFILE_FILE_BYTES", "load_profile", "load_profile_dir", "profile_from_document"]
+__all__ = ["MAX_PROFILE_FILE_BYTES", "load_profile", "load_profile_dir", "profile_from_document", "profile_or_name"]
 
 MAX_PROFILE_FILE_BYTES = 1 << 20  # a profile is a few KiB; a larger file (or registered document) is not one
 # pydantic's words for "not an object", said the way a profile's author reads them
@@ -54,6 +54,12 @@ def load_profile(path: str | Path) -> Profile:
         return profile_from_document(data)
     except InvalidRequestError as error:
         raise InvalidRequestError(f"profile {path}: {error.message}", field="profile") from error
+
+
+def profile_or_name(choice: str | None) -> str | Profile | None:
+    """A profile a user named: the file's profile where ``choice`` is a file, else the name as it is (a shipped
+    profile, or one only the scheduler service knows); None stays None (the default)."""
+    return load_profile(choice) if choice is not None and Path(choice).is_file() else choice
 
 
 def load_profile_dir(directory: str | Path) -> dict[str, Profile]:

@@ -104,7 +104,7 @@ def request_to_problem(
         limits=limits,
         extra_profiles=extra_profiles,
         gpus_per_node=request.gpus_per_node,
-        spanning=request.schema_version >= SPANNING_SCHEMA_VERSION,
+        spanning=request.allows_spanning,
         token_buckets=request.token_buckets,
         schemes=request.schema_version >= SCHEMES_SCHEMA_VERSION,
     )

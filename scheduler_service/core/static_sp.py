@@ -20,11 +20,33 @@ from scheduler_service.core.baselines import contiguous_slices, pack_in_order
 from scheduler_service.core.errors import BaselineCannotPlanError
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem
 
-__all__ = ["ulysses", "usp", "usp_ulysses_degree"]
+__all__ = ["static_layout_problem", "ulysses", "usp", "usp_ulysses_degree"]
 
 
 def _working_degrees(problem: PlanningProblem, up_to: int) -> list[int]:
     return [u for u in range(2, up_to + 1) if problem.perf.heads_allow(u)]
+
+
+def static_layout_problem(scheduler: str, heads: tuple[int, int], cp_size: int) -> str | None:
+    """Why ``scheduler`` (``ulysses`` or ``usp``; None for any other) cannot run a model of these ``heads`` (query,
+    K/V) over a CP group of ``cp_size`` ranks, naming the heads and the degrees that would work; None when it can.
+    What a trainer checks at start, before any batch: such a layout refuses every batch."""
+    num_heads, num_kv_heads = heads
+
+    def splits(degree: int) -> bool:
+        return num_heads % degree == 0 and (num_kv_heads % degree == 0 or degree % num_kv_heads == 0)
+
+    working = [u for u in range(2, num_heads + 1) if splits(u)]
+    if scheduler == "ulysses" and not (cp_size > 1 and splits(cp_size)):
+        return (f"scheduler ulysses shards every sequence over the CP group by Ulysses degree cp_size {cp_size}, and "
+                f"the model's {num_heads} query and {num_kv_heads} K/V heads do not split evenly over it; cp sizes "
+                f"that would: {', '.join(map(str, working)) or 'none'}")
+    if scheduler == "usp" and not any(cp_size % u == 0 and splits(u) for u in range(2, cp_size)):
+        return (f"scheduler usp needs a Ulysses degree strictly between 1 and cp_size {cp_size} that divides it and "
+                f"splits the model's {num_heads} query and {num_kv_heads} K/V heads evenly, and there is none; "
+                f"Ulysses degrees the heads allow: {', '.join(map(str, working)) or 'none'} (a cp_size with one of "
+                f"them as a proper divisor would work)")
+    return None
 
 
 def _refuse_heads(problem: PlanningProblem, scheduler: str, degree: int, working: list[int]) -> BaselineCannotPlanError:

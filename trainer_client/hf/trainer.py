@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput, TrainOutput
 
+from scheduler_service.contract.profiles import profile_or_name
 from scheduler_service.core.memory import Sharding
 from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.data import GlobalBatch
@@ -87,7 +88,7 @@ class SkrullTrainerMixin(_TrainerBase):
         self.skrull_batches = SkrullBatches(
             self.parallel, model=config_shape(base.config, name=base.name_or_path or type(base).__name__),
             bucket_size=skrull.bucket_size, scheduler=skrull.scheduler, scheduler_url=skrull.scheduler_url,
-            profile=skrull.profile, sharding=padding_rule(self), pad_token_id=pad_token_id,
+            profile=profile_or_name(skrull.profile), sharding=padding_rule(self), pad_token_id=pad_token_id,
             plan_timeout_s=skrull.plan_timeout_s, plan_attempts=skrull.plan_attempts, spanning=skrull.spanning)
         self.data_collator = SequenceCollator(self.data_collator)
         # What the layers compute in, for DACP's kernel to be chosen once per micro-batch (model.model_inputs).

@@ -57,7 +57,6 @@ from enum import StrEnum
 
 from pydantic import ValidationError
 from skrull_proto import (
-    SCHEMA_VERSION,
     SCHEMES_SCHEMA_VERSION,
     FeedbackRequest,
     FeedbackResponse,
@@ -251,8 +250,8 @@ class PlanSource:
         return self.model if isinstance(self.model, str) else shape_to_model_spec(self.model)
 
     def _request(self, sequence_lengths: Sequence[int]) -> PlanRequest:
-        # 3: the trainer runs every scheme (``dacp/attention.py``); without spanning, neither (version 1)
-        return PlanRequest(schema_version=SCHEMES_SCHEMA_VERSION if self.spanning else SCHEMA_VERSION,
+        # 3: the trainer runs every scheme (``dacp/attention.py``); spanning micro-batches where it may
+        return PlanRequest(schema_version=SCHEMES_SCHEMA_VERSION, spanning=self.spanning,
                            sequence_lengths=[int(n) for n in sequence_lengths], dp_size=self.dp_size,
                            cp_size=self.cp_size, model=self._wire_model(), bucket_size=self.bucket_size,
                            scheduler=SchedulerName(self.scheduler),
@@ -358,8 +357,7 @@ class PlanSource:
         try:
             problem = make_problem(sequence_lengths=sequence_lengths, dp_size=self.dp_size, cp_size=self.cp_size,
                                    model=self.model, bucket_size=self.bucket_size, profile=self.profile,
-                                   spanning=self.spanning, token_buckets=self.token_buckets,
-                                   schemes=self.spanning)
+                                   spanning=self.spanning, token_buckets=self.token_buckets)
             result = make_plan(problem, self.scheduler)
         except PlanningError as error:
             return PlanDecision(step=step, scheduler=self.scheduler, origin=PlanOrigin.EMBEDDED,
