@@ -184,6 +184,39 @@ def test_viewer_draws_a_spanning_micro_batch_as_one_block_across_the_dp_rows_it_
     assert "spanning" not in page.find_element(By.ID, "legend").text
 
 
+def _schemes_text(micro_batch: dict) -> str:
+    """What the viewer says of a micro-batch's collectives that do not all-gather K/V (viewer.js, ``schemesOf``)."""
+    def name(scheme: str, ulysses_degree: int | None) -> str:
+        return f"2D (Ulysses over {ulysses_degree})" if scheme == "2d" else "Ulysses"
+
+    parts = []
+    if micro_batch["distributed"] and "distributed_scheme" in micro_batch:
+        scheme = name(micro_batch["distributed_scheme"], micro_batch.get("distributed_ulysses_degree"))
+        parts.append(f"whole group {scheme}")
+    for group in micro_batch.get("sharded", []):
+        if "scheme" in group:
+            ranks = group["cp_ranks"]
+            parts.append(f"ranks {ranks[0]}-{ranks[-1]} {name(group['scheme'], group.get('ulysses_degree'))}")
+    return ", ".join(parts)
+
+
+def test_viewer_names_each_micro_batchs_collective_schemes(browser: WebDriver, live_port: int) -> None:
+    """A long-heavy batch of a model without GQA, where the plan gives a block of two CP ranks Ulysses: the band of
+    each micro-batch says which of its collectives are not all-gather-KV, as /plan answers."""
+    lengths = [60000, 500, 700, 30000, 900, 12000, 300, 45000]
+    browser.get(f"http://127.0.0.1:{live_port}/?lengths={','.join(map(str, lengths))}&model=llama-2-7b&dp=1&cp=4"
+                "&bucket=40000&schedulers=skrull&plan=1")
+    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"))
+    assert browser.find_element(By.ID, "status").text == "planned 1 of 1"
+    expected = httpx.post(f"http://127.0.0.1:{live_port}/plan", json={
+        "sequence_lengths": lengths, "dp_size": 1, "cp_size": 4, "bucket_size": 40000, "model": "llama-2-7b"}).json()
+    micro_batches = expected["dp_ranks"][0]["micro_batches"]
+    texts = [_schemes_text(mb) for mb in micro_batches]
+    assert any("Ulysses" in text for text in texts)  # the precondition: a scheme to show
+    bands = browser.find_elements(By.CSS_SELECTOR, 'svg.gantt[data-scheduler="skrull"] rect.mb[data-dp="0"]')
+    assert [band.get_attribute("data-schemes") for band in bands] == texts
+
+
 def test_viewer_shows_the_services_problem_beside_the_bad_field(page: WebDriver, live_port: int) -> None:
     lengths = page.find_element(By.ID, "lengths")
     lengths.clear()
