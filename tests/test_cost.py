@@ -11,6 +11,7 @@ from skrull_proto import PlanRequest
 from scheduler_service.contract.wire import request_to_problem
 from scheduler_service.core.plan import SchedulerName
 from scheduler_service.core.samplers import sample_lengths
+from scheduler_service.core.static_sp import static_layout_problem
 from scheduler_service.runtime.cost import baseline_cells, feedback_cells, plan_cost
 from scheduler_service.runtime.work import plan_request
 
@@ -35,8 +36,13 @@ def _requests() -> list[PlanRequest]:
 
 @pytest.mark.parametrize("scheduler", [s for s in SchedulerName if s is not SchedulerName.CPSAT])
 def test_estimate_bounds_the_plan_and_sizes_its_answer(scheduler: SchedulerName) -> None:
+    static_sp = scheduler in (SchedulerName.ULYSSES, SchedulerName.USP)
     for request in _requests():
-        request = request.model_copy(update={"scheduler": scheduler.value})
+        # the static SP schedulers on a model without GQA, whose 32 heads split over every cp_size here but 64
+        request = request.model_copy(update={"scheduler": scheduler.value,
+                                             **({"model": "llama-2-7b"} if static_sp else {})})
+        if static_sp and static_layout_problem(scheduler.value, (32, 32), request.cp_size) is not None:
+            continue
         problem = request_to_problem(request)
         cost = plan_cost(problem, scheduler)
         body = plan_request(request).answer(job_state=None)

@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import types
 
-from scheduler_service.core.jit import FLOAT_1D, INT_1D, kernel
+from scheduler_service.core.jit import FLOAT_1D, FLOAT_2D, INT_1D, kernel
 from scheduler_service.core.perf_model import ATTENTION_FORWARD_SHARE, PerformanceModel
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "block_degrees",
     "block_index",
     "block_max",
+    "changed_micro_batch_time_s",
     "clear_row",
     "cost_tables",
     "empty_sums",
@@ -66,6 +67,7 @@ __all__ = [
     "place_delta",
     "rank_compute_time_s",
     "rank_time_s",
+    "rank_times_s",
     "scheme_rank_time_s",
     "sum_rank_time_s",
     "sums_of_places",
@@ -319,6 +321,35 @@ def sum_rank_time_s(tables: CostTables, sums: RankSums, m: int, r: int) -> float
     """``T_r`` of CP rank ``r`` of micro-batch ``m``."""
     return scheme_rank_time_s(tables, sums.work_flops[m, r], sums.attention_flops[m, r], sums.all_gather_s[m, r],
                               sums.reduce_scatter_s[m, r], sums.exposed_s[m, r], sums.units[m, r])
+
+
+@kernel(types.float64(TABLES, SUMS, types.int64, types.int64, types.int64, types.float64, types.float64,
+                      types.float64, types.float64))
+def changed_micro_batch_time_s(tables: CostTables, sums: RankSums, m: int, first_rank: int, degree: int,
+                               work_flops: float, all_gather_s: float, reduce_scatter_s: float,
+                               exposed_s: float) -> float:
+    """``micro_batch_time_s`` were each rank of the block of ``degree`` ranks from ``first_rank`` to compute
+    ``work_flops`` more, hide ``all_gather_s`` and ``reduce_scatter_s`` more and expose ``exposed_s`` more (a
+    collective's change of scheme, ``schemes``), without changing ``sums``."""
+    slowest_s = 0.0
+    for r in range(tables.cp_size):
+        if first_rank <= r < first_rank + degree:
+            time_s = scheme_rank_time_s(tables, sums.work_flops[m, r] + work_flops, sums.attention_flops[m, r],
+                                        sums.all_gather_s[m, r] + all_gather_s,
+                                        sums.reduce_scatter_s[m, r] + reduce_scatter_s,
+                                        sums.exposed_s[m, r] + exposed_s, sums.units[m, r])
+        else:
+            time_s = sum_rank_time_s(tables, sums, m, r)
+        slowest_s = max(slowest_s, time_s)
+    return slowest_s
+
+
+@kernel(types.void(TABLES, SUMS, FLOAT_2D))
+def rank_times_s(tables: CostTables, sums: RankSums, times_s: FloatArray) -> None:
+    """``T_r`` of every CP rank of every micro-batch, into ``times_s`` (M, C)."""
+    for m in range(times_s.shape[0]):
+        for r in range(tables.cp_size):
+            times_s[m, r] = sum_rank_time_s(tables, sums, m, r)
 
 
 @kernel(types.float64(TABLES, SUMS, types.int64))

@@ -17,7 +17,7 @@ from scheduler_service.core import baselines, gds, static_sp
 from scheduler_service.core.check import check_places, check_plan, check_schemes
 from scheduler_service.core.dynamic_cp import dynamic_cp
 from scheduler_service.core.errors import UnknownSchedulerError
-from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
+from scheduler_service.core.plan import Places, Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
 from scheduler_service.core.samplers import DATASETS, sample_lengths
 from scheduler_service.core.schemes import choose_schemes
 from scheduler_service.core.simulate import (
@@ -132,6 +132,8 @@ def make_plan(
     name = parse_scheduler(scheduler)
     started = time.perf_counter()
     report = None
+    places: Places | None = None
+    spanned: Plan | None = None
     within_groups = not problem.too_long_for_a_replica()
     if within_groups and (name is SchedulerName.SKRULL or name is SchedulerName.SKRULL_BINARY):
         places = (gds.skrull_places(problem, budget=search_budget) if name is SchedulerName.SKRULL
@@ -156,10 +158,12 @@ def make_plan(
                    cp_size=problem.cp_size, bucket_size=problem.bucket_size)
         estimate = estimate_plan(problem, plan)
     if schemes and problem.schemes and name in SCHEME_CHOOSERS:
-        chosen = choose_schemes(problem, plan)
-        if chosen is not plan:
+        # the searches' places where they are the plan (``Plan.from_places``), else the plan's own
+        own_places = places if spanned is None else None
+        chosen = choose_schemes(problem, plan, own_places)
+        if chosen is not plan:  # the same places, other schemes
             check_schemes(chosen, heads=problem.perf.model.heads)
-            plan, estimate = chosen, estimate_plan(problem, chosen)
+            plan, estimate = chosen, estimate_plan(problem, chosen, own_places)
             if report is not None:  # CP-SAT proved its bound over all-gather-KV plans: with schemes, the model's
                 report = dataclasses.replace(  # bound over every scheme is one, and optimality is not proven
                     report, status="FEASIBLE" if report.status == "OPTIMAL" else report.status,

@@ -16,9 +16,11 @@ adds what nothing hides; ``scheme_sums`` adds that change to a plan's per-rank s
 scheme with the one ``T_r`` (``costing.scheme_rank_time_s``).
 
 ``choose_schemes`` gives each collective of a plan the scheme under which its micro-batch is fastest, collective by
-collective (largest first), keeping a change only where it makes the micro-batch faster: a plan never gets slower.
-The searches place sequences as all-gather-KV prices them; the choice follows, so it costs a plan's time only for
-micro-batches with collectives (measured in ``make bench``'s latency table). A degree whose heads do not split
+collective (the largest saving of work first), keeping a change only where it makes the micro-batch faster: a plan
+never gets slower. The searches place sequences as all-gather-KV prices them; the choice follows. It prices every
+collective of a plan at once from the places (sums by collective), and times a micro-batch only for a scheme that
+might gain (``_options``: a bound on what any rank of the block can gain), so most collectives cost a few array
+operations (``make bench``'s latency table has its cost). A degree whose heads do not split
 evenly, and one whose all-to-all the profile did not measure, is never chosen (``PerformanceModel.
 ulysses_degrees``); a profile without an ``all_to_all`` table chooses nothing and says why (``schemes_note``).
 """
@@ -31,19 +33,28 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from scheduler_service.core.costing import RankSums, empty_sums, micro_batch_time_s, sums_of_places
+from scheduler_service.core.costing import (
+    RankSums,
+    changed_micro_batch_time_s,
+    empty_sums,
+    rank_times_s,
+    sum_rank_time_s,
+    sums_of_places,
+)
 from scheduler_service.core.plan import (
     Collective,
     DPRankPlan,
     MicroBatch,
+    Places,
     Plan,
     PlanningProblem,
     SpanningMicroBatch,
 )
 
-__all__ = ["BlockChange", "block_changes", "choose_schemes", "plan_sums", "scheme_sums", "schemes_note"]
+__all__ = ["BlockChange", "block_changes", "choose_schemes", "scheme_sums", "schemes_note"]
 
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 # A change of scheme is kept only where it saves more than this share of the micro-batch: below it the model cannot
 # tell them apart, and all-gather-KV, the scheme the searches placed by, stays.
@@ -118,91 +129,180 @@ def _apply(sums: RankSums, m: int, change: BlockChange, sign: float = 1.0) -> No
     sums.exposed_s[m, ranks] += sign * change.exposed_s
 
 
-def scheme_sums(problem: PlanningProblem, sums: RankSums, micro_batches: Sequence[MicroBatch]) -> list[
-        tuple[int, BlockChange]]:
-    """Add to ``sums`` (row ``m`` holding ``micro_batches[m]`` as the kernels price it, all-gather-KV) what each
-    collective's own scheme changes; the changes made, by row."""
+def scheme_sums(problem: PlanningProblem, sums: RankSums, micro_batches: Sequence[MicroBatch],
+                rows: Sequence[int] | None = None) -> list[tuple[int, BlockChange]]:
+    """Add to ``sums`` (row ``rows[i]``, default ``i``, holding ``micro_batches[i]`` as the kernels price it,
+    all-gather-KV) what each collective's own scheme changes; the changes made, by row."""
     changes = []
-    for m, micro_batch in enumerate(micro_batches):
+    for i, micro_batch in enumerate(micro_batches):
+        m = i if rows is None else rows[i]
         for change in block_changes(problem, micro_batch):
             _apply(sums, m, change)
             changes.append((m, change))
     return changes
 
 
-def _change_with(problem: PlanningProblem, collectives: Sequence[Collective], chosen: Sequence[int], i: int,
-                 ulysses_degree: int) -> BlockChange:
-    """The change of collective ``i``'s block with ``ulysses_degree`` for it and ``chosen`` for the block's others."""
-    collective = collectives[i]
-    block = (collective.first_rank, collective.degree)
-    members = [(other.sequences, ulysses_degree if j == i else chosen[j]) for j, other in enumerate(collectives)
-               if (other.first_rank, other.degree) == block]
-    return _block_change(problem, collective.first_rank, collective.degree, members)
+@dataclass(frozen=True, slots=True)
+class _Option:
+    """One scheme a collective may take, with what it changes on each rank of its block (``BlockChange``)."""
+
+    ulysses_degree: int
+    change: BlockChange
 
 
-def _chosen(problem: PlanningProblem, sums: RankSums, m: int, micro_batch: MicroBatch, *,
-            allow_2d: bool) -> MicroBatch:
-    """``micro_batch`` (row ``m`` of ``sums``, all-gather-KV) with each collective's fastest scheme, largest
-    collective first; ``sums`` ends holding the choice."""
-    collectives = list(micro_batch.collectives())
-    if not collectives:
-        return micro_batch
-    chosen = [1] * len(collectives)
-    lengths = problem.lengths
-    order = sorted(range(len(collectives)), key=lambda i: -int(lengths[list(collectives[i].sequences)].sum()))
-    best_s = micro_batch_time_s(problem.tables, sums, m)
-    for i in order:
-        degree = collectives[i].degree
-        candidates = [u for u in problem.perf.ulysses_degrees(degree) if allow_2d or u == degree]
+def _options(problem: PlanningProblem, places: Places, sums: RankSums, *,
+             allow_2d: bool) -> dict[tuple[int, int, int], list[_Option]]:
+    """Per collective of ``places`` (micro-batch, first rank, degree; ``sums`` their per-rank sums), the schemes
+    that might make its micro-batch faster, each with its change. All collectives are priced at once (sums by
+    collective, ``np.bincount``), and a scheme is kept only where it might gain: on rank ``r`` of the block, each
+    ``max(0, ·)`` of ``T_r`` falls by at most what leaves it and by at most what it was, so ``T_r`` falls by at most
+    ``min(AG, exposed forward_r) + min(RS, exposed backward_r)`` of the collective's all-gather-KV communication, less
+    what the scheme adds, ``α·Δwork + exposed``; where that is not positive on any rank, none gets faster."""
+    perf, lengths, alpha, tables = problem.perf, problem.lengths, problem.alpha_s_per_flop, problem.tables
+    attention_s = alpha * sums.attention_flops
+    exposed_forward = np.maximum(0.0, sums.all_gather_s - tables.attention_forward_share * attention_s)
+    exposed_backward = np.maximum(0.0, sums.reduce_scatter_s - (1 - tables.attention_forward_share) * attention_s)
+    sharded = np.flatnonzero((places.micro_batch >= 0) & (places.degree > 1))
+    if not sharded.size:
+        return {}
+    degree, first_rank = places.degree[sharded], places.first_rank[sharded]
+    size = tables.cp_size + 1  # a collective's key: (micro-batch, first rank, degree) as one number
+    keys, inverse = np.unique((places.micro_batch[sharded] * size + first_rank) * size + degree, return_inverse=True)
+    collectives = np.stack([keys // size // size, keys // size % size, keys % size], axis=1)
+    tokens = np.bincount(inverse, weights=lengths[sharded], minlength=len(collectives))
+    options: dict[tuple[int, int, int], list[_Option]] = {}
+    for block_degree in np.unique(collectives[:, 2]).tolist():
+        candidates = [u for u in perf.ulysses_degrees(block_degree) if allow_2d or u == block_degree]
         if not candidates:
             continue
-        current = _change_with(problem, collectives, chosen, i, chosen[i])
-        _apply(sums, m, current, -1.0)
-        best_u, best_change = chosen[i], current
+        members = degree == block_degree
+        ids, indices = inverse[members], sharded[members]
+        gathered = perf.scheme_comm(block_degree, 1)
+        assert gathered is not None
+        base_work = np.bincount(ids, weights=problem.rank_flops_at(block_degree)[indices], minlength=len(collectives))
+        held = np.unique(ids)  # the collectives over blocks of this degree
+        held_tokens = tokens[held]
+        forward = gathered.hidden_forward.slope * held_tokens + gathered.hidden_forward.intercept
+        backward = gathered.hidden_backward.slope * held_tokens + gathered.hidden_backward.intercept
+        micro_batch, block = collectives[held, 0], collectives[held, 1] // block_degree
+
+        def block_most(values: FloatArray, micro_batch: IntArray = micro_batch, block: IntArray = block,
+                       block_degree: int = block_degree) -> FloatArray:
+            return values.reshape(len(values), -1, block_degree).max(axis=2)[micro_batch, block]
+
+        can_leave = (np.minimum(forward, block_most(exposed_forward))
+                     + np.minimum(backward, block_most(exposed_backward)))
         for ulysses_degree in candidates:
-            change = _change_with(problem, collectives, chosen, i, ulysses_degree)
-            _apply(sums, m, change)
-            time_s = micro_batch_time_s(problem.tables, sums, m)
-            _apply(sums, m, change, -1.0)
-            if time_s < best_s * (1.0 - MIN_GAIN):
-                best_s, best_u, best_change = time_s, ulysses_degree, change
-        _apply(sums, m, best_change)
-        chosen[i] = best_u
-    return micro_batch if chosen == [1] * len(collectives) else micro_batch.with_ulysses_degrees(chosen)
+            comm = perf.scheme_comm(block_degree, ulysses_degree)
+            assert comm is not None
+            delta_work = (np.bincount(ids, weights=problem.scheme_rank_flops(block_degree, ulysses_degree)[indices],
+                                      minlength=len(collectives)) - base_work)[held]
+            exposed = comm.exposed.slope * held_tokens + comm.exposed.intercept
+            kept = np.flatnonzero(alpha * delta_work + exposed < can_leave)  # else no rank of the block gets faster
+            if not kept.size:
+                continue
+            more_forward = comm.hidden_forward.slope * held_tokens[kept] + comm.hidden_forward.intercept - forward[kept]
+            more_backward = (comm.hidden_backward.slope * held_tokens[kept] + comm.hidden_backward.intercept
+                             - backward[kept])
+            for (m, first, _), work_flops, forward_s, backward_s, exposed_s in zip(
+                    collectives[held[kept]].tolist(), delta_work[kept].tolist(), more_forward.tolist(),
+                    more_backward.tolist(), exposed[kept].tolist(), strict=True):
+                options.setdefault((m, first, block_degree), []).append(_Option(ulysses_degree, BlockChange(
+                    first, block_degree, work_flops, forward_s, backward_s, exposed_s)))
+    return options
 
 
-def choose_schemes(problem: PlanningProblem, plan: Plan, sums: RankSums | None = None) -> Plan:
-    """``plan`` with each collective's fastest scheme (module docstring). ``sums``: the plan's own micro-batches'
-    per-rank sums in plan order, as the kernels price them, when the caller has them (changed in place)."""
+def _choose(problem: PlanningProblem, sums: RankSums, options: dict[tuple[int, int, int], list[_Option]]
+            ) -> dict[tuple[int, int, int], int]:
+    """The Ulysses degree of each collective with options (keyed as ``_options``): per micro-batch, the largest
+    saving of work first, the option under which the micro-batch is fastest, kept only where it is faster; ``sums``
+    ends holding the choice. A collective whose block holds none of the micro-batch's slowest ranks is passed over:
+    nothing it changes can make the micro-batch faster."""
+    tables = problem.tables
+    times_s = np.zeros((len(sums.work_flops), tables.cp_size))
+    rank_times_s(tables, sums, times_s)
+    by_micro_batch: dict[int, list[tuple[int, int, int]]] = {}
+    for key in options:
+        by_micro_batch.setdefault(key[0], []).append(key)
+    chosen: dict[tuple[int, int, int], int] = {}
+    for m, keys in by_micro_batch.items():
+        row_s = times_s[m].tolist()
+        best_s = max(row_s)
+        for key in sorted(keys, key=lambda key: min(option.change.work_flops for option in options[key])):
+            _, first_rank, degree = key
+            if max(row_s[first_rank:first_rank + degree]) < best_s:
+                continue
+            best: _Option | None = None
+            for option in options[key]:
+                change = option.change
+                time_s = changed_micro_batch_time_s(tables, sums, m, first_rank, degree, change.work_flops,
+                                                    change.hidden_forward_s, change.hidden_backward_s,
+                                                    change.exposed_s)
+                if time_s < best_s * (1.0 - MIN_GAIN):
+                    best_s, best = time_s, option
+            if best is not None:
+                _apply(sums, m, best.change)
+                for r in best.change.ranks:
+                    row_s[r] = sum_rank_time_s(tables, sums, m, r)
+                chosen[key] = best.ulysses_degree
+    return chosen
+
+
+def _with_degrees(micro_batch: MicroBatch, m: int, chosen: dict[tuple[int, int, int], int]) -> MicroBatch:
+    degrees = [chosen.get((m, c.first_rank, c.degree), 1) for c in micro_batch.collectives()]
+    return micro_batch if degrees == [1] * len(degrees) else micro_batch.with_ulysses_degrees(degrees)
+
+
+def _choose_in(problem: PlanningProblem, micro_batches: Sequence[MicroBatch], places: Places, *,
+               allow_2d: bool, joined: bool) -> list[MicroBatch]:
+    """``micro_batches`` (the micro-batches of ``places``, in its order, all-gather-KV) with their schemes chosen.
+    A micro-batch with two collectives over one block keeps all-gather-KV: its collectives share one fixed cost,
+    which a per-collective change does not price. ``joined``: none has two (``MicroBatch.from_places`` joins them,
+    so no search's plan has), and none is looked for."""
+    sums = empty_sums(problem.tables, places.num_micro_batches)
+    sums_of_places(problem.tables, sums, places.micro_batch, places.degree, places.first_rank)
+    options = _options(problem, places, sums, allow_2d=allow_2d)
+    if not options:
+        return list(micro_batches)
+    order = places.plan_order()  # the micro-batch number of micro_batches[i]
+    position = {m: i for i, m in enumerate(order)}
+
+    def shares_a_block(m: int) -> bool:
+        blocks = [(c.first_rank, c.degree) for c in micro_batches[position[m]].collectives()]
+        return len(set(blocks)) < len(blocks)
+
+    if not joined:
+        shared = {m for m in {key[0] for key in options} if shares_a_block(m)}
+        options = {key: value for key, value in options.items() if key[0] not in shared}
+    chosen = _choose(problem, sums, options)
+    changed = {key[0] for key in chosen}
+    return [_with_degrees(mb, order[i], chosen) if order[i] in changed else mb for i, mb in enumerate(micro_batches)]
+
+
+def choose_schemes(problem: PlanningProblem, plan: Plan, places: Places | None = None) -> Plan:
+    """``plan`` with each collective's fastest scheme (module docstring); ``plan`` itself where none changes.
+    ``places``: the places ``plan``'s own micro-batches were made from (``Plan.from_places``), when the caller has
+    them."""
     if not problem.perf.has_all_to_all() or not _has_collectives(plan):
         return plan
     own = [micro_batch for dp_plan in plan.dp_ranks for micro_batch in dp_plan.micro_batches]
-    if sums is None:
-        sums = plan_sums(problem, plan)
-    chosen_own = [_chosen(problem, sums, m, micro_batch, allow_2d=True) for m, micro_batch in enumerate(own)]
+    chosen_own = _choose_in(problem, own, plan.places(problem.num_sequences) if places is None else places,
+                            allow_2d=True, joined=places is not None)
     chosen = iter(chosen_own)
     dp_ranks = tuple(DPRankPlan(micro_batches=tuple(next(chosen) for _ in dp_plan.micro_batches))
                      for dp_plan in plan.dp_ranks)
     spanning = []
     for spanning_micro_batch in plan.spanning:
         span = problem.span_problem(spanning_micro_batch.num_dp_ranks)
-        span_sums = plan_sums(span, Plan(dp_ranks=(DPRankPlan(micro_batches=(spanning_micro_batch.micro_batch,)),)))
+        block_plan = Plan(dp_ranks=(DPRankPlan(micro_batches=(spanning_micro_batch.micro_batch,)),))
         # 2D needs strided groups of world ranks, which the trainer makes only within a CP group
-        spanning.append(SpanningMicroBatch(
-            first_dp_rank=spanning_micro_batch.first_dp_rank, num_dp_ranks=spanning_micro_batch.num_dp_ranks,
-            micro_batch=_chosen(span, span_sums, 0, spanning_micro_batch.micro_batch, allow_2d=False)))
+        [micro_batch] = _choose_in(span, [spanning_micro_batch.micro_batch],
+                                   block_plan.places(problem.num_sequences), allow_2d=False, joined=False)
+        spanning.append(SpanningMicroBatch(first_dp_rank=spanning_micro_batch.first_dp_rank,
+                                           num_dp_ranks=spanning_micro_batch.num_dp_ranks, micro_batch=micro_batch))
     unchanged = all(new is old for new, old in zip(chosen_own, own, strict=True)) and all(
         new.micro_batch is old.micro_batch for new, old in zip(spanning, plan.spanning, strict=True))
     return plan if unchanged else Plan(dp_ranks=dp_ranks, spanning=tuple(spanning))
-
-
-def plan_sums(problem: PlanningProblem, plan: Plan) -> RankSums:
-    """The per micro-batch and CP rank sums of the plan's own micro-batches (in plan order) as the kernels price
-    them: all-gather-KV for every collective."""
-    places = plan.places(problem.num_sequences)
-    sums = empty_sums(problem.tables, places.num_micro_batches)
-    sums_of_places(problem.tables, sums, places.micro_batch, places.degree, places.first_rank)
-    return sums
 
 
 def _has_collectives(plan: Plan) -> bool:

@@ -28,7 +28,6 @@ from numba import types
 
 from scheduler_service.core.check import spanning_widths
 from scheduler_service.core.costing import (
-    SUMS,
     TABLES,
     CostTables,
     RankSums,
@@ -36,10 +35,10 @@ from scheduler_service.core.costing import (
     exposed_comm_s,
     padding_flops,
     place_degrees,
-    sum_rank_time_s,
+    rank_times_s,
     sums_of_places,
 )
-from scheduler_service.core.jit import FLOAT_2D, FLOAT_3D, INT_1D, INT_2D, kernel
+from scheduler_service.core.jit import FLOAT_3D, INT_1D, INT_2D, kernel
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem, SpanningMicroBatch
 from scheduler_service.core.schemes import BlockChange, scheme_sums
 
@@ -140,13 +139,6 @@ class PlanEstimate:
     spanning: tuple[MicroBatchEstimate, ...] = ()  # of ``Plan.spanning``, in order; ``cp_ranks`` over the block
 
 
-@kernel(types.void(TABLES, SUMS, FLOAT_2D))
-def _rank_times_s(tables: CostTables, sums: RankSums, times_s: FloatArray) -> None:
-    for m in range(times_s.shape[0]):
-        for r in range(tables.cp_size):
-            times_s[m, r] = sum_rank_time_s(tables, sums, m, r)
-
-
 @kernel(types.void(TABLES, INT_1D, INT_1D, INT_1D, FLOAT_3D, INT_2D))
 def _compute_by_kind(tables: CostTables, micro_batch: IntArray, degree: IntArray, first_rank: IntArray,
                      compute_flops: FloatArray, local_tokens: IntArray) -> None:
@@ -169,9 +161,9 @@ def _rank_times_of(problem: PlanningProblem, places: Places, micro_batches: Sequ
     tables = problem.tables
     sums = empty_sums(tables, places.num_micro_batches)
     sums_of_places(tables, sums, places.micro_batch, places.degree, places.first_rank)
-    changes = scheme_sums(problem, sums, micro_batches) if micro_batches else []
+    changes = scheme_sums(problem, sums, micro_batches, places.plan_order()) if micro_batches else []
     times_s = np.zeros((places.num_micro_batches, tables.cp_size))
-    _rank_times_s(tables, sums, times_s)
+    rank_times_s(tables, sums, times_s)
     return sums, times_s, changes
 
 
@@ -275,7 +267,7 @@ def micro_batch_time_s(problem: PlanningProblem, micro_batch: MicroBatch) -> flo
     sums = micro_batch_sums(problem, micro_batch)
     scheme_sums(problem, sums, [micro_batch])
     times_s = np.zeros((1, problem.cp_size))
-    _rank_times_s(problem.tables, sums, times_s)
+    rank_times_s(problem.tables, sums, times_s)
     return float(times_s.max())
 
 
