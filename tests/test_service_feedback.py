@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from skrull_proto import FeedbackRequest, FeedbackResponse, PlanResponse
 
-from scheduler_service.core.plan import make_problem
+from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles
 from scheduler_service.web.app import create_app
@@ -183,6 +183,17 @@ def test_measurements_take_the_slowest_cp_rank_and_the_largest_peak() -> None:
     assert only.time_ms == pytest.approx(300.0) and only.peak_memory_bytes == 5 << 30
     assert only.local_lengths == [[LENGTHS[i] for i in rank] for rank in micro_batch.local]
     FeedbackRequest(job_id="x", micro_batches=[only])  # a valid wire report
+
+
+def test_a_micro_batch_with_a_ulysses_collective_is_not_reported() -> None:
+    """The refit prices a measurement as all-gather-KV: a Ulysses or 2D micro-batch's time would mislead it."""
+    local = ((0,), (1,))
+    gathered = MicroBatch(local=local, distributed=(2,))
+    ulysses = MicroBatch(local=((3,), ()), distributed=(4,), distributed_ulysses_degree=2)
+    plan_ = Plan(dp_ranks=(DPRankPlan(micro_batches=(gathered, ulysses)),))
+    timings = [MicroBatchTiming(dp_rank=0, index=index, time_s=0.1) for index in (0, 1)]
+    (only,) = measurements_of(plan_, [100, 200, 900, 50, 1200], timings)
+    assert only.distributed_lengths == [900]
 
 
 def test_feedback_failures_are_counted_not_raised(client: TestClient) -> None:

@@ -122,7 +122,8 @@ def measurements_of(
     plan: Plan, sequence_lengths: Sequence[int], timings: Sequence[MicroBatchTiming]
 ) -> list[MicroBatchMeasurement]:
     """Every rank's timings → one measurement per micro-batch: the slowest CP rank's time, the largest peak, and
-    the lengths as planned (local, distributed and each hybrid group's)."""
+    the lengths as planned (local, distributed and each hybrid group's). A micro-batch with a Ulysses or 2D
+    collective is left out: the refit prices what it measures as all-gather-KV (docs/known-limits.md)."""
     slowest: dict[tuple[int, int], MicroBatchTiming] = {}
     peaks: dict[tuple[int, int], int] = {}
     for timing in timings:
@@ -133,9 +134,11 @@ def measurements_of(
             peaks[key] = max(peaks.get(key, 0), timing.peak_memory_bytes)
     if plan.spanning:  # a measurement is of one CP group's micro-batch (docs/known-limits.md)
         return []
-    return [micro_batch_to_measurement(plan.dp_ranks[dp_rank].micro_batches[index], sequence_lengths,
-                                       time_s=timing.time_s, peak_memory_bytes=peaks.get((dp_rank, index)))
-            for (dp_rank, index), timing in sorted(slowest.items())]
+    measured = [(plan.dp_ranks[dp_rank].micro_batches[index], timing, peaks.get((dp_rank, index)))
+                for (dp_rank, index), timing in sorted(slowest.items())]
+    return [micro_batch_to_measurement(micro_batch, sequence_lengths, time_s=timing.time_s, peak_memory_bytes=peak)
+            for micro_batch, timing, peak in measured
+            if all(collective.ulysses_degree == 1 for collective in micro_batch.collectives())]
 
 
 def plan_capacity(*, dp_size: int, cp_size: int, model: str | ModelShape, bucket_size: int,
