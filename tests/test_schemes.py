@@ -116,6 +116,9 @@ def test_the_choice_never_makes_a_plan_slower_passes_the_checker_and_stays_above
     check_plan(chosen.plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
                cp_size=problem.cp_size, bucket_size=problem.bucket_size, heads=problem.perf.model.heads)
     assert chosen.lower_bound_s <= chosen.estimate.iteration_time_s * (1 + 1e-9)
+    # the estimate from the choice's own changes is the simulator's of the plan
+    assert simulate(problem, chosen.plan).iteration_time_s == pytest.approx(chosen.estimate.iteration_time_s,
+                                                                            rel=1e-12)
     # the choice changes schemes, never where a sequence runs
     places, before = chosen.plan.places(problem.num_sequences), without.plan.places(problem.num_sequences)
     for field in ("micro_batch", "degree", "first_rank", "dp_rank"):
@@ -258,4 +261,4 @@ def test_choose_schemes_leaves_a_plan_without_collectives_as_it_is() -> None:
     problem = make_problem(sequence_lengths=[100, 200, 300], dp_size=1, cp_size=2, model="tiny", profile=PROFILE,
                            bucket_size=1000)
     plan = make_plan(problem, schemes=False).plan
-    assert choose_schemes(problem, plan) is plan
+    assert choose_schemes(problem, plan) == (plan, [])

@@ -208,6 +208,8 @@ def check_schemes(plan: Plan, *, heads: tuple[int, int]) -> None:
     violations = []
     for dp_rank, dp_plan in enumerate(plan.dp_ranks):
         for index, micro_batch in enumerate(dp_plan.micro_batches):
+            if micro_batch.distributed_ulysses_degree == 1 and all(g.ulysses_degree == 1 for g in micro_batch.sharded):
+                continue  # all-gather-KV runs whatever the heads
             violations += [f"dp_ranks[{dp_rank}].micro_batches[{index}] collective over ranks "
                            f"{collective.first_rank}..{collective.first_rank + collective.degree - 1} {problem}"
                            for collective in micro_batch.collectives()

@@ -19,7 +19,7 @@ from scheduler_service.core.dynamic_cp import dynamic_cp
 from scheduler_service.core.errors import UnknownSchedulerError
 from scheduler_service.core.plan import Places, Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
 from scheduler_service.core.samplers import DATASETS, sample_lengths
-from scheduler_service.core.schemes import choose_schemes
+from scheduler_service.core.schemes import BlockChange, choose_schemes
 from scheduler_service.core.simulate import (
     PlanEstimate,
     estimate_places,
@@ -132,45 +132,37 @@ def make_plan(
     name = parse_scheduler(scheduler)
     started = time.perf_counter()
     report = None
-    places: Places | None = None
-    spanned: Plan | None = None
+    choosing = schemes and problem.schemes and name in SCHEME_CHOOSERS
     within_groups = not problem.too_long_for_a_replica()
     if within_groups and (name is SchedulerName.SKRULL or name is SchedulerName.SKRULL_BINARY):
         places = (gds.skrull_places(problem, budget=search_budget) if name is SchedulerName.SKRULL
                   else gds.skrull_binary_places(problem))
-        estimate = estimate_places(problem, places)
+        # the places are the plan: checked as they are, once, and its schemes chosen from them
+        check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
+                     bucket_size=problem.bucket_size)
+        plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
+        plan, changes = _with_schemes(problem, plan, places) if choosing else (plan, None)
+        estimate = estimate_places(problem, places, changes=changes)
         spanned = (spanned_if_faster(problem, places, estimate, lambda part: gds.skrull(part, budget=search_budget))
                    if name is SchedulerName.SKRULL else None)
-        solve_time_s = time.perf_counter() - started
-        if spanned is None:  # the places are the plan: checked as they are, once
-            check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
-                         bucket_size=problem.bucket_size)
-            plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
-        else:  # spanning micro-batches beside (some of) those places: the plan is checked whole
-            plan = spanned
-            check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
+        if spanned is not None:  # spanning micro-batches beside (some of) those places: the plan is checked whole
+            check_plan(spanned, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
                        cp_size=problem.cp_size, bucket_size=problem.bucket_size)
-            estimate = estimate_plan(problem, plan)
+            plan, changes = _with_schemes(problem, spanned) if choosing else (spanned, None)
+            estimate = estimate_plan(problem, plan, changes=changes)
     else:
         plan, report = schedule(problem, name, time_limit_s=time_limit_s, search_budget=search_budget)
-        solve_time_s = time.perf_counter() - started
         check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
                    cp_size=problem.cp_size, bucket_size=problem.bucket_size)
-        estimate = estimate_plan(problem, plan)
-    if schemes and problem.schemes and name in SCHEME_CHOOSERS:
-        # the searches' places where they are the plan (``Plan.from_places``), else the plan's own
-        own_places = places if spanned is None else None
-        chosen = choose_schemes(problem, plan, own_places)
-        if chosen is not plan:  # the same places, other schemes
-            check_schemes(chosen, heads=problem.perf.model.heads)
-            plan, estimate = chosen, estimate_plan(problem, chosen, own_places)
-            if report is not None:  # CP-SAT proved its bound over all-gather-KV plans: with schemes, the model's
-                report = dataclasses.replace(  # bound over every scheme is one, and optimality is not proven
-                    report, status="FEASIBLE" if report.status == "OPTIMAL" else report.status,
-                    objective_s=estimate.iteration_time_s,
-                    bound_s=None if report.bound_s is None else min(report.bound_s,
-                                                                    iteration_lower_bound_s(problem)))
-        solve_time_s = time.perf_counter() - started
+        chosen, changes = _with_schemes(problem, plan) if choosing else (plan, None)
+        estimate = estimate_plan(problem, chosen, changes=changes)
+        if report is not None and chosen is not plan:  # CP-SAT proved its bound over all-gather-KV plans: the
+            report = dataclasses.replace(  # model's bound over every scheme is one, and optimality is not proven
+                report, status="FEASIBLE" if report.status == "OPTIMAL" else report.status,
+                objective_s=estimate.iteration_time_s,
+                bound_s=None if report.bound_s is None else min(report.bound_s, iteration_lower_bound_s(problem)))
+        plan = chosen
+    solve_time_s = time.perf_counter() - started
     if name is SchedulerName.DEEPSPEED:
         baseline_time_s = estimate.iteration_time_s
     elif not within_groups:
@@ -179,6 +171,16 @@ def make_plan(
         baseline_time_s = baselines.deepspeed_time_s(problem)
     return PlanResult(scheduler=name, problem=problem, plan=plan, estimate=estimate, baseline_time_s=baseline_time_s,
                       solve_time_s=solve_time_s, solver=report, lower_bound_s=iteration_lower_bound_s(problem))
+
+
+def _with_schemes(problem: PlanningProblem, plan: Plan, places: Places | None = None) -> tuple[
+        Plan, list[tuple[int, BlockChange]]]:
+    """``plan`` with its collectives' schemes chosen (``schemes.choose_schemes``) and checked against the model's
+    heads, and the changes they make (``estimate_plan``'s)."""
+    chosen, changes = choose_schemes(problem, plan, places)
+    if chosen is not plan:  # the same places, other schemes
+        check_schemes(chosen, heads=problem.perf.model.heads)
+    return chosen, changes
 
 
 def warm_up() -> float:

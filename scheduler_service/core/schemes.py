@@ -29,18 +29,25 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numba
 import numpy as np
 import numpy.typing as npt
+from numba import types
 
 from scheduler_service.core.costing import (
+    SUMS,
+    TABLES,
+    CostTables,
     RankSums,
     changed_micro_batch_time_s,
     empty_sums,
-    rank_times_s,
+    micro_batch_time_s,
     sum_rank_time_s,
     sums_of_places,
 )
+from scheduler_service.core.jit import BOOL_1D, kernel
 from scheduler_service.core.plan import (
     Collective,
     DPRankPlan,
@@ -51,7 +58,8 @@ from scheduler_service.core.plan import (
     SpanningMicroBatch,
 )
 
-__all__ = ["BlockChange", "block_changes", "choose_schemes", "scheme_sums", "schemes_note"]
+__all__ = ["OPTIONS", "BlockChange", "Options", "apply_change", "block_changes", "choose", "choose_schemes", "options",
+           "scheme_sums", "schemes_note"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -121,12 +129,13 @@ def block_changes(problem: PlanningProblem, micro_batch: MicroBatch) -> list[Blo
             if any(c.ulysses_degree != 1 for c in collectives)]
 
 
-def _apply(sums: RankSums, m: int, change: BlockChange, sign: float = 1.0) -> None:
+def apply_change(sums: RankSums, m: int, change: BlockChange) -> None:
+    """Add ``change`` to every rank of its block in row ``m`` of ``sums``."""
     ranks = slice(change.first_rank, change.first_rank + change.degree)
-    sums.work_flops[m, ranks] += sign * change.work_flops
-    sums.all_gather_s[m, ranks] += sign * change.hidden_forward_s
-    sums.reduce_scatter_s[m, ranks] += sign * change.hidden_backward_s
-    sums.exposed_s[m, ranks] += sign * change.exposed_s
+    sums.work_flops[m, ranks] += change.work_flops
+    sums.all_gather_s[m, ranks] += change.hidden_forward_s
+    sums.reduce_scatter_s[m, ranks] += change.hidden_backward_s
+    sums.exposed_s[m, ranks] += change.exposed_s
 
 
 def scheme_sums(problem: PlanningProblem, sums: RankSums, micro_batches: Sequence[MicroBatch],
@@ -137,40 +146,50 @@ def scheme_sums(problem: PlanningProblem, sums: RankSums, micro_batches: Sequenc
     for i, micro_batch in enumerate(micro_batches):
         m = i if rows is None else rows[i]
         for change in block_changes(problem, micro_batch):
-            _apply(sums, m, change)
+            apply_change(sums, m, change)
             changes.append((m, change))
     return changes
 
 
-@dataclass(frozen=True, slots=True)
-class _Option:
-    """One scheme a collective may take, with what it changes on each rank of its block (``BlockChange``)."""
+class Options(NamedTuple):
+    """The schemes a plan's collectives might take (``options``), one row each, rows of one collective together,
+    the collectives of a micro-batch together, in the order the choice tries them; what each changes on each rank
+    of its block is a ``BlockChange``'s fields."""
 
-    ulysses_degree: int
-    change: BlockChange
+    micro_batch: IntArray  # (O,)
+    collective: IntArray  # (O,) an id shared by the rows of one collective
+    first_rank: IntArray  # (O,)
+    degree: IntArray  # (O,)
+    ulysses_degree: IntArray  # (O,)
+    work_flops: FloatArray  # (O,)
+    hidden_forward_s: FloatArray  # (O,)
+    hidden_backward_s: FloatArray  # (O,)
+    exposed_s: FloatArray  # (O,)
+
+    def change(self, row: int) -> BlockChange:
+        return BlockChange(int(self.first_rank[row]), int(self.degree[row]), float(self.work_flops[row]),
+                           float(self.hidden_forward_s[row]), float(self.hidden_backward_s[row]),
+                           float(self.exposed_s[row]))
 
 
-def _options(problem: PlanningProblem, places: Places, sums: RankSums, *,
-             allow_2d: bool) -> dict[tuple[int, int, int], list[_Option]]:
-    """Per collective of ``places`` (micro-batch, first rank, degree; ``sums`` their per-rank sums), the schemes
-    that might make its micro-batch faster, each with its change. All collectives are priced at once (sums by
-    collective, ``np.bincount``), and a scheme is kept only where it might gain: on rank ``r`` of the block, each
-    ``max(0, ·)`` of ``T_r`` falls by at most what leaves it and by at most what it was, so ``T_r`` falls by at most
-    ``min(AG, exposed forward_r) + min(RS, exposed backward_r)`` of the collective's all-gather-KV communication, less
-    what the scheme adds, ``α·Δwork + exposed``; where that is not positive on any rank, none gets faster."""
+def options(problem: PlanningProblem, places: Places, sums: RankSums, *, allow_2d: bool) -> Options:
+    """The schemes the collectives of ``places`` (``sums`` their per-rank sums) might take to make their micro-batch
+    faster. All collectives are priced at once (sums by collective, ``np.bincount``), and a scheme is kept only where
+    it might gain: on rank ``r`` of the block, each ``max(0, ·)`` of ``T_r`` falls by at most what leaves it and by
+    at most what it was, so ``T_r`` falls by at most ``min(AG, exposed forward_r) + min(RS, exposed backward_r)`` of
+    the collective's all-gather-KV communication, less what the scheme adds, ``α·Δwork + exposed``; where that is not
+    positive on any rank, none gets faster. A micro-batch's collectives are tried the one that saves most work first."""
     perf, lengths, alpha, tables = problem.perf, problem.lengths, problem.alpha_s_per_flop, problem.tables
     attention_s = alpha * sums.attention_flops
     exposed_forward = np.maximum(0.0, sums.all_gather_s - tables.attention_forward_share * attention_s)
     exposed_backward = np.maximum(0.0, sums.reduce_scatter_s - (1 - tables.attention_forward_share) * attention_s)
     sharded = np.flatnonzero((places.micro_batch >= 0) & (places.degree > 1))
-    if not sharded.size:
-        return {}
     degree, first_rank = places.degree[sharded], places.first_rank[sharded]
     size = tables.cp_size + 1  # a collective's key: (micro-batch, first rank, degree) as one number
     keys, inverse = np.unique((places.micro_batch[sharded] * size + first_rank) * size + degree, return_inverse=True)
     collectives = np.stack([keys // size // size, keys // size % size, keys % size], axis=1)
     tokens = np.bincount(inverse, weights=lengths[sharded], minlength=len(collectives))
-    options: dict[tuple[int, int, int], list[_Option]] = {}
+    parts: list[tuple[npt.NDArray[np.generic], ...]] = []  # (collective, u, Δwork, Δforward, Δbackward, exposed)
     for block_degree in np.unique(collectives[:, 2]).tolist():
         candidates = [u for u in perf.ulysses_degrees(block_degree) if allow_2d or u == block_degree]
         if not candidates:
@@ -180,72 +199,86 @@ def _options(problem: PlanningProblem, places: Places, sums: RankSums, *,
         gathered = perf.scheme_comm(block_degree, 1)
         assert gathered is not None
         base_work = np.bincount(ids, weights=problem.rank_flops_at(block_degree)[indices], minlength=len(collectives))
+        block_lengths = lengths[indices]
         held = np.unique(ids)  # the collectives over blocks of this degree
         held_tokens = tokens[held]
         forward = gathered.hidden_forward.slope * held_tokens + gathered.hidden_forward.intercept
         backward = gathered.hidden_backward.slope * held_tokens + gathered.hidden_backward.intercept
-        micro_batch, block = collectives[held, 0], collectives[held, 1] // block_degree
-
-        def block_most(values: FloatArray, micro_batch: IntArray = micro_batch, block: IntArray = block,
-                       block_degree: int = block_degree) -> FloatArray:
-            return values.reshape(len(values), -1, block_degree).max(axis=2)[micro_batch, block]
-
-        can_leave = (np.minimum(forward, block_most(exposed_forward))
-                     + np.minimum(backward, block_most(exposed_backward)))
+        rows, blocks = collectives[held, 0], collectives[held, 1] // block_degree
+        can_leave = (np.minimum(forward, _block_most(exposed_forward, rows, blocks, block_degree))
+                     + np.minimum(backward, _block_most(exposed_backward, rows, blocks, block_degree)))
         for ulysses_degree in candidates:
             comm = perf.scheme_comm(block_degree, ulysses_degree)
             assert comm is not None
-            delta_work = (np.bincount(ids, weights=problem.scheme_rank_flops(block_degree, ulysses_degree)[indices],
-                                      minlength=len(collectives)) - base_work)[held]
+            # priced here for the sequences it concerns (a batch shards few of its sequences over each degree)
+            scheme_flops = perf.placement_flops(block_lengths, block_degree, ulysses_degree)
+            delta_work = (np.bincount(ids, weights=scheme_flops, minlength=len(collectives)) - base_work)[held]
             exposed = comm.exposed.slope * held_tokens + comm.exposed.intercept
             kept = np.flatnonzero(alpha * delta_work + exposed < can_leave)  # else no rank of the block gets faster
-            if not kept.size:
-                continue
-            more_forward = comm.hidden_forward.slope * held_tokens[kept] + comm.hidden_forward.intercept - forward[kept]
-            more_backward = (comm.hidden_backward.slope * held_tokens[kept] + comm.hidden_backward.intercept
-                             - backward[kept])
-            for (m, first, _), work_flops, forward_s, backward_s, exposed_s in zip(
-                    collectives[held[kept]].tolist(), delta_work[kept].tolist(), more_forward.tolist(),
-                    more_backward.tolist(), exposed[kept].tolist(), strict=True):
-                options.setdefault((m, first, block_degree), []).append(_Option(ulysses_degree, BlockChange(
-                    first, block_degree, work_flops, forward_s, backward_s, exposed_s)))
-    return options
+            kept_tokens = held_tokens[kept]
+            parts.append((held[kept], np.full(len(kept), ulysses_degree), delta_work[kept],
+                          comm.hidden_forward.slope * kept_tokens + comm.hidden_forward.intercept - forward[kept],
+                          comm.hidden_backward.slope * kept_tokens + comm.hidden_backward.intercept - backward[kept],
+                          exposed[kept]))
+    merged: list[npt.NDArray[np.generic]] = [np.concatenate([part[field] for part in parts]) if parts
+                                              else np.zeros(0) for field in range(6)]
+    collective, scheme_degree = merged[0].astype(np.int64), merged[1].astype(np.int64)
+    work, more_forward, more_backward, exposed = (field.astype(np.float64) for field in merged[2:])
+    saving = np.full(len(collectives), np.inf)
+    np.minimum.at(saving, collective, work)  # the most work a collective's schemes save (most negative first)
+    order = np.lexsort((scheme_degree, collective, saving[collective], collectives[collective, 0]))
+    return Options(micro_batch=np.ascontiguousarray(collectives[collective[order], 0]),
+                   collective=np.ascontiguousarray(collective[order]),
+                   first_rank=np.ascontiguousarray(collectives[collective[order], 1]),
+                   degree=np.ascontiguousarray(collectives[collective[order], 2]),
+                   ulysses_degree=scheme_degree[order], work_flops=work[order],
+                   hidden_forward_s=more_forward[order], hidden_backward_s=more_backward[order],
+                   exposed_s=exposed[order])
 
 
-def _choose(problem: PlanningProblem, sums: RankSums, options: dict[tuple[int, int, int], list[_Option]]
-            ) -> dict[tuple[int, int, int], int]:
-    """The Ulysses degree of each collective with options (keyed as ``_options``): per micro-batch, the largest
-    saving of work first, the option under which the micro-batch is fastest, kept only where it is faster; ``sums``
-    ends holding the choice. A collective whose block holds none of the micro-batch's slowest ranks is passed over:
-    nothing it changes can make the micro-batch faster."""
-    tables = problem.tables
-    times_s = np.zeros((len(sums.work_flops), tables.cp_size))
-    rank_times_s(tables, sums, times_s)
-    by_micro_batch: dict[int, list[tuple[int, int, int]]] = {}
-    for key in options:
-        by_micro_batch.setdefault(key[0], []).append(key)
-    chosen: dict[tuple[int, int, int], int] = {}
-    for m, keys in by_micro_batch.items():
-        row_s = times_s[m].tolist()
-        best_s = max(row_s)
-        for key in sorted(keys, key=lambda key: min(option.change.work_flops for option in options[key])):
-            _, first_rank, degree = key
-            if max(row_s[first_rank:first_rank + degree]) < best_s:
-                continue
-            best: _Option | None = None
-            for option in options[key]:
-                change = option.change
-                time_s = changed_micro_batch_time_s(tables, sums, m, first_rank, degree, change.work_flops,
-                                                    change.hidden_forward_s, change.hidden_backward_s,
-                                                    change.exposed_s)
-                if time_s < best_s * (1.0 - MIN_GAIN):
-                    best_s, best = time_s, option
-            if best is not None:
-                _apply(sums, m, best.change)
-                for r in best.change.ranks:
-                    row_s[r] = sum_rank_time_s(tables, sums, m, r)
-                chosen[key] = best.ulysses_degree
-    return chosen
+def _block_most(values: FloatArray, rows: IntArray, blocks: IntArray, degree: int) -> FloatArray:
+    """The largest of ``values`` (M, C) over each aligned block of ``degree`` ranks ``blocks`` of rows ``rows``."""
+    return values.reshape(len(values), -1, degree).max(axis=2)[rows, blocks]
+
+
+_NO_ROWS, _NO_TIMES = np.zeros(1, dtype=np.int64), np.zeros(1)
+OPTIONS = numba.typeof(Options(micro_batch=_NO_ROWS, collective=_NO_ROWS, first_rank=_NO_ROWS, degree=_NO_ROWS,
+                               ulysses_degree=_NO_ROWS, work_flops=_NO_TIMES, hidden_forward_s=_NO_TIMES,
+                               hidden_backward_s=_NO_TIMES, exposed_s=_NO_TIMES))
+
+
+@kernel(types.void(TABLES, SUMS, OPTIONS, BOOL_1D))
+def choose(tables: CostTables, sums: RankSums, options: Options, chosen: npt.NDArray[np.bool_]) -> None:
+    """Greedy, per micro-batch, in the options' order: each collective takes its option under which the micro-batch
+    is fastest, where that is faster than it is (by more than ``MIN_GAIN`` of it), and ``sums`` takes its change; a
+    collective whose block holds none of the micro-batch's slowest ranks is passed over (nothing it changes can make
+    the micro-batch faster). ``chosen`` marks the options taken."""
+    num_options = options.micro_batch.shape[0]
+    i = 0
+    while i < num_options:
+        m = options.micro_batch[i]
+        best_s = micro_batch_time_s(tables, sums, m)
+        while i < num_options and options.micro_batch[i] == m:
+            first_rank, degree, collective = options.first_rank[i], options.degree[i], options.collective[i]
+            block_s = 0.0
+            for r in range(first_rank, first_rank + degree):
+                block_s = max(block_s, sum_rank_time_s(tables, sums, m, r))
+            best = -1
+            while i < num_options and options.collective[i] == collective:
+                if block_s >= best_s:
+                    time_s = changed_micro_batch_time_s(tables, sums, m, first_rank, degree, options.work_flops[i],
+                                                        options.hidden_forward_s[i], options.hidden_backward_s[i],
+                                                        options.exposed_s[i])
+                    if time_s < best_s * (1.0 - MIN_GAIN):
+                        best_s, best = time_s, i
+                i += 1
+            if best >= 0:
+                chosen[best] = True
+                for r in range(first_rank, first_rank + degree):
+                    sums.work_flops[m, r] += options.work_flops[best]
+                    sums.all_gather_s[m, r] += options.hidden_forward_s[best]
+                    sums.reduce_scatter_s[m, r] += options.hidden_backward_s[best]
+                    sums.exposed_s[m, r] += options.exposed_s[best]
 
 
 def _with_degrees(micro_batch: MicroBatch, m: int, chosen: dict[tuple[int, int, int], int]) -> MicroBatch:
@@ -254,40 +287,48 @@ def _with_degrees(micro_batch: MicroBatch, m: int, chosen: dict[tuple[int, int, 
 
 
 def _choose_in(problem: PlanningProblem, micro_batches: Sequence[MicroBatch], places: Places, *,
-               allow_2d: bool, joined: bool) -> list[MicroBatch]:
-    """``micro_batches`` (the micro-batches of ``places``, in its order, all-gather-KV) with their schemes chosen.
-    A micro-batch with two collectives over one block keeps all-gather-KV: its collectives share one fixed cost,
-    which a per-collective change does not price. ``joined``: none has two (``MicroBatch.from_places`` joins them,
-    so no search's plan has), and none is looked for."""
+               allow_2d: bool, joined: bool) -> tuple[list[MicroBatch], list[tuple[int, BlockChange]]]:
+    """``micro_batches`` (the micro-batches of ``places``, in its order, all-gather-KV) with their schemes chosen,
+    and the changes made (by micro-batch number, ``scheme_sums``'s). A micro-batch with two collectives over one
+    block keeps all-gather-KV: its collectives share one fixed cost, which a per-collective change does not price.
+    ``joined``: none has two (``MicroBatch.from_places`` joins them, so no search's plan has), none is looked for."""
     sums = empty_sums(problem.tables, places.num_micro_batches)
     sums_of_places(problem.tables, sums, places.micro_batch, places.degree, places.first_rank)
-    options = _options(problem, places, sums, allow_2d=allow_2d)
-    if not options:
-        return list(micro_batches)
+    found = options(problem, places, sums, allow_2d=allow_2d)
+    if not len(found.micro_batch):
+        return list(micro_batches), []
     order = places.plan_order()  # the micro-batch number of micro_batches[i]
-    position = {m: i for i, m in enumerate(order)}
-
-    def shares_a_block(m: int) -> bool:
-        blocks = [(c.first_rank, c.degree) for c in micro_batches[position[m]].collectives()]
-        return len(set(blocks)) < len(blocks)
-
     if not joined:
-        shared = {m for m in {key[0] for key in options} if shares_a_block(m)}
-        options = {key: value for key, value in options.items() if key[0] not in shared}
-    chosen = _choose(problem, sums, options)
-    changed = {key[0] for key in chosen}
-    return [_with_degrees(mb, order[i], chosen) if order[i] in changed else mb for i, mb in enumerate(micro_batches)]
+        position = {m: i for i, m in enumerate(order)}
+
+        def shares_a_block(m: int) -> bool:
+            blocks = [(c.first_rank, c.degree) for c in micro_batches[position[m]].collectives()]
+            return len(set(blocks)) < len(blocks)
+
+        shared = [m for m in np.unique(found.micro_batch).tolist() if shares_a_block(m)]
+        found = Options._make(field[~np.isin(found.micro_batch, shared)] for field in found)
+    chosen = np.zeros(len(found.micro_batch), dtype=np.bool_)
+    choose(problem.tables, sums, found, chosen)
+    rows = np.flatnonzero(chosen).tolist()
+    degrees = {(int(found.micro_batch[row]), int(found.first_rank[row]), int(found.degree[row])):
+               int(found.ulysses_degree[row]) for row in rows}
+    changes = [(int(found.micro_batch[row]), found.change(row)) for row in rows]
+    changed = {m for m, _, _ in degrees}
+    return ([_with_degrees(mb, order[i], degrees) if order[i] in changed else mb for i, mb in enumerate(micro_batches)],
+            changes)
 
 
-def choose_schemes(problem: PlanningProblem, plan: Plan, places: Places | None = None) -> Plan:
-    """``plan`` with each collective's fastest scheme (module docstring); ``plan`` itself where none changes.
+def choose_schemes(problem: PlanningProblem, plan: Plan, places: Places | None = None) -> tuple[
+        Plan, list[tuple[int, BlockChange]]]:
+    """``plan`` with each collective's fastest scheme (module docstring), ``plan`` itself where none changes, and
+    the changes its own micro-batches took, by micro-batch number of ``places`` (``estimate_plan``'s ``changes``).
     ``places``: the places ``plan``'s own micro-batches were made from (``Plan.from_places``), when the caller has
-    them."""
+    them; else the plan's (``Plan.places``)."""
     if not problem.perf.has_all_to_all() or not _has_collectives(plan):
-        return plan
+        return plan, []
     own = [micro_batch for dp_plan in plan.dp_ranks for micro_batch in dp_plan.micro_batches]
-    chosen_own = _choose_in(problem, own, plan.places(problem.num_sequences) if places is None else places,
-                            allow_2d=True, joined=places is not None)
+    chosen_own, changes = _choose_in(problem, own, plan.places(problem.num_sequences) if places is None else places,
+                                     allow_2d=True, joined=places is not None)
     chosen = iter(chosen_own)
     dp_ranks = tuple(DPRankPlan(micro_batches=tuple(next(chosen) for _ in dp_plan.micro_batches))
                      for dp_plan in plan.dp_ranks)
@@ -296,13 +337,13 @@ def choose_schemes(problem: PlanningProblem, plan: Plan, places: Places | None =
         span = problem.span_problem(spanning_micro_batch.num_dp_ranks)
         block_plan = Plan(dp_ranks=(DPRankPlan(micro_batches=(spanning_micro_batch.micro_batch,)),))
         # 2D needs strided groups of world ranks, which the trainer makes only within a CP group
-        [micro_batch] = _choose_in(span, [spanning_micro_batch.micro_batch],
-                                   block_plan.places(problem.num_sequences), allow_2d=False, joined=False)
+        [micro_batch], _ = _choose_in(span, [spanning_micro_batch.micro_batch],
+                                      block_plan.places(problem.num_sequences), allow_2d=False, joined=False)
         spanning.append(SpanningMicroBatch(first_dp_rank=spanning_micro_batch.first_dp_rank,
                                            num_dp_ranks=spanning_micro_batch.num_dp_ranks, micro_batch=micro_batch))
     unchanged = all(new is old for new, old in zip(chosen_own, own, strict=True)) and all(
         new.micro_batch is old.micro_batch for new, old in zip(spanning, plan.spanning, strict=True))
-    return plan if unchanged else Plan(dp_ranks=dp_ranks, spanning=tuple(spanning))
+    return (plan if unchanged else Plan(dp_ranks=dp_ranks, spanning=tuple(spanning))), changes
 
 
 def _has_collectives(plan: Plan) -> bool:

@@ -40,7 +40,7 @@ from scheduler_service.core.costing import (
 )
 from scheduler_service.core.jit import FLOAT_3D, INT_1D, INT_2D, kernel
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem, SpanningMicroBatch
-from scheduler_service.core.schemes import BlockChange, scheme_sums
+from scheduler_service.core.schemes import BlockChange, apply_change, scheme_sums
 
 __all__ = [
     "CPRankEstimate",
@@ -154,14 +154,22 @@ def _compute_by_kind(tables: CostTables, micro_batch: IntArray, degree: IntArray
             local_tokens[m, first_rank[k]] += tables.lengths[k]
 
 
-def _rank_times_of(problem: PlanningProblem, places: Places, micro_batches: Sequence[MicroBatch] = ()
-                   ) -> tuple[RankSums, FloatArray, list[tuple[int, BlockChange]]]:
-    """The per micro-batch and CP rank sums of ``places`` with the schemes of its ``micro_batches`` (in place order;
-    none: all-gather-KV), their ``T_r`` (M, C), and the changes the schemes made (``schemes.scheme_sums``)."""
+def _rank_times_of(problem: PlanningProblem, places: Places, micro_batches: Sequence[MicroBatch] = (),
+                   changes: Sequence[tuple[int, BlockChange]] | None = None
+                   ) -> tuple[RankSums, FloatArray, Sequence[tuple[int, BlockChange]]]:
+    """The per micro-batch and CP rank sums of ``places`` with the schemes of its ``micro_batches`` (in plan order;
+    none: all-gather-KV) or the ``changes`` they make when the caller has them (``schemes.choose_schemes``), their
+    ``T_r`` (M, C), and the changes (``schemes.scheme_sums``)."""
     tables = problem.tables
     sums = empty_sums(tables, places.num_micro_batches)
     sums_of_places(tables, sums, places.micro_batch, places.degree, places.first_rank)
-    changes = scheme_sums(problem, sums, micro_batches, places.plan_order()) if micro_batches else []
+    if changes is not None:
+        for m, change in changes:
+            apply_change(sums, m, change)
+    elif micro_batches:
+        changes = scheme_sums(problem, sums, micro_batches, places.plan_order())
+    else:
+        changes = []
     times_s = np.zeros((places.num_micro_batches, tables.cp_size))
     rank_times_s(tables, sums, times_s)
     return sums, times_s, changes
@@ -181,13 +189,14 @@ def dp_rank_times_s(problem: PlanningProblem, places: Places) -> FloatArray:
     return np.bincount(places.dp_rank, weights=busiest_s, minlength=problem.dp_size).astype(np.float64, copy=False)
 
 
-def estimate_places(problem: PlanningProblem, places: Places,
-                    micro_batches: Sequence[MicroBatch] = ()) -> PlanEstimate:
+def estimate_places(problem: PlanningProblem, places: Places, micro_batches: Sequence[MicroBatch] = (),
+                    changes: Sequence[tuple[int, BlockChange]] | None = None) -> PlanEstimate:
     """Estimated times of every micro-batch, DP rank and the iteration of the plan ``places``, its collectives by
-    the schemes of ``micro_batches`` (its micro-batches in place order; none: all-gather-KV)."""
+    the schemes of ``micro_batches`` (its micro-batches in plan order; none: all-gather-KV), or by the ``changes``
+    those schemes make, where the caller has them."""
     tables = problem.tables
     num_micro_batches = places.num_micro_batches
-    sums, times_s, changes = _rank_times_of(problem, places, micro_batches)
+    sums, times_s, changes = _rank_times_of(problem, places, micro_batches, changes)
     compute_flops = np.zeros((3, num_micro_batches, tables.cp_size))
     local_tokens = np.zeros((num_micro_batches, tables.cp_size), dtype=np.int64)
     _compute_by_kind(tables, places.micro_batch, places.degree, places.first_rank, compute_flops, local_tokens)
@@ -234,11 +243,12 @@ def _spanning_estimates(problem: PlanningProblem, spanning: Sequence[SpanningMic
     return [estimate for estimate in estimates if estimate is not None], peak_tokens
 
 
-def estimate_plan(problem: PlanningProblem, plan: Plan, places: Places | None = None) -> PlanEstimate:
+def estimate_plan(problem: PlanningProblem, plan: Plan, places: Places | None = None,
+                  changes: Sequence[tuple[int, BlockChange]] | None = None) -> PlanEstimate:
     """``estimate_places`` of a plan that may hold spanning micro-batches (``places``: its own micro-batches' places,
-    when the caller has them)."""
+    when the caller has them; ``changes``: what their schemes change, by micro-batch number of those places)."""
     own = estimate_places(problem, plan.places(problem.num_sequences) if places is None else places,
-                          _own_micro_batches(plan))
+                          _own_micro_batches(plan) if changes is None else (), changes)
     if not plan.spanning:
         return own
     spanning, spanning_peak = _spanning_estimates(problem, plan.spanning)
