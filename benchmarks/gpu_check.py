@@ -21,7 +21,9 @@ Each step runs as its own process, under a deadline, and what it printed is kept
    bucket and replayed); the CPU rehearsal runs ``train-skrull-dp1-cp1-buckets`` (``--token-buckets 4``, the
    padding alone) instead, since neither compiles there within its time (tests/test_trainer_paths.py compiles on
    the CPU);
-7. ``train-deepspeed-…``: step 4 with ``deepspeed``'s plans: the same losses, another schedule;
+7. ``train-deepspeed-…``: step 4 with ``deepspeed``'s plans: the same losses, another schedule; where there are
+   2 GPUs, ``train-ulysses-dp1-cp2`` too: XTuner's static Ulysses, every sequence's attention by all-to-all over heads
+   on NCCL (step 4's ``skrull`` chooses each collective's scheme by step 2's profile, which measured the all-to-all);
 8. ``profile-compiled`` (GPU only): step 2's sweep with ``--compile``, for the launch-bound floor per layer of
    compiled blocks beside step 2's eager one.
 
@@ -345,17 +347,20 @@ def _ranking_summary(accuracy_path: Path | None, metrics: Sequence[Path]) -> lis
 
 
 def _loss_agreement(training: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per layout, how far ``skrull``'s losses are from ``deepspeed``'s: the same batches, another schedule."""
+    """Per layout, how far ``skrull``'s (and static ``ulysses``') losses are from ``deepspeed``'s: the same batches,
+    another schedule (another attention scheme)."""
     by_run = {run["run"]: run for run in training}
     agreement = []
     for name, run in by_run.items():
-        if not name.startswith("train-skrull-"):
+        scheduler = next((s for s in ("skrull", "ulysses") if name.startswith(f"train-{s}-")), None)
+        if scheduler is None:
             continue
-        other = by_run.get(name.replace("train-skrull-", "train-deepspeed-"))
+        other = by_run.get(name.replace(f"train-{scheduler}-", "train-deepspeed-"))
         if other is None:
             continue
         differences = [abs(a - b) / abs(b) for a, b in zip(run["losses"], other["losses"], strict=False)]
-        agreement.append({"layout": name.removeprefix("train-skrull-"), "max_relative_difference": max(differences),
+        agreement.append({"scheduler": scheduler, "layout": name.removeprefix(f"train-{scheduler}-"),
+                          "max_relative_difference": max(differences),
                           "speedup_tokens_per_s": run["tokens_per_s"] / other["tokens_per_s"]})
     return agreement
 
@@ -444,6 +449,8 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
         check.auto = _auto_summary(out_dir / f"{auto}.log", cache, check.profile)
     for dp, cp in layouts:
         train(dp, cp, "deepspeed", "--profile", str(profile_path))
+    if num_gpus >= 2:  # Ulysses over NCCL (all-to-all of Q, K, V over heads): one GPU has no degree above 1
+        train(1, 2, "ulysses", "--profile", str(profile_path))
     check.loss_agreement = _loss_agreement(check.training)
     compiled_profile: dict[str, Any] = {}
     if settings.profile_compiled:
@@ -505,8 +512,10 @@ def _print_summary(check: Check) -> None:
         peak = f"{run['peak_memory_bytes'] / 2**30:.1f} GiB" if run["peak_memory_bytes"] is not None else "n/a"
         print(f"{run['run']}: {run['tokens_per_s']:,.0f} tokens/s, {estimate}, peak memory {peak} per GPU")
     for agreement in check.loss_agreement:
-        print(f"losses skrull vs deepspeed at {agreement['layout']}: max relative difference "
-              f"{agreement['max_relative_difference']:.1e}; skrull ×{agreement['speedup_tokens_per_s']:.2f} tokens/s")
+        scheduler = agreement["scheduler"]
+        print(f"losses {scheduler} vs deepspeed at {agreement['layout']}: max relative difference "
+              f"{agreement['max_relative_difference']:.1e}; {scheduler} ×{agreement['speedup_tokens_per_s']:.2f} "
+              "tokens/s")
     auto = check.auto
     if auto:
         print(f"--profile auto measured in {auto['auto_profile_s']} s", end="")

@@ -1,14 +1,15 @@
 """Planning benchmark: simulated iteration time of every scheduler on the paper's Figure 3 settings and on
 long-heavy shapes, hybrid vs binary Skrull, each scheduler's ratio to a lower bound, the gap to CP-SAT on
 small batches, how often each Skrull plans the proven optimum of tiny batches, what larger search budgets gain,
-how many micro-batches GDS cuts, planning latency, and Skrull against its peers: Megatron-Core's dynamic CP (its
-own schedule, priced as Megatron runs it) and the Hugging Face Trainer's length-aware samplers.
+how many micro-batches GDS cuts, planning latency, Skrull against its peers: Megatron-Core's dynamic CP (its
+own schedule, priced as Megatron runs it) and the Hugging Face Trainer's length-aware samplers, and what choosing each
+collective's scheme (all-gather-KV, Ulysses or 2D) gains, against the static Ulysses and 2D (USP) of the seed systems.
 
-Run ``python -m benchmarks.planning`` (``--full`` for more batches). Lengths come from the Table-1-shaped
-samplers (an approximation of the real data sets) and are capped at ``bucket_size × cp_size``, as a
-trainer truncates what cannot fit. Times are the performance model's estimates under a shipped profile
-(``--profile``, default the planner's default ``h100-eager``: an H100 running this project's eager trainer, its
-compute measured; ``h100-paper`` is the paper's setting, an optimised engine's assumed compute), not
+Run ``python -m benchmarks.planning`` (``--full`` for more batches, ``--batches N`` for N, ``--tables`` for some of
+the tables). Lengths come from the Table-1-shaped samplers (an approximation of the real data sets) and are capped at
+``bucket_size × cp_size``, as a trainer truncates what cannot fit. Times are the performance model's estimates under
+a shipped profile (``--profile``, default the planner's default ``h100-eager``: an H100 running this project's eager
+trainer, its compute measured; ``h100-paper`` is the paper's setting, an optimised engine's assumed compute), not
 measurements; speedups are ratios measured in the same run.
 """
 
@@ -23,15 +24,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduler_service.core import baselines, gds
+from scheduler_service.core.choices import CollectiveScheme
 from scheduler_service.core.dynamic_cp import dynamic_cp, megatron_estimate
 from scheduler_service.core.errors import BaselineCannotPlanError
 from scheduler_service.core.gds_search import min_micro_batches
-from scheduler_service.core.plan import Plan, PlanningProblem, make_problem
+from scheduler_service.core.plan import Collective, Plan, PlanningProblem, make_problem
 from scheduler_service.core.plan_refine import DEFAULT_BUDGET
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan, warm_up
 from scheduler_service.core.profile import DEFAULT_PROFILE, builtin_profiles
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import iteration_lower_bound_s, simulate
+from scheduler_service.core.static_sp import ulysses, usp
 
 PAPER_SPEEDUP = {"qwen2.5-0.5b": 5.50, "qwen2.5-7b": 2.03}  # Skrull paper, section 5.2: mean over DeepSpeed
 
@@ -224,6 +227,122 @@ def peers_table(cases: list[Case], num_batches: int, seed: int, profile: str, *,
         print(f"- {where} refuses, e.g.: {reason}")
 
 
+# The shipped profiles with all_to_all tables, the ones that can price Ulysses and 2D: the schemes table runs under
+# each of them (the run's --profile first), since the choice depends on the all-to-all as much as on the compute.
+SCHEME_PROFILES = ("h100-eager", "h100-paper")
+
+# Megatron "ties" Skrull where its time is within this share of Skrull's: below it the model cannot tell them apart.
+TIE = 1e-3
+
+
+def plan_collectives(plan: Plan) -> list[Collective]:
+    """Every collective of a plan, the spanning micro-batches' and each DP rank's."""
+    micro_batches = [*(spanning.micro_batch for spanning in plan.spanning),
+                     *(micro_batch for dp_plan in plan.dp_ranks for micro_batch in dp_plan.micro_batches)]
+    return [collective for micro_batch in micro_batches for collective in micro_batch.collectives()]
+
+
+@dataclass
+class SchemeCase:
+    """One case's batches in the schemes table: Skrull without the choice over Skrull with it, the schemes its
+    collectives got, and each static or dynamic peer against Skrull with the choice (and Megatron against Skrull
+    without it, the comparison before the choice)."""
+
+    without: list[float]
+    collectives: dict[CollectiveScheme, int]
+    peers: dict[str, PeerRatios]
+    megatron_before: list[float]
+    degrees: tuple[int, ...] = ()  # the Ulysses degrees above 1 a collective over the whole CP group may have
+
+
+def _megatron_s(problem: PlanningProblem) -> float:
+    return megatron_estimate(problem, dynamic_cp(problem)).iteration_time_s
+
+
+def _scheme_case(case: Case, num_batches: int, seed: int, profile: str) -> SchemeCase:
+    rng = np.random.default_rng(seed)
+    found = SchemeCase([], dict.fromkeys(CollectiveScheme, 0),
+                       {name: PeerRatios([], []) for name in ("ulysses", "usp", "megatron")}, [])
+    static: dict[str, Callable[[PlanningProblem], float]] = {
+        "ulysses": lambda problem: simulate(problem, ulysses(problem)).iteration_time_s,
+        "usp": lambda problem: simulate(problem, usp(problem)).iteration_time_s,
+    }
+    for _ in range(num_batches):
+        problem = sample_problem(case, rng, profile)
+        found.degrees = problem.perf.ulysses_degrees(case.cp_size)
+        chosen = make_plan(problem, "skrull")  # the whole planner, the choice included, as a service plans
+        skrull_s = chosen.estimate.iteration_time_s
+        without_s = make_plan(problem, "skrull", schemes=False).estimate.iteration_time_s
+        found.without.append(without_s / skrull_s)
+        for collective in plan_collectives(chosen.plan):
+            found.collectives[CollectiveScheme.of(collective.degree, collective.ulysses_degree)] += 1
+        for name, time_of in static.items():
+            _peer_ratio(found.peers[name], problem, time_of, skrull_s)
+        try:
+            megatron_s = _megatron_s(problem)
+        except BaselineCannotPlanError as error:
+            found.peers["megatron"].refusals.append(error.reason)
+        else:
+            found.peers["megatron"].ratios.append(megatron_s / skrull_s)
+            found.megatron_before.append(megatron_s / without_s)
+    return found
+
+
+def _ties_or_beats(ratios: list[float]) -> str:
+    if not ratios:
+        return "– | – | –"
+    beats = sum(ratio < 1 for ratio in ratios)
+    ties = sum(1 <= ratio <= 1 + TIE for ratio in ratios)
+    return f"{beats} + {ties} | {min(ratios):.3f}x | {geomean(ratios):.3f}x"
+
+
+def schemes_table(cases: list[Case], num_batches: int, seed: int, profile: str) -> None:
+    """What choosing each collective's scheme gains Skrull (``make_plan``'s ``schemes``), which schemes it chooses,
+    and Skrull with the choice against the seed systems' static Ulysses (XTuner, SWIFT) and 2D (USP) and against
+    Megatron's dynamic CP as Megatron runs it. A peer that cannot plan a batch is counted and its reason named."""
+    print(f"\n## Collective schemes under {profile}: skrull without the choice (all-gather-KV only) / skrull with it, "
+          f"the share of its collectives given Ulysses and 2D, and each peer / skrull with the choice (geometric mean "
+          f"over the {num_batches} batches each plans, its best batch: below 1 the peer is faster, how many it plans "
+          f"faster, how many it refuses). u > 1 allowed: the Ulysses degrees the model's heads split evenly over "
+          f"and the profile's all-to-all prices, for a collective over the whole CP group (smaller blocks: their "
+          f"divisors)\n")
+    print("| case | u > 1 allowed | without / with | best | batches faster | collectives per batch | Ulysses | 2D | "
+          "ulysses | best | faster | refused | usp | best | faster | refused | dynamic_cp as Megatron runs it | best | "
+          "faster | refused |")
+    print("|---|---|---|---|---|---|---|---|" + "---|---|---|---|" * 3)
+    results: dict[Case, SchemeCase] = {}
+    refusals: dict[str, dict[str, int]] = {}
+    for case in cases:
+        found = results[case] = _scheme_case(case, num_batches, seed, profile)
+        total = sum(found.collectives.values())
+        shares = " | ".join(f"{found.collectives[scheme] / total:.1%}" if total else "–"
+                            for scheme in (CollectiveScheme.ULYSSES, CollectiveScheme.TWO_D))
+        faster = sum(ratio > 1 + 1e-9 for ratio in found.without)
+        print(f"| {case.label} | {', '.join(map(str, found.degrees)) or 'none'} | {geomean(found.without):.3f}x | "
+              f"{max(found.without):.3f}x | {faster} | {total / num_batches:.1f} | {shares} | "
+              + " ".join(peer.cells(num_batches) for peer in found.peers.values()))
+        for name, peer in found.peers.items():
+            for reason in peer.refusals:
+                counts = refusals.setdefault(name, {})
+                counts[reason] = counts.get(reason, 0) + 1
+    for name, counts in refusals.items():
+        for reason, count in counts.items():
+            print(f"- {name} refused {count}: {reason}")
+    heavy_7b = [case for case in cases if case in LONG_HEAVY and case.model == "qwen2.5-7b"
+                and (case.dp_size, case.cp_size) == (4, 8)]
+    if not heavy_7b:
+        return
+    print(f"\nMegatron's dynamic CP against skrull on the 7B long-heavy cases at DP 4 × CP 8, before the choice "
+          f"(skrull all-gather-KV only) and after: batches Megatron beats (below 1) + ties (within {TIE:.1%}), of "
+          f"{num_batches}, and its best ratio (the worst batch for skrull)\n")
+    print("| case | before: beats + ties | best ratio | geometric mean | after: beats + ties | best ratio | "
+          "geometric mean |")
+    print("|---|---|---|---|---|---|---|")
+    for case in heavy_7b:
+        before, after = results[case].megatron_before, results[case].peers["megatron"].ratios
+        print(f"| {case.label} | {_ties_or_beats(before)} | {_ties_or_beats(after)} |")
+
+
 def cpsat_gap(num_batches: int, seed: int, time_limit_s: float, profile: str) -> None:
     try:
         from scheduler_service.core import cpsat
@@ -347,14 +466,15 @@ class Latency:
     own_p99_ms: float
 
 
-def _latency(problems: list[PlanningProblem], scheduler: str, rounds: int) -> Latency:
-    """Every batch planned once per round, the rounds one after another."""
+def _latency(problems: list[PlanningProblem], scheduler: str, rounds: int, *, schemes: bool = True) -> Latency:
+    """Every batch planned once per round, the rounds one after another; ``schemes``: ``make_plan``'s (False: no
+    choice of collective schemes, the planner's cost before it)."""
     first: list[float] = []
     own = np.full(len(problems), np.inf)
     for round_ in range(rounds):
         for index, problem in enumerate(problems):
             started, started_cpu = time.perf_counter(), time.process_time()
-            make_plan(problem, scheduler)
+            make_plan(problem, scheduler, schemes=schemes)
             if round_ == 0:
                 first.append(time.perf_counter() - started)
             own[index] = min(own[index], time.process_time() - started_cpu)
@@ -364,16 +484,21 @@ def _latency(problems: list[PlanningProblem], scheduler: str, rounds: int) -> La
 
 
 def latency_table(seed: int, batches: int, profile: str, rounds: int = 3) -> None:
-    print(f"\n## Planning latency (the whole make_plan: plan, check, estimate; DP=4, CP=8, qwen2.5-0.5b, bucket 26K; "
-          f"{batches} different batches of 256 sequences or fewer, each planned {rounds} times, after warm_up as a "
-          f"service after start-up)\n")
+    """The whole ``make_plan`` (plan, check, choose each collective's scheme, estimate), as a service calls it, and
+    beside it skrull without the choice of schemes: what the choice adds to a request."""
+    print(f"\n## Planning latency (the whole make_plan: plan, check, choose the collectives' schemes, estimate; DP=4, "
+          f"CP=8, qwen2.5-0.5b, bucket 26K; {batches} different batches of 256 sequences or fewer, each planned "
+          f"{rounds} times, after warm_up as a service after start-up)\n")
     print("Percentiles over the batches: of each batch's first call (wall-clock), and of each batch's own cost, the "
-          "fastest of its calls in CPU time (what a shared machine's other work does not add to). skrull_paper is a "
-          "plain-Python implementation of the paper's Algorithms 1-3: the last column is skrull's p50 over its p50 in "
-          "the same run (below 1: faster than the paper's heuristic).\n")
+          "fastest of its calls in CPU time (what a shared machine's other work does not add to). skrull without the "
+          "choice is make_plan with schemes=False (all-gather-KV only): skrull's own p50 over its own p50 is what the "
+          "choice of collective schemes costs. skrull_paper is a plain-Python implementation of the paper's "
+          "Algorithms 1-3: the last column is skrull's p50 over its p50 in the same run (below 1: faster than the "
+          "paper's heuristic).\n")
     print("| sequences | dataset | skrull p50 ms | p99 ms | p99 / p50 | own p50 ms | own p99 ms | own p99 / p50 "
-          "| skrull_binary p50 ms | p99 ms | skrull_paper p50 ms | skrull / skrull_paper |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| skrull_binary p50 ms | p99 ms | skrull without the choice p50 ms | own p50 ms | skrull / without (own) "
+          "| skrull_paper p50 ms | skrull / skrull_paper |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for num_sequences in (64, 256, 1024, 4096):
         for dataset in ("lmsys", "chatqa2"):
             case = Case(dataset, "qwen2.5-0.5b", 26_000, 4, 8, num_sequences // 4)
@@ -382,35 +507,60 @@ def latency_table(seed: int, batches: int, profile: str, rounds: int = 3) -> Non
             problems = [sample_problem(case, rng, profile) for _ in range(count)]
             skrull, binary, paper = (_latency(problems, scheduler, rounds)
                                      for scheduler in ("skrull", "skrull_binary", "skrull_paper"))
+            without = _latency(problems, "skrull", rounds, schemes=False)
             print(f"| {num_sequences} | {dataset} | {skrull.p50_ms:.2f} | {skrull.p99_ms:.2f} | "
                   f"{skrull.p99_ms / skrull.p50_ms:.2f} | {skrull.own_p50_ms:.2f} | {skrull.own_p99_ms:.2f} | "
                   f"{skrull.own_p99_ms / skrull.own_p50_ms:.2f} | {binary.p50_ms:.2f} | {binary.p99_ms:.2f} | "
-                  f"{paper.p50_ms:.2f} | {skrull.p50_ms / paper.p50_ms:.2f} |")
+                  f"{without.p50_ms:.2f} | {without.own_p50_ms:.2f} | {skrull.own_p50_ms / without.own_p50_ms:.2f} | "
+                  f"{paper.p50_ms:.2f} | "
+                  f"{skrull.p50_ms / paper.p50_ms:.2f} |")
 
 
-def main() -> None:
+TABLES = ("speedup", "spanning", "peers", "schemes", "cpsat", "tiny", "budget", "micro-batches", "latency")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="more batches and calls (slower)")
+    parser.add_argument("--batches", type=int, default=None,
+                        help="sampled global batches per case (default 5, 20 with --full)")
+    parser.add_argument("--latency-batches", type=int, default=None,
+                        help="batches per row of the latency table (default 100, 400 with --full)")
+    parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES), metavar="TABLE",
+                        help=f"the tables to print, in the usual order (default all: {', '.join(TABLES)})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(builtin_profiles()),
-                        help="the shipped profile that prices every plan")
-    args = parser.parse_args()
-    num_batches = 20 if args.full else 5
+                        help="the shipped profile that prices every plan (the schemes table adds the other shipped "
+                             "profiles with all_to_all tables)")
+    args = parser.parse_args(argv)
+    num_batches = args.batches or (20 if args.full else 5)
+    tables = set(args.tables)
     print(f"Profile: {args.profile}")
-    names = ["skrull", "skrull_binary", "skrull_paper", "round_robin", "balanced", "sorted", "dacp_only",
-             "gds_only"]
-    speedup_table("Figure 3 cases", FIGURE_3, names, num_batches, args.seed, args.profile)
-    speedup_table("Long-heavy shapes", LONG_HEAVY, ["skrull", "skrull_binary", "skrull_paper", "balanced"],
-                  num_batches, args.seed, args.profile)
-    spanning_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile)
-    peers_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile)
-    peers_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile, uncapped=True)
-    cpsat_gap(3 if args.full else 2, args.seed, time_limit_s=20.0 if args.full else 5.0, profile=args.profile)
-    tiny_batch_optimality(120 if args.full else 40, args.seed, args.profile)
-    budget_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, budgets=(512, 2048), profile=args.profile)
-    micro_batch_counts(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile)
-    warm_up()  # the kernels compiled (or loaded) before anything is timed
-    latency_table(args.seed, batches=400 if args.full else 100, profile=args.profile)
+    if "speedup" in tables:
+        names = ["skrull", "skrull_binary", "skrull_paper", "round_robin", "balanced", "sorted", "dacp_only",
+                 "gds_only"]
+        speedup_table("Figure 3 cases", FIGURE_3, names, num_batches, args.seed, args.profile)
+        speedup_table("Long-heavy shapes", LONG_HEAVY, ["skrull", "skrull_binary", "skrull_paper", "balanced"],
+                      num_batches, args.seed, args.profile)
+    if "spanning" in tables:
+        spanning_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile)
+    if "peers" in tables:
+        peers_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile)
+        peers_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile, uncapped=True)
+    if "schemes" in tables:
+        for profile in dict.fromkeys((args.profile, *SCHEME_PROFILES)):
+            schemes_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, profile)
+    if "cpsat" in tables:
+        cpsat_gap(3 if args.full else 2, args.seed, time_limit_s=20.0 if args.full else 5.0, profile=args.profile)
+    if "tiny" in tables:
+        tiny_batch_optimality(120 if args.full else 40, args.seed, args.profile)
+    if "budget" in tables:
+        budget_table(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, budgets=(512, 2048), profile=args.profile)
+    if "micro-batches" in tables:
+        micro_batch_counts(FIGURE_3 + LONG_HEAVY, num_batches, args.seed, args.profile)
+    if "latency" in tables:
+        warm_up()  # the kernels compiled (or loaded) before anything is timed
+        latency_table(args.seed, batches=args.latency_batches or (400 if args.full else 100), profile=args.profile)
 
 
 if __name__ == "__main__":
