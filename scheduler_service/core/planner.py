@@ -137,15 +137,16 @@ def make_plan(
     if within_groups and (name is SchedulerName.SKRULL or name is SchedulerName.SKRULL_BINARY):
         places = (gds.skrull_places(problem, budget=search_budget) if name is SchedulerName.SKRULL
                   else gds.skrull_binary_places(problem))
-        # the places are the plan: checked as they are, once, and its schemes chosen from them
-        check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
-                     bucket_size=problem.bucket_size)
+        # the places' plan, its schemes chosen from them
         plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
         plan, changes = _with_schemes(problem, plan, places) if choosing else (plan, None)
         estimate = estimate_places(problem, places, changes=changes)
         spanned = (spanned_if_faster(problem, places, estimate, lambda part: gds.skrull(part, budget=search_budget))
                    if name is SchedulerName.SKRULL else None)
-        if spanned is not None:  # spanning micro-batches beside (some of) those places: the plan is checked whole
+        if spanned is None:  # the places are the plan: checked as they are, once
+            check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
+                         bucket_size=problem.bucket_size)
+        else:  # spanning micro-batches beside (some of) those places: the plan is checked whole
             check_plan(spanned, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
                        cp_size=problem.cp_size, bucket_size=problem.bucket_size)
             plan, changes = _with_schemes(problem, spanned) if choosing else (spanned, None)
