@@ -157,9 +157,11 @@ def test_two_ranks_measure_collectives_and_the_shard_effect(tmp_path: Path) -> N
     assert all(len(table) == 2 and all(latency > 0 for _, latency in table) for table in tables.values())
     assert document["communication"]["world_size"] == 2 and document["communication"]["fit"] == "relative"
     assert document["communication"]["tables_by_group_size"] == {}  # no block size between 2 and 2
-    (shard,) = document["compute"]["shard_effect"]
+    shard, ulysses = document["compute"]["shard_effect"]  # zigzag, then Ulysses: tiny's 4 and 2 heads split over 2
     assert shard["num_tokens"] == 64 and shard["degree"] == 2 and shard["query_tokens"] == 16
     assert shard["whole_s"] > 0 and shard["shard_s"] > 0 and shard["predicted_shard_s"] > 0
+    assert ulysses["ulysses_degree"] == 2 and ulysses["query_tokens"] == 64 and ulysses["shard_s"] > 0
+    assert document["compute"]["fit"]["ulysses_shard_cost"]["candidates"][0]["num_tokens"] == 64
     perf = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=parse_profile(document))
     assert perf.comm_time_s(64) > 0  # distributed sequences now pay for their collectives
 
@@ -170,7 +172,8 @@ def test_four_ranks_measure_every_degree_and_the_tables_of_blocks_of_two(tmp_pat
     spawn_gloo(_profile_ranks, 4, out_path)
     document: dict[str, Any] = json.loads(out_path.read_text())
     compute, communication = document["compute"], document["communication"]
-    assert [(row["num_tokens"], row["degree"]) for row in compute["shard_effect"]] == [(64, 2), (64, 4)]
+    assert [(row["num_tokens"], row["degree"], row.get("ulysses_degree", 1)) for row in compute["shard_effect"]] == [
+        (64, 2, 1), (64, 2, 2), (64, 4, 1), (64, 4, 4)]
     assert all(row["shard_s"] > 0 and row["predicted_shard_s"] > 0 for row in compute["shard_effect"])
     assert communication["world_size"] == 4 and set(communication["tables_by_group_size"]) == {"2"}
     pair_tables = communication["tables_by_group_size"]["2"]

@@ -65,6 +65,30 @@ def test_shard_cost_is_zero_without_a_short_row_or_where_shards_beat_the_model()
         derive_shard_cost(with_shard_cost(document, 1e-3), faster)
 
 
+def test_ulysses_shard_cost_is_read_from_the_ulysses_rows_alone() -> None:
+    """Zigzag shards cost 2.5 ms more than the model says and Ulysses shards 0.8 ms: each cost is read from its own
+    short rows, and the Ulysses rows say nothing of the efficiency (their query is the whole sequence)."""
+    document, flat, _ = flat_and_true_models()
+    costly = copy.deepcopy(document)
+    costly["compute"].update(alpha_s_per_shard=2.5e-3, alpha_s_per_ulysses_shard=0.8e-3)
+    truth = PerformanceModel(model=MODEL_CATALOGUE["tiny"], profile=parse_profile(costly))
+    zigzag = rows_timed_by(truth, [64, 128, 512, 2048], [2, 4])
+    ulysses = [{"num_tokens": size, "degree": degree, "ulysses_degree": degree, "whole_s": 0.0,
+                "shard_s": predicted_shard_s(truth, size, degree, degree)} for size in (64, 128) for degree in (2, 4)]
+    assert derive_shard_cost(flat, zigzag + ulysses).alpha_s_per_shard == pytest.approx(2.5e-3)
+    fit = derive_shard_cost(flat, zigzag + ulysses, ulysses=True)
+    assert fit.alpha_s_per_shard == pytest.approx(0.8e-3) and fit.profile_field == "alpha_s_per_ulysses_shard"
+    assert fit.to_json()["alpha_s_per_ulysses_shard"] == fit.alpha_s_per_shard
+    assert len(fit.candidates) == 4
+    # the model prices a Ulysses shard with its own cost, a zigzag one with the other
+    assert truth.placement_flops([64], 4, 4)[0] - flat.placement_flops([64], 4, 4)[0] == pytest.approx(
+        0.8e-3 / truth.profile.compute.alpha_s_per_flop)
+    rows = shard_effect_rows(flat, zigzag + ulysses)
+    assert [row["query_tokens"] for row in rows[-4:]] == [64, 64, 128, 128]
+    assert derive_attention_efficiency(flat, rows).to_json() == derive_attention_efficiency(
+        flat, shard_effect_rows(flat, zigzag)).to_json()
+
+
 def test_efficiency_derivation_recovers_the_curve_the_times_came_from() -> None:
     _, flat, true = flat_and_true_models()
     rows = rows_timed_by(true, [1024, 4096], [2, 4])

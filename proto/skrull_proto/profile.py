@@ -74,6 +74,10 @@ class ComputeSection(_Section):
         default=0.0, description="What a sequence sharded over several ranks costs each of them beyond its share of "
                                  "the work, its two chunks' calls and its collectives' tables (measured on sequences "
                                  "too short for their attention to matter); 0: nothing beyond those.")
+    alpha_s_per_ulysses_shard: Seconds = Field(
+        default=0.0, description="The same for a sequence sharded by Ulysses (all-to-all over heads): beyond its "
+                                 "share of the work, its one call and its all-to-alls' tables; 0: nothing beyond "
+                                 "those.")
     floor_s_per_layer: Seconds = Field(
         default=0.0, description="The launch-bound floor per layer: a packed group takes max(floor·layers, T_comp) "
                                  "(eager execution on a GPU); 0: T_comp alone, host and device one after the other.")

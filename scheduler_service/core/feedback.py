@@ -436,6 +436,7 @@ def _refit_profile(job: JobFeedback) -> Profile:
         alpha_s_per_token=base.compute.alpha_s_per_token * u,
         alpha_s_per_sequence=base.compute.alpha_s_per_sequence * u,
         alpha_s_per_shard=base.compute.alpha_s_per_shard * u,
+        alpha_s_per_ulysses_shard=base.compute.alpha_s_per_ulysses_shard * u,
         beta_s_per_layer=job.fixed_s / job.model.num_layers,
     )
     memory = base.memory
@@ -453,7 +454,9 @@ def _refit_profile(job: JobFeedback) -> Profile:
         "compute": {**base.raw.get("compute", {}), "alpha_s_per_flop": compute.alpha_s_per_flop,
                     "alpha_s_per_token": compute.alpha_s_per_token,
                     "alpha_s_per_sequence": compute.alpha_s_per_sequence,
-                    "alpha_s_per_shard": compute.alpha_s_per_shard, "beta_s_per_layer": compute.beta_s_per_layer},
+                    "alpha_s_per_shard": compute.alpha_s_per_shard,
+                    "alpha_s_per_ulysses_shard": compute.alpha_s_per_ulysses_shard,
+                    "beta_s_per_layer": compute.beta_s_per_layer},
         "memory": _memory_document(base.raw.get("memory", {}), memory),
     }
     return replace(base, name=raw["name"], description=raw["description"], model=job.model.name, compute=compute,

@@ -178,6 +178,7 @@ class PerformanceModel:
     _flops_per_token: float = field(init=False, repr=False)  # measured per-token cost, in FLOP-equivalents
     _flops_per_sequence: float = field(init=False, repr=False)  # measured per-sequence cost, in FLOP-equivalents
     _flops_per_shard: float = field(init=False, repr=False)  # a sharded sequence's own cost per rank, the same units
+    _flops_per_ulysses_shard: float = field(init=False, repr=False)  # the same, sharded by Ulysses or 2D
     _collectives: dict[int, CollectiveCost] = field(init=False, repr=False)  # by group size, filled on demand
     _schemes: dict[tuple[int, int], SchemeCommCost | None] = field(init=False, repr=False)  # by (degree, u)
 
@@ -201,6 +202,8 @@ class PerformanceModel:
         object.__setattr__(self, "_flops_per_token", compute.alpha_s_per_token / compute.alpha_s_per_flop)
         object.__setattr__(self, "_flops_per_sequence", compute.alpha_s_per_sequence / compute.alpha_s_per_flop)
         object.__setattr__(self, "_flops_per_shard", compute.alpha_s_per_shard / compute.alpha_s_per_flop)
+        object.__setattr__(self, "_flops_per_ulysses_shard",
+                           compute.alpha_s_per_ulysses_shard / compute.alpha_s_per_flop)
         object.__setattr__(self, "_collectives", {})
         object.__setattr__(self, "_schemes", {})
 
@@ -231,12 +234,15 @@ class PerformanceModel:
         """FLOP-equivalents each of ``degree`` CP ranks computes for a sequence kept whole (``degree`` 1) or sharded
         over ``degree`` ranks by the scheme of ``ulysses_degree`` (``CollectiveScheme.of``): ``1/degree`` of its work,
         attention at the efficiency of its query segments (``_attention_at_efficiency``), one attention call per
-        segment, and when sharded the profile's cost of a shard (``alpha_s_per_shard``)."""
+        segment, and when sharded the profile's cost of a shard (``alpha_s_per_shard``; by Ulysses or 2D,
+        ``alpha_s_per_ulysses_shard``)."""
         s = np.asarray(lengths, dtype=np.float64)
         attention = self._attention_at_efficiency(s, degree, ulysses_degree)
         flops = (_linear_flops(self.model, s) + self._flops_per_token * s + attention) / degree
         calls = 1 if degree == ulysses_degree else 2
-        per_sequence = calls * self._flops_per_sequence + (self._flops_per_shard if degree > 1 else 0.0)
+        own = (0.0 if degree == 1 else self._flops_per_shard if ulysses_degree == 1
+               else self._flops_per_ulysses_shard)
+        per_sequence = calls * self._flops_per_sequence + own
         return flops + np.where(s > 0, per_sequence, 0.0)
 
     def placement_attention_flops(self, lengths: npt.ArrayLike, degree: int) -> npt.NDArray[np.float64]:

@@ -27,7 +27,9 @@ paper's model:
   several ranks costs each of them beyond its share of the work, its two
   chunks' calls and its collectives' tables (the profiler measures it on
   sequences too short for their attention to matter,
-  ``core/shard_effect.derive_shard_cost``);
+  ``core/shard_effect.derive_shard_cost``); ``compute.alpha_s_per_ulysses_shard``
+  (default 0) the same for a sequence sharded by Ulysses or 2D, measured on
+  Ulysses rows of the same short sequences;
 * ``compute.floor_s_per_layer`` (default 0): the launch-bound floor of eager
   execution on a GPU, where the host dispatches the kernels while the device
   runs earlier ones: a packed group then takes ``max(floor·L, T_comp)``
@@ -100,6 +102,9 @@ class ComputeProfile:
     # What a sequence sharded over d ≥ 2 ranks costs each of them beyond its share of the work, its two chunks' calls
     # and its collectives' tables: the sharded path's own fixed cost (``PerformanceModel.placement_flops``).
     alpha_s_per_shard: float = 0.0
+    # The same for a sequence sharded by Ulysses or 2D (``schemes``): its own path's cost beyond its share of the
+    # work, its calls and its all-to-alls' tables (heads split and joined, rows reordered)
+    alpha_s_per_ulysses_shard: float = 0.0
     # The host's dispatch per layer that the device's work overlaps (eager execution on a GPU): a packed group takes
     # at least floor·layers. 0: the additive form, host and device one after the other (CPU).
     floor_s_per_layer: float = 0.0
@@ -166,7 +171,7 @@ class Profile:
                                       f"(a yottaFLOP/s device), got {compute.alpha_s_per_flop}",
                                       field="profile.compute.alpha_s_per_flop")
         for name in ("beta_s_per_layer", "alpha_s_per_token", "alpha_s_per_sequence", "alpha_s_per_shard",
-                     "floor_s_per_layer"):
+                     "alpha_s_per_ulysses_shard", "floor_s_per_layer"):
             if not getattr(compute, name) >= 0:
                 raise InvalidRequestError(f"profile compute.{name} must not be negative, got {getattr(compute, name)}",
                                           field=f"profile.compute.{name}")
@@ -266,6 +271,7 @@ def parse_profile(data: dict[str, Any]) -> Profile:
             alpha_s_per_token=float(compute.get("alpha_s_per_token", 0.0)),
             alpha_s_per_sequence=float(compute.get("alpha_s_per_sequence", 0.0)),
             alpha_s_per_shard=float(compute.get("alpha_s_per_shard", 0.0)),
+            alpha_s_per_ulysses_shard=float(compute.get("alpha_s_per_ulysses_shard", 0.0)),
             floor_s_per_layer=float(compute.get("floor_s_per_layer", 0.0)),
             attention_efficiency=_points(efficiency.get("points", ())),
         ),

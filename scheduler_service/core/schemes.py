@@ -47,6 +47,7 @@ from scheduler_service.core.costing import (
     sum_rank_time_s,
     sums_of_places,
 )
+from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.jit import BOOL_1D, kernel
 from scheduler_service.core.plan import (
     Collective,
@@ -101,8 +102,9 @@ def _block_price(problem: PlanningProblem, degree: int,
             continue
         comm = perf.scheme_comm(degree, ulysses_degree)
         if comm is None:
-            raise ValueError(f"a collective of Ulysses degree {ulysses_degree} over {degree} ranks cannot be priced: "
-                             f"profile {perf.profile.name} has no all_to_all table for it")
+            raise InvalidRequestError(f"a collective of Ulysses degree {ulysses_degree} over {degree} ranks cannot be "
+                                      f"priced: profile {perf.profile.name} has no all_to_all table for it",
+                                      field="profile")
         hidden_forward += comm.hidden_forward_s(tokens)
         hidden_backward += comm.hidden_backward_s(tokens)
         exposed += comm.exposed_s(tokens)

@@ -10,7 +10,8 @@ The profiler measures one sequence of ``S`` tokens run whole on a rank and zigza
   attention to matter (``MAX_ATTENTION_SHARE_FOR_COST``): there no efficiency can explain the measured time, and what
   the model leaves over is the sharded path's own fixed cost (its chunks' kernels and merge, the K/V stacking, the
   waits beyond the collectives' tables). The result is the profile's ``compute.alpha_s_per_shard``, read before the
-  efficiency;
+  efficiency; from the rows sharded by Ulysses (``ulysses_degree``), ``compute.alpha_s_per_ulysses_shard`` (heads
+  split and joined, rows reordered, the waits beyond the all-to-all's table);
 * ``derive_attention_efficiency``: per measured attention call (a whole sequence: query ``S``; a shard: query
   ``S / 2d``, each zigzag chunk) the efficiency ``e`` with ``α·A/(d·e) + other = measured``, ``A`` the attention
   FLOPs and ``other`` the model's remaining terms; per query length the median, relative to the longest query
@@ -67,12 +68,14 @@ MAX_REFERENCE_DEVIATION = 0.25
 MAX_ATTENTION_SHARE_FOR_COST = 0.05
 
 
-def predicted_shard_s(perf: PerformanceModel, num_tokens: int, degree: int) -> float:
-    """The model's time of a rank holding only its shard of one sequence sharded over ``degree`` ranks: no local
-    attention hides the collectives, so all of them are exposed (``costing.rank_time_s``)."""
-    cost = perf.collective_cost(degree)
-    device_s = (perf.device_time_s(float(perf.placement_flops([num_tokens], degree)[0]))
-                + cost.all_gather_s(num_tokens) + cost.reduce_scatter_s(num_tokens))
+def predicted_shard_s(perf: PerformanceModel, num_tokens: int, degree: int, ulysses_degree: int = 1) -> float:
+    """The model's time of a rank holding only its shard of one sequence sharded over ``degree`` ranks by the scheme
+    of ``ulysses_degree`` (``schemes``): no local attention hides the collectives, so all of them are exposed
+    (``costing.scheme_rank_time_s``)."""
+    comm = perf.scheme_comm(degree, ulysses_degree)
+    assert comm is not None, "a shard row of a scheme the profile cannot price"
+    device_s = (perf.device_time_s(float(perf.placement_flops([num_tokens], degree, ulysses_degree)[0]))
+                + comm.hidden_forward_s(num_tokens) + comm.hidden_backward_s(num_tokens) + comm.exposed_s(num_tokens))
     return max(perf.compute_floor_s, device_s)
 
 
@@ -80,9 +83,9 @@ def shard_effect_rows(perf: PerformanceModel, shards: Sequence[Mapping[str, Any]
     """Measured whole vs shard times beside the model's prediction of both (eq. 2 with no local work)."""
     rows = []
     for shard in shards:
-        size, degree = shard["num_tokens"], shard["degree"]
-        predicted_s = predicted_shard_s(perf, size, degree)
-        rows.append({**shard, "query_tokens": size / (2 * degree),
+        size, degree, ulysses_degree = shard["num_tokens"], shard["degree"], shard.get("ulysses_degree", 1)
+        predicted_s = predicted_shard_s(perf, size, degree, ulysses_degree)
+        rows.append({**shard, "query_tokens": size / (2 * degree) if ulysses_degree == 1 else size,
                      "speedup": shard["whole_s"] / shard["shard_s"],
                      "parallel_efficiency": shard["whole_s"] / (degree * shard["shard_s"]),
                      "predicted_whole_s": perf.compute_time_s(float(perf.placement_flops([size], 1)[0])),
@@ -93,35 +96,44 @@ def shard_effect_rows(perf: PerformanceModel, shards: Sequence[Mapping[str, Any]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardCostFit:
-    """``compute.alpha_s_per_shard`` derived from the shard-effect rows, or why it is 0."""
+    """``compute.alpha_s_per_shard`` (or, for Ulysses rows, ``compute.alpha_s_per_ulysses_shard``) derived from the
+    shard-effect rows, or why it is 0."""
 
     alpha_s_per_shard: float  # seconds per sharded sequence and rank; 0 where nothing determines it
     candidates: tuple[dict[str, Any], ...]  # per sharded row: its measured and predicted time, and whether it is used
     result: str
+    profile_field: str = "alpha_s_per_shard"  # the profile's ``compute`` field it is
 
     def to_json(self) -> dict[str, Any]:
-        """The derivation as the profile records it (``compute.fit.shard_cost``)."""
-        return {"alpha_s_per_shard": self.alpha_s_per_shard, "max_attention_share": MAX_ATTENTION_SHARE_FOR_COST,
+        """The derivation as the profile records it (``compute.fit.shard_cost``, ``compute.fit.ulysses_shard_cost``)."""
+        return {self.profile_field: self.alpha_s_per_shard, "max_attention_share": MAX_ATTENTION_SHARE_FOR_COST,
                 "candidates": list(self.candidates), "result": self.result}
 
 
-def derive_shard_cost(perf: PerformanceModel, shards: Sequence[Mapping[str, Any]]) -> ShardCostFit:
+def derive_shard_cost(perf: PerformanceModel, shards: Sequence[Mapping[str, Any]], *,
+                      ulysses: bool = False) -> ShardCostFit:
     """What a sequence sharded over ``d`` ranks costs each of them beyond the model's terms: the median, over the
     sharded rows whose attention at efficiency 1 is at most ``MAX_ATTENTION_SHARE_FOR_COST`` of their measured time,
-    of that time minus the model's (``predicted_shard_s``), at least 0; 0 without such a row.
+    of that time minus the model's (``predicted_shard_s``), at least 0; 0 without such a row. ``ulysses``: of the
+    rows sharded by Ulysses (``ulysses_degree`` above 1), for ``alpha_s_per_ulysses_shard``; else of the zigzag
+    ones.
 
     The model prices a shard as its share of the work, two attention calls and its collectives as their tables
     measured them alone. The sharded path pays more than those on a CPU: its chunks' kernels and their merge, the
     K/V stacked and gathered, each wait beyond a table's: ``make demo``'s sequences under 150 tokens over 2 ranks
     ran 1.2-1.4x their price, about 2.5 ms each, while whole sequences of the same micro-batches met theirs."""
-    if perf.profile.compute.alpha_s_per_shard:
-        raise ValueError(f"profile {perf.profile.name} already has a shard cost; it is derived against the model "
-                         f"without one")
+    profile_field = "alpha_s_per_ulysses_shard" if ulysses else "alpha_s_per_shard"
+    if getattr(perf.profile.compute, profile_field):
+        raise ValueError(f"profile {perf.profile.name} already has a shard cost ({profile_field}); it is derived "
+                         f"against the model without one")
     candidates = []
     residuals = []
     for row in shards:
         size, degree, time_s = row["num_tokens"], row["degree"], row["shard_s"]
-        predicted_s = predicted_shard_s(perf, size, degree)
+        ulysses_degree = row.get("ulysses_degree", 1)
+        if (ulysses_degree > 1) != ulysses:
+            continue
+        predicted_s = predicted_shard_s(perf, size, degree, ulysses_degree)
         attention_share = efficiency_candidate(perf, size, degree, time_s).ideal_attention_s / time_s
         used = attention_share <= MAX_ATTENTION_SHARE_FOR_COST
         candidates.append({"num_tokens": size, "degree": degree, "shard_s": time_s, "predicted_s": predicted_s,
@@ -129,11 +141,12 @@ def derive_shard_cost(perf: PerformanceModel, shards: Sequence[Mapping[str, Any]
         if used:
             residuals.append(time_s - predicted_s)
     if not residuals:
-        return ShardCostFit(alpha_s_per_shard=0.0, candidates=tuple(candidates),
-                            result=f"0: no sharded row whose attention is at most {MAX_ATTENTION_SHARE_FOR_COST:.0%} "
-                                   f"of its time (measure a short sequence, --shard-sizes)")
+        return ShardCostFit(alpha_s_per_shard=0.0, candidates=tuple(candidates), profile_field=profile_field,
+                            result=f"0: no {'Ulysses ' if ulysses else ''}sharded row whose attention is at most "
+                                   f"{MAX_ATTENTION_SHARE_FOR_COST:.0%} of its time (measure a short sequence, "
+                                   f"--shard-sizes)")
     median_s = statistics.median(residuals)
-    return ShardCostFit(alpha_s_per_shard=max(median_s, 0.0), candidates=tuple(candidates),
+    return ShardCostFit(alpha_s_per_shard=max(median_s, 0.0), candidates=tuple(candidates), profile_field=profile_field,
                         result=f"{max(median_s, 0.0) * 1e3:.3g} ms: the median of {len(residuals)} sharded row(s)' "
                                f"time beyond the model's" + (f" ({median_s * 1e3:.3g} ms, clamped at 0)"
                                                             if median_s < 0 else ""))
@@ -223,6 +236,7 @@ def derive_attention_efficiency(perf: PerformanceModel, rows: Sequence[Mapping[s
     if perf.profile.compute.attention_efficiency:
         raise ValueError(f"profile {perf.profile.name} already has an attention efficiency curve; the efficiency is "
                          f"solved against the model with efficiency 1 everywhere")
+    rows = [row for row in rows if row.get("ulysses_degree", 1) == 1]  # Ulysses rows price its cost alone
     whole_s = {row["num_tokens"]: row["whole_s"] for row in rows}
     candidates = tuple(
         [efficiency_candidate(perf, size, 1, time_s) for size, time_s in sorted(whole_s.items())]

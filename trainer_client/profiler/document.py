@@ -204,8 +204,9 @@ def refit_compute(document: Mapping[str, Any], *, name: str, command: str, date:
                               on_gpu="gpu" in provenance.get("hardware", {}), timing=timing)
     refit = section.model_dump(mode="json", exclude_unset=True)
     shard_effect = {key: value for key, value in compute.items()
-                    if key.startswith(("shard_effect", "attention_")) or key == "alpha_s_per_shard"}
-    for derived in ("shard_cost", "attention_efficiency"):
+                    if key.startswith(("shard_effect", "attention_"))
+                    or key in ("alpha_s_per_shard", "alpha_s_per_ulysses_shard")}
+    for derived in ("shard_cost", "ulysses_shard_cost", "attention_efficiency"):
         if derived in compute.get("fit", {}):
             refit["fit"][derived] = compute["fit"][derived]
     record = {"tool": TOOL, "command": command, "date": date, "from": document.get("name"),
@@ -325,9 +326,16 @@ def with_shard_effect(document: ProfileDocument, shape: ModelShape, shards: Sequ
     (``compute.fit.attention_efficiency``) and, where the rows determine it, the curve
     (``compute.attention_efficiency``). ``document`` has neither: the rows are read first against the model without
     a shard cost, for that cost, then with it and at efficiency 1, for the efficiency."""
-    cost = derive_shard_cost(PerformanceModel(model=shape, profile=parse_profile(document_json(document))), shards)
+    unpriced = PerformanceModel(model=shape, profile=parse_profile(document_json(document)))
+    # a Ulysses row whose all-to-all the profile cannot price (a group across nodes without inter-node
+    # all-to-all tables) says nothing the model can read
+    shards = [shard for shard in shards if unpriced.scheme_comm(shard["degree"], shard.get("ulysses_degree", 1))
+              is not None]
+    cost = derive_shard_cost(unpriced, shards)
+    ulysses_cost = derive_shard_cost(unpriced, shards, ulysses=True)
     document = document.model_copy(update={"compute": document.compute.model_copy(
-        update={"alpha_s_per_shard": cost.alpha_s_per_shard})})
+        update={"alpha_s_per_shard": cost.alpha_s_per_shard,
+                "alpha_s_per_ulysses_shard": ulysses_cost.alpha_s_per_shard})})
     perf = PerformanceModel(model=shape, profile=parse_profile(document_json(document)))
     rows = shard_effect_rows(perf, shards)
     fit = derive_attention_efficiency(perf, rows)
@@ -341,10 +349,13 @@ def with_shard_effect(document: ProfileDocument, shape: ModelShape, shards: Sequ
     compute = document.compute
     fits = (compute.model_extra or {}).get("fit", {})
     update: dict[str, Any] = {
-        "fit": {**fits, "shard_cost": cost.to_json(), "attention_efficiency": fit.to_json()},
+        "fit": {**fits, "shard_cost": cost.to_json(), "ulysses_shard_cost": ulysses_cost.to_json(),
+                "attention_efficiency": fit.to_json()},
         "shard_effect": rows,
-        "shard_effect_note": note + (f"alpha_s_per_shard: {cost.result}; attention_efficiency: {fit.result}; "
-                                     f"candidates and verdicts in compute.fit."),
+        "shard_effect_note": note + (f"Rows with ulysses_degree: the same sequence sharded by Ulysses (all-to-all over "
+                                     f"heads), for its own cost alone. alpha_s_per_shard: {cost.result}; "
+                                     f"alpha_s_per_ulysses_shard: {ulysses_cost.result}; attention_efficiency: "
+                                     f"{fit.result}; candidates and verdicts in compute.fit."),
     }
     if fit.points:
         update["attention_efficiency"] = AttentionEfficiency.model_validate({

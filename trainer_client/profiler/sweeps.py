@@ -46,10 +46,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from scheduler_service.core import check
 from scheduler_service.core.memory import static_bytes_per_parameter
 from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import ComputeFit, ComputePoint, eq13_flops, fit_compute
-from scheduler_service.core.plan import MicroBatch, ShardedGroup, block_degrees, cp_blocks
+from scheduler_service.core.plan import Collective, MicroBatch, ShardedGroup, block_degrees, cp_blocks
 from trainer_client.dacp.attention import AttentionBackend, resolve_backend
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.distributed import ParallelContext, ParallelDims, destroy_groups, init_parallel, max_over_ranks
@@ -313,14 +314,22 @@ def shard_degrees(world_size: int) -> tuple[int, ...]:
     return (*block_degrees(world_size), world_size) if world_size > 1 else ()
 
 
-def shard_micro_batch(world_size: int, degree: int) -> MicroBatch:
-    """Sequence ``b`` zigzag-sharded over the ``b``-th aligned block of ``degree`` ranks, every block at once (so
-    every rank works, as in training); over the whole world it is the plan's ``distributed`` part."""
+def shard_micro_batch(world_size: int, degree: int, ulysses_degree: int = 1) -> MicroBatch:
+    """Sequence ``b`` sharded over the ``b``-th aligned block of ``degree`` ranks by the scheme of
+    ``ulysses_degree`` (1: zigzag, all-gather-KV), every block at once (so every rank works, as in training); over
+    the whole world it is the plan's ``distributed`` part."""
     local: tuple[tuple[int, ...], ...] = ((),) * world_size
     if degree == world_size:
-        return MicroBatch(local=local, distributed=(0,))
+        return MicroBatch(local=local, distributed=(0,), distributed_ulysses_degree=ulysses_degree)
     return MicroBatch(local=local, distributed=(), sharded=tuple(
-        ShardedGroup(cp_ranks=block, sequences=(index,)) for index, block in enumerate(cp_blocks(world_size, degree))))
+        ShardedGroup(cp_ranks=block, sequences=(index,), ulysses_degree=ulysses_degree)
+        for index, block in enumerate(cp_blocks(world_size, degree))))
+
+
+def heads_split(shape: ModelShape, ulysses_degree: int) -> bool:
+    """Whether the model's heads split evenly over ``ulysses_degree`` ranks (``check.scheme_violation``)."""
+    return check.scheme_violation(Collective(first_rank=0, degree=ulysses_degree, sequences=(0,),
+                                             ulysses_degree=ulysses_degree), shape.heads) is None
 
 
 class _Lead:
@@ -419,17 +428,21 @@ def _measure_shards(bench: _Bench, bar: tqdm, world_size: int) -> list[dict[str,
                                                warmup=options.warmup, repeats=options.repeats))
         whole_s = _mean_over_ranks(whole_s, world_size)
         for degree in shard_degrees(world_size):
-            micro_batch = shard_micro_batch(world_size, degree)
-            samples = [sample] * (1 if micro_batch.distributed else len(micro_batch.sharded))
-            sharded = pack_micro_batch(samples, micro_batch, cp_size=world_size, cp_rank=rank,
-                                       cp_group=parallel.cp_group,
-                                       cp_block_groups=parallel.cp_block_groups,
-                                       cp_stride_groups=parallel.cp_stride_groups).to(bench.device)
-            dist.barrier()
-            shard_times = timed_runs(functools.partial(bench.step, sharded), device=bench.device,
-                                     warmup=options.warmup, repeats=shard_runs(options))
-            results.append({"num_tokens": size, "degree": degree, "whole_s": whole_s,
-                            "shard_s": max_over_ranks(statistics.fmean(shard_times), bench.device)})
+            # zigzag (all-gather-KV), and on the two shortest Ulysses where the heads split: its own cost alone
+            schemes = [1] + ([degree] if size in options.shard_sizes[:2] and heads_split(bench.shape, degree) else [])
+            for ulysses_degree in schemes:
+                micro_batch = shard_micro_batch(world_size, degree, ulysses_degree)
+                samples = [sample] * (1 if micro_batch.distributed else len(micro_batch.sharded))
+                sharded = pack_micro_batch(samples, micro_batch, cp_size=world_size, cp_rank=rank,
+                                           cp_group=parallel.cp_group,
+                                           cp_block_groups=parallel.cp_block_groups,
+                                           cp_stride_groups=parallel.cp_stride_groups).to(bench.device)
+                dist.barrier()
+                shard_times = timed_runs(functools.partial(bench.step, sharded), device=bench.device,
+                                         warmup=options.warmup, repeats=shard_runs(options))
+                results.append({"num_tokens": size, "degree": degree, "whole_s": whole_s,
+                                "shard_s": max_over_ranks(statistics.fmean(shard_times), bench.device),
+                                **({"ulysses_degree": ulysses_degree} if ulysses_degree > 1 else {})})
             bar.update()
     bench.zero_grad()
     return results
