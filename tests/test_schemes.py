@@ -5,6 +5,7 @@ The trainer's side (each scheme's forward and gradients equal unsharded attentio
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -16,7 +17,7 @@ from skrull_proto import SCHEMES_SCHEMA_VERSION, SPANNING_SCHEMA_VERSION, MicroB
 from scheduler_service.contract.wire import request_to_problem, response_to_plan, result_to_response
 from scheduler_service.core.check import check_plan, find_violations
 from scheduler_service.core.choices import CollectiveScheme
-from scheduler_service.core.errors import BaselineCannotPlanError, PlanCheckError
+from scheduler_service.core.errors import BaselineCannotPlanError, InvalidRequestError, PlanCheckError
 from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGroup, make_problem
@@ -239,6 +240,33 @@ def test_static_ulysses_and_usp_shard_every_sequence_over_the_group_with_one_sch
                        for index in rank)
         check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=4, cp_size=8,
                    bucket_size=problem.bucket_size, heads=problem.perf.model.heads)
+
+
+def test_static_sp_refuses_a_client_of_an_older_contract() -> None:
+    """A v2 client cannot run a Ulysses collective: the static schedulers say so rather than answer one."""
+    lengths = sample_lengths("chatqa2", 32, np.random.default_rng(2), max_length=8 * 8000).tolist()
+    request = PlanRequest(sequence_lengths=lengths, dp_size=1, cp_size=8, model="llama-2-7b", profile=PROFILE,
+                          bucket_size=8000, schema_version=SPANNING_SCHEMA_VERSION, scheduler="ulysses")
+    with pytest.raises(BaselineCannotPlanError, match="ask with schema_version 3"):
+        make_plan(request_to_problem(request), "ulysses")
+
+
+def test_a_plan_with_an_empty_micro_batch_is_still_priced_by_its_own_schemes() -> None:
+    """An unchecked plan's places number an empty micro-batch too: its schemes stay on their own rows."""
+    problem = make_problem(sequence_lengths=[60000, 500], dp_size=1, cp_size=8, model="llama-2-7b", profile=PROFILE,
+                           bucket_size=8000)
+    empty = MicroBatch(local=((),) * 8, distributed=())
+    ulysses_mb = MicroBatch(local=((1,),) + ((),) * 7, distributed=(0,), distributed_ulysses_degree=8)
+    plan = Plan(dp_ranks=(DPRankPlan(micro_batches=(empty, ulysses_mb)),))
+    (_, priced) = simulate(problem, plan).dp_ranks[0].micro_batches
+    assert priced.time_s == pytest.approx(micro_batch_time_s(problem, ulysses_mb))
+
+
+def test_a_profile_with_a_one_size_all_to_all_table_is_refused() -> None:
+    raw = copy.deepcopy(builtin_profiles()[PROFILE].raw)
+    raw["communication"]["tables"]["all_to_all"] = raw["communication"]["tables"]["all_to_all"][:1]
+    with pytest.raises(InvalidRequestError, match="all_to_all needs"):
+        parse_profile(raw)
 
 
 def test_static_ulysses_refuses_heads_it_cannot_split_naming_them_and_the_degrees_that_would() -> None:

@@ -209,7 +209,8 @@ class Places:
 
     def plan_order(self) -> list[int]:
         """The micro-batch numbers in the order ``Plan.from_places`` lists them: DP rank by DP rank, by number,
-        the empty ones left out (the identity for the places of a plan, ``Plan.places``)."""
+        the empty ones left out (the identity for the places of a plan without an empty micro-batch,
+        ``Plan.places``)."""
         held = np.bincount(self.micro_batch[self.micro_batch >= 0], minlength=self.num_micro_batches) > 0
         numbers = np.flatnonzero(held)
         return numbers[np.argsort(self.dp_rank[numbers], kind="stable")].tolist()

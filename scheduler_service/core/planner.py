@@ -157,8 +157,9 @@ def make_plan(
                    cp_size=problem.cp_size, bucket_size=problem.bucket_size)
         chosen, changes = _with_schemes(problem, plan) if choosing else (plan, None)
         estimate = estimate_plan(problem, chosen, changes=changes)
-        if report is not None and chosen is not plan:  # CP-SAT proved its bound over all-gather-KV plans: the
-            report = dataclasses.replace(  # model's bound over every scheme is one, and optimality is not proven
+        if report is not None and choosing and _schemes_may_apply(problem):  # CP-SAT proved its bound over
+            report = dataclasses.replace(  # all-gather-KV plans: the model's bound over every scheme is one, and
+                # optimality over every scheme is not proven
                 report, status="FEASIBLE" if report.status == "OPTIMAL" else report.status,
                 objective_s=estimate.iteration_time_s,
                 bound_s=None if report.bound_s is None else min(report.bound_s, iteration_lower_bound_s(problem)))
@@ -172,6 +173,11 @@ def make_plan(
         baseline_time_s = baselines.deepspeed_time_s(problem)
     return PlanResult(scheduler=name, problem=problem, plan=plan, estimate=estimate, baseline_time_s=baseline_time_s,
                       solve_time_s=solve_time_s, solver=report, lower_bound_s=iteration_lower_bound_s(problem))
+
+
+def _schemes_may_apply(problem: PlanningProblem) -> bool:
+    """Whether a collective of the problem's plans may be Ulysses or 2D (some block size has a degree for it)."""
+    return any(problem.perf.ulysses_degrees(degree) for degree in problem.degrees if degree > 1)
 
 
 def _with_schemes(problem: PlanningProblem, plan: Plan, places: Places | None = None) -> tuple[

@@ -222,7 +222,8 @@ def _check_link(tables: Tables, by_group_size: dict[int, Tables], world_size: in
 def _check_tables(tables: Tables, path: str) -> None:
     if not tables:
         return
-    for collective in COLLECTIVES:
+    # the all-to-all is optional (without it no collective is Ulysses or 2D), the others are not
+    for collective in (*COLLECTIVES, *(("all_to_all",) if "all_to_all" in tables else ())):
         # two distinct sizes at least: T_comm is a line fitted to the table
         if len({size for size, _ in tables.get(collective, ())}) < 2:
             raise InvalidRequestError(

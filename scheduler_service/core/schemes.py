@@ -19,7 +19,7 @@ scheme with the one ``T_r`` (``costing.scheme_rank_time_s``).
 collective (the largest saving of work first), keeping a change only where it makes the micro-batch faster: a plan
 never gets slower. The searches place sequences as all-gather-KV prices them; the choice follows. It prices every
 collective of a plan at once from the places (sums by collective), and times a micro-batch only for a scheme that
-might gain (``_options``: a bound on what any rank of the block can gain), so most collectives cost a few array
+might gain (``options``: a bound on what any rank of the block can gain), so most collectives cost a few array
 operations (``make bench``'s latency table has its cost). A degree whose heads do not split
 evenly, and one whose all-to-all the profile did not measure, is never chosen (``PerformanceModel.
 ulysses_degrees``); a profile without an ``all_to_all`` table chooses nothing and says why (``schemes_note``).
@@ -290,16 +290,17 @@ def _with_degrees(micro_batch: MicroBatch, m: int, chosen: dict[tuple[int, int, 
 
 def _choose_in(problem: PlanningProblem, micro_batches: Sequence[MicroBatch], places: Places, *,
                allow_2d: bool, joined: bool) -> tuple[list[MicroBatch], list[tuple[int, BlockChange]]]:
-    """``micro_batches`` (the micro-batches of ``places``, in its order, all-gather-KV) with their schemes chosen,
-    and the changes made (by micro-batch number, ``scheme_sums``'s). A micro-batch with two collectives over one
-    block keeps all-gather-KV: its collectives share one fixed cost, which a per-collective change does not price.
-    ``joined``: none has two (``MicroBatch.from_places`` joins them, so no search's plan has), none is looked for."""
+    """``micro_batches`` (all-gather-KV) with their schemes chosen, and the changes made (by micro-batch number of
+    ``places``, ``scheme_sums``'s). A micro-batch with two collectives over one block keeps all-gather-KV: its
+    collectives share one fixed cost, which a per-collective change does not price. ``joined``: the micro-batches
+    were made from ``places`` (``Plan.from_places``: ordered as ``Places.plan_order`` says, the collectives of a
+    block joined, so none is looked for); else ``places`` are theirs (``Plan.places``: one number each, in order)."""
     sums = empty_sums(problem.tables, places.num_micro_batches)
     sums_of_places(problem.tables, sums, places.micro_batch, places.degree, places.first_rank)
     found = options(problem, places, sums, allow_2d=allow_2d)
     if not len(found.micro_batch):
         return list(micro_batches), []
-    order = places.plan_order()  # the micro-batch number of micro_batches[i]
+    order = places.plan_order() if joined else list(range(len(micro_batches)))  # micro_batches[i]'s number
     if not joined:
         position = {m: i for i, m in enumerate(order)}
 
@@ -364,9 +365,13 @@ def schemes_note(problem: PlanningProblem) -> str | None:
                 "(communication.tables.all_to_all), so Ulysses and 2D cannot be priced; measure one with "
                 "skrull-profile or --profile auto")
     degrees = {degree for degree in problem.degrees if degree > 1}
-    if degrees and not any(perf.ulysses_degrees(degree) for degree in degrees):
-        model = perf.model
+    if not degrees or any(perf.ulysses_degrees(degree) for degree in degrees):
+        return None
+    model = perf.model
+    if not any(degree % u == 0 and perf.heads_allow(u) for degree in degrees for u in range(2, degree + 1)):
         return (f"every collective uses all-gather-KV: no block size of cp_size {problem.cp_size} "
                 f"({', '.join(map(str, sorted(degrees)))}) has a divisor above 1 that splits {model.name}'s "
                 f"{model.num_attention_heads} query and {model.num_key_value_heads} K/V heads evenly")
-    return None
+    return (f"every collective uses all-gather-KV: profile {perf.profile.name} cannot price the all-to-all of the "
+            f"Ulysses degrees {model.name}'s heads allow (their groups cross nodes, and the profile has no "
+            "inter-node all_to_all table)")

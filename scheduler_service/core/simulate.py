@@ -155,11 +155,12 @@ def _compute_by_kind(tables: CostTables, micro_batch: IntArray, degree: IntArray
 
 
 def _rank_times_of(problem: PlanningProblem, places: Places, micro_batches: Sequence[MicroBatch] = (),
-                   changes: Sequence[tuple[int, BlockChange]] | None = None
+                   changes: Sequence[tuple[int, BlockChange]] | None = None, rows: Sequence[int] | None = None,
                    ) -> tuple[RankSums, FloatArray, Sequence[tuple[int, BlockChange]]]:
-    """The per micro-batch and CP rank sums of ``places`` with the schemes of its ``micro_batches`` (in plan order;
-    none: all-gather-KV) or the ``changes`` they make when the caller has them (``schemes.choose_schemes``), their
-    ``T_r`` (M, C), and the changes (``schemes.scheme_sums``)."""
+    """The per micro-batch and CP rank sums of ``places`` with the schemes of its ``micro_batches`` (micro-batch
+    ``i`` in row ``rows[i]``, by default as ``Plan.from_places`` orders the places, ``Places.plan_order``; none:
+    all-gather-KV) or the ``changes`` they make when the caller has them (``schemes.choose_schemes``), their ``T_r``
+    (M, C), and the changes (``schemes.scheme_sums``)."""
     tables = problem.tables
     sums = empty_sums(tables, places.num_micro_batches)
     sums_of_places(tables, sums, places.micro_batch, places.degree, places.first_rank)
@@ -167,7 +168,7 @@ def _rank_times_of(problem: PlanningProblem, places: Places, micro_batches: Sequ
         for m, change in changes:
             apply_change(sums, m, change)
     elif micro_batches:
-        changes = scheme_sums(problem, sums, micro_batches, places.plan_order())
+        changes = scheme_sums(problem, sums, micro_batches, places.plan_order() if rows is None else rows)
     else:
         changes = []
     times_s = np.zeros((places.num_micro_batches, tables.cp_size))
@@ -190,13 +191,14 @@ def dp_rank_times_s(problem: PlanningProblem, places: Places) -> FloatArray:
 
 
 def estimate_places(problem: PlanningProblem, places: Places, micro_batches: Sequence[MicroBatch] = (),
-                    changes: Sequence[tuple[int, BlockChange]] | None = None) -> PlanEstimate:
+                    changes: Sequence[tuple[int, BlockChange]] | None = None,
+                    rows: Sequence[int] | None = None) -> PlanEstimate:
     """Estimated times of every micro-batch, DP rank and the iteration of the plan ``places``, its collectives by
     the schemes of ``micro_batches`` (its micro-batches in plan order; none: all-gather-KV), or by the ``changes``
-    those schemes make, where the caller has them."""
+    those schemes make, where the caller has them; ``rows``: as ``_rank_times_of``'s."""
     tables = problem.tables
     num_micro_batches = places.num_micro_batches
-    sums, times_s, changes = _rank_times_of(problem, places, micro_batches, changes)
+    sums, times_s, changes = _rank_times_of(problem, places, micro_batches, changes, rows)
     compute_flops = np.zeros((3, num_micro_batches, tables.cp_size))
     local_tokens = np.zeros((num_micro_batches, tables.cp_size), dtype=np.int64)
     _compute_by_kind(tables, places.micro_batch, places.degree, places.first_rank, compute_flops, local_tokens)
@@ -247,8 +249,10 @@ def estimate_plan(problem: PlanningProblem, plan: Plan, places: Places | None = 
                   changes: Sequence[tuple[int, BlockChange]] | None = None) -> PlanEstimate:
     """``estimate_places`` of a plan that may hold spanning micro-batches (``places``: its own micro-batches' places,
     when the caller has them; ``changes``: what their schemes change, by micro-batch number of those places)."""
+    own_micro_batches = _own_micro_batches(plan) if changes is None else []
+    # the plan's own places number its micro-batches in order, empty ones too (a plan the checker would refuse)
     own = estimate_places(problem, plan.places(problem.num_sequences) if places is None else places,
-                          _own_micro_batches(plan) if changes is None else (), changes)
+                          own_micro_batches, changes, range(len(own_micro_batches)) if places is None else None)
     if not plan.spanning:
         return own
     spanning, spanning_peak = _spanning_estimates(problem, plan.spanning)

@@ -58,6 +58,10 @@ def _refuse_heads(problem: PlanningProblem, scheduler: str, degree: int, working
 
 
 def _static_plan(problem: PlanningProblem, scheduler: str, ulysses_degree: int) -> Plan:
+    if not problem.schemes:
+        raise BaselineCannotPlanError(
+            scheduler, "its plans name a scheme other than all-gather-KV, which a client of schema_version 1 or 2 "
+            "cannot run: ask with schema_version 3")
     if problem.perf.scheme_comm(problem.cp_size, ulysses_degree) is None:
         raise BaselineCannotPlanError(
             scheduler, f"profile {problem.perf.profile.name} has no all_to_all table for a group of {ulysses_degree} "

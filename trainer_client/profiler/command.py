@@ -182,7 +182,7 @@ def _shard_table(compute: dict[str, Any], perf: PerformanceModel) -> list[str]:
                 f"{row['shard_s'] * 1e3:>8.2f} {row['speedup']:>6.2f}x {row['parallel_efficiency']:>7.0%} "
                 f"{row['predicted_shard_s'] * 1e3:>8.2f} {row['shard_relative_error']:>6.0%}")
         if with_curve:
-            predicted_s = predicted_shard_s(perf, row["num_tokens"], row["degree"])
+            predicted_s = predicted_shard_s(perf, row["num_tokens"], row["degree"], row.get("ulysses_degree", 1))
             line += f" {predicted_s * 1e3:>8.2f} {abs(predicted_s - row['shard_s']) / row['shard_s']:>6.0%}"
         lines.append(line)
     if with_curve:

@@ -429,7 +429,8 @@ def _measure_shards(bench: _Bench, bar: tqdm, world_size: int) -> list[dict[str,
         whole_s = _mean_over_ranks(whole_s, world_size)
         for degree in shard_degrees(world_size):
             # zigzag (all-gather-KV), and on the two shortest Ulysses where the heads split: its own cost alone
-            schemes = [1] + ([degree] if size in options.shard_sizes[:2] and heads_split(bench.shape, degree) else [])
+            schemes = [1] + ([degree] if size in sorted(options.shard_sizes)[:2] and heads_split(bench.shape, degree)
+                             else [])
             for ulysses_degree in schemes:
                 micro_batch = shard_micro_batch(world_size, degree, ulysses_degree)
                 samples = [sample] * (1 if micro_batch.distributed else len(micro_batch.sharded))
