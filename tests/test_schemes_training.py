@@ -4,8 +4,8 @@ torchrun (4 CPU processes, dp 1 × cp 4) and ``SkrullSFTTrainer`` (4 gloo ranks)
 The run plans with a profile whose tables make the choice of scheme differ by collective (``mixed_schemes_profile``):
 an all-to-all over 2 ranks cheap per byte but with a fixed cost per call, one over 4 ranks dear per byte, and
 all-gathers dear per byte. Short collectives stay all-gather-KV, the whole group's longer ones go 2D, blocks of 2
-Ulysses; the precondition test pins that the run's two steps hold all three. The static schedulers of the seed
-systems (``ulysses``, ``usp``) train to the same losses too.
+Ulysses; the precondition test pins that the run's two steps hold all three. The seed systems' static ``ulysses``
+trains to the same losses too.
 """
 
 from __future__ import annotations
@@ -78,12 +78,13 @@ def _losses(tmp_path: Path, scheduler: str, profile: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_the_bundled_trainer_mixing_schemes_and_the_static_sp_schedulers_train_to_static_cps_losses(
+def test_the_bundled_trainer_mixing_schemes_and_static_ulysses_train_to_static_cps_losses(
         tmp_path: Path) -> None:
     profile = mixed_schemes_profile(tmp_path / "profile.json")
     static_cp = _losses(tmp_path, "deepspeed", profile)
     assert len(static_cp) == STEPS
-    for scheduler in ("skrull", "ulysses", "usp"):
+    # skrull's plans mix all three schemes; static ulysses as a user runs it (usp's 2D is in skrull's mix)
+    for scheduler in ("skrull", "ulysses"):
         assert _losses(tmp_path, scheduler, profile) == pytest.approx(static_cp, rel=RELATIVE_TOLERANCE), scheduler
 
 
