@@ -424,7 +424,8 @@ class PlanResponse(_OmitsEmpty):
         "first, in this order, then its own; each is one synchronised step of its replicas. Omitted when empty "
         "(schema_version 1).")
     estimated_iteration_time_ms: float = Field(description="max over DP ranks of their estimated time.")
-    solve_time_ms: float = Field(description="Wall time the scheduler took to plan.")
+    solve_time_ms: float = Field(description="Wall time the planner took: the scheduler's plan, its check, the choice "
+                                             "of its collectives' schemes and its estimate.")
     deepspeed_estimated_iteration_time_ms: float = Field(
         description="The deepspeed baseline's estimate for the same batch, from the same performance model."
     )

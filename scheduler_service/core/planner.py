@@ -141,6 +141,8 @@ def make_plan(
         plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
         plan, changes = _with_schemes(problem, plan, places) if choosing else (plan, None)
         estimate = estimate_places(problem, places, changes=changes)
+        # spanning candidates are simulated as all-gather-KV against these places with their schemes: a spanning
+        # plan is taken where it wins without the choice, which it then gets too
         spanned = (spanned_if_faster(problem, places, estimate, lambda part: gds.skrull(part, budget=search_budget))
                    if name is SchedulerName.SKRULL else None)
         if spanned is None:  # the places are the plan: checked as they are, once
