@@ -12,7 +12,9 @@
    the measured time of the micro-batches (the slowest rank's, what the estimate models) and of the whole step
    (plus planning, the loss and gradient-norm collectives, the optimizer), each round's and all rounds', the
    speedups both ways, and whether the losses are equal at every step; the first step of every run pays one-off
-   costs (the first plan, the allocator's growth) and is left out of the times;
+   costs (the first plan, the allocator's growth) and is left out of the times. Each verdict on a goal comes with
+   the load it was reached under: the cores other processes took while the runs trained (``OtherWork``), and a
+   miss where they took over ``BUSY_SHARE`` of the machine says it was busy;
 5. stop the service.
 
 Nothing is tuned per scheduler. A profile describes the machine as it was while measured: each round's is measured
@@ -186,6 +188,21 @@ class OtherWork:
         """The cores the other processes kept busy, on average; None where this machine cannot tell."""
         return self.cpu_s / self.wall_s if self.wall_s else None
 
+    def is_busy(self, machine_cores: int) -> bool:
+        """Whether the other processes took enough of ``machine_cores`` to make the predictions low: more than
+        ``BUSY_SHARE`` of them (quiet runs measured 0.02-0.03 of 2 cores; 0.03-0.17 met the goal once in five)."""
+        return self.cores is not None and self.cores > BUSY_SHARE * machine_cores
+
+    def context(self, machine_cores: int) -> str:
+        """What a verdict was reached under, for a reader to tell a busy machine from a wrong model."""
+        if self.cores is None:
+            return f"this machine cannot tell how much of its {machine_cores} cores other processes used"
+        used = f"other processes used {self.cores:.2f} of its {machine_cores} cores"
+        if not self.is_busy(machine_cores):
+            return f"the machine was quiet: {used}"
+        return (f"the machine was busy: {used} while the demo trained, and the model gives every rank a core of its "
+                "own; rerun on a quiet machine to judge the predictions")
+
 
 def usable_cores() -> int:
     """The cores this process may run on (its affinity, as a container or taskset limits it), else the machine's."""
@@ -249,6 +266,7 @@ QUIET_SERVICE = {"SKRULL_WORKERS": "1", "SKRULL_CPSAT_WARMUP": "false"}
 SERVICE_READY_TIMEOUT_S = 900.0  # its kernels compiled with a cold cache while other work loads the machine
 SPEEDUP_GOAL = 2.0
 PREDICTION_TOLERANCE = 0.15
+BUSY_SHARE = 0.05  # of the machine's cores, taken by other processes: the verdicts say the machine was busy
 
 
 def round_lines(rounds: Sequence[Mapping[str, RunSummary]]) -> list[str]:
@@ -262,7 +280,11 @@ def round_lines(rounds: Sequence[Mapping[str, RunSummary]]) -> list[str]:
     return lines
 
 
-def format_table(skrull: RunSummary, deepspeed: RunSummary, *, profile: str) -> str:
+def format_table(skrull: RunSummary, deepspeed: RunSummary, *, profile: str, other_work: OtherWork,
+                 machine_cores: int) -> str:
+    """The two schedulers side by side, and the verdicts on the goals, each with the load it was reached under
+    (``other_work`` on ``machine_cores``): a miss on a busy machine reads as such, not as a broken model. The goals
+    are the same either way."""
     rel = max_relative_difference(skrull.losses, deepspeed.losses)
     rows = [
         f"plans and predictions: {profile}",
@@ -280,15 +302,19 @@ def format_table(skrull: RunSummary, deepspeed: RunSummary, *, profile: str) -> 
     whole = deepspeed.step_time_s / skrull.step_time_s
     speedup_error = predicted / measured - 1
     errors = [abs(run.predicted_step_time_s / run.micro_batch_time_s - 1) for run in (skrull, deepspeed)]
+    predictions_met = max(errors) <= PREDICTION_TOLERANCE
+    busy = " on a busy machine" if other_work.is_busy(machine_cores) else ""
     rows += [
         f"losses equal at every step: {'yes' if rel <= 1e-5 else 'NO'} (max relative difference {rel:.2e}, "
         f"tolerance 1e-05)",
         f"speedup skrull vs deepspeed: predicted {predicted:.2f}x | measured {measured:.2f}x (micro-batches), "
         f"{whole:.2f}x (whole step)",
-        f"goal measured whole-step speedup >= {SPEEDUP_GOAL:.1f}x: {'met' if whole >= SPEEDUP_GOAL else 'MISSED'}",
+        f"goal measured whole-step speedup >= {SPEEDUP_GOAL:.1f}x: "
+        f"{'met' if whole >= SPEEDUP_GOAL else 'MISSED' + busy}",
         f"goal predictions within {PREDICTION_TOLERANCE:.0%} of the measured micro-batch times: "
-        f"{'met' if max(errors) <= PREDICTION_TOLERANCE else 'MISSED'} (worst {max(errors):.1%}; "
+        f"{'met' if predictions_met else 'MISSED' + busy} (worst {max(errors):.1%}; "
         f"the predicted speedup is {speedup_error:+.1%} off the measured)",
+        other_work.context(machine_cores),
     ]
     return "\n".join(rows)
 
@@ -375,13 +401,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = ("a profile measured at the start of each round" if args.profile == "measure"
               else f"profile {args.profile}")
     print()
-    print(format_table(summaries["skrull"], summaries["deepspeed"], profile=source))
+    whole = OtherWork(cpu_s=sum(work.cpu_s for work in other_work), wall_s=sum(work.wall_s for work in other_work))
+    print(format_table(summaries["skrull"], summaries["deepspeed"], profile=source, other_work=whole,
+                       machine_cores=cores))
     print("\n".join(f"{line}; other processes used {_cores_text(work)}" for line, work in
                     zip(round_lines(rounds), other_work, strict=True)))
-    whole = OtherWork(cpu_s=sum(work.cpu_s for work in other_work), wall_s=sum(work.wall_s for work in other_work))
-    print(f"while the demo trained, other processes used {_cores_text(whole)} of this machine's {cores} cores (the "
-          "predictions give every rank a core of its own); load average at the end "
-          f"{os.getloadavg()[0]:.1f}")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
     rel = max_relative_difference(summaries["skrull"].losses, summaries["deepspeed"].losses)
     return 0 if rel <= 1e-5 else 1
 
