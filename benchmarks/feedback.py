@@ -133,7 +133,7 @@ def _train(url: str, job_id: str, steps: int, out_path: Path) -> None:
                     time.sleep(0.01)
             else:
                 state = client.get(f"/feedback/{job_id}").json()
-            records.append({"step": step, "step_time_s": metrics.step_time_s, "state": state,
+            records.append({"step": metrics.step, "step_time_s": metrics.step_time_s, "state": state,
                             "measured": measured, "plan_source": metrics.plan_source})
     trainer.close()
     out_path.write_text(json.dumps(records))

@@ -18,7 +18,7 @@ What is ranked (recordings are found in each folder given; ``logs.tar.gz`` is re
 
 - **micro-batches**: the rows of ``benchmarks.accuracy``'s JSON (``accuracy*.json``), each timed on the GPU;
 - **steps**: the trainer's steps (``train-*.jsonl``: their micro-batches' time, ``micro_batch_time_s``), every
-  scheduler's steps of one run together; step 0 is left out (it pays the warm-up, as ``make gpu-check``'s step
+  scheduler's steps of one run together; the first step is left out (it pays the warm-up, as ``make gpu-check``'s step
   estimates leave it out), and so are ``--compile`` runs (the profiles price eager execution);
 - **plans of one batch**: per global batch, the ``skrull`` plan against the ``deepspeed`` plan (a trainer step's
   time, or the sum of the accuracy run's micro-batches of that plan): the choice a planner makes.
@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MEASUREMENTS = ROOT / "benchmarks" / "measurements"
 MIN_GAP = 0.05  # pairs measured closer than this are ties within the noise
 TIE_TOLERANCE = 1e-9  # predictions this close (relative) are equal: both at the floor
-WARM_UP_STEPS = 1  # step 0 pays one-off warm-up (allocator growth, first collectives)
+WARM_UP_STEPS = 1  # a run's first step pays one-off warm-up (allocator growth, first collectives)
 SIZE_CLASS_TOKENS = 2048  # as make gpu-check reports: below it launch-bound on a GPU (the floor), above compute-bound
 SHIPPED_PROFILE = "h200-qwen2.5-0.5b"
 FloatArray = npt.NDArray[np.float64]
@@ -233,9 +233,18 @@ def _size_class(tokens_per_rank: float) -> str:
     return f"< {SIZE_CLASS_TOKENS}" if tokens_per_rank < SIZE_CLASS_TOKENS else f">= {SIZE_CLASS_TOKENS}"
 
 
+def _numbered(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """A trainer's metrics lines, each ``step`` 1-based as the trainer numbers steps now (``StepMetrics.step``).
+    A run recorded before it did (the 2026-11-26 recordings, kept as they came back) wrote its global batch's
+    index, one less, and so holds a step 0."""
+    if all(record["step"] > 0 for record in records):
+        return list(records)
+    return [{**record, "step": record["step"] + 1} for record in records]
+
+
 def _warm_steps(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    return [record for record in records if record["step"] >= WARM_UP_STEPS and record["micro_batch_time_s"] > 0
-            and record.get("estimated_time_ms") is not None]
+    return [record for record in _numbered(records) if record["step"] > WARM_UP_STEPS
+            and record["micro_batch_time_s"] > 0 and record.get("estimated_time_ms") is not None]
 
 
 def _plan_groups(by_batch: Mapping[str, Mapping[str, tuple[float, float]]]) -> list[Group]:
@@ -446,8 +455,9 @@ def _train_settings(command: Sequence[str]) -> _TrainSettings:
 
 def _replan_steps(records: Sequence[Mapping[str, Any]], settings: _TrainSettings,
                   profiles: Mapping[str, dict[str, Any]]) -> tuple[list[_Replanned], dict[str, Any]]:
-    """The warm steps of one trainer run, drawn again as ``SyntheticSource`` draws them (seed ``[seed, step]``)
-    and planned under the first of ``profiles`` that reproduces every step's tokens, micro-batches and estimate."""
+    """The warm steps of one trainer run, drawn again as ``SyntheticSource`` draws them (seed ``[seed, s]`` for
+    global batch ``s``, which step ``s + 1`` trains) and planned under the first of ``profiles`` that reproduces
+    every step's tokens, micro-batches and estimate."""
     from scheduler_service.core.profile import parse_profile
     from scheduler_service.core.samplers import sample_lengths
 
@@ -456,7 +466,7 @@ def _replan_steps(records: Sequence[Mapping[str, Any]], settings: _TrainSettings
         raise NotReproduced("no warm step with an estimate")
     max_length = settings.bucket_size * settings.cp
     drawn = {record["step"]: sample_lengths(settings.dataset, settings.global_batch,
-                                            np.random.default_rng([settings.seed, record["step"]]),
+                                            np.random.default_rng([settings.seed, record["step"] - 1]),
                                             max_length=max_length).tolist() for record in steps}
     if any(sum(drawn[record["step"]]) != record["tokens"] for record in steps):
         raise NotReproduced(f"synthetic:{settings.dataset} drawn again does not give the recorded tokens")

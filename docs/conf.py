@@ -1,6 +1,7 @@
 """Sphinx configuration of Skrull's documentation: Markdown pages (MyST), the furo theme, and reference pages
-generated from the code (the HTTP API from the exported OpenAPI document, the CLIs from their argparse parsers, the
-service's settings from ``Settings.model_fields``, the Python API by autodoc). ``make docs`` builds it with
+generated from the code (the HTTP API from the exported OpenAPI document, the service's settings from
+``Settings.model_fields``, the Python API by autodoc; the command lines' page is Markdown that
+``python -m trainer_client.cli_reference`` writes from their argparse parsers). ``make docs`` builds it with
 warnings as errors."""
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
     "sphinx.ext.viewcode",
-    "sphinxarg.ext",
     "sphinxcontrib.openapi",
     "settings_table",
 ]

@@ -111,7 +111,9 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m scheduler_service", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scheduler_service",
+                                     description="Plan one global batch as POST /plan does (plan), or run the "
+                                                 "planning service (serve).")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_plan_parser(subparsers)
     _add_serve_parser(subparsers)

@@ -15,7 +15,8 @@ Reading needs only the snapshot.
   settings, which they read when imported, and the environment.
 - ``env()`` does the same for a subprocess (torchrun).
 
-``save_tokenizer`` is the tests' tokenizer: a byte-level BPE trained on a few KB of text, with a ChatML template.
+``save_tokenizer`` is the tests' tokenizer, ``skrull-tokenizer``'s (``trainer_client.chat_tokenizer``): a byte-level
+BPE trained on a few KB of ``WORDS``, with a ChatML template.
 """
 
 from __future__ import annotations
@@ -26,35 +27,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+from trainer_client.chat_tokenizer import WORDS, save_chat_tokenizer
+from trainer_client.choices import CHAT_TEMPLATES
 
 __all__ = ["CHATML", "WORDS", "HubCache", "commit_of", "save_tiny_model", "save_tokenizer"]
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-WORDS = ("the", "model", "reads", "long", "documents", "and", "answers", "questions", "about", "them", "while",
-         "the", "scheduler", "packs", "short", "chats", "beside", "long", "ones", "so", "that", "every", "rank",
-         "finishes", "its", "micro", "batches", "at", "the", "same", "time")
+CHATML = CHAT_TEMPLATES["chatml"]
 
 
 def save_tokenizer(folder: Path) -> Path:
-    """A byte-level BPE tokenizer of 320 tokens trained on a few KB of text, with a ChatML template, saved in
-    ``folder`` as a Hub tokenizer is."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    rng = np.random.default_rng(0)
-    corpus = [" ".join(rng.choice(WORDS, size=12)) for _ in range(400)]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<pad>",
-                                        chat_template=CHATML)
-    tokenizer.save_pretrained(folder)
+    """The tests' tokenizer, ``skrull-tokenizer``'s with its defaults: a byte-level BPE of 320 tokens trained on a
+    few KB of ``WORDS``, with a ChatML template, saved in ``folder`` as a Hub tokenizer is."""
+    save_chat_tokenizer(folder)
     return folder
 
 

@@ -45,7 +45,7 @@ def test_custom_loop_example_matches_the_bundled_trainer_step_for_step(tmp_path:
     # "step    1 loss 6.947246 grad_norm 1.424592e-01", one line per step from rank 0, numbered from 1 as the trainer's
     printed = [line.split() for line in example.stdout.splitlines() if line.startswith("step ")]
     bundled = read_metrics(metrics_out)
-    assert [int(fields[1]) for fields in printed] == [m["step"] + 1 for m in bundled] == list(range(1, STEPS + 1))
+    assert [int(fields[1]) for fields in printed] == [m["step"] for m in bundled] == list(range(1, STEPS + 1))
     for fields, metrics in zip(printed, bundled, strict=True):
         assert float(fields[3]) == pytest.approx(metrics["loss"], rel=RELATIVE_TOLERANCE), f"step {fields[1]}"
         assert float(fields[5]) == pytest.approx(metrics["grad_norm"], rel=RELATIVE_TOLERANCE), f"step {fields[1]}"

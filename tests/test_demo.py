@@ -30,7 +30,7 @@ def _step(step: int, loss: float, micro_batch_time_s: float) -> dict[str, object
 
 
 def test_each_runs_first_step_is_left_out_of_the_times_and_every_loss_is_kept() -> None:
-    rounds = [[_step(0, 2.0, 9.0), _step(1, 1.9, 0.4)], [_step(0, 2.1, 7.0), _step(1, 2.0, 0.6)]]
+    rounds = [[_step(1, 2.0, 9.0), _step(2, 1.9, 0.4)], [_step(1, 2.1, 7.0), _step(2, 2.0, 0.6)]]
     summary = summarize("skrull", rounds, wall_time_s=20.0)
     assert summary.micro_batch_time_s == pytest.approx(0.5)  # 9 s and 7 s: the runs' warm-up
     assert summary.losses == [2.0, 1.9, 2.1, 2.0]

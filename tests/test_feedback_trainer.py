@@ -41,9 +41,9 @@ def test_trainer_feedback_reaches_the_service_and_refits_the_jobs_plans(
     finally:
         stop_service(service)
     metrics = read_metrics(metrics_out)
-    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     assert {m["plan_source"] for m in metrics} == {"service"}
-    # steps 1.. were reported (step 0 is warm-up); the last report may still be in flight when training ends
+    # every step but the first (warm-up) was reported; the last report may still be in flight when training ends
     assert state["num_observations"] > 0 and state["profile"] == "h100-paper+feedback"
     assert state["compute_scale"] > 10  # a CPU is far slower than the H100 profile the job started from
 
@@ -86,7 +86,7 @@ def test_refused_feedback_never_stops_training_and_each_batch_is_built_once(tmp_
     # Before the fix rank 0 raised ValidationError building the report and rank 1 waited in the next broadcast.
     spawn_gloo(_train_with_refused_feedback, 2, tmp_path, f"http://127.0.0.1:{free_port()}")
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    assert rank0["steps"] == rank1["steps"] == list(range(STEPS))
-    assert rank0["feedback_failures"] == STEPS - 1  # steps 1.. are reported, each refused, none raised
+    assert rank0["steps"] == rank1["steps"] == list(range(1, STEPS + 1))
+    assert rank0["feedback_failures"] == STEPS - 1  # every step but the first is reported, each refused, none raised
     # rank 0 builds batch s + 1 for the prefetch and trains on that same object: every batch is built once
     assert rank0["built"] == rank1["built"] == list(range(STEPS))

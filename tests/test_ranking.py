@@ -131,9 +131,22 @@ def test_the_recorded_figures_of_the_gpu_check_run(tmp_path: Path) -> None:
                               ("paper α·FLOPs + β (the run's fit)", MICRO_BATCHES),
                               ("paper α·FLOPs + β (the run's fit)", PLANS)}
     assert summaries[own, MICRO_BATCHES]["pairs"] == 122 * 121 // 2
-    assert summaries[own, STEPS]["pairs"] == 15  # steps 1-3 of both schedulers
+    assert summaries[own, STEPS]["pairs"] == 15  # steps 2-4 of both schedulers: the first is warm-up
     assert summaries[own, PLANS]["pairs"] == 3 + 3  # the accuracy run's three batches, the trainer's three steps
     assert all(_finite(summary) for summary in summaries.values())
+
+
+def test_a_run_recorded_with_0_based_steps_ranks_as_the_same_run_numbered_from_1(tmp_path: Path) -> None:
+    """The trainer numbers a metrics line's step from 1 now; the recordings kept as they came back count from 0."""
+    with tarfile.open(GPU_CHECK / "logs.tar.gz") as archive:
+        archive.extractall(tmp_path, filter="data")
+    recorded = {name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+                for name in ("train-skrull-dp1-cp1", "train-deepspeed-dp1-cp1")}
+    assert all(records[0]["step"] == 0 for records in recorded.values())
+    renumbered = {name: [{**record, "step": record["step"] + 1} for record in records]
+                  for name, records in recorded.items()}
+    assert ([rank_set(ranked) for ranked in recorded_sets(None, recorded)]
+            == [rank_set(ranked) for ranked in recorded_sets(None, renumbered)])
 
 
 def test_the_module_re_plans_every_recording_and_gives_finite_figures(tmp_path: Path,

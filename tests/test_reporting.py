@@ -43,12 +43,12 @@ def _metrics(step: int, *, loss: float, eval_loss: float | None = None) -> StepM
     return StepMetrics(step=step, loss=loss, tokens=4096, loss_tokens=4000, step_time_s=0.5, tokens_per_s=8192.0,
                        plan_source=PlanOrigin.SERVICE.value, scheduler="skrull", estimated_time_ms=420.0 + step,
                        num_micro_batches=3, micro_batch_time_s=0.4 + step / 100, num_padding_micro_batches=0,
-                       plan_fallbacks=step, lr=1e-3 / (step + 1), grad_norm=0.5 + step, peak_memory_bytes=1 << 30,
+                       plan_fallbacks=step, lr=1e-3 / step, grad_norm=0.5 + step, peak_memory_bytes=1 << 30,
                        memory_kind="cuda_max_allocated", eval_loss=eval_loss)
 
 
-STEPS = (_metrics(0, loss=2.0), _metrics(1, loss=1.5, eval_loss=1.75), _metrics(2, loss=1.25))
-RESUMED = (_metrics(2, loss=1.125), _metrics(3, loss=1.0, eval_loss=1.5))  # from a checkpoint after step 1
+STEPS = (_metrics(1, loss=2.0), _metrics(2, loss=1.5, eval_loss=1.75), _metrics(3, loss=1.25))
+RESUMED = (_metrics(3, loss=1.125), _metrics(4, loss=1.0, eval_loss=1.5))  # from a checkpoint after step 2
 
 
 def _config(tracker: Tracker, tmp_path: Path, *, resume: bool = False) -> TrainConfig:
@@ -58,7 +58,7 @@ def _config(tracker: Tracker, tmp_path: Path, *, resume: bool = False) -> TrainC
 
 
 def _report(config: TrainConfig, steps: Sequence[StepMetrics], *, failed: bool = False) -> None:
-    reports = open_reports(job_id=JOB_ID, steps_done=steps[0].step, metrics_out=config.metrics_out,
+    reports = open_reports(job_id=JOB_ID, steps_done=steps[0].step - 1, metrics_out=config.metrics_out,
                            report_to=config.report_to, logging_dir=config.logging_dir, resume=config.resume)
     for metrics in steps:
         reports.write(metrics)
@@ -70,15 +70,15 @@ def _expected(steps: Sequence[StepMetrics]) -> dict[str, list[tuple[int, float]]
     points: dict[str, list[tuple[int, float]]] = {}
     for metrics in steps:
         for name, value in scalars(metrics).items():
-            points.setdefault(name, []).append((metrics.number, value))
+            points.setdefault(name, []).append((metrics.step, value))
     return points
 
 
 def test_the_scalars_are_the_metrics_line_with_the_steps_missing_values_left_out() -> None:
     assert scalars(STEPS[1]) == {
-        "train/loss": 1.5, "eval/loss": 1.75, "train/lr": 5e-4, "train/grad_norm": 1.5, "train/tokens_per_s": 8192.0,
-        "time/step_s": 0.5, "time/micro_batches_measured_ms": pytest.approx(410.0),
-        "time/micro_batches_predicted_ms": 421.0, "plan/from_service": 1.0, "plan/fallbacks": 1.0,
+        "train/loss": 1.5, "eval/loss": 1.75, "train/lr": 5e-4, "train/grad_norm": 2.5, "train/tokens_per_s": 8192.0,
+        "time/step_s": 0.5, "time/micro_batches_measured_ms": pytest.approx(420.0),
+        "time/micro_batches_predicted_ms": 422.0, "plan/from_service": 1.0, "plan/fallbacks": 2.0,
         "plan/micro_batches": 3.0, "memory/peak_bytes": float(1 << 30),
     }
     assert "eval/loss" not in scalars(STEPS[0])
@@ -87,6 +87,17 @@ def test_the_scalars_are_the_metrics_line_with_the_steps_missing_values_left_out
                                "peak_memory_bytes": None})
     assert scalars(unplanned)["plan/from_service"] == 0.0
     assert {"time/micro_batches_predicted_ms", "memory/peak_bytes"}.isdisjoint(scalars(unplanned))
+
+
+def test_the_metrics_file_numbers_steps_as_the_trackers_and_a_resume_replaces_the_lines_after_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    config = TrainConfig(dp=1, cp=1, metrics_out=tmp_path / "metrics.jsonl", checkpoint_dir=tmp_path / "checkpoints")
+    _report(config, STEPS, failed=True)  # killed after step 3 was logged, its checkpoint the one after step 2
+    _report(config.model_copy(update={"resume": True}), RESUMED)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["loss"]) for line in lines] == [(1, 2.0), (2, 1.5), (3, 1.125), (4, 1.0)]
+    assert [line["step"] for line in lines] == [step for step, _ in _expected([*STEPS[:2], *RESUMED])["train/loss"]]
 
 
 def test_tensorboard_holds_every_scalar_and_a_resume_replaces_the_steps_after_its_checkpoint(tmp_path: Path) -> None:
@@ -167,7 +178,7 @@ def test_mlflow_holds_every_scalar_and_a_resume_continues_the_jobs_run(
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3.17 refuses its file store unless told
     client = MlflowClient(tracking_uri)
 
-    _report(_config(Tracker.MLFLOW, tmp_path), STEPS[:2], failed=True)  # killed after step 1's checkpoint
+    _report(_config(Tracker.MLFLOW, tmp_path), STEPS[:2], failed=True)  # killed after step 2's checkpoint
     (run,) = client.search_runs([client.get_experiment_by_name("skrull").experiment_id])
     assert (run.info.run_name, run.info.status) == (JOB_ID, "FAILED")
 

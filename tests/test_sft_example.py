@@ -68,11 +68,11 @@ def test_the_sft_example_trains_keeps_its_two_newest_checkpoints_and_resumes_fro
     assert f"resumed from {checkpoints / 'step-00000003'}: 3 steps done" in resumed.stderr
     assert sorted(path.name for path in (work / checkpoints).iterdir()) == ["step-00000004", "step-00000005"]
     metrics = read_metrics(work / example["metrics_out"])
-    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
     assert all(math.isfinite(m["loss"]) for m in metrics)  # type: ignore[arg-type]
     evaluated = {m["step"]: m["eval_loss"] for m in metrics if m["eval_loss"] is not None}
-    assert evaluated.keys() == {2, 4} and all(math.isfinite(loss) for loss in evaluated.values())  # type: ignore[arg-type]
-    losses = {m["step"] + 1: m["loss"] for m in metrics}  # the trackers number steps as checkpoints do
+    assert evaluated.keys() == {3, 5} and all(math.isfinite(loss) for loss in evaluated.values())  # type: ignore[arg-type]
+    losses = {m["step"]: m["loss"] for m in metrics}  # the trackers number steps as the metrics file does
 
     # W&B: one offline run folder per process that reported, each step's loss once, at the step's number
     logged: dict[int, float] = {}

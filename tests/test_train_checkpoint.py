@@ -112,9 +112,9 @@ def test_a_run_killed_before_its_last_checkpoint_was_complete_resumes_from_the_o
     runs: Path,
 ) -> None:
     uninterrupted = read_metrics(runs / "uninterrupted-zero2.jsonl")
-    assert [m["step"] for m in uninterrupted] == list(range(STEPS))
+    assert [m["step"] for m in uninterrupted] == list(range(1, STEPS + 1))
     resumed = read_metrics(runs / "resumed-zero2.jsonl")
-    assert [m["step"] for m in resumed] == [STEPS - 1]  # from the checkpoint after step STEPS - 2
+    assert [m["step"] for m in resumed] == [STEPS]  # from the checkpoint after step STEPS - 1
     assert [m["loss"] for m in resumed] == [m["loss"] for m in uninterrupted[STEPS - 1:]]  # exact float equality
 
 
@@ -193,7 +193,7 @@ def test_torchrun_restarts_a_job_whose_rank_was_killed_and_it_ends_with_the_unin
     assert job.returncode == 0, stderr[-3000:]
     assert "resumed from" in stderr and "step-00000002" in stderr
     metrics = read_metrics(metrics_out)
-    assert [m["step"] for m in metrics] == list(range(STEPS))  # each step once: none skipped, none repeated
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # each step once: none skipped, none repeated
     assert [m["loss"] for m in metrics] == [m["loss"] for m in reference]
     assert [p.name for p in checkpoints.iterdir()] == ["step-00000003"]  # --keep-last 1: step 2's went once 3's was
 
@@ -225,12 +225,12 @@ def test_torchrun_refuses_another_global_batch_and_extends_the_run_on_accepted_o
     assert (f"resuming checkpoint {latest} with other hyperparameters: --steps {STEPS} → {STEPS + 3}"
             in extended.stderr)
     extended_steps = read_metrics(extended_out)
-    assert [m["step"] for m in extended_steps] == [STEPS, STEPS + 1, STEPS + 2]
+    assert [m["step"] for m in extended_steps] == [STEPS + 1, STEPS + 2, STEPS + 3]
     # the extended run's own schedule (another scheduler too) from the restored step on, not the saved run's
     defaults = TrainConfig(dp=DP, cp=CP)
     factors = lr_factors(LRSchedulerName.COSINE_WITH_MIN_LR, warmup_steps=1, total_steps=STEPS + 3,
                          min_lr_ratio=defaults.min_lr_ratio)
-    own_schedule = [defaults.lr * factors(step) for step in range(STEPS, STEPS + 3)]
+    own_schedule = [defaults.lr * factors(m["step"] - 1) for m in extended_steps]  # the factor of 0-based steps
     assert [m["lr"] for m in extended_steps] == pytest.approx(own_schedule, rel=1e-9)
 
 

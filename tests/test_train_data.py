@@ -20,7 +20,10 @@ from transformers import PreTrainedTokenizerFast
 from scheduler_service.core.samplers import sample_lengths
 from tests.hub_cache import CHATML, save_tokenizer
 from trainer_client.data import (
+    CHAT_ROLES,
     IGNORE_INDEX,
+    SHAREGPT_ROLES,
+    BadRecordError,
     DataSource,
     JsonlRecords,
     LengthStats,
@@ -73,16 +76,17 @@ def test_targets_are_labels_shifted_left() -> None:
     assert sample.num_loss_tokens == 2
 
 
-def test_jsonl_reads_labels_and_loss_masks_in_order_and_wraps_around(tmp_path: Path) -> None:
+def test_jsonl_reads_labels_and_loss_masks_in_order_and_starts_again_after_the_epoch(tmp_path: Path) -> None:
     path = _write(tmp_path / "d.jsonl", [
         {"input_ids": [1, 2, 3]},
         {"input_ids": [4, 5, 6], "labels": [-100, 5, 6]},
         {"input_ids": [7, 8, 9], "loss_mask": [0, 0, 1]},
     ])
     source = _source(path)
-    first, second = source.batch(0), source.batch(1)
+    first, second, third = source.batch(0), source.batch(1), source.batch(2)
     assert [s.labels.tolist() for s in first.samples] == [[1, 2, 3], [-100, 5, 6]]
-    assert [s.labels.tolist() for s in second.samples] == [[-100, -100, 9], [1, 2, 3]]  # the file wraps around
+    assert [s.labels.tolist() for s in second.samples] == [[-100, -100, 9]]  # the epoch's last: the record left
+    assert [s.labels.tolist() for s in third.samples] == [[1, 2, 3], [-100, 5, 6]]  # the next epoch
 
 
 def test_a_source_moved_to_a_saved_position_continues_with_the_same_batches(tmp_path: Path) -> None:
@@ -105,13 +109,45 @@ def test_a_shuffled_epoch_trains_every_record_once_in_another_order_each_epoch(t
     assert _first_tokens(_source(path, global_batch=4), range(6)) == list(range(12)) * 2  # --no-shuffle
 
 
-def test_a_batch_that_reaches_past_the_epoch_takes_the_next_epochs_first_records(tmp_path: Path) -> None:
+def test_an_epochs_last_batch_takes_the_records_left_and_no_batch_holds_two_epochs(tmp_path: Path) -> None:
     path = _numbered(tmp_path / "d.jsonl", 5)
     source = _source(path, global_batch=3, shuffle=True, seed=1)
     assert isinstance(source, RecordSource)
-    assert source.steps_for_epochs(2) == 4  # 10 records in batches of 3
-    order = _first_tokens(source, range(2))
-    assert order[:5] == source.order(0).tolist() and order[5] == source.order(1)[0]
+    assert source.steps_for_epochs(2) == 4  # 5 records in batches of 3 and 2, twice
+    batches = [source.batch(step) for step in range(4)]
+    assert [len(batch.samples) for batch in batches] == [3, 2, 3, 2]
+    assert [source.epochs_done(batch.next_position) for batch in batches] == [0.6, 1.0, 1.6, 2.0]
+    first_tokens = [[int(sample.input_ids[0]) - 1 for sample in batch.samples] for batch in batches]
+    assert first_tokens[0] + first_tokens[1] == source.order(0).tolist()
+    assert first_tokens[2] + first_tokens[3] == source.order(1).tolist()
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_epochs_of_57_records_in_batches_of_8_train_every_record_once_an_epoch_and_end_on_the_epoch(
+    tmp_path: Path, epochs: int, shuffle: bool,
+) -> None:
+    source = _source(_numbered(tmp_path / "d.jsonl", 57), global_batch=8, shuffle=shuffle, seed=4)
+    assert isinstance(source, RecordSource)
+    steps = source.steps_for_epochs(epochs)
+    assert steps == 8 * epochs
+    batches = [source.batch(step) for step in range(steps)]
+    assert [len(batch.samples) for batch in batches] == ([8] * 7 + [1]) * epochs
+    ends = [source.epochs_done(batch.next_position) for batch in batches]
+    assert ends[7::8] == [float(epoch) for epoch in range(1, epochs + 1)]  # exactly, each epoch's last step
+    trained = [int(sample.input_ids[0]) - 1 for batch in batches for sample in batch.samples]
+    for epoch in range(epochs):
+        assert sorted(trained[57 * epoch:57 * (epoch + 1)]) == list(range(57))  # each record once an epoch
+    assert source.epochs_text(epochs) == {
+        1: "1 epoch of 57 records in global batches of 8: 8 steps, the last of 1 record",
+        2: "2 epochs of 57 records in global batches of 8: 16 steps, each epoch's last of 1 record"}[epochs]
+
+
+def test_an_epoch_of_whole_batches_is_logged_without_a_last_batch(tmp_path: Path) -> None:
+    source = _source(_numbered(tmp_path / "d.jsonl", 64), global_batch=16)
+    assert isinstance(source, RecordSource)
+    assert source.epochs_text(2) == "2 epochs of 64 records in global batches of 16: 8 steps"
+    assert source.epochs_text(0.5) == "0.5 epochs of 64 records in global batches of 16: 2 steps"
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -249,6 +285,34 @@ def test_a_sharegpt_conversation_is_the_chat_of_its_speakers(tmp_path: Path, tok
     assert np.array_equal(sample.input_ids, chat.input_ids) and np.array_equal(sample.labels, chat.labels)
     with pytest.raises(ValueError, match=r"'conversations' has speakers 'narrator'; ShareGPT's are human, user, gpt"):
         _sample(tmp_path, tokenizer_dir, {"conversations": [{"from": "narrator", "value": "once"}]})
+
+
+def test_every_sharegpt_speaker_is_a_chat_role() -> None:
+    assert set(SHAREGPT_ROLES.values()) <= set(CHAT_ROLES)
+
+
+HELLO_BOT = [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]
+
+
+@pytest.mark.parametrize(("record", "refusal"), [
+    ({"messages": HELLO_BOT}, "'messages' has roles 'bot'; a chat's are system, user, assistant, tool"),
+    ({"prompt": HELLO_BOT[:1], "completion": HELLO_BOT[1:]},
+     "'completion' has roles 'bot'; a chat's are system, user, assistant, tool"),
+    ({"prompt": [{"role": "human", "content": "hi"}], "completion": [{"role": "assistant", "content": "hello"}]},
+     "'prompt' has roles 'human'; a chat's are system, user, assistant, tool"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "hello"}]},
+     "'conversations' has speakers 'bot'; ShareGPT's are human, user, gpt"),
+])
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+def test_a_turn_of_a_role_outside_the_chat_roles_is_refused_naming_the_line_the_key_and_the_roles(
+    tmp_path: Path, tokenizer_dir: Path, record: dict[str, object], refusal: str, loss_on: str,
+) -> None:
+    """Also with --loss-on all, which needs no assistant turn: a template renders any role (``<|im_start|>bot``)."""
+    path = _write(tmp_path / "chats.jsonl", [CHAT, record])  # the second record: line 2
+    source = make_source(str(path), global_batch_size=2, vocab_size=1024, max_length=512, seed=0,
+                         tokenizer=str(tokenizer_dir), loss_on=loss_on)  # type: ignore[arg-type]
+    with pytest.raises(BadRecordError, match=f"^record {re.escape(str(path))}:2: {re.escape(refusal)}"):
+        source.batch(0)
 
 
 @pytest.mark.parametrize(("loss_on", "trained"), [
@@ -406,7 +470,12 @@ def test_length_stats_summarise_what_was_trained() -> None:
     assert f"min {min(lengths)}" in summary and f"max {max(lengths)}" in summary
 
 
-def test_a_fraction_of_an_epoch_is_that_share_of_the_records_rounded_up_to_a_step(tmp_path: Path) -> None:
-    source = _source(_numbered(tmp_path / "d.jsonl", 10), global_batch=3)
+def test_a_fraction_of_epochs_is_that_share_of_the_epochs_steps_rounded_up_as_hf_trainer_counts(
+    tmp_path: Path,
+) -> None:
+    source = _source(_numbered(tmp_path / "d.jsonl", 10), global_batch=3)  # 4 steps an epoch: 3, 3, 3 and 1
     assert isinstance(source, RecordSource)
-    assert (source.steps_for_epochs(0.5), source.steps_for_epochs(1), source.steps_for_epochs(2.5)) == (2, 4, 9)
+    assert (source.steps_for_epochs(0.5), source.steps_for_epochs(1), source.steps_for_epochs(2.5)) == (2, 4, 10)
+    thirty = _source(_numbered(tmp_path / "e.jsonl", 30), global_batch=1)
+    assert isinstance(thirty, RecordSource)
+    assert thirty.steps_for_epochs(0.1) == 3  # 0.1 × 30 is 3.0000000000000004 in floats

@@ -1,5 +1,5 @@
-"""The training records are checked before step 0: one pass finds every record that cannot train, by file and line,
-with counts; by default the run stops before any step, with ``--skip-bad-records`` it trains the others and lists
+"""The training records are checked before the first step: one pass finds every record that cannot train, by file and
+line, with counts; by default the run stops before any step, with ``--skip-bad-records`` it trains the others and lists
 the ones it left out in the run folder and in ``run.json``."""
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_records_left_out_are_in_no_epoch_and_the_others_in_each_once(tmp_path: 
     source = _numbered_source(tmp_path / "d.jsonl", 10, shuffle=shuffle)
     whole = source.identity()
     source.leave_out((2, 7))
-    assert source.num_records == 8 and source.steps_for_epochs(3) == 8
+    assert source.num_records == 8 and source.steps_for_epochs(3) == 9  # batches of 3, 3 and 2 an epoch
     trained = [int(sample.input_ids[0]) - 1 for step in range(8) for sample in source.batch(step).samples]
     assert sorted(trained[:8]) == sorted(trained[8:16]) == [0, 1, 3, 4, 5, 6, 8, 9]
     assert source.identity().fingerprint != whole.fingerprint

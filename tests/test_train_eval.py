@@ -136,7 +136,7 @@ def test_metrics_and_tensorboard_log_the_eval_loss_beside_the_training_loss(
             "time/micro_batches_measured_ms", "time/micro_batches_predicted_ms"} <= scalars.keys()
     for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("train/grad_norm", "grad_norm"),
                      ("eval/loss", "eval_loss")):
-        logged = [(line["step"] + 1, line[key]) for line in lines if line[key] is not None]  # numbered from 1
+        logged = [(line["step"], line[key]) for line in lines if line[key] is not None]
         assert [step for step, _ in scalars[tag]] == [step for step, _ in logged], tag
         torch.testing.assert_close([value for _, value in scalars[tag]], [value for _, value in logged], rtol=1e-6,
                                    atol=0)

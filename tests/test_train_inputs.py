@@ -106,9 +106,9 @@ def test_two_epochs_of_a_jsonl_file_train_every_record_twice(tmp_path: Path) -> 
     result = _torchrun(2, "--dp", "1", "--cp", "2", "--data", str(data), "--epochs", "2", "--global-batch", "4",
                        "--bucket-size", "64", "--metrics-out", str(metrics_out))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 epochs of 7 records: 4 steps" in result.stderr
+    assert "2 epochs of 7 records in global batches of 4: 4 steps, each epoch's last of 3 records" in result.stderr
     steps = read_metrics(metrics_out)
-    assert [m["step"] for m in steps] == [0, 1, 2, 3]  # 14 records in batches of 4, the last reaching past them
+    assert [(m["step"], m["epoch"]) for m in steps] == [(1, 4 / 7), (2, 1.0), (3, 1 + 4 / 7), (4, 2.0)]
 
 
 def test_closed_set_flags_hold_their_enums_and_an_unknown_value_names_the_flag_and_the_choices() -> None:

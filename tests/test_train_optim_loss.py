@@ -111,17 +111,17 @@ def _transformers_schedule(
     return schedule.lr_lambdas[0]
 
 
-def test_transformers_cosine_with_min_lr_is_the_default_only_without_warmup_and_one_step_shorter() -> None:
+def test_cosine_with_min_lr_is_the_default_one_step_shorter_without_warmup_and_differs_only_in_its_decay() -> None:
     for total_steps, min_lr_ratio in itertools.product(range(1, 65), (0.0, 0.1, 0.5, 1.0)):
         shorter = _transformers_schedule("cosine_with_min_lr", warmup_steps=0, total_steps=total_steps - 1,
                                          min_lr_rate=min_lr_ratio)
         for step in range(total_steps):  # bit for bit
             assert shorter(step) == warmup_cosine_factor(step, warmup_steps=0, total_steps=total_steps,
                                                          min_lr_ratio=min_lr_ratio), (total_steps, step)
-    # With a warmup and the run's own length: a step behind in the warmup, above the floor at the last step.
-    own = _transformers_schedule("cosine_with_min_lr", warmup_steps=2, total_steps=10, min_lr_rate=0.1)
+    # With a warmup and the run's own length: the default's warmup, above the floor at the last step.
+    own = lr_factors(LRSchedulerName.COSINE_WITH_MIN_LR, warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
     default = [warmup_cosine_factor(step, warmup_steps=2, total_steps=10, min_lr_ratio=0.1) for step in range(10)]
-    assert [own(step) for step in range(3)] == [0.0, 0.5, 1.0] and default[:3] == [0.5, 1.0, 1.0]
+    assert [own(step) for step in range(3)] == default[:3] == [0.5, 1.0, 1.0]
     assert own(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
     assert default[9] == pytest.approx(0.1)
 
@@ -130,14 +130,15 @@ def _cosine(progress: float, floor: float = 0.0) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# warmup 2 of 10 steps, min-lr-ratio 0.1; warmup_stable_decay decays over ⌈8 / 5⌉ = 2 steps
+# warmup 2 of 10 steps, min-lr-ratio 0.1; warmup_stable_decay decays over ⌈8 / 5⌉ = 2 steps. Every warmup is
+# (s + 1) / W, warmup_stable_decay's from the floor: m + (1 − m) · (s + 1) / W.
 EXPECTED_FACTORS = {
     LRSchedulerName.WARMUP_COSINE: [0.5, 1.0] + [_cosine((step - 2) / 7, 0.1) for step in range(2, 10)],
-    LRSchedulerName.LINEAR: [0.0, 0.5] + [(10 - step) / 8 for step in range(2, 10)],
-    LRSchedulerName.COSINE: [0.0, 0.5] + [_cosine((step - 2) / 8) for step in range(2, 10)],
-    LRSchedulerName.COSINE_WITH_MIN_LR: [0.0, 0.5] + [_cosine((step - 2) / 8, 0.1) for step in range(2, 10)],
-    LRSchedulerName.CONSTANT_WITH_WARMUP: [0.0, 0.5] + [1.0] * 8,
-    LRSchedulerName.WARMUP_STABLE_DECAY: [0.1, 0.55] + [1.0] * 6 + [1.0, _cosine(1 / 2, 0.1)],
+    LRSchedulerName.LINEAR: [0.5, 1.0] + [(10 - step) / 8 for step in range(2, 10)],
+    LRSchedulerName.COSINE: [0.5, 1.0] + [_cosine((step - 2) / 8) for step in range(2, 10)],
+    LRSchedulerName.COSINE_WITH_MIN_LR: [0.5, 1.0] + [_cosine((step - 2) / 8, 0.1) for step in range(2, 10)],
+    LRSchedulerName.CONSTANT_WITH_WARMUP: [0.5, 1.0] + [1.0] * 8,
+    LRSchedulerName.WARMUP_STABLE_DECAY: [0.55, 1.0] + [1.0] * 6 + [1.0, _cosine(1 / 2, 0.1)],
 }
 
 
@@ -145,6 +146,34 @@ EXPECTED_FACTORS = {
 def test_each_named_schedule_follows_its_formula(scheduler: LRSchedulerName) -> None:
     factors = lr_factors(scheduler, warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
     assert [factors(step) for step in range(10)] == pytest.approx(EXPECTED_FACTORS[scheduler], rel=1e-12)
+
+
+@pytest.mark.parametrize("scheduler", list(LRSchedulerName))
+@pytest.mark.parametrize("warmup_steps", [1, 2, 5])
+def test_no_step_trains_at_lr_0_and_the_first_step_after_warmup_trains_at_the_peak(
+    scheduler: LRSchedulerName, warmup_steps: int,
+) -> None:
+    total_steps = 12
+    factors = [lr_factors(scheduler, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=0.1)(step)
+               for step in range(total_steps)]
+    assert min(factors) > 0, factors
+    assert factors[warmup_steps] == 1.0
+    assert factors[warmup_steps - 1] == 1.0  # the warmup reaches the peak on its last step
+    assert factors[0] == pytest.approx(0.1 + 0.9 / warmup_steps if scheduler is LRSchedulerName.WARMUP_STABLE_DECAY
+                                       else 1 / warmup_steps)
+
+
+@pytest.mark.parametrize("scheduler", [name for name in LRSchedulerName if name is not LRSchedulerName.WARMUP_COSINE])
+def test_after_the_warmup_each_transformers_schedule_decays_as_transformers_decays_it(
+    scheduler: LRSchedulerName,
+) -> None:
+    specific = ({"min_lr_rate": 0.1} if scheduler is LRSchedulerName.COSINE_WITH_MIN_LR else
+                {"min_lr_ratio": 0.1, "num_decay_steps": wsd_decay_steps(warmup_steps=3, total_steps=20)}
+                if scheduler is LRSchedulerName.WARMUP_STABLE_DECAY else {})
+    theirs = _transformers_schedule(scheduler.value, warmup_steps=3, total_steps=20, **specific)
+    ours = lr_factors(scheduler, warmup_steps=3, total_steps=20, min_lr_ratio=0.1)
+    assert [ours(step) for step in range(3, 20)] == [theirs(step) for step in range(3, 20)]
+    assert [ours(step) for step in range(3)] == [theirs(step + 1) for step in range(3)]  # the warmup a step ahead
 
 
 def test_warmup_stable_decay_decays_over_a_fifth_of_the_steps_after_warmup() -> None:

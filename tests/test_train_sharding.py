@@ -16,6 +16,7 @@ from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import resolve_profile
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelContext, init_parallel, spawn_gloo
+from trainer_client.profiler.measure import device_memory_bytes
 from trainer_client.trainer import Trainer
 
 DP, CP, STEPS = 2, 2, 2
@@ -56,7 +57,8 @@ def _state_bytes(trainer: Trainer) -> int:
 
 
 def _planner_buckets(parallel: ParallelContext) -> dict[str, list[int]]:
-    """(the trainer's derived bucket, the bucket of the plan it trains) per sharding mode, from the H100 profile."""
+    """(the trainer's derived bucket, the bucket of the plan it trains) per sharding mode, from the H100 profile's
+    activations in this host's memory."""
     buckets = {}
     for sharding in ("none", "zero2", "zero3"):
         config = TrainConfig(dp=DP, cp=CP, model="tiny", global_batch=4, steps=1, profile="h100-paper",
@@ -137,9 +139,10 @@ def test_the_planner_uses_the_bucket_the_trainers_sharding_leaves_room_for(resul
     shape, profile = MODEL_CATALOGUE["tiny"], resolve_profile("h100-paper")
     perf = PerformanceModel(model=shape, profile=profile)
     per_token = perf.activation_bytes_per_token + perf.gathered_kv_bytes_per_token(CP)
+    host_per_rank = device_memory_bytes(torch.device("cpu")) / (DP * CP)  # on CPU: none reserved, not the H100's 80 GB
     for sharding, (replicated, sharded) in STATIC_BYTES.items():
         static = shape.num_parameters * (replicated + sharded / (DP * CP))
-        free = profile.device_memory_bytes - profile.memory.reserved_bytes - profile.memory.beta_bytes - static
+        free = host_per_rank - profile.memory.beta_bytes - static
         trainer_bucket, planned_bucket = results["buckets"][sharding]
         assert trainer_bucket == planned_bucket == int(free // per_token), sharding
     assert results["buckets"]["zero3"][0] > results["buckets"]["zero2"][0] > results["buckets"]["none"][0]

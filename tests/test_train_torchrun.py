@@ -56,7 +56,7 @@ def test_skrull_matches_deepspeed_step_for_step_and_survives_the_service_stoppin
         stop_service(service)
 
     baseline, scheduled = read_metrics(deepspeed_out), read_metrics(skrull_out)
-    assert [m["step"] for m in scheduled] == [m["step"] for m in baseline] == list(range(STEPS))
+    assert [m["step"] for m in scheduled] == [m["step"] for m in baseline] == list(range(1, STEPS + 1))
     for a, b in zip(scheduled, baseline, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), f"step {a['step']}"
         assert a["tokens"] == b["tokens"]
@@ -82,9 +82,9 @@ def test_a_failing_rank_stops_the_job_at_once_and_every_rank_names_it(tmp_path: 
     )
     ended, stderr = time.time(), job.stderr
     assert job.returncode != 0, stderr[-3000:]
-    # Rank 0 logged steps 1 and 2 (batches 0 and 1), then waited for global rank 2 in step 3: it and the job ended
-    # long before a collective could time out (seconds, here; the bound leaves room for a loaded machine).
-    assert [m["step"] for m in read_metrics(metrics_out)] == [0, 1]
+    # Rank 0 logged steps 1 and 2, then waited for global rank 2 in step 3: it and the job ended long before a
+    # collective could time out (seconds, here; the bound leaves room for a loaded machine).
+    assert [m["step"] for m in read_metrics(metrics_out)] == [1, 2]
     assert ended - metrics_out.stat().st_mtime < COLLECTIVE_TIMEOUT_S / 4
     reason = "InjectedFault: injected fault at step 3 (--fail-rank 2 --fail-at-step 3)"
     final_errors = _final_errors(stderr)

@@ -22,7 +22,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data and DACP", ("data", "dacp")),
     ("models", ("models", "distributed.parallelize")),
     ("components, profiler, advisor", ("components", "profiler", "advise")),
-    ("loops and commands", ("loop", "trainer", "train", "demo", "profile", "export", "hf")),
+    ("loops and commands", ("loop", "trainer", "train", "demo", "profile", "export", "hf", "chat_tokenizer",
+                            "cli_reference")),
 )
 
 

@@ -14,13 +14,14 @@ Sub-packages, from the bottom up (docs/development.md, "Layers"):
   ``models.loss`` (the chunked loss of a micro-batch, its forward and backward), ``models.loading`` (the trained
   module on every rank without a full copy per rank);
 * ``data``: global batches of records or synthetic lengths; ``data.hub`` (Hugging Face Hub ids: the snapshot in the
-  cache each reads), ``data.check`` (every record checked before step 0), ``data.evaluation`` (held-out loss);
+  cache each reads), ``data.check`` (every record checked before the first step), ``data.evaluation`` (held-out loss);
 * ``planning``: ``planning.client`` (the scheduler service over HTTP) and ``planning.source`` (rank 0's plans: the
   service's, the embedded core's as fallback, profile registration, feedback);
 * ``components``: ``optim`` (AdamW, the schedule, clipping), ``step_metrics`` (what a step measures),
   ``reporting`` (where rank 0 writes it: the metrics file and the experiment trackers), ``checkpoint`` (DCP save and
-  resume), ``run_identity`` (what a checkpoint must share with the run that resumes it), ``export`` (a Hugging Face
-  model folder from the trained model or a checkpoint);
+  resume), ``run_identity`` (what a checkpoint must share with the run that resumes it), ``stop`` (SIGINT and
+  SIGTERM: every rank saves at the step boundary and stops), ``export`` (a Hugging Face model folder from the trained
+  model or a checkpoint);
 * ``profiler``: ``profiler.command`` (``skrull-profile``, ``python -m trainer_client.profile``) over
   ``profiler.sweeps`` (what it measures), ``profiler.document`` (the file it writes) and ``profiler.measure`` (its
   timing and memory probes); ``profiler.auto`` (``--profile auto``: measured by the run itself, cached per machine
@@ -29,8 +30,10 @@ Sub-packages, from the bottom up (docs/development.md, "Layers"):
   ``advise.inputs`` (a data set's lengths as this trainer encodes them, a checkpoint's shape, a profile file);
 * the loop and its commands: ``loop`` (Skrull's plans, packing and loss normaliser, for ``Trainer`` and a training
   loop of your own), ``trainer`` (the bundled loop), ``train`` (the entrypoint: ``skrull-train``, or one torchrun
-  rank), ``demo`` (the end-to-end job); ``profile`` and ``export`` keep ``python -m trainer_client.profile`` and
-  ``python -m trainer_client.export`` running the commands that moved into ``profiler`` and ``components``.
+  rank), ``demo`` (the end-to-end job), ``chat_tokenizer`` (``skrull-tokenizer``: a small chat tokenizer made
+  offline); ``profile`` and ``export`` keep ``python -m trainer_client.profile`` and ``python -m
+  trainer_client.export`` running the commands that moved into ``profiler`` and ``components``; ``cli_reference``
+  writes the commands' reference page from their parsers.
 * ``hf``: Skrull inside transformers' ``Trainer`` and TRL's ``SFTTrainer`` (``SkrullTrainer``, ``SkrullSFTTrainer``),
   imported only by a script that uses them.
 

@@ -16,14 +16,17 @@ from enum import StrEnum
 from pathlib import Path
 
 __all__ = ["CHAT_TEMPLATES", "DEFAULT_CHUNK_TOKENS", "DEFAULT_COLLECTIVE_TIMEOUT_S", "DEFAULT_PLAN_ATTEMPTS",
-           "DEFAULT_PLAN_TIMEOUT_S", "SYNTHETIC_PREFIX", "AttentionBackend", "FsdpUnits", "LRSchedulerName",
-           "LoraExport", "LossOn", "Tracker", "chat_template_of", "check_installed"]
+           "DEFAULT_PLAN_TIMEOUT_S", "SYNTHETIC_DATASETS", "SYNTHETIC_PREFIX", "AttentionBackend", "FsdpUnits",
+           "LRSchedulerName", "LoraExport", "LossOn", "Tracker", "chat_template_of", "check_installed"]
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # of every process group (distributed/)
 DEFAULT_CHUNK_TOKENS = 4096  # tokens per chunk of the LM head and cross-entropy (loss.py)
 DEFAULT_PLAN_TIMEOUT_S = 5.0  # per POST /plan attempt (planning/client.py)
 DEFAULT_PLAN_ATTEMPTS = 3  # before the embedded planner plans the batch (planning/source.py)
 SYNTHETIC_PREFIX = "synthetic:"  # --data synthetic:DATASET: lengths drawn from a built-in sampler (data.py)
+# The samplers' names (``scheduler_service.core.samplers.DATASETS``, which loads numpy), for ``--help`` to list without
+# loading it; a test holds the two equal.
+SYNTHETIC_DATASETS = ("wikipedia", "lmsys", "chatqa2", "longtail64k", "docmix")
 
 # --chat-template NAME: templates known by name (a file's Jinja otherwise). ChatML, as Qwen's and many others' chats
 # are written; its markers are tokens of their tokenizers, and plain text of any other.

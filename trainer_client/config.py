@@ -6,9 +6,10 @@ which the command line and the config file both come.
   or model is built. A closed set of values is a ``StrEnum`` field: a string given for it is converted, or refused
   with the values it takes.
 - **Flags** (``add_flags``): one per field, ``--field-name`` unless the field's ``Flag`` spells it otherwise
-  (``plan_timeout_s`` is ``--plan-timeout``); its help is the field's description, with the default shown once; a
-  bool has both forms (``--resume``/``--no-resume``, ``--shuffle``/``--no-shuffle``), so a flag can turn a file's
-  value either way; a tuple is comma-separated; an enum offers its values.
+  (``plan_timeout_s`` is ``--plan-timeout``), in the argument group of ``--help`` that ``GROUPS`` gives it; its
+  help is the field's description, one or two lines of plain text (the guides explain), with the default shown
+  once; a bool has both forms (``--resume``/``--no-resume``, ``--shuffle``/``--no-shuffle``), so a flag can turn a
+  file's value either way; a tuple is comma-separated; an enum offers its values.
 - **Config file** (``--config run.yaml``, or ``.toml`` / ``.json``): a mapping of field names to values, each key
   once. A flag given on the command line overrides the file's key (and, for ``--steps``/``--epochs``, the file's
   choice of the other).
@@ -25,8 +26,8 @@ closed sets it names), so ``--help`` and config checks answer at once; the few c
 The flags are generated here, from each field's type, description and ``Flag``, rather than by pydantic-settings'
 CLI: that keeps every flag's spelling and meaning (``--plan-timeout`` for ``plan_timeout_s``,
 comma-separated lists, the ``--steps``/``--epochs`` exclusion, argument groups), keeps ``train.build_parser`` a
-plain argparse parser for the docs, and adds no dependency to the trainer (GPU machines often lack
-pydantic-settings).
+plain argparse parser for the reference page (``cli_reference``), and adds no dependency to the trainer (GPU
+machines often lack pydantic-settings).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from trainer_client.choices import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DEFAULT_PLAN_ATTEMPTS,
     DEFAULT_PLAN_TIMEOUT_S,
+    SYNTHETIC_DATASETS,
     SYNTHETIC_PREFIX,
     AttentionBackend,
     FsdpUnits,
@@ -84,8 +86,10 @@ if TYPE_CHECKING:  # torch's modules: the configuration imports them only where 
 
 __all__ = [
     "CONFIG_SUFFIXES",
+    "GROUPS",
     "ConfigError",
     "Flag",
+    "FlagGroup",
     "TrainConfig",
     "add_flags",
     "check_output_dir",
@@ -98,24 +102,66 @@ __all__ = [
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 DTYPES = ("float32", "bfloat16")
-# The argument groups of --help, in their order, each with its description; the other flags come first.
-GROUPS: dict[str, str] = {
-    "evaluation": "mean token loss on held-out records, planned and sharded like training, no optimizer step",
-    "LoRA": "train low-rank adapters (peft) on a frozen model: only the adapters carry gradients and optimizer "
-            "state, so the BucketSize grows",
-    "reporting": "the step metrics (loss, eval loss, learning rate, gradient norm, tokens/s, plan source, predicted "
-                 "and measured step time, peak memory) in experiment trackers, from rank 0",
-    "fault injection": "for tests of failure handling; never in real runs",
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FlagGroup:
+    """An argument group of ``--help``: what its flags are about, and the fields whose flags it holds."""
+
+    description: str
+    fields: tuple[str, ...]
+
+
+# The argument groups of --help, in their order, each with its flags in theirs; every field's flag is in one (--help
+# and --config come first).
+GROUPS: dict[str, FlagGroup] = {
+    "data": FlagGroup(
+        description="--data and --eval-data read records from a JSONL, parquet, CSV or JSON file, a dataset folder "
+                    "(DIR[:SPLIT]) or a Hugging Face Hub data set ORG/NAME[@REVISION][:SPLIT]; --data synthetic:NAME "
+                    f"({', '.join(SYNTHETIC_DATASETS)}) draws lengths like that data set's, with random tokens",
+        fields=("data", "tokenizer", "chat_template", "loss_on", "text_field", "shuffle", "max_length", "truncate",
+                "skip_bad_records")),
+    "model": FlagGroup(
+        description="the model and how its layers compute",
+        fields=("model", "dtype", "attention_backend", "activation_checkpointing", "compile", "cuda_graphs",
+                "loss_chunk_tokens")),
+    "parallelism and plans": FlagGroup(
+        description="the layout of the ranks, and the plan of each global batch",
+        fields=("dp", "cp", "sharding", "fsdp_units", "scheduler", "spanning", "bucket_size", "token_buckets",
+                "profile", "collective_timeout_s")),
+    "optimisation": FlagGroup(
+        description="how long to train, and how each step updates the weights (AdamW)",
+        fields=("global_batch", "steps", "epochs", "seed", "lr", "weight_decay", "lr_scheduler", "warmup_steps",
+                "min_lr_ratio", "max_grad_norm")),
+    "LoRA": FlagGroup(
+        description="train low-rank adapters (peft) on a frozen model: only the adapters carry gradients and "
+                    "optimizer state, so the BucketSize grows",
+        fields=("lora_rank", "lora_alpha", "lora_targets")),
+    "evaluation": FlagGroup(
+        description="mean token loss on held-out records, planned and sharded like training, no optimizer step",
+        fields=("eval_data", "eval_every")),
+    "checkpoints and export": FlagGroup(
+        description="DCP checkpoints to resume from, and the trained model as a Hugging Face folder",
+        fields=("checkpoint_dir", "checkpoint_every", "keep_last", "async_checkpoint", "resume",
+                "resume_accept_data_change", "output_dir", "export_every", "export_lora")),
+    "logging": FlagGroup(
+        description="the step metrics, from rank 0: log lines, a JSON lines file and experiment trackers (W&B reads "
+                    "WANDB_PROJECT and WANDB_MODE, MLflow MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME)",
+        fields=("metrics_out", "logging_steps", "progress", "debug", "report_to", "logging_dir", "job_id")),
+    "service": FlagGroup(
+        description="the scheduler service, which plans each global batch; without one, the embedded planner does",
+        fields=("scheduler_url", "plan_timeout_s", "plan_attempts", "feedback")),
+    "fault injection": FlagGroup(
+        description="for tests of failure handling; never in real runs",
+        fields=("fail_rank", "fail_at_step")),
 }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Flag:
-    """How a field appears on the command line, where it is not ``--field-name`` taking a value in the main
-    group."""
+    """How a field appears on the command line, where it is not ``--field-name`` taking a value."""
 
     name: str | None = None  # the flag's spelling: --plan-timeout for plan_timeout_s
-    group: str | None = None  # one of GROUPS
     exclusive: str | None = None  # fields sharing this name are given at most one at a time (--steps, --epochs)
     metavar: str | None = None
     choices: tuple[str, ...] | None = None  # a str field's values (an enum field offers its own)
@@ -229,26 +275,16 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    dp: Annotated[int, Positive] = Field(description="data-parallel degree (required, here or in the --config file)")
-    cp: Annotated[int, Positive] = Field(description="context-parallel degree (required, here or in the --config "
-                                                     "file)")
-    model: str = Field("tiny", description="a built-in model name, a local HF checkpoint directory, or a Hugging "
-                                           "Face Hub id ORG/NAME[@REVISION] (from the HF cache, downloaded into it "
-                                           "by rank 0 unless HF_HUB_OFFLINE is set)")
-    data: str = Field("synthetic:lmsys", description="synthetic:{wikipedia,lmsys,chatqa2}, or input_ids, messages "
-                                                     "(chat) or text records: a JSONL, parquet, CSV or JSON file, a "
-                                                     "local dataset folder (save_to_disk, or data files; DIR:SPLIT "
-                                                     "picks a split), or a Hugging Face Hub dataset "
-                                                     "ORG/NAME[@REVISION][:SPLIT] (split train by default)")
-    tokenizer: str | None = Field(None, description="a local tokenizer directory or a Hugging Face Hub id "
-                                                    "ORG/NAME[@REVISION] (for chats, prompt–completion and text "
-                                                    "records)")
+    dp: Annotated[int, Positive] = Field(description="data-parallel degree (required, here or in --config)")
+    cp: Annotated[int, Positive] = Field(description="context-parallel degree (required, here or in --config)")
+    model: str = Field("tiny", description="a built-in model name, a Hugging Face model folder, or a Hub id "
+                                           "ORG/NAME[@REVISION]")
+    data: str = Field("synthetic:lmsys", description="records of input_ids, messages, conversations, "
+                                                     "prompt/completion or text; default synthetic:lmsys")
+    tokenizer: str | None = Field(None, description="for chats, prompt/completion and text: a folder or Hub id "
+                                                    "(skrull-tokenizer DIR makes one offline)")
     loss_on: Annotated[LossOn, _one_of(LossOn)] = Field(
-        LossOn.ASSISTANT, description="the tokens with loss of the records the trainer renders: assistant (a chat's "
-                                      "assistant turns, a prompt–completion record's completion; TRL's "
-                                      "assistant_only_loss), completion (a chat's last assistant turn, a "
-                                      "completion; TRL's completion_only_loss) or all (every token); text records "
-                                      "train every token, input_ids records their own labels")
+        LossOn.ASSISTANT, description="which tokens train: assistant (every answer), completion (the last) or all")
     chat_template: Annotated[str, AfterValidator(_chat_template)] | None = Field(
         None, description=f"render chats with this template instead of the tokenizer's: a name "
                           f"({', '.join(CHAT_TEMPLATES)}) or a file of Jinja")
@@ -257,153 +293,113 @@ class TrainConfig(BaseModel):
     steps: Annotated[int, Positive, Flag(exclusive="length")] = Field(
         20, description="optimizer steps (one per global batch)")
     epochs: Annotated[float, Positive, Flag(exclusive="length")] | None = Field(
-        None, description="train every record this many times (records, not synthetic data): the steps are "
-                          "epochs × records / --global-batch, rounded up")
-    shuffle: bool = Field(True, description="train each epoch's records in a permutation seeded by --seed and the "
-                                            "epoch, the same on every rank and kept across --resume (the default); "
-                                            "--no-shuffle: in file order")
+        None, description="train every record this many times instead of --steps (records, not synthetic data)")
+    shuffle: bool = Field(True, description="train each epoch's records in a permutation seeded by --seed (the "
+                                            "default); --no-shuffle: in file order")
     scheduler: Annotated[SchedulerName, _one_of(SchedulerName)] = Field(
         SchedulerName.SKRULL, description="the planner of each global batch")
     scheduler_url: Annotated[str, AfterValidator(_http_url)] | None = Field(
-        None, description="the scheduler service; absent: plan with the embedded core")
-    spanning: bool = Field(True, description="plans may run a micro-batch over several DP replicas at once, which "
-                                             "sequences longer than one CP group holds need (the default); "
-                                             "--no-spanning: every micro-batch within one DP replica's CP group")
+        None, description="the scheduler service's URL; absent: plan with the embedded planner")
+    spanning: bool = Field(True, description="plans may run a micro-batch over several DP replicas (the default); "
+                                             "--no-spanning: within one")
     bucket_size: Annotated[int, Positive] | None = Field(
         None, description="tokens per CP rank per micro-batch (default: from profile)")
-    profile: str | None = Field(None, description="hardware profile for the performance model: auto (measured by "
-                                                  "every rank before the first step, cached per machine and "
-                                                  "layout), a name, or a profile file from python -m "
-                                                  "trainer_client.profile (default: auto on CUDA, the planner's on "
-                                                  "CPU)")
+    profile: str | None = Field(None, description="hardware profile: auto (measured at start), a name or a file; "
+                                                  "default: auto on CUDA, the planner's on CPU")
     seed: int = Field(0, description="seeds the model's initialisation, synthetic data and the records' order")
     lr: Annotated[float, Positive] = Field(1e-3, description="the peak learning rate (AdamW)")
     weight_decay: float = Field(0.0, description="AdamW's weight decay")
     lr_scheduler: Annotated[LRSchedulerName, _one_of(LRSchedulerName)] = Field(
         LRSchedulerName.WARMUP_COSINE,
-        description="the learning rate's schedule: warmup_cosine (linear warmup from lr / --warmup-steps, then a "
-                    "cosine to lr × --min-lr-ratio at the last step), or transformers' schedule of that name; "
-                    "warmup_stable_decay decays over the last fifth of the steps after warmup")
+        description="warmup_cosine (the default): after warmup, a cosine to lr × --min-lr-ratio; others: "
+                    "transformers'")
     warmup_steps: Annotated[int, NonNegative] = Field(0, description="steps of linear warmup at the start")
     min_lr_ratio: Annotated[float, AfterValidator(_fraction)] = Field(
-        0.1, description="warmup_cosine, cosine_with_min_lr and warmup_stable_decay end at lr × this; refused with "
-                         "the other schedules, which do not read it")
+        0.1, description="warmup_cosine, cosine_with_min_lr and warmup_stable_decay end at lr × this")
     max_grad_norm: Annotated[float, NonNegative] = Field(1.0, description="clip the global gradient norm; 0: off "
                                                                           "(the norm is still reported)")
     sharding: Annotated[Sharding, _one_of(Sharding)] = Field(
-        Sharding.ZERO2, description="FSDP2 over all DP × CP ranks: zero2 keeps parameters unsharded for the step, "
-                                    "zero3 reshards after every forward; none: replicated, one all-reduce")
+        Sharding.ZERO2, description="FSDP2 over all ranks: zero2, zero3 (reshards after each forward) or none "
+                                    "(replicated)")
     activation_checkpointing: Annotated[ActivationCheckpointing, _one_of(ActivationCheckpointing)] = Field(
         ActivationCheckpointing.NONE, description="per decoder layer: selective recomputes the MLP, full the whole "
                                                   "layer")
-    compile: bool = Field(False, description="torch.compile each decoder layer (the token dimension dynamic; a "
-                                             "micro-batch of local sequences one graph per layer, attention "
-                                             "included; collectives eager): fewer, fused kernels, so a GPU's "
-                                             "launch-bound micro-batches run faster; the first steps pay the "
-                                             "compilation")
-    cuda_graphs: bool = Field(False, description="capture each decoder layer as CUDA graphs per token bucket and "
-                                                 "replay them (torch.compile's reduce-overhead mode over "
-                                                 "--token-buckets, 4 unless given): one launch per graph instead of "
-                                                 "one per kernel; needs CUDA, --cp 1 and --sharding none, and plans "
-                                                 "within CP groups")
+    compile: bool = Field(False, description="torch.compile each decoder layer: fewer, fused kernels; the first "
+                                             "steps pay the compilation")
+    cuda_graphs: bool = Field(False, description="replay each layer as CUDA graphs per token bucket; needs CUDA, "
+                                                 "--cp 1 and --sharding none")
     token_buckets: Annotated[int, NonNegative] | None = Field(
-        None, description="pad each rank's row of a micro-batch to the smallest of this many token buckets "
-                          "(BucketSize and its halves, at most 8), the padding priced by the planner so that plans "
-                          "fill buckets; what --cuda-graphs captures graphs per (default 4 with it, 0 without: rows "
-                          "as packed)")
+        None, description="pad rows to the smallest of N buckets (BucketSize and its halves); default: 4 with "
+                          "--cuda-graphs, else 0")
     fsdp_units: Annotated[FsdpUnits, _one_of(FsdpUnits)] | None = Field(
-        None, description="what FSDP2 shards as one unit: layer (each decoder layer, and the root) or model (one "
-                          "unit: FSDP's hooks run once per micro-batch instead of once per layer; zero2 only, whose "
-                          "parameters stay gathered for the step anyway, at the price of the whole model's fp32 "
-                          "gradient reduction at once in the last backward); default: model under zero2 where that "
-                          "reduction fits the activation memory the backward has freed by then, else layer")
+        None, description="what FSDP2 shards as one unit: each layer, or the model (zero2 only); default: model "
+                          "where it fits")
     loss_chunk_tokens: Annotated[int, Positive] = Field(
-        DEFAULT_CHUNK_TOKENS, description="tokens per chunk of the LM head + cross-entropy (bounds the fp32 logits "
-                                          "held)")
+        DEFAULT_CHUNK_TOKENS, description="tokens per chunk of the LM head and loss (bounds the fp32 logits held)")
     checkpoint_dir: Path | None = Field(None, description="save DCP checkpoints here")
     checkpoint_every: Annotated[int, NonNegative] = Field(
         0, description="steps between checkpoints (0: after the last step only)")
     keep_last: Annotated[int, Positive] | None = Field(
-        None, description="keep the N newest complete checkpoints: once one is complete, older ones are removed "
-                          "(default: keep all)")
-    async_checkpoint: bool = Field(False, description="write checkpoints in the background (dcp.async_save): a step "
-                                                      "waits only for the state to be copied to CPU memory, a save "
-                                                      "for the one before it")
-    resume: bool = Field(False, description="continue from the newest complete checkpoint in --checkpoint-dir when "
-                                            "there is one; it must have been written with the same --model, --dp × "
-                                            "--cp, --global-batch, --data and --seed (other hyperparameters are "
-                                            "accepted)")
+        None, description="keep the N newest complete checkpoints (default: keep all)")
+    async_checkpoint: bool = Field(False, description="write checkpoints in the background (dcp.async_save)")
+    resume: bool = Field(False, description="continue from the newest complete checkpoint in --checkpoint-dir (same "
+                                            "model, layout, data and seed)")
     resume_accept_data_change: bool = Field(
-        False, description="with --resume: accept a checkpoint trained on other --data (another source, or the "
-                           "same one changed) and continue from its saved data position")
-    output_dir: Path | None = Field(None, description="after the last step, write the trained model here as a "
-                                                      "Hugging Face folder (safetensors weights, config, generation "
-                                                      "config, and the --tokenizer if given), ready for "
-                                                      "AutoModelForCausalLM.from_pretrained; its parent directory "
-                                                      "must exist")
+        False, description="with --resume: continue a checkpoint trained on other --data from its data position")
+    output_dir: Path | None = Field(None, description="after the last step, write the model here as a Hugging Face "
+                                                      "folder (with the --tokenizer)")
     export_every: Annotated[int, Positive] | None = Field(
-        None, description="also export every N steps before the last, into OUTPUT_DIR/step-N (the step number "
-                          "zero-padded to 8 digits, as checkpoints are); needs --output-dir")
+        None, description="also export every N steps, into OUTPUT_DIR/step-N; needs --output-dir")
     export_lora: Annotated[LoraExport, _one_of(LoraExport)] = Field(
-        LoraExport.MERGED, description="after a LoRA run, --output-dir holds the model with the adapters merged "
-                                       "into its weights, or the adapter alone (for a --model checkpoint folder, "
-                                       "its base)")
-    eval_data: Annotated[str, AfterValidator(_held_out), Flag(group="evaluation")] | None = Field(
-        None, description="held-out records, in any form --data takes but synthetic (a Hub data set's other split: "
-                          "ORG/NAME:test); none may be longer than --max-length")
-    eval_every: Annotated[int, NonNegative, Flag(group="evaluation")] = Field(
+        LoraExport.MERGED, description="after a LoRA run: the model with the adapters merged, or the adapter alone")
+    eval_data: Annotated[str, AfterValidator(_held_out)] | None = Field(
+        None, description="held-out records, as --data takes them but synthetic (ORG/NAME:test: a Hub set's split)")
+    eval_every: Annotated[int, NonNegative] = Field(
         0, description="steps between evaluations (0: after the last step only)")
-    lora_rank: Annotated[int, Positive, Flag(group="LoRA")] | None = Field(
+    lora_rank: Annotated[int, Positive] | None = Field(
         None, description="the adapters' rank; absent: full fine-tuning")
-    lora_alpha: Annotated[int, Positive, Flag(group="LoRA")] | None = Field(
+    lora_alpha: Annotated[int, Positive] | None = Field(
         None, description="scale the adapters by alpha / rank (default: 2 × rank)")
-    lora_targets: Annotated[tuple[str, ...], BeforeValidator(_projections), Flag(group="LoRA")] = Field(
-        LORA_TARGETS, description="comma-separated projections of each decoder layer to adapt (all-linear: all)")
+    lora_targets: Annotated[tuple[str, ...], BeforeValidator(_projections)] = Field(
+        LORA_TARGETS, description="comma-separated projections of each layer to adapt (default: all-linear, every "
+                                  "one)")
     report_to: Annotated[tuple[Tracker, ...], BeforeValidator(_trackers),
-                         Flag(group="reporting", metavar="TRACKER[,TRACKER...]")] = Field(
-        (), description=f"comma-separated trackers of {', '.join(Tracker)}, each installed by the extra of its name "
-                        "(pip install 'skrull[wandb]'); W&B reads WANDB_PROJECT and WANDB_MODE, MLflow "
-                        "MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME")
-    logging_dir: Annotated[Path, Flag(group="reporting")] | None = Field(
-        None, description="the run's folder for TensorBoard's events and W&B's files (MLflow writes to its "
-                          "tracking URI); absent: runs/JOB_ID, JOB_ID the --job-id or a random one")
+                         Flag(metavar="TRACKER[,TRACKER...]")] = Field(
+        (), description=f"comma-separated: {', '.join(Tracker)}; each needs its extra (pip install "
+                        "'skrull[wandb]')")
+    logging_dir: Path | None = Field(
+        None, description="TensorBoard's and W&B's folder (default: runs/JOB_ID, the job id as --job-id says)")
     collective_timeout_s: Annotated[float, Positive, Flag(name="--collective-timeout")] = Field(
-        DEFAULT_COLLECTIVE_TIMEOUT_S, description="seconds any collective of any process group may wait for a peer")
+        DEFAULT_COLLECTIVE_TIMEOUT_S, description="seconds a collective may wait for a peer")
     max_length: Annotated[int, Positive] | None = Field(
         None, description="longest record accepted (default: bucket_size × cp)")
     truncate: bool = Field(False, description="cut records longer than --max-length")
     skip_bad_records: bool = Field(
-        False, description="leave out of every epoch the records that cannot train (too long, no token with loss, "
-                           "an empty chat, a chat without an assistant turn, a chat template that breaks prefixes, "
-                           "malformed), which the check before step 0 finds, and list them in --checkpoint-dir's "
-                           "bad-records.jsonl; by default they stop the run before step 0, all of them named")
+        False, description="leave out the records that cannot train, listed in --checkpoint-dir, instead of stopping")
     metrics_out: Path | None = Field(None, description="write one JSON line of metrics per step here")
     plan_timeout_s: Annotated[float, Positive, Flag(name="--plan-timeout")] = Field(
         DEFAULT_PLAN_TIMEOUT_S, description="seconds per POST /plan attempt")
     plan_attempts: Annotated[int, Positive] = Field(DEFAULT_PLAN_ATTEMPTS,
-                                                    description="POST /plan attempts before falling back")
+                                                    description="POST /plan attempts before the embedded planner "
+                                                                "plans")
     attention_backend: Annotated[AttentionBackend, _one_of(AttentionBackend)] = Field(
-        AttentionBackend.AUTO, description="the attention kernel; auto: on CUDA in bf16 or fp16, flash-attn where "
-                                           "installed, else torch's varlen attention; SDPA otherwise")
+        AttentionBackend.AUTO, description="auto: flash-attn or torch's varlen on CUDA in bf16 or fp16, else SDPA")
     dtype: Annotated[str, AfterValidator(_dtype), Flag(choices=DTYPES)] | None = Field(
         None, description="default: float32 on CPU, bfloat16 on CUDA")
     progress: bool = Field(True, description="a progress bar on rank 0 where stderr is a terminal (the default); "
                                              "--no-progress: none")
     logging_steps: Annotated[int, NonNegative] | None = Field(
-        None, description="log a line every N steps on rank 0 (loss, lr, tokens/s, plan source, epoch), bar or no "
-                          "bar; 0: none (default: every step where no bar shows them, none beside the bar)")
-    debug: bool = Field(False, description="print a user error's traceback with its message, and every rank's log "
-                                           "(by default rank 0's alone)")
-    feedback: bool = Field(False, description="report measured micro-batch times (and peak memory on CUDA) to the "
-                                              "service, which refits this job's profile (POST /feedback; needs "
-                                              "--scheduler-url)")
+        None, description="log a line every N steps on rank 0; 0: none (default: every step where no bar shows)")
+    debug: bool = Field(False, description="print a user error's traceback, and every rank's log (by default rank "
+                                           "0's alone)")
+    feedback: bool = Field(False, description="report measured micro-batch times to the service, which refits the "
+                                              "job's profile")
     job_id: Annotated[str, AfterValidator(_job_id)] | None = Field(
-        None, description="the job's name: the trackers' runs and the service's feedback job: 1-128 letters, "
-                          "digits, . _ : -, starting with a letter or digit (default: --checkpoint-dir's name, else "
-                          "the model's and the data's, and the start time)")
-    fail_rank: Annotated[int, Flag(group="fault injection")] | None = Field(
+        None, description="the runs' name (default: --checkpoint-dir's name, else the model's and the data's, "
+                          "and the start time)")
+    fail_rank: int | None = Field(
         None, description="the global rank that raises InjectedFault")
-    fail_at_step: Annotated[int, Flag(group="fault injection")] | None = Field(
+    fail_at_step: int | None = Field(
         None, description="the step (1-based, as checkpoints count them) at whose start it raises")
 
     def __init__(self, **values: Any) -> None:
@@ -592,7 +588,7 @@ def _flag_of(name: str, annotation: Any, metadata: list[Any]) -> Flag:
             found += [item for item in member.__metadata__ if isinstance(item, Flag)]
     flag = found[0] if found else Flag()
     spelled = flag.name or "--" + name.replace("_", "-")
-    return Flag(name=spelled, group=flag.group, exclusive=flag.exclusive,
+    return Flag(name=spelled, exclusive=flag.exclusive,
                 metavar=flag.metavar or spelled.removeprefix("--").replace("-", "_").upper(), choices=flag.choices)
 
 
@@ -610,6 +606,7 @@ def _value_type(annotation: Any) -> Any:
 _FLAGS: dict[str, Flag] = {name: _flag_of(name, info.annotation, info.metadata)
                            for name, info in TrainConfig.model_fields.items()}
 _FIELD_OF_FLAG: dict[str, str] = {flag.name: name for name, flag in _FLAGS.items() if flag.name is not None}
+_GROUP_OF: dict[str, str] = {name: title for title, group in GROUPS.items() for name in group.fields}
 
 
 def _comma_separated(text: str) -> tuple[str, ...]:
@@ -623,42 +620,48 @@ def _shown(default: object) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE`` and a flag per ``TrainConfig`` field, in the field's group. A flag not given is absent
-    from the parsed namespace (its default is the model's), so that ``config_from_args`` can tell it from a
-    config file's value."""
+    """``--config FILE`` and a flag per ``TrainConfig`` field, in the field's group (``GROUPS``). A flag not given
+    is absent from the parsed namespace (its default is the model's), so that ``config_from_args`` can tell it from
+    a config file's value."""
     parser.add_argument("--config", type=Path, metavar="FILE",
-                        help="a YAML, TOML or JSON file of the run's settings, keyed by the flags' names with _ for "
-                             "- (or the config key a flag's help names; paths relative to the working directory); a "
-                             "flag given overrides its key")
-    groups: dict[str | None, argparse._ActionsContainer] = {None: parser}
-    groups |= {title: parser.add_argument_group(title, description) for title, description in GROUPS.items()}
+                        help="a YAML, TOML or JSON file of settings, keyed by flag name with _ for -; a flag given "
+                             "overrides its key")
+    assert sorted(_GROUP_OF) == sorted(TrainConfig.model_fields), "GROUPS gives every field's flag one group"
     exclusive: dict[str, argparse._MutuallyExclusiveGroup] = {}
-    for name, info in TrainConfig.model_fields.items():
-        flag = _FLAGS[name]
-        assert flag.name is not None  # _flag_of spells every flag
-        container = groups[flag.group]
-        if flag.exclusive is not None:
-            if flag.exclusive not in exclusive:
-                exclusive[flag.exclusive] = container.add_mutually_exclusive_group()
-            container = exclusive[flag.exclusive]
-        kind = _value_type(info.annotation)
-        help_text = info.description or ""
-        # A bool's description says what its default does: "(default: False)" would not say which form it is.
-        if not (info.is_required() or info.default is None or kind is bool or info.default == ()
-                or "default" in help_text):
-            help_text += f" (default: {_shown(info.default)})"
-        if flag.name != "--" + name.replace("_", "-"):
-            help_text += f" [config key {name}]"
-        common: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
-        if kind is bool:  # --resume and --no-resume: either overrides the file's key
-            container.add_argument(flag.name, action=argparse.BooleanOptionalAction, **common)
-        elif get_origin(kind) is tuple:
-            container.add_argument(flag.name, type=_comma_separated, metavar=flag.metavar, **common)
-        elif isinstance(kind, type) and issubclass(kind, StrEnum):
-            container.add_argument(flag.name, choices=[member.value for member in kind], **common)
-        else:
-            container.add_argument(flag.name, type=kind, choices=flag.choices,
-                                   metavar=None if flag.choices else flag.metavar, **common)
+    for title, group in GROUPS.items():
+        argument_group = parser.add_argument_group(title, group.description)
+        for name in group.fields:
+            _add_flag(argument_group, name, exclusive)
+
+
+def _add_flag(container: argparse._ActionsContainer, name: str,
+              exclusive: dict[str, argparse._MutuallyExclusiveGroup]) -> None:
+    """The flag of field ``name`` in ``container``, or in the group of flags it excludes (``Flag.exclusive``)."""
+    info = TrainConfig.model_fields[name]
+    flag = _FLAGS[name]
+    assert flag.name is not None  # _flag_of spells every flag
+    if flag.exclusive is not None:
+        if flag.exclusive not in exclusive:
+            exclusive[flag.exclusive] = container.add_mutually_exclusive_group()
+        container = exclusive[flag.exclusive]
+    kind = _value_type(info.annotation)
+    help_text = info.description or ""
+    # A bool's description says what its default does: "(default: False)" would not say which form it is.
+    if not (info.is_required() or info.default is None or kind is bool or info.default == ()
+            or "default" in help_text):
+        help_text += f" (default: {_shown(info.default)})"
+    if flag.name != "--" + name.replace("_", "-"):
+        help_text += f" [config key {name}]"
+    common: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
+    if kind is bool:  # --resume and --no-resume: either overrides the file's key
+        container.add_argument(flag.name, action=argparse.BooleanOptionalAction, **common)
+    elif get_origin(kind) is tuple:
+        container.add_argument(flag.name, type=_comma_separated, metavar=flag.metavar, **common)
+    elif isinstance(kind, type) and issubclass(kind, StrEnum):
+        container.add_argument(flag.name, choices=[member.value for member in kind], **common)
+    else:
+        container.add_argument(flag.name, type=kind, choices=flag.choices,
+                               metavar=None if flag.choices else flag.metavar, **common)
 
 
 # ---- the config file, and the flags over it --------------------------------------------------------------------------

@@ -320,7 +320,9 @@ def format_table(skrull: RunSummary, deepspeed: RunSummary, *, profile: str, oth
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m trainer_client.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer_client.demo",
+                                     description="The end-to-end demo (make demo): the service plans, a CPU trainer "
+                                                 "trains, Skrull vs DeepSpeed.")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of a profile and one run of each scheduler")
     parser.add_argument("--steps", type=int, default=7, help="training steps of each run (the first is not timed)")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per global batch")

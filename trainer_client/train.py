@@ -17,8 +17,16 @@ configuration's checks import no torch (``config.py``).
 (``skrull-train``, ``python -m trainer_client.train``), it checks the configuration and then, for dp × cp > 1, runs
 torchrun's own launcher in this process (``torchrun --standalone --nproc-per-node DP×CP``: one node) with this
 command line, and ends with the workers' status: 2 after a user error, which a worker printed, without torchrun's
-summary of a failed worker (about 30 lines that a user error does not need). Several nodes, and restarts
-(``--max-restarts``), take torchrun.
+summary of a failed worker (about 30 lines that a user error does not need); 128 + the signal after a stop, without
+the agent's log and traceback of the signal. Several nodes, and restarts (``--max-restarts``), take torchrun.
+
+**Stopping.** SIGINT (Ctrl-C) or SIGTERM (a cluster's preemption) to the launcher or to any rank stops every rank at
+the end of the step in flight, which saves its checkpoint there (with ``--checkpoint-dir``; an async one is
+complete before the exit) and exits with 128 + the signal (130, 143); rank 0 prints what was saved and the command
+that resumes it, ``stopped by SIGINT after step 2 of 6: saved ck/step-00000002; resume with: skrull-train …
+--resume``. A second Ctrl-C abandons the step, a save in progress with it, and the line names the complete
+checkpoint ``--resume`` takes instead (``components/stop.py``). torchrun's own agent prints its traceback of the
+signal and exits with status 1; ``skrull-train`` does not.
 
 **Errors.** A user error (a ``ValueError``: bad flags or keys, world size ≠ dp × cp, records that cannot train, a
 ``--resume`` of another run's checkpoint, a model folder without weights, …) ends the job with exit status 2 and
@@ -29,8 +37,9 @@ alone. Its traceback is printed too with ``--debug``. Any other failure of a ran
 (``@record``): the agent stops the other ranks at once and names the failing rank and its traceback; with
 ``--max-restarts N --resume`` the job restarts from the newest complete checkpoint. Every other rank stops with
 ``PeerFailed`` naming that rank and reason rather than with the broken collective it was left in. torchrun stops
-the ranks still running with SIGTERM, which ``main`` turns into ``SystemExit`` (exit status 128 + 15): the trainer
-is closed as on any other failure, so the trackers record the run as failed instead of leaving it running.
+the ranks still running with SIGTERM, which ``main`` turns into ``SystemExit`` (exit status 128 + 15) at once, not a
+stop at the step boundary, for it finds the failure reported: the trainer is closed as on any other failure, so the
+trackers record the run as failed instead of leaving it running.
 """
 
 from __future__ import annotations
@@ -38,25 +47,31 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from types import FrameType
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from trainer_client.config import add_flags, config_from_args, flag_aliases, foreign_flag_refusal
 
-__all__ = ["build_parser", "main", "sigterm_exits"]
+if TYPE_CHECKING:
+    from trainer_client.components.stop import TrainingStopped
+    from trainer_client.trainer import Trainer
+
+__all__ = ["build_parser", "main"]
 
 EXIT_USER_ERROR = 2
+_STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # the exit status of a rank a signal stopped
 # Before there is a process group, rank 0 reports a user error; the others wait this long for it (torchrun stops every
 # rank as soon as one exits, and rank 0 could be stopped before it prints), and report it themselves if not stopped.
 REPORT_GRACE_S = 30.0
 _LAUNCHED = ("LOCAL_RANK", "RANK")  # set for every rank by torchrun (and by spawn_gloo in tests)
 _MODULE = "trainer_client.train"
+_COMMAND = "SKRULL_TRAIN_COMMAND"  # set by skrull-train's launcher for its ranks: how the user started the job
 
 
 def _global_rank() -> int:
@@ -104,30 +119,19 @@ def _is_number(token: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The trainer's flags, generated from ``TrainConfig`` (``config.add_flags``), with ``--config``."""
-    parser = _Parser(prog="python -m trainer_client.train", description=__doc__.splitlines()[0])
+    """The trainer's flags, generated from ``TrainConfig`` (``config.add_flags``), with ``--config``; the usage
+    line names the required flags alone (argparse's own lists all 60, in some 55 lines)."""
+    parser = _Parser(prog="python -m trainer_client.train", usage="%(prog)s --dp DP --cp CP [--config FILE] [FLAG ...]",
+                     description="Train a model on Skrull's plans: dp × cp ranks on this machine, or one rank under "
+                                 "torchrun. Each flag is also a key of a --config file.")
     add_flags(parser)
     return parser
-
-
-@contextmanager
-def sigterm_exits() -> Iterator[None]:
-    """Within: SIGTERM raises ``SystemExit(128 + SIGTERM)`` in the main thread, so that ``finally`` blocks run
-    (Python's default action ends the process at once); after it, the previous handler again."""
-
-    def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Sequence[str] | None = None, *, recorded: bool = False) -> int:
     """Train as the command line ``argv`` says (module docstring, "Launching"); the exit status. ``recorded``: a
     failure that is not the user's is recorded for torchrun's summary (``@record``)."""
+    command = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if not any(name in os.environ for name in _LAUNCHED):
         try:
@@ -135,14 +139,18 @@ def main(argv: Sequence[str] | None = None, *, recorded: bool = False) -> int:
         except ValueError as error:
             return _user_error(error, debug=bool(getattr(args, "debug", False)))
         if config.dp * config.cp > 1:
-            return _launch(list(sys.argv[1:] if argv is None else argv), config.dp * config.cp)
-    run: Callable[[argparse.Namespace], int | None] = _run
+            return _launch(command, config.dp * config.cp)
+    run: Callable[[argparse.Namespace, list[str]], int | None] = _run
     if recorded:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         run = record(_run)
-    with sigterm_exits():  # torchrun stops a rank with SIGTERM: the trainer and its trackers close as on a failure
-        return run(args) or 0
+    from trainer_client.components.stop import stop_signals
+
+    # SIGINT and SIGTERM stop the training loop at a step boundary, and elsewhere raise SystemExit: the trainer and
+    # its trackers close, also where torchrun stops the ranks a failure left (components/stop.py).
+    with stop_signals():
+        return run(args, command) or 0
 
 
 def _user_error(error: BaseException, *, debug: bool) -> int:
@@ -162,6 +170,8 @@ def _launch(argv: list[str], num_processes: int) -> int:
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes, without its warning
+    # The ranks' stop line names the command that resumes the job (train.py's own name, under torchrun).
+    os.environ[_COMMAND] = "skrull-train" if Path(sys.argv[0]).name == "skrull-train" else f"python -m {_MODULE}"
     logging.disable(logging.ERROR)  # the agent's own log of a failed worker: the worker said what went wrong
     launch = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(num_processes), "-m", _MODULE,
                                            *argv])
@@ -169,19 +179,24 @@ def _launch(argv: list[str], num_processes: int) -> int:
         run(launch)
     except ChildFailedError as error:
         _, first = error.get_first_failure()
-        if first.exitcode == EXIT_USER_ERROR:
-            return EXIT_USER_ERROR
+        if first.exitcode in (EXIT_USER_ERROR, *_STOPPED):  # a worker printed the error, or rank 0 the stop
+            return first.exitcode
         print(error, file=sys.stderr)
         return 1
-    except SignalException as error:
+    except SignalException as error:  # the agent got it, sent it to the workers and waited for them (stop.py)
         return 128 + int(error.sigval)
+    except KeyboardInterrupt:  # before the agent handles SIGINT: no worker started yet
+        return 128 + signal.SIGINT
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    """Train as one rank of the job; a user error's exit status (module docstring, "Errors")."""
+def _run(args: argparse.Namespace, command: list[str]) -> int:
+    """Train as one rank of the job started by ``command`` (its flags); a user error's or a stop's exit status
+    (module docstring, "Errors", "Stopping")."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    from trainer_client.components.stop import TrainingStopped, abandoned
     from trainer_client.distributed import PeerFailed, init_parallel, report_failure
     from trainer_client.distributed.torch_compat import check_torch_version
     from trainer_client.trainer import Trainer
@@ -191,6 +206,7 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if is_main or debug else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     trainer = None
+    stopped: TrainingStopped | None = None
     try:
         if (warning := check_torch_version()) is not None and is_main:
             logging.getLogger("trainer_client.train").warning(warning)
@@ -199,31 +215,84 @@ def _run(args: argparse.Namespace) -> int:
         config.dims.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))  # before any process group work
         parallel = init_parallel(config.dims, timeout_s=config.collective_timeout_s)
         trainer = Trainer(config, parallel)
-        history = trainer.train()
-        if is_main:
-            for metrics in history:
-                evaluated = f" eval {metrics.eval_loss:.6f}" if metrics.eval_loss is not None else ""
-                print(f"step {metrics.number:>4} loss {metrics.loss:.6f}{evaluated} plan {metrics.plan_source}",
-                      flush=True)
-    except Exception as error:
-        user_error = isinstance(error, ValueError)
-        first = report_failure(error, user_error=user_error)
-        if first is not None and first.global_rank != dist.get_rank():
-            if first.user_error:
-                return EXIT_USER_ERROR  # the first rank to fail reports it; this rank's error followed from it
-            raise PeerFailed(first) from error
-        if not user_error:
+        trainer.train()
+    except TrainingStopped as stop:  # every rank left the loop at a step boundary, or gave its step up
+        stopped = stop
+    except CheckpointException:  # a BaseException: DCP gathers what broke a save, a second signal's stop too
+        stopped = abandoned()
+        if stopped is None:
             raise
-        # A user error: the first rank to fail reports it (rank 0 before there is a process group to tell).
-        if first is None and not is_main:
-            time.sleep(REPORT_GRACE_S)  # rank 0 has the same error, reports it and exits: torchrun stops us here
-        return _user_error(error, debug=debug)
+    except Exception as error:
+        stopped = abandoned()  # this rank gave its step up on a signal, which reached its peers too
+        if stopped is not None:  # and this collective broke as a peer gave up its own
+            if debug:
+                traceback.print_exception(error)
+        else:
+            user_error = isinstance(error, ValueError)
+            first = report_failure(error, user_error=user_error)
+            if first is not None and first.global_rank != dist.get_rank():
+                if first.user_error:
+                    return EXIT_USER_ERROR  # the first rank to fail reports it; this rank's error followed from it
+                raise PeerFailed(first) from error
+            if not user_error:
+                raise
+            # A user error: the first rank to fail reports it (rank 0 before there is a process group to tell).
+            if first is None and not is_main:
+                time.sleep(REPORT_GRACE_S)  # rank 0 has the same error, reports it and exits: torchrun stops us here
+            return _user_error(error, debug=debug)
     finally:
         if trainer is not None:
             trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    if is_main and trainer is not None:
+        for metrics in trainer.history:  # this launch's steps, also where a signal stopped it
+            evaluated = f" eval {metrics.eval_loss:.6f}" if metrics.eval_loss is not None else ""
+            print(f"step {metrics.step:>4} loss {metrics.loss:.6f}{evaluated} plan {metrics.plan_source}", flush=True)
+    if stopped is None:
+        return 0
+    if is_main:
+        print(_stop_line(stopped, trainer, command), file=sys.stderr, flush=True)
+    return stopped.exit_status
+
+
+def _stop_line(stopped: TrainingStopped, trainer: Trainer | None, command: list[str]) -> str:
+    """Rank 0's one line on a stop: at which step, what was saved, and the command that resumes the job
+    (``stopped by SIGINT after step 2 of 6: saved ck/step-00000002; resume with: skrull-train … --resume``)."""
+    from trainer_client.components.checkpoint import cut_short, latest_checkpoint
+
+    if trainer is None:
+        return f"stopped by {stopped.how()} before training: nothing trained"
+    done, steps, directory = trainer.num_steps_done, trainer.config.steps, trainer.config.checkpoint_dir
+    where = f"during step {done + 1} of {steps}" if stopped.abandoned else f"after step {done} of {steps}"
+    if directory is None:
+        return f"stopped by {stopped.how()} {where}: nothing saved (the run has no --checkpoint-dir)"
+    if stopped.checkpoint is not None:
+        saved = f"saved {stopped.checkpoint}"
+    else:
+        newest = latest_checkpoint(directory)
+        unfinished = cut_short(directory)
+        said = ["the step was abandoned"]
+        if unfinished:
+            said.append(f"the save of {unfinished[-1]} was cut short (it has no complete marker)")
+        if newest is None:
+            return f"stopped by {stopped.how()} {where}: {'; '.join(said)}; no complete checkpoint to resume from"
+        said.append(f"--resume takes {newest}")
+        saved = "; ".join(said)
+    return f"stopped by {stopped.how()} {where}: {saved}; resume with: {_resume_command(command)}"
+
+
+def _resume_command(command: list[str]) -> str:
+    """The command that resumes the job: the one that started it (``command``: its flags), with ``--resume``."""
+    flags = [flag for flag in command if flag != "--no-resume"]
+    if "--resume" not in flags:
+        flags.append("--resume")
+    launcher = os.environ.get(_COMMAND)
+    if launcher is None and "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's rank
+        per_node, world_size = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+        nodes = "--standalone" if per_node == world_size else f"--nnodes {world_size // per_node} …"
+        launcher = f"torchrun {nodes} --nproc-per-node {per_node} -m {_MODULE}"
+    return f"{launcher or f'python -m {_MODULE}'} {shlex.join(flags)}"
 
 
 if __name__ == "__main__":

@@ -36,9 +36,10 @@ Per global batch ``s`` (identical data on every rank, ``data``):
    older ones removed once it is complete), from whose newest complete one
    ``--resume`` continues exactly; before it loads one, rank 0 checks that
    it was written by this run (``run_identity.py``) and every rank receives
-   the verdict. With ``--output-dir`` the model is written as a Hugging Face
-   folder after the last step, and every ``--export-every`` steps
-   (``export.py``).
+   the verdict. On SIGINT or SIGTERM to any rank, every rank finishes the
+   step, saves it and leaves the loop at its boundary (``stop.py``). With
+   ``--output-dir`` the model is written as a Hugging Face folder after the
+   last step, and every ``--export-every`` steps (``export.py``).
 5. With ``feedback`` (opt-in), every rank's measured micro-batch times (and
    peak memory on CUDA, ``step_metrics.MicroBatchTimer``) are gathered on rank 0,
    which reports them to the service (``POST /feedback``) in the background; the
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -98,6 +100,7 @@ from trainer_client.components.optim import build_optimizer, clip_gradients, lr_
 from trainer_client.components.reporting import Reports, default_job_id, open_reports
 from trainer_client.components.run_identity import ResumeMismatch, RunIdentity, check_resume
 from trainer_client.components.step_metrics import MicroBatchTimer, StepMetrics
+from trainer_client.components.stop import TrainingStopped, graceful_stops, stop_agreed
 from trainer_client.config import TrainConfig
 from trainer_client.data import (
     DataSource,
@@ -126,7 +129,7 @@ from trainer_client.models.loss import micro_batch_loss, run_micro_batch
 from trainer_client.models.model import model_folder, model_shape
 from trainer_client.planning.source import MicroBatchTiming, plan_capacity
 from trainer_client.profiler.auto import AUTO_PROFILE, auto_profile, default_profile
-from trainer_client.profiler.measure import check_profile_machine
+from trainer_client.profiler.measure import check_profile_machine, memory_per_rank_bytes
 
 __all__ = ["InjectedFault", "Trainer"]
 
@@ -191,6 +194,10 @@ class Trainer:
                  else builtin_profiles().get(self.profile or DEFAULT_PROFILE))
         if known is not None:
             check_profile_machine(known, self.device)
+        # On CPU the BucketSize is this machine's: a shipped profile's memory is a GPU's (h100-paper: 80 GB), and a
+        # CPU profile's the whole host that measured it, which this node's ranks share.
+        self.host_memory_bytes = (memory_per_rank_bytes(self.device, world_size=self.parallel.dims.world_size)
+                                  if self.device.type == "cpu" else None)
         self.bucket_size = config.bucket_size or self._derived_bucket_size(shape, self.layout.param_dtype)
         fsdp_units = config.fsdp_units or self._default_fsdp_units(shape, known)
         self.layout = dataclasses.replace(self.layout, fsdp_units=fsdp_units, cuda_graphs=config.cuda_graphs)
@@ -201,8 +208,8 @@ class Trainer:
         self.plan_model = shape if model_folder(config.model) is not None else config.model
 
     def _build_data(self, shape: ModelShape) -> None:
-        """The training records (every one checked before step 0, ``_check_data``), the steps ``--epochs`` makes of
-        them, the eval set, and the run's identity that every checkpoint keeps."""
+        """The training records (every one checked before the first step, ``_check_data``), the steps ``--epochs``
+        makes of them, the eval set, and the run's identity that every checkpoint keeps."""
         config = self.config
         self.source: DataSource = make_source(
             config.data, global_batch_size=config.global_batch, vocab_size=shape.vocab_size,
@@ -211,8 +218,8 @@ class Trainer:
         self._check_data()
         if config.epochs is not None:
             assert isinstance(self.source, RecordSource)  # TrainConfig refuses --epochs of synthetic data
+            logger.info("%s", self.source.epochs_text(config.epochs))
             self.config = config = config.model_copy(update={"steps": self.source.steps_for_epochs(config.epochs)})
-            logger.info("%g epochs of %d records: %d steps", config.epochs, self.source.num_records, config.steps)
         self.eval_set = (EvalSet.load(config.eval_data, encoder=self._record_encoder(shape),
                                       global_batch_size=config.global_batch)
                          if config.eval_data is not None else None)
@@ -271,6 +278,8 @@ class Trainer:
         self.micro_batch_time_s = 0.0  # of the latest step, the slowest rank's
         self._next_batch: GlobalBatch | None = None  # rank 0: the batch built for the prefetch, trained next step
         self._trained = False  # train() ran to its end: the trackers record the run as finished, else failed
+        self.history: list[StepMetrics] = []  # of this launch, each step's as train() trains it
+        self.num_steps_done = self.first_step  # the steps the model has taken, resumed ones included
         self.reports = (open_reports(job_id=job_id, steps_done=self.first_step, metrics_out=config.metrics_out,
                                      report_to=config.report_to, logging_dir=config.logging_dir, resume=config.resume)
                         if parallel.is_main else Reports())
@@ -297,18 +306,23 @@ class Trainer:
 
     def _derived_bucket_size(self, shape: ModelShape, param_dtype: torch.dtype) -> int:
         """BucketSize from the profile, as the planner derives it when a request leaves it out, with the static
-        memory of this trainer's sharding mode."""
+        memory of this trainer's sharding mode; on CPU in this host's memory per rank (``host_memory_bytes``)."""
         lora = self.config.lora
         profile = training_profile(resolve_profile(self.profile), shape, sharding=self.sharding,
                                    compute_bytes=param_dtype.itemsize,
                                    activation_checkpointing=self.config.activation_checkpointing,
                                    lora=lora.shape if lora is not None else None)
+        if self.host_memory_bytes is not None:
+            # This host's memory per rank, none of it reserved: a CPU has no CUDA context nor allocator cache (a CPU
+            # profile measures 0, profiler.sweeps._reserved_bytes), where a GPU profile reserves 4 GiB a rank.
+            profile = dataclasses.replace(profile, device_memory_bytes=self.host_memory_bytes,
+                                          memory=dataclasses.replace(profile.memory, reserved_bytes=0.0))
         return make_problem(sequence_lengths=[1], dp_size=self.config.dp, cp_size=self.config.cp, model=shape,
                             profile=profile).bucket_size
 
     def _check_data(self) -> None:
-        """Find, before step 0, every training record that cannot train (``data/check.py``): every rank encodes its
-        share of the records and every rank gets the whole verdict. Records that cannot train stop every rank with
+        """Find, before the first step, every training record that cannot train (``data/check.py``): every rank encodes
+        its share of the records and every rank gets the whole verdict. Records that cannot train stop every rank with
         one message listing them, unless ``--skip-bad-records`` leaves them out of every epoch; either way rank 0
         lists them in the run folder. Logs the layout's sizes and, for records, the length distribution of what
         trains."""
@@ -321,6 +335,8 @@ class Trainer:
             bucket_from = ("--bucket-size" if config.bucket_size is not None
                            else f"derived from profile {profile} for --sharding {self.sharding} in "
                                 f"{str(self.layout.param_dtype).removeprefix('torch.')}")
+            if config.bucket_size is None and self.host_memory_bytes is not None:
+                bucket_from += f", from {self.host_memory_bytes / 2**30:.1f} GiB of host memory per rank"
             length_from = "--max-length" if config.max_length is not None else "bucket size × cp"
             logger.info("layout: BucketSize %d tokens per CP rank (%s); max length %d (%s); a plan holds %s",
                         self.bucket_size, bucket_from, self.max_length, length_from, holds)
@@ -504,7 +520,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ loop
 
     def train_step(self, step: int, batch: GlobalBatch) -> StepMetrics:
-        """Train global batch ``step`` (0-based: the batch's index; step number ``step + 1``)."""
+        """Train global batch ``step`` (0-based: the batch's index), which makes step number ``step + 1``
+        (``StepMetrics.step``)."""
         started = time.perf_counter()
         next_batch = None  # rank 0 asks for its plan while this one trains
         if self.parallel.is_main and step + 1 < self.config.steps:
@@ -523,7 +540,7 @@ class Trainer:
         if self.config.feedback:
             self.batches.report(batch, decision, self.micro_batch_timings)
         return StepMetrics(
-            step=step, loss=loss, tokens=batch.num_tokens, loss_tokens=num_loss_tokens, step_time_s=step_time_s,
+            step=step + 1, loss=loss, tokens=batch.num_tokens, loss_tokens=num_loss_tokens, step_time_s=step_time_s,
             tokens_per_s=batch.num_tokens / step_time_s, plan_source=decision.origin.value,
             scheduler=decision.scheduler, estimated_time_ms=decision.estimated_time_ms,
             num_micro_batches=decision.plan.num_micro_batches, micro_batch_time_s=self.micro_batch_time_s,
@@ -543,8 +560,9 @@ class Trainer:
     def train(self) -> list[StepMetrics]:
         """Train the steps from the first (0, or the resumed checkpoint's) to the last; every rank calls it. Steps
         are numbered as the checkpoints count them: step ``n`` is the ``n``-th optimizer step (1-based), after which
-        ``n`` steps are done, in the logs, the trackers and ``step-<n>`` folders alike (``StepMetrics.number``)."""
-        history = []
+        ``n`` steps are done, in the logs, the metrics file, the trackers and ``step-<n>`` folders alike
+        (``StepMetrics.step``)."""
+        history = self.history
         config, is_main = self.config, self.parallel.is_main
         # A bar only where someone watches it: in a log file its carriage-return updates pile up.
         show_bar = is_main and config.progress and sys.stderr.isatty()
@@ -553,7 +571,7 @@ class Trainer:
         bar = tqdm(total=config.steps, initial=self.first_step, desc=f"train {config.scheduler}", unit="step",
                    disable=not show_bar)
         every = config.checkpoint_every
-        with bar, logging_redirect_tqdm() if show_bar else nullcontext():
+        with bar, logging_redirect_tqdm() if show_bar else nullcontext(), graceful_stops():
             for index in range(self.first_step, config.steps):
                 step = index + 1
                 if (step, self.parallel.global_rank) == (config.fail_at_step, config.fail_rank):
@@ -572,13 +590,18 @@ class Trainer:
                 self.reports.write(metrics)
                 if is_main and every_line and (step % every_line == 0 or step == config.steps):
                     logger.info("%s", self._step_line(metrics))
-                if config.checkpoint_dir is not None and ((every and step % every == 0) or step == config.steps):
+                saves = config.checkpoint_dir is not None and ((every and step % every == 0) or step == config.steps)
+                if saves:
                     self.save_checkpoint(step, batch)
                 if config.export_every and step % config.export_every == 0 and step < config.steps:
                     self.export(step)
                 bar.set_postfix(loss=f"{metrics.loss:.4f}", tok_s=f"{metrics.tokens_per_s:.0f}",
                                 plan=metrics.plan_source)
                 bar.update()
+                self.num_steps_done = step
+                # A signal during the last step lets the run end as it would have.
+                if step < config.steps and (signum := stop_agreed(self.parallel.object_group)) is not None:
+                    raise self._stopped(signum, step, batch, saved=saves)
         if self.checkpointer is not None:
             self.checkpointer.wait()  # the last save, async, is complete when training is
         if self.config.output_dir is not None:
@@ -587,6 +610,15 @@ class Trainer:
             logger.info("trained: %s", self.lengths.summary())
         self._trained = True
         return history
+
+    def _stopped(self, signum: signal.Signals, step: int, batch: GlobalBatch, *, saved: bool) -> TrainingStopped:
+        """Every rank at the boundary after step ``step``, where a rank got ``signum``: that step's checkpoint saved
+        (``saved``: already) and complete, where the run saves any."""
+        checkpoint = None
+        if self.checkpointer is not None:
+            checkpoint = step_dir(self.checkpointer.directory, step) if saved else self.save_checkpoint(step, batch)
+            self.checkpointer.wait()  # an async save is complete before the run exits
+        return TrainingStopped(signum, checkpoint=checkpoint)
 
     def _step_line(self, metrics: StepMetrics) -> str:
         """A step as ``--logging-steps`` logs it: ``step 10/100: loss 2.345678, lr 2.00e-05, 1234 tokens/s, plan
@@ -597,7 +629,7 @@ class Trainer:
             fields.append(f"epoch {metrics.epoch:.2f}")
         if metrics.eval_loss is not None:
             fields.append(f"eval loss {metrics.eval_loss:.6f}")
-        return f"step {metrics.number}/{self.config.steps}: {', '.join(fields)}"
+        return f"step {metrics.step}/{self.config.steps}: {', '.join(fields)}"
 
     def close(self) -> None:
         """Close what the trainer opened, newest first and each once, also when closing one raises (its error is

@@ -72,8 +72,8 @@ class _DefaultsHelp(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="skrull-advise", description=__doc__.splitlines()[0],
-                                     formatter_class=_DefaultsHelp)
+    parser = argparse.ArgumentParser(prog="skrull-advise", description="The layout of N GPUs that trains a data set "
+                                                                       "fastest.", formatter_class=_DefaultsHelp)
     parser.add_argument("--data", required=True, metavar="SOURCE",
                         help=f"synthetic:{{{','.join(DATASETS)}}}, records as the trainer's --data takes them (a "
                              "JSONL, parquet, CSV or JSON file, a dataset folder, a Hugging Face Hub dataset "

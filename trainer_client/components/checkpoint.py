@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from trainer_client.components.run_identity import RunIdentity
 
-__all__ = ["COMPLETE", "LEGACY_LATEST", "RUN_IDENTITY", "Checkpointer", "TrainState", "is_complete",
+__all__ = ["COMPLETE", "LEGACY_LATEST", "RUN_IDENTITY", "Checkpointer", "TrainState", "cut_short", "is_complete",
            "latest_checkpoint", "load_checkpoint", "load_model_weights", "prune_checkpoints", "resolve_checkpoint",
            "saved_run_identity", "step_dir"]
 
@@ -118,6 +118,17 @@ def latest_checkpoint(directory: Path) -> Path | None:
             return folder
         logger.info("skipping %s: it has no %s marker, so its save did not finish", folder, COMPLETE)
     return None
+
+
+def cut_short(directory: Path) -> list[Path]:
+    """The step folders of ``directory`` newer than its newest complete checkpoint, oldest first: saves that did not
+    finish."""
+    folders = []
+    for folder in reversed(_step_folders(directory)):
+        if is_complete(folder):
+            break
+        folders.append(folder)
+    return folders[::-1]
 
 
 def prune_checkpoints(directory: Path, *, keep_last: int, newest: Path) -> list[Path]:

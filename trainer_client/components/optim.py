@@ -7,24 +7,30 @@ Schedules (``--lr-scheduler``, ``LRSchedulerName``): each multiplies ``--lr`` by
 * ``warmup_cosine``, the default and this trainer's own: ``(s + 1) / W`` while ``s < W`` (``lr / W`` at step 0,
   ``lr`` at step ``W − 1``), then half a cosine from ``lr`` at step ``W`` to ``m · lr`` at the last step, ``T − 1``:
   ``m + (1 − m) · (1 + cos(π · (s − W) / (T − W − 1))) / 2``; a run with one step after warmup keeps ``lr``.
-* transformers' schedules of the same names (``transformers.get_scheduler``): ``linear`` (``s / W`` while
-  ``s < W``, then ``(T − s) / (T − W)``, down to 0 at step ``T``), ``cosine`` (the same warmup, then
-  ``(1 + cos(π · (s − W) / (T − W))) / 2``), ``cosine_with_min_lr`` (that cosine scaled into ``[m, 1]``),
-  ``constant_with_warmup`` (that warmup, then 1) and ``warmup_stable_decay`` (warmup from ``m`` to 1, then 1,
-  then a cosine towards ``m`` over the last ``D = max(1, ⌈(T − W) / 5⌉)`` steps, ``wsd_decay_steps``: a cooldown
-  of a fifth of the steps after warmup matches a cosine schedule's final loss, Hägele et al. 2024,
-  arXiv:2405.18392). transformers' decays reach their end (0 or ``m``) at step ``T``, one past the last.
-  ``--min-lr-ratio`` is ``m`` of ``warmup_cosine``, ``cosine_with_min_lr`` and ``warmup_stable_decay``
+* transformers' schedules of the same names (``transformers.get_scheduler``), after their warmup: ``linear``
+  (``(T − s) / (T − W)``, down to 0 at step ``T``), ``cosine`` (``(1 + cos(π · (s − W) / (T − W))) / 2``),
+  ``cosine_with_min_lr`` (that cosine scaled into ``[m, 1]``), ``constant_with_warmup`` (1) and
+  ``warmup_stable_decay`` (1, then a cosine towards ``m`` over the last ``D = max(1, ⌈(T − W) / 5⌉)`` steps,
+  ``wsd_decay_steps``: a cooldown of a fifth of the steps after warmup matches a cosine schedule's final loss,
+  Hägele et al. 2024, arXiv:2405.18392). transformers' decays reach their end (0 or ``m``) at step ``T``, one past
+  the last. ``--min-lr-ratio`` is ``m`` of ``warmup_cosine``, ``cosine_with_min_lr`` and ``warmup_stable_decay``
   (``LRSchedulerName.reads_min_lr_ratio``); the others do not read it, and ``TrainConfig`` refuses it given with
   one of them.
 
+Every schedule warms up as the default does, ``(s + 1) / W`` (``warmup_stable_decay`` from ``m`` to 1 so:
+``m + (1 − m) · (s + 1) / W``), so that no step trains at LR 0 and step ``W``, the first after warmup, trains at
+``lr``. transformers' own warmup gives step ``s`` the factor ``s / W``, a step behind, and so trains step 0 at LR 0
+(one warmup step: the run's first step learns nothing); torchtitan warms up by ``(s + 1) / W`` for that reason.
+``lr_factors`` takes transformers' factor of step ``s + 1`` during the warmup (``_warmup_a_step_ahead``) and its
+own from ``W`` on, so the decays end where transformers' end.
+
 No schedule of transformers reproduces the default, so it stays this module's (``warmup_cosine_factor``).
-``cosine_with_min_lr`` differs in both phases: its warmup gives step ``s`` the factor ``s / W``, a step behind
-(step 0 trains at LR 0); its cosine divides by ``T − W``, not ``T − W − 1``, so it reaches ``m`` at step ``T``, one
-past the last (10 steps, ``W`` 2, ``m`` 0.1: 0, 0.5, 1, 0.966, …, 0.134 against the default's 0.5, 1, 1, 0.955, …,
-0.1). With ``W = 0`` and ``num_training_steps = T − 1`` it equals the default bit for bit. transformers'
-``cosine_warmup_with_min_lr`` has the default's warmup and ends at ``m`` on the last step, but its cosine starts a
-step earlier (``(s − W + 1) / (T − W)``): the default holds ``lr`` for steps ``W − 1`` and ``W``, it for one.
+``cosine_with_min_lr`` differs in its decay: its cosine divides by ``T − W``, not ``T − W − 1``, so it reaches
+``m`` at step ``T``, one past the last (10 steps, ``W`` 2, ``m`` 0.1: 0.5, 1, 1, 0.966, …, 0.134 against the
+default's 0.5, 1, 1, 0.955, …, 0.1). With ``W = 0`` and ``num_training_steps = T − 1`` it equals the default bit
+for bit. transformers' ``cosine_warmup_with_min_lr`` has the default's warmup and ends at ``m`` on the last step,
+but its cosine starts a step earlier (``(s − W + 1) / (T − W)``): the default holds ``lr`` for steps ``W − 1``
+and ``W``, it for one.
 
 A schedule is a function of the step alone, so a resumed run builds it at the restored step (``lr_schedule``'s
 ``first_step``) and follows its own flags from there; a checkpoint keeps only the step.
@@ -75,7 +81,8 @@ def wsd_decay_steps(*, warmup_steps: int, total_steps: int) -> int:
 def lr_factors(
     scheduler: LRSchedulerName, *, warmup_steps: int, total_steps: int, min_lr_ratio: float,
 ) -> Callable[[int], float]:
-    """The multiplier of the base learning rate as a function of the optimizer step (0-based)."""
+    """The multiplier of the base learning rate as a function of the optimizer step (0-based); every step's is
+    above 0 (module docstring, the warmup)."""
     if scheduler is LRSchedulerName.WARMUP_COSINE:
         return functools.partial(warmup_cosine_factor, warmup_steps=warmup_steps, total_steps=total_steps,
                                  min_lr_ratio=min_lr_ratio)
@@ -93,8 +100,13 @@ def lr_factors(
     built = get_scheduler(SchedulerType(scheduler.value), stand_in, num_warmup_steps=warmup_steps,
                           num_training_steps=total_steps, scheduler_specific_kwargs=specific)
     assert isinstance(built, LambdaLR)  # every schedule LRSchedulerName names is one
-    factor: Callable[[int], float] = built.lr_lambdas[0]
-    return factor
+    return functools.partial(_warmup_a_step_ahead, built.lr_lambdas[0], warmup_steps)
+
+
+def _warmup_a_step_ahead(factor: Callable[[int], float], warmup_steps: int, step: int) -> float:
+    """transformers' ``factor``, its warmup a step ahead: step ``s < W`` trains at its factor of ``s + 1``, so the
+    first step is not at LR 0 and the last warmup step is at the peak, as the default's warmup."""
+    return factor(step + 1 if step < warmup_steps else step)
 
 
 def lr_schedule(

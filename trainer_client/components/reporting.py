@@ -26,9 +26,9 @@ before any process group. Measured import cost on the 2-core development machine
 ``mlflow`` 1.1–3.9 s, ``torch.utils.tensorboard`` under 0.1 s after torch; a new MLflow SQLite database takes
 1.5 s or more to create its tables.
 
-The trackers number the steps 1-based, as the checkpoints count them (``step-<n>`` after ``n`` steps,
-``StepMetrics.number``); a ``--metrics-out`` line's ``step`` is its global batch's index, one less. Resuming: the
-numbering continues after the checkpoint's step. TensorBoard first discards the events after it (the
+Every reporter numbers a step as the logs and the checkpoints do (``StepMetrics.step``: 1-based, ``step-<n>``
+after ``n`` steps, the last step ``--steps``), a ``--metrics-out`` line's ``step`` and each tracker's step alike.
+Resuming: the numbering continues after the checkpoint's step. TensorBoard first discards the events after it (the
 killed run may have logged them). Under ``--resume`` W&B resumes the run of the same id and MLflow continues the
 latest run of the job's name; W&B accepts each step once, so it keeps the killed run's points for the steps
 after the checkpoint and drops the repeats, and MLflow appends, so it holds both. Without ``--resume`` a job id
@@ -122,8 +122,8 @@ class MetricsFile:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if steps_done and path.is_file():
-            kept = [line for line in path.read_text().splitlines()  # each line's step is its batch's index
-                    if line.strip() and json.loads(line)["step"] < steps_done]
+            kept = [line for line in path.read_text().splitlines()  # steps 1 … steps_done are the checkpoint's
+                    if line.strip() and json.loads(line)["step"] <= steps_done]
         self._handle = path.open("w")
         self._handle.writelines(line + "\n" for line in kept)
         self._handle.flush()
@@ -148,7 +148,7 @@ class TensorBoardLog:
 
     def write(self, metrics: StepMetrics) -> None:
         for name, value in scalars(metrics).items():
-            self._writer.add_scalar(name, value, global_step=metrics.number)
+            self._writer.add_scalar(name, value, global_step=metrics.step)
         self._writer.flush()
 
     def close(self, *, failed: bool) -> None:
@@ -174,7 +174,7 @@ class WandbRun:
                                resume="allow" if resume else "never")
 
     def write(self, metrics: StepMetrics) -> None:
-        self._run.log(scalars(metrics), step=metrics.number)
+        self._run.log(scalars(metrics), step=metrics.step)
 
     def close(self, *, failed: bool) -> None:
         self._run.finish(exit_code=1 if failed else 0)
@@ -206,7 +206,7 @@ class MlflowRun:
         from mlflow.entities import Metric
 
         timestamp_ms = int(time.time() * 1000)
-        self._client.log_batch(self.run_id, metrics=[Metric(name, value, timestamp_ms, metrics.number)
+        self._client.log_batch(self.run_id, metrics=[Metric(name, value, timestamp_ms, metrics.step)
                                                      for name, value in scalars(metrics).items()])
 
     def close(self, *, failed: bool) -> None:

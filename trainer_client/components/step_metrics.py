@@ -25,9 +25,10 @@ __all__ = ["MicroBatchTimer", "StepMetrics", "peak_memory"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepMetrics:
-    """What one optimizer step measured. ``step`` is its global batch's index (0-based: the data's and the plans'
-    key, as ``--metrics-out`` has always written it); ``number`` counts it as everything a person reads does (the
-    logs, the trackers, ``step-<n>`` folders): 1-based, the steps done after it."""
+    """What one optimizer step measured. ``step`` is its number as everything a person reads counts it: 1-based,
+    the optimizer steps done after it (TRL's ``global_step``, torchtitan's ``step``), the same in the logs, the
+    ``--metrics-out`` line, the trackers, the ``step-<n>`` checkpoint folders and ``--steps`` (the last step is
+    ``--steps``). It trained global batch ``step − 1``, the 0-based index the data and the plans are keyed by."""
 
     step: int
     loss: float
@@ -48,10 +49,6 @@ class StepMetrics:
     memory_kind: str
     eval_loss: float | None = None  # the mean token loss of --eval-data after this step, where it was evaluated
     epoch: float | None = None  # records: epochs trained after this step (1.5: half of the second); synthetic: none
-
-    @property
-    def number(self) -> int:
-        return self.step + 1
 
     def to_json(self) -> str:
         return json.dumps({name: getattr(self, name) for name in self.__slots__})

@@ -1,5 +1,5 @@
 """Training data: global batches of token sequences, identical on every rank. Beside it in this package: ``hub``
-(Hugging Face Hub ids: the snapshot in the cache each reads), ``check`` (every record checked before step 0) and
+(Hugging Face Hub ids: the snapshot in the cache each reads), ``check`` (every record checked before the first step) and
 ``evaluation`` (the held-out set and its loss).
 
 Sources, chosen by ``--data``:
@@ -24,16 +24,19 @@ Sources, chosen by ``--data``:
   A name with a data file's suffix that is not a file is missing, never a Hub
   id (``hub.hub_ref`` decides what is one).
 
-  Global batch ``s`` is the next ``B`` records of the current epoch's order,
-  carried on into the next epoch at the end: file order, or with ``shuffle`` a
-  permutation seeded by ``(seed, epoch)``, another each epoch and the same on
-  every rank and rerun.
+  Global batch ``s`` is the next ``B`` records of the current epoch's order, or
+  the records left where fewer than ``B`` are: no batch holds two epochs'
+  records, so every epoch ends with a step, as Hugging Face Trainer's last batch
+  with ``drop_last=False`` does, and ``--epochs N`` trains each record exactly N
+  times. The order is file order, or with ``shuffle`` a permutation seeded by
+  ``(seed, epoch)``, another each epoch and the same on every rank and rerun.
 
 Records (``RecordEncoder``), the first key present (and not null) decides:
 
 - ``{"input_ids": [...]}``, tokenized already, with optional ``"labels"`` (same
   length; -100 = no loss, Hugging Face convention) or ``"loss_mask"`` (0/1);
-- ``{"messages": [{"role": ..., "content": ...}, ...]}``: a chat, rendered with
+- ``{"messages": [{"role": ..., "content": ...}, ...]}``: a chat of the roles
+  ``CHAT_ROLES`` (another role is a malformed record), rendered with
   the tokenizer's chat template (``--tokenizer``) or ``--chat-template``; by
   default (``--loss-on assistant``) only assistant turns carry loss, every prompt
   token (system, user, tool, the template's markup before each answer) is
@@ -93,6 +96,7 @@ from array import array
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from fractions import Fraction
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -104,7 +108,9 @@ from trainer_client.choices import CHAT_TEMPLATES, SYNTHETIC_PREFIX, LossOn, cha
 from trainer_client.data.hub import HubError, HubSnapshot, RepoKind, fetch, hub_ref, is_data_file_name
 
 __all__ = [
+    "CHAT_ROLES",
     "IGNORE_INDEX",
+    "SHAREGPT_ROLES",
     "BadRecordError",
     "DataIdentity",
     "DataSource",
@@ -294,6 +300,11 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return tokenizer
 
 
+# The roles of a chat's turns (``messages``, a prompt–completion record's messages, ShareGPT's speakers as these):
+# transformers' and TRL's. A template renders any role it is given (ChatML: ``<|im_start|>bot``), and an answer in a
+# turn of another role would be masked as a prompt, so another role is a malformed record, named.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
 # ShareGPT's speakers (``from``) as chat roles: FastChat's and axolotl's human/gpt, and LLaMA-Factory's tool turns.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                   "chatgpt": "assistant", "function_call": "assistant", "system": "system", "tool": "tool",
@@ -336,7 +347,7 @@ class RecordEncoder:
         if record.get("input_ids") is not None:
             input_ids, labels = self._tokenized(record, where)
         elif record.get("messages") is not None:
-            input_ids, labels = self._chat(_messages(record["messages"], where), where)
+            input_ids, labels = self._chat(_messages(record["messages"], where, key="messages"), where)
         elif record.get("conversations") is not None:
             input_ids, labels = self._chat(_sharegpt(record["conversations"], where), where)
         elif record.get("prompt") is not None:
@@ -386,7 +397,9 @@ class RecordEncoder:
     def _needs_tokenizer(self, kind: str, where: str) -> Tokenizer:
         if self.tokenizer is None:
             raise ValueError(f"record {where} holds {kind}: give --tokenizer (a local tokenizer directory or a "
-                             "Hugging Face Hub id)")
+                             "Hugging Face Hub id)\nhint: skrull-tokenizer DIR writes a small chat tokenizer offline, "
+                             "which the built-in models take: then --tokenizer DIR; or --tokenizer ORG/NAME, a Hub "
+                             "model's own")
         return self.tokenizer
 
     def _text(self, text: object, where: str) -> Tokens:
@@ -417,7 +430,7 @@ class RecordEncoder:
                 return input_ids, input_ids.copy()
             return input_ids, np.concatenate([np.full(prompt_ids.size, IGNORE_INDEX, dtype=np.int64), completion_ids])
         if isinstance(prompt, list) and isinstance(completion, list) and completion:
-            turns = _messages(prompt, where) + _messages(completion, where)
+            turns = _messages(prompt, where, key="prompt") + _messages(completion, where, key="completion")
             return self._chat(turns, where, answers=set(range(len(prompt), len(turns))))
         raise _malformed(where, f"record {where}: 'prompt' and 'completion' must be two strings, or two lists of "
                                 "messages (the completion's not empty)")
@@ -479,12 +492,17 @@ class RecordEncoder:
         ids.extend(rendered[len(ids):])
 
 
-def _messages(messages: object, where: str) -> list[dict[str, str]]:
-    """A chat's turns, each a ``role`` and a ``content`` string; ``BadRecordError`` for anything else."""
+def _messages(messages: object, where: str, *, key: str) -> list[dict[str, str]]:
+    """The chat's turns under ``key``, each a ``role`` of ``CHAT_ROLES`` and a ``content`` string;
+    ``BadRecordError`` for anything else."""
     if not (isinstance(messages, list) and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages)):
-        raise _malformed(where, f"record {where}: 'messages' must be a list of {{role, content}} strings")
+        raise _malformed(where, f"record {where}: '{key}' must be a list of {{role, content}} strings")
+    unknown = sorted({m["role"] for m in messages} - set(CHAT_ROLES))
+    if unknown:
+        raise _malformed(where, f"record {where}: '{key}' has roles {', '.join(map(repr, unknown))}; a chat's are "
+                                f"{', '.join(CHAT_ROLES)}")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -685,8 +703,9 @@ def _file_digest(path: Path) -> str:
 
 @dataclass(kw_only=True, slots=True)
 class RecordSource:
-    """Global batches of the next ``global_batch_size`` records of the epoch's order (module docstring); call
-    ``batch`` for steps in order. ``leave_out`` takes records out of every epoch (``--skip-bad-records``)."""
+    """Global batches of the next ``global_batch_size`` records of the epoch's order, an epoch's last batch the
+    records left (module docstring); call ``batch`` for steps in order. ``leave_out`` takes records out of every
+    epoch (``--skip-bad-records``)."""
 
     records: RecordReader
     encoder: RecordEncoder
@@ -719,14 +738,14 @@ class RecordSource:
 
     def batch(self, step: int) -> GlobalBatch:
         epoch, index = self.position.get("epoch", 0), self.position.get("index", 0)
+        if index >= self.num_records:  # the last batch ended the epoch
+            epoch, index = epoch + 1, 0
+        end = min(index + self.global_batch_size, self.num_records)
         samples = []
-        for _ in range(self.global_batch_size):
-            if index >= self.num_records:
-                epoch, index = epoch + 1, 0
-            record, where = self.records.read(int(self.order(epoch)[index]))
+        for record_index in self.order(epoch)[index:end]:
+            record, where = self.records.read(int(record_index))
             samples.append(self.encoder.encode(record, where))
-            index += 1
-        self.position = {"epoch": epoch, "index": index}
+        self.position = {"epoch": epoch, "index": end}
         return GlobalBatch(step=step, samples=tuple(samples), next_position=dict(self.position))
 
     def order(self, epoch: int) -> npt.NDArray[np.int64]:
@@ -742,10 +761,29 @@ class RecordSource:
         """The epochs trained up to ``position`` (a batch's ``next_position``): 1.5 halfway through the second."""
         return position.get("epoch", 0) + position.get("index", 0) / self.num_records
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """An epoch's optimizer steps: its last batch holds the records left (``num_records % global_batch_size``
+        where that is not 0)."""
+        return math.ceil(self.num_records / self.global_batch_size)
+
     def steps_for_epochs(self, epochs: float) -> int:
-        """Optimizer steps that train every record ``epochs`` times (the last batch may reach into the next
-        epoch)."""
-        return math.ceil(epochs * self.num_records / self.global_batch_size)
+        """Optimizer steps of ``epochs`` epochs, as Hugging Face Trainer counts them for ``num_train_epochs``:
+        ``epochs × steps_per_epoch``, rounded up. ``epochs`` is read as the decimal it prints as: 0.1 of 30 steps is
+        3, where the floats' product, 3.0000000000000004, would round up to 4."""
+        return math.ceil(Fraction(str(epochs)) * self.steps_per_epoch)
+
+    def epochs_text(self, epochs: float) -> str:
+        """What ``epochs`` epochs train, as the trainer logs it: ``1 epoch of 57 records in global batches of 8: 8
+        steps, the last of 1 record``."""
+        steps = self.steps_for_epochs(epochs)
+        text = (f"{epochs:g} {'epoch' if epochs == 1 else 'epochs'} of {_counted(self.num_records, 'record')} in "
+                f"global batches of {self.global_batch_size}: {_counted(steps, 'step')}")
+        left = self.num_records % self.global_batch_size
+        if not left or epochs < 1:
+            return text
+        last = "the last" if epochs == 1 else "each epoch's last"
+        return f"{text}, {last} of {_counted(left, 'record')}"
 
     def seek(self, position: Mapping[str, int]) -> None:
         if set(position) - {"epoch", "index"}:
@@ -866,6 +904,11 @@ class LengthStats:
 
     def summary(self) -> str:
         return length_summary(np.asarray(self.lengths), self.num_loss_tokens, unit="sequences")
+
+
+def _counted(count: int, noun: str) -> str:
+    """``1 record``, ``57 records``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def length_summary(lengths: npt.NDArray[np.integer[Any]], num_loss_tokens: int, *, unit: str) -> str:

@@ -1,5 +1,5 @@
-"""The training records checked before step 0: one pass finds every record that cannot train, so that no step fails
-on one, hours into a run.
+"""The training records checked before the first step: one pass finds every record that cannot train, so that no step
+fails on one, hours into a run.
 
 ``check_records`` reads and encodes records exactly as the batches will (the run's ``RecordEncoder``), keeping 16
 bytes per record: its tokens and its tokens with loss, as trained. The trainer gives every rank a share of the records
@@ -38,7 +38,7 @@ _SHOWN_PER_DEFECT = 5  # places a report names per defect; the file lists them a
 
 
 class BadRecordsError(ValueError):
-    """Records of ``--data`` cannot train and the run does not skip them: every rank stops before step 0."""
+    """Records of ``--data`` cannot train and the run does not skip them: every rank stops before the first step."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -46,7 +46,9 @@ its reason instead of its own broken collective (``train.py``). The first report
 wins, so a peer's consequential error never takes the blame. A rank killed
 outright (a signal, the OOM killer) reports nothing: the first peer whose
 collective breaks reports that, and torchrun's summary names the killed rank by
-its exit signal.
+its exit signal. A rank's signal handler reads the report too (``reported_failure``):
+torchrun's SIGTERM after a failure ends a rank at once, where a SIGTERM without
+one stops the run at its next step boundary (``components/stop.py``).
 
 Teardown: ``destroy_process_group`` frees a group only when nothing else holds it. ``torch._dynamo`` keeps every
 group that exists when it is first imported (torch 2.13; torch.nn.attention.varlen, FSDP2 and ``--compile`` import
@@ -82,8 +84,8 @@ from trainer_client.distributed.host_memory import retain_freed_memory
 from trainer_client.distributed.torch_compat import default_store, flatten_mesh, group_options
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "FirstFailure", "ParallelContext", "ParallelDims", "PeerFailed",
-           "destroy_groups", "free_port", "init_parallel", "max_over_ranks", "report_failure", "spawn_gloo",
-           "spawn_ranks"]
+           "destroy_groups", "free_port", "init_parallel", "max_over_ranks", "report_failure", "reported_failure",
+           "spawn_gloo", "spawn_ranks"]
 
 _FIRST_FAILURE_KEY = "skrull/first_failure"  # in the default group's store: per job, and per torchrun restart
 
@@ -373,6 +375,21 @@ def report_failure(error: Exception, *, user_error: bool = False) -> FirstFailur
     try:
         # compare_set with expected "" sets the key only if it is absent, atomically; it returns the stored value.
         first = default_store().compare_set(_FIRST_FAILURE_KEY, "", mine)
+    except (RuntimeError, dist.DistError):
+        return None
+    return FirstFailure(**json.loads(first))
+
+
+def reported_failure() -> FirstFailure | None:
+    """The first failure a rank of this job reported (``report_failure``), without reporting one; None when none
+    was, without a process group, or when the store is gone."""
+    if not dist.is_initialized():
+        return None
+    try:
+        store = default_store()
+        if not store.check([_FIRST_FAILURE_KEY]):
+            return None
+        first = store.get(_FIRST_FAILURE_KEY)
     except (RuntimeError, dist.DistError):
         return None
     return FirstFailure(**json.loads(first))

@@ -25,13 +25,21 @@ which is the flattened ("dp", "cp") mesh ``init_parallel`` builds over the same 
 groups, and the blocks hybrid and spanning micro-batches shard over, are that mesh's. ``evaluate`` and ``predict``
 plan their batches the same way and report the mean token loss (``evaluation_loop``). The model computes with DACP
 attention inside ``train`` and evaluation only (``attention.dacp_attention``).
+
+On SIGINT or SIGTERM to any rank (``components/stop.py``), every rank finishes the optimizer step, the Trainer saves
+its checkpoint there (unless ``save_strategy="no"``) and leaves its loop (``StopOnSignal``), and ``train`` raises
+``TrainingStopped``: a ``SystemExit`` with status 128 + the signal, which ends a script quietly. A second Ctrl-C
+abandons the step, but not a save in progress: the Trainer marks no checkpoint whole, and
+``resume_from_checkpoint=True`` takes the newest folder, so a save cut short would be resumed.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Sized
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import datasets
@@ -40,11 +48,12 @@ from accelerate.data_loader import BatchSamplerShard
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer
-from transformers.trainer_utils import EvalLoopOutput, TrainOutput
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, TrainOutput, get_last_checkpoint
 
 from scheduler_service.contract.profiles import profile_or_name
 from scheduler_service.core.memory import Sharding
+from trainer_client.components.stop import TrainingStopped, graceful_stops, saved_whole, stop_agreed
 from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.data import GlobalBatch
 from trainer_client.distributed import init_parallel
@@ -57,7 +66,7 @@ from trainer_client.hf.versions import check_versions
 from trainer_client.loop import SkrullBatches
 from trainer_client.models.model import config_shape, model_inputs
 
-__all__ = ["SkrullTrainer", "SkrullTrainerMixin", "every_rank_reads_every_batch", "padding_rule"]
+__all__ = ["SkrullTrainer", "SkrullTrainerMixin", "StopOnSignal", "every_rank_reads_every_batch", "padding_rule"]
 
 logger = logging.getLogger("trainer_client.hf")
 
@@ -91,6 +100,8 @@ class SkrullTrainerMixin(_TrainerBase):
             profile=profile_or_name(skrull.profile), sharding=padding_rule(self), pad_token_id=pad_token_id,
             plan_timeout_s=skrull.plan_timeout_s, plan_attempts=skrull.plan_attempts, spanning=skrull.spanning)
         self.data_collator = SequenceCollator(self.data_collator)
+        self.stop_on_signal = StopOnSignal(self.parallel.object_group)
+        self.add_callback(self.stop_on_signal)  # after the user's callbacks: it decides last at each step's end
         # What the layers compute in, for DACP's kernel to be chosen once per micro-batch (model.model_inputs).
         self.compute_dtype = _MIXED_PRECISION.get(self.accelerator.mixed_precision, base.dtype)
         if self.is_world_process_zero():
@@ -152,8 +163,46 @@ class SkrullTrainerMixin(_TrainerBase):
     # ------------------------------------------------------------------------------------------------ compute
 
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
-        with dacp_attention(self.transformers_model):
-            return super().train(*args, **kwargs)
+        """The Trainer's ``train``; on SIGINT or SIGTERM it raises ``TrainingStopped`` once the Trainer saved and
+        stopped at the step's end (module docstring), rank 0 having logged what it saved and how to resume."""
+        self.stop_on_signal.signal = None
+        try:
+            with dacp_attention(self.transformers_model), graceful_stops():
+                output = super().train(*args, **kwargs)
+                if self.stop_on_signal.signal is not None:
+                    checkpoint = (self.output_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+                                  if self.args.save_strategy != "no" else None)
+                    raise TrainingStopped(self.stop_on_signal.signal, checkpoint=checkpoint)
+        except TrainingStopped as stopped:
+            if self.is_world_process_zero():
+                logger.warning("%s", self.stop_line(stopped))
+            raise
+        return output
+
+    def stop_line(self, stopped: TrainingStopped) -> str:
+        """What a stop saved and how to resume it, as rank 0 logs it."""
+        done, steps = self.state.global_step, self.state.max_steps
+        where = f"during step {done + 1} of {steps}" if stopped.abandoned else f"after step {done} of {steps}"
+        if stopped.checkpoint is not None:
+            saved = f"saved {stopped.checkpoint}"
+        elif stopped.abandoned:
+            saved = "the step was abandoned"
+        else:
+            saved = 'nothing saved (save_strategy="no")'
+        newest = get_last_checkpoint(self.output_dir) if self.output_dir.is_dir() else None
+        resume = (f"resume with trainer.train(resume_from_checkpoint=True), which takes {newest}" if newest is not None
+                  else "no checkpoint to resume from")
+        return f"stopped by {stopped.how()} {where}: {saved}; {resume}"
+
+    @property
+    def output_dir(self) -> Path:
+        """Where the Trainer saves its checkpoints (its arguments' ``output_dir``; ``trainer_output`` by default)."""
+        return Path(self.args.output_dir or "trainer_output")
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """The Trainer's save, whole: a second signal waits for its end (module docstring)."""
+        with saved_whole():
+            super()._save_checkpoint(model, trial)
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -251,6 +300,25 @@ class SkrullTrainerMixin(_TrainerBase):
         group."""
         self.skrull_batches.close()
         super().end()
+
+
+class StopOnSignal(TrainerCallback):
+    """At each optimizer step's end, every rank learns whether any got SIGINT or SIGTERM (``stop.stop_agreed``, over
+    ``group``, a gloo group); then the Trainer saves its checkpoint there (unless ``save_strategy="no"``) and leaves its
+    loop, and ``signal`` says which signal it was. A signal in the last step lets the run end as usual."""
+
+    def __init__(self, group: torch.distributed.ProcessGroup) -> None:
+        self.group = group
+        self.signal: signal.Signals | None = None
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        if state.global_step >= state.max_steps:
+            return
+        self.signal = stop_agreed(self.group)
+        if self.signal is not None:
+            control.should_save = args.save_strategy != "no"
+            control.should_training_stop = True
 
 
 class SkrullTrainer(SkrullTrainerMixin, Trainer):

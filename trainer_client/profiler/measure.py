@@ -51,6 +51,7 @@ __all__ = [
     "device_memory_bytes",
     "hardware_info",
     "local_pack",
+    "memory_per_rank_bytes",
     "peak_bytes",
     "random_samples",
     "software_versions",
@@ -209,6 +210,15 @@ def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def memory_per_rank_bytes(device: torch.device, *, world_size: int) -> float:
+    """The memory one rank of a world of ``world_size`` may fill: its GPU's; on CPU the host's physical memory,
+    which the node's ranks (torchrun's ``LOCAL_WORLD_SIZE``, else the whole world) share. Physical, not available,
+    memory: every rank of a node reads the same figure, so every rank derives the same BucketSize from it."""
+    if device.type == "cuda":
+        return device_memory_bytes(device)
+    return device_memory_bytes(device) / int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 def _cpu_model() -> str:

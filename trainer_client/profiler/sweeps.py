@@ -70,6 +70,7 @@ from trainer_client.profiler.measure import (
     device_memory_bytes,
     hardware_info,
     local_pack,
+    memory_per_rank_bytes,
     peak_bytes,
     random_samples,
     software_versions,
@@ -500,10 +501,8 @@ def run_sweeps(options: ProfileOptions) -> Measurements | None:
     layout = ModelLayout.on(device, dtype=options.dtype, sharding=Sharding(options.sharding),
                             activation_checkpointing=ActivationCheckpointing(options.activation_checkpointing),
                             compiled=options.compile)
-    # On CPU the ranks of a node share its memory; a GPU is its rank's alone.
-    ranks_per_memory = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    check_states_fit(shape, layout, world_size=world_size,
-                     memory_budget_bytes=options.memory_budget_bytes or device_memory_bytes(device) / ranks_per_memory)
+    check_states_fit(shape, layout, world_size=world_size, memory_budget_bytes=options.memory_budget_bytes
+                     or memory_per_rank_bytes(device, world_size=world_size))
     joined = dist.is_initialized()
     parallel = init_parallel(ParallelDims(dp_size=1, cp_size=world_size), device_type=options.device)
     try:
