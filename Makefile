@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo test test-fast docs bench bench-advise bench-host bench-hf bench-cpu-costs bench-profiles load stress serve schema profile accuracy ranking gpu-check feedback lint clean images docker-smoke
+.PHONY: install system-deps demo test test-fast docs cli-reference bench bench-advise bench-host bench-hf bench-trl bench-cpu-costs bench-profiles load stress serve schema profile accuracy ranking gpu-check feedback lint clean images docker-smoke
 
 install: $(STAMP)
 
@@ -43,6 +43,10 @@ test-fast: install
 docs: install
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
+# The command lines' reference page, docs/reference/cli.md, from their parsers (a test fails when it is stale).
+cli-reference: install
+	$(PY) -m trainer_client.cli_reference
+
 bench: install
 	$(PY) -m benchmarks.planning
 
@@ -56,6 +60,11 @@ bench-host: install
 # The Hugging Face Trainer path's step time against the bundled trainer's on the same plans (docs/benchmarks.md).
 bench-hf: install
 	$(PY) -m benchmarks.hf_trainer
+
+# One TRL SFT script run with TRL's own batching (padding, padding_free, bfd packing, batch_rebalance) and as
+# SkrullSFTTrainer at every DP × CP split: tokens/s and losses side by side (docs/benchmarks.md, "Against TRL").
+bench-trl: install
+	$(PY) -m benchmarks.against_trl
 
 # What a CPU run pays that its profile must price: sharded attention's kernel, gloo's collective latency
 # (docs/benchmarks.md, "End-to-end demo").
@@ -100,6 +109,7 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy scheduler_service trainer_client proto/skrull_proto
 	$(PY) -m scheduler_service.export_schema --check
+	$(PY) -m trainer_client.cli_reference --check
 
 # Containers (README, "Containers"): Docker with BuildKit, on a Debian base made here when no registry is reachable.
 images:

@@ -25,15 +25,20 @@ Each step runs as its own process, under a deadline, and what it printed is kept
    2 GPUs, ``train-ulysses-dp1-cp2`` too: XTuner's static Ulysses, every sequence's attention by all-to-all over heads
    on NCCL (step 4's ``skrull`` chooses each collective's scheme by step 2's profile, which measured the all-to-all);
 8. ``profile-compiled`` (GPU only): step 2's sweep with ``--compile``, for the launch-bound floor per layer of
-   compiled blocks beside step 2's eager one.
+   compiled blocks beside step 2's eager one;
+9. ``trl-bench``: ``benchmarks.against_trl`` (``make bench-trl``) with the model: one TRL SFT script run with TRL's
+   padding, ``padding_free``, ``bfd`` packing and ``batch_rebalance`` and as ``SkrullSFTTrainer`` at every DP × CP
+   split of the GPUs, tokens/s, step times, peak memory and losses against TRL padding's; only where this Python
+   has TRL, datasets and accelerate (``--wheels`` brings them where their wheels are there), skipped otherwise.
 
 Then it prints one summary and writes it as ``gpu-check/summary.json``: the machine and software, each step's
 outcome and time, the GPU tests' result, the profile's fits and BucketSize, the predicted against the measured
 time per micro-batch (median and worst error, by size class) and per step, whether the model orders them as they
 were measured (``benchmarks.ranking``: the share of pairs of micro-batches, of steps and of one batch's plans
 ordered correctly, and the regret of picking by the model, under the profile and under its two-coefficient fit),
-tokens/s, how far the two schedulers' losses are apart, the peak memory per GPU, and per faster path its tokens/s
-against the eager run's, its losses' distance from them, its peak memory and its fitted floor.
+tokens/s, how far the two schedulers' losses are apart, the peak memory per GPU, per faster path its tokens/s
+against the eager run's, its losses' distance from them, its peak memory and its fitted floor, and the TRL
+comparison's table.
 Exit status 0 when every step ran, 1 when one failed, 2 when this machine cannot run the check (no CUDA; a
 dependency missing).
 
@@ -73,6 +78,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAINER_MODULES = {"torch": "torch", "transformers": "transformers", "peft": "peft", "numpy": "numpy",
                    "numba": "numba", "pydantic": "pydantic", "safetensors": "safetensors", "httpx": "httpx",
                    "tenacity": "tenacity", "tqdm": "tqdm", "yaml": "pyyaml", "pytest": "pytest"}
+# What the TRL comparison (step 9) imports beside them; without them that step is skipped.
+TRL_MODULES = {"trl": "trl", "datasets": "datasets", "accelerate": "accelerate"}
 STOP_GRACE_S = 30.0  # a step past its deadline gets SIGTERM (torchrun then stops its workers), then SIGKILL
 SIZE_CLASS_TOKENS = 2048  # micro-batches below it are launch-bound on a GPU (the eager floor), above compute-bound
 
@@ -104,6 +111,7 @@ class Settings:
     accuracy_args: tuple[str, ...]
     fast_paths: tuple[FastPath, ...]  # step 6
     profile_compiled: bool  # step 8
+    trl_args: tuple[str, ...]  # step 9
 
     @classmethod
     def for_gpu(cls, model: str, steps: int) -> Settings:
@@ -112,7 +120,10 @@ class Settings:
                    profile_args=("--sizes", "512,1024,2048,4096,8192,16384", "--short-length", "512",
                                  "--memory-sizes", "4096,8192,16384", "--shard-sizes", "2048,8192", "--repeats", "3"),
                    accuracy_args=("--global-batch", "32", "--bucket-size", "16384", "--repeats", "2"),
-                   fast_paths=GPU_FAST_PATHS, profile_compiled=True)
+                   fast_paths=GPU_FAST_PATHS, profile_compiled=True,
+                   # the example's batch (4 chats a forward × 8 accumulated, on one GPU) and max_length
+                   trl_args=("--max-length", "8192", "--global-batch", "32", "--per-device-batch", "4", "--steps",
+                             "4", "--warmup", "1", "--rounds", "1"))
 
     @classmethod
     def for_rehearsal(cls, steps: int) -> Settings:
@@ -121,7 +132,9 @@ class Settings:
                    profile_args=("--sizes", "32,128,512", "--short-length", "16", "--memory-sizes", "64,256",
                                  "--repeats", "1", "--warmup", "0", "--threads", "1"),
                    accuracy_args=("--global-batch", "8", "--bucket-size", "512", "--repeats", "1",
-                                  "--datasets", "lmsys"), fast_paths=CPU_FAST_PATHS, profile_compiled=False)
+                                  "--datasets", "lmsys"), fast_paths=CPU_FAST_PATHS, profile_compiled=False,
+                   trl_args=("--max-length", "512", "--global-batch", "8", "--per-device-batch", "2", "--steps", "2",
+                             "--warmup", "1", "--rounds", "1", "--memory-steps", "0"))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,6 +166,7 @@ class Check:
     auto: dict[str, Any] = field(default_factory=dict)
     paths: list[dict[str, Any]] = field(default_factory=list)
     ranking: list[dict[str, Any]] = field(default_factory=list)
+    trl: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "steps": [{**asdict(step), "ok": step.ok} for step in self.steps]}
@@ -169,9 +183,14 @@ def _install_wheels(wheels: Path, missing: Sequence[str], site: Path) -> None:
     """The missing distributions from ``wheels`` (no index) into ``site``, which this process and its steps read."""
     site.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(wheels),
-                    "--target", str(site), *(TRAINER_MODULES[name] for name in missing)], check=True)
+                    "--target", str(site), *({**TRAINER_MODULES, **TRL_MODULES}[name] for name in missing)],
+                   check=True)
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
+
+
+def _missing_trl_modules() -> list[str]:
+    return [name for name in TRL_MODULES if importlib.util.find_spec(name) is None]
 
 
 def _machine(device: str) -> dict[str, Any]:
@@ -276,7 +295,7 @@ def _error(predicted: float, measured: float) -> float:
 
 def _training_summary(name: str, metrics_path: Path) -> dict[str, Any]:
     steps = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    warm = steps[1:] or steps  # step 0 pays one-off warm-up (allocator growth, first collectives)
+    warm = steps[1:] or steps  # the first step pays one-off warm-up (allocator growth, first collectives)
     errors = [(s["estimated_time_ms"] / 1e3 - s["micro_batch_time_s"]) / s["micro_batch_time_s"] for s in warm
               if s["estimated_time_ms"] is not None and s["micro_batch_time_s"] > 0]
     peaks = [s["peak_memory_bytes"] for s in steps if s["peak_memory_bytes"] is not None]
@@ -468,7 +487,32 @@ def run_check(settings: Settings, *, out_dir: Path, env: dict[str, str], num_gpu
         check.ranking = _ranking_summary(accuracy_path if check.accuracy else None, planned_with_profile)
     except Exception as error:  # the summary then lacks these figures; it is still written
         print(f"ranking: not computed ({error!r})", flush=True)
+    check.trl = _trl_comparison(settings, run=run, out_dir=out_dir, num_gpus=num_gpus)
     return check
+
+
+def _trl_comparison(settings: Settings, *, run: Any, out_dir: Path, num_gpus: int) -> dict[str, Any]:
+    """Step 9: TRL's batching against Skrull's plans on one SFT script (``benchmarks.against_trl``); skipped where
+    this Python lacks TRL, datasets or accelerate."""
+    from benchmarks.against_trl import EXIT_LOSSES_DIFFER
+
+    missing = _missing_trl_modules()
+    if missing:
+        reason = (f"skipped: {sys.executable} cannot import {', '.join(missing)}; bring "
+                  f"{' '.join(TRL_MODULES[name] for name in missing)} with --wheels")
+        print(f"== trl-bench: {reason}", flush=True)
+        return {"skipped": reason}
+    out = out_dir / "trl-bench.json"
+    out.unlink(missing_ok=True)
+    processes = ("--processes", str(num_gpus)) if settings.device == "cuda" else ()
+    step = run("trl-bench", [sys.executable, "-m", "benchmarks.against_trl", "--device", settings.device, "--model",
+                             settings.model, *processes, *settings.trl_args, "--out", str(out)],
+               succeeded=(0, EXIT_LOSSES_DIFFER))
+    if not (step.ok and out.is_file()):
+        return {}
+    document = json.loads(out.read_text())
+    return {"rows": document["rows"], "losses_agree": document["losses_agree"],
+            "table": re.findall(r"^\|.*\|$", Path(step.log).read_text(), re.MULTILINE)}
 
 
 def _print_summary(check: Check) -> None:
@@ -531,6 +575,12 @@ def _print_summary(check: Check) -> None:
         print(f"path {path['path']} {' '.join(path['flags'])}".rstrip() + f": {path['tokens_per_s']:,.0f} tokens/s "
               f"(x{path['speedup_tokens_per_s']:.2f} of eager){floor}, peak memory {peak}, losses within "
               f"{path['max_relative_loss_difference']:.1e} of eager")
+    if check.trl.get("table"):
+        print("against TRL (one SFT script; Skrull's losses "
+              f"{'within' if check.trl['losses_agree'] else 'NOT within'} the tolerance of TRL padding's):")
+        print("\n".join(check.trl["table"]))
+    elif check.trl.get("skipped"):
+        print(f"against TRL: {check.trl['skipped']}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -557,6 +607,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{args.wheels} (its output is above)", file=sys.stderr)
             return EXIT_CANNOT_RUN
         missing = _missing_modules()
+    if _missing_trl_modules() and args.wheels is not None and not missing:
+        try:  # step 9 only: without them it is skipped, and says so
+            _install_wheels(args.wheels, _missing_trl_modules(), site)
+        except subprocess.CalledProcessError:
+            print(f"gpu-check: pip could not install {' '.join(TRL_MODULES[n] for n in _missing_trl_modules())} "
+                  f"from {args.wheels}; the TRL comparison will be skipped", file=sys.stderr)
     if missing:
         names = " ".join(TRAINER_MODULES[name] for name in missing)
         print(f"gpu-check: the trainer needs {names}, which {sys.executable} cannot import. On a machine with a "

@@ -51,7 +51,7 @@ def test_the_rehearsal_runs_every_step_and_fills_the_summary(tmp_path: Path) -> 
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [step["name"] for step in summary["steps"]] == [
         "gpu-tests", "profile", "accuracy", "train-skrull-dp1-cp1", "train-skrull-dp1-cp1-buckets",
-        "train-skrull-dp1-cp1-auto", "train-deepspeed-dp1-cp1"]
+        "train-skrull-dp1-cp1-auto", "train-deepspeed-dp1-cp1", "trl-bench"]
     assert all(step["ok"] for step in summary["steps"])
     assert summary["gpu_tests"]["skipped"] == 2  # no CUDA: the GPU tests skip, and say so
     assert summary["profile"]["fit"]["extended"]["median_relative_error"] >= 0
@@ -82,6 +82,11 @@ def test_the_rehearsal_runs_every_step_and_fills_the_summary(tmp_path: Path) -> 
     assert 0 <= micro["ordered"] <= 1 and micro["regret"]["p95"] >= 0
     assert ranking[own, "steps"]["pairs"] == 1  # step 1 of skrull against step 1 of deepspeed (step 0: warm-up)
     assert f"ranking micro-batches by {own}: {micro['pairs']} pairs ordered" in result.stdout
+    # TRL's four ways to batch and Skrull at both splits of the rehearsal's 2 processes, on one SFT script
+    trl = summary["trl"]
+    assert [row["name"] for row in trl["rows"]] == ["TRL padding", "TRL padding_free", "TRL packing (bfd)",
+                                                    "TRL batch_rebalance", "Skrull DP 2 × CP 1", "Skrull DP 1 × CP 2"]
+    assert trl["losses_agree"] and "against TRL (one SFT script" in result.stdout
 
 
 def test_the_ranking_figures_of_a_recorded_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,7 +1,7 @@
 """What ``SkrullTrainer`` and ``SkrullSFTTrainer`` cannot run is refused by name when they are built, before any
 step and before any process group: a model whose attention DACP cannot replace, a collator that packs by itself,
 batch settings that contradict the plan, a CP degree the world size does not divide, a length-grouping sampler,
-TRL's packing and padding-free collation, and a TRL outside the tested range. One process, no training."""
+TRL's packing and padding-free collation, NEFTune, and a TRL outside the tested range. One process, no training."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ def _build(tmp_path: Path, *, model: Any = None, collator: Any = None, skrull: S
                  r"SkrullArguments.cp 2 does not divide the world size 1", id="cp"),
     pytest.param({"train_sampling_strategy": "group_by_length"},
                  r"train_sampling_strategy: 'group_by_length' groups sequences by length", id="sampler"),
+    pytest.param({"neftune_noise_alpha": 5.0},
+                 r"neftune_noise_alpha: NEFTune's noise is alpha / sqrt\(row length × hidden size\) of a forward's "
+                 r"row, in the Trainer and TRL a padded batch's length", id="neftune"),
 ])
 def test_the_trainer_refuses_what_skrull_cannot_run_by_name_before_any_process_group(
     tmp_path: Path, build: dict[str, Any], message: str

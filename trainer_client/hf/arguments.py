@@ -3,8 +3,8 @@
 Everything else comes from the Trainer's ``TrainingArguments`` (or TRL's ``SFTConfig``): the learning rate, the
 schedule, checkpoints, logging, ``report_to``, FSDP. Three of its fields change meaning under Skrull, and
 ``layout.trainer_layout`` says how at start: ``per_device_train_batch_size × gradient_accumulation_steps × dp`` is
-the global batch (unless ``global_batch`` here gives it), a micro-batch holds ``bucket_size`` tokens per CP rank
-rather than a number of sequences, and the plan, not the sampler, balances lengths.
+the global batch (× dp × cp with ``batch_per_process``; unless ``global_batch`` here gives it), a micro-batch holds
+``bucket_size`` tokens per CP rank rather than a number of sequences, and the plan, not the sampler, balances lengths.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ class SkrullArguments:
     the world of ``torchrun``'s processes is ``dp × cp``, so ``cp`` must divide it. ``global_batch``: the sequences of
     one optimizer step, whichever ranks train them; None takes the Trainer's own total,
     ``per_device_train_batch_size × gradient_accumulation_steps × dp``, so that a script keeps its optimizer steps.
+    ``batch_per_process``: count ``per_device_train_batch_size`` per process rather than per DP rank, so that the
+    global batch, ``per_device_train_batch_size × gradient_accumulation_steps × dp × cp``, stays the same when only
+    ``cp`` changes (by default a CP group's ``cp`` processes share one DP rank's count, as transformers counts under
+    its own context parallelism, and the same settings train half the sequences at twice the ``cp``).
     ``scheduler``: the planner (``skrull``, or a baseline to compare with). ``scheduler_url``: the scheduler service,
     asked over HTTP with ``plan_timeout_s`` per request and ``plan_attempts`` tries; without it, or whenever it fails,
     the embedded planner plans the same plans. ``profile``: the hardware profile the planner costs sequences with (a
@@ -37,6 +41,7 @@ class SkrullArguments:
     bucket_size: int
     cp: int = 1
     global_batch: int | None = None
+    batch_per_process: bool = False
     scheduler: str = SchedulerName.SKRULL.value
     scheduler_url: str | None = None
     profile: str | None = None

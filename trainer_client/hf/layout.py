@@ -6,17 +6,20 @@ batch over all ranks: how many micro-batches each DP rank runs, and which sequen
 ``SkrullArguments.bucket_size`` tokens per CP rank. So, at start (``trainer_layout``):
 
 * the global batch is ``SkrullArguments.global_batch``, else the Trainer's own total
-  ``per_device_train_batch_size × gradient_accumulation_steps × dp`` (a script keeps its optimizer steps); both
-  given and disagreeing is refused;
+  ``per_device_train_batch_size × gradient_accumulation_steps × dp`` (a script keeps its optimizer steps), or
+  ``× dp × cp`` with ``SkrullArguments.batch_per_process`` (the same whatever the CP degree); both given and
+  disagreeing is refused; rank 0's line at start says what the settings would give at every CP degree
+  (``batch_mapping``);
 * the Trainer's loop then reads one batch a step, the whole global batch on every rank
   (``per_device_train_batch_size`` becomes the global batch, ``gradient_accumulation_steps`` 1), and rank 0 logs
   what each field now means;
 * what cannot mean anything under Skrull is refused by name, with the setting that replaces it: a CP degree that
   does not divide the world, samplers that group lengths (the plan balances them), a batch size found by trial
-  (``auto_find_batch_size``), a mean loss per device (``average_tokens_across_devices=False``), label smoothing (it
-  shifts the already shifted targets), DDP's buffer broadcast (a collective in every forward, and ranks run different
-  numbers of micro-batches), DeepSpeed, accelerate's own context parallelism, FSDP1, batches dispatched from rank 0,
-  and several GPUs in one process (``nn.DataParallel``).
+  (``auto_find_batch_size``), a mean loss per device (``average_tokens_across_devices=False``), NEFTune (its noise
+  scales with a forward's row length, a padded batch's there and a packed micro-batch's shard here), label
+  smoothing (it shifts the already shifted targets), DDP's buffer broadcast (a collective in every forward, and
+  ranks run different numbers of micro-batches), DeepSpeed, accelerate's own context parallelism, FSDP1, batches
+  dispatched from rank 0, and several GPUs in one process (``nn.DataParallel``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from transformers import TrainingArguments
 from trainer_client.distributed import ParallelDims
 from trainer_client.hf.arguments import SkrullArguments
 
-__all__ = ["TrainerLayout", "trainer_layout"]
+__all__ = ["TrainerLayout", "batch_mapping", "trainer_layout"]
 
 LENGTH_SAMPLERS = ("group_by_length", "batch_rebalance")
 
@@ -59,9 +62,12 @@ def trainer_layout(args: TrainingArguments, skrull: SkrullArguments) -> TrainerL
                          f"a cp that divides {world_size}")
     dims = ParallelDims(dp_size=world_size // skrull.cp, cp_size=skrull.cp)
     _refuse_what_skrull_replaces(args)
-    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * dims.dp_size
+    # The processes per_device_train_batch_size counts for: each DP rank (a CP group shares one), or each process.
+    per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps
+                * (world_size if skrull.batch_per_process else dims.dp_size))
     from_trainer = (f"per_device_train_batch_size {args.per_device_train_batch_size} × gradient_accumulation_steps "
-                    f"{args.gradient_accumulation_steps} × dp {dims.dp_size}")
+                    f"{args.gradient_accumulation_steps} × dp {dims.dp_size}"
+                    + (f" × cp {dims.cp_size}" if skrull.batch_per_process else ""))
     if skrull.global_batch is not None and skrull.global_batch != per_step and not _batch_left_default(args):
         raise ValueError(f"{from_trainer} = {per_step} sequences per optimizer step contradicts SkrullArguments."
                          f"global_batch {skrull.global_batch}: Skrull plans each global batch's micro-batches itself; "
@@ -74,13 +80,31 @@ def trainer_layout(args: TrainingArguments, skrull: SkrullArguments) -> TrainerL
         f"Skrull: dp {dims.dp_size} × cp {dims.cp_size} over {world_size} processes; every optimizer step trains a "
         f"global batch of {global_batch} sequences ({origin}), planned over all ranks in micro-batches of at most "
         f"SkrullArguments.bucket_size {skrull.bucket_size} tokens per CP rank, as many per DP rank as its sequences "
-        f"need. So per_device_train_batch_size is now {global_batch} (every rank reads the whole global batch) and "
+        f"need. {batch_mapping(args, skrull, world_size)}. "
+        f"So per_device_train_batch_size is now {global_batch} (every rank reads the whole global batch) and "
         "gradient_accumulation_steps 1 (one planned step per batch); the plan, not the sampler, balances lengths; "
         f"an evaluation batch of per_device_eval_batch_size {args.per_device_eval_batch_size} sequences is planned "
         "over all ranks the same way")
     args.per_device_train_batch_size = global_batch
     args.gradient_accumulation_steps = 1
     return TrainerLayout(dims=dims, global_batch=global_batch, explanation=explanation)
+
+
+def batch_mapping(args: TrainingArguments, skrull: SkrullArguments, world_size: int) -> str:
+    """One sentence: the global batch the Trainer's batch settings give at each DP × CP split of ``world_size``
+    processes (read before ``trainer_layout`` sets them)."""
+    if skrull.global_batch is not None:
+        return f"SkrullArguments.global_batch gives the global batch, {skrull.global_batch} sequences at every cp"
+    per_dp_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    processes = f"{world_size} process{'es' if world_size > 1 else ''}"
+    if skrull.batch_per_process:
+        return (f"per_device_train_batch_size counts sequences per process (SkrullArguments.batch_per_process): over "
+                f"{processes} these settings train {per_dp_rank * world_size} sequences at every cp")
+    at_each_cp = ", ".join(f"{per_dp_rank * (world_size // cp)} at cp {cp}"
+                           for cp in range(1, world_size + 1) if world_size % cp == 0)
+    return (f"per_device_train_batch_size counts sequences per DP rank, which the cp processes of a CP group share: "
+            f"over {processes} these settings train {at_each_cp} (SkrullArguments.batch_per_process=True keeps "
+            f"{per_dp_rank * world_size} at every cp)")
 
 
 def _batch_left_default(args: TrainingArguments) -> bool:
@@ -107,6 +131,11 @@ def _refuse_what_skrull_replaces(args: TrainingArguments) -> None:
             not args.average_tokens_across_devices,
             "Skrull divides every micro-batch's summed token loss by the loss tokens of the whole global batch, "
             "whichever ranks train them: set it True (its default)"),
+        "neftune_noise_alpha": (
+            args.neftune_noise_alpha is not None,
+            "NEFTune's noise is alpha / sqrt(row length × hidden size) of a forward's row, in the Trainer and TRL a "
+            "padded batch's length (TRL's padding_free: the whole flattened batch); a Skrull row is a packed "
+            "micro-batch's shard on one CP rank, so the same alpha would train with another noise: leave it None"),
         "label_smoothing_factor": (
             args.label_smoothing_factor != 0,
             "label smoothing shifts the labels again, and Skrull's packed targets are shifted already: set it 0"),
