@@ -78,6 +78,11 @@ def _global_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _program() -> str:
+    """How the user started this process, for the usage line, its hints and the resume command to name."""
+    return "skrull-train" if Path(sys.argv[0]).name == "skrull-train" else f"python -m {_MODULE}"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, which also reads another trainer's spelling of a flag Skrull has (``--learning-rate`` is
     ``--lr``, ``config.flag_aliases``), and whose usage error is one line, ``error: …``, and a hint (why Skrull has
@@ -121,7 +126,7 @@ def _is_number(token: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's flags, generated from ``TrainConfig`` (``config.add_flags``), with ``--config``; the usage
     line names the required flags alone (argparse's own lists all 60, in some 55 lines)."""
-    parser = _Parser(prog="python -m trainer_client.train", usage="%(prog)s --dp DP --cp CP [--config FILE] [FLAG ...]",
+    parser = _Parser(prog=_program(), usage="%(prog)s --dp DP --cp CP [--config FILE] [FLAG ...]",
                      description="Train a model on Skrull's plans: dp × cp ranks on this machine, or one rank under "
                                  "torchrun. Each flag is also a key of a --config file.")
     add_flags(parser)
@@ -171,7 +176,7 @@ def _launch(argv: list[str], num_processes: int) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes, without its warning
     # The ranks' stop line names the command that resumes the job (train.py's own name, under torchrun).
-    os.environ[_COMMAND] = "skrull-train" if Path(sys.argv[0]).name == "skrull-train" else f"python -m {_MODULE}"
+    os.environ[_COMMAND] = _program()
     logging.disable(logging.ERROR)  # the agent's own log of a failed worker: the worker said what went wrong
     launch = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(num_processes), "-m", _MODULE,
                                            *argv])
