@@ -49,9 +49,9 @@ from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.simulate import simulate
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.distributed import ParallelDims, init_parallel, max_over_ranks, spawn_ranks
-from trainer_client.distributed.parallelize import ActivationCheckpointing, Sharding, prepare_micro_batch
 from trainer_client.models.loading import ModelLayout, build_training_module
 from trainer_client.models.loss import CausalLMLoss, run_micro_batch
+from trainer_client.models.parallelize import ActivationCheckpointing, Sharding, prepare_micro_batch
 from trainer_client.profiler.command import ProfileOptions, measure_profile
 from trainer_client.profiler.measure import local_pack, random_samples, timed_runs
 

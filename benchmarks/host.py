@@ -46,9 +46,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from trainer_client.choices import FsdpUnits
 from trainer_client.dacp.attention import AttentionBackend
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_ranks
-from trainer_client.distributed.parallelize import ActivationCheckpointing, Sharding, prepare_micro_batch
 from trainer_client.models.loading import ModelLayout, build_training_module
 from trainer_client.models.loss import run_micro_batch
+from trainer_client.models.parallelize import ActivationCheckpointing, Sharding, prepare_micro_batch
 from trainer_client.profiler.measure import local_pack
 
 __all__ = ["HostCost", "counted", "host_us", "main"]

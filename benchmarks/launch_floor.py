@@ -35,8 +35,8 @@ from scheduler_service.core.planner import make_plan
 from scheduler_service.core.samplers import sample_lengths
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.distributed import ParallelDims, init_parallel
-from trainer_client.distributed.parallelize import ActivationCheckpointing, Sharding
 from trainer_client.models.loading import ModelLayout, build_training_module
+from trainer_client.models.parallelize import ActivationCheckpointing, Sharding
 from trainer_client.profiler.measure import local_pack, random_samples, timed_runs
 
 __all__ = ["main"]

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import trainer_client.profiler.auto as auto
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
-from trainer_client.distributed.parallelize import ActivationCheckpointing, Sharding
 from trainer_client.models.loading import ModelLayout
+from trainer_client.models.parallelize import ActivationCheckpointing, Sharding
 from trainer_client.profiler.auto import CPU_PROFILE, auto_profile, cache_path, default_profile, profile_key
 from trainer_client.profiler.sweeps import ProfileOptions
 from trainer_client.trainer import Trainer

@@ -112,3 +112,4 @@ def test_the_guides_offline_example_trains_in_a_folder_of_its_own(tmp_path: Path
     assert refused.returncode == 2
     shown = _block("text", "hint: skrull-tokenizer").splitlines()
     assert [line for line in refused.stderr.splitlines() if not LOG_RECORD.match(line)] == shown
+    assert shown[0].startswith("error: ") and "run skrull-tokenizer tok, then give --tokenizer tok" in shown[0]

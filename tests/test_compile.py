@@ -15,16 +15,16 @@ from torch._dynamo.utils import counters
 
 from trainer_client.config import TrainConfig
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.distributed.parallelize import (
+from trainer_client.models.loading import ModelLayout
+from trainer_client.models.loss import CausalLMLoss
+from trainer_client.models.model import build_model
+from trainer_client.models.parallelize import (
     ActivationCheckpointing,
     Sharding,
     apply_compile,
     check_compile,
     check_cuda_graphs,
 )
-from trainer_client.models.loading import ModelLayout
-from trainer_client.models.loss import CausalLMLoss
-from trainer_client.models.model import build_model
 from trainer_client.trainer import Trainer
 
 STEPS = 3
@@ -99,7 +99,7 @@ def test_selective_checkpointing_is_refused_with_compile() -> None:
 
 
 def test_a_cpu_without_a_cpp_compiler_is_refused_before_anything_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("trainer_client.distributed.parallelize.shutil.which", lambda name: None)
+    monkeypatch.setattr("trainer_client.models.parallelize.shutil.which", lambda name: None)
     with pytest.raises(ValueError, match=r"--compile on CPU needs a C\+\+ compiler"):
         check_compile(torch.device("cpu"))
 
@@ -118,7 +118,7 @@ def test_a_gpu_too_old_for_triton_is_refused(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_the_trainer_checks_compile_before_building_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("trainer_client.distributed.parallelize.shutil.which", lambda name: None)
+    monkeypatch.setattr("trainer_client.models.parallelize.shutil.which", lambda name: None)
     monkeypatch.setattr("trainer_client.trainer.build_training_module",
                         lambda *args, **kwargs: pytest.fail("the model was built before --compile was checked"))
     cpu_rank = SimpleNamespace(device=torch.device("cpu"))  # no process group: nothing may get that far

@@ -30,8 +30,8 @@ from trainer_client.components.run_identity import model_identity
 from trainer_client.config import TrainConfig
 from trainer_client.demo import trainer_env
 from trainer_client.distributed import init_parallel, spawn_gloo
-from trainer_client.distributed.parallelize import Sharding
 from trainer_client.models.model import build_model
+from trainer_client.models.parallelize import Sharding
 from trainer_client.train import main as train_main
 from trainer_client.trainer import Trainer
 

@@ -23,16 +23,16 @@ from trainer_client.dacp.attention import AttentionBackend
 from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.data import Sample
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
-from trainer_client.distributed.parallelize import (
+from trainer_client.models.loading import ModelLayout, build_training_module
+from trainer_client.models.loss import CausalLMLoss, run_micro_batch
+from trainer_client.models.model import DACP_ATTENTION, build_model, model_config, model_inputs, register_dacp_attention
+from trainer_client.models.parallelize import (
     ActivationCheckpointing,
     FsdpUnits,
     Sharding,
     apply_compile,
     prepare_micro_batch,
 )
-from trainer_client.models.loading import ModelLayout, build_training_module
-from trainer_client.models.loss import CausalLMLoss, run_micro_batch
-from trainer_client.models.model import DACP_ATTENTION, build_model, model_config, model_inputs, register_dacp_attention
 
 
 def _local_pack(lengths: tuple[int, ...], seed: int = 0):  # type: ignore[no-untyped-def]

@@ -21,14 +21,14 @@ import torch.distributed as dist
 from huggingface_hub import constants
 from transformers import AutoTokenizer
 
-import trainer_client.data.hub
+import trainer_client.hub
 from scheduler_service.core.models import MODEL_CATALOGUE
 from tests.hub_cache import HubCache, commit_of
 from trainer_client.components.run_identity import model_identity
 from trainer_client.data import DataIdentity, RecordSource, load_tokenizer, make_source, open_records
 from trainer_client.data.evaluation import EvalSet
-from trainer_client.data.hub import HubError, HubRef, HubSnapshot, RepoKind, fetch, fetch_on_rank_0_first, hub_ref
 from trainer_client.distributed import ParallelContext, free_port
+from trainer_client.hub import HubError, HubRef, HubSnapshot, RepoKind, fetch, fetch_on_rank_0_first, hub_ref
 from trainer_client.models.model import build_model, model_folder, model_shape
 
 RECORDS = [{"input_ids": [k + 1, 7, 1000 - k]} for k in range(5)]
@@ -113,11 +113,11 @@ def test_every_rank_reads_the_commit_rank_0_resolved(hub: HubCache, monkeypatch:
     fetch_on_rank_0_first(_rank(0), model="tiny", data="org/records")
     # The Hub moves on before another rank looks: that rank, another process, reads rank 0's commit all the same.
     hub.add_dataset("org/records", {"train": RECORDS[:2]}, commit=second)
-    monkeypatch.setattr(trainer_client.data.hub, "_snapshots", {})
+    monkeypatch.setattr(trainer_client.hub, "_snapshots", {})
     monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src, group: objects.__setitem__(0, sent[0][0]))
     fetch_on_rank_0_first(_rank(1), model="tiny", data="org/records")
     assert open_records("org/records").identity().fingerprint == f"5 rows, Hub commit {first}"
-    monkeypatch.setattr(trainer_client.data.hub, "_snapshots", {})
+    monkeypatch.setattr(trainer_client.hub, "_snapshots", {})
     assert open_records("org/records").identity().fingerprint == f"2 rows, Hub commit {second}"  # unpinned
 
 
@@ -261,7 +261,7 @@ def test_a_missing_data_file_is_a_missing_file_at_the_trainers_first_step_never_
         raise AssertionError("looked up on the Hub")
 
     monkeypatch.setattr(dist, "broadcast_object_list", no_hub)
-    monkeypatch.setattr(trainer_client.data.hub, "_download", no_hub)
+    monkeypatch.setattr(trainer_client.hub, "_download", no_hub)
     for global_rank in (0, 1):
         fetch_on_rank_0_first(_rank(global_rank), model="tiny", **{flag: spec})
     with pytest.raises(ValueError, match=re.escape(f"no such file: {spec!r} in {Path.cwd()} (a name with a data "
@@ -276,7 +276,7 @@ def test_rank_0_raises_its_own_error_with_its_traceback_and_the_others_its_messa
     def full_disk(ref: HubRef, revision: str | None) -> HubSnapshot:
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(trainer_client.data.hub, "_download", full_disk)
+    monkeypatch.setattr(trainer_client.hub, "_download", full_disk)
     sent: list[list[object]] = []
     monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src, group: sent.append(list(objects)))
     with pytest.raises(OSError, match="No space left on device") as raised:

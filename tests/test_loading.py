@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
-from trainer_client.distributed.parallelize import ActivationCheckpointing, Sharding
 from trainer_client.models.loading import CheckpointMismatch, ModelLayout, build_training_module, check_checkpoint
 from trainer_client.models.lora import LoraSettings, apply_lora
 from trainer_client.models.model import build_empty_model, build_model
+from trainer_client.models.parallelize import ActivationCheckpointing, Sharding
 
 WORLD_SIZE = 4
 LORA = LoraSettings(rank=4, alpha=8)

@@ -23,9 +23,9 @@ from trainer_client.components.optim import (
 )
 from trainer_client.config import TrainConfig
 from trainer_client.data import IGNORE_INDEX
-from trainer_client.distributed.parallelize import ActivationCheckpointing, apply_activation_checkpointing
 from trainer_client.models.loss import CausalLMLoss, chunked_cross_entropy
 from trainer_client.models.model import build_model
+from trainer_client.models.parallelize import ActivationCheckpointing, apply_activation_checkpointing
 from trainer_client.profiler.measure import local_pack
 from trainer_client.train import build_parser, config_from_args
 

@@ -1,10 +1,11 @@
-"""The trainer's sub-packages stand on each other in one order (docs/development.md, "The trainer's layers"): a
+"""The trainer's sub-packages stand on each other in one order (docs/development.md, "Where code goes"): a
 module imports, when it is loaded, only modules of its own layer or of a layer below. Lazy imports inside functions
 (the configuration checks ``--compile`` against the parallelizer only when a config asks for it) and imports for the
 type checker alone are not loads; what importing the configuration loads is checked in a fresh interpreter
 (``tests/test_core_purity.py``: no torch, nothing of the trainer but its names).
 
-Every module of ``trainer_client`` has a layer, so a new module is placed on purpose.
+Every module of ``trainer_client`` has a layer, so a new module is placed on purpose. A layer is a list of folders
+and top-level modules, never of one module inside a folder: a folder stands on one layer as a whole.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from pathlib import Path
 
 import trainer_client
 
-# Bottom first. A module belongs to the layer of its longest listed prefix.
+# Bottom first: the folders (sub-packages) and top-level modules of each layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("configuration", ("choices", "foreign_keys", "config")),
-    ("processes and plans", ("distributed", "distributed.torch_compat", "planning", "data.hub")),
+    ("processes and plans", ("distributed", "planning", "hub")),
     ("data and DACP", ("data", "dacp")),
-    ("models", ("models", "distributed.parallelize")),
+    ("models", ("models",)),
     ("components, profiler, advisor", ("components", "profiler", "advise")),
     ("loops and commands", ("loop", "trainer", "train", "demo", "profile", "export", "hf", "chat_tokenizer",
                             "cli_reference")),
@@ -33,13 +34,12 @@ def _modules() -> list[str]:
 
 
 def _layer(module: str) -> int:
-    """The index of ``module``'s layer (``trainer_client.X.Y``), by its longest listed prefix."""
-    name = module.removeprefix("trainer_client.")
-    matches = [(len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
-               if name == prefix or name.startswith(prefix + ".")]
-    if not matches:
-        raise AssertionError(f"{module} is in no layer of LAYERS: place it")
-    return max(matches)[1]
+    """The index of the layer of ``module`` (``trainer_client.X.Y``): that of its folder or top-level module ``X``."""
+    top = module.removeprefix("trainer_client.").partition(".")[0]
+    for index, (_, names) in enumerate(LAYERS):
+        if top in names:
+            return index
+    raise AssertionError(f"{module} is in no layer of LAYERS: place {top}")
 
 
 def _loaded_imports(path: Path, module: str) -> set[str]:
@@ -81,6 +81,9 @@ def test_every_trainer_module_has_a_layer() -> None:
             "trainer_client.profiler.auto", "trainer_client.advise.command"} <= set(modules)
     for module in modules:
         _layer(module)
+    tops = {module.split(".")[1] for module in modules}
+    listed = [name for _, names in LAYERS for name in names]
+    assert sorted(listed) == sorted(tops)  # folders and top-level modules, each once, none missing
 
 
 def test_a_trainer_module_loads_nothing_of_a_layer_above_its_own() -> None:
@@ -101,3 +104,12 @@ def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
     source.write_text("from trainer_client.trainer import Trainer\nif TYPE_CHECKING:\n    import trainer_client.loop\n"
                       "def later():\n    import trainer_client.demo\n")
     assert _loaded_imports(source, "trainer_client.choices") == {"trainer_client.trainer"}
+
+
+def test_a_package_init_lists_names_and_holds_no_logic() -> None:
+    """A reader who opens a folder sees its modules: a package's ``__init__.py`` re-exports their names (or resolves
+    them lazily, as ``trainer_client``'s does) and holds no more than that."""
+    root = Path(trainer_client.__file__).parent
+    long = {str(path.relative_to(root)): num_lines for path in root.rglob("__init__.py")
+            if (num_lines := len(path.read_text().splitlines())) > 150}
+    assert long == {}

@@ -23,7 +23,7 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0  # of every process group (distributed/)
 DEFAULT_CHUNK_TOKENS = 4096  # tokens per chunk of the LM head and cross-entropy (loss.py)
 DEFAULT_PLAN_TIMEOUT_S = 5.0  # per POST /plan attempt (planning/client.py)
 DEFAULT_PLAN_ATTEMPTS = 3  # before the embedded planner plans the batch (planning/source.py)
-SYNTHETIC_PREFIX = "synthetic:"  # --data synthetic:DATASET: lengths drawn from a built-in sampler (data.py)
+SYNTHETIC_PREFIX = "synthetic:"  # --data synthetic:DATASET: lengths drawn from a built-in sampler (data/sources.py)
 # The samplers' names (``scheduler_service.core.samplers.DATASETS``, which loads numpy), for ``--help`` to list without
 # loading it; a test holds the two equal.
 SYNTHETIC_DATASETS = ("wikipedia", "lmsys", "chatqa2", "longtail64k", "docmix")

@@ -445,7 +445,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--lr-scheduler {self.lr_scheduler} does not read --min-lr-ratio (only "
                              f"{', '.join(readers)} do): leave it out, or choose one of those")
         if self.compile or self.cuda_graphs:
-            from trainer_client.distributed.parallelize import check_compile_layout
+            from trainer_client.models.parallelize import check_compile_layout
 
             check_compile_layout(self.activation_checkpointing)
         if self.token_buckets is not None and self.token_buckets > MAX_TOKEN_BUCKETS:

@@ -45,7 +45,7 @@ from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch, padd
 from trainer_client.dacp.prefetch import PrefetchedMicroBatches
 from trainer_client.data import GlobalBatch, Sample
 from trainer_client.distributed import ParallelContext
-from trainer_client.distributed.parallelize import Sharding, num_padding_micro_batches
+from trainer_client.models.parallelize import Sharding, num_padding_micro_batches
 from trainer_client.planning.client import PlanClient
 from trainer_client.planning.source import MicroBatchTiming, PlanDecision, PlanOrigin, PlanSource
 

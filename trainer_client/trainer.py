@@ -114,19 +114,19 @@ from trainer_client.data import (
 )
 from trainer_client.data.check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records, write_bad_records
 from trainer_client.data.evaluation import EvalSet
-from trainer_client.data.hub import fetch_on_rank_0_first
 from trainer_client.distributed import ParallelContext, max_over_ranks
-from trainer_client.distributed.parallelize import (
+from trainer_client.hub import fetch_on_rank_0_first
+from trainer_client.loop import RankBatch, SkrullBatches
+from trainer_client.models.loading import ModelLayout, build_training_module, check_weights_present
+from trainer_client.models.loss import micro_batch_loss, run_micro_batch
+from trainer_client.models.model import model_folder, model_shape
+from trainer_client.models.parallelize import (
     check_compile,
     check_cuda_graphs,
     prepare_micro_batch,
     reduce_gradients,
     reshard,
 )
-from trainer_client.loop import RankBatch, SkrullBatches
-from trainer_client.models.loading import ModelLayout, build_training_module, check_weights_present
-from trainer_client.models.loss import micro_batch_loss, run_micro_batch
-from trainer_client.models.model import model_folder, model_shape
 from trainer_client.planning.source import MicroBatchTiming, plan_capacity
 from trainer_client.profiler.auto import AUTO_PROFILE, auto_profile, default_profile
 from trainer_client.profiler.measure import check_profile_machine, memory_per_rank_bytes

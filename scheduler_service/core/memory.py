@@ -1,7 +1,7 @@
 """Static memory of a training layout: what a sharding mode keeps per parameter, and what LoRA changes.
 
 The profile measures activations; the bytes of weights, gradients and AdamW moments follow from how the trainer
-lays them out (``trainer_client.distributed.parallelize``), so they are computed here, once, for the trainer (its
+lays them out (``trainer_client.models.parallelize``), so they are computed here, once, for the trainer (its
 derived BucketSize) and for the layout advisor (every mode it prices). With w = compute dtype bytes, 4 = fp32:
 
 * a trained parameter: ``none`` 4 + 4 + 8 + 4 replicated (fp32 weights, gradients, AdamW moments, the flat
@@ -43,7 +43,7 @@ ADAMW_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32, one per parameter each
 
 class Sharding(StrEnum):
     """How parameters, gradients and optimizer state lie over the DP × CP ranks
-    (``trainer_client.distributed.parallelize``)."""
+    (``trainer_client.models.parallelize``)."""
 
     ZERO2 = "zero2"
     ZERO3 = "zero3"

@@ -34,7 +34,7 @@ from scheduler_service.contract.profiles import load_profile
 from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.profile import Profile, resolve_profile
 from scheduler_service.core.samplers import DATASETS, sample_lengths
-from trainer_client.data.hub import RepoKind, hub_ref
+from trainer_client.hub import RepoKind, hub_ref
 
 __all__ = ["SYNTHETIC_PREFIX", "is_lengths_file", "read_lengths", "read_model", "read_profile"]
 

@@ -38,7 +38,7 @@ from trainer_client.components.checkpoint import load_model_weights, resolve_che
 from trainer_client.components.run_identity import model_identity
 from trainer_client.config import check_output_dir
 from trainer_client.data import load_tokenizer
-from trainer_client.data.hub import RepoKind, fetch, hub_ref
+from trainer_client.hub import RepoKind, fetch, hub_ref
 from trainer_client.models.lora import LoraSettings, apply_lora
 from trainer_client.models.loss import CausalLMLoss
 from trainer_client.models.model import build_model

@@ -33,7 +33,7 @@ from pathlib import Path
 from trainer_client.choices import LRSchedulerName
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource
-from trainer_client.data.hub import RepoKind, fetch, hub_ref
+from trainer_client.hub import RepoKind, fetch, hub_ref
 from trainer_client.models.lora import LoraSettings
 from trainer_client.models.model import model_folder
 

@@ -7,7 +7,7 @@ bytes per record: its tokens and its tokens with loss, as trained. The trainer g
 the ranks, and every rank then holds the same verdict (``RecordCheck.merged``). Encoding is deterministic: a record
 that passed cannot fail when a batch reaches it.
 
-A record cannot train (``data.Defect``) when it is longer than ``--max-length`` without ``--truncate``, longer than
+A record cannot train (``samples.Defect``) when it is longer than ``--max-length`` without ``--truncate``, longer than
 any plan of the layout holds, has no token with loss, is an empty chat or a chat without an assistant turn, when
 the chat template does not render a prefix of the chat as a prefix of its tokens, or when it is malformed (not JSON,
 no known shape, wrong types, token ids outside the vocabulary). ``RecordCheck.report`` lists them all, by defect,
@@ -29,7 +29,9 @@ import numpy as np
 import numpy.typing as npt
 
 from trainer_client.choices import CHAT_TEMPLATES
-from trainer_client.data import BadRecordError, Defect, RecordEncoder, RecordReader, length_summary
+from trainer_client.data.encoding import RecordEncoder
+from trainer_client.data.records import RecordReader
+from trainer_client.data.samples import BadRecordError, Defect, length_summary
 
 __all__ = ["BAD_RECORDS_FILE", "BadRecord", "BadRecordsError", "RecordCheck", "check_records", "write_bad_records"]
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer_client.data import GlobalBatch, RecordEncoder, RecordTooLongError, open_records
+from trainer_client.data.encoding import RecordEncoder
+from trainer_client.data.records import open_records
+from trainer_client.data.samples import GlobalBatch, RecordTooLongError
 
 __all__ = ["EvalSet"]
 

@@ -57,7 +57,6 @@ from trainer_client.components.stop import TrainingStopped, graceful_stops, save
 from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.data import GlobalBatch
 from trainer_client.distributed import init_parallel
-from trainer_client.distributed.parallelize import prepare_micro_batch, reshard
 from trainer_client.hf.arguments import SkrullArguments
 from trainer_client.hf.attention import check_replaceable, dacp_attention
 from trainer_client.hf.inputs import SequenceCollator, check_collator
@@ -65,6 +64,7 @@ from trainer_client.hf.layout import trainer_layout
 from trainer_client.hf.versions import check_versions
 from trainer_client.loop import SkrullBatches
 from trainer_client.models.model import config_shape, model_inputs
+from trainer_client.models.parallelize import prepare_micro_batch, reshard
 
 __all__ = ["SkrullTrainer", "SkrullTrainerMixin", "StopOnSignal", "every_rank_reads_every_batch", "padding_rule"]
 

@@ -39,10 +39,10 @@ from transformers import PreTrainedModel
 
 from trainer_client.choices import FsdpUnits
 from trainer_client.distributed import ParallelContext
-from trainer_client.distributed.parallelize import ActivationCheckpointing, Sharding, parallelize
 from trainer_client.models.lora import LoraSettings, apply_lora
 from trainer_client.models.loss import DEFAULT_CHUNK_TOKENS, CausalLMLoss
 from trainer_client.models.model import build_empty_model, build_model, model_folder
+from trainer_client.models.parallelize import ActivationCheckpointing, Sharding, parallelize
 
 __all__ = ["CheckpointMismatch", "ModelLayout", "build_training_module", "check_checkpoint", "check_weights_present",
            "checkpoint_shapes"]

@@ -56,7 +56,7 @@ from trainer_client.dacp.attention import (
     resolve_kernel,
 )
 from trainer_client.dacp.packing import PackedMicroBatch
-from trainer_client.data.hub import HubError, RepoKind, fetch, hub_ref
+from trainer_client.hub import HubError, RepoKind, fetch, hub_ref
 
 __all__ = ["DACP_ATTENTION", "build_empty_model", "build_model", "check_attention_settings", "config_shape",
            "model_config", "model_folder", "model_inputs", "model_shape", "register_dacp_attention"]

@@ -2,13 +2,15 @@
 planning core.
 
 ``PlanSource`` is rank 0's decision maker. For global batch ``s`` it asks the
-service (prefetched in a background thread while batch ``s − 1`` trains); on
-any ``PlanClientError`` it plans the batch with the embedded core — the same
-``make_problem`` + ``make_plan`` the service runs, so the same plan — logs one
-warning for the whole run, counts the fallback, and the batch trains as
-planned: no batch is skipped or repeated. The service is asked again for the
-next batch. A batch no planner can plan (a sequence longer than
-``bucket_size × cp_size``) becomes an error decision, which every rank receives.
+service (prefetched in a background thread while batch ``s − 1`` trains); when
+the service's answer fails, whatever the exception (a ``PlanClientError``, or
+any other error of the request or of its answer), it plans the batch with the
+embedded core — the same ``make_problem`` + ``make_plan`` the service runs, so
+the same plan — logs one warning for the whole run, counts the fallback, and the
+batch trains as planned: no batch is skipped or repeated. The service is asked
+again for the next batch. A batch no planner can plan (a sequence longer than
+``bucket_size × cp_size``, or ``bucket_size × cp_size × dp_size`` where blocks
+may span DP replicas) becomes an error decision, which every rank receives.
 A service plan keeps its hybrid DACP groups (``sharded``) and is checked with
 the core's checker (aligned blocks, memory bound) before any rank sees it.
 

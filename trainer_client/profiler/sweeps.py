@@ -54,16 +54,16 @@ from scheduler_service.core.plan import Collective, MicroBatch, ShardedGroup, bl
 from trainer_client.dacp.attention import AttentionBackend, resolve_backend
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.distributed import ParallelContext, ParallelDims, destroy_groups, init_parallel, max_over_ranks
-from trainer_client.distributed.parallelize import (
+from trainer_client.models.loading import ModelLayout, build_training_module
+from trainer_client.models.loss import run_micro_batch
+from trainer_client.models.model import model_shape
+from trainer_client.models.parallelize import (
     ActivationCheckpointing,
     Sharding,
     check_compile,
     check_compile_layout,
     prepare_micro_batch,
 )
-from trainer_client.models.loading import ModelLayout, build_training_module
-from trainer_client.models.loss import run_micro_batch
-from trainer_client.models.model import model_shape
 from trainer_client.profiler.measure import (
     COLLECTIVES,
     collective_latency_s,

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 __all__ = ["DATA_FILE_SUFFIXES", "HubError", "HubRef", "HubSnapshot", "RepoKind", "fetch", "fetch_on_rank_0_first",
            "hub_ref", "is_data_file_name", "pin"]
 
-logger = logging.getLogger("trainer_client.data.hub")
+logger = logging.getLogger("trainer_client.hub")
 
 _NAME = r"[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9_])?"
 # ORG/NAME, then @REVISION (a branch, a tag such as v1.0, refs/pr/1, or a commit), then :SPLIT for a data set.
