@@ -52,7 +52,7 @@ from scheduler_service.core.samplers import sample_lengths
 from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch
 from trainer_client.demo import start_service, stop_service
-from trainer_client.distributed import free_port, init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, free_port, init_parallel, spawn_gloo
 from trainer_client.planning.source import PlanDecision
 from trainer_client.profiler.command import ProfileOptions, measure_profile
 from trainer_client.trainer import Trainer
@@ -105,7 +105,7 @@ def _train(url: str, job_id: str, steps: int, out_path: Path) -> None:
     config = TrainConfig(dp=1, cp=1, model=MODEL, data="synthetic:lmsys", global_batch=16, steps=steps,
                          scheduler=SchedulerName.SKRULL, scheduler_url=url, bucket_size=BUCKET_SIZE,
                          profile="wrong-start", feedback=True, job_id=job_id, progress=False)
-    trainer = Trainer(config, init_parallel(config.dims))
+    trainer = Trainer(config, init_parallel(ParallelDims.of(config)))
     decisions: dict[int, Any] = {}
     decide = trainer.batches.decide
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding, static_bytes_per_parameter
 from trainer_client.config import TrainConfig
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.trainer import Trainer
 
 DP, CP = 2, 2
@@ -50,7 +50,7 @@ def _rss_bytes() -> int:
 
 
 def _measure(out: Path, model: str, sharding: Sharding, checkpointing: str) -> None:
-    parallel = init_parallel(TrainConfig(dp=DP, cp=CP).dims)
+    parallel = init_parallel(ParallelDims.of(TrainConfig(dp=DP, cp=CP)))
     before = _rss_bytes()
     config = TrainConfig(dp=DP, cp=CP, model=model, global_batch=8, steps=2, bucket_size=1024, progress=False,
                          sharding=sharding, activation_checkpointing=ActivationCheckpointing(checkpointing))

@@ -39,7 +39,7 @@ from scheduler_service.core.plan import PlanLimits
 from scheduler_service.core.profile import builtin_profiles
 from scheduler_service.core.samplers import sample_lengths
 from scheduler_service.core.spanning import MAX_CHOSEN
-from trainer_client.config import config_from_args
+from trainer_client.flags import config_from_args
 from trainer_client.train import build_parser
 
 # The module, not the function ``scheduler_service.core.advise`` the package exports under its name.

@@ -25,9 +25,9 @@ from tests.hub_cache import WORDS, save_tokenizer
 from trainer_client.advise.command import build_parser
 from trainer_client.advise.command import main as advise_main
 from trainer_client.advise.inputs import read_lengths
-from trainer_client.config import config_from_args
 from trainer_client.data import make_source
 from trainer_client.demo import trainer_env
+from trainer_client.flags import config_from_args
 from trainer_client.train import build_parser as build_train_parser
 
 LENGTHS = [120, 3000, 80, 45000, 700, 9000, 64, 30000, 1500, 250, 18000, 5000] * 8

@@ -16,7 +16,8 @@ import pytest
 from scheduler_service.core.samplers import DATASETS
 from trainer_client.choices import SYNTHETIC_DATASETS
 from trainer_client.cli_reference import COMMANDS, REFERENCE, REGENERATE, Command, reference_page
-from trainer_client.config import GROUPS, TrainConfig
+from trainer_client.config import TrainConfig
+from trainer_client.flags import GROUPS
 from trainer_client.train import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]

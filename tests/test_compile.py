@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from trainer_client.config import TrainConfig
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.models.loading import ModelLayout
 from trainer_client.models.loss import CausalLMLoss
 from trainer_client.models.model import build_model
@@ -43,7 +43,7 @@ def _train_eager_and_compiled(out_dir: Path) -> None:
     # warns of non-leaf tensors before dynamo's own filter can hide it (a torchrun rank never raises it).
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor",
                             category=UserWarning)
-    parallel = init_parallel(_config(compile=False).dims)
+    parallel = init_parallel(ParallelDims.of(_config(compile=False)))
     for compiled in (False, True):
         trainer = Trainer(_config(compile=compiled), parallel)
         history = trainer.train()

@@ -119,11 +119,14 @@ def test_every_name_the_core_exports_is_the_one_its_module_defines() -> None:
 
 
 def test_the_trainers_configuration_is_its_bottom_layer() -> None:
-    """``trainer_client.config`` (so ``--help`` and a config file's checks) loads no torch, transformers, numpy or
-    numba, no HTTP client, not the wire models, and of the trainer only the names it is declared with."""
-    code = ("import json, sys\nimport trainer_client.config\n"
+    """The trainer's configuration (``config``, its flags and its file, so ``--help`` and a config file's checks)
+    loads no torch, transformers, numpy or numba, no HTTP client, not the wire models, and of the trainer only the
+    names it is declared with; nor does checking a LoRA run's settings."""
+    code = ("import json, sys\nimport trainer_client.config, trainer_client.config_file, trainer_client.flags\n"
+            "trainer_client.config.TrainConfig(dp=1, cp=1, lora_rank=8, lora_targets='q_proj,v_proj')\n"
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('trainer_client.') "
             "or m.partition('.')[0] in {'torch', 'transformers', 'numpy', 'numba', 'httpx', 'skrull_proto'})))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                        text=True).stdout)
-    assert loaded == ["trainer_client.choices", "trainer_client.config", "trainer_client.foreign_keys"]
+    assert loaded == ["trainer_client.choices", "trainer_client.config", "trainer_client.config_file",
+                      "trainer_client.flags", "trainer_client.foreign_keys"]

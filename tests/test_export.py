@@ -29,7 +29,7 @@ from trainer_client.components.export import main as export_main
 from trainer_client.components.run_identity import model_identity
 from trainer_client.config import TrainConfig
 from trainer_client.demo import trainer_env
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.models.model import build_model
 from trainer_client.models.parallelize import Sharding
 from trainer_client.train import main as train_main
@@ -66,7 +66,7 @@ def _train_every_sharding(out_dir: Path) -> None:
         config = _config(sharding=sharding, checkpoint_dir=out_dir / f"checkpoints-{sharding}",
                          checkpoint_every=1, output_dir=out_dir / f"model-{sharding}", export_every=1,
                          tokenizer=str(out_dir / "tokenizer"))
-        trainer = Trainer(config, init_parallel(config.dims))
+        trainer = Trainer(config, init_parallel(ParallelDims.of(config)))
         try:
             trainer.train()
             trained = {name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -240,7 +240,7 @@ def test_every_rank_stops_before_training_on_a_bad_output_dir(tmp_path: Path) ->
 
 
 def _start_trainer(config: TrainConfig) -> None:
-    Trainer(config, init_parallel(config.dims)).close()
+    Trainer(config, init_parallel(ParallelDims.of(config))).close()
 
 
 @pytest.mark.slow

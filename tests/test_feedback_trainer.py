@@ -14,7 +14,7 @@ import torch.distributed as dist
 from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch
 from trainer_client.demo import read_metrics, run_trainer, start_service, stop_service, trainer_command
-from trainer_client.distributed import free_port, init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, free_port, init_parallel, spawn_gloo
 from trainer_client.loop import RankBatch
 from trainer_client.trainer import Trainer
 
@@ -71,7 +71,7 @@ class _HourLongMicroBatches(Trainer):
 def _train_with_refused_feedback(out_dir: Path, url: str) -> None:
     config = TrainConfig(dp=2, cp=1, model="tiny", global_batch=4, steps=STEPS, bucket_size=1024, progress=False,
                          scheduler_url=url, plan_attempts=1, plan_timeout_s=1.0, feedback=True, job_id="refused")
-    trainer = _HourLongMicroBatches(config, init_parallel(config.dims))
+    trainer = _HourLongMicroBatches(config, init_parallel(ParallelDims.of(config)))
     built: list[int] = []
     trainer.source = _CountingSource(trainer.source, built)  # type: ignore[assignment]
     history = trainer.train()

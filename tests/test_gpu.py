@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from trainer_client.config import TrainConfig
 from trainer_client.dacp.attention import AttentionBackend, _flash_attn_varlen_func, varlen_causal_attn_func
-from trainer_client.distributed import free_port, init_parallel
+from trainer_client.distributed import ParallelDims, free_port, init_parallel
 from trainer_client.trainer import Trainer
 
 pytestmark = [pytest.mark.gpu,
@@ -63,7 +63,7 @@ def test_fsdp2_bf16_step_on_one_gpu() -> None:
     # A shipped profile: the step is under test, not a measurement (on CUDA the default, auto, measures first).
     config = TrainConfig(dp=1, cp=1, model="small", global_batch=4, steps=3, bucket_size=4096, progress=False,
                          sharding="zero2", activation_checkpointing="selective", profile="h100-paper")
-    parallel = init_parallel(config.dims)
+    parallel = init_parallel(ParallelDims.of(config))
     try:
         trainer = Trainer(config, parallel)
         history = trainer.train()

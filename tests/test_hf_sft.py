@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tests.hf_runs import fresh_accelerate_state, logged_steps, training_arguments, write_jsonl
 from tests.hub_cache import WORDS, save_tokenizer
 from trainer_client.config import TrainConfig
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.hf import SkrullArguments, SkrullSFTTrainer
 from trainer_client.models.model import build_model
 from trainer_client.planning.source import PlanSource
@@ -78,7 +78,7 @@ def _bundled_and_sft(out: Path) -> None:
                          shuffle=False, global_batch=GLOBAL_BATCH, steps=NUM_STEPS, scheduler="skrull",
                          bucket_size=BUCKET_SIZE, profile=PROFILE, lr=1e-3, min_lr_ratio=1.0, sharding="none", seed=0,
                          progress=False)
-    bundled = BundledTrainer(config, init_parallel(config.dims))
+    bundled = BundledTrainer(config, init_parallel(ParallelDims.of(config)))
     bundled_samples = [sample for step in range(NUM_STEPS) for sample in bundled.source.batch(step).samples]
     history = bundled.train()
     bundled.close()

@@ -40,7 +40,7 @@ from tests.hf_runs import (
     write_jsonl,
 )
 from trainer_client.config import TrainConfig
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.hf import SkrullArguments, SkrullTrainer
 from trainer_client.models.model import build_model
 from trainer_client.planning.source import PlanSource
@@ -134,7 +134,7 @@ def _bundled_and_skrull(out: Path, dp: int, cp: int, scheduler_url: str) -> None
                          steps=NUM_STEPS, scheduler="skrull", bucket_size=BUCKET_SIZE, max_length=MAX_LENGTH,
                          profile=PROFILE, lr=1e-3, min_lr_ratio=1.0, sharding="none", seed=0,
                          eval_data=str(eval_file), eval_every=2, progress=False)
-    bundled = BundledTrainer(config, init_parallel(config.dims))
+    bundled = BundledTrainer(config, init_parallel(ParallelDims.of(config)))
     history = bundled.train()
     bundled.close()
 

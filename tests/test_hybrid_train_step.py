@@ -13,7 +13,7 @@ from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGro
 from tests.train_reference import unscheduled_step
 from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch, make_source
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.planning.source import PlanDecision, PlanOrigin
 from trainer_client.trainer import Trainer
 
@@ -49,7 +49,7 @@ def _deepspeed_plan(lengths: tuple[int, ...]) -> Plan:
 
 def _one_step_on_both_plans(out_dir: Path) -> None:
     config = _config()
-    parallel = init_parallel(config.dims)
+    parallel = init_parallel(ParallelDims.of(config))
     trainer = Trainer(config, parallel)
     batch = trainer.source.batch(0)
     for name, plan in (("hybrid", _hybrid_plan(batch.sequence_lengths)),

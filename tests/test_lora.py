@@ -21,7 +21,7 @@ from trainer_client.components.export import main as export_main
 from trainer_client.components.run_identity import Change, RunIdentity, differences
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.models.lora import LORA_TARGETS, LoraSettings, apply_lora, check_lora_targets
 from trainer_client.models.model import build_model
 from trainer_client.trainer import Trainer
@@ -47,7 +47,7 @@ def _config(**changes: object) -> TrainConfig:
 
 
 def _train_every_run(out_dir: Path) -> None:
-    parallel = init_parallel(_config().dims)
+    parallel = init_parallel(ParallelDims.of(_config()))
     results: dict[str, object] = {}
     for name, scheduler, sharding, checkpointing, export in RUNS:
         model = str(out_dir / "base") if export == "adapter" else "tiny"
@@ -194,6 +194,13 @@ def test_a_resume_with_other_adapters_is_refused() -> None:
         found = differences(identity, dataclasses.replace(identity, lora=other))
         assert [(d.item, d.change) for d in found] == [("--lora-rank, --lora-alpha, --lora-targets", Change.REFUSED)]
     assert RunIdentity.from_json(identity.to_json()) == identity
+
+
+def test_lora_settings_are_built_of_the_config() -> None:
+    assert LoraSettings.of(_config()) == LoraSettings(rank=RANK, alpha=ALPHA)
+    assert LoraSettings.of(_config(lora_alpha=None, lora_targets="q_proj,v_proj")) == LoraSettings(
+        rank=RANK, alpha=2 * RANK, targets=("q_proj", "v_proj"))
+    assert LoraSettings.of(_config(lora_rank=None, lora_alpha=None)) is None
 
 
 @pytest.mark.parametrize(("changes", "message"), [

@@ -30,7 +30,7 @@ from trainer_client.components.checkpoint import Checkpointer
 from trainer_client.components.reporting import Reports, open_reports, scalars
 from trainer_client.components.step_metrics import StepMetrics
 from trainer_client.config import TrainConfig
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.loop import SkrullBatches
 from trainer_client.planning.source import PlanOrigin
 from trainer_client.train import build_parser, config_from_args
@@ -280,7 +280,7 @@ def _closes_what_it_opened_whatever_raises(out_dir: Path) -> None:
     """One rank: a trainer whose planner fails to close, and one whose reports fail to open."""
     config = TrainConfig(dp=1, cp=1, steps=1, global_batch=2, bucket_size=256, progress=False,
                          checkpoint_dir=out_dir / "checkpoints")
-    parallel = init_parallel(config.dims)
+    parallel = init_parallel(ParallelDims.of(config))
     closed: list[str] = []
     checkpointer_close, batches_close = Checkpointer.close, SkrullBatches.close
     planner_fails_to_close = True

@@ -15,7 +15,7 @@ from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGro
 from tests.train_reference import unscheduled_step
 from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch, make_source
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.planning.source import PlanDecision, PlanOrigin
 from trainer_client.trainer import Trainer
 
@@ -87,7 +87,7 @@ def _uneven_plan(lengths: tuple[int, ...]) -> Plan:
 
 def _steps(out_dir: Path, dp: int, cp: int, sharding: str, case: str) -> None:
     config = _config(dp, cp, sharding, case)
-    parallel = init_parallel(config.dims)
+    parallel = init_parallel(ParallelDims.of(config))
     trainer = Trainer(config, parallel)
     batch = trainer.source.batch(0)
     if case == "hand_built":

@@ -38,7 +38,7 @@ from trainer_client.components.stop import (
     stop_signals,
 )
 from trainer_client.demo import read_metrics, trainer_env
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.train import build_parser, config_from_args
 from trainer_client.trainer import Trainer
 
@@ -77,7 +77,7 @@ def _train(out: Path, flags: list[str]) -> None:
     """One rank: train as ``flags`` say, in ``out`` (relative paths are the command's)."""
     os.chdir(out)
     config = _config(flags)
-    trainer = Trainer(config, init_parallel(config.dims))
+    trainer = Trainer(config, init_parallel(ParallelDims.of(config)))
     try:
         trainer.train()
     finally:
@@ -244,7 +244,7 @@ def _signalled_alone(out: Path) -> None:
     """Rank 1 alone gets SIGTERM in step 2; rank 0 too must stop after it."""
     os.chdir(out)
     config = _config([*FLAGS, "--checkpoint-dir", "ck", "--checkpoint-every", "4"])
-    trainer = Trainer(config, init_parallel(config.dims))
+    trainer = Trainer(config, init_parallel(ParallelDims.of(config)))
     train_step = trainer.train_step
 
     def signalled(step: int, batch: Any) -> Any:

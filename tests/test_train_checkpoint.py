@@ -44,7 +44,7 @@ from trainer_client.components.run_identity import RunIdentity
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity
 from trainer_client.demo import read_metrics, trainer_env
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.train import build_parser, config_from_args
 from trainer_client.trainer import Trainer
 
@@ -58,7 +58,7 @@ def _config(**changes: object) -> TrainConfig:
 
 
 def _train(config: TrainConfig) -> list[float]:
-    trainer = Trainer(config, init_parallel(config.dims))
+    trainer = Trainer(config, init_parallel(ParallelDims.of(config)))
     try:
         return [m.loss for m in trainer.train()]
     finally:

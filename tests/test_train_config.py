@@ -12,7 +12,9 @@ import torch.distributed as dist
 
 from scheduler_service.core.memory import Sharding
 from trainer_client.choices import Tracker
-from trainer_client.config import TrainConfig, load_config, read_config_file
+from trainer_client.config import TrainConfig
+from trainer_client.config_file import load_config, read_config_file
+from trainer_client.distributed import ParallelDims
 from trainer_client.foreign_keys import FOREIGN_KEYS
 from trainer_client.train import build_parser, config_from_args, main
 
@@ -105,7 +107,7 @@ def test_a_key_given_twice_in_the_file_is_refused_naming_it(name: str, text: str
 
 
 def test_a_yaml_merge_may_give_a_key_again() -> None:
-    from trainer_client.config import _parse as parse
+    from trainer_client.config_file import _parse as parse
 
     assert parse(Path("run.yaml"), "base: &base\n  lr: 0.1\n  dp: 1\nrun:\n  <<: *base\n  lr: 0.2\n") == {
         "base": {"lr": 0.1, "dp": 1}, "run": {"lr": 0.2, "dp": 1}}
@@ -152,7 +154,7 @@ def test_flags_given_override_the_files_keys_and_steps_replace_its_epochs(tmp_pa
 
 def test_dp_and_cp_are_required_from_the_flags_or_the_file(tmp_path: Path) -> None:
     run = _write(tmp_path / "run.yaml", "cp: 2\n")
-    assert _parse("--config", str(run), "--dp", "3").dims.world_size == 6
+    assert ParallelDims.of(_parse("--config", str(run), "--dp", "3")).world_size == 6
     with pytest.raises(ValueError, match=rf"^--dp is required \(or dp in {run}\)$"):
         _parse("--config", str(run))
     with pytest.raises(ValueError, match=r"^--dp is required; --cp is required$"):
@@ -226,7 +228,7 @@ def test_the_example_sft_config_is_a_run_the_trainer_accepts(
 ) -> None:
     monkeypatch.chdir(tmp_path)  # its paths are relative to the working directory
     config = load_config({}, config_file=EXAMPLE)
-    assert (config.dims.world_size, config.keep_last, config.resume, config.report_to) == (
+    assert (ParallelDims.of(config).world_size, config.keep_last, config.resume, config.report_to) == (
         8, 2, True, (Tracker.WANDB, Tracker.MLFLOW))
     assert set(read_config_file(EXAMPLE)) <= set(TrainConfig.model_fields)
 

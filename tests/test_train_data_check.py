@@ -17,7 +17,7 @@ from trainer_client.components.checkpoint import saved_run_identity, step_dir
 from trainer_client.config import TrainConfig
 from trainer_client.data import Defect, RecordSource, make_source
 from trainer_client.data.check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.trainer import Trainer
 
 CHAT = {"messages": [{"role": "user", "content": "what does the scheduler pack"},
@@ -159,7 +159,7 @@ def _config(data: Path, tokenizer: Path, **changes: object) -> TrainConfig:
 def _start(data: Path, tokenizer: Path, out: Path, changes: dict[str, object]) -> None:
     """Build the trainer on every rank; record on rank 0 what stopped it, or train it."""
     config = _config(data, tokenizer, **changes)
-    parallel = init_parallel(config.dims)
+    parallel = init_parallel(ParallelDims.of(config))
     try:
         trainer = Trainer(config, parallel)
     except BadRecordsError as error:

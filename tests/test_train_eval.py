@@ -22,7 +22,7 @@ from trainer_client.config import TrainConfig
 from trainer_client.data import IGNORE_INDEX, RecordEncoder
 from trainer_client.data.evaluation import EvalSet
 from trainer_client.demo import trainer_env
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.models.model import build_model
 from trainer_client.trainer import Trainer
 
@@ -59,7 +59,7 @@ def _config(data: Path, **changes: object) -> TrainConfig:
 
 
 def _train_every_run(data: Path, out_dir: Path) -> None:
-    parallel = init_parallel(TrainConfig(dp=DP, cp=CP).dims)
+    parallel = init_parallel(ParallelDims.of(TrainConfig(dp=DP, cp=CP)))
     results = {}
     for name, scheduler, sharding in RUNS:
         config = _config(data, scheduler=scheduler, sharding=sharding, metrics_out=out_dir / f"{name}.jsonl",

@@ -17,7 +17,7 @@ from trainer_client.components.checkpoint import COMPLETE, RUN_IDENTITY, saved_r
 from trainer_client.components.run_identity import ResumeMismatch, RunIdentity, check_resume, model_identity
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity, DataSource, make_source
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.models.lora import LoraSettings
 from trainer_client.trainer import Trainer
 
@@ -256,7 +256,7 @@ def _config(data: Path, checkpoints: Path, **changes: object) -> TrainConfig:
 def _resume_on_every_rank(config: TrainConfig, out_dir: Path) -> None:
     """Each rank writes what stopped it (or that nothing did) to a file of its own."""
     try:
-        Trainer(config, init_parallel(config.dims)).close()
+        Trainer(config, init_parallel(ParallelDims.of(config))).close()
         outcome = "resumed"
     except ResumeMismatch as refusal:
         outcome = f"ResumeMismatch: {refusal}"

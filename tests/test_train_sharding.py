@@ -15,7 +15,13 @@ from scheduler_service.core.models import MODEL_CATALOGUE
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import resolve_profile
 from trainer_client.config import TrainConfig
-from trainer_client.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S, ParallelContext, init_parallel, spawn_gloo
+from trainer_client.distributed import (
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    ParallelContext,
+    ParallelDims,
+    init_parallel,
+    spawn_gloo,
+)
 from trainer_client.profiler.measure import device_memory_bytes
 from trainer_client.trainer import Trainer
 
@@ -71,7 +77,7 @@ def _planner_buckets(parallel: ParallelContext) -> dict[str, list[int]]:
 
 
 def _train_every_mode(out_dir: Path) -> None:
-    parallel = init_parallel(TrainConfig(dp=DP, cp=CP).dims)
+    parallel = init_parallel(ParallelDims.of(TrainConfig(dp=DP, cp=CP)))
     results: dict[str, object] = {"timeouts_s": [t.total_seconds() for t in _group_timeouts(parallel)],
                                   "buckets": _planner_buckets(parallel)}
     for name, sharding, checkpointing, global_batch in RUNS:

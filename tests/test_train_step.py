@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tests.train_reference import unscheduled_step
 from trainer_client.config import TrainConfig
 from trainer_client.data import GlobalBatch, make_source
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.trainer import Trainer
 
 DP, CP = 2, 2
@@ -25,7 +25,7 @@ def _config(scheduler: str, global_batch: int = 16) -> TrainConfig:
 
 
 def _one_step_on_every_plan(out_dir: Path) -> None:
-    parallel = init_parallel(_config("skrull").dims)
+    parallel = init_parallel(ParallelDims.of(_config("skrull")))
     runs = [(scheduler, _config(scheduler)) for scheduler in SCHEDULERS]
     runs.append(("one_sequence", _config("skrull", global_batch=1)))  # DP rank 1 gets no micro-batch at all
     for name, config in runs:

@@ -18,7 +18,7 @@ import trainer_client
 
 # Bottom first: the folders (sub-packages) and top-level modules of each layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("configuration", ("choices", "foreign_keys", "config")),
+    ("configuration", ("choices", "foreign_keys", "config", "config_file", "flags")),
     ("processes and plans", ("distributed", "planning", "hub")),
     ("data and DACP", ("data", "dacp")),
     ("models", ("models",)),

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_client.config import TrainConfig
-from trainer_client.distributed import init_parallel, spawn_gloo
+from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.trainer import Trainer
 
 STEPS = 2
@@ -42,7 +42,7 @@ def _train_every_path(out_dir: Path, dp: int, cp: int) -> None:
     # dynamo's tracing asks each tensor for .grad, which warns of non-leaf tensors before its filter can hide it
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor",
                             category=UserWarning)
-    parallel = init_parallel(_config(dp, cp, False).dims)
+    parallel = init_parallel(ParallelDims.of(_config(dp, cp, False)))
     for lora in (False, True):
         for name, flags in PATHS.items():
             trainer = Trainer(_config(dp, cp, lora, **flags), parallel)

@@ -3,8 +3,10 @@
 Sub-packages and top-level modules, layer by layer from the bottom up (docs/development.md, "Where code goes"; a
 module loads nothing of a layer above its own, ``tests/test_trainer_layers.py``):
 
-* configuration, which imports nothing of the rest (no torch): ``config`` (the trainer's settings), ``choices``
-  (the closed sets and defaults they name) and ``foreign_keys`` (TRL's, transformers' and axolotl's names of them);
+* configuration, which imports nothing of the rest (no torch): ``config`` (the trainer's settings), ``flags``
+  (the command line generated from them), ``config_file`` (a YAML, TOML or JSON file of them, the flags over it),
+  ``choices`` (the closed sets and defaults they name) and ``foreign_keys`` (TRL's, transformers' and axolotl's
+  names of them);
 * processes and plans: ``distributed`` (the ("dp", "cp") mesh and its process groups, a failure told to every rank,
   the process launcher; ``distributed.torch_compat``: the torch calls that differ between the supported releases);
   ``planning``: ``planning.client`` (the scheduler service over HTTP) and ``planning.source`` (rank 0's plans: the

@@ -1,50 +1,37 @@
 """The trainer's configuration, declared once: ``TrainConfig``, a frozen pydantic model of one training run, from
-which the command line and the config file both come.
+which the command line (``flags.py``) and the config file (``config_file.py``) both come.
 
 - **Checks.** A field's own rule is declared on the field (``Annotated[int, Positive]``); the rules across fields
   are ``TrainConfig._check_combination``. Both run on construction, so a bad run fails before any process group
   or model is built. A closed set of values is a ``StrEnum`` field: a string given for it is converted, or refused
   with the values it takes.
-- **Flags** (``add_flags``): one per field, ``--field-name`` unless the field's ``Flag`` spells it otherwise
-  (``plan_timeout_s`` is ``--plan-timeout``), in the argument group of ``--help`` that ``GROUPS`` gives it; its
-  help is the field's description, one or two lines of plain text (the guides explain), with the default shown
-  once; a bool has both forms (``--resume``/``--no-resume``, ``--shuffle``/``--no-shuffle``), so a flag can turn a
-  file's value either way; a tuple is comma-separated; an enum offers its values.
-- **Config file** (``--config run.yaml``, or ``.toml`` / ``.json``): a mapping of field names to values, each key
-  once. A flag given on the command line overrides the file's key (and, for ``--steps``/``--epochs``, the file's
-  choice of the other).
+- **Flags.** A field's flag is ``--field-name`` unless the field's ``Flag`` spells it otherwise (``plan_timeout_s``
+  is ``--plan-timeout``); the spellings are here (``FLAGS``), since the errors name them, and ``flags.py`` makes
+  the parser of them.
 
 Errors are ``ConfigError`` (a ``ValueError``), one line naming each wrong value where it was given: by its flag
 (``--lora-rank must be positive, got 0``), or by its key in the file (``run.yaml: lora_rank: must be positive,
 got 0``); an unknown key is named with the closest known one. A rule across fields names the flags, and the keys
 the file gave them.
 
-The configuration imports no torch, transformers or implementation module at import (``choices.py`` holds the
-closed sets it names), so ``--help`` and config checks answer at once; the few checks an implementation module makes
-(LoRA's targets, ``--compile``'s layout) import it when the value is given.
-
-The flags are generated here, from each field's type, description and ``Flag``, rather than by pydantic-settings'
-CLI: that keeps every flag's spelling and meaning (``--plan-timeout`` for ``plan_timeout_s``,
-comma-separated lists, the ``--steps``/``--epochs`` exclusion, argument groups), keeps ``train.build_parser`` a
-plain argparse parser for the reference page (``cli_reference``), and adds no dependency to the trainer (GPU
-machines often lack pydantic-settings).
+The configuration is plain values: it imports no torch, transformers or implementation module at import
+(``choices.py`` holds the closed sets it names), so ``--help`` and config checks answer at once. The layers above
+build their objects of it (``ParallelDims.of``, ``LoraSettings.of``); the one check an implementation module makes
+(``--compile``'s layout) imports it when the value is given.
 """
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import functools
-import json
 import os
 import re
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from types import NoneType, UnionType
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar, Union, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -67,7 +54,6 @@ from trainer_client.choices import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     DEFAULT_PLAN_ATTEMPTS,
     DEFAULT_PLAN_TIMEOUT_S,
-    SYNTHETIC_DATASETS,
     SYNTHETIC_PREFIX,
     AttentionBackend,
     FsdpUnits,
@@ -78,83 +64,11 @@ from trainer_client.choices import (
     chat_template_of,
     check_installed,
 )
-from trainer_client.foreign_keys import FOREIGN_KEYS, translate
+from trainer_client.foreign_keys import FOREIGN_KEYS
 
-if TYPE_CHECKING:  # torch's modules: the configuration imports them only where a value needs them (module docstring)
-    from trainer_client.distributed import ParallelDims
-    from trainer_client.models.lora import LoraSettings
+__all__ = ["FLAGS", "ConfigError", "Flag", "Origin", "TrainConfig", "check_lora_projections", "check_output_dir"]
 
-__all__ = [
-    "CONFIG_SUFFIXES",
-    "GROUPS",
-    "ConfigError",
-    "Flag",
-    "FlagGroup",
-    "TrainConfig",
-    "add_flags",
-    "check_output_dir",
-    "config_from_args",
-    "flag_aliases",
-    "foreign_flag_refusal",
-    "load_config",
-    "read_config_file",
-]
-
-CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 DTYPES = ("float32", "bfloat16")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FlagGroup:
-    """An argument group of ``--help``: what its flags are about, and the fields whose flags it holds."""
-
-    description: str
-    fields: tuple[str, ...]
-
-
-# The argument groups of --help, in their order, each with its flags in theirs; every field's flag is in one (--help
-# and --config come first).
-GROUPS: dict[str, FlagGroup] = {
-    "data": FlagGroup(
-        description="--data and --eval-data read records from a JSONL, parquet, CSV or JSON file, a dataset folder "
-                    "(DIR[:SPLIT]) or a Hugging Face Hub data set ORG/NAME[@REVISION][:SPLIT]; --data synthetic:NAME "
-                    f"({', '.join(SYNTHETIC_DATASETS)}) draws lengths like that data set's, with random tokens",
-        fields=("data", "tokenizer", "chat_template", "loss_on", "text_field", "shuffle", "max_length", "truncate",
-                "skip_bad_records")),
-    "model": FlagGroup(
-        description="the model and how its layers compute",
-        fields=("model", "dtype", "attention_backend", "activation_checkpointing", "compile", "cuda_graphs",
-                "loss_chunk_tokens")),
-    "parallelism and plans": FlagGroup(
-        description="the layout of the ranks, and the plan of each global batch",
-        fields=("dp", "cp", "sharding", "fsdp_units", "scheduler", "spanning", "bucket_size", "token_buckets",
-                "profile", "collective_timeout_s")),
-    "optimisation": FlagGroup(
-        description="how long to train, and how each step updates the weights (AdamW)",
-        fields=("global_batch", "steps", "epochs", "seed", "lr", "weight_decay", "lr_scheduler", "warmup_steps",
-                "min_lr_ratio", "max_grad_norm")),
-    "LoRA": FlagGroup(
-        description="train low-rank adapters (peft) on a frozen model: only the adapters carry gradients and "
-                    "optimizer state, so the BucketSize grows",
-        fields=("lora_rank", "lora_alpha", "lora_targets")),
-    "evaluation": FlagGroup(
-        description="mean token loss on held-out records, planned and sharded like training, no optimizer step",
-        fields=("eval_data", "eval_every")),
-    "checkpoints and export": FlagGroup(
-        description="DCP checkpoints to resume from, and the trained model as a Hugging Face folder",
-        fields=("checkpoint_dir", "checkpoint_every", "keep_last", "async_checkpoint", "resume",
-                "resume_accept_data_change", "output_dir", "export_every", "export_lora")),
-    "logging": FlagGroup(
-        description="the step metrics, from rank 0: log lines, a JSON lines file and experiment trackers (W&B reads "
-                    "WANDB_PROJECT and WANDB_MODE, MLflow MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME)",
-        fields=("metrics_out", "logging_steps", "progress", "debug", "report_to", "logging_dir", "job_id")),
-    "service": FlagGroup(
-        description="the scheduler service, which plans each global batch; without one, the embedded planner does",
-        fields=("scheduler_url", "plan_timeout_s", "plan_attempts", "feedback")),
-    "fault injection": FlagGroup(
-        description="for tests of failure handling; never in real runs",
-        fields=("fail_rank", "fail_at_step")),
-}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -410,21 +324,6 @@ class TrainConfig(BaseModel):
         except ValidationError as error:
             raise ConfigError(error.errors()) from None
 
-    @property
-    def lora(self) -> LoraSettings | None:
-        if self.lora_rank is None:
-            return None
-        from trainer_client.models.lora import LoraSettings
-
-        alpha = self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
-        return LoraSettings(rank=self.lora_rank, alpha=alpha, targets=self.lora_targets)
-
-    @property
-    def dims(self) -> ParallelDims:
-        from trainer_client.distributed import ParallelDims
-
-        return ParallelDims(dp_size=self.dp, cp_size=self.cp)
-
     @model_validator(mode="after")
     def _check_combination(self) -> TrainConfig:
         """The rules across fields, each message naming the flags it concerns; run once every field is valid."""
@@ -472,11 +371,12 @@ class TrainConfig(BaseModel):
                                  "step-<n> folders, so give each its own")
         if self.eval_every and self.eval_data is None:
             raise ValueError("--eval-every needs --eval-data")
-        lora = self.lora  # LoraSettings checks --lora-targets
-        if lora is None and (self.lora_alpha is not None or self.lora_targets != LORA_TARGETS):
+        if self.lora_rank is not None:
+            check_lora_projections(self.lora_targets)
+        elif self.lora_alpha is not None or self.lora_targets != LORA_TARGETS:
             raise ValueError("--lora-alpha and --lora-targets go with --lora-rank")
         if self.export_lora is LoraExport.ADAPTER:
-            if lora is None or self.output_dir is None:
+            if self.lora_rank is None or self.output_dir is None:
                 raise ValueError("--export-lora adapter needs --lora-rank and --output-dir")
             if self.model.lower() in MODEL_CATALOGUE:
                 raise ValueError(f"--export-lora adapter writes an adapter for the base model folder it was trained "
@@ -489,6 +389,16 @@ class TrainConfig(BaseModel):
         if self.fail_rank is not None and not 0 <= self.fail_rank < self.dp * self.cp:
             raise ValueError(f"--fail-rank {self.fail_rank} is not a global rank of dp {self.dp} × cp {self.cp}")
         return self
+
+
+def check_lora_projections(targets: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming ``--lora-targets`` unless ``targets`` are projections of a decoder layer
+    (``LORA_TARGETS``), at least one: checked when the run is configured, and by ``LoraSettings`` (``models/lora.py``)
+    on construction, from a config or a checkpoint's record."""
+    unknown = [target for target in targets if target not in LORA_TARGETS]
+    if not targets or unknown:
+        raise ValueError(f"--lora-targets {','.join(targets) or '(empty)'}: {', '.join(unknown) or 'none'} names no "
+                         f"projection of a decoder layer; choose from {','.join(LORA_TARGETS)}")
 
 
 def check_output_dir(path: Path, *, flag: str) -> None:
@@ -510,10 +420,10 @@ def check_output_dir(path: Path, *, flag: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Origin:
-    """Where a ``TrainConfig``'s values came from: the config file's keys that no flag overrode, else flags (or
-    keyword arguments, which are named as the flags are). ``spelled``: the file's own name of a field it gave under
-    another trainer's name (``learning_rate`` for ``lr``, ``foreign_keys.py``)."""
+class Origin:
+    """Where a ``TrainConfig``'s values came from (``config_file.load_config`` says): the config file's keys that
+    no flag overrode, else flags (or keyword arguments, which are named as the flags are). ``spelled``: the file's own
+    name of a field it gave under another trainer's name (``learning_rate`` for ``lr``, ``foreign_keys.py``)."""
 
     path: Path | None = None
     keys: frozenset[str] = frozenset()
@@ -528,12 +438,12 @@ class ConfigError(ValueError):
     """``TrainConfig`` refused its values: one line naming each wrong value by its flag, or by its key in the
     config file where the file gave it. ``errors`` are pydantic's."""
 
-    def __init__(self, errors: list[ErrorDetails], origin: _Origin | None = None) -> None:
+    def __init__(self, errors: list[ErrorDetails], origin: Origin | None = None) -> None:
         self.errors = errors
-        self.lines = [_describe(error, origin or _Origin()) for error in errors]
+        self.lines = [_describe(error, origin or Origin()) for error in errors]
         super().__init__("; ".join(self.lines))
 
-    def given_in(self, origin: _Origin) -> ConfigError:
+    def given_in(self, origin: Origin) -> ConfigError:
         """The same errors, named where ``origin`` says each value was given."""
         return ConfigError(self.errors, origin)
 
@@ -541,7 +451,7 @@ class ConfigError(ValueError):
 _FLAG_IN_MESSAGE = re.compile(r"--[a-z][a-z-]*")
 
 
-def _describe(error: ErrorDetails, origin: _Origin) -> str:
+def _describe(error: ErrorDetails, origin: Origin) -> str:
     # a ValueError of a validator here says what is wrong and nothing more; pydantic's own messages are sentences
     message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
     if not error["loc"]:  # a rule across fields: its message names the flags; add the keys the file gave them
@@ -554,12 +464,12 @@ def _describe(error: ErrorDetails, origin: _Origin) -> str:
                 else f"{name!r} is not a setting of the run: {_unknown(name)}")
     if error["type"] == "missing":
         where = f" (or {name} in {origin.path})" if origin.path is not None else ""
-        return f"{_FLAGS[name].name} is required{where}"
+        return f"{FLAGS[name].name} is required{where}"
     if error["type"] != "value_error":
         message = f"{message}, got {error['input']!r}"
     if name in origin.keys:
         return f"{origin.path}: {origin.key(name)}{''.join(f'[{part}]' for part in inside)}: {message}"
-    return f"{_FLAGS[name].name} {message}" if error["type"] == "value_error" else f"{_FLAGS[name].name}: {message}"
+    return f"{FLAGS[name].name} {message}" if error["type"] == "value_error" else f"{FLAGS[name].name}: {message}"
 
 
 def _unknown(key: str) -> str:
@@ -577,7 +487,7 @@ def _unknown(key: str) -> str:
             "for -)")
 
 
-# ---- the command line: a flag per field ------------------------------------------------------------------------------
+# ---- each field's flag, which the errors name and flags.py adds to the parser ---------------------------------------
 
 
 def _flag_of(name: str, annotation: Any, metadata: list[Any]) -> Flag:
@@ -596,211 +506,7 @@ def _is_union(annotation: Any) -> bool:
     return get_origin(annotation) in (Union, UnionType)
 
 
-def _value_type(annotation: Any) -> Any:
-    """The type a flag's text converts to: the annotation without ``None`` and without its validators."""
-    if _is_union(annotation):
-        (annotation,) = (member for member in get_args(annotation) if member is not NoneType)
-    return get_args(annotation)[0] if get_origin(annotation) is Annotated else annotation
-
-
-_FLAGS: dict[str, Flag] = {name: _flag_of(name, info.annotation, info.metadata)
-                           for name, info in TrainConfig.model_fields.items()}
-_FIELD_OF_FLAG: dict[str, str] = {flag.name: name for name, flag in _FLAGS.items() if flag.name is not None}
-_GROUP_OF: dict[str, str] = {name: title for title, group in GROUPS.items() for name in group.fields}
-
-
-def _comma_separated(text: str) -> tuple[str, ...]:
-    return tuple(item.strip() for item in text.split(",") if item.strip())
-
-
-def _shown(default: object) -> str:
-    if isinstance(default, tuple):
-        return ",".join(map(str, default))
-    return str(default)
-
-
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE`` and a flag per ``TrainConfig`` field, in the field's group (``GROUPS``). A flag not given
-    is absent from the parsed namespace (its default is the model's), so that ``config_from_args`` can tell it from
-    a config file's value."""
-    parser.add_argument("--config", type=Path, metavar="FILE",
-                        help="a YAML, TOML or JSON file of settings, keyed by flag name with _ for -; a flag given "
-                             "overrides its key")
-    assert sorted(_GROUP_OF) == sorted(TrainConfig.model_fields), "GROUPS gives every field's flag one group"
-    exclusive: dict[str, argparse._MutuallyExclusiveGroup] = {}
-    for title, group in GROUPS.items():
-        argument_group = parser.add_argument_group(title, group.description)
-        for name in group.fields:
-            _add_flag(argument_group, name, exclusive)
-
-
-def _add_flag(container: argparse._ActionsContainer, name: str,
-              exclusive: dict[str, argparse._MutuallyExclusiveGroup]) -> None:
-    """The flag of field ``name`` in ``container``, or in the group of flags it excludes (``Flag.exclusive``)."""
-    info = TrainConfig.model_fields[name]
-    flag = _FLAGS[name]
-    assert flag.name is not None  # _flag_of spells every flag
-    if flag.exclusive is not None:
-        if flag.exclusive not in exclusive:
-            exclusive[flag.exclusive] = container.add_mutually_exclusive_group()
-        container = exclusive[flag.exclusive]
-    kind = _value_type(info.annotation)
-    help_text = info.description or ""
-    # A bool's description says what its default does: "(default: False)" would not say which form it is.
-    if not (info.is_required() or info.default is None or kind is bool or info.default == ()
-            or "default" in help_text):
-        help_text += f" (default: {_shown(info.default)})"
-    if flag.name != "--" + name.replace("_", "-"):
-        help_text += f" [config key {name}]"
-    common: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
-    if kind is bool:  # --resume and --no-resume: either overrides the file's key
-        container.add_argument(flag.name, action=argparse.BooleanOptionalAction, **common)
-    elif get_origin(kind) is tuple:
-        container.add_argument(flag.name, type=_comma_separated, metavar=flag.metavar, **common)
-    elif isinstance(kind, type) and issubclass(kind, StrEnum):
-        container.add_argument(flag.name, choices=[member.value for member in kind], **common)
-    else:
-        container.add_argument(flag.name, type=kind, choices=flag.choices,
-                               metavar=None if flag.choices else flag.metavar, **common)
-
-
-# ---- the config file, and the flags over it --------------------------------------------------------------------------
-
-
-def read_config_file(path: Path) -> dict[str, object]:
-    """The settings ``path`` holds: a mapping of ``TrainConfig`` field names to values, in YAML (``.yaml``,
-    ``.yml``), TOML or JSON by its suffix; an empty file holds none. A file that cannot be read or parsed, or that
-    gives a key twice (YAML and JSON parsers would keep the last silently), is a ``ValueError`` naming it (and the
-    line, where the parser says)."""
-    if path.suffix.lower() not in CONFIG_SUFFIXES:
-        raise ValueError(f"--config {path}: a config file is YAML, TOML or JSON, named {', '.join(CONFIG_SUFFIXES)}")
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise ValueError(f"--config {path}: {error.strerror or error}") from None
-    values = _parse(path, text)
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: holds a {type(values).__name__}, not a mapping of settings to values")
-    return {str(key): value for key, value in values.items()}
-
-
-class _DuplicateKey(ValueError):
-    """A JSON object gave a key twice."""
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    """A JSON object that gives each key once."""
-    seen: dict[str, object] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise _DuplicateKey(f"duplicate key {key!r}")
-        seen[key] = value
-    return seen
-
-
-_TOML_LINE = re.compile(r"\(at line (\d+), column \d+\)$")
-
-
-def _parse(path: Path, text: str) -> object:
-    suffix = path.suffix.lower()
-    if suffix == ".json":
-        try:
-            return json.loads(text, object_pairs_hook=_unique_keys)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{error.lineno}:{error.colno}: {error.msg}") from None
-        except _DuplicateKey as error:
-            raise ValueError(f"{path}: {error}") from None
-    if suffix == ".toml":
-        try:
-            return tomllib.loads(text)  # refuses a key given twice: "Cannot overwrite a value"
-        except tomllib.TOMLDecodeError as error:
-            # tomllib names the line of a key given twice ("Cannot overwrite a value"), not the key: its text does
-            found = _TOML_LINE.search(str(error))
-            lines = text.splitlines()
-            line = lines[int(found[1]) - 1].strip() if found and int(found[1]) <= len(lines) else ""
-            raise ValueError(f"{path}: {error}" + (f": {line}" if line else "")) from None
-    try:
-        import yaml  # only a YAML config needs PyYAML
-    except ImportError:
-        raise ValueError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or give the settings as "
-                         ".toml or .json") from None
-    try:
-        return yaml.load(text, Loader=_unique_key_loader())  # a SafeLoader
-    except yaml.MarkedYAMLError as error:
-        where = f":{error.problem_mark.line + 1}:{error.problem_mark.column + 1}" if error.problem_mark else ""
-        raise ValueError(f"{path}{where}: {error.problem or error.context}") from None
-    except yaml.YAMLError as error:
-        raise ValueError(f"{path}: {error}") from None
-
-
-def _unique_key_loader() -> type:
-    """PyYAML's ``SafeLoader``, refusing a mapping that gives a key twice (``SafeLoader`` keeps the last). A key a
-    merge (``<<: *base``) brings in may be given again: that is what a merge is for."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
-            seen = set()
-            for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():  # else SafeLoader refuses it
-                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                    key = self.construct_object(key_node, deep=deep)
-                    if key in seen:
-                        raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
-                                                                key_node.start_mark)
-                    seen.add(key)
-            mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
-            return mapping
-
-    return UniqueKeyLoader
-
-
-def load_config(flags: Mapping[str, object], *, config_file: Path | None = None) -> TrainConfig:
-    """The run ``config_file`` describes with ``flags`` (field name → value, those given on the command line)
-    over it. A flag of an exclusive set (``--steps``, ``--epochs``) replaces the file's choice of the other. The
-    file may name settings as TRL, transformers or axolotl do (``foreign_keys.py``): an alias is read as its Skrull
-    key, and a setting Skrull has not is refused, each with why and what replaces it, one line each."""
-    written = read_config_file(config_file) if config_file is not None else {}
-    from_file, spelled, refusals = translate(written, context={**written, **flags})
-    chosen = {flag.exclusive for name in flags if (flag := _FLAGS.get(name)) is not None} - {None}
-    kept = {key: value for key, value in from_file.items()
-            if key not in flags and (key not in _FLAGS or _FLAGS[key].exclusive not in chosen)}
-    problems = [f"{config_file}: {refusal}" for refusal in refusals]
-    try:
-        config = TrainConfig(**{**kept, **flags})
-    except ConfigError as error:
-        described = error.given_in(_Origin(path=config_file, keys=frozenset(kept), spelled=spelled))
-        if not problems:
-            raise described from None
-        problems += described.lines
-    if problems:  # every problem of the file at once, a line each
-        raise ValueError("\n".join(problems))
-    return config
-
-
-def flag_aliases() -> dict[str, str]:
-    """Another trainer's flag for each alias whose value Skrull reads as it is, and Skrull's own
-    (``--learning-rate`` is ``--lr``): the command line takes them too."""
-    return {"--" + key.replace("_", "-"): flag_name for key, foreign in FOREIGN_KEYS.items()
-            if foreign.key is not None and foreign.value is None and (flag_name := _FLAGS[foreign.key].name)}
-
-
-def foreign_flag_refusal(flag: str) -> str | None:
-    """Why Skrull has no such flag, where it is another trainer's setting (``--gradient-accumulation-steps``), and
-    what replaces it."""
-    foreign = FOREIGN_KEYS.get(flag.removeprefix("--").replace("-", "_"))
-    if foreign is None:
-        return None
-    if foreign.key is not None:
-        return f"{flag} is {_FLAGS[foreign.key].name} here, as a config key"
-    return f"{flag} is not a setting of Skrull: {foreign.refused({})}"
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The run that flags parsed by a parser ``add_flags`` built describe: the ``--config`` file's settings, the
-    flags given over them."""
-    flags = vars(args).copy()
-    config_file: Path | None = flags.pop("config")
-    return load_config(flags, config_file=config_file)
-
+# Each field's flag, spelled: the errors name a value by it, and flags.py adds it to the parser.
+FLAGS: dict[str, Flag] = {name: _flag_of(name, info.annotation, info.metadata)
+                          for name, info in TrainConfig.model_fields.items()}
+_FIELD_OF_FLAG: dict[str, str] = {flag.name: name for name, flag in FLAGS.items() if flag.name is not None}

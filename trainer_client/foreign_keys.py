@@ -11,8 +11,8 @@ A config file written for another trainer uses its names: ``learning_rate``, ``n
   other values where it can (``per_device_train_batch_size 4 × gradient_accumulation_steps 8 × dp 4 = 128
   sequences: give global_batch: 128``).
 
-``translate`` applies the table to a file's keys (``config.load_config``); the aliases that need no conversion are
-flags too (``--learning-rate`` is ``--lr``, ``config.flag_aliases``). A name the table does not know stays unknown.
+``translate`` applies the table to a file's keys (``config_file.load_config``); the aliases that need no conversion are
+flags too (``--learning-rate`` is ``--lr``, ``flags.flag_aliases``). A name the table does not know stays unknown.
 docs/guides/from-trl.md lists the table; a test holds the two equal. Nothing here imports torch: the configuration
 reads it (``choices.py``).
 """

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from trainer_client.config import add_flags, config_from_args, flag_aliases, foreign_flag_refusal
+from trainer_client.flags import add_flags, config_from_args, flag_aliases, foreign_flag_refusal
 
 if TYPE_CHECKING:
     from trainer_client.components.stop import TrainingStopped
@@ -85,7 +85,7 @@ def _program() -> str:
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, which also reads another trainer's spelling of a flag Skrull has (``--learning-rate`` is
-    ``--lr``, ``config.flag_aliases``), and whose usage error is one line, ``error: …``, and a hint (why Skrull has
+    ``--lr``, ``flags.flag_aliases``), and whose usage error is one line, ``error: …``, and a hint (why Skrull has
     no ``--gradient-accumulation-steps``, and what replaces it), printed by global rank 0 alone: under torchrun
     every rank parses the same command line, and argparse would print its usage (some 60 lines) on each."""
 
@@ -124,7 +124,7 @@ def _is_number(token: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The trainer's flags, generated from ``TrainConfig`` (``config.add_flags``), with ``--config``; the usage
+    """The trainer's flags, generated from ``TrainConfig`` (``flags.add_flags``), with ``--config``; the usage
     line names the required flags alone (argparse's own lists all 60, in some 55 lines)."""
     parser = _Parser(prog=_program(), usage="%(prog)s --dp DP --cp CP [--config FILE] [FLAG ...]",
                      description="Train a model on Skrull's plans: dp × cp ranks on this machine, or one rank under "
@@ -202,7 +202,7 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from trainer_client.components.stop import TrainingStopped, abandoned
-    from trainer_client.distributed import PeerFailed, init_parallel, report_failure
+    from trainer_client.distributed import ParallelDims, PeerFailed, init_parallel, report_failure
     from trainer_client.distributed.torch_compat import check_torch_version
     from trainer_client.trainer import Trainer
 
@@ -217,8 +217,9 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             logging.getLogger("trainer_client.train").warning(warning)
         config = config_from_args(args)
         debug = config.debug
-        config.dims.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))  # before any process group work
-        parallel = init_parallel(config.dims, timeout_s=config.collective_timeout_s)
+        dims = ParallelDims.of(config)
+        dims.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))  # before any process group work
+        parallel = init_parallel(dims, timeout_s=config.collective_timeout_s)
         trainer = Trainer(config, parallel)
         trainer.train()
     except TrainingStopped as stop:  # every rank left the loop at a step boundary, or gave its step up

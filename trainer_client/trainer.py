@@ -118,6 +118,7 @@ from trainer_client.distributed import ParallelContext, max_over_ranks
 from trainer_client.hub import fetch_on_rank_0_first
 from trainer_client.loop import RankBatch, SkrullBatches
 from trainer_client.models.loading import ModelLayout, build_training_module, check_weights_present
+from trainer_client.models.lora import LoraSettings
 from trainer_client.models.loss import micro_batch_loss, run_micro_batch
 from trainer_client.models.model import model_folder, model_shape
 from trainer_client.models.parallelize import (
@@ -157,6 +158,7 @@ class Trainer:
         self.parallel = parallel
         self.device = parallel.device
         self.sharding = config.sharding
+        self.lora = LoraSettings.of(config)
         # Hub ids: rank 0 downloads what the cache lacks, then every rank reads rank 0's commits (hub.py).
         fetch_on_rank_0_first(parallel, model=config.model, tokenizer=config.tokenizer, data=config.data,
                               eval_data=config.eval_data)
@@ -233,7 +235,7 @@ class Trainer:
         self.export_tokenizer = (load_export_tokenizer(config.tokenizer, chat_template=config.chat_template)
                                  if config.output_dir is not None and config.tokenizer is not None else None)
         self.module = build_training_module(config.model, parallel=self.parallel, layout=self.layout,
-                                            seed=config.seed, lora=config.lora)
+                                            seed=config.seed, lora=self.lora)
         self.pad_token_id = int(getattr(self.module.lm.config, "pad_token_id", None) or 0)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
@@ -299,7 +301,7 @@ class Trainer:
         then (``parallelize.py``); else one per layer (also without a profile this process can read)."""
         if self.sharding is not Sharding.ZERO2 or profile is None:
             return FsdpUnits.LAYER
-        lora = self.config.lora
+        lora = self.lora
         trained = lora.shape.num_parameters(shape) if lora is not None else shape.num_parameters
         activations = PerformanceModel(model=shape, profile=profile).activation_bytes(self.bucket_size)
         return FsdpUnits.MODEL if FP32_BYTES * trained <= activations else FsdpUnits.LAYER
@@ -307,7 +309,7 @@ class Trainer:
     def _derived_bucket_size(self, shape: ModelShape, param_dtype: torch.dtype) -> int:
         """BucketSize from the profile, as the planner derives it when a request leaves it out, with the static
         memory of this trainer's sharding mode; on CPU in this host's memory per rank (``host_memory_bytes``)."""
-        lora = self.config.lora
+        lora = self.lora
         profile = training_profile(resolve_profile(self.profile), shape, sharding=self.sharding,
                                    compute_bytes=param_dtype.itemsize,
                                    activation_checkpointing=self.config.activation_checkpointing,
@@ -444,7 +446,7 @@ class Trainer:
         directory = (self.config.output_dir if num_steps_done == self.config.steps
                      else step_dir(self.config.output_dir, num_steps_done))
         export_model(self.module.lm, directory, tokenizer=self.export_tokenizer, model=self.config.model,
-                     lora=self.config.lora, lora_export=self.config.export_lora)
+                     lora=self.lora, lora_export=self.config.export_lora)
         if self.parallel.is_main:
             logger.info("exported the model after step %d of %d to %s", num_steps_done, self.config.steps,
                         directory)

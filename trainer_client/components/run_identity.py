@@ -75,7 +75,7 @@ class RunIdentity:
     def of(cls, config: TrainConfig, data: DataSource) -> RunIdentity:
         return cls(model=model_identity(config.model), dp=config.dp, cp=config.cp, global_batch=config.global_batch,
                    data=data.identity(), steps=config.steps, warmup_steps=config.warmup_steps, lr=config.lr,
-                   min_lr_ratio=config.min_lr_ratio, lora=config.lora, lr_scheduler=config.lr_scheduler,
+                   min_lr_ratio=config.min_lr_ratio, lora=LoraSettings.of(config), lr_scheduler=config.lr_scheduler,
                    seed=data.order_seed, weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm,
                    loss_on=config.loss_on, model_source=model_source(config.model))
 

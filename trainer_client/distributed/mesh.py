@@ -47,7 +47,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._dynamo  # before any process group exists; see the module docstring, "Teardown"
@@ -61,6 +61,9 @@ from trainer_client.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from trainer_client.distributed.host_memory import retain_freed_memory
 from trainer_client.distributed.torch_compat import flatten_mesh, group_options
 
+if TYPE_CHECKING:
+    from trainer_client.config import TrainConfig
+
 __all__ = ["ParallelContext", "ParallelDims", "destroy_groups", "init_parallel", "max_over_ranks"]
 
 
@@ -70,6 +73,11 @@ class ParallelDims:
 
     dp_size: int
     cp_size: int
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> ParallelDims:
+        """The layout ``--dp`` and ``--cp`` give."""
+        return cls(dp_size=config.dp, cp_size=config.cp)
 
     def __post_init__(self) -> None:
         for name in ("dp_size", "cp_size"):

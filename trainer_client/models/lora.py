@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from scheduler_service.core.memory import LORA_TARGETS, LoraShape
+from trainer_client.config import TrainConfig, check_lora_projections
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -53,10 +54,16 @@ class LoraSettings:
             raise ValueError(f"--lora-rank must be positive, got {self.rank}")
         if not self.alpha > 0:
             raise ValueError(f"--lora-alpha must be positive, got {self.alpha}")
-        unknown = [target for target in self.targets if target not in LORA_TARGETS]
-        if not self.targets or unknown:
-            raise ValueError(f"--lora-targets {','.join(self.targets) or '(empty)'}: {', '.join(unknown) or 'none'} "
-                             f"names no projection of a decoder layer; choose from {','.join(LORA_TARGETS)}")
+        check_lora_projections(self.targets)
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> LoraSettings | None:
+        """The adapters ``--lora-rank``, ``--lora-alpha`` (default 2 × rank) and ``--lora-targets`` give; ``None``
+        without ``--lora-rank``: full fine-tuning."""
+        if config.lora_rank is None:
+            return None
+        alpha = config.lora_alpha if config.lora_alpha is not None else 2 * config.lora_rank
+        return cls(rank=config.lora_rank, alpha=alpha, targets=config.lora_targets)
 
     @property
     def shape(self) -> LoraShape:
