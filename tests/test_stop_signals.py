@@ -194,13 +194,18 @@ def test_ctrl_c_stops_skrull_train_after_the_step_with_its_checkpoint_and_one_li
     assert _resumed_losses(tmp_path, line) == uninterrupted
 
 
+def _torchrun_with_held_saves(tmp_path: Path) -> tuple[subprocess.Popen[str], list[str]]:
+    """torchrun training with a checkpoint every step, each save held (``_HELD_SAVE``); the job and its flags."""
+    (tmp_path / "held_save.py").write_text(_HELD_SAVE)
+    flags = [*FLAGS, "--checkpoint-dir", "ck", "--checkpoint-every", "1", "--metrics-out", "metrics.jsonl"]
+    return _started([*TORCHRUN, "held_save.py", *flags], tmp_path), flags
+
+
 @pytest.mark.slow
 def test_sigterm_to_torchrun_during_a_save_lets_it_complete_and_stops_after_that_step(
     tmp_path: Path, uninterrupted: list[float]
 ) -> None:
-    (tmp_path / "held_save.py").write_text(_HELD_SAVE)
-    flags = [*FLAGS, "--checkpoint-dir", "ck", "--checkpoint-every", "1", "--metrics-out", "metrics.jsonl"]
-    job = _started([*TORCHRUN, "held_save.py", *flags], tmp_path)
+    job, flags = _torchrun_with_held_saves(tmp_path)
     _wait_for(job, lambda: (tmp_path / "saving-0").exists())
     job.send_signal(signal.SIGTERM)  # Kubernetes: the container's first process alone
     _, stderr = _ended(job)
@@ -220,9 +225,7 @@ def test_sigterm_to_torchrun_during_a_save_lets_it_complete_and_stops_after_that
 def test_ctrl_c_twice_during_a_save_abandons_it_and_the_resume_takes_the_checkpoint_before(
     tmp_path: Path, uninterrupted: list[float]
 ) -> None:
-    (tmp_path / "held_save.py").write_text(_HELD_SAVE)
-    flags = [*FLAGS, "--checkpoint-dir", "ck", "--checkpoint-every", "1", "--metrics-out", "metrics.jsonl"]
-    job = _started([*TORCHRUN, "held_save.py", *flags], tmp_path)
+    job, _ = _torchrun_with_held_saves(tmp_path)
     _wait_for(job, lambda: (tmp_path / "saving-0").exists() and (tmp_path / "saving-1").exists())
     os.killpg(job.pid, signal.SIGINT)
     time.sleep(1)  # a person's second press; the agent, waiting for the ranks, sends them SIGTERM on it
