@@ -5,8 +5,8 @@ run slower than predicted, each against what it was before the fix, in the same 
    against their causal prefix (chunks 0 and 3 on rank 0, 1 and 2 on rank 1). Timed per rank (forward and
    backward of one layer of tiny Qwen2's attention: 4 query heads, 2 K/V heads, head dim 16, float32, one thread):
    one SDPA call per chunk with a boolean bottom-right mask, and two flash calls merged by log-sum-exp
-   (``dacp.attention._BottomRightCausalCPU``). The trainer runs the masked call below
-   ``dacp.attention.CPU_SPLIT_MIN_QUERIES`` queries a chunk and the two calls from there (the masked call alone
+   (``dacp.kernels._BottomRightCausalCPU``). The trainer runs the masked call below
+   ``dacp.kernels.CPU_SPLIT_MIN_QUERIES`` queries a chunk and the two calls from there (the masked call alone
    before 2 December 2026). Each against half the whole sequence's causal attention, what the performance model
    prices a rank at (efficiency 1).
 2. **Collective latency on gloo.** Two processes, one thread each, an all-gather and a reduce-scatter of 4 KiB
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainer_client.dacp.attention import _BottomRightCausalCPU
+from trainer_client.dacp.kernels import _BottomRightCausalCPU
 from trainer_client.distributed import spawn_ranks
 from trainer_client.distributed.torch_compat import torch_apis
 from trainer_client.profiler.measure import timed_runs

@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from trainer_client.choices import FsdpUnits
-from trainer_client.dacp.attention import AttentionBackend
+from trainer_client.config_choices import FsdpUnits
+from trainer_client.dacp.kernels import AttentionBackend
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_ranks
 from trainer_client.models.loading import ModelLayout, build_training_module
 from trainer_client.models.loss import run_micro_batch

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from trainer_client.chat_tokenizer import WORDS, save_chat_tokenizer
-from trainer_client.choices import CHAT_TEMPLATES
+from trainer_client.config_choices import CHAT_TEMPLATES
 
 __all__ = ["CHATML", "WORDS", "HubCache", "commit_of", "save_tiny_model", "save_tokenizer"]
 

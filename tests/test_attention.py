@@ -8,12 +8,11 @@ import torch.distributed as dist
 
 from scheduler_service.core.plan import MicroBatch
 from tests.attention_reference import reference_attention
-from trainer_client.dacp.attention import (
+from trainer_client.dacp.attention import KVAllGather, dacp_attn_varlen_func
+from trainer_client.dacp.kernels import (
     CPU_SPLIT_MIN_QUERIES,
     AttentionBackend,
-    KVAllGather,
     _BottomRightCausalCPU,
-    dacp_attn_varlen_func,
     varlen_causal_attn_func,
 )
 from trainer_client.dacp.packing import pack_micro_batch

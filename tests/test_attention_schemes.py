@@ -18,17 +18,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-import trainer_client.dacp.attention as attention
+import trainer_client.dacp.kernels as kernels
 from scheduler_service.core.check import check_plan
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGroup
 from tests.attention_reference import reference_attention
 from trainer_client.config import TrainConfig
-from trainer_client.dacp.attention import (
-    AttentionBackend,
-    UlyssesAllToAll,
-    check_ulysses_heads,
-    dacp_attn_varlen_func,
-)
+from trainer_client.dacp.attention import UlyssesAllToAll, check_ulysses_heads, dacp_attn_varlen_func
+from trainer_client.dacp.kernels import AttentionBackend
 from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.dacp.zigzag import shard_padded_length, shard_positions, zigzag_positions
 from trainer_client.data import IGNORE_INDEX, Sample
@@ -228,12 +224,12 @@ class _Marker(torch.autograd.Function):
         return grad, None, None
 
 
-def _recording(events: list[tuple[str, int]]) -> tuple[list[Any], attention.VarlenKernel]:
+def _recording(events: list[tuple[str, int]]) -> tuple[list[Any], kernels.VarlenKernel]:
     """Patches that log each all-to-all's start and its gradient's launch and wait (by object), and a kernel that
     marks local attention forward and the start and end of its backward."""
     start, launch, wait = (UlyssesAllToAll.start, UlyssesAllToAll._launch_backward,
                            UlyssesAllToAll._wait_backward)
-    varlen = attention.resolve_kernel(AttentionBackend.SDPA, device=torch.device("cpu"), dtype=torch.float64)
+    varlen = kernels.resolve_kernel(AttentionBackend.SDPA, device=torch.device("cpu"), dtype=torch.float64)
 
     def logged_start(self: UlyssesAllToAll, send: torch.Tensor) -> None:
         events.append(("started", id(self)))

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from scheduler_service.core.samplers import DATASETS
-from trainer_client.choices import SYNTHETIC_DATASETS
 from trainer_client.cli_reference import COMMANDS, REFERENCE, REGENERATE, Command, reference_page
 from trainer_client.config import TrainConfig
+from trainer_client.config_choices import SYNTHETIC_DATASETS
 from trainer_client.flags import GROUPS
 from trainer_client.train import build_parser
 

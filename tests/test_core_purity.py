@@ -128,5 +128,5 @@ def test_the_trainers_configuration_is_its_bottom_layer() -> None:
             "or m.partition('.')[0] in {'torch', 'transformers', 'numpy', 'numba', 'httpx', 'skrull_proto'})))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                        text=True).stdout)
-    assert loaded == ["trainer_client.choices", "trainer_client.config", "trainer_client.config_file",
+    assert loaded == ["trainer_client.config", "trainer_client.config_choices", "trainer_client.config_file",
                       "trainer_client.flags", "trainer_client.foreign_keys"]

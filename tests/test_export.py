@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from tests.job_store_backends import read_only, small_tmpfs
 from trainer_client.components.checkpoint import COMPLETE, RUN_IDENTITY, saved_run_identity, step_dir
-from trainer_client.components.export import main as export_main
+from trainer_client.components.model_export import main as export_main
 from trainer_client.components.run_identity import model_identity
 from trainer_client.config import TrainConfig
 from trainer_client.demo import trainer_env

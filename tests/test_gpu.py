@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_client.config import TrainConfig
-from trainer_client.dacp.attention import AttentionBackend, _flash_attn_varlen_func, varlen_causal_attn_func
+from trainer_client.dacp.kernels import AttentionBackend, _flash_attn_varlen_func, varlen_causal_attn_func
 from trainer_client.distributed import ParallelDims, free_port, init_parallel
 from trainer_client.trainer import Trainer
 

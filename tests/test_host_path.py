@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from scheduler_service.core.plan import MicroBatch
 from tests.torch_releases import flash_operator_on_cpu
-from trainer_client.dacp.attention import AttentionBackend
+from trainer_client.dacp.kernels import AttentionBackend
 from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.data import Sample
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo

@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import trainer_client.dacp.attention as attention
+import trainer_client.dacp.kernels as kernels
 from scheduler_service.core.plan import MicroBatch, ShardedGroup
 from tests.attention_reference import reference_attention
-from trainer_client.dacp.attention import AttentionBackend, KVAllGather, dacp_attn_varlen_func
+from trainer_client.dacp.attention import KVAllGather, dacp_attn_varlen_func
+from trainer_client.dacp.kernels import AttentionBackend
 from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.dacp.zigzag import zigzag_positions
 from trainer_client.data import Sample
@@ -87,11 +88,11 @@ class _Marker(torch.autograd.Function):
         return grad, None, None
 
 
-def _recording(events: list[str]) -> tuple[list[Any], attention.VarlenKernel]:
+def _recording(events: list[str]) -> tuple[list[Any], kernels.VarlenKernel]:
     """Patches that log reduce-scatter launches and waits, and a kernel that marks the start and end of local
     attention's backward."""
     launch, wait = KVAllGather._launch_reduce_scatter, KVAllGather._wait_reduce_scatter
-    varlen = attention.resolve_kernel(AttentionBackend.SDPA, device=torch.device("cpu"), dtype=torch.float64)
+    varlen = kernels.resolve_kernel(AttentionBackend.SDPA, device=torch.device("cpu"), dtype=torch.float64)
 
     def logged_launch(self: KVAllGather, grad: torch.Tensor) -> None:
         events.append("reduce_scatter_launched")

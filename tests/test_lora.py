@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from trainer_client.components.checkpoint import latest_checkpoint, saved_run_identity
-from trainer_client.components.export import main as export_main
+from trainer_client.components.model_export import main as export_main
 from trainer_client.components.run_identity import Change, RunIdentity, differences
 from trainer_client.config import TrainConfig
 from trainer_client.data import DataIdentity

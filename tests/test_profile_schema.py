@@ -14,15 +14,9 @@ from skrull_proto import ProfileDocument
 
 from scheduler_service.contract.profiles import load_profile, load_profile_dir, profile_from_document
 from scheduler_service.core.errors import InvalidRequestError
+from scheduler_service.core.fitting import ComputePoint, fit_compute, fit_memory
 from scheduler_service.core.models import MODEL_CATALOGUE
-from scheduler_service.core.perf_model import (
-    ComputePoint,
-    PerformanceModel,
-    eq13_flops,
-    fit_compute,
-    fit_line,
-    fit_memory,
-)
+from scheduler_service.core.perf_model import PerformanceModel, eq13_flops, fit_line
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import builtin_profiles, parse_profile
 

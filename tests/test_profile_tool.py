@@ -19,9 +19,10 @@ from skrull_proto import PlanResponse, ProfileDocument
 from scheduler_service import cli
 from scheduler_service.contract.profiles import load_profile, profile_from_document
 from scheduler_service.core.check import find_violations
+from scheduler_service.core.fitting import ComputeFit
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding, training_profile
 from scheduler_service.core.models import MODEL_CATALOGUE
-from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, eq13_flops, fit_line
+from scheduler_service.core.perf_model import PerformanceModel, eq13_flops, fit_line
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGroup, make_problem
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles, parse_profile

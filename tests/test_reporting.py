@@ -25,11 +25,11 @@ import trainer_client.distributed
 import trainer_client.trainer
 from tests.wandb_records import wandb_records
 from trainer_client import train
-from trainer_client.choices import Tracker
 from trainer_client.components.checkpoint import Checkpointer
 from trainer_client.components.reporting import Reports, open_reports, scalars
 from trainer_client.components.step_metrics import StepMetrics
 from trainer_client.config import TrainConfig
+from trainer_client.config_choices import Tracker
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.loop import SkrullBatches
 from trainer_client.planning.source import PlanOrigin

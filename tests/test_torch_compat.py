@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from scheduler_service.core.plan import MicroBatch, ShardedGroup
 from tests.torch_releases import RELEASES, emulated
-from trainer_client.dacp.attention import AttentionBackend, dacp_attn_varlen_func, varlen_causal_attn_func
+from trainer_client.dacp.attention import dacp_attn_varlen_func
+from trainer_client.dacp.kernels import AttentionBackend, varlen_causal_attn_func
 from trainer_client.dacp.packing import pack_micro_batch
 from trainer_client.data import Sample
 from trainer_client.distributed import spawn_gloo

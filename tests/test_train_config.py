@@ -11,8 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from scheduler_service.core.memory import Sharding
-from trainer_client.choices import Tracker
 from trainer_client.config import TrainConfig
+from trainer_client.config_choices import Tracker
 from trainer_client.config_file import load_config, read_config_file
 from trainer_client.distributed import ParallelDims
 from trainer_client.foreign_keys import FOREIGN_KEYS
@@ -234,14 +234,14 @@ def test_the_example_sft_config_is_a_run_the_trainer_accepts(
 
 
 def test_the_closed_sets_the_config_names_are_those_the_implementations_take() -> None:
-    # choices.py mirrors them so that the configuration imports no torch; the implementations must agree.
-    from trainer_client import choices
-    from trainer_client.dacp import attention
+    # config_choices.py mirrors them so that the configuration imports no torch; the implementations must agree.
+    from trainer_client import config_choices
+    from trainer_client.dacp import kernels
     from trainer_client.models import lora, loss
 
-    assert [m.value for m in choices.AttentionBackend] == [m.value for m in attention.AttentionBackend]
-    assert [m.value for m in choices.LoraExport] == [m.value for m in lora.LoraExport]
-    assert choices.DEFAULT_CHUNK_TOKENS == loss.DEFAULT_CHUNK_TOKENS
+    assert [m.value for m in config_choices.AttentionBackend] == [m.value for m in kernels.AttentionBackend]
+    assert [m.value for m in config_choices.LoraExport] == [m.value for m in lora.LoraExport]
+    assert config_choices.DEFAULT_CHUNK_TOKENS == loss.DEFAULT_CHUNK_TOKENS
 
 
 def test_a_chat_template_that_is_neither_a_name_nor_a_file_is_refused_before_any_work(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from tests.hub_cache import save_tokenizer
 from trainer_client.components.checkpoint import saved_run_identity, step_dir
 from trainer_client.config import TrainConfig
 from trainer_client.data import Defect, RecordSource, make_source
-from trainer_client.data.check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records
+from trainer_client.data.record_check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records
 from trainer_client.distributed import ParallelDims, init_parallel, spawn_gloo
 from trainer_client.trainer import Trainer
 

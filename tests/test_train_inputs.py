@@ -13,7 +13,7 @@ import torch.distributed as dist
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding
 from scheduler_service.core.plan import SchedulerName
 from trainer_client.config import TrainConfig
-from trainer_client.dacp.attention import AttentionBackend
+from trainer_client.dacp.kernels import AttentionBackend
 from trainer_client.demo import read_metrics, trainer_env
 from trainer_client.distributed import free_port
 from trainer_client.train import main

@@ -18,7 +18,7 @@ import trainer_client
 
 # Bottom first: the folders (sub-packages) and top-level modules of each layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("configuration", ("choices", "foreign_keys", "config", "config_file", "flags")),
+    ("configuration", ("config_choices", "foreign_keys", "config", "config_file", "flags")),
     ("processes and plans", ("distributed", "planning", "hub")),
     ("data and DACP", ("data", "dacp")),
     ("models", ("models",)),
@@ -100,10 +100,10 @@ def test_a_trainer_module_loads_nothing_of_a_layer_above_its_own() -> None:
 
 
 def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
-    source = tmp_path / "choices.py"
+    source = tmp_path / "config_choices.py"
     source.write_text("from trainer_client.trainer import Trainer\nif TYPE_CHECKING:\n    import trainer_client.loop\n"
                       "def later():\n    import trainer_client.demo\n")
-    assert _loaded_imports(source, "trainer_client.choices") == {"trainer_client.trainer"}
+    assert _loaded_imports(source, "trainer_client.config_choices") == {"trainer_client.trainer"}
 
 
 def test_a_package_init_lists_names_and_holds_no_logic() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer_client.dacp import attention
+from trainer_client.dacp import kernels
 from trainer_client.distributed.torch_compat import torch_apis
 
 RELEASES = ("2.10", "2.11", "2.12", "2.13")
@@ -180,7 +180,7 @@ def emulated(release: str, *, flash_attn: bool = False, bottom_right: bool = Tru
             else:
                 patch(dist, old_name, _checked_collective(real, old_name, gathers=gathers))
                 patch(dist, name, None)
-        patch(attention, "_flash_attn_varlen_func", lambda: flash_attn_varlen_func if flash_attn else None)
+        patch(kernels, "_flash_attn_varlen_func", lambda: flash_attn_varlen_func if flash_attn else None)
         torch_apis.cache_clear()
         try:
             yield

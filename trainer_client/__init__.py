@@ -5,7 +5,7 @@ module loads nothing of a layer above its own, ``tests/test_trainer_layers.py``)
 
 * configuration, which imports nothing of the rest (no torch): ``config`` (the trainer's settings), ``flags``
   (the command line generated from them), ``config_file`` (a YAML, TOML or JSON file of them, the flags over it),
-  ``choices`` (the closed sets and defaults they name) and ``foreign_keys`` (TRL's, transformers' and axolotl's
+  ``config_choices`` (the closed sets and defaults they name) and ``foreign_keys`` (TRL's, transformers' and axolotl's
   names of them);
 * processes and plans: ``distributed`` (the ("dp", "cp") mesh and its process groups, a failure told to every rank,
   the process launcher; ``distributed.torch_compat``: the torch calls that differ between the supported releases);
@@ -13,7 +13,7 @@ module loads nothing of a layer above its own, ``tests/test_trainer_layers.py``)
   service's, the embedded core's as fallback, profile registration, feedback); ``hub`` (Hugging Face Hub ids of
   models, tokenizers and data sets: the snapshot in the cache each reads);
 * data and DACP: ``data`` (global batches of records or synthetic lengths: ``data.samples``, ``data.encoding``,
-  ``data.records``, ``data.sources``; ``data.check``, every record checked before the first step;
+  ``data.records``, ``data.sources``; ``data.record_check``, every record checked before the first step;
   ``data.evaluation``, held-out loss); ``dacp``, what a loop of your own reuses: ``dacp.zigzag`` (which tokens a CP
   rank owns), ``dacp.packing`` (a CP rank's row of a micro-batch), ``dacp.attention`` (DACP attention),
   ``dacp.prefetch`` (micro-batches packed and copied to the device ahead of the step);
@@ -24,7 +24,7 @@ module loads nothing of a layer above its own, ``tests/test_trainer_layers.py``)
 * components, profiler, advisor: ``components``: ``optim`` (AdamW, the schedule, clipping), ``step_metrics`` (what
   a step measures), ``reporting`` (where rank 0 writes it: the metrics file and the experiment trackers),
   ``checkpoint`` (DCP save and resume), ``run_identity`` (what a checkpoint must share with the run that resumes
-  it), ``stop`` (SIGINT and SIGTERM: every rank saves at the step boundary and stops), ``export`` (a Hugging Face
+  it), ``stop`` (SIGINT and SIGTERM: every rank saves at the step boundary and stops), ``model_export`` (a Hugging Face
   model folder from the trained model or a checkpoint); ``profiler``: ``profiler.command`` (``skrull-profile``,
   ``python -m trainer_client.profile``) over ``profiler.sweeps`` (what it measures), ``profiler.document`` (the
   file it writes) and ``profiler.measure`` (its timing and memory probes); ``profiler.auto`` (``--profile auto``:

@@ -2,7 +2,7 @@
 chats, prompt–completion and text records on the built-in models, which have none of their own.
 
 It trains a byte-level BPE with ``tokenizers`` on a built-in text (``builtin_corpus``: sentences of ``WORDS``) or on
-``--corpus`` files, gives it ChatML's special tokens and chat template (``choices.CHAT_TEMPLATES["chatml"]``), and
+``--corpus`` files, gives it ChatML's special tokens and chat template (``CHAT_TEMPLATES["chatml"]``), and
 saves it with transformers' ``save_pretrained``, as a Hub tokenizer is saved, so that ``--tokenizer DIR`` loads it.
 Byte-level: every text encodes, the words it was not trained on in more tokens. It needs no network and no Hub: on
 the built-in text it trains in a fraction of a second, and the command takes 2-3 s with transformers' import.
@@ -23,8 +23,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from trainer_client.choices import CHAT_TEMPLATES
 from trainer_client.config import check_output_dir
+from trainer_client.config_choices import CHAT_TEMPLATES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

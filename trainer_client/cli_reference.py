@@ -60,7 +60,7 @@ COMMANDS = (
             run_as="python -m trainer_client.chat_tokenizer",
             about="A small chat tokenizer made offline, for chats on the built-in models ([a tokenizer offline]"
                   "(../guides/training.md#a-tokenizer-offline))."),
-    Command(script="skrull-export", module="trainer_client.components.export",
+    Command(script="skrull-export", module="trainer_client.components.model_export",
             run_as="python -m trainer_client.export",
             about="See [exporting the model](../guides/training.md#exporting-the-model)."),
     Command(script="skrull-profile", module="trainer_client.profiler.command",

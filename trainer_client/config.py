@@ -15,7 +15,7 @@ got 0``); an unknown key is named with the closest known one. A rule across fiel
 the file gave them.
 
 The configuration is plain values: it imports no torch, transformers or implementation module at import
-(``choices.py`` holds the closed sets it names), so ``--help`` and config checks answer at once. The layers above
+(``config_choices`` holds the closed sets it names), so ``--help`` and config checks answer at once. The layers above
 build their objects of it (``ParallelDims.of``, ``LoraSettings.of``); the one check an implementation module makes
 (``--compile``'s layout) imports it when the value is given.
 """
@@ -48,7 +48,7 @@ from pydantic_core import ErrorDetails
 from scheduler_service.core.choices import MAX_TOKEN_BUCKETS, SchedulerName
 from scheduler_service.core.memory import LORA_TARGETS, ActivationCheckpointing, Sharding
 from scheduler_service.core.models import MODEL_CATALOGUE
-from trainer_client.choices import (
+from trainer_client.config_choices import (
     CHAT_TEMPLATES,
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_COLLECTIVE_TIMEOUT_S,

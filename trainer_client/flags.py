@@ -24,8 +24,8 @@ from pathlib import Path
 from types import NoneType, UnionType
 from typing import Annotated, Any, Union, get_args, get_origin
 
-from trainer_client.choices import SYNTHETIC_DATASETS
 from trainer_client.config import FLAGS, TrainConfig
+from trainer_client.config_choices import SYNTHETIC_DATASETS
 from trainer_client.config_file import load_config
 from trainer_client.foreign_keys import FOREIGN_KEYS
 

@@ -14,7 +14,7 @@ A config file written for another trainer uses its names: ``learning_rate``, ``n
 ``translate`` applies the table to a file's keys (``config_file.load_config``); the aliases that need no conversion are
 flags too (``--learning-rate`` is ``--lr``, ``flags.flag_aliases``). A name the table does not know stays unknown.
 docs/guides/from-trl.md lists the table; a test holds the two equal. Nothing here imports torch: the configuration
-reads it (``choices.py``).
+reads it (``config_choices``).
 """
 
 from __future__ import annotations

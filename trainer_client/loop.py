@@ -40,7 +40,7 @@ from scheduler_service.core.models import ModelShape, resolve_model
 from scheduler_service.core.plan import MicroBatch, Plan, SchedulerName, SpanningMicroBatch
 from scheduler_service.core.profile import Profile
 from scheduler_service.core.static_sp import static_layout_problem
-from trainer_client.choices import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
+from trainer_client.config_choices import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch, padding_micro_batch
 from trainer_client.dacp.prefetch import PrefetchedMicroBatches
 from trainer_client.data import GlobalBatch, Sample

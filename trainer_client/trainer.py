@@ -39,7 +39,7 @@ Per global batch ``s`` (identical data on every rank, ``data``):
    the verdict. On SIGINT or SIGTERM to any rank, every rank finishes the
    step, saves it and leaves the loop at its boundary (``stop.py``). With
    ``--output-dir`` the model is written as a Hugging Face folder after the
-   last step, and every ``--export-every`` steps (``export.py``).
+   last step, and every ``--export-every`` steps (``components.model_export``).
 5. With ``feedback`` (opt-in), every rank's measured micro-batch times (and
    peak memory on CUDA, ``step_metrics.MicroBatchTimer``) are gathered on rank 0,
    which reports them to the service (``POST /feedback``) in the background; the
@@ -86,7 +86,6 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import make_problem
 from scheduler_service.core.profile import DEFAULT_PROFILE, Profile, builtin_profiles, resolve_profile
-from trainer_client.choices import FsdpUnits
 from trainer_client.components.checkpoint import (
     Checkpointer,
     TrainState,
@@ -95,13 +94,14 @@ from trainer_client.components.checkpoint import (
     saved_run_identity,
     step_dir,
 )
-from trainer_client.components.export import export_model, load_export_tokenizer
+from trainer_client.components.model_export import export_model, load_export_tokenizer
 from trainer_client.components.optim import build_optimizer, clip_gradients, lr_schedule
 from trainer_client.components.reporting import Reports, default_job_id, open_reports
 from trainer_client.components.run_identity import ResumeMismatch, RunIdentity, check_resume
 from trainer_client.components.step_metrics import MicroBatchTimer, StepMetrics
 from trainer_client.components.stop import TrainingStopped, graceful_stops, stop_agreed
 from trainer_client.config import TrainConfig
+from trainer_client.config_choices import FsdpUnits
 from trainer_client.data import (
     DataSource,
     GlobalBatch,
@@ -112,8 +112,14 @@ from trainer_client.data import (
     make_source,
     record_encoder,
 )
-from trainer_client.data.check import BAD_RECORDS_FILE, BadRecordsError, RecordCheck, check_records, write_bad_records
 from trainer_client.data.evaluation import EvalSet
+from trainer_client.data.record_check import (
+    BAD_RECORDS_FILE,
+    BadRecordsError,
+    RecordCheck,
+    check_records,
+    write_bad_records,
+)
 from trainer_client.distributed import ParallelContext, max_over_ranks
 from trainer_client.hub import fetch_on_rank_0_first
 from trainer_client.loop import RankBatch, SkrullBatches
@@ -323,7 +329,7 @@ class Trainer:
                             profile=profile).bucket_size
 
     def _check_data(self) -> None:
-        """Find, before the first step, every training record that cannot train (``data/check.py``): every rank encodes
+        """Find, before the first step, every training record that cannot train (``record_check``): every rank encodes
         its share of the records and every rank gets the whole verdict. Records that cannot train stop every rank with
         one message listing them, unless ``--skip-bad-records`` leaves them out of every epoch; either way rank 0
         lists them in the run folder. Logs the layout's sizes and, for records, the length distribution of what

@@ -44,7 +44,7 @@ from skrull_proto.models import (
     SpanningGroupModel,
     SpanningMicroBatchModel,
 )
-from skrull_proto.profile import PROFILE_SCHEMA_VERSION, ProfileDocument
+from skrull_proto.profile_document import PROFILE_SCHEMA_VERSION, ProfileDocument
 
 __all__ = [
     "MAX_FEEDBACK_MICRO_BATCHES",

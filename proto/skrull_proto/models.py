@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from skrull_proto.profile import ProfileDocument
+from skrull_proto.profile_document import ProfileDocument
 
 __all__ = [
     "MAX_FEEDBACK_MICRO_BATCHES",

@@ -1,6 +1,6 @@
 """Closing the loop: refit a job's profile online from the micro-batch times and peak memory its trainer measured.
 
-The offline profile (``profile.py``) is a prior. A trainer that opts in reports,
+The offline profile (``core.profile``) is a prior. A trainer that opts in reports,
 after each step, every micro-batch it ran: the sequence lengths on each CP rank
 (local) and sharded over the group (distributed), the measured time, and, where
 the device can say, the peak memory. ``observe`` turns each report into

@@ -41,7 +41,7 @@ marker, pruning). A save waits for the one before it to be complete, and so does
 (``prune_checkpoints``). The checkpoint just completed is always kept, so a kill at any moment leaves one to
 resume.
 
-``skrull-export`` (``export.py``) reads a checkpoint's model part alone into an unsharded model, in one process
+``skrull-export`` (``model_export``) reads a checkpoint's model part alone into an unsharded model, in one process
 without a process group (``resolve_checkpoint``, ``load_model_weights``).
 """
 

@@ -50,7 +50,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainer_client.choices import LRSchedulerName
+from trainer_client.config_choices import LRSchedulerName
 
 __all__ = ["LRSchedulerName", "build_optimizer", "clip_gradients", "lr_factors", "lr_schedule", "warmup_cosine_factor",
            "wsd_decay_steps"]

@@ -46,7 +46,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from trainer_client.choices import SYNTHETIC_PREFIX, Tracker
+from trainer_client.config_choices import SYNTHETIC_PREFIX, Tracker
 from trainer_client.planning.source import PlanOrigin
 
 if TYPE_CHECKING:

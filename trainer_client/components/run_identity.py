@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from trainer_client.choices import LRSchedulerName
 from trainer_client.config import TrainConfig
+from trainer_client.config_choices import LRSchedulerName
 from trainer_client.data import DataIdentity, DataSource
 from trainer_client.hub import RepoKind, fetch, hub_ref
 from trainer_client.models.lora import LoraSettings

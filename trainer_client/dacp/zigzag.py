@@ -18,7 +18,7 @@ ranks.
 
 A collective may instead run Ulysses (all-to-all over heads) over all or part
 of its block: its **Ulysses degree** ``u`` divides ``s`` and picks the layout
-(``shard_positions``; ``attention.py`` says why each layout fits its scheme):
+(``shard_positions``; ``dacp.attention`` says why each layout fits its scheme):
 
 - ``u = 1``, all-gather-KV: the zigzag rule above over the block of ``s``;
 - ``u = s``, Ulysses: padded to a multiple of ``s``, block position ``p`` holds

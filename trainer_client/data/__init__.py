@@ -9,7 +9,7 @@
   time (``open_records``);
 - ``sources``: what ``--data`` names, as global batches in each epoch's order (``make_source``: synthetic lengths,
   or records);
-- ``check`` (every record checked before the first step) and ``evaluation`` (the held-out set and its loss).
+- ``record_check`` (every record checked before the first step) and ``evaluation`` (the held-out set and its loss).
 
 Hugging Face Hub ids are ``trainer_client.hub``'s. The public names of the first four are importable from here.
 """

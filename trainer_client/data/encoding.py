@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from trainer_client.choices import CHAT_TEMPLATES, LossOn, chat_template_of
+from trainer_client.config_choices import CHAT_TEMPLATES, LossOn, chat_template_of
 from trainer_client.data.samples import IGNORE_INDEX, BadRecordError, Defect, RecordTooLongError, Sample, malformed
 from trainer_client.hub import HubError, RepoKind, fetch, hub_ref
 

@@ -3,7 +3,7 @@ cannot become a sample.
 
 Labels follow the Hugging Face convention (aligned with ``input_ids``); the token at position ``t`` is trained to
 predict ``labels[t + 1]`` (``Sample.targets``). ``IGNORE_INDEX`` (-100) marks a label without loss. A record that
-cannot train is a ``BadRecordError`` naming the record and its ``Defect`` (``check.py`` reports them together); one
+cannot train is a ``BadRecordError`` naming the record and its ``Defect`` (``record_check`` reports them together); one
 longer than ``max_length`` without ``truncate`` is a ``RecordTooLongError``. ``LengthStats`` summarises the lengths a
 run trained on.
 """

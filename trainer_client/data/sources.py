@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from scheduler_service.core.samplers import DATASETS, sample_lengths
-from trainer_client.choices import SYNTHETIC_PREFIX, LossOn
+from trainer_client.config_choices import SYNTHETIC_PREFIX, LossOn
 from trainer_client.data.encoding import RecordEncoder, record_encoder
 from trainer_client.data.records import RecordReader, open_records
 from trainer_client.data.samples import DataIdentity, GlobalBatch, Sample

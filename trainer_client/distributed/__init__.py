@@ -13,7 +13,7 @@ The public names of the first three are importable from here.
 
 from __future__ import annotations
 
-from trainer_client.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
+from trainer_client.config_choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from trainer_client.distributed.failures import FirstFailure, PeerFailed, report_failure, reported_failure
 from trainer_client.distributed.launch import free_port, spawn_gloo, spawn_ranks
 from trainer_client.distributed.mesh import (

@@ -18,7 +18,7 @@ import torch._dynamo  # before any process group exists (mesh.py, "Teardown")
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer_client.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
+from trainer_client.config_choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 __all__ = ["free_port", "spawn_gloo", "spawn_ranks"]
 

@@ -57,7 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from scheduler_service.core.check import spanning_widths
 from scheduler_service.core.costing import place_degrees
 from scheduler_service.core.plan import block_degrees, cp_blocks
-from trainer_client.choices import DEFAULT_COLLECTIVE_TIMEOUT_S
+from trainer_client.config_choices import DEFAULT_COLLECTIVE_TIMEOUT_S
 from trainer_client.distributed.host_memory import retain_freed_memory
 from trainer_client.distributed.torch_compat import flatten_mesh, group_options
 

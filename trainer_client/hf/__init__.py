@@ -4,9 +4,9 @@
 * ``layout``: what the Trainer's arguments become under Skrull (the DP × CP split, the global batch) and the ones
   refused;
 * ``versions``: the transformers, accelerate and TRL releases the integration is tested with;
-* ``attention``: the model's attention checked replaceable, and switched to DACP while Skrull runs it;
-* ``inputs``: each example collated alone into one sequence, and collators that pack by themselves refused;
-* ``trainer``: ``SkrullTrainer`` (``transformers.Trainer``) and its ``SkrullTrainerMixin``;
+* ``attention_interface``: the model's attention checked replaceable, and switched to DACP while Skrull runs it;
+* ``collator``: each example collated alone into one sequence, and collators that pack by themselves refused;
+* ``skrull_trainer``: ``SkrullTrainer`` (``transformers.Trainer``) and its ``SkrullTrainerMixin``;
 * ``sft``: ``SkrullSFTTrainer`` (TRL's ``SFTTrainer``; needs ``pip install 'skrull[trl]'``).
 
 Public names resolve lazily, so that ``SkrullTrainer`` does not import TRL.
@@ -22,8 +22,8 @@ __all__ = ["SkrullArguments", "SkrullSFTTrainer", "SkrullTrainer", "SkrullTraine
 _MODULE_OF = {
     "SkrullArguments": "arguments",
     "SkrullSFTTrainer": "sft",
-    "SkrullTrainer": "trainer",
-    "SkrullTrainerMixin": "trainer",
+    "SkrullTrainer": "skrull_trainer",
+    "SkrullTrainerMixin": "skrull_trainer",
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler_service.core.choices import SchedulerName
-from trainer_client.choices import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S, AttentionBackend
+from trainer_client.config_choices import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S, AttentionBackend
 
 __all__ = ["SkrullArguments"]
 

@@ -1,6 +1,6 @@
 """Skrull inside TRL's ``SFTTrainer``: TRL's data path, Skrull's plans.
 
-``SkrullSFTTrainer`` is ``SFTTrainer`` with ``SkrullTrainerMixin`` (``trainer.py``): TRL still prepares the data
+``SkrullSFTTrainer`` is ``SFTTrainer`` with ``SkrullTrainerMixin`` (``skrull_trainer``): TRL still prepares the data
 (chat templates, ``assistant_only_loss`` and ``completion_only_loss`` masks built into the labels, ``max_length``
 truncation) and still computes the loss through its fused LM head (the LM head applied and the log-probabilities
 taken a chunk of tokens at a time, so a long row's logits are never held whole); Skrull plans each global batch,
@@ -27,7 +27,7 @@ from transformers import TrainingArguments
 from trl import SFTTrainer
 
 from trainer_client.hf.arguments import SkrullArguments
-from trainer_client.hf.trainer import SkrullTrainerMixin
+from trainer_client.hf.skrull_trainer import SkrullTrainerMixin
 from trainer_client.hf.versions import check_versions
 
 __all__ = ["SkrullSFTTrainer", "check_sft_config"]

@@ -37,7 +37,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import PreTrainedModel
 
-from trainer_client.choices import FsdpUnits
+from trainer_client.config_choices import FsdpUnits
 from trainer_client.distributed import ParallelContext
 from trainer_client.models.lora import LoraSettings, apply_lora
 from trainer_client.models.loss import DEFAULT_CHUNK_TOKENS, CausalLMLoss

@@ -9,7 +9,7 @@ DACP attention and the chunked loss see no difference; only the adapters carry g
 ``lora_B`` starts at zero (peft's default), so the first step's model is the base model, and adapter dropout is
 0, so a micro-batch's loss depends on its tokens alone and every scheduler trains the same model.
 
-Export (``export.py``) merges the adapters into the weights (``merge_and_unload``) in one process after the
+Export (``model_export``) merges the adapters into the weights (``merge_and_unload``) in one process after the
 shards are gathered, since merging under FSDP is not supported, or writes the adapter alone
 (``PeftModel.save_pretrained``) for the base model folder it was trained on.
 """

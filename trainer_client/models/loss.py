@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from trainer_client.dacp.attention import AttentionBackend
+from trainer_client.dacp.kernels import AttentionBackend
 from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.data import IGNORE_INDEX
 from trainer_client.models.model import model_inputs

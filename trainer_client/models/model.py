@@ -49,12 +49,8 @@ from transformers import (
 )
 
 from scheduler_service.core.models import MODEL_CATALOGUE, ModelShape
-from trainer_client.dacp.attention import (
-    AttentionBackend,
-    DacpAttention,
-    dacp_attention_with_collectives,
-    resolve_kernel,
-)
+from trainer_client.dacp.attention import DacpAttention, dacp_attention_with_collectives
+from trainer_client.dacp.kernels import AttentionBackend, resolve_kernel
 from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.hub import HubError, RepoKind, fetch, hub_ref
 

@@ -47,7 +47,7 @@ all ranks) with a peer still inside a CP collective that waits for it. Per micro
   do not give).
 
 Gradients are summed, not averaged, over ranks (``set_gradient_divide_factor(1)``): the loss is already divided
-by the global batch's loss tokens (``trainer.py``). On CUDA, FSDP keeps bf16 parameters and compute and reduces
+by the global batch's loss tokens (``Trainer``). On CUDA, FSDP keeps bf16 parameters and compute and reduces
 gradients in fp32 (``MixedPrecisionPolicy``); on CPU everything is fp32.
 
 Static memory per parameter, by sharding mode, is ``scheduler_service.core.memory``'s: the planner and the layout
@@ -67,7 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from scheduler_service.core.memory import ActivationCheckpointing, Sharding
-from trainer_client.choices import FsdpUnits
+from trainer_client.config_choices import FsdpUnits
 from trainer_client.distributed.torch_compat import composable_checkpoint, dynamo_supported
 from trainer_client.models.loss import CausalLMLoss
 

@@ -51,7 +51,7 @@ from tenacity import (
     stop_before_delay,
 )
 
-from trainer_client.choices import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
+from trainer_client.config_choices import DEFAULT_PLAN_ATTEMPTS, DEFAULT_PLAN_TIMEOUT_S
 
 __all__ = ["PlanClient", "PlanClientError", "PlanRejected", "PlanTimeout", "PlanUnavailable"]
 

@@ -49,7 +49,7 @@ from scheduler_service.core.models import ModelShape
 from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import builtin_profiles, parse_profile
 from scheduler_service.core.shard_effect import predicted_shard_s
-from trainer_client.dacp.attention import AttentionBackend
+from trainer_client.dacp.kernels import AttentionBackend
 from trainer_client.distributed.torch_compat import check_torch_version
 from trainer_client.models.parallelize import ActivationCheckpointing, Sharding
 from trainer_client.profiler.document import build_document, document_json, rebase_compute, refit_compute

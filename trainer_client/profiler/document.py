@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from skrull_proto import PROFILE_SCHEMA_VERSION, ProfileDocument
-from skrull_proto.profile import (
+from skrull_proto.profile_document import (
     ActivationBytesPerToken,
     AttentionEfficiency,
     CommunicationSection,
@@ -32,9 +32,10 @@ from skrull_proto.profile import (
     StaticBytesPerParameter,
 )
 
+from scheduler_service.core.fitting import ComputeFit, fit_compute, fit_memory
 from scheduler_service.core.memory import static_bytes_per_parameter
 from scheduler_service.core.models import ModelShape
-from scheduler_service.core.perf_model import ComputeFit, PerformanceModel, fit_compute, fit_memory
+from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.profile import parse_profile
 from scheduler_service.core.shard_effect import derive_attention_efficiency, derive_shard_cost, shard_effect_rows
 from trainer_client.profiler.sweeps import Measurements, ProfileOptions, compute_points, shard_runs

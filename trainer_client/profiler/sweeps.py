@@ -47,11 +47,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from scheduler_service.core import check
+from scheduler_service.core.fitting import ComputeFit, ComputePoint, fit_compute
 from scheduler_service.core.memory import static_bytes_per_parameter
 from scheduler_service.core.models import ModelShape
-from scheduler_service.core.perf_model import ComputeFit, ComputePoint, eq13_flops, fit_compute
+from scheduler_service.core.perf_model import eq13_flops
 from scheduler_service.core.plan import Collective, MicroBatch, ShardedGroup, block_degrees, cp_blocks
-from trainer_client.dacp.attention import AttentionBackend, resolve_backend
+from trainer_client.dacp.kernels import AttentionBackend, resolve_backend
 from trainer_client.dacp.packing import PackedMicroBatch, pack_micro_batch
 from trainer_client.distributed import ParallelContext, ParallelDims, destroy_groups, init_parallel, max_over_ranks
 from trainer_client.models.loading import ModelLayout, build_training_module

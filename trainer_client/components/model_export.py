@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from scheduler_service.core.models import MODEL_CATALOGUE
-from trainer_client.choices import LoraExport, chat_template_of
 from trainer_client.components.checkpoint import load_model_weights, resolve_checkpoint, saved_run_identity
 from trainer_client.components.run_identity import model_identity
 from trainer_client.config import check_output_dir
+from trainer_client.config_choices import LoraExport, chat_template_of
 from trainer_client.data import load_tokenizer
 from trainer_client.hub import RepoKind, fetch, hub_ref
 from trainer_client.models.lora import LoraSettings, apply_lora

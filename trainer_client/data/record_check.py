@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from trainer_client.choices import CHAT_TEMPLATES
+from trainer_client.config_choices import CHAT_TEMPLATES
 from trainer_client.data.encoding import RecordEncoder
 from trainer_client.data.records import RecordReader
 from trainer_client.data.samples import BadRecordError, Defect, length_summary

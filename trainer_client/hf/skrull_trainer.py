@@ -6,7 +6,7 @@ replaces the steps that decide which rank trains which tokens. Per optimizer ste
 
 1. the data loader gives every rank the whole global batch (``get_train_dataloader``: accelerate's dealing of
    batches to ranks undone, as transformers undoes it for its own rank-aware sampler), each example collated alone
-   into one sequence (``inputs.SequenceCollator``); ``gradient_accumulation_steps`` is 1 (``layout.py``), so the
+   into one sequence (``collator.SequenceCollator``); ``gradient_accumulation_steps`` is 1 (``layout.py``), so the
    Trainer's loop calls ``training_step`` once per global batch;
 2. ``training_step`` plans the batch with ``loop.SkrullBatches``, exactly as the bundled trainer and a loop of one's
    own do (rank 0 asks the scheduler service, else the embedded planner, and broadcasts the plan; every rank checks
@@ -24,7 +24,7 @@ The DP × CP split is the world's (``layout.trainer_layout``): accelerate's DDP 
 which is the flattened ("dp", "cp") mesh ``init_parallel`` builds over the same process group, DP-major; the CP
 groups, and the blocks hybrid and spanning micro-batches shard over, are that mesh's. ``evaluate`` and ``predict``
 plan their batches the same way and report the mean token loss (``evaluation_loop``). The model computes with DACP
-attention inside ``train`` and evaluation only (``attention.dacp_attention``).
+attention inside ``train`` and evaluation only (``attention_interface.dacp_attention``).
 
 On SIGINT or SIGTERM to any rank (``components/stop.py``), every rank finishes the optimizer step, the Trainer saves
 its checkpoint there (unless ``save_strategy="no"``) and leaves its loop (``StopOnSignal``), and ``train`` raises
@@ -58,8 +58,8 @@ from trainer_client.dacp.packing import PackedMicroBatch
 from trainer_client.data import GlobalBatch
 from trainer_client.distributed import init_parallel
 from trainer_client.hf.arguments import SkrullArguments
-from trainer_client.hf.attention import check_replaceable, dacp_attention
-from trainer_client.hf.inputs import SequenceCollator, check_collator
+from trainer_client.hf.attention_interface import check_replaceable, dacp_attention
+from trainer_client.hf.collator import SequenceCollator, check_collator
 from trainer_client.hf.layout import trainer_layout
 from trainer_client.hf.versions import check_versions
 from trainer_client.loop import SkrullBatches
