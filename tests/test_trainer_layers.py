@@ -113,3 +113,26 @@ def test_a_package_init_lists_names_and_holds_no_logic() -> None:
     long = {str(path.relative_to(root)): num_lines for path in root.rglob("__init__.py")
             if (num_lines := len(path.read_text().splitlines())) > 150}
     assert long == {}
+
+
+def test_no_module_of_the_trainer_or_the_service_is_over_650_lines() -> None:
+    """A module a reader can hold in mind: one concept each; a longer one is split by concept
+    (``dacp.kernels`` beside ``dacp.attention``, ``core.fitting`` beside ``core.perf_model``)."""
+    repository = Path(trainer_client.__file__).parent.parent
+    long = {str(path.relative_to(repository)): num_lines
+            for package in ("trainer_client", "scheduler_service") for path in (repository / package).rglob("*.py")
+            if (num_lines := len(path.read_text().splitlines())) > 650}
+    assert long == {}
+
+
+def test_a_file_name_says_which_file_it_is() -> None:
+    """No two modules of the trainer share a name, nor a module of the trainer and one of the planning core, so that
+    a docstring or a traceback naming ``export.py`` names one file. The exceptions are the two commands'
+    ``command.py``, told apart by their folders (``profiler/``, ``advise/``), and ``profile.py``, which keeps the
+    documented ``python -m trainer_client.profile``."""
+    repository = Path(trainer_client.__file__).parent.parent
+    allowed = {"__init__.py", "__main__.py", "command.py", "profile.py"}
+    trainer = [path.name for path in (repository / "trainer_client").rglob("*.py") if path.name not in allowed]
+    core = {path.name for path in (repository / "scheduler_service" / "core").glob("*.py")} - allowed
+    repeated = sorted({name for name in trainer if trainer.count(name) > 1} | (set(trainer) & core))
+    assert repeated == []
