@@ -1,4 +1,4 @@
-"""Fitting the performance model's coefficients to measured points, as the profiler and the feedback loop do.
+"""Fitting the performance model's coefficients to measured points, as the profiler does from its sweeps.
 
 ``fit_compute`` fits eq. 14 (``T = α·FLOPs + β·L``, with the measured per-token and per-sequence terms and the
 launch-bound floor where asked: ``perf_model``'s module docstring) and ``fit_memory`` eq. 12 (``M(S) = α·S + β``).

@@ -49,7 +49,6 @@
   the all-gather of K/V runs while the rank's local attention forward runs, and
   the reduce-scatter of dK/dV while its local attention backward runs; the
   linear layers overlap nothing. ``costing.exposed_comm_s`` is what is left visible.
-
 """
 
 from __future__ import annotations
