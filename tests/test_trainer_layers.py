@@ -136,3 +136,16 @@ def test_a_file_name_says_which_file_it_is() -> None:
     core = {path.name for path in (repository / "scheduler_service" / "core").glob("*.py")} - allowed
     repeated = sorted({name for name in trainer if trainer.count(name) > 1} | (set(trainer) & core))
     assert repeated == []
+
+
+def test_every_name_a_package_lists_resolves() -> None:
+    """A package's ``__all__`` is where users import from (``from trainer_client import varlen_causal_attn_func``):
+    every name it lists resolves, the lazily resolved ones too, after a module of theirs moved or was split."""
+    import importlib
+
+    packages = ["trainer_client", *(info.name for info in pkgutil.walk_packages(trainer_client.__path__,
+                                                                                 "trainer_client.") if info.ispkg)]
+    missing = [f"{package}.{name}" for package in packages
+               for name in getattr(importlib.import_module(package), "__all__", ())
+               if not hasattr(importlib.import_module(package), name)]
+    assert missing == []

@@ -84,9 +84,9 @@ __all__ = [
 ]
 
 _MODULE_OF = {
-    "AttentionBackend": "dacp.attention",
+    "AttentionBackend": "dacp.kernels",
     "dacp_attn_varlen_func": "dacp.attention",
-    "varlen_causal_attn_func": "dacp.attention",
+    "varlen_causal_attn_func": "dacp.kernels",
     "DacpMetadata": "dacp.packing",
     "PackedMicroBatch": "dacp.packing",
     "pack_micro_batch": "dacp.packing",
