@@ -30,7 +30,7 @@ def test_the_schemes_table_prints_the_case_its_refusals_megatron_before_and_afte
     megatron = [cell.strip() for cell in rows[1].strip("|").split("|")]
     assert len(megatron) == 7
     why = [cell.strip() for cell in rows[2].strip("|").split("|")]
-    assert len(why) == 6
+    assert len(why) == 8
     assert why[1] == megatron[4].partition(" + ")[0]  # the batches taken apart are the ones Megatron beats after
 
 
