@@ -273,9 +273,13 @@ def _megatron_plan_in_skrull_s(problem: PlanningProblem) -> float:
 
 def _all_hidden_s(result: PlanResult) -> float:
     """The iteration time of a planned batch were every transfer hidden: each micro-batch as long as its slowest rank
-    without its exposed communication, what a scheme that overlapped all of it (a ring's, ideally) would leave."""
+    without its exposed communication (at least the launch-bound floor where the rank has work), what a scheme that
+    overlapped all of it (a ring's, ideally) would leave."""
+    floor_s = result.problem.perf.compute_floor_s
+
     def hidden_s(micro_batch: MicroBatchEstimate) -> float:
-        return max(rank.time_s - rank.exposed_comm_s for rank in micro_batch.cp_ranks)
+        return max(max(floor_s if rank.time_s > 0 else 0.0, rank.time_s - rank.launch_bound_s - rank.exposed_comm_s)
+                   for rank in micro_batch.cp_ranks)
 
     estimate = result.estimate
     ready_s = spanning_ready_s(result.plan.spanning, [hidden_s(mb) for mb in estimate.spanning],
