@@ -260,14 +260,10 @@ class SchemeCase:
     degrees: tuple[int, ...] = ()  # the Ulysses degrees above 1 a collective over the whole CP group may have
 
 
-def _megatron_s(problem: PlanningProblem) -> float:
-    return megatron_estimate(problem, dynamic_cp(problem)).iteration_time_s
-
-
-def _megatron_plan_in_skrull_s(problem: PlanningProblem) -> float:
+def _megatron_plan_in_skrull_s(problem: PlanningProblem, megatron_plan: Plan) -> float:
     """Megatron's plan (its groups and rounds) run by Skrull's trainer, each collective's scheme chosen as Skrull
     chooses its own: what Megatron's groups are worth without its ring overlap."""
-    chosen, _ = choose_schemes(problem, dynamic_cp(problem))
+    chosen, _ = choose_schemes(problem, megatron_plan)
     return simulate(problem, chosen).iteration_time_s
 
 
@@ -307,14 +303,16 @@ def _scheme_case(case: Case, num_batches: int, seed: int, profile: str) -> Schem
         for name, time_of in static.items():
             _peer_ratio(found.peers[name], problem, time_of, skrull_s)
         try:
-            megatron_s = _megatron_s(problem)
+            megatron_plan = dynamic_cp(problem)
         except BaselineCannotPlanError as error:
             found.peers["megatron"].refusals.append(error.reason)
         else:
+            megatron_s = megatron_estimate(problem, megatron_plan).iteration_time_s
             found.peers["megatron"].ratios.append(megatron_s / skrull_s)
             found.megatron_before.append(megatron_s / without_s)
             if megatron_s < skrull_s:
-                found.megatron_wins.append((megatron_s / skrull_s, _megatron_plan_in_skrull_s(problem) / skrull_s,
+                in_skrull_s = _megatron_plan_in_skrull_s(problem, megatron_plan)
+                found.megatron_wins.append((megatron_s / skrull_s, in_skrull_s / skrull_s,
                                             _all_hidden_s(chosen) / skrull_s))
     return found
 
