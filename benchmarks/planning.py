@@ -514,21 +514,26 @@ class Latency:
     own_p99_ms: float
 
 
-def _latency(problems: list[PlanningProblem], scheduler: str, rounds: int, *, schemes: bool = True) -> Latency:
-    """Every batch planned once per round, the rounds one after another; ``schemes``: ``make_plan``'s (False: no
-    choice of collective schemes, the planner's cost before it)."""
-    first: list[float] = []
-    own = np.full(len(problems), np.inf)
+def _latencies(problems: list[PlanningProblem], variants: list[tuple[str, bool]], rounds: int) -> list[Latency]:
+    """Each variant's latency: every batch planned once per round by each variant (scheduler, ``schemes``:
+    ``make_plan``'s; False: no choice of collective schemes, the planner's cost before it), the variants taking
+    turns batch by batch, so that a slow spell of a shared machine slows them alike."""
+    first: list[list[float]] = [[] for _ in variants]
+    own = np.full((len(variants), len(problems)), np.inf)
     for round_ in range(rounds):
         for index, problem in enumerate(problems):
-            started, started_cpu = time.perf_counter(), time.process_time()
-            make_plan(problem, scheduler, schemes=schemes)
-            if round_ == 0:
-                first.append(time.perf_counter() - started)
-            own[index] = min(own[index], time.process_time() - started_cpu)
-    p50, p99 = np.percentile(first, [50, 99]) * 1e3
-    own_p50, own_p99 = np.percentile(own, [50, 99]) * 1e3
-    return Latency(float(p50), float(p99), float(own_p50), float(own_p99))
+            for variant, (scheduler, schemes) in enumerate(variants):
+                started, started_cpu = time.perf_counter(), time.process_time()
+                make_plan(problem, scheduler, schemes=schemes)
+                if round_ == 0:
+                    first[variant].append(time.perf_counter() - started)
+                own[variant, index] = min(own[variant, index], time.process_time() - started_cpu)
+    latencies = []
+    for variant in range(len(variants)):
+        p50, p99 = np.percentile(first[variant], [50, 99]) * 1e3
+        own_p50, own_p99 = np.percentile(own[variant], [50, 99]) * 1e3
+        latencies.append(Latency(float(p50), float(p99), float(own_p50), float(own_p99)))
+    return latencies
 
 
 def latency_table(seed: int, batches: int, profile: str, rounds: int = 3) -> None:
@@ -536,7 +541,8 @@ def latency_table(seed: int, batches: int, profile: str, rounds: int = 3) -> Non
     beside it skrull without the choice of schemes: what the choice adds to a request."""
     print(f"\n## Planning latency (the whole make_plan: plan, check, choose the collectives' schemes, estimate; DP=4, "
           f"CP=8, qwen2.5-0.5b, bucket 26K; {batches} different batches of 256 sequences or fewer, each planned "
-          f"{rounds} times, after warm_up as a service after start-up)\n")
+          f"{rounds} times by each column's planner, the planners taking turns batch by batch, after warm_up as a "
+          "service after start-up)\n")
     print("Percentiles over the batches: of each batch's first call (wall-clock), and of each batch's own cost, the "
           "fastest of its calls in CPU time (what a shared machine's other work does not add to). skrull without the "
           "choice is make_plan with schemes=False (all-gather-KV only): skrull's own p50 over its own p50 is what the "
@@ -553,9 +559,8 @@ def latency_table(seed: int, batches: int, profile: str, rounds: int = 3) -> Non
             rng = np.random.default_rng(seed)
             count = batches if num_sequences <= 256 else max(batches // 20, 5)
             problems = [sample_problem(case, rng, profile) for _ in range(count)]
-            skrull, binary, paper = (_latency(problems, scheduler, rounds)
-                                     for scheduler in ("skrull", "skrull_binary", "skrull_paper"))
-            without = _latency(problems, "skrull", rounds, schemes=False)
+            skrull, binary, paper, without = _latencies(problems, [("skrull", True), ("skrull_binary", True),
+                                                                   ("skrull_paper", True), ("skrull", False)], rounds)
             print(f"| {num_sequences} | {dataset} | {skrull.p50_ms:.2f} | {skrull.p99_ms:.2f} | "
                   f"{skrull.p99_ms / skrull.p50_ms:.2f} | {skrull.own_p50_ms:.2f} | {skrull.own_p99_ms:.2f} | "
                   f"{skrull.own_p99_ms / skrull.own_p50_ms:.2f} | {binary.p50_ms:.2f} | {binary.p99_ms:.2f} | "

@@ -32,7 +32,7 @@ def problems() -> list[PlanningProblem]:
     """Every shape under the additive profile, and the first two with a small launch-bound floor and under the
     default profile (its measured floor) too; then batches that span DP replicas: each of the first shapes with
     one sequence longer than a CP group holds, and a short batch with one outlier that a replica would run alone; and
-batches whose rows are padded to token buckets."""
+batches whose rows are padded to token buckets; and a batch whose collectives take every scheme."""
     priced = [(shape, ADDITIVE_PROFILE) for shape in SHAPES] + [
         (shape, profile) for shape in SHAPES[:2]
         for profile in (with_floor(LAUNCH_BOUND_FLOOR_S_PER_LAYER), DEFAULT_PROFILE)]
@@ -54,7 +54,12 @@ batches whose rows are padded to token buckets."""
                                                              max_length=8192 * 4).tolist(),
                              dp_size=2, cp_size=4, model="qwen2.5-0.5b", bucket_size=8192, token_buckets=4)
                 for sampler in ("lmsys", "chatqa2")]
-    return within_groups + spanning + [outlier] + bucketed
+    # long sequences of a model without GQA: the choice gives collectives Ulysses (u = 8), 2D (u = 2, 4) and
+    # all-gather-KV
+    schemes = make_problem(sequence_lengths=sample_lengths("chatqa2", NUM_SEQUENCES, np.random.default_rng(3),
+                                                           max_length=8 * 8000).tolist(),
+                           dp_size=2, cp_size=8, model="llama-2-7b", profile="h100-paper", bucket_size=8000)
+    return within_groups + spanning + [outlier] + bucketed + [schemes]
 
 
 def plans() -> list[dict[str, Any]]:
@@ -78,6 +83,8 @@ def plans() -> list[dict[str, Any]]:
                               "places": [places.micro_batch.tolist(), places.degree.tolist(),
                                          places.first_rank.tolist(), places.dp_rank.tolist()],
                               "spanning": repr(result.plan.spanning),
+                              "schemes": [c.ulysses_degree for dp_plan in result.plan.dp_ranks
+                                          for micro_batch in dp_plan.micro_batches for c in micro_batch.collectives()],
                               "time_s": result.estimate.iteration_time_s, "baseline_s": result.baseline_time_s,
                               "critical": None if critical is None else [critical.time_s, critical.exposed_comm_s]})
         if problem.num_sequences and sum(problem.sequence_lengths) <= problem.micro_batch_capacity:

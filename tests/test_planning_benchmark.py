@@ -38,3 +38,14 @@ def test_the_cli_runs_only_the_tables_asked_for(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit):
         planning.main(["--tables", "no-such-table"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_the_latency_table_has_its_planners_take_turns_batch_by_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a slow spell of a shared machine then slows every column alike, and the ratio of two columns stays true
+    calls: list[tuple[str, str, bool]] = []
+    monkeypatch.setattr(planning, "make_plan", lambda problem, scheduler, *, schemes: calls.append(
+        (problem, scheduler, schemes)))
+    variants = [("skrull", True), ("skrull", False)]
+    latencies = planning._latencies(["first", "second"], variants, rounds=2)  # type: ignore[list-item]
+    assert calls == [(batch, *variant) for _ in range(2) for batch in ("first", "second") for variant in variants]
+    assert len(latencies) == 2

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from skrull_proto import SCHEMES_SCHEMA_VERSION, SPANNING_SCHEMA_VERSION, MicroBatchModel, PlanRequest
 
 from scheduler_service.contract.wire import request_to_problem, response_to_plan, result_to_response
+from scheduler_service.core import gds
 from scheduler_service.core.check import check_plan, find_violations
 from scheduler_service.core.choices import CollectiveScheme
 from scheduler_service.core.errors import BaselineCannotPlanError, InvalidRequestError, PlanCheckError
@@ -24,8 +25,13 @@ from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, ShardedGro
 from scheduler_service.core.planner import make_plan
 from scheduler_service.core.profile import builtin_profiles, parse_profile
 from scheduler_service.core.samplers import sample_lengths
-from scheduler_service.core.schemes import choose_schemes, schemes_note
-from scheduler_service.core.simulate import iteration_lower_bound_s, micro_batch_time_s, simulate
+from scheduler_service.core.schemes import choose_for_places, choose_schemes, schemes_note
+from scheduler_service.core.simulate import (
+    estimate_places,
+    iteration_lower_bound_s,
+    micro_batch_time_s,
+    simulate,
+)
 from scheduler_service.core.static_sp import ulysses, usp
 
 PROFILE = "h100-paper"
@@ -124,6 +130,22 @@ def test_the_choice_never_makes_a_plan_slower_passes_the_checker_and_stays_above
     places, before = chosen.plan.places(problem.num_sequences), without.plan.places(problem.num_sequences)
     for field in ("micro_batch", "degree", "first_rank", "dp_rank"):
         np.testing.assert_array_equal(getattr(places, field), getattr(before, field))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), model=st.sampled_from(["llama-2-7b", "qwen2.5-7b", "tiny"]),
+       cp_size=st.sampled_from([4, 8]))
+def test_choosing_for_the_places_before_the_plan_is_built_gives_the_plan_and_estimate_of_choosing_after(
+        seed: int, model: str, cp_size: int) -> None:
+    problem = _long_heavy(model, seed, dp_size=2, cp_size=cp_size)
+    places = gds.skrull_places(problem)
+    choice = choose_for_places(problem, places)
+    built = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size,
+                             ulysses_degrees=choice.ulysses_degrees)
+    chosen, _ = choose_schemes(problem, Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size))
+    assert built == chosen
+    assert estimate_places(problem, places, changes=choice.changes).iteration_time_s == pytest.approx(
+        simulate(problem, chosen).iteration_time_s, rel=1e-12)
 
 
 def test_the_choice_picks_ulysses_where_gathering_every_head_costs_most() -> None:
@@ -289,4 +311,5 @@ def test_choose_schemes_leaves_a_plan_without_collectives_as_it_is() -> None:
     problem = make_problem(sequence_lengths=[100, 200, 300], dp_size=1, cp_size=2, model="tiny", profile=PROFILE,
                            bucket_size=1000)
     plan = make_plan(problem, schemes=False).plan
-    assert choose_schemes(problem, plan) == (plan, [])
+    chosen, changes = choose_schemes(problem, plan)
+    assert chosen is plan and len(changes.micro_batch) == 0

@@ -21,7 +21,7 @@ and ``Plan.places`` a whole plan; nothing else converts between the two forms.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -105,22 +105,36 @@ class MicroBatch:
     distributed_ulysses_degree: int = 1  # the scheme of ``distributed`` (``ShardedGroup.ulysses_degree``)
 
     @classmethod
-    def from_places(cls, places: Sequence[Place], cp_size: int) -> MicroBatch:
+    def from_places(cls, places: Sequence[Place], cp_size: int,
+                    ulysses_degrees: Mapping[tuple[int, int], int] | None = None) -> MicroBatch:
         """The micro-batch of these (index, degree, first CP rank) places; each list in index order, groups by
-        first rank, then degree."""
-        local: list[list[int]] = [[] for _ in range(cp_size)]
-        distributed: list[int] = []
-        groups: dict[tuple[int, int], list[int]] = {}
+        first rank, then degree. ``ulysses_degrees``: the scheme of the collective over each (first rank, degree)
+        block that is not all-gather-KV."""
+        blocks: dict[tuple[int, int], list[int]] = {}
         for index, degree, first_rank in sorted(places):
+            blocks.setdefault((first_rank, degree), []).append(index)
+        return cls._of_blocks(sorted(blocks.items()), cp_size, ulysses_degrees)
+
+    @classmethod
+    def _of_blocks(cls, blocks: Iterable[tuple[tuple[int, int], Sequence[int]]], cp_size: int,
+                   ulysses_degrees: Mapping[tuple[int, int], int] | None) -> MicroBatch:
+        """The micro-batch of ``blocks``: ((first CP rank, degree), its indices in index order), by first rank,
+        then degree (``from_places``)."""
+        local: list[tuple[int, ...]] = [()] * cp_size
+        distributed: tuple[int, ...] = ()
+        sharded = []
+        schemes = ulysses_degrees or {}
+        for (first_rank, degree), members in blocks:
             if degree == 1:
-                local[first_rank].append(index)
+                local[first_rank] += tuple(members)
             elif degree == cp_size:
-                distributed.append(index)
+                distributed += tuple(members)
             else:
-                groups.setdefault((first_rank, degree), []).append(index)
-        return cls(local=tuple(map(tuple, local)), distributed=tuple(distributed), sharded=tuple(
-            ShardedGroup(cp_ranks=tuple(range(first_rank, first_rank + degree)), sequences=tuple(members))
-            for (first_rank, degree), members in sorted(groups.items())) if groups else ())
+                sharded.append(ShardedGroup(cp_ranks=tuple(range(first_rank, first_rank + degree)),
+                                            sequences=tuple(members),
+                                            ulysses_degree=schemes.get((first_rank, degree), 1)))
+        return cls(local=tuple(local), distributed=distributed, sharded=tuple(sharded),
+                   distributed_ulysses_degree=schemes.get((0, cp_size), 1) if distributed else 1)
 
     def places(self) -> Iterator[Place]:
         """(index, degree, first CP rank) of every sequence: local ones, distributed ones, then each group's."""
@@ -252,17 +266,32 @@ class Plan:
                                    for spanning in self.spanning))
 
     @classmethod
-    def from_places(cls, places: Places, *, dp_size: int, cp_size: int) -> Plan:
-        """The plan of ``places``: each DP rank's micro-batches in the order of their numbers, empty ones left out."""
-        scheduled = np.flatnonzero(places.micro_batch >= 0)
-        scheduled = scheduled[np.argsort(places.micro_batch[scheduled], kind="stable")]  # by micro-batch, then index
-        bounds = np.searchsorted(places.micro_batch[scheduled], np.arange(places.num_micro_batches + 1)).tolist()
-        all_places = list(zip(scheduled.tolist(), places.degree[scheduled].tolist(),
-                              places.first_rank[scheduled].tolist(), strict=True))
+    def from_places(cls, places: Places, *, dp_size: int, cp_size: int,
+                    ulysses_degrees: Mapping[tuple[int, int, int], int] | None = None) -> Plan:
+        """The plan of ``places``: each DP rank's micro-batches in the order of their numbers, empty ones left out.
+        ``ulysses_degrees``: the scheme of each collective, by (micro-batch number, first rank, degree), that is not
+        all-gather-KV (``schemes.choose_for_places``)."""
+        schemes: dict[int, dict[tuple[int, int], int]] = {}
+        for (m, first_rank, degree), ulysses_degree in (ulysses_degrees or {}).items():
+            schemes.setdefault(m, {})[first_rank, degree] = ulysses_degree
+        # every block of every micro-batch as one run of indices, in the order ``MicroBatch.from_places`` lists them
+        scheduled = np.flatnonzero((places.micro_batch >= 0) & (places.micro_batch < places.num_micro_batches))
+        order = np.lexsort((scheduled, places.degree[scheduled], places.first_rank[scheduled],
+                            places.micro_batch[scheduled]))
+        scheduled = scheduled[order]
+        numbers, degrees, first_ranks = (column[scheduled] for column in (places.micro_batch, places.degree,
+                                                                           places.first_rank))
+        starts = np.flatnonzero(np.diff(numbers, prepend=-1) | np.diff(first_ranks, prepend=-1)
+                                | np.diff(degrees, prepend=-1))
+        bounds, indices = [*starts.tolist(), len(scheduled)], scheduled.tolist()
+        blocks: list[list[tuple[tuple[int, int], list[int]]]] = [[] for _ in range(places.num_micro_batches)]
+        for run, (m, first_rank, degree) in enumerate(zip(numbers[starts].tolist(), first_ranks[starts].tolist(),
+                                                          degrees[starts].tolist(), strict=True)):
+            blocks[m].append(((first_rank, degree), indices[bounds[run]:bounds[run + 1]]))
         dp_ranks: list[list[MicroBatch]] = [[] for _ in range(dp_size)]
         for m, dp_rank in enumerate(places.dp_rank.tolist()):
-            if bounds[m] < bounds[m + 1]:
-                dp_ranks[dp_rank].append(MicroBatch.from_places(all_places[bounds[m]:bounds[m + 1]], cp_size))
+            if blocks[m]:
+                dp_ranks[dp_rank].append(MicroBatch._of_blocks(blocks[m], cp_size, schemes.get(m)))
         return cls(dp_ranks=tuple(DPRankPlan(micro_batches=tuple(micro_batches)) for micro_batches in dp_ranks))
 
     def places(self, num_sequences: int) -> Places:

@@ -17,9 +17,9 @@ from scheduler_service.core import baselines, gds, static_sp
 from scheduler_service.core.check import check_places, check_plan, check_schemes
 from scheduler_service.core.dynamic_cp import dynamic_cp
 from scheduler_service.core.errors import UnknownSchedulerError
-from scheduler_service.core.plan import Places, Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
+from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, SolverReport, make_problem
 from scheduler_service.core.samplers import DATASETS, sample_lengths
-from scheduler_service.core.schemes import BlockChange, choose_schemes
+from scheduler_service.core.schemes import BlockChanges, choose_for_places, choose_schemes
 from scheduler_service.core.simulate import (
     PlanEstimate,
     estimate_places,
@@ -137,10 +137,13 @@ def make_plan(
     if within_groups and (name is SchedulerName.SKRULL or name is SchedulerName.SKRULL_BINARY):
         places = (gds.skrull_places(problem, budget=search_budget) if name is SchedulerName.SKRULL
                   else gds.skrull_binary_places(problem))
-        # the places' plan, its schemes chosen from them
-        plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
-        plan, changes = _with_schemes(problem, plan, places) if choosing else (plan, None)
-        estimate = estimate_places(problem, places, changes=changes)
+        # the places' plan, its schemes chosen from them before it is built
+        choice = choose_for_places(problem, places) if choosing else None
+        plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size,
+                                ulysses_degrees=choice.ulysses_degrees if choice else None)
+        if choice and choice.ulysses_degrees:
+            check_schemes(plan, heads=problem.perf.model.heads)
+        estimate = estimate_places(problem, places, changes=choice.changes if choice else None)
         # spanning candidates are simulated as all-gather-KV against these places with their schemes: a spanning
         # plan is taken where it wins without the choice, which it then gets too
         spanned = (spanned_if_faster(problem, places, estimate, lambda part: gds.skrull(part, budget=search_budget))
@@ -182,11 +185,10 @@ def _schemes_may_apply(problem: PlanningProblem) -> bool:
     return any(problem.perf.ulysses_degrees(degree) for degree in problem.degrees if degree > 1)
 
 
-def _with_schemes(problem: PlanningProblem, plan: Plan, places: Places | None = None) -> tuple[
-        Plan, list[tuple[int, BlockChange]]]:
+def _with_schemes(problem: PlanningProblem, plan: Plan) -> tuple[Plan, BlockChanges]:
     """``plan`` with its collectives' schemes chosen (``schemes.choose_schemes``) and checked against the model's
     heads, and the changes they make (``estimate_plan``'s)."""
-    chosen, changes = choose_schemes(problem, plan, places)
+    chosen, changes = choose_schemes(problem, plan)
     if chosen is not plan:  # the same places, other schemes
         check_schemes(chosen, heads=problem.perf.model.heads)
     return chosen, changes

@@ -12,23 +12,23 @@ Collective``). Its scheme is named by its **Ulysses degree** ``u``, a divisor of
 
 The price of a scheme (``PerformanceModel.placement_flops`` with ``ulysses_degree``, ``PerformanceModel.
 scheme_comm``) changes a block's ranks' work, the communication local attention hides (forward and backward) and
-adds what nothing hides; ``scheme_sums`` adds that change to a plan's per-rank sums, so the simulator prices every
-scheme with the one ``T_r`` (``costing.scheme_rank_time_s``).
+adds what nothing hides: a row of ``BlockChanges``, which ``apply_changes`` adds to a plan's per-rank sums, so the
+simulator prices every scheme with the one ``T_r`` (``costing.scheme_rank_time_s``).
 
-``choose_schemes`` gives each collective of a plan the scheme under which its micro-batch is fastest, collective by
-collective (the largest saving of work first), keeping a change only where it makes the micro-batch faster: a plan
-never gets slower. The searches place sequences as all-gather-KV prices them; the choice follows. It prices every
-collective of a plan at once from the places (sums by collective), and times a micro-batch only for a scheme that
-might gain (``options``: a bound on what any rank of the block can gain), so most collectives cost a few array
-operations (``make bench``'s latency table has its cost). A degree whose heads do not split
-evenly, and one whose all-to-all the profile did not measure, is never chosen (``PerformanceModel.
+``choose_for_places`` gives each collective of a plan's places the scheme under which its micro-batch is fastest,
+before the plan is built from them (``Plan.from_places``; ``choose_schemes`` chooses for a plan made otherwise),
+collective by collective (the largest saving of work first), keeping a change only where it makes the micro-batch
+faster: a plan never gets slower. The searches place sequences as all-gather-KV prices them; the choice follows. It
+prices every collective of a plan at once from the places (sums by collective), and times a micro-batch only for a
+scheme that might gain (``options``: a bound on what any rank of the block can gain), so most collectives cost a
+few array operations (``make bench``'s latency table has its cost). A degree whose heads do not split evenly, and
+one whose all-to-all the profile did not measure, is never chosen (``PerformanceModel.
 ulysses_degrees``); a profile without an ``all_to_all`` table chooses nothing and says why (``schemes_note``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numba
@@ -48,7 +48,7 @@ from scheduler_service.core.costing import (
     sums_of_places,
 )
 from scheduler_service.core.errors import InvalidRequestError
-from scheduler_service.core.jit import BOOL_1D, kernel
+from scheduler_service.core.jit import BOOL_1D, FLOAT_2D, INT_1D, kernel
 from scheduler_service.core.plan import (
     Collective,
     DPRankPlan,
@@ -59,8 +59,9 @@ from scheduler_service.core.plan import (
     SpanningMicroBatch,
 )
 
-__all__ = ["OPTIONS", "BlockChange", "Options", "apply_change", "block_changes", "choose", "choose_schemes", "options",
-           "scheme_sums", "schemes_note"]
+__all__ = ["CHANGES", "NO_CHANGES", "OPTIONS", "BlockChanges", "ChosenSchemes", "Options", "apply_change",
+           "apply_changes", "choose", "choose_for_places", "choose_schemes", "options", "scheme_changes",
+           "schemes_note"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -70,20 +71,47 @@ IntArray = npt.NDArray[np.int64]
 MIN_GAIN = 1e-9
 
 
-@dataclass(frozen=True, slots=True)
-class BlockChange:
-    """What a block's collectives cost each of its ranks beyond all-gather-KV's price of the same sequences."""
+class BlockChanges(NamedTuple):
+    """What collectives' schemes cost each rank of their block beyond all-gather-KV's price of the same sequences:
+    one row per block of a micro-batch, added to a plan's sums by ``apply_changes``."""
 
-    first_rank: int
-    degree: int
-    work_flops: float
-    hidden_forward_s: float  # added to ``RankSums.all_gather_s``
-    hidden_backward_s: float  # added to ``RankSums.reduce_scatter_s``
-    exposed_s: float  # added to ``RankSums.exposed_s``
+    micro_batch: IntArray  # (K,) the row of the sums it changes
+    first_rank: IntArray  # (K,)
+    degree: IntArray  # (K,)
+    work_flops: FloatArray  # (K,) added to ``RankSums.work_flops``
+    hidden_forward_s: FloatArray  # (K,) added to ``RankSums.all_gather_s``
+    hidden_backward_s: FloatArray  # (K,) added to ``RankSums.reduce_scatter_s``
+    exposed_s: FloatArray  # (K,) added to ``RankSums.exposed_s``
 
-    @property
-    def ranks(self) -> range:
-        return range(self.first_rank, self.first_rank + self.degree)
+
+def _block_changes(rows: Sequence[tuple[int, int, int, float, float, float, float]]) -> BlockChanges:
+    """The changes of ``rows``, each a ``BlockChanges`` row's fields in order."""
+    columns: list[Sequence[float]] = list(zip(*rows, strict=True)) if rows else [()] * len(BlockChanges._fields)
+    micro_batch, first_rank, degree = (np.array(column, dtype=np.int64) for column in columns[:3])
+    work, hidden_forward, hidden_backward, exposed = (np.array(column, dtype=np.float64) for column in columns[3:])
+    return BlockChanges(micro_batch, first_rank, degree, work, hidden_forward, hidden_backward, exposed)
+
+
+NO_CHANGES = _block_changes([])
+CHANGES = numba.typeof(NO_CHANGES)
+
+
+@kernel(types.void(SUMS, CHANGES, types.int64), inline=True)
+def apply_change(sums: RankSums, changes: BlockChanges, k: int) -> None:
+    """Add row ``k`` of ``changes`` to every rank of its block."""
+    m = changes.micro_batch[k]
+    for r in range(changes.first_rank[k], changes.first_rank[k] + changes.degree[k]):
+        sums.work_flops[m, r] += changes.work_flops[k]
+        sums.all_gather_s[m, r] += changes.hidden_forward_s[k]
+        sums.reduce_scatter_s[m, r] += changes.hidden_backward_s[k]
+        sums.exposed_s[m, r] += changes.exposed_s[k]
+
+
+@kernel(types.void(SUMS, CHANGES))
+def apply_changes(sums: RankSums, changes: BlockChanges) -> None:
+    """Add every row of ``changes`` to ``sums``."""
+    for k in range(changes.micro_batch.shape[0]):
+        apply_change(sums, changes, k)
 
 
 def _block_price(problem: PlanningProblem, degree: int,
@@ -114,139 +142,150 @@ def _block_price(problem: PlanningProblem, degree: int,
             hidden_backward + gather.hidden_backward_s(gathered_tokens), exposed)
 
 
-def _block_change(problem: PlanningProblem, first_rank: int, degree: int,
-                  collectives: Sequence[tuple[Sequence[int], int]]) -> BlockChange:
+def _block_change(problem: PlanningProblem, degree: int,
+                  collectives: Sequence[tuple[Sequence[int], int]]) -> tuple[float, float, float, float]:
     price = _block_price(problem, degree, collectives)
     base = _block_price(problem, degree, [([k for sequences, _ in collectives for k in sequences], 1)])
-    return BlockChange(first_rank, degree, *(new - old for new, old in zip(price, base, strict=True)))
+    work, hidden_forward, hidden_backward, exposed = (new - old for new, old in zip(price, base, strict=True))
+    return work, hidden_forward, hidden_backward, exposed
 
 
-def block_changes(problem: PlanningProblem, micro_batch: MicroBatch) -> list[BlockChange]:
-    """The changes of every block of ``micro_batch`` with a collective that is not all-gather-KV."""
-    by_block: dict[tuple[int, int], list[Collective]] = {}
-    for collective in micro_batch.collectives():
-        by_block.setdefault((collective.first_rank, collective.degree), []).append(collective)
-    return [_block_change(problem, first_rank, degree, [(c.sequences, c.ulysses_degree) for c in collectives])
-            for (first_rank, degree), collectives in by_block.items()
-            if any(c.ulysses_degree != 1 for c in collectives)]
-
-
-def apply_change(sums: RankSums, m: int, change: BlockChange) -> None:
-    """Add ``change`` to every rank of its block in row ``m`` of ``sums``."""
-    ranks = slice(change.first_rank, change.first_rank + change.degree)
-    sums.work_flops[m, ranks] += change.work_flops
-    sums.all_gather_s[m, ranks] += change.hidden_forward_s
-    sums.reduce_scatter_s[m, ranks] += change.hidden_backward_s
-    sums.exposed_s[m, ranks] += change.exposed_s
-
-
-def scheme_sums(problem: PlanningProblem, sums: RankSums, micro_batches: Sequence[MicroBatch],
-                rows: Sequence[int] | None = None) -> list[tuple[int, BlockChange]]:
-    """Add to ``sums`` (row ``rows[i]``, default ``i``, holding ``micro_batches[i]`` as the kernels price it,
-    all-gather-KV) what each collective's own scheme changes; the changes made, by row."""
-    changes = []
+def scheme_changes(problem: PlanningProblem, micro_batches: Sequence[MicroBatch],
+                   rows: Sequence[int] | None = None) -> BlockChanges:
+    """What the collectives' own schemes change in ``micro_batches`` (micro-batch ``i`` in row ``rows[i]`` of the
+    sums, default ``i``), beyond all-gather-KV: a row for each block with a collective that is not all-gather-KV."""
+    found = []
     for i, micro_batch in enumerate(micro_batches):
-        m = i if rows is None else rows[i]
-        for change in block_changes(problem, micro_batch):
-            apply_change(sums, m, change)
-            changes.append((m, change))
-    return changes
+        by_block: dict[tuple[int, int], list[Collective]] = {}
+        for collective in micro_batch.collectives():
+            by_block.setdefault((collective.first_rank, collective.degree), []).append(collective)
+        found += [(i if rows is None else rows[i], first_rank, degree,
+                   *_block_change(problem, degree, [(c.sequences, c.ulysses_degree) for c in collectives]))
+                  for (first_rank, degree), collectives in by_block.items()
+                  if any(c.ulysses_degree != 1 for c in collectives)]
+    return _block_changes(found)
 
 
 class Options(NamedTuple):
     """The schemes a plan's collectives might take (``options``), one row each, rows of one collective together,
-    the collectives of a micro-batch together, in the order the choice tries them; what each changes on each rank
-    of its block is a ``BlockChange``'s fields."""
+    the collectives of a micro-batch together, in the order the choice tries them; ``changes``: what each changes
+    on each rank of its block."""
 
-    micro_batch: IntArray  # (O,)
     collective: IntArray  # (O,) an id shared by the rows of one collective
-    first_rank: IntArray  # (O,)
-    degree: IntArray  # (O,)
     ulysses_degree: IntArray  # (O,)
-    work_flops: FloatArray  # (O,)
-    hidden_forward_s: FloatArray  # (O,)
-    hidden_backward_s: FloatArray  # (O,)
-    exposed_s: FloatArray  # (O,)
+    changes: BlockChanges  # (O,)
 
-    def change(self, row: int) -> BlockChange:
-        return BlockChange(int(self.first_rank[row]), int(self.degree[row]), float(self.work_flops[row]),
-                           float(self.hidden_forward_s[row]), float(self.hidden_backward_s[row]),
-                           float(self.exposed_s[row]))
+    def only(self, kept: npt.NDArray[np.bool_]) -> Options:
+        """The rows ``kept``."""
+        return Options(self.collective[kept], self.ulysses_degree[kept],
+                       BlockChanges._make(field[kept] for field in self.changes))
+
+
+OPTIONS = numba.typeof(Options(collective=NO_CHANGES.micro_batch, ulysses_degree=NO_CHANGES.micro_batch,
+                               changes=NO_CHANGES))
+# A candidate scheme's communication, one row per (block degree, Ulysses degree): slope and intercept of all-gather-
+# KV's hidden forward and backward over the block, then of the scheme's hidden forward, hidden backward and exposed
+_GATHER_FORWARD, _GATHER_BACKWARD, _FORWARD, _BACKWARD, _EXPOSED = 0, 2, 4, 6, 8
 
 
 def options(problem: PlanningProblem, places: Places, sums: RankSums, *, allow_2d: bool) -> Options:
     """The schemes the collectives of ``places`` (``sums`` their per-rank sums) might take to make their micro-batch
-    faster. All collectives are priced at once (sums by collective, ``np.bincount``), and a scheme is kept only where
-    it might gain: on rank ``r`` of the block, each ``max(0, ·)`` of ``T_r`` falls by at most what leaves it and by
-    at most what it was, so ``T_r`` falls by at most ``min(AG, exposed forward_r) + min(RS, exposed backward_r)`` of
-    the collective's all-gather-KV communication, less what the scheme adds, ``α·Δwork + exposed``; where that is not
-    positive on any rank, none gets faster. A micro-batch's collectives are tried the one that saves most work first."""
-    perf, lengths, alpha, tables = problem.perf, problem.lengths, problem.alpha_s_per_flop, problem.tables
-    attention_s = alpha * sums.attention_flops
-    exposed_forward = np.maximum(0.0, sums.all_gather_s - tables.attention_forward_share * attention_s)
-    exposed_backward = np.maximum(0.0, sums.reduce_scatter_s - (1 - tables.attention_forward_share) * attention_s)
+    faster (``_options``), over every degree a block of theirs has; each scheme's work is priced here for the
+    sequences it concerns (a batch shards few of its sequences over each degree)."""
+    perf, lengths = problem.perf, problem.lengths
     sharded = np.flatnonzero((places.micro_batch >= 0) & (places.degree > 1))
-    degree, first_rank = places.degree[sharded], places.first_rank[sharded]
+    candidates = [(degree, u) for degree in np.unique(places.degree[sharded]).tolist()
+                  for u in perf.ulysses_degrees(degree) if allow_2d or u == degree]
+    scheme_flops = np.zeros((len(candidates), len(lengths)))
+    comm = np.zeros((len(candidates), 10))
+    for k, (degree, ulysses_degree) in enumerate(candidates):
+        members = sharded[places.degree[sharded] == degree]
+        scheme_flops[k, members] = perf.placement_flops(lengths[members], degree, ulysses_degree)
+        gathered, scheme = perf.scheme_comm(degree, 1), perf.scheme_comm(degree, ulysses_degree)
+        assert gathered is not None and scheme is not None
+        comm[k] = [coefficient for fit in (gathered.hidden_forward, gathered.hidden_backward, scheme.hidden_forward,
+                                           scheme.hidden_backward, scheme.exposed)
+                   for coefficient in (fit.slope, fit.intercept)]
+    return _options(problem.tables, sums, places.micro_batch, places.degree, places.first_rank,
+                    np.array([degree for degree, _ in candidates], dtype=np.int64),
+                    np.array([u for _, u in candidates], dtype=np.int64), scheme_flops, comm)
+
+
+@kernel(OPTIONS(TABLES, SUMS, INT_1D, INT_1D, INT_1D, INT_1D, INT_1D, FLOAT_2D, FLOAT_2D))
+def _options(tables: CostTables, sums: RankSums, micro_batch: IntArray, degree: IntArray, first_rank: IntArray,
+             candidate_degree: IntArray, candidate_ulysses_degree: IntArray, scheme_flops: FloatArray,
+             comm: FloatArray) -> Options:
+    """Every collective's candidate schemes (``candidate_*[k]``: its work per sequence ``scheme_flops[k]``, its
+    communication ``comm[k]``), kept only where they might gain: on rank ``r`` of the block, each ``max(0, ·)`` of
+    ``T_r`` falls by at most what leaves it and by at most what it was, so ``T_r`` falls by at most ``min(AG,
+    exposed forward_r) + min(RS, exposed backward_r)`` of the collective's all-gather-KV communication, less what the
+    scheme adds, ``α·Δwork + exposed``; where that is not positive on any rank, none gets faster. The collectives are
+    numbered by (micro-batch, first rank, degree); a micro-batch's are tried the one that saves most work first,
+    each one's schemes by Ulysses degree."""
+    alpha, forward_share = tables.alpha_s_per_flop, tables.attention_forward_share
     size = tables.cp_size + 1  # a collective's key: (micro-batch, first rank, degree) as one number
-    keys, inverse = np.unique((places.micro_batch[sharded] * size + first_rank) * size + degree, return_inverse=True)
-    collectives = np.stack([keys // size // size, keys // size % size, keys % size], axis=1)
-    tokens = np.bincount(inverse, weights=lengths[sharded], minlength=len(collectives))
-    parts: list[tuple[npt.NDArray[np.generic], ...]] = []  # (collective, u, Δwork, Δforward, Δbackward, exposed)
-    for block_degree in np.unique(collectives[:, 2]).tolist():
-        candidates = [u for u in perf.ulysses_degrees(block_degree) if allow_2d or u == block_degree]
-        if not candidates:
+    keys = np.full(micro_batch.shape[0], -1, dtype=np.int64)
+    for i in range(micro_batch.shape[0]):
+        if micro_batch[i] >= 0 and degree[i] > 1:
+            keys[i] = (micro_batch[i] * size + first_rank[i]) * size + degree[i]
+    order = np.argsort(keys, kind="mergesort")  # by collective, then sequence index
+    most = keys.shape[0] * candidate_degree.shape[0]
+    collective, ulysses = np.zeros(most, dtype=np.int64), np.zeros(most, dtype=np.int64)
+    rows = BlockChanges(np.zeros(most, dtype=np.int64), np.zeros(most, dtype=np.int64), np.zeros(most, dtype=np.int64),
+                        np.zeros(most), np.zeros(most), np.zeros(most), np.zeros(most))
+    saving = np.zeros(most)  # of each row's collective: the most work its schemes save (most negative first)
+    count = 0
+    start = 0
+    c = -1
+    while start < order.shape[0]:
+        if keys[order[start]] < 0:
+            start += 1
             continue
-        members = degree == block_degree
-        ids, indices = inverse[members], sharded[members]
-        gathered = perf.scheme_comm(block_degree, 1)
-        assert gathered is not None
-        base_work = np.bincount(ids, weights=problem.rank_flops_at(block_degree)[indices], minlength=len(collectives))
-        block_lengths = lengths[indices]
-        held = np.unique(ids)  # the collectives over blocks of this degree
-        held_tokens = tokens[held]
-        forward = gathered.hidden_forward.slope * held_tokens + gathered.hidden_forward.intercept
-        backward = gathered.hidden_backward.slope * held_tokens + gathered.hidden_backward.intercept
-        rows, blocks = collectives[held, 0], collectives[held, 1] // block_degree
-        can_leave = (np.minimum(forward, _block_most(exposed_forward, rows, blocks, block_degree))
-                     + np.minimum(backward, _block_most(exposed_backward, rows, blocks, block_degree)))
-        for ulysses_degree in candidates:
-            comm = perf.scheme_comm(block_degree, ulysses_degree)
-            assert comm is not None
-            # priced here for the sequences it concerns (a batch shards few of its sequences over each degree)
-            scheme_flops = perf.placement_flops(block_lengths, block_degree, ulysses_degree)
-            delta_work = (np.bincount(ids, weights=scheme_flops, minlength=len(collectives)) - base_work)[held]
-            exposed = comm.exposed.slope * held_tokens + comm.exposed.intercept
-            kept = np.flatnonzero(alpha * delta_work + exposed < can_leave)  # else no rank of the block gets faster
-            kept_tokens = held_tokens[kept]
-            parts.append((held[kept], np.full(len(kept), ulysses_degree), delta_work[kept],
-                          comm.hidden_forward.slope * kept_tokens + comm.hidden_forward.intercept - forward[kept],
-                          comm.hidden_backward.slope * kept_tokens + comm.hidden_backward.intercept - backward[kept],
-                          exposed[kept]))
-    merged: list[npt.NDArray[np.generic]] = [np.concatenate([part[field] for part in parts]) if parts
-                                              else np.zeros(0) for field in range(6)]
-    collective, scheme_degree = merged[0].astype(np.int64), merged[1].astype(np.int64)
-    work, more_forward, more_backward, exposed = (field.astype(np.float64) for field in merged[2:])
-    saving = np.full(len(collectives), np.inf)
-    np.minimum.at(saving, collective, work)  # the most work a collective's schemes save (most negative first)
-    order = np.lexsort((scheme_degree, collective, saving[collective], collectives[collective, 0]))
-    return Options(micro_batch=np.ascontiguousarray(collectives[collective[order], 0]),
-                   collective=np.ascontiguousarray(collective[order]),
-                   first_rank=np.ascontiguousarray(collectives[collective[order], 1]),
-                   degree=np.ascontiguousarray(collectives[collective[order], 2]),
-                   ulysses_degree=scheme_degree[order], work_flops=work[order],
-                   hidden_forward_s=more_forward[order], hidden_backward_s=more_backward[order],
-                   exposed_s=exposed[order])
-
-
-def _block_most(values: FloatArray, rows: IntArray, blocks: IntArray, degree: int) -> FloatArray:
-    """The largest of ``values`` (M, C) over each aligned block of ``degree`` ranks ``blocks`` of rows ``rows``."""
-    return values.reshape(len(values), -1, degree).max(axis=2)[rows, blocks]
-
-
-_NO_ROWS, _NO_TIMES = np.zeros(1, dtype=np.int64), np.zeros(1)
-OPTIONS = numba.typeof(Options(micro_batch=_NO_ROWS, collective=_NO_ROWS, first_rank=_NO_ROWS, degree=_NO_ROWS,
-                               ulysses_degree=_NO_ROWS, work_flops=_NO_TIMES, hidden_forward_s=_NO_TIMES,
-                               hidden_backward_s=_NO_TIMES, exposed_s=_NO_TIMES))
+        c += 1
+        end = start
+        while end < order.shape[0] and keys[order[end]] == keys[order[start]]:
+            end += 1
+        first = order[start]
+        m, block_first, block_degree = micro_batch[first], first_rank[first], degree[first]
+        tokens = base_work = 0.0
+        for j in range(start, end):
+            tokens += tables.lengths[order[j]]
+            base_work += tables.rank_flops[tables.degree_row[block_degree], order[j]]
+        exposed_forward = exposed_backward = 0.0
+        for r in range(block_first, block_first + block_degree):
+            attention_s = alpha * sums.attention_flops[m, r]
+            exposed_forward = max(exposed_forward, sums.all_gather_s[m, r] - forward_share * attention_s)
+            exposed_backward = max(exposed_backward, sums.reduce_scatter_s[m, r] - (1 - forward_share) * attention_s)
+        collective_rows = count
+        for k in range(candidate_degree.shape[0]):
+            if candidate_degree[k] != block_degree:
+                continue
+            forward = comm[k, _GATHER_FORWARD] * tokens + comm[k, _GATHER_FORWARD + 1]
+            backward = comm[k, _GATHER_BACKWARD] * tokens + comm[k, _GATHER_BACKWARD + 1]
+            can_leave = min(forward, exposed_forward) + min(backward, exposed_backward)
+            work = 0.0
+            for j in range(start, end):
+                work += scheme_flops[k, order[j]]
+            work -= base_work
+            exposed = comm[k, _EXPOSED] * tokens + comm[k, _EXPOSED + 1]
+            if not alpha * work + exposed < can_leave:
+                continue  # no rank of the block gets faster
+            collective[count], ulysses[count] = c, candidate_ulysses_degree[k]
+            rows.micro_batch[count], rows.first_rank[count], rows.degree[count] = m, block_first, block_degree
+            rows.work_flops[count] = work
+            rows.hidden_forward_s[count] = comm[k, _FORWARD] * tokens + comm[k, _FORWARD + 1] - forward
+            rows.hidden_backward_s[count] = comm[k, _BACKWARD] * tokens + comm[k, _BACKWARD + 1] - backward
+            rows.exposed_s[count] = exposed
+            count += 1
+        for row in range(collective_rows, count):
+            saving[row] = rows.work_flops[collective_rows:count].min()
+        start = end
+    by_saving = np.argsort(saving[:count], kind="mergesort")
+    kept = by_saving[np.argsort(rows.micro_batch[:count][by_saving], kind="mergesort")]
+    return Options(collective[kept], ulysses[kept],
+                   BlockChanges(rows.micro_batch[kept], rows.first_rank[kept], rows.degree[kept],
+                                rows.work_flops[kept], rows.hidden_forward_s[kept], rows.hidden_backward_s[kept],
+                                rows.exposed_s[kept]))
 
 
 @kernel(types.void(TABLES, SUMS, OPTIONS, BOOL_1D))
@@ -255,32 +294,56 @@ def choose(tables: CostTables, sums: RankSums, options: Options, chosen: npt.NDA
     is fastest, where that is faster than it is (by more than ``MIN_GAIN`` of it), and ``sums`` takes its change; a
     collective whose block holds none of the micro-batch's slowest ranks is passed over (nothing it changes can make
     the micro-batch faster). ``chosen`` marks the options taken."""
-    num_options = options.micro_batch.shape[0]
+    changes = options.changes
+    num_options = options.collective.shape[0]
     i = 0
     while i < num_options:
-        m = options.micro_batch[i]
+        m = changes.micro_batch[i]
         best_s = micro_batch_time_s(tables, sums, m)
-        while i < num_options and options.micro_batch[i] == m:
-            first_rank, degree, collective = options.first_rank[i], options.degree[i], options.collective[i]
+        while i < num_options and changes.micro_batch[i] == m:
+            first_rank, degree, collective = changes.first_rank[i], changes.degree[i], options.collective[i]
             block_s = 0.0
             for r in range(first_rank, first_rank + degree):
                 block_s = max(block_s, sum_rank_time_s(tables, sums, m, r))
             best = -1
             while i < num_options and options.collective[i] == collective:
                 if block_s >= best_s:
-                    time_s = changed_micro_batch_time_s(tables, sums, m, first_rank, degree, options.work_flops[i],
-                                                        options.hidden_forward_s[i], options.hidden_backward_s[i],
-                                                        options.exposed_s[i])
+                    time_s = changed_micro_batch_time_s(tables, sums, m, first_rank, degree, changes.work_flops[i],
+                                                        changes.hidden_forward_s[i], changes.hidden_backward_s[i],
+                                                        changes.exposed_s[i])
                     if time_s < best_s * (1.0 - MIN_GAIN):
                         best_s, best = time_s, i
                 i += 1
             if best >= 0:
                 chosen[best] = True
-                for r in range(first_rank, first_rank + degree):
-                    sums.work_flops[m, r] += options.work_flops[best]
-                    sums.all_gather_s[m, r] += options.hidden_forward_s[best]
-                    sums.reduce_scatter_s[m, r] += options.hidden_backward_s[best]
-                    sums.exposed_s[m, r] += options.exposed_s[best]
+                apply_change(sums, changes, best)
+
+
+class ChosenSchemes(NamedTuple):
+    """The collectives of a plan's places that are not all-gather-KV, and what their schemes change."""
+
+    # (micro-batch number, first rank, degree) of each such collective: its Ulysses degree (``Plan.from_places``)
+    ulysses_degrees: dict[tuple[int, int, int], int]
+    changes: BlockChanges  # by micro-batch number (``simulate.estimate_places``)
+
+
+def choose_for_places(problem: PlanningProblem, places: Places, *, allow_2d: bool = True,
+                      passed_over: Sequence[int] = ()) -> ChosenSchemes:
+    """Each collective of ``places`` (by micro-batch, first rank and degree: the collectives ``Plan.from_places``
+    makes) with its fastest scheme (module docstring). ``passed_over``: micro-batches that keep all-gather-KV."""
+    if not problem.perf.has_all_to_all():
+        return ChosenSchemes({}, NO_CHANGES)
+    sums = empty_sums(problem.tables, places.num_micro_batches)
+    sums_of_places(problem.tables, sums, places.micro_batch, places.degree, places.first_rank)
+    found = options(problem, places, sums, allow_2d=allow_2d)
+    if len(passed_over):
+        found = found.only(~np.isin(found.changes.micro_batch, passed_over))
+    chosen = np.zeros(len(found.collective), dtype=np.bool_)
+    choose(problem.tables, sums, found, chosen)
+    taken = found.only(chosen)
+    keys = zip(taken.changes.micro_batch.tolist(), taken.changes.first_rank.tolist(), taken.changes.degree.tolist(),
+               strict=True)
+    return ChosenSchemes(dict(zip(keys, taken.ulysses_degree.tolist(), strict=True)), taken.changes)
 
 
 def _with_degrees(micro_batch: MicroBatch, m: int, chosen: dict[tuple[int, int, int], int]) -> MicroBatch:
@@ -288,60 +351,41 @@ def _with_degrees(micro_batch: MicroBatch, m: int, chosen: dict[tuple[int, int, 
     return micro_batch if degrees == [1] * len(degrees) else micro_batch.with_ulysses_degrees(degrees)
 
 
-def _choose_in(problem: PlanningProblem, micro_batches: Sequence[MicroBatch], places: Places, *,
-               allow_2d: bool, joined: bool) -> tuple[list[MicroBatch], list[tuple[int, BlockChange]]]:
-    """``micro_batches`` (all-gather-KV) with their schemes chosen, and the changes made (by micro-batch number of
-    ``places``, ``scheme_sums``'s). A micro-batch with two collectives over one block keeps all-gather-KV: its
-    collectives share one fixed cost, which a per-collective change does not price. ``joined``: the micro-batches
-    were made from ``places`` (``Plan.from_places``: ordered as ``Places.plan_order`` says, the collectives of a
-    block joined, so none is looked for); else ``places`` are theirs (``Plan.places``: one number each, in order)."""
-    sums = empty_sums(problem.tables, places.num_micro_batches)
-    sums_of_places(problem.tables, sums, places.micro_batch, places.degree, places.first_rank)
-    found = options(problem, places, sums, allow_2d=allow_2d)
-    if not len(found.micro_batch):
-        return list(micro_batches), []
-    order = places.plan_order() if joined else list(range(len(micro_batches)))  # micro_batches[i]'s number
-    if not joined:
-        position = {m: i for i, m in enumerate(order)}
-
-        def shares_a_block(m: int) -> bool:
-            blocks = [(c.first_rank, c.degree) for c in micro_batches[position[m]].collectives()]
-            return len(set(blocks)) < len(blocks)
-
-        shared = [m for m in np.unique(found.micro_batch).tolist() if shares_a_block(m)]
-        found = Options._make(field[~np.isin(found.micro_batch, shared)] for field in found)
-    chosen = np.zeros(len(found.micro_batch), dtype=np.bool_)
-    choose(problem.tables, sums, found, chosen)
-    rows = np.flatnonzero(chosen).tolist()
-    degrees = {(int(found.micro_batch[row]), int(found.first_rank[row]), int(found.degree[row])):
-               int(found.ulysses_degree[row]) for row in rows}
-    changes = [(int(found.micro_batch[row]), found.change(row)) for row in rows]
-    changed = {m for m, _, _ in degrees}
-    return ([_with_degrees(mb, order[i], degrees) if order[i] in changed else mb for i, mb in enumerate(micro_batches)],
-            changes)
+def _shares_a_block(micro_batch: MicroBatch) -> bool:
+    """Whether two of its collectives share one block: they share one fixed cost, which a per-collective change
+    does not price, so it keeps all-gather-KV."""
+    blocks = [(c.first_rank, c.degree) for c in micro_batch.collectives()]
+    return len(set(blocks)) < len(blocks)
 
 
-def choose_schemes(problem: PlanningProblem, plan: Plan, places: Places | None = None) -> tuple[
-        Plan, list[tuple[int, BlockChange]]]:
+def _choose_in(problem: PlanningProblem, micro_batches: Sequence[MicroBatch], *,
+               allow_2d: bool) -> tuple[list[MicroBatch], BlockChanges]:
+    """``micro_batches`` (all-gather-KV, the micro-batches of ``problem``'s group in order) with their schemes
+    chosen, and the changes made (by position)."""
+    places = Plan(dp_ranks=(DPRankPlan(micro_batches=tuple(micro_batches)),)).places(problem.num_sequences)
+    chosen = choose_for_places(problem, places, allow_2d=allow_2d,
+                               passed_over=[m for m, mb in enumerate(micro_batches) if _shares_a_block(mb)])
+    if not chosen.ulysses_degrees:
+        return list(micro_batches), chosen.changes
+    return [_with_degrees(mb, m, chosen.ulysses_degrees) for m, mb in enumerate(micro_batches)], chosen.changes
+
+
+def choose_schemes(problem: PlanningProblem, plan: Plan) -> tuple[Plan, BlockChanges]:
     """``plan`` with each collective's fastest scheme (module docstring), ``plan`` itself where none changes, and
-    the changes its own micro-batches took, by micro-batch number of ``places`` (``estimate_plan``'s ``changes``).
-    ``places``: the places ``plan``'s own micro-batches were made from (``Plan.from_places``), when the caller has
-    them; else the plan's (``Plan.places``)."""
+    the changes its own micro-batches took, by their position in the plan (``estimate_plan``'s ``changes``). A plan
+    made from places is cheaper to choose for before it is built (``choose_for_places``)."""
     if not problem.perf.has_all_to_all() or not _has_collectives(plan):
-        return plan, []
+        return plan, NO_CHANGES
     own = [micro_batch for dp_plan in plan.dp_ranks for micro_batch in dp_plan.micro_batches]
-    chosen_own, changes = _choose_in(problem, own, plan.places(problem.num_sequences) if places is None else places,
-                                     allow_2d=True, joined=places is not None)
+    chosen_own, changes = _choose_in(problem, own, allow_2d=True)
     chosen = iter(chosen_own)
     dp_ranks = tuple(DPRankPlan(micro_batches=tuple(next(chosen) for _ in dp_plan.micro_batches))
                      for dp_plan in plan.dp_ranks)
     spanning = []
     for spanning_micro_batch in plan.spanning:
         span = problem.span_problem(spanning_micro_batch.num_dp_ranks)
-        block_plan = Plan(dp_ranks=(DPRankPlan(micro_batches=(spanning_micro_batch.micro_batch,)),))
         # 2D needs strided groups of world ranks, which the trainer makes only within a CP group
-        [micro_batch], _ = _choose_in(span, [spanning_micro_batch.micro_batch],
-                                      block_plan.places(problem.num_sequences), allow_2d=False, joined=False)
+        [micro_batch], _ = _choose_in(span, [spanning_micro_batch.micro_batch], allow_2d=False)
         spanning.append(SpanningMicroBatch(first_dp_rank=spanning_micro_batch.first_dp_rank,
                                            num_dp_ranks=spanning_micro_batch.num_dp_ranks, micro_batch=micro_batch))
     unchanged = all(new is old for new, old in zip(chosen_own, own, strict=True)) and all(

@@ -40,7 +40,7 @@ from scheduler_service.core.costing import (
 )
 from scheduler_service.core.jit import FLOAT_3D, INT_1D, INT_2D, kernel
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem, SpanningMicroBatch
-from scheduler_service.core.schemes import BlockChange, apply_change, scheme_sums
+from scheduler_service.core.schemes import CHANGES, NO_CHANGES, BlockChanges, apply_changes, scheme_changes
 
 __all__ = [
     "CPRankEstimate",
@@ -154,23 +154,29 @@ def _compute_by_kind(tables: CostTables, micro_batch: IntArray, degree: IntArray
             local_tokens[m, first_rank[k]] += tables.lengths[k]
 
 
+@kernel(types.void(TABLES, CHANGES, FLOAT_3D))
+def _changed_compute(tables: CostTables, changes: BlockChanges, compute_flops: FloatArray) -> None:
+    """``_compute_by_kind``'s sums with what the collectives' schemes change in their ranks' work."""
+    for k in range(changes.micro_batch.shape[0]):
+        kind = 1 if changes.degree[k] == tables.cp_size else 2
+        for r in range(changes.first_rank[k], changes.first_rank[k] + changes.degree[k]):
+            compute_flops[kind, changes.micro_batch[k], r] += changes.work_flops[k]
+
+
 def _rank_times_of(problem: PlanningProblem, places: Places, micro_batches: Sequence[MicroBatch] = (),
-                   changes: Sequence[tuple[int, BlockChange]] | None = None, rows: Sequence[int] | None = None,
-                   ) -> tuple[RankSums, FloatArray, Sequence[tuple[int, BlockChange]]]:
+                   changes: BlockChanges | None = None, rows: Sequence[int] | None = None,
+                   ) -> tuple[RankSums, FloatArray, BlockChanges]:
     """The per micro-batch and CP rank sums of ``places`` with the schemes of its ``micro_batches`` (micro-batch
     ``i`` in row ``rows[i]``, by default as ``Plan.from_places`` orders the places, ``Places.plan_order``; none:
-    all-gather-KV) or the ``changes`` they make when the caller has them (``schemes.choose_schemes``), their ``T_r``
-    (M, C), and the changes (``schemes.scheme_sums``)."""
+    all-gather-KV) or the ``changes`` they make when the caller has them (``schemes.choose_for_places``), their
+    ``T_r`` (M, C), and the changes (``schemes.scheme_changes``)."""
     tables = problem.tables
     sums = empty_sums(tables, places.num_micro_batches)
     sums_of_places(tables, sums, places.micro_batch, places.degree, places.first_rank)
-    if changes is not None:
-        for m, change in changes:
-            apply_change(sums, m, change)
-    elif micro_batches:
-        changes = scheme_sums(problem, sums, micro_batches, places.plan_order() if rows is None else rows)
-    else:
-        changes = []
+    if changes is None:
+        changes = (scheme_changes(problem, micro_batches, places.plan_order() if rows is None else rows)
+                   if micro_batches else NO_CHANGES)
+    apply_changes(sums, changes)
     times_s = np.zeros((places.num_micro_batches, tables.cp_size))
     rank_times_s(tables, sums, times_s)
     return sums, times_s, changes
@@ -191,7 +197,7 @@ def dp_rank_times_s(problem: PlanningProblem, places: Places) -> FloatArray:
 
 
 def estimate_places(problem: PlanningProblem, places: Places, micro_batches: Sequence[MicroBatch] = (),
-                    changes: Sequence[tuple[int, BlockChange]] | None = None,
+                    changes: BlockChanges | None = None,
                     rows: Sequence[int] | None = None) -> PlanEstimate:
     """Estimated times of every micro-batch, DP rank and the iteration of the plan ``places``, its collectives by
     the schemes of ``micro_batches`` (its micro-batches in plan order; none: all-gather-KV), or by the ``changes``
@@ -202,8 +208,7 @@ def estimate_places(problem: PlanningProblem, places: Places, micro_batches: Seq
     compute_flops = np.zeros((3, num_micro_batches, tables.cp_size))
     local_tokens = np.zeros((num_micro_batches, tables.cp_size), dtype=np.int64)
     _compute_by_kind(tables, places.micro_batch, places.degree, places.first_rank, compute_flops, local_tokens)
-    for m, change in changes:
-        compute_flops[1 if change.degree == tables.cp_size else 2, m, change.ranks] += change.work_flops
+    _changed_compute(tables, changes, compute_flops)
     per_rank = _PerRank(tables, sums, times_s, compute_flops, local_tokens)
     critical = times_s.argmax(axis=1).tolist() if tables.cp_size else []
     micro_batch_times_s = times_s.max(axis=1, initial=0.0).tolist()
@@ -246,7 +251,7 @@ def _spanning_estimates(problem: PlanningProblem, spanning: Sequence[SpanningMic
 
 
 def estimate_plan(problem: PlanningProblem, plan: Plan, places: Places | None = None,
-                  changes: Sequence[tuple[int, BlockChange]] | None = None) -> PlanEstimate:
+                  changes: BlockChanges | None = None) -> PlanEstimate:
     """``estimate_places`` of a plan that may hold spanning micro-batches (``places``: its own micro-batches' places,
     when the caller has them; ``changes``: what their schemes change, by micro-batch number of those places)."""
     own_micro_batches = _own_micro_batches(plan) if changes is None else []
@@ -279,7 +284,7 @@ def micro_batch_sums(problem: PlanningProblem, micro_batch: MicroBatch) -> RankS
 def micro_batch_time_s(problem: PlanningProblem, micro_batch: MicroBatch) -> float:
     """The slowest CP rank's ``T_r``, its collectives by their schemes."""
     sums = micro_batch_sums(problem, micro_batch)
-    scheme_sums(problem, sums, [micro_batch])
+    apply_changes(sums, scheme_changes(problem, [micro_batch]))
     times_s = np.zeros((1, problem.cp_size))
     rank_times_s(problem.tables, sums, times_s)
     return float(times_s.max())
