@@ -223,6 +223,9 @@ def _options(tables: CostTables, sums: RankSums, micro_batch: IntArray, degree: 
     numbered by (micro-batch, first rank, degree); a micro-batch's are tried the one that saves most work first,
     each one's schemes by Ulysses degree."""
     alpha, forward_share = tables.alpha_s_per_flop, tables.attention_forward_share
+    # read once: a named tuple's array fields read in a loop cost reference counting on every pass
+    lengths, rank_flops, degree_row = tables.lengths, tables.rank_flops, tables.degree_row
+    attention_flops, all_gather_s, reduce_scatter_s = sums.attention_flops, sums.all_gather_s, sums.reduce_scatter_s
     size = tables.cp_size + 1  # a collective's key: (micro-batch, first rank, degree) as one number
     keys = np.full(micro_batch.shape[0], -1, dtype=np.int64)
     for i in range(micro_batch.shape[0]):
@@ -231,12 +234,14 @@ def _options(tables: CostTables, sums: RankSums, micro_batch: IntArray, degree: 
     order = np.argsort(keys, kind="mergesort")  # by collective, then sequence index
     most = keys.shape[0] * candidate_degree.shape[0]
     collective, ulysses = np.zeros(most, dtype=np.int64), np.zeros(most, dtype=np.int64)
-    rows = BlockChanges(np.zeros(most, dtype=np.int64), np.zeros(most, dtype=np.int64), np.zeros(most, dtype=np.int64),
-                        np.zeros(most), np.zeros(most), np.zeros(most), np.zeros(most))
+    row_micro_batch, row_first_rank = np.zeros(most, dtype=np.int64), np.zeros(most, dtype=np.int64)
+    row_degree = np.zeros(most, dtype=np.int64)
+    work_flops, hidden_forward_s, hidden_backward_s, exposed_s = (np.zeros(most), np.zeros(most), np.zeros(most),
+                                                                  np.zeros(most))
     saving = np.zeros(most)  # of each row's collective: the most work its schemes save (most negative first)
     count = 0
-    start = 0
     c = -1
+    start = 0
     while start < order.shape[0]:
         if keys[order[start]] < 0:
             start += 1
@@ -249,13 +254,13 @@ def _options(tables: CostTables, sums: RankSums, micro_batch: IntArray, degree: 
         m, block_first, block_degree = micro_batch[first], first_rank[first], degree[first]
         tokens = base_work = 0.0
         for j in range(start, end):
-            tokens += tables.lengths[order[j]]
-            base_work += tables.rank_flops[tables.degree_row[block_degree], order[j]]
-        exposed_forward = exposed_backward = 0.0
+            tokens += lengths[order[j]]
+            base_work += rank_flops[degree_row[block_degree], order[j]]
+        exposed_forward = exposed_backward = 0.0  # the most of any rank of the block
         for r in range(block_first, block_first + block_degree):
-            attention_s = alpha * sums.attention_flops[m, r]
-            exposed_forward = max(exposed_forward, sums.all_gather_s[m, r] - forward_share * attention_s)
-            exposed_backward = max(exposed_backward, sums.reduce_scatter_s[m, r] - (1 - forward_share) * attention_s)
+            attention_s = alpha * attention_flops[m, r]
+            exposed_forward = max(exposed_forward, all_gather_s[m, r] - forward_share * attention_s)
+            exposed_backward = max(exposed_backward, reduce_scatter_s[m, r] - (1 - forward_share) * attention_s)
         collective_rows = count
         for k in range(candidate_degree.shape[0]):
             if candidate_degree[k] != block_degree:
@@ -271,21 +276,20 @@ def _options(tables: CostTables, sums: RankSums, micro_batch: IntArray, degree: 
             if not alpha * work + exposed < can_leave:
                 continue  # no rank of the block gets faster
             collective[count], ulysses[count] = c, candidate_ulysses_degree[k]
-            rows.micro_batch[count], rows.first_rank[count], rows.degree[count] = m, block_first, block_degree
-            rows.work_flops[count] = work
-            rows.hidden_forward_s[count] = comm[k, _FORWARD] * tokens + comm[k, _FORWARD + 1] - forward
-            rows.hidden_backward_s[count] = comm[k, _BACKWARD] * tokens + comm[k, _BACKWARD + 1] - backward
-            rows.exposed_s[count] = exposed
+            row_micro_batch[count], row_first_rank[count], row_degree[count] = m, block_first, block_degree
+            work_flops[count] = work
+            hidden_forward_s[count] = comm[k, _FORWARD] * tokens + comm[k, _FORWARD + 1] - forward
+            hidden_backward_s[count] = comm[k, _BACKWARD] * tokens + comm[k, _BACKWARD + 1] - backward
+            exposed_s[count] = exposed
             count += 1
         for row in range(collective_rows, count):
-            saving[row] = rows.work_flops[collective_rows:count].min()
+            saving[row] = work_flops[collective_rows:count].min()
         start = end
     by_saving = np.argsort(saving[:count], kind="mergesort")
-    kept = by_saving[np.argsort(rows.micro_batch[:count][by_saving], kind="mergesort")]
+    kept = by_saving[np.argsort(row_micro_batch[:count][by_saving], kind="mergesort")]
     return Options(collective[kept], ulysses[kept],
-                   BlockChanges(rows.micro_batch[kept], rows.first_rank[kept], rows.degree[kept],
-                                rows.work_flops[kept], rows.hidden_forward_s[kept], rows.hidden_backward_s[kept],
-                                rows.exposed_s[kept]))
+                   BlockChanges(row_micro_batch[kept], row_first_rank[kept], row_degree[kept], work_flops[kept],
+                                hidden_forward_s[kept], hidden_backward_s[kept], exposed_s[kept]))
 
 
 @kernel(types.void(TABLES, SUMS, OPTIONS, BOOL_1D))
@@ -331,8 +335,8 @@ def choose_for_places(problem: PlanningProblem, places: Places, *, allow_2d: boo
                       passed_over: Sequence[int] = ()) -> ChosenSchemes:
     """Each collective of ``places`` (by micro-batch, first rank and degree: the collectives ``Plan.from_places``
     makes) with its fastest scheme (module docstring). ``passed_over``: micro-batches that keep all-gather-KV."""
-    if not problem.perf.has_all_to_all():
-        return ChosenSchemes({}, NO_CHANGES)
+    if not problem.perf.has_all_to_all() or not (places.degree[places.micro_batch >= 0] > 1).any():
+        return ChosenSchemes({}, NO_CHANGES)  # nothing any scheme could change
     sums = empty_sums(problem.tables, places.num_micro_batches)
     sums_of_places(problem.tables, sums, places.micro_batch, places.degree, places.first_rank)
     found = options(problem, places, sums, allow_2d=allow_2d)

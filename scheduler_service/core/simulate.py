@@ -176,7 +176,8 @@ def _rank_times_of(problem: PlanningProblem, places: Places, micro_batches: Sequ
     if changes is None:
         changes = (scheme_changes(problem, micro_batches, places.plan_order() if rows is None else rows)
                    if micro_batches else NO_CHANGES)
-    apply_changes(sums, changes)
+    if len(changes.micro_batch):
+        apply_changes(sums, changes)
     times_s = np.zeros((places.num_micro_batches, tables.cp_size))
     rank_times_s(tables, sums, times_s)
     return sums, times_s, changes
@@ -208,7 +209,8 @@ def estimate_places(problem: PlanningProblem, places: Places, micro_batches: Seq
     compute_flops = np.zeros((3, num_micro_batches, tables.cp_size))
     local_tokens = np.zeros((num_micro_batches, tables.cp_size), dtype=np.int64)
     _compute_by_kind(tables, places.micro_batch, places.degree, places.first_rank, compute_flops, local_tokens)
-    _changed_compute(tables, changes, compute_flops)
+    if len(changes.micro_batch):
+        _changed_compute(tables, changes, compute_flops)
     per_rank = _PerRank(tables, sums, times_s, compute_flops, local_tokens)
     critical = times_s.argmax(axis=1).tolist() if tables.cp_size else []
     micro_batch_times_s = times_s.max(axis=1, initial=0.0).tolist()
