@@ -21,9 +21,9 @@ collective by collective (the largest saving of work first), keeping a change on
 faster: a plan never gets slower. The searches place sequences as all-gather-KV prices them; the choice follows. It
 prices every collective of a plan at once from the places (sums by collective), and times a micro-batch only for a
 scheme that might gain (``options``: a bound on what any rank of the block can gain), so most collectives cost a
-few array operations (``make bench``'s latency table has its cost). A degree whose heads do not split evenly, and
-one whose all-to-all the profile did not measure, is never chosen (``PerformanceModel.
-ulysses_degrees``); a profile without an ``all_to_all`` table chooses nothing and says why (``schemes_note``).
+few steps of one compiled pass (``make bench``'s latency table has its cost). A degree whose heads do not split
+evenly, and one whose all-to-all the profile did not measure, is never chosen (``PerformanceModel.ulysses_degrees``);
+a profile without an ``all_to_all`` table chooses nothing and says why (``schemes_note``).
 """
 
 from __future__ import annotations
