@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +17,13 @@ from scheduler_service.core.errors import BaselineCannotPlanError
 from scheduler_service.core.gds_search import spread_longest_first
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Plan, PlanningProblem, ShardedGroup, make_problem
 from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan, schedule
-from scheduler_service.core.simulate import iteration_lower_bound_s, micro_batch_sums, micro_batch_time_s, simulate
+from scheduler_service.core.simulate import (
+    iteration_lower_bound_s,
+    iteration_lower_bounds_s,
+    micro_batch_sums,
+    micro_batch_time_s,
+    simulate,
+)
 from tests.problem_builders import (
     ADDITIVE_PROFILE,
     LAUNCH_BOUND_FLOOR_S_PER_LAYER,
@@ -137,6 +145,25 @@ def test_no_scheduler_beats_the_iteration_lower_bound(problem: PlanningProblem) 
             assert refusal_is_the_peers_own(name, problem, error), error
             continue
         assert simulate(problem, plan).iteration_time_s >= lower_bound_s * (1 - 1e-12)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=hybrid_problems())
+def test_no_plan_within_cp_groups_beats_the_bound_within_groups(problem: PlanningProblem) -> None:
+    """The bound within groups is at least the bound over every plan, and no scheduler's plan with no spanning
+    micro-batch (asked with spanning refused; Megatron's pools span the world whatever a client runs) beats it: the
+    planner skips refining a plan within groups on it."""
+    bounds = iteration_lower_bounds_s(problem)
+    assert bounds.any_plan_s <= bounds.within_groups_s
+    within_groups = dataclasses.replace(problem, spanning=False)
+    for name, scheduler in HEURISTIC_SCHEDULERS.items():
+        try:
+            plan = scheduler(within_groups)
+        except BaselineCannotPlanError as error:
+            assert refusal_is_the_peers_own(name, within_groups, error), error
+            continue
+        if not plan.spanning:
+            assert simulate(problem, plan).iteration_time_s >= bounds.within_groups_s * (1 - 1e-12), name
 
 
 @pytest.mark.parametrize("lengths", [(196, 196), (196, 190), (300, 250, 100)])

@@ -7,14 +7,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.planning import Case, sample_problem
 from scheduler_service.core import baselines, dacp, gds
 from scheduler_service.core.check import find_violations
 from scheduler_service.core.errors import BaselineCannotPlanError
 from scheduler_service.core.gds_search import fewest_that_spread
 from scheduler_service.core.partition import MAX_KARMARKAR_KARP_CELLS, karmarkar_karp, lpt_partition
 from scheduler_service.core.plan import MicroBatch, PlanningProblem, SchedulerName, make_problem
-from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan
-from scheduler_service.core.simulate import simulate
+from scheduler_service.core.planner import HEURISTIC_SCHEDULERS, make_plan, skrull
+from scheduler_service.core.simulate import iteration_lower_bounds_s, simulate
 from tests.problem_builders import ADDITIVE_PROFILE, ProblemFactory, refusal_is_the_peers_own
 
 
@@ -274,6 +275,42 @@ def test_a_replica_that_runs_one_long_sequence_alone_shares_it_with_the_others()
     result = make_plan(problem)
     assert [60 in spanning.micro_batch.indices() for spanning in result.plan.spanning] == [True]
     assert result.estimate.iteration_time_s < 0.5 * simulate(problem, gds.skrull(problem)).iteration_time_s
+
+
+@pytest.mark.parametrize("profile", ["h100-eager", "h100-paper"])
+def test_a_spanning_plan_no_plan_within_cp_groups_can_beat_is_taken_without_refining_one(
+        profile: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within CP groups the 30K sequence alone takes longer than the spanning plan: the bound within groups says so,
+    and the plan is the one costing the candidates against the refined plan finds, with no refinement run."""
+    problem = make_problem(sequence_lengths=[300] * 60 + [30000], dp_size=4, cp_size=8, model="qwen2.5-0.5b",
+                           bucket_size=26000, profile=profile)
+    costed_against_the_refined_plan = simulate(problem, skrull(problem)).iteration_time_s
+
+    def refine_plan(*_: object, **__: object) -> None:
+        raise AssertionError("no plan within CP groups is refined")
+
+    monkeypatch.setattr(gds, "refine_plan", refine_plan)
+    result = make_plan(problem, schemes=False)
+    assert result.plan.spanning
+    assert result.estimate.iteration_time_s < iteration_lower_bounds_s(problem).within_groups_s
+    assert result.estimate.iteration_time_s == costed_against_the_refined_plan
+
+
+@pytest.mark.parametrize(("profile", "least_spanned"), [("h100-eager", 0), ("h100-paper", 3)])
+def test_the_benchmarks_lmsys_like_batches_plan_as_when_every_candidate_was_costed_against_the_refined_plan(
+        profile: str, least_spanned: int) -> None:
+    """``make bench``'s shape (4 × 8 ranks, 256 sequences): the spanning plans found against the plan before its
+    refinement (a quarter of these batches under ``h100-paper``) are those found against the refined plan
+    (``planner.skrull``), and so are the plans within CP groups."""
+    case = Case("lmsys", "qwen2.5-0.5b", 26_000, 4, 8, 64)
+    rng = np.random.default_rng(0)
+    spanned = 0
+    for _ in range(12):
+        problem = sample_problem(case, rng, profile)
+        result = make_plan(problem, schemes=False)
+        assert result.estimate.iteration_time_s == simulate(problem, skrull(problem)).iteration_time_s
+        spanned += bool(result.plan.spanning)
+    assert spanned >= least_spanned
 
 
 def test_a_client_that_cannot_span_gets_plans_within_cp_groups() -> None:

@@ -24,6 +24,7 @@ Measured cost: docs/benchmarks.md, "Planning latency".
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -36,8 +37,8 @@ from scheduler_service.core.gds_search import min_micro_batches, plan_gds
 from scheduler_service.core.plan import DPRankPlan, MicroBatch, Places, Plan, PlanningProblem
 from scheduler_service.core.plan_refine import refine_plan
 
-__all__ = ["dacp_only", "gds_only", "gds_paper", "gds_places", "round_robin", "skrull", "skrull_binary",
-           "skrull_binary_places", "skrull_paper", "skrull_places"]
+__all__ = ["Searched", "dacp_only", "gds_only", "gds_paper", "gds_places", "round_robin", "search", "skrull",
+           "skrull_binary", "skrull_binary_places", "skrull_paper", "skrull_places"]
 
 Dacp = Callable[[PlanningProblem, Sequence[int]], MicroBatch | None]
 
@@ -122,14 +123,32 @@ def _plan(problem: PlanningProblem, places: Places) -> Plan:
     return Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size)
 
 
-def skrull_places(problem: PlanningProblem, *, budget: int | None = None) -> Places:
+class Searched(NamedTuple):
+    """GDS's hybrid plan before its refinement and binary Skrull's plan, each with its iteration time."""
+
+    hybrid: Places
+    hybrid_s: float
+    binary: Places
+    binary_s: float
+
+    def faster(self) -> Places:
+        """The faster of the two (hybrid on ties)."""
+        return self.hybrid if self.hybrid_s <= self.binary_s else self.binary
+
+
+def search(problem: PlanningProblem) -> Searched:
+    """The two GDS searches ``skrull_places`` refines and compares."""
+    return Searched(*gds_places(problem, problem.area, HYBRID), *gds_places(problem, problem.flops, BINARY))
+
+
+def skrull_places(problem: PlanningProblem, *, budget: int | None = None, searched: Searched | None = None) -> Places:
     """Skrull's default scheduler: GDS with hybrid DACP, refined across micro-batches and DP ranks
     (``plan_refine.refine_plan``: the local search, and with a ``budget`` the iterated local search until it is
-    spent); binary Skrull's plan where that is cheaper under the cost model, so never slower than it."""
-    hybrid, _ = gds_places(problem, problem.area, HYBRID)
-    hybrid, hybrid_s = refine_plan(problem, hybrid, budget=budget)
-    binary, binary_s = gds_places(problem, problem.flops, BINARY)
-    return hybrid if hybrid_s <= binary_s else binary
+    spent); binary Skrull's plan where that is cheaper under the cost model, so never slower than it.
+    ``searched``: the two searches, where the caller has made them (``search``)."""
+    searched = search(problem) if searched is None else searched
+    hybrid, hybrid_s = refine_plan(problem, searched.hybrid, budget=budget)
+    return hybrid if hybrid_s <= searched.binary_s else searched.binary
 
 
 def skrull(problem: PlanningProblem, *, budget: int | None = None) -> Plan:

@@ -7,6 +7,7 @@ so one request gets one answer wherever it is planned.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,13 +22,20 @@ from scheduler_service.core.plan import Plan, PlanningProblem, SchedulerName, So
 from scheduler_service.core.samplers import DATASETS, sample_lengths
 from scheduler_service.core.schemes import BlockChanges, choose_for_places, choose_schemes
 from scheduler_service.core.simulate import (
+    LowerBounds,
     PlanEstimate,
     estimate_places,
     estimate_plan,
-    iteration_lower_bound_s,
+    iteration_lower_bounds_s,
     simulate,
 )
-from scheduler_service.core.spanning import plan_with_spanning, spanned_if_faster, with_needed_spanning
+from scheduler_service.core.spanning import (
+    plan_with_spanning,
+    spanned_beyond_groups,
+    spanned_if_faster,
+    spanning_may_beat_groups,
+    with_needed_spanning,
+)
 
 __all__ = ["HEURISTIC_SCHEDULERS", "SCHEME_CHOOSERS", "PlanResult", "make_plan", "parse_scheduler", "schedule",
            "skrull", "warm_up"]
@@ -134,28 +142,9 @@ def make_plan(
     report = None
     choosing = schemes and problem.schemes and name in SCHEME_CHOOSERS
     within_groups = not problem.too_long_for_a_replica()
+    bounds = iteration_lower_bounds_s(problem)
     if within_groups and (name is SchedulerName.SKRULL or name is SchedulerName.SKRULL_BINARY):
-        places = (gds.skrull_places(problem, budget=search_budget) if name is SchedulerName.SKRULL
-                  else gds.skrull_binary_places(problem))
-        # the places' plan, its schemes chosen from them before it is built
-        choice = choose_for_places(problem, places) if choosing else None
-        plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size,
-                                ulysses_degrees=choice.ulysses_degrees if choice else None)
-        if choice and choice.ulysses_degrees:
-            check_schemes(plan, heads=problem.perf.model.heads)
-        estimate = estimate_places(problem, places, changes=choice.changes if choice else None)
-        # spanning candidates are simulated as all-gather-KV against these places with their schemes: a spanning
-        # plan is taken where it wins without the choice, which it then gets too
-        spanned = (spanned_if_faster(problem, places, estimate, lambda part: gds.skrull(part, budget=search_budget))
-                   if name is SchedulerName.SKRULL else None)
-        if spanned is None:  # the places are the plan: checked as they are, once
-            check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
-                         bucket_size=problem.bucket_size)
-        else:  # spanning micro-batches beside (some of) those places: the plan is checked whole
-            check_plan(spanned, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
-                       cp_size=problem.cp_size, bucket_size=problem.bucket_size)
-            plan, changes = _with_schemes(problem, spanned) if choosing else (spanned, None)
-            estimate = estimate_plan(problem, plan, changes=changes)
+        plan, estimate = _skrull(problem, name, bounds, choosing=choosing, search_budget=search_budget)
     else:
         plan, report = schedule(problem, name, time_limit_s=time_limit_s, search_budget=search_budget)
         check_plan(plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
@@ -167,7 +156,7 @@ def make_plan(
                 # optimality over every scheme is not proven
                 report, status="FEASIBLE" if report.status == "OPTIMAL" else report.status,
                 objective_s=estimate.iteration_time_s,
-                bound_s=None if report.bound_s is None else min(report.bound_s, iteration_lower_bound_s(problem)))
+                bound_s=None if report.bound_s is None else min(report.bound_s, bounds.any_plan_s))
         plan = chosen
     solve_time_s = time.perf_counter() - started
     if name is SchedulerName.DEEPSPEED:
@@ -177,7 +166,54 @@ def make_plan(
     else:
         baseline_time_s = baselines.deepspeed_time_s(problem)
     return PlanResult(scheduler=name, problem=problem, plan=plan, estimate=estimate, baseline_time_s=baseline_time_s,
-                      solve_time_s=solve_time_s, solver=report, lower_bound_s=iteration_lower_bound_s(problem))
+                      solve_time_s=solve_time_s, solver=report, lower_bound_s=bounds.any_plan_s)
+
+
+def _skrull(problem: PlanningProblem, name: SchedulerName, bounds: LowerBounds, *, choosing: bool,
+            search_budget: int | None) -> tuple[Plan, PlanEstimate]:
+    """Skrull's plan of a batch every CP group holds, checked, its schemes chosen where ``choosing``, and its
+    estimate. The compiled searches' places are checked as arrays before the plan is built from them."""
+    schedule = functools.partial(gds.skrull, budget=search_budget)
+    screened = spanned = None
+    if name is SchedulerName.SKRULL:
+        searched = gds.search(problem)
+        # where a spanning plan could beat every plan within CP groups, the candidates are costed against the plan
+        # before its refinement: a spanning plan that beats the bound within groups needs no refined plan
+        screened = spanned_beyond_groups(problem, searched.faster(), bounds, schedule)
+        if screened is not None and screened[1].iteration_time_s < bounds.within_groups_s:
+            spanned = screened
+        else:
+            places = gds.skrull_places(problem, budget=search_budget, searched=searched)
+    else:
+        places = gds.skrull_binary_places(problem)
+    if spanned is None:
+        # the places' plan, its schemes chosen from them before it is built
+        choice = choose_for_places(problem, places) if choosing else None
+        plan = Plan.from_places(places, dp_size=problem.dp_size, cp_size=problem.cp_size,
+                                ulysses_degrees=choice.ulysses_degrees if choice else None)
+        if choice and choice.ulysses_degrees:
+            check_schemes(plan, heads=problem.perf.model.heads)
+        estimate = estimate_places(problem, places, changes=choice.changes if choice else None)
+        # spanning candidates are simulated as all-gather-KV against these places with their schemes (or, where
+        # they were screened, against the plan before its refinement): a spanning plan is taken where it wins
+        # without the choice, which it then gets too
+        if name is not SchedulerName.SKRULL or not problem.spanning:
+            spanned = None
+        elif screened is not None or spanning_may_beat_groups(problem, bounds):
+            spanned = screened if screened and screened[1].iteration_time_s < estimate.iteration_time_s else None
+        else:
+            spanned = spanned_if_faster(problem, places, estimate, schedule)
+        if spanned is None:  # the places are the plan: checked as they are, once
+            check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
+                         bucket_size=problem.bucket_size)
+            return plan, estimate
+    # spanning micro-batches beside (some of) the replicas' own: the plan is checked whole
+    spanned_plan, spanned_estimate = spanned
+    check_plan(spanned_plan, sequence_lengths=problem.sequence_lengths, dp_size=problem.dp_size,
+               cp_size=problem.cp_size, bucket_size=problem.bucket_size)
+    plan, changes = _with_schemes(problem, spanned_plan) if choosing else (spanned_plan, None)
+    # estimated again only where the choice changed a collective (the spanned plan is all-gather-KV)
+    return plan, spanned_estimate if plan is spanned_plan else estimate_plan(problem, plan, changes=changes)
 
 
 def _schemes_may_apply(problem: PlanningProblem) -> bool:

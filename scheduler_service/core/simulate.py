@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -45,12 +46,14 @@ from scheduler_service.core.schemes import CHANGES, NO_CHANGES, BlockChanges, ap
 __all__ = [
     "CPRankEstimate",
     "DPRankEstimate",
+    "LowerBounds",
     "MicroBatchEstimate",
     "PlanEstimate",
     "dp_rank_times_s",
     "estimate_places",
     "estimate_plan",
     "iteration_lower_bound_s",
+    "iteration_lower_bounds_s",
     "micro_batch_sums",
     "micro_batch_time_s",
     "simulate",
@@ -292,14 +295,27 @@ def micro_batch_time_s(problem: PlanningProblem, micro_batch: MicroBatch) -> flo
     return float(times_s.max())
 
 
+class LowerBounds(NamedTuple):
+    """No plan of the batch is faster than ``any_plan_s``; no plan whose blocks all stay within one CP group (no
+    spanning micro-batch) is faster than ``within_groups_s`` (infinite where a sequence needs spanning)."""
+
+    any_plan_s: float
+    within_groups_s: float
+
+
 def iteration_lower_bound_s(problem: PlanningProblem) -> float:
+    """No plan is faster (``iteration_lower_bounds_s``)."""
+    return iteration_lower_bounds_s(problem).any_plan_s
+
+
+def iteration_lower_bounds_s(problem: PlanningProblem) -> LowerBounds:
     """No plan is faster: every sequence at its cheapest placement (``area``) and the work spread evenly over all
     DP × CP ranks (the max replaced by the mean), no communication exposed, one β per micro-batch of the fewest
     micro-batches the tokens need; no faster than the costliest sequence at its cheapest placement; and no faster
     than the launch-bound floor of as many micro-batches as the busiest DP rank must run (at least the fewest
-    micro-batches the tokens need, over the DP ranks). Where blocks may span DP replicas, the longest sequence may
-    be placed on a block of the whole world, and a sequence no CP group holds is placed only there
-    (``_world_placements``)."""
+    micro-batches the tokens need, over the DP ranks). That is the bound within CP groups. Where blocks may span DP
+    replicas, the longest sequence may be placed on a block of the whole world, and a sequence no CP group holds is
+    placed only there (``_world_placements``): the bound over any plan."""
     num_ranks = problem.dp_size * problem.cp_size
     min_micro_batches = -(-int(problem.lengths.sum()) // problem.micro_batch_capacity)
     degrees = np.asarray(problem.degrees)[:, None]
@@ -318,11 +334,12 @@ def iteration_lower_bound_s(problem: PlanningProblem) -> float:
         return max(spread_s, floor_bound_s), longest_s
 
     others_s, longest_s = bound_s(area, cheapest_flops)
+    within_groups_s = max(others_s, longest_s)
     # the world's blocks only lower the costliest-sequence term: repriced where that term sets the bound, or where
     # a sequence no CP group holds has no placement yet
     if problem.spanning and (longest_s > others_s or problem.too_long_for_a_replica()):
-        others_s, longest_s = bound_s(*_world_placements(problem, area, cheapest_flops))
-    return max(others_s, longest_s)
+        return LowerBounds(max(*bound_s(*_world_placements(problem, area, cheapest_flops))), within_groups_s)
+    return LowerBounds(within_groups_s, within_groups_s)
 
 
 def _world_placements(problem: PlanningProblem, area: FloatArray,

@@ -19,6 +19,14 @@ ranks, as one synchronised step: the block is one CP group of that size to DACP,
 * **Filled.** A spanning micro-batch has room beside its long sequences; the best candidate is also costed with
   that room given to the other sequences, longest first (``_filled``): fewer, fuller micro-batches, as Megatron's
   rounds are.
+* **Beyond the groups.** Where a spanning plan could beat every plan within CP groups (the lower bound over every
+  plan is below the bound within groups, ``simulate.LowerBounds``: one costly sequence sets it, and the world's
+  blocks lower its term), the candidates are costed against GDS's plan before ``plan_refine`` refines it
+  (``spanned_beyond_groups``). A spanning plan found faster than the bound within groups is the plan: no refinement
+  could make a plan within groups as fast, so none is run. One found but not that fast is the plan where the
+  simulator finds it faster than the refined plan; none found, the refined plan is the plan (the candidates are not
+  costed again against it). Either way the plan is never slower than the refined plan, and the plans of every
+  ``make bench`` case are the same as when the candidates were costed against the refined plan only.
 
 In either case a width's sequences are split over its blocks by LPT on their cheapest cost there, each block's
 share is cut longest first into the fewest micro-batches that spread (``gds_search.fewest_that_spread``), and each
@@ -29,6 +37,7 @@ whose spanning micro-batches end first (``join``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -39,14 +48,24 @@ from scheduler_service.core.dacp_search import HYBRID
 from scheduler_service.core.gds_search import fewest_that_spread
 from scheduler_service.core.partition import lpt_parts
 from scheduler_service.core.plan import DPRankPlan, Places, Plan, PlanningProblem, SpanningMicroBatch
-from scheduler_service.core.simulate import PlanEstimate, dp_rank_times_s, estimate_plan, simulate, spanning_ready_s
+from scheduler_service.core.simulate import (
+    LowerBounds,
+    PlanEstimate,
+    dp_rank_times_s,
+    estimate_places,
+    estimate_plan,
+    simulate,
+    spanning_ready_s,
+)
 
 __all__ = [
     "MAX_CHOSEN",
     "join",
     "needed_width",
     "plan_with_spanning",
+    "spanned_beyond_groups",
     "spanned_if_faster",
+    "spanning_may_beat_groups",
     "spanning_micro_batches",
     "with_needed_spanning",
 ]
@@ -104,12 +123,16 @@ def join(problem: PlanningProblem, timed: Timed, rest_plan: Plan) -> Plan:
                 spanning=spanning)
 
 
-def _joined_time_s(problem: PlanningProblem, timed: Timed, places: Places, spanned: np.ndarray) -> float:
-    """The iteration time of ``join`` of the spanning micro-batches ``timed`` and the plan ``places`` less the
-    sequences ``spanned`` (a boolean mask): removing a sequence only frees room, so what is left is a valid plan,
-    and its DP shares' times are estimated without building it."""
+def _rest_share_times_s(problem: PlanningProblem, places: Places, spanned: np.ndarray) -> list[float]:
+    """Each DP share's time in the plan ``places`` less the sequences ``spanned`` (a boolean mask): removing a
+    sequence only frees room, so what is left is a valid plan, and its shares' times are estimated without building
+    it."""
     rest = Places(np.where(spanned, -1, places.micro_batch), places.degree, places.first_rank, places.dp_rank)
-    share_s = dp_rank_times_s(problem, rest).tolist()
+    return dp_rank_times_s(problem, rest).tolist()
+
+
+def _joined_time_s(problem: PlanningProblem, timed: Timed, share_s: Sequence[float]) -> float:
+    """The iteration time of ``join`` of the spanning micro-batches ``timed`` and DP shares of times ``share_s``."""
     ready_s = spanning_ready_s([micro_batch for micro_batch, _ in timed], [time_s for _, time_s in timed],
                                problem.dp_size)
     share_of = _free_first_pairing(ready_s, share_s)
@@ -160,17 +183,18 @@ def plan_with_spanning(problem: PlanningProblem, schedule: Callable[[PlanningPro
     if not problem.spanning:
         return plan
     places = plan.places(problem.num_sequences)
-    return spanned_if_faster(problem, places, estimate_plan(problem, plan, places), schedule) or plan
+    spanned = spanned_if_faster(problem, places, estimate_plan(problem, plan, places), schedule)
+    return plan if spanned is None else spanned[0]
 
 
 def spanned_if_faster(problem: PlanningProblem, places: Places, estimate: PlanEstimate,
-                      schedule: Callable[[PlanningProblem], Plan]) -> Plan | None:
+                      schedule: Callable[[PlanningProblem], Plan]) -> tuple[Plan, PlanEstimate] | None:
     """A plan that spans the costliest sequences and is faster than the plan of ``estimate`` (its own micro-batches'
-    ``places``), or None (module docstring, "Chosen"). Each candidate is costed with those micro-batches less the
-    spanned sequences (``_joined_time_s``); the best one is costed again with its spanning micro-batches filled
-    (``_filled``), and where the better of the two beats the plan, its other sequences are planned afresh by
-    ``schedule`` and the result kept if the simulator still finds it faster. A plan whose replicas are balanced and
-    that needs no spanning costs nothing more here."""
+    ``places``), with its estimate, or None (module docstring, "Chosen"). Each candidate is costed with those
+    micro-batches less the spanned sequences (``_joined_time_s``); the best one is costed again with its spanning
+    micro-batches filled (``_filled``), and where the better of the two beats the plan, its other sequences are
+    planned afresh by ``schedule`` and the result kept if the simulator still finds it faster. A plan whose replicas
+    are balanced and that needs no spanning costs nothing more here."""
     best_s = estimate.iteration_time_s
     mean_s = sum(rank.time_s for rank in estimate.dp_ranks) / problem.dp_size
     needed = set(problem.too_long_for_a_replica())
@@ -187,10 +211,14 @@ def spanned_if_faster(problem: PlanningProblem, places: Places, estimate: PlanEs
         rest = [index for index in range(problem.num_sequences) if index not in spanned]
         return _filled(problem, timed, rest) if fill else (timed, rest)
 
+    share_times_s: dict[tuple[int, ...], list[float]] = {}  # by the sequences left: candidates of every width share
+
     def time_s(timed: Timed, rest: list[int]) -> float:
-        spanned = np.ones(problem.num_sequences, dtype=bool)
-        spanned[rest] = False
-        return _joined_time_s(problem, timed, places, spanned)
+        if tuple(rest) not in share_times_s:
+            spanned = np.ones(problem.num_sequences, dtype=bool)
+            spanned[rest] = False
+            share_times_s[tuple(rest)] = _rest_share_times_s(problem, places, spanned)
+        return _joined_time_s(problem, timed, share_times_s[tuple(rest)])
 
     counts = ((0,) if needed else ()) + tuple(count for count in _CANDIDATE_COUNTS if count <= len(costliest))
     costed = [(time_s(*candidate(count, width, False)), count, width)
@@ -204,7 +232,25 @@ def spanned_if_faster(problem: PlanningProblem, places: Places, estimate: PlanEs
         return None
     timed, rest = filled if filled_s < unfilled_s else candidate(count, width, False)
     spanned_plan = join(problem, timed, _plan_of(problem, rest, schedule))
-    return spanned_plan if simulate(problem, spanned_plan).iteration_time_s < best_s else None
+    spanned_estimate = simulate(problem, spanned_plan)
+    return (spanned_plan, spanned_estimate) if spanned_estimate.iteration_time_s < best_s else None
+
+
+def spanning_may_beat_groups(problem: PlanningProblem, bounds: LowerBounds) -> bool:
+    """Whether a spanning plan could beat every plan within CP groups: spanning is allowed, no sequence needs it, and
+    the lower bound over every plan is below the bound within groups."""
+    return (problem.spanning and bounds.any_plan_s < bounds.within_groups_s
+            and not math.isinf(bounds.within_groups_s))
+
+
+def spanned_beyond_groups(problem: PlanningProblem, unrefined: Places, bounds: LowerBounds,
+                          schedule: Callable[[PlanningProblem], Plan]) -> tuple[Plan, PlanEstimate] | None:
+    """Where a spanning plan could beat every plan within CP groups (``spanning_may_beat_groups``), the plan
+    ``spanned_if_faster`` finds against the plan ``unrefined`` (GDS's, before ``plan_refine``), with its estimate;
+    else None (module docstring, "Beyond the groups")."""
+    if not spanning_may_beat_groups(problem, bounds):
+        return None
+    return spanned_if_faster(problem, unrefined, estimate_places(problem, unrefined), schedule)
 
 
 def _filled(problem: PlanningProblem, timed: Timed, rest: Sequence[int]) -> tuple[Timed, list[int]]:
