@@ -280,9 +280,9 @@ def test_a_replica_that_runs_one_long_sequence_alone_shares_it_with_the_others()
 @pytest.mark.parametrize("profile", ["h100-eager", "h100-paper"])
 def test_a_spanning_plan_no_plan_within_cp_groups_can_beat_is_taken_without_refining_one(
         profile: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Within CP groups the 30K sequence alone takes longer than the spanning plan: the bound within groups says so,
+    """Within CP groups the 60K sequence alone takes longer than the spanning plan: the bound within groups says so,
     and the plan is the one costing the candidates against the refined plan finds, with no refinement run."""
-    problem = make_problem(sequence_lengths=[300] * 60 + [30000], dp_size=4, cp_size=8, model="qwen2.5-0.5b",
+    problem = make_problem(sequence_lengths=[300] * 60 + [60000], dp_size=4, cp_size=8, model="qwen2.5-0.5b",
                            bucket_size=26000, profile=profile)
     costed_against_the_refined_plan = simulate(problem, skrull(problem)).iteration_time_s
 

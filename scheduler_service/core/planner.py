@@ -33,7 +33,6 @@ from scheduler_service.core.spanning import (
     plan_with_spanning,
     spanned_beyond_groups,
     spanned_if_faster,
-    spanning_may_beat_groups,
     with_needed_spanning,
 )
 
@@ -174,15 +173,12 @@ def _skrull(problem: PlanningProblem, name: SchedulerName, bounds: LowerBounds, 
     """Skrull's plan of a batch every CP group holds, checked, its schemes chosen where ``choosing``, and its
     estimate. The compiled searches' places are checked as arrays before the plan is built from them."""
     schedule = functools.partial(gds.skrull, budget=search_budget)
-    screened = spanned = None
+    spanned = None
     if name is SchedulerName.SKRULL:
         searched = gds.search(problem)
-        # where a spanning plan could beat every plan within CP groups, the candidates are costed against the plan
-        # before its refinement: a spanning plan that beats the bound within groups needs no refined plan
-        screened = spanned_beyond_groups(problem, searched.faster(), bounds, schedule)
-        if screened is not None and screened[1].iteration_time_s < bounds.within_groups_s:
-            spanned = screened
-        else:
+        # a spanning plan faster than any plan within CP groups can be needs no refined plan to be compared with
+        spanned = spanned_beyond_groups(problem, searched.faster(), bounds, schedule)
+        if spanned is None:
             places = gds.skrull_places(problem, budget=search_budget, searched=searched)
     else:
         places = gds.skrull_binary_places(problem)
@@ -194,15 +190,10 @@ def _skrull(problem: PlanningProblem, name: SchedulerName, bounds: LowerBounds, 
         if choice and choice.ulysses_degrees:
             check_schemes(plan, heads=problem.perf.model.heads)
         estimate = estimate_places(problem, places, changes=choice.changes if choice else None)
-        # spanning candidates are simulated as all-gather-KV against these places with their schemes (or, where
-        # they were screened, against the plan before its refinement): a spanning plan is taken where it wins
-        # without the choice, which it then gets too
-        if name is not SchedulerName.SKRULL or not problem.spanning:
-            spanned = None
-        elif screened is not None or spanning_may_beat_groups(problem, bounds):
-            spanned = screened if screened and screened[1].iteration_time_s < estimate.iteration_time_s else None
-        else:
-            spanned = spanned_if_faster(problem, places, estimate, schedule)
+        # spanning candidates are simulated as all-gather-KV against these places with their schemes: a spanning
+        # plan is taken where it wins without the choice, which it then gets too
+        spanned = (spanned_if_faster(problem, places, estimate, schedule)
+                   if name is SchedulerName.SKRULL else None)
         if spanned is None:  # the places are the plan: checked as they are, once
             check_places(places, sequence_lengths=problem.lengths, dp_size=problem.dp_size, cp_size=problem.cp_size,
                          bucket_size=problem.bucket_size)
