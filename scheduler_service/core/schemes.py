@@ -49,6 +49,7 @@ from scheduler_service.core.costing import (
 )
 from scheduler_service.core.errors import InvalidRequestError
 from scheduler_service.core.jit import BOOL_1D, FLOAT_2D, INT_1D, kernel
+from scheduler_service.core.perf_model import PerformanceModel
 from scheduler_service.core.plan import (
     Collective,
     DPRankPlan,
@@ -195,7 +196,7 @@ def options(problem: PlanningProblem, places: Places, sums: RankSums, *, allow_2
     perf, lengths = problem.perf, problem.lengths
     sharded = np.flatnonzero((places.micro_batch >= 0) & (places.degree > 1))
     candidates = [(degree, u) for degree in np.unique(places.degree[sharded]).tolist()
-                  for u in perf.ulysses_degrees(degree) if allow_2d or u == degree]
+                  for u in _scheme_degrees(perf, degree, allow_2d=allow_2d)]
     scheme_flops = np.zeros((len(candidates), len(lengths)))
     comm = np.zeros((len(candidates), 10))
     for k, (degree, ulysses_degree) in enumerate(candidates):
@@ -209,6 +210,12 @@ def options(problem: PlanningProblem, places: Places, sums: RankSums, *, allow_2
     return _options(problem.tables, sums, places.micro_batch, places.degree, places.first_rank,
                     np.array([degree for degree, _ in candidates], dtype=np.int64),
                     np.array([u for _, u in candidates], dtype=np.int64), scheme_flops, comm)
+
+
+def _scheme_degrees(perf: PerformanceModel, degree: int, *, allow_2d: bool) -> tuple[int, ...]:
+    """The Ulysses degrees a collective over ``degree`` ranks may take (``PerformanceModel.ulysses_degrees``), those
+    of Ulysses over the whole block alone where 2D is not allowed."""
+    return tuple(u for u in perf.ulysses_degrees(degree) if allow_2d or u == degree)
 
 
 @kernel(OPTIONS(TABLES, SUMS, INT_1D, INT_1D, INT_1D, INT_1D, INT_1D, FLOAT_2D, FLOAT_2D))
@@ -366,6 +373,9 @@ def _choose_in(problem: PlanningProblem, micro_batches: Sequence[MicroBatch], *,
                allow_2d: bool) -> tuple[list[MicroBatch], BlockChanges]:
     """``micro_batches`` (all-gather-KV, the micro-batches of ``problem``'s group in order) with their schemes
     chosen, and the changes made (by position)."""
+    degrees = {collective.degree for micro_batch in micro_batches for collective in micro_batch.collectives()}
+    if not any(_scheme_degrees(problem.perf, degree, allow_2d=allow_2d) for degree in degrees):
+        return list(micro_batches), NO_CHANGES  # no block of theirs has a scheme but all-gather-KV
     places = Plan(dp_ranks=(DPRankPlan(micro_batches=tuple(micro_batches)),)).places(problem.num_sequences)
     chosen = choose_for_places(problem, places, allow_2d=allow_2d,
                                passed_over=[m for m, mb in enumerate(micro_batches) if _shares_a_block(mb)])
