@@ -1,4 +1,5 @@
-"""One side of ``benchmarks.ab``: plan quality or planning latency of the planner importable here, as JSON.
+"""One side of ``benchmarks.ab``: plan quality or planning latency of the planner importable here, as JSON, or
+(``spread``) a process that plans the batches it is told, one at a time, for the latency spread.
 
 Run as a script against a source tree on ``PYTHONPATH`` (this checkout, or a worktree of another revision), so it
 uses only what every revision has: ``make_problem``, ``make_plan``, ``gds.skrull``, ``gds.skrull_binary``,
@@ -33,6 +34,7 @@ CASES = [
     ("docmix", "qwen2.5-7b", 13_000, 2, 16, 40),
 ]
 LATENCY_CASES = [(num_sequences, dataset) for num_sequences in (256, 4096) for dataset in ("lmsys", "chatqa2")]
+SPREAD_DATASETS = ("lmsys", "chatqa2", "wikipedia")  # 256 sequences each, at the shape above
 
 
 def label(case: tuple[Any, ...]) -> str:
@@ -98,8 +100,35 @@ def latency(calls: int, profile: Profile) -> dict[str, Any]:
     return found
 
 
+def spread_problems(num_batches: int, profile: Profile) -> list[PlanningProblem]:
+    """The spread's batches: ``num_batches`` of 256 sequences of each ``SPREAD_DATASETS``, in that order."""
+    problems = []
+    for dataset in SPREAD_DATASETS:
+        rng = np.random.default_rng(0)
+        problems += [problem_of((dataset, "qwen2.5-0.5b", 26_000, 4, 8, 64), rng, profile)
+                     for _ in range(num_batches)]
+    return problems
+
+
+def serve_spread(num_batches: int, profile: Profile) -> None:
+    """Plan the batch of each index read from stdin (``spread_problems``), once per line, and answer its CPU
+    seconds, whether its plan spans replicas, and its estimate, a JSON line each; "ready" once warmed up."""
+    problems = spread_problems(num_batches, profile)
+    for problem in problems[::num_batches]:
+        make_plan(problem)  # first calls pay imports and compiling
+    print("ready", flush=True)
+    for line in sys.stdin:
+        problem = problems[int(line)]
+        started = time.process_time()
+        result = make_plan(problem)
+        print(json.dumps([time.process_time() - started, bool(result.plan.spanning),
+                          result.estimate.iteration_time_s]), flush=True)
+
+
 if __name__ == "__main__":
     mode, priced_by = sys.argv[1], parse_profile(json.loads(Path(sys.argv[-1]).read_text()))
-    result = (quality(int(sys.argv[2]), int(sys.argv[3]), priced_by) if mode == "quality"
-              else latency(int(sys.argv[2]), priced_by))
-    print(json.dumps(result))
+    if mode == "spread":
+        serve_spread(int(sys.argv[2]), priced_by)
+    else:
+        print(json.dumps(quality(int(sys.argv[2]), int(sys.argv[3]), priced_by) if mode == "quality"
+                         else latency(int(sys.argv[2]), priced_by)))
