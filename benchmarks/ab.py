@@ -17,6 +17,7 @@ its floor).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -99,10 +100,11 @@ def measure_spread(trees: tuple[Path, Path], num_batches: int, rounds: int, prof
     ``rounds`` rounds: a slow spell of the shared machine falls on both alike."""
     count = num_batches * len(SPREAD_DATASETS)
     fastest_s, spanning, estimate_s = np.full((2, count), np.inf), np.zeros((2, count), bool), np.zeros((2, count))
-    sides = [subprocess.Popen([sys.executable, str(SIDE), "spread", str(num_batches), str(profile_file)], cwd=tree,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(tree)}) for tree in trees]
-    try:
+    with contextlib.ExitStack() as processes:  # each side's pipes closed and the process waited for on the way out
+        sides = [processes.enter_context(subprocess.Popen(
+            [sys.executable, str(SIDE), "spread", str(num_batches), str(profile_file)], cwd=tree,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(tree)}))
+            for tree in trees]
         for process in sides:
             assert process.stdout is not None and process.stdout.readline().strip() == "ready"
         for round_number in range(rounds):
@@ -115,11 +117,6 @@ def measure_spread(trees: tuple[Path, Path], num_batches: int, rounds: int, prof
                     seconds, spanned, estimate = json.loads(process.stdout.readline())
                     fastest_s[side, index] = min(fastest_s[side, index], seconds)
                     spanning[side, index], estimate_s[side, index] = spanned, estimate
-    finally:
-        for process in sides:
-            if process.stdin is not None:
-                process.stdin.close()
-            process.wait()
     return Spread(fastest_s, spanning, estimate_s)
 
 
