@@ -171,7 +171,9 @@ def make_plan(
 def _skrull(problem: PlanningProblem, name: SchedulerName, bounds: LowerBounds, *, choosing: bool,
             search_budget: int | None) -> tuple[Plan, PlanEstimate]:
     """Skrull's plan of a batch every CP group holds, checked, its schemes chosen where ``choosing``, and its
-    estimate. The compiled searches' places are checked as arrays before the plan is built from them."""
+    estimate. The compiled searches' places are checked as arrays before the plan is built from them. Where a
+    spanning plan could beat every plan within CP groups, one is looked for before the plan within groups is
+    refined (``spanning.spanned_beyond_groups``)."""
     schedule = functools.partial(gds.skrull, budget=search_budget)
     spanned = None
     if name is SchedulerName.SKRULL:
