@@ -151,8 +151,8 @@ def test_no_scheduler_beats_the_iteration_lower_bound(problem: PlanningProblem) 
 @given(problem=hybrid_problems())
 def test_no_plan_within_cp_groups_beats_the_bound_within_groups(problem: PlanningProblem) -> None:
     """The bound within groups is at least the bound over every plan, and no scheduler's plan with no spanning
-    micro-batch (asked with spanning refused; Megatron's pools span the world whatever a client runs) beats it: the
-    planner skips refining a plan within groups on it."""
+    micro-batch (asked with spanning refused; Megatron's pools span the world whatever a client runs), nor Skrull's
+    with its schemes chosen, beats it: the planner skips refining a plan within groups on it."""
     bounds = iteration_lower_bounds_s(problem)
     assert bounds.any_plan_s <= bounds.within_groups_s
     within_groups = dataclasses.replace(problem, spanning=False)
@@ -164,6 +164,8 @@ def test_no_plan_within_cp_groups_beats_the_bound_within_groups(problem: Plannin
             continue
         if not plan.spanning:
             assert simulate(problem, plan).iteration_time_s >= bounds.within_groups_s * (1 - 1e-12), name
+    # nor Skrull's, each collective's scheme chosen as the planner chooses them
+    assert make_plan(within_groups).estimate.iteration_time_s >= bounds.within_groups_s * (1 - 1e-12)
 
 
 @pytest.mark.parametrize("lengths", [(196, 196), (196, 190), (300, 250, 100)])

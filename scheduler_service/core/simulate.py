@@ -315,7 +315,8 @@ def iteration_lower_bounds_s(problem: PlanningProblem) -> LowerBounds:
     than the launch-bound floor of as many micro-batches as the busiest DP rank must run (at least the fewest
     micro-batches the tokens need, over the DP ranks). That is the bound within CP groups. Where blocks may span DP
     replicas, the longest sequence may be placed on a block of the whole world, and a sequence no CP group holds is
-    placed only there (``_world_placements``): the bound over any plan."""
+    placed only there (``_world_placements``): the bound over any plan. The bound within groups then also counts
+    the costliest sequence's own communication (``_costliest_with_own_communication_s``)."""
     num_ranks = problem.dp_size * problem.cp_size
     min_micro_batches = -(-int(problem.lengths.sum()) // problem.micro_batch_capacity)
     degrees = np.asarray(problem.degrees)[:, None]
@@ -338,8 +339,33 @@ def iteration_lower_bounds_s(problem: PlanningProblem) -> LowerBounds:
     # the world's blocks only lower the costliest-sequence term: repriced where that term sets the bound, or where
     # a sequence no CP group holds has no placement yet
     if problem.spanning and (longest_s > others_s or problem.too_long_for_a_replica()):
+        within_groups_s = max(others_s, _costliest_with_own_communication_s(problem))
         return LowerBounds(max(*bound_s(*_world_placements(problem, area, cheapest_flops))), within_groups_s)
     return LowerBounds(within_groups_s, within_groups_s)
+
+
+def _costliest_with_own_communication_s(problem: PlanningProblem) -> float:
+    """The costliest-sequence term within CP groups with each placement's own communication: ``T_r`` hides a rank's
+    all-gathers and reduce-scatters (a Ulysses collective's hidden all-to-alls too) only behind local attention,
+    which is work of other sequences on the rank (``costing.exposed_comm_s``: forward and backward shares sum to
+    1). So a rank of a sharded sequence's block takes at least ``α·its share + β`` plus its collective's whole
+    communication, which the sequence alone sets at least (coefficients are never negative), and a sequence costs
+    at least the cheapest of that over its placements: every degree that holds it and every scheme there.
+    Computed only where a spanning plan is compared with the bound within groups
+    (``spanning.spanned_beyond_groups``): the bound over every plan reads the compute alone."""
+    lengths = problem.lengths.astype(np.float64)
+    cheapest_s = np.full(len(lengths), np.inf)
+    for degree in problem.degrees:
+        fits = problem.lengths <= degree * problem.bucket_size
+        for ulysses_degree in (1, *problem.perf.ulysses_degrees(degree)):
+            comm = problem.perf.scheme_comm(degree, ulysses_degree)
+            assert comm is not None  # all-gather-KV is always priced; ulysses_degrees only where the profile can
+            own_s = sum(fit.slope * lengths + fit.intercept
+                        for fit in (comm.hidden_forward, comm.hidden_backward, comm.exposed))
+            placed_s = (problem.alpha_s_per_flop * problem.scheme_rank_flops(degree, ulysses_degree)
+                        + problem.beta_s + own_s)
+            cheapest_s = np.minimum(cheapest_s, np.where(fits, placed_s, np.inf))
+    return max(problem.floor_s, float(cheapest_s.max()))
 
 
 def _world_placements(problem: PlanningProblem, area: FloatArray,

@@ -234,9 +234,10 @@ def spanned_if_faster(problem: PlanningProblem, places: Places, estimate: PlanEs
 
 
 # The bound within CP groups over the bound over every plan from which the candidates are first costed against the
-# plan before its refinement. On make bench's batches a spanning plan beat the bound within groups where that ratio
-# was 1.7-2.4, and never where it was 1.0-1.3, where the candidates would then be costed twice (256 LMSys-like
-# sequences, h100-paper: 10.6 ms against 7.8 for such a batch).
+# plan before its refinement. On make bench's batches (20 per Figure 3 and long-heavy case, both shipped profiles) a
+# spanning plan beat the bound within groups on all 15 whose ratio was 1.5 or more; of the 5 between 1.3 and 1.5, 3
+# planned within groups, where the candidates would then be costed twice (256 LMSys-like sequences, h100-paper:
+# 10.6 ms against 7.8 for such a batch).
 _BEYOND_GROUPS_RATIO = 1.5
 
 
