@@ -22,9 +22,10 @@ ranks, as one synchronised step: the block is one CP group of that size to DACP,
 * **Beyond the groups.** Where one costly sequence sets the bound within CP groups and the world's blocks lower
   it well below (``simulate.LowerBounds``, ``_BEYOND_GROUPS_RATIO``), the candidates are first costed against GDS's
   plan before ``plan_refine`` refines it (``spanned_beyond_groups``). A spanning plan found faster than the bound
-  within groups is the plan: no refinement could make a plan within groups as fast, so none is run. Otherwise the
-  plan within groups is refined and the candidates costed against it, as above. On every ``make bench`` case, and
-  on 1,900 drawn batches, the plans are those costing against the refined plan alone finds.
+  within groups (which counts the costliest sequence's own communication, ``simulate``) is the plan: no refinement
+  could make a plan within groups as fast, so none is run. Otherwise the plan within groups is refined and the
+  candidates costed against it, as above. On every ``make bench`` case, and on 1,900 drawn batches, the plans are
+  those costing against the refined plan alone finds.
 
 In either case a width's sequences are split over its blocks by LPT on their cheapest cost there, each block's
 share is cut longest first into the fewest micro-batches that spread (``gds_search.fewest_that_spread``), and each
