@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +22,8 @@ from scheduler_service.core.profile import parse_profile
 from scheduler_service.runtime.settings import Settings
 from scheduler_service.web.app import create_app
 from tests.service_inputs import measured_document
+from tests.test_schemes_training import mixed_schemes_profile
+from trainer_client.data import SyntheticSource
 from trainer_client.distributed import free_port
 from trainer_client.planning import source as plan_source
 from trainer_client.planning.client import PlanClient, PlanRejected, PlanTimeout, PlanUnavailable
@@ -456,6 +459,28 @@ def test_a_source_without_spanning_plans_within_cp_groups_embedded_and_from_the_
                 assert decision.plan is not None and decision.plan.spanning
             else:
                 assert decision.plan is None and "at most bucket_size 1024 × cp_size 2 = 2048 fit" in decision.error
+        remote.close()
+
+
+def test_a_source_with_schemes_off_plans_all_gather_kv_embedded_and_asks_the_service_for_version_2(
+        service: TestClient, tmp_path: Path) -> None:
+    """Under a profile whose tables make the planner choose Ulysses and 2D for some collectives, a source with
+    schemes off plans every collective all-gather-KV, and asks the service with the contract that has no other
+    scheme."""
+    profile = parse_profile(json.loads(mixed_schemes_profile(tmp_path / "profile.json").read_text()))
+    lengths = list(SyntheticSource(dataset="lmsys", global_batch_size=8, vocab_size=1024, max_length=2048,
+                                   seed=0).batch(0).sequence_lengths)
+    for schemes in (True, False):
+        embedded = PlanSource(scheduler="skrull", dp_size=1, cp_size=4, model="tiny", bucket_size=512,
+                              profile=profile, schemes=schemes)
+        decision = embedded.decide(0, lengths)
+        assert decision.plan is not None
+        degrees = {c.ulysses_degree for dp_plan in decision.plan.dp_ranks for mb in dp_plan.micro_batches
+                   for c in mb.collectives()}
+        assert (degrees != {1}) is schemes, degrees
+        remote = PlanSource(scheduler="skrull", dp_size=DP, cp_size=CP, model="tiny", bucket_size=BUCKET_SIZE,
+                            client=PlanClient("http://testserver", client=service), schemes=schemes)
+        assert remote._request(LENGTHS).schema_version == (3 if schemes else 2)
         remote.close()
 
 

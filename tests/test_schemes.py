@@ -32,7 +32,7 @@ from scheduler_service.core.simulate import (
     micro_batch_time_s,
     simulate,
 )
-from scheduler_service.core.static_sp import ulysses, usp
+from scheduler_service.core.static_sp import static_layout_problem, ulysses, usp
 
 PROFILE = "h100-paper"
 
@@ -289,6 +289,17 @@ def test_a_profile_with_a_one_size_all_to_all_table_is_refused() -> None:
     raw["communication"]["tables"]["all_to_all"] = raw["communication"]["tables"]["all_to_all"][:1]
     with pytest.raises(InvalidRequestError, match="all_to_all needs"):
         parse_profile(raw)
+
+
+def test_a_trainer_with_schemes_off_refuses_a_static_ulysses_or_2d_scheduler_at_start() -> None:
+    """Every collective of theirs is Ulysses or 2D, which a trainer keeping all-gather-KV never runs: refused before
+    any batch, where the heads alone would allow them."""
+    for scheduler, scheme in (("ulysses", "Ulysses"), ("usp", "2D")):
+        assert static_layout_problem(scheduler, (32, 8), 8) is None
+        assert static_layout_problem(scheduler, (32, 8), 8, schemes=False) == (
+            f"scheduler {scheduler} runs every collective as {scheme}, and schemes are off (every collective "
+            "all-gather-KV): keep them on, or choose another scheduler")
+    assert static_layout_problem("skrull", (32, 8), 8, schemes=False) is None
 
 
 def test_static_ulysses_refuses_heads_it_cannot_split_naming_them_and_the_degrees_that_would() -> None:

@@ -29,13 +29,13 @@ FLAGS = [
     "--export-lora", "--collective-timeout", "--max-length", "--truncate", "--metrics-out", "--plan-timeout",
     "--plan-attempts", "--attention-backend", "--dtype", "--no-progress", "--feedback", "--job-id", "--eval-data",
     "--eval-every", "--lora-rank", "--lora-alpha", "--lora-targets", "--report-to", "--logging-dir", "--fail-rank",
-    "--fail-at-step", "--no-spanning", "--skip-bad-records", "--debug", "--loss-on", "--chat-template", "--text-field",
-    "--logging-steps", "--cuda-graphs", "--token-buckets", "--fsdp-units",
+    "--fail-at-step", "--no-spanning", "--no-schemes", "--skip-bad-records", "--debug", "--loss-on",
+    "--chat-template", "--text-field", "--logging-steps", "--cuda-graphs", "--token-buckets", "--fsdp-units",
 ]
 # A bool's other form, so that a flag turns a config file's value either way.
 OTHER_FORMS = [
     "--shuffle", "--no-compile", "--no-async-checkpoint", "--no-resume", "--no-resume-accept-data-change",
-    "--no-truncate", "--progress", "--no-feedback", "--spanning", "--no-skip-bad-records", "--no-debug",
+    "--no-truncate", "--progress", "--no-feedback", "--spanning", "--schemes", "--no-skip-bad-records", "--no-debug",
     "--no-cuda-graphs",
 ]
 
@@ -64,6 +64,8 @@ def test_flags_not_given_are_the_models_defaults_and_flags_given_their_fields_va
         2.5, 30.0, False, False)
     assert (config.sharding, config.checkpoint_dir, config.keep_last) == (Sharding.ZERO3, Path("ck"), 2)
     assert (TrainConfig(dp=1, cp=1).spanning, _parse("--dp", "2", "--cp", "1", "--no-spanning").spanning) == (
+        True, False)
+    assert (TrainConfig(dp=1, cp=2).schemes, _parse("--dp", "1", "--cp", "2", "--no-schemes").schemes) == (
         True, False)
     assert (config.lora_rank, config.lora_targets, config.report_to) == (
         4, ("q_proj", "v_proj"), (Tracker.MLFLOW, Tracker.TENSORBOARD))

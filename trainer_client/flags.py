@@ -55,8 +55,8 @@ GROUPS: dict[str, FlagGroup] = {
                 "loss_chunk_tokens")),
     "parallelism and plans": FlagGroup(
         description="the layout of the ranks, and the plan of each global batch",
-        fields=("dp", "cp", "sharding", "fsdp_units", "scheduler", "spanning", "bucket_size", "token_buckets",
-                "profile", "collective_timeout_s")),
+        fields=("dp", "cp", "sharding", "fsdp_units", "scheduler", "spanning", "schemes", "bucket_size",
+                "token_buckets", "profile", "collective_timeout_s")),
     "optimisation": FlagGroup(
         description="how long to train, and how each step updates the weights (AdamW)",
         fields=("global_batch", "steps", "epochs", "seed", "lr", "weight_decay", "lr_scheduler", "warmup_steps",

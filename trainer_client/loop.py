@@ -84,7 +84,9 @@ class SkrullBatches:
     profile for from what the steps measured (feedback); None reports nothing. ``sharding``: how the loop shards
     its model (``NONE`` replicated, ``ZERO2``/``ZERO3`` FSDP2 keeping parameters gathered for the step or
     resharding them after every forward), which decides the padding micro-batches. ``spanning``: plans may hold
-    micro-batches over several DP replicas (False: every micro-batch within one replica's CP group).
+    micro-batches over several DP replicas (False: every micro-batch within one replica's CP group). ``schemes``:
+    the planner gives each collective its fastest scheme (False: all-gather-KV everywhere, and a static Ulysses or
+    2D scheduler is refused at start).
     ``token_buckets``: every row padded to the smallest of that many token buckets (``packing.pad_to_bucket``),
     which the planner prices (the CUDA graphs of ``--cuda-graphs`` are captured per bucket). Rank 0
     compiles the planner's kernels on construction (or loads them from the JIT cache), so that no plan waits for
@@ -106,6 +108,7 @@ class SkrullBatches:
         plan_attempts: int = DEFAULT_PLAN_ATTEMPTS,
         job_id: str | None = None,
         spanning: bool = True,
+        schemes: bool = True,
         token_buckets: int = 0,
     ) -> None:
         self.parallel = parallel
@@ -116,7 +119,7 @@ class SkrullBatches:
         # the model's heads, which every Ulysses or 2D collective of a plan must split evenly (checked per plan)
         self.heads = resolve_model(model).heads
         # Every rank refuses a static layout the heads cannot run, at start and alike: none waits in a collective.
-        layout_problem = static_layout_problem(str(scheduler), self.heads, parallel.dims.cp_size)
+        layout_problem = static_layout_problem(str(scheduler), self.heads, parallel.dims.cp_size, schemes=schemes)
         if layout_problem is not None:
             raise ValueError(layout_problem)
         if parallel.is_main:
@@ -124,7 +127,8 @@ class SkrullBatches:
                       if scheduler_url is not None else None)
             self.plans = PlanSource(scheduler=scheduler, dp_size=parallel.dims.dp_size, cp_size=parallel.dims.cp_size,
                                     model=model, bucket_size=bucket_size, profile=profile, client=client,
-                                    job_id=job_id, spanning=spanning, token_buckets=token_buckets)
+                                    job_id=job_id, spanning=spanning, schemes=schemes,
+                                    token_buckets=token_buckets)
             self.plans.check_service()
             self.plans.warm_up()
 

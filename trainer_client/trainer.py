@@ -274,7 +274,7 @@ class Trainer:
             scheduler=config.scheduler, scheduler_url=config.scheduler_url or None, profile=self.profile,
             sharding=self.sharding, pad_token_id=self.pad_token_id, plan_timeout_s=config.plan_timeout_s,
             plan_attempts=config.plan_attempts, spanning=config.spanning and not config.cuda_graphs,
-            token_buckets=self.token_buckets,
+            schemes=config.schemes, token_buckets=self.token_buckets,
             job_id=job_id if config.feedback and parallel.is_main else None,
         )
         opened.callback(self.batches.close)

@@ -27,10 +27,14 @@ def _working_degrees(problem: PlanningProblem, up_to: int) -> list[int]:
     return [u for u in range(2, up_to + 1) if problem.perf.heads_allow(u)]
 
 
-def static_layout_problem(scheduler: str, heads: tuple[int, int], cp_size: int) -> str | None:
+def static_layout_problem(scheduler: str, heads: tuple[int, int], cp_size: int, *, schemes: bool = True) -> str | None:
     """Why ``scheduler`` (``ulysses`` or ``usp``; None for any other) cannot run a model of these ``heads`` (query,
-    K/V) over a CP group of ``cp_size`` ranks, naming the heads and the degrees that would work; None when it can.
-    What a trainer checks at start, before any batch: such a layout refuses every batch."""
+    K/V) over a CP group of ``cp_size`` ranks, naming the heads and the degrees that would work, or for a client
+    that keeps every collective all-gather-KV (``schemes`` False); None when it can. What a trainer checks at
+    start, before any batch: such a layout refuses every batch."""
+    if not schemes and scheduler in ("ulysses", "usp"):
+        return (f"scheduler {scheduler} runs every collective as {'Ulysses' if scheduler == 'ulysses' else '2D'}, and "
+                "schemes are off (every collective all-gather-KV): keep them on, or choose another scheduler")
     num_heads, num_kv_heads = heads
 
     def splits(degree: int) -> bool:

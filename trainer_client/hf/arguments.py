@@ -34,6 +34,8 @@ class SkrullArguments:
     asked over HTTP with ``plan_timeout_s`` per request and ``plan_attempts`` tries; without it, or whenever it fails,
     the embedded planner plans the same plans. ``profile``: the hardware profile the planner costs sequences with (a
     shipped name or a file; None: the default). ``spanning``: plans may run a micro-batch over several DP replicas.
+    ``schemes``: the planner gives each collective all-gather-KV, Ulysses or 2D, whichever it prices faster (False:
+    all-gather-KV everywhere, the trainer's ``--no-schemes``).
     ``attention_backend``: DACP's local kernel (``auto`` picks flash-attn or torch's varlen kernel on CUDA, SDPA on
     CPU).
     """
@@ -46,6 +48,7 @@ class SkrullArguments:
     scheduler_url: str | None = None
     profile: str | None = None
     spanning: bool = True
+    schemes: bool = True
     attention_backend: str = AttentionBackend.AUTO.value
     plan_timeout_s: float = DEFAULT_PLAN_TIMEOUT_S
     plan_attempts: int = DEFAULT_PLAN_ATTEMPTS

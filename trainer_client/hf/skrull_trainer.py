@@ -98,7 +98,8 @@ class SkrullTrainerMixin(_TrainerBase):
             self.parallel, model=config_shape(base.config, name=base.name_or_path or type(base).__name__),
             bucket_size=skrull.bucket_size, scheduler=skrull.scheduler, scheduler_url=skrull.scheduler_url,
             profile=profile_or_name(skrull.profile), sharding=padding_rule(self), pad_token_id=pad_token_id,
-            plan_timeout_s=skrull.plan_timeout_s, plan_attempts=skrull.plan_attempts, spanning=skrull.spanning)
+            plan_timeout_s=skrull.plan_timeout_s, plan_attempts=skrull.plan_attempts, spanning=skrull.spanning,
+            schemes=skrull.schemes)
         self.data_collator = SequenceCollator(self.data_collator)
         self.stop_on_signal = StopOnSignal(self.parallel.object_group)
         self.add_callback(self.stop_on_signal)  # after the user's callbacks: it decides last at each step's end

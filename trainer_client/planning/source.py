@@ -60,6 +60,7 @@ from enum import StrEnum
 from pydantic import ValidationError
 from skrull_proto import (
     SCHEMES_SCHEMA_VERSION,
+    SPANNING_SCHEMA_VERSION,
     FeedbackRequest,
     FeedbackResponse,
     JobProfileRequest,
@@ -174,10 +175,12 @@ class PlanSource:
         client: PlanClient | None = None,
         job_id: str | None = None,
         spanning: bool = True,
+        schemes: bool = True,
         token_buckets: int = 0,
     ) -> None:
         self.scheduler = scheduler
         self.spanning = spanning  # plans may hold micro-batches over several DP replicas
+        self.schemes = schemes  # a collective may be Ulysses or 2D where the planner chooses it; False: all-gather-KV
         self.token_buckets = token_buckets  # rows padded to this many token buckets, priced by the planner
         self.dp_size = dp_size
         self.cp_size = cp_size
@@ -255,8 +258,10 @@ class PlanSource:
         return self.model if isinstance(self.model, str) else shape_to_model_spec(self.model)
 
     def _request(self, sequence_lengths: Sequence[int]) -> PlanRequest:
-        # 3: the trainer runs every scheme (``dacp/attention.py``); spanning micro-batches where it may
-        return PlanRequest(schema_version=SCHEMES_SCHEMA_VERSION, spanning=self.spanning,
+        # 3: the trainer runs every scheme (``dacp/attention.py``), 2 where it keeps all-gather-KV; spanning
+        # micro-batches where it may
+        return PlanRequest(schema_version=SCHEMES_SCHEMA_VERSION if self.schemes else SPANNING_SCHEMA_VERSION,
+                           spanning=self.spanning,
                            sequence_lengths=[int(n) for n in sequence_lengths], dp_size=self.dp_size,
                            cp_size=self.cp_size, model=self._wire_model(), bucket_size=self.bucket_size,
                            scheduler=SchedulerName(self.scheduler),
@@ -362,7 +367,8 @@ class PlanSource:
         try:
             problem = make_problem(sequence_lengths=sequence_lengths, dp_size=self.dp_size, cp_size=self.cp_size,
                                    model=self.model, bucket_size=self.bucket_size, profile=self.profile,
-                                   spanning=self.spanning, token_buckets=self.token_buckets)
+                                   spanning=self.spanning, token_buckets=self.token_buckets,
+                                   schemes=self.schemes)
             result = make_plan(problem, self.scheduler)
         except PlanningError as error:
             return PlanDecision(step=step, scheduler=self.scheduler, origin=PlanOrigin.EMBEDDED,
