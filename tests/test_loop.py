@@ -64,3 +64,24 @@ def test_a_batch_no_planner_can_plan_stops_every_rank_with_rank_0s_reason(tmp_pa
     (reason,) = reasons
     assert reason.startswith("cannot plan global batch 0: sequence ")
     assert reason.endswith("at most bucket_size 64 × cp_size 1 × dp_size 2 = 128 fit (the world's capacity)")
+
+
+def _schemes_off(out_dir: Path) -> None:
+    parallel = init_parallel(ParallelDims(dp_size=1, cp_size=2))
+    refusal = None
+    try:
+        SkrullBatches(parallel, model="tiny", bucket_size=BUCKET_SIZE, scheduler="ulysses", schemes=False)
+    except ValueError as error:
+        refusal = str(error)
+    with SkrullBatches(parallel, model="tiny", bucket_size=BUCKET_SIZE, schemes=False) as batches:
+        asks = None if batches.plans is None else batches.plans._request([100, 200]).schema_version
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"refusal": refusal, "asks": asks}))
+
+
+def test_schemes_off_reach_rank_0s_plans_and_refuse_a_static_ulysses_scheduler_on_every_rank(tmp_path: Path) -> None:
+    spawn_gloo(_schemes_off, 2, tmp_path)
+    found = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [rank["refusal"] for rank in found] == [
+        "scheduler ulysses runs every collective as Ulysses, and schemes are off (every collective all-gather-KV): "
+        "keep them on, or choose another scheduler"] * 2
+    assert [rank["asks"] for rank in found] == [2, None]  # the contract without Ulysses or 2D; rank 0 alone plans
