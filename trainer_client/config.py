@@ -216,8 +216,7 @@ class TrainConfig(BaseModel):
         None, description="the scheduler service's URL; absent: plan with the embedded planner")
     spanning: bool = Field(True, description="plans may run a micro-batch over several DP replicas (the default); "
                                              "--no-spanning: within one")
-    schemes: bool = Field(True, description="the planner gives each collective all-gather-KV, Ulysses or 2D, "
-                                            "whichever the model prices faster (the default); --no-schemes: "
+    schemes: bool = Field(True, description="each collective's scheme the fastest (the default); --no-schemes: "
                                             "all-gather-KV everywhere")
     bucket_size: Annotated[int, Positive] | None = Field(
         None, description="tokens per CP rank per micro-batch (default: from profile)")
